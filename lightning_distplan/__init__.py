@@ -1,0 +1,57 @@
+"""lightning_distplan: profile a LightningModule, plan data/pipeline parallelism, run the plan,
+and search cloud hardware — with one line: ``Trainer(strategy="auto_plan")``.
+
+Importing the package registers the strategy names ``auto_plan``, ``dp_ga``, ``gpipe`` and
+``1f1b`` in Lightning's ``StrategyRegistry`` (names already present are left alone).
+"""
+
+from __future__ import annotations
+
+from lightning_distplan._layers import PipelineSpec
+from lightning_distplan.errors import (
+    BatchNotFactorableError,
+    CatalogError,
+    DeviceUnavailableError,
+    DistPlanError,
+    InfeasiblePlanError,
+    ModelSplitError,
+    ProfileFormatError,
+)
+from lightning_distplan.plan import Plan
+from lightning_distplan.profile import Profile
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Plan",
+    "Profile",
+    "PipelineSpec",
+    "DistPlanError",
+    "ProfileFormatError",
+    "InfeasiblePlanError",
+    "BatchNotFactorableError",
+    "ModelSplitError",
+    "CatalogError",
+    "DeviceUnavailableError",
+]
+
+
+def _register_strategies() -> None:
+    try:
+        from lightning_distplan.strategies import register_strategies
+    except ImportError as err:  # strategies need lightning; the pure core does not
+        if "lightning" in str(err) or "lightning_distplan.strategies" in str(err):
+            return
+        raise
+    register_strategies()
+
+
+_register_strategies()
+
+
+def __getattr__(name: str):  # lazy: keep `import lightning_distplan` light
+    if name == "PlanningCallback":
+        from lightning_distplan.callbacks import PlanningCallback
+
+        return PlanningCallback
+    raise AttributeError(f"module 'lightning_distplan' has no attribute {name!r}")

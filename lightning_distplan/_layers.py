@@ -1,0 +1,120 @@
+"""Which blocks of a LightningModule count as "layers" for profiling and pipeline splitting.
+
+One list serves both: the profiler times these blocks, the planner's ``stage_boundaries`` index
+them, and the pipeline strategies cut the model between them. So the two can never disagree,
+both call :func:`discover_layers`.
+
+A model is *splittable* when a :class:`PipelineSpec` exists for it: either the LightningModule
+defines the documented hook ``pipeline_spec(self) -> PipelineSpec`` or a built-in adapter
+recognises it (registered with :func:`register_adapter`; see ``strategies/_adapters.py``).
+Otherwise the layers are found by walking the module tree (good enough to profile and to plan
+data parallelism, not to build a pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+__all__ = ["PipelineSpec", "DiscoveredLayers", "discover_layers", "find_pipeline_spec", "register_adapter"]
+
+_TARGET_LAYERS = 24  # enough granularity for a balanced split, few enough for cheap hooks
+# Modules whose class name ends like this are blocks: their children do not run as a chain
+# (attention + MLP inside a transformer layer, the convs of a residual block), so never cut inside.
+_BLOCK_SUFFIXES = ("Layer", "Block", "Bottleneck", "Attention", "Cell", "MLP", "Embeddings")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How to run a model as a chain of blocks.
+
+    Args:
+        layers: blocks run in order; block 0 receives ``inputs(batch)``, every later block receives
+            the previous block's output (a tensor or a tuple of tensors, unpacked as arguments).
+        inputs: maps a training batch to what block 0 receives (a tensor or a tuple of tensors).
+        loss: maps (last block's output, batch) to the scalar loss of ``training_step`` — the mean
+            over the micro-batch, so the mean of micro-batch losses is the loss of the full batch.
+        targets: maps a batch to the tensor(s) ``loss`` needs from it (sliced along dim 0 with the
+            micro-batches); defaults to the whole batch.
+    """
+
+    layers: Sequence[nn.Module]
+    inputs: Callable[[Any], Tensor | tuple[Tensor, ...]]
+    loss: Callable[[Any, Any], Tensor]
+    targets: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True)
+class DiscoveredLayers:
+    names: tuple[str, ...]
+    """Qualified names inside the LightningModule."""
+    modules: tuple[nn.Module, ...]
+    spec: PipelineSpec | None
+    """Set when the model can be split into a pipeline."""
+    split_reason: str
+    """Why the model can or cannot be split (shown to users)."""
+
+
+_ADAPTERS: list[Callable[[nn.Module], PipelineSpec | None]] = []
+
+
+def register_adapter(fn: Callable[[nn.Module], PipelineSpec | None]) -> Callable[[nn.Module], PipelineSpec | None]:
+    """Register a function that returns a PipelineSpec for models it recognises, else None."""
+    _ADAPTERS.append(fn)
+    return fn
+
+
+def find_pipeline_spec(module: nn.Module) -> tuple[PipelineSpec | None, str]:
+    """The module's own ``pipeline_spec()`` hook first, then the built-in adapters."""
+    hook = getattr(module, "pipeline_spec", None)
+    if callable(hook):
+        spec = hook()
+        if not isinstance(spec, PipelineSpec):
+            raise TypeError(
+                f"{type(module).__name__}.pipeline_spec() returned {type(spec).__name__}, not a PipelineSpec. "
+                "HINT: return lightning_distplan.PipelineSpec(layers=..., inputs=..., loss=...)."
+            )
+        return spec, f"{type(module).__name__}.pipeline_spec()"
+    try:  # the adapters live with the strategies; import lazily so profiling works without them
+        import lightning_distplan.strategies._adapters  # noqa: F401
+    except ImportError:
+        pass
+    for adapter in _ADAPTERS:
+        spec = adapter(module)
+        if spec is not None:
+            return spec, f"built-in adapter {adapter.__name__}"
+    return None, (
+        f"{type(module).__name__} defines no `pipeline_spec()` and no built-in adapter recognises it, "
+        "so it can run data parallel but not as a pipeline"
+    )
+
+
+def discover_layers(module: nn.Module, *, target: int = _TARGET_LAYERS) -> DiscoveredLayers:
+    """The ordered blocks of ``module`` (execution order is fixed later by the profiler's hooks)."""
+    spec, reason = find_pipeline_spec(module)
+    if spec is not None:
+        by_id = {id(m): name for name, m in module.named_modules()}
+        names = []
+        for i, layer in enumerate(spec.layers):
+            names.append(by_id.get(id(layer), f"pipeline_layer_{i}"))
+        return DiscoveredLayers(tuple(names), tuple(spec.layers), spec, reason)
+
+    frontier: list[tuple[str, nn.Module]] = list(module.named_children())
+    while len(frontier) < target:
+        expandable = [
+            (i, sum(p.numel() for p in m.parameters()))
+            for i, (_, m) in enumerate(frontier)
+            if len(list(m.children())) >= 2 and not type(m).__name__.endswith(_BLOCK_SUFFIXES)
+        ]
+        if not expandable:
+            break
+        i, _ = max(expandable, key=lambda x: x[1])
+        name, m = frontier[i]
+        children = [(f"{name}.{child_name}", child) for child_name, child in m.named_children()]
+        if len(frontier) - 1 + len(children) > 4 * target:
+            break
+        frontier[i : i + 1] = children
+    return DiscoveredLayers(tuple(n for n, _ in frontier), tuple(m for _, m in frontier), None, reason)

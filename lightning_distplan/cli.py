@@ -1,0 +1,61 @@
+"""The ``distplan`` command: ``profile``, ``plan``, ``tune``, ``dashboard``, ``bench``.
+
+Each subcommand lives in ``lightning_distplan/_cli/<name>.py`` and exposes
+``add_parser(subparsers) -> None`` and ``run(args) -> int``. This module only dispatches and turns
+user errors into one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+_COMMANDS = ("profile", "plan", "tune", "dashboard", "bench")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distplan", description="Profile, plan and tune distributed training of a LightningModule.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMMANDS:
+        try:
+            module = importlib.import_module(f"lightning_distplan._cli.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"lightning_distplan._cli.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    from lightning_distplan.errors import DistPlanError
+
+    try:
+        return int(args.run(args) or 0)
+    except DistPlanError as err:
+        print(f"distplan {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "HINT:" not in message:
+            message += " HINT: run with --help for usage, or set DISTPLAN_DEBUG=1 for the traceback."
+        print(f"distplan {args.command}: error: {type(err).__name__}: {message}", file=sys.stderr)
+        import os
+
+        if os.environ.get("DISTPLAN_DEBUG"):
+            raise
+        return 2
+    except KeyboardInterrupt:
+        print(f"distplan {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Exceptions raised by lightning_distplan.
+
+Every error a user can cause is one of these: a built-in exception type (so ``except ValueError``
+keeps working) that is also a :class:`DistPlanError`, with a message of one sentence that names
+the value found and the rule, followed by ``HINT:`` and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistPlanError",
+    "ProfileFormatError",
+    "InfeasiblePlanError",
+    "BatchNotFactorableError",
+    "ModelSplitError",
+    "CatalogError",
+    "DeviceUnavailableError",
+]
+
+
+class DistPlanError(Exception):
+    """Base of every error this package raises on bad input."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        if hint:
+            message = f"{message} HINT: {hint}"
+        super().__init__(message)
+
+
+class ProfileFormatError(DistPlanError, ValueError):
+    """A Profile (or Plan) JSON file is missing, corrupt or of an unsupported schema version."""
+
+
+class InfeasiblePlanError(DistPlanError, ValueError):
+    """No plan fits in memory, or a pinned plan is impossible."""
+
+
+class BatchNotFactorableError(DistPlanError, ValueError):
+    """The global batch cannot be factored over the world size."""
+
+
+class ModelSplitError(DistPlanError, ValueError):
+    """The model cannot be split into pipeline stages as asked."""
+
+
+class CatalogError(DistPlanError, ValueError):
+    """A cloud catalog is unknown or malformed."""
+
+
+class DeviceUnavailableError(DistPlanError, RuntimeError):
+    """A device that was asked for is not present."""

@@ -1,0 +1,178 @@
+"""The execution plan: how one optimizer step over the global batch is laid out on the devices.
+
+A :class:`Plan` is plain, frozen data. The planner emits it, the strategies run it, checkpoints
+store it. Every plan factors the user's global batch exactly (DESIGN §3.1):
+
+* ``dp_ga``:          B = dp · micro_batch_size · accumulate_grad_batches
+* ``gpipe``/``1f1b``: B = dp · micro_batch_size · n_microbatches  (dp > 1 is hybrid dp×pp)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning_distplan.errors import InfeasiblePlanError, ProfileFormatError
+
+__all__ = ["Plan", "STRATEGIES", "PLAN_SCHEMA_VERSION"]
+
+PLAN_SCHEMA_VERSION = 1
+STRATEGIES = ("dp_ga", "gpipe", "1f1b")
+StrategyName = Literal["dp_ga", "gpipe", "1f1b"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One way to run a training step.
+
+    Example:
+        >>> Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=8,
+        ...      global_batch_size=32, stage_boundaries=(3,)).kind
+        'pp'
+    """
+
+    strategy: StrategyName
+    """Registered strategy that runs the plan: ``dp_ga``, ``gpipe`` or ``1f1b``."""
+    global_batch_size: int
+    """Samples per optimizer step over all devices; the user's, never changed by a plan."""
+    micro_batch_size: int
+    """Samples in one forward/backward pass on one device (one pipeline micro-batch)."""
+    dp: int = 1
+    """Data-parallel replicas."""
+    pp: int = 1
+    """Pipeline stages (1 for ``dp_ga``)."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches accumulated per replica before the all-reduce (``dp_ga`` only)."""
+    n_microbatches: int = 1
+    """Micro-batches per pipeline flush (pipelines only)."""
+    stage_boundaries: tuple[int, ...] = ()
+    """Index (into the profiled layer list) of the first layer of stages 1..pp-1; empty = let the strategy balance."""
+    layer_names: tuple[str, ...] = field(default=(), compare=False)
+    """Names of the profiled layers the boundaries index, for humans and for the pipeline splitter."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise InfeasiblePlanError(
+                f"Unknown strategy {self.strategy!r}.", hint=f"Use one of {', '.join(STRATEGIES)}."
+            )
+        for name in ("global_batch_size", "micro_batch_size", "dp", "pp", "accumulate_grad_batches", "n_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InfeasiblePlanError(f"`{name}` must be a positive integer, got {value!r}.", hint="Check the plan.")
+        object.__setattr__(self, "stage_boundaries", tuple(int(b) for b in self.stage_boundaries))
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        if self.strategy == "dp_ga":
+            if self.pp != 1 or self.n_microbatches != 1:
+                raise InfeasiblePlanError(
+                    f"A dp_ga plan has pp=1 and n_microbatches=1, got pp={self.pp}, n_microbatches={self.n_microbatches}.",
+                    hint="Use strategy='gpipe' or '1f1b' for pipeline plans.",
+                )
+            product = self.dp * self.micro_batch_size * self.accumulate_grad_batches
+            rule = f"dp ({self.dp}) * micro_batch_size ({self.micro_batch_size}) * accumulate_grad_batches ({self.accumulate_grad_batches})"
+        else:
+            if self.pp < 2:
+                raise InfeasiblePlanError(
+                    f"A {self.strategy} plan needs at least 2 pipeline stages, got pp={self.pp}.",
+                    hint="Use strategy='dp_ga' for a single stage.",
+                )
+            if self.accumulate_grad_batches != 1:
+                raise InfeasiblePlanError(
+                    f"A pipeline plan accumulates through n_microbatches, got accumulate_grad_batches={self.accumulate_grad_batches}.",
+                    hint="Fold the accumulation into n_microbatches.",
+                )
+            if self.strategy == "1f1b" and self.n_microbatches < self.pp:
+                raise InfeasiblePlanError(
+                    f"`n_microbatches` ({self.n_microbatches}) must be >= the number of pipeline stages ({self.pp}) for 1F1B.",
+                    hint="Raise `n_microbatches` or use strategy='gpipe'.",
+                )
+            product = self.dp * self.micro_batch_size * self.n_microbatches
+            rule = f"dp ({self.dp}) * micro_batch_size ({self.micro_batch_size}) * n_microbatches ({self.n_microbatches})"
+        if product != self.global_batch_size:
+            raise InfeasiblePlanError(
+                f"{rule} = {product} does not equal the global batch size ({self.global_batch_size}).",
+                hint="A plan must factor the global batch exactly; pick factors whose product is the global batch.",
+            )
+        if self.stage_boundaries:
+            b = self.stage_boundaries
+            if len(b) != self.pp - 1 or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])):
+                raise InfeasiblePlanError(
+                    f"`stage_boundaries` {list(b)} must be {self.pp - 1} strictly increasing positive layer indices for pp={self.pp}.",
+                    hint="Give the index of the first layer of every stage after the first, or leave it empty.",
+                )
+            if self.layer_names and b[-1] >= len(self.layer_names):
+                raise InfeasiblePlanError(
+                    f"`stage_boundaries` {list(b)} point past the last of {len(self.layer_names)} layers.",
+                    hint="Use fewer stages or earlier boundaries.",
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def schedule(self) -> str:
+        """``"none"`` for data parallel, else the pipeline schedule name."""
+        return "none" if self.strategy == "dp_ga" else self.strategy
+
+    @property
+    def kind(self) -> str:
+        """``"dp"``, ``"pp"`` or ``"hybrid"``."""
+        if self.pp == 1:
+            return "dp"
+        return "pp" if self.dp == 1 else "hybrid"
+
+    @property
+    def steps_per_replica(self) -> int:
+        """Micro-batches one replica runs per optimizer step."""
+        return self.accumulate_grad_batches if self.strategy == "dp_ga" else self.n_microbatches
+
+    def describe(self) -> str:
+        if self.strategy == "dp_ga":
+            return f"dp_ga dp={self.dp} m={self.micro_batch_size} accumulate={self.accumulate_grad_batches}"
+        split = f" split={list(self.stage_boundaries)}" if self.stage_boundaries else ""
+        return f"{self.strategy} dp={self.dp} pp={self.pp} m={self.micro_batch_size} n_microbatches={self.n_microbatches}{split}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stage_boundaries"] = list(self.stage_boundaries)
+        d["layer_names"] = list(self.layer_names)
+        d["schedule"] = self.schedule
+        d["schema_version"] = PLAN_SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise ProfileFormatError(f"A plan must be a JSON object, got {type(data).__name__}.", hint="Pass a plan.json written by distplan.")
+        version = data.get("schema_version", PLAN_SCHEMA_VERSION)
+        if version != PLAN_SCHEMA_VERSION:
+            raise ProfileFormatError(
+                f"Plan schema version {version!r} is not supported (this is version {PLAN_SCHEMA_VERSION}).",
+                hint="Re-plan with this version of lightning_distplan.",
+            )
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for key in ("stage_boundaries", "layer_names"):
+            if key in kwargs:
+                kwargs[key] = tuple(kwargs[key])
+        try:
+            return cls(**kwargs)
+        except TypeError as err:
+            raise ProfileFormatError(f"The plan is missing fields: {err}.", hint="Pass a plan.json written by distplan.") from None
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> Plan:
+        text = Path(path_or_text).read_text() if Path(str(path_or_text)).suffix == ".json" else str(path_or_text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ProfileFormatError(f"The plan is not valid JSON ({err.msg} at line {err.lineno}).", hint="Re-create it with distplan.") from None
+        return cls.from_dict(data)

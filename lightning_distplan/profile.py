@@ -1,0 +1,307 @@
+"""The Profile: what was measured about one model on one device, as plain versioned data.
+
+The profiler (:mod:`lightning_distplan.profiling`) writes it; the cost model and the planner read
+it. This module is pure Python (no torch, no lightning) so a saved Profile can be re-planned on a
+laptop with nothing but this package installed.
+
+Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per training example:
+
+``model``                 import path or class name of the LightningModule
+``device``                :class:`DeviceProfile`: type ("cuda"/"cpu"), name, total memory and its source
+``micro_batch_sizes``     the sizes that were timed; ``infeasible_micro_batch_sizes`` those that ran out of memory
+``step``                  :class:`StepProfile`: the whole ``training_step`` forward / backward time fitted as
+                          t(m) = α·m + β (seed 000 §III-B), measured without per-layer hooks
+``layers``                list of :class:`LayerProfile`, in execution order: per-layer forward/backward fits,
+                          parameter bytes, activation bytes saved for backward per sample, output (boundary)
+                          bytes per sample, FLOPs per sample
+``optimizer``             :class:`OptimizerProfile`: type, state bytes, measured ``step()`` time
+``memory``                :class:`MemoryProfile`: parameter/gradient/optimizer bytes, activation fit, fixed
+                          overhead, measured peaks per micro-batch size (CUDA only)
+``links``                 list of :class:`LinkProfile`: all-reduce / p2p fitted as latency + bytes / bandwidth
+``profiling_time_s``      wall time the profiler spent
+``versions``, ``created`` provenance
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from lightning_distplan.errors import ProfileFormatError
+
+__all__ = [
+    "PROFILE_SCHEMA_VERSION",
+    "LinearFit",
+    "TimingSample",
+    "LayerProfile",
+    "StepProfile",
+    "OptimizerProfile",
+    "MemoryProfile",
+    "LinkProfile",
+    "DeviceProfile",
+    "Profile",
+]
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearFit:
+    """``y(x) = alpha * x + beta`` with the coefficient of determination of the fit."""
+
+    alpha: float
+    beta: float
+    r2: float = 1.0
+
+    def __call__(self, x: float) -> float:
+        return self.alpha * x + self.beta
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
+        """Ordinary least squares. One point gives a line through the origin (β = 0)."""
+        if len(xs) != len(ys) or not xs:
+            raise ValueError(f"LinearFit.fit needs equally many x and y values (got {len(xs)} and {len(ys)}).")
+        n = len(xs)
+        if n == 1 or len(set(xs)) == 1:
+            mean_x = sum(xs) / n
+            mean_y = sum(ys) / n
+            return cls(alpha=mean_y / mean_x if mean_x else 0.0, beta=0.0, r2=1.0)
+        mx = sum(xs) / n
+        my = sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        alpha = sxy / sxx
+        beta = my - alpha * mx
+        ss_tot = sum((y - my) ** 2 for y in ys)
+        ss_res = sum((y - (alpha * x + beta)) ** 2 for x, y in zip(xs, ys))
+        r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+        return cls(alpha=alpha, beta=beta, r2=r2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingSample:
+    micro_batch_size: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    name: str
+    """Qualified module name inside the LightningModule (``"model.layers.3"``)."""
+    forward: LinearFit
+    """Forward seconds vs micro-batch size."""
+    backward: LinearFit
+    """Backward seconds vs micro-batch size."""
+    param_count: int
+    param_bytes: int
+    activation_bytes_per_sample: float
+    """Bytes saved for backward per sample (counted with saved_tensors_hooks, parameters excluded)."""
+    activation_bytes_fixed: float = 0.0
+    """Saved-for-backward bytes that do not grow with the micro-batch (the fit's intercept)."""
+    output_bytes_per_sample: float = 0.0
+    """Bytes of this layer's output per sample: what a pipeline sends when a stage ends here."""
+    flops_forward_per_sample: float = 0.0
+    flops_backward_per_sample: float = 0.0
+    samples: tuple[TimingSample, ...] = ()
+
+    def time(self, m: float) -> float:
+        return self.forward(m) + self.backward(m)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepProfile:
+    """The whole forward (training_step incl. loss) and backward of one micro-batch."""
+
+    forward: LinearFit
+    backward: LinearFit
+    samples: tuple[TimingSample, ...] = ()
+
+    def time(self, m: float) -> float:
+        return self.forward(m) + self.backward(m)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerProfile:
+    name: str
+    """Optimizer class name as configured by the module (``"AdamW"``)."""
+    state_bytes: int
+    """Bytes of optimizer state after one step, for the whole model."""
+    step_time_s: float
+    """Measured time of one ``optimizer.step()`` + ``zero_grad()`` for the whole model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryProfile:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    activation: LinearFit
+    """Bytes saved for backward by the whole step vs micro-batch size."""
+    fixed_overhead_bytes: int = 0
+    """Measured peak minus the modelled parts (workspace, allocator slack); 0 where no peak is measured."""
+    measured_peak_bytes: dict[int, int] = field(default_factory=dict)
+    """Micro-batch size -> measured peak allocated bytes for fwd+bwd+step (CUDA only)."""
+    device_total_bytes: int = 0
+    device_total_source: str = ""
+    """Where ``device_total_bytes`` came from: "nvml", "torch.cuda", or "host RAM (sysconf)" on CPU."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkProfile:
+    kind: Literal["allreduce", "p2p"]
+    backend: str
+    world_size: int
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    r2: float = 1.0
+    samples: tuple[tuple[int, float], ...] = ()
+    """(message bytes, seconds) pairs the fit came from."""
+
+    def time(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    type: Literal["cuda", "cpu"]
+    name: str
+    total_memory_bytes: int
+    memory_source: str
+    dtype: str = "float32"
+    count: int = 1
+    """Devices (ranks) that took part in profiling."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    model: str
+    device: DeviceProfile
+    micro_batch_sizes: tuple[int, ...]
+    step: StepProfile
+    layers: tuple[LayerProfile, ...]
+    optimizer: OptimizerProfile
+    memory: MemoryProfile
+    links: tuple[LinkProfile, ...] = ()
+    infeasible_micro_batch_sizes: tuple[int, ...] = ()
+    profiling_time_s: float = 0.0
+    versions: dict[str, str] = field(default_factory=dict)
+    created: str = ""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def param_bytes(self) -> int:
+        return self.memory.param_bytes
+
+    @property
+    def max_feasible_micro_batch_size(self) -> int | None:
+        """Smallest size that ran out of memory minus one, or None when none did."""
+        if not self.infeasible_micro_batch_sizes:
+            return None
+        return min(self.infeasible_micro_batch_sizes) - 1
+
+    def link(self, kind: Literal["allreduce", "p2p"]) -> LinkProfile | None:
+        matches = [link for link in self.links if link.kind == kind]
+        return max(matches, key=lambda link: link.world_size) if matches else None
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["memory"]["measured_peak_bytes"] = {str(k): v for k, v in self.memory.measured_peak_bytes.items()}
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)  # atomic: a crash never leaves a half-written profile
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        path = Path(path)
+        if not path.is_file():
+            raise ProfileFormatError(f"Profile file {str(path)!r} does not exist.", hint="Create one with `distplan profile package.module:ClassName --out FILE`.")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ProfileFormatError(f"Profile file {str(path)!r} is not valid JSON ({err}).", hint="The file is corrupt; re-create it with `distplan profile`.") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "profile") -> Profile:
+        hint = "Re-create it with `distplan profile`."
+        if not isinstance(data, dict):
+            raise ProfileFormatError(f"{source!r} holds a JSON {type(data).__name__}, not a profile object.", hint=hint)
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise ProfileFormatError(
+                f"{source!r} has profile schema version {version!r}; this lightning_distplan reads version {PROFILE_SCHEMA_VERSION}.",
+                hint=hint,
+            )
+        try:
+            profile = _build(cls, data)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ProfileFormatError(f"{source!r} is not a valid profile ({type(err).__name__}: {err}).", hint=hint) from None
+        profile.validate(source)
+        return profile
+
+    def validate(self, source: str = "profile") -> None:
+        hint = "Re-create it with `distplan profile`."
+        if not self.layers:
+            raise ProfileFormatError(f"{source!r} has no layers.", hint=hint)
+        if not self.micro_batch_sizes:
+            raise ProfileFormatError(f"{source!r} has no profiled micro-batch sizes.", hint=hint)
+        numbers = [self.step.forward.alpha, self.step.forward.beta, self.step.backward.alpha, self.step.backward.beta]
+        for layer in self.layers:
+            numbers += [layer.forward.alpha, layer.forward.beta, layer.backward.alpha, layer.backward.beta, layer.activation_bytes_per_sample]
+        if any(not isinstance(x, (int, float)) or not math.isfinite(x) for x in numbers):
+            raise ProfileFormatError(f"{source!r} holds a non-finite time or size.", hint=hint)
+        if self.memory.param_bytes < 0 or self.memory.optimizer_state_bytes < 0:
+            raise ProfileFormatError(f"{source!r} holds a negative memory size.", hint=hint)
+
+
+def _build(cls: type, data: Any) -> Any:
+    """Rebuild nested frozen dataclasses from ``asdict`` output."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    names = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    missing = required - set(data)
+    if missing:
+        raise KeyError(f"missing {sorted(missing)} in {cls.__name__}")
+    for key, value in data.items():
+        if key not in names:
+            continue
+        kwargs[key] = _convert(hints[key], value)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any) -> Any:
+    import typing
+
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
+        if not isinstance(value, dict):
+            raise TypeError(f"{tp.__name__} must be an object")
+        return _build(tp, value)
+    if origin is tuple:
+        if args and args[-1] is Ellipsis:
+            return tuple(_convert(args[0], v) for v in value)
+        return tuple(_convert(a, v) for a, v in zip(args, value))
+    if origin is dict:
+        kt, vt = args
+        return {_convert(kt, k): _convert(vt, v) for k, v in value.items()}
+    if tp is int:
+        return int(value)
+    if tp is float:
+        return float(value)
+    return value
