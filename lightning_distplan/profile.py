@@ -17,6 +17,7 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
 ``optimizer``             :class:`OptimizerProfile`: type, state bytes, measured ``step()`` time
 ``memory``                :class:`MemoryProfile`: parameter/gradient/optimizer bytes, activation fit, fixed
                           overhead, measured peaks per micro-batch size (CUDA only)
+``splittable``            whether a pipeline can be built (``split_reason`` says why / why not)
 ``links``                 list of :class:`LinkProfile`: all-reduce / p2p fitted as latency + bytes / bandwidth
 ``profiling_time_s``      wall time the profiler spent
 ``versions``, ``created`` provenance
@@ -187,6 +188,10 @@ class Profile:
     memory: MemoryProfile
     links: tuple[LinkProfile, ...] = ()
     infeasible_micro_batch_sizes: tuple[int, ...] = ()
+    splittable: bool = False
+    """True when a PipelineSpec exists for the model (its ``pipeline_spec()`` hook or a built-in adapter)."""
+    split_reason: str = ""
+    """Why the model can or cannot be split into pipeline stages (from ``_layers.discover_layers``)."""
     profiling_time_s: float = 0.0
     versions: dict[str, str] = field(default_factory=dict)
     created: str = ""
