@@ -1,0 +1,255 @@
+"""Strategy-portable checkpoints (DESIGN §3.5).
+
+Every strategy of this package writes checkpoints that any other strategy — and plain Lightning —
+can load:
+
+* ``checkpoint["state_dict"]``: the FULL LightningModule state dict, same keys as the plain module
+  (a pipeline stage gathers the other stages' slices before saving).
+* ``checkpoint["optimizer_states"]``: Lightning's usual list of ``torch.optim`` state dicts
+  (integer parameter ids), so ``Trainer(strategy="ddp")`` resumes from it unchanged.
+* ``checkpoint["distplan_optimizer_states"]``: the same optimizer states keyed by parameter FQN
+  (see :func:`optimizer_state_by_name`). Integer ids depend on which parameters an optimizer
+  holds and in which order; names do not, so a pipeline stage holding a subset of the parameters
+  loads its slice and a full-model optimizer loads everything.
+* ``checkpoint["distplan_plan"]``: ``Plan.to_dict()`` of the plan that was running. Resume reuses it
+  (DESIGN §3.5: resume does not re-plan unless asked).
+
+The helpers are pure functions over optimizers and plain dicts so they test in milliseconds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from lightning_distplan.errors import DistPlanError
+from lightning_distplan.plan import Plan
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.optim import Optimizer
+
+__all__ = [
+    "PLAN_KEY",
+    "OPTIMIZER_STATES_KEY",
+    "CheckpointFormatError",
+    "optimizer_state_by_name",
+    "load_optimizer_state_by_name",
+    "merge_stage_states",
+    "to_torch_optimizer_state",
+    "add_portable_state",
+    "load_portable_optimizer_states",
+    "stored_plan",
+]
+
+PLAN_KEY = "distplan_plan"
+OPTIMIZER_STATES_KEY = "distplan_optimizer_states"
+
+NamedParams = Union[Mapping[str, "Tensor"], Iterable[tuple[str, "Tensor"]]]
+
+
+class CheckpointFormatError(DistPlanError, ValueError):
+    """A checkpoint does not hold the state a strategy needs (missing parameter, mismatched groups)."""
+
+
+def _name_by_id(named_params: NamedParams) -> dict[int, str]:
+    items = named_params.items() if isinstance(named_params, Mapping) else named_params
+    # The first name wins for tied parameters, as in ``Module.named_parameters()``.
+    out: dict[int, str] = {}
+    for name, param in items:
+        out.setdefault(id(param), name)
+    return out
+
+
+def _group_names(optimizer: Optimizer, names: dict[int, str]) -> list[list[str]]:
+    groups = []
+    for i, group in enumerate(optimizer.param_groups):
+        group_names = []
+        for param in group["params"]:
+            if id(param) not in names:
+                raise CheckpointFormatError(
+                    f"Optimizer param group {i} holds a parameter of shape {tuple(param.shape)} that is not among the "
+                    f"{len(names)} named parameters given.",
+                    hint="Pass the named_parameters() of the module the optimizer was built from.",
+                )
+            group_names.append(names[id(param)])
+        groups.append(group_names)
+    return groups
+
+
+def optimizer_state_by_name(
+    optimizer: Optimizer, named_params: NamedParams, *, state_dict: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The optimizer's ``state_dict()`` with parameter FQNs in place of integer ids.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+        named_params: ``module.named_parameters()`` (or a dict) covering every parameter the optimizer holds.
+        state_dict: ``optimizer.state_dict()`` when the caller already has it (Lightning's checkpoint dict).
+
+    Returns:
+        ``{"state": {fqn: per-param state}, "param_groups": [{hyper-parameters..., "params": [fqn, ...]}]}``.
+    """
+    names = _name_by_id(named_params)
+    group_names = _group_names(optimizer, names)
+    sd = optimizer.state_dict() if state_dict is None else state_dict
+    # torch numbers parameters consecutively over param_groups in order (Optimizer.state_dict).
+    id_to_name: dict[int, str] = {}
+    for torch_group, fqns in zip(sd["param_groups"], group_names):
+        id_to_name.update(zip(torch_group["params"], fqns))
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(fqns)} for g, fqns in zip(sd["param_groups"], group_names)]
+    state = {id_to_name[i]: s for i, s in sd["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def to_torch_optimizer_state(state_by_name: Mapping[str, Any], param_order: Sequence[Sequence[str]] | None = None) -> dict[str, Any]:
+    """Convert a by-name state back to ``torch.optim`` format (integer ids).
+
+    Args:
+        state_by_name: output of :func:`optimizer_state_by_name` or :func:`merge_stage_states`.
+        param_order: parameter names per group in the target optimizer's order; defaults to the
+            order stored in ``state_by_name`` (for a merged pipeline state: stage by stage, which is
+            module order when stages are contiguous blocks).
+
+    Returns:
+        A dict that ``optimizer.load_state_dict`` accepts for an optimizer with that grouping.
+    """
+    groups = state_by_name["param_groups"]
+    order = [list(g["params"]) for g in groups] if param_order is None else [list(p) for p in param_order]
+    if len(order) != len(groups):
+        raise CheckpointFormatError(
+            f"The target optimizer has {len(order)} param groups but the checkpoint has {len(groups)}.",
+            hint="Build the optimizer with the same param groups as the run that saved the checkpoint.",
+        )
+    out_groups, out_state, index = [], {}, 0
+    for group, fqns in zip(groups, order):
+        ids = []
+        for fqn in fqns:
+            if fqn in state_by_name["state"]:
+                out_state[index] = state_by_name["state"][fqn]
+            ids.append(index)
+            index += 1
+        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def load_optimizer_state_by_name(optimizer: Optimizer, named_params: NamedParams, state_by_name: Mapping[str, Any]) -> None:
+    """Load a by-name optimizer state into ``optimizer``, which may hold any subset of its parameters.
+
+    Hyper-parameters (lr, betas, ...) come from the checkpoint group that holds the optimizer
+    group's parameters; per-parameter state (momentum, Adam moments, step) is matched by name.
+
+    Raises:
+        CheckpointFormatError: a parameter of ``optimizer`` is not in the checkpoint, or one of its
+            groups mixes parameters from different checkpoint groups.
+    """
+    names = _name_by_id(named_params)
+    own_groups = _group_names(optimizer, names)
+    group_of: dict[str, int] = {}
+    for i, group in enumerate(state_by_name["param_groups"]):
+        for fqn in group["params"]:
+            group_of.setdefault(fqn, i)
+    order = []
+    hyper = []
+    for i, fqns in enumerate(own_groups):
+        missing = [f for f in fqns if f not in group_of]
+        if missing:
+            raise CheckpointFormatError(
+                f"Parameter {missing[0]!r} (and {len(missing) - 1} more) of optimizer group {i} is not in the checkpoint's optimizer state.",
+                hint="Resume from a checkpoint of the same model, or pass weights_only checkpoints to load_from_checkpoint.",
+            )
+        src = {group_of[f] for f in fqns}
+        if len(src) > 1:
+            raise CheckpointFormatError(
+                f"Optimizer group {i} mixes parameters of checkpoint groups {sorted(src)}.",
+                hint="Build the optimizer with the same param groups as the run that saved the checkpoint.",
+            )
+        order.append(fqns)
+        hyper.append(state_by_name["param_groups"][src.pop()] if fqns else {"params": []})
+    sd = to_torch_optimizer_state({"state": state_by_name["state"], "param_groups": hyper}, order)
+    # Empty groups keep the optimizer's own hyper-parameters.
+    for g, own in zip(sd["param_groups"], optimizer.param_groups):
+        for key, value in own.items():
+            if key != "params":
+                g.setdefault(key, value)
+    optimizer.load_state_dict(sd)
+
+
+def merge_stage_states(partials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Merge the by-name optimizer states of pipeline stages (or any disjoint shards) into one.
+
+    Groups are merged by position (group i of every stage becomes group i of the whole, its
+    parameters in stage order); hyper-parameters must agree.
+    """
+    if not partials:
+        raise CheckpointFormatError("merge_stage_states got no stage states.", hint="Pass one state per pipeline stage.")
+    n_groups = {len(p["param_groups"]) for p in partials}
+    if len(n_groups) != 1:
+        raise CheckpointFormatError(
+            f"Stage optimizers have different numbers of param groups {sorted(n_groups)}.",
+            hint="Let configure_optimizers build the same groups on every stage (empty groups are fine).",
+        )
+    merged_groups: list[dict[str, Any]] = []
+    for i in range(n_groups.pop()):
+        hyper: dict[str, Any] | None = None
+        params: list[str] = []
+        for stage, partial in enumerate(partials):
+            group = partial["param_groups"][i]
+            h = {k: v for k, v in group.items() if k != "params"}
+            if hyper is None:
+                hyper = h
+            elif h != hyper and group["params"]:
+                raise CheckpointFormatError(
+                    f"Param group {i} of stage {stage} has hyper-parameters {h} but an earlier stage has {hyper}.",
+                    hint="Use the same optimizer settings on every stage.",
+                )
+            params.extend(p for p in group["params"] if p not in params)
+        merged_groups.append({**(hyper or {}), "params": params})
+    state: dict[str, Any] = {}
+    for partial in partials:
+        for fqn, s in partial["state"].items():
+            state.setdefault(fqn, s)  # tied parameters: every stage holds the same value
+    return {"state": state, "param_groups": merged_groups}
+
+
+def add_portable_state(
+    checkpoint: dict[str, Any],
+    *,
+    plan: Plan | None,
+    optimizer_states_by_name: Sequence[Mapping[str, Any]] | None,
+) -> None:
+    """Add the portable keys to a checkpoint dict in place (called by every strategy's ``save_checkpoint``)."""
+    if plan is not None:
+        checkpoint[PLAN_KEY] = plan.to_dict()
+    if optimizer_states_by_name is not None:
+        checkpoint[OPTIMIZER_STATES_KEY] = [copy.copy(dict(s)) for s in optimizer_states_by_name]
+
+
+def load_portable_optimizer_states(
+    optimizers: Sequence[Optimizer], named_params: NamedParams, checkpoint: Mapping[str, Any]
+) -> bool:
+    """Load the by-name optimizer states of ``checkpoint`` into ``optimizers``.
+
+    Returns:
+        False (and loads nothing) when the checkpoint has no portable optimizer state, e.g. one
+        written by plain Lightning; the caller then falls back to ``checkpoint["optimizer_states"]``.
+    """
+    states = checkpoint.get(OPTIMIZER_STATES_KEY)
+    if states is None:
+        return False
+    if len(states) != len(optimizers):
+        raise CheckpointFormatError(
+            f"The checkpoint holds {len(states)} optimizer states but configure_optimizers returned {len(optimizers)} optimizers.",
+            hint="Resume with the same configure_optimizers as the run that saved the checkpoint.",
+        )
+    named = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+    for optimizer, state in zip(optimizers, states):
+        load_optimizer_state_by_name(optimizer, named, state)
+    return True
+
+
+def stored_plan(checkpoint: Mapping[str, Any]) -> Plan | None:
+    """The plan saved in a checkpoint, or None for checkpoints not written by this package."""
+    data = checkpoint.get(PLAN_KEY)
+    return None if data is None else Plan.from_dict(data)

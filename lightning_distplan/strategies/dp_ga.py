@@ -1,0 +1,396 @@
+"""``dp_ga``: data parallel with gradient accumulation at a planned micro-batch size.
+
+One optimizer step = every one of the ``dp`` replicas runs ``s`` micro-batches of ``m`` samples,
+so the global batch is ``B = dp·m·s`` (seed 000 §III-A; DESIGN §3.1). Only the last micro-batch's
+backward all-reduces: Lightning's automatic optimization already runs the accumulation
+micro-batches inside ``strategy.block_backward_sync()`` (``DistributedDataParallel.no_sync``,
+see ``lightning.pytorch.loops.optimization.automatic._AutomaticOptimization.run``) and divides each
+micro-batch loss by ``trainer.accumulate_grad_batches``. This strategy builds on exactly that and
+adds only what is missing: running the PLANNED ``m`` and ``s`` without the user editing their
+DataModule.
+
+Mechanism (why this one): the strategy re-chunks the train loader's per-rank batches into
+micro-batches of ``m`` samples in :meth:`DPGAStrategy.process_dataloader` — the hook Lightning
+calls after it has injected the ``DistributedSampler`` — and sets ``trainer.accumulate_grad_batches
+= s``. Re-chunking keeps the user's loader untouched (custom samplers, batch samplers and collate
+functions keep working, which re-instantiating a ``DataLoader`` with another ``batch_size``
+does not), yields the same samples in the same order on the same rank (so an epoch covers the
+same data and the sample-to-step assignment is unchanged), and costs nothing when ``m`` divides
+the loader batch (``Tensor.split`` returns views). When ``m`` is larger than the loader batch,
+consecutive loader batches are concatenated.
+
+The user's global batch is ``loader batch size × world size × Trainer(accumulate_grad_batches)``;
+a plan must factor that same number.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from typing_extensions import override
+
+from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.plan import Plan
+from lightning_distplan.strategies._checkpoint import (
+    add_portable_state,
+    load_portable_optimizer_states,
+    optimizer_state_by_name,
+    stored_plan,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+
+__all__ = ["DPGAStrategy", "resolve_dp_ga_plan", "loader_batch_size"]
+
+log = logging.getLogger(__name__)
+
+Auto = Literal["auto"]
+
+
+class DPGAStrategy(DDPStrategy):
+    """Data parallel + gradient accumulation, running the planned micro-batch size.
+
+    Args:
+        plan: a ``dp_ga`` :class:`~lightning_distplan.Plan` to run; its ``dp`` must equal the world
+            size and its global batch the user's. ``None``: derive the plan from the loader and
+            the two arguments below (and, on resume, reuse the plan stored in the checkpoint).
+        micro_batch_size: samples per forward/backward on one device; ``"auto"``: the loader's
+            batch size, or ``loader batch · accumulate_grad_batches / s`` when ``s`` is given.
+        accumulate_grad_batches: micro-batches per replica per optimizer step; ``"auto"``: keep
+            the user's ``loader batch × Trainer(accumulate_grad_batches)`` samples per step.
+        **ddp_kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy`.
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(strategy=DPGAStrategy(micro_batch_size=4), accelerator="cpu", devices=1)
+    """
+
+    strategy_name = "dp_ga"
+
+    def __init__(
+        self,
+        plan: Plan | None = None,
+        micro_batch_size: int | Auto = "auto",
+        accumulate_grad_batches: int | Auto = "auto",
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(**ddp_kwargs)
+        for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=4.")
+        if plan is not None and plan.strategy != "dp_ga":
+            raise InfeasiblePlanError(
+                f"DPGAStrategy runs dp_ga plans, got a {plan.strategy} plan ({plan.describe()}).",
+                hint=f"Use Trainer(strategy='{plan.strategy}') with this plan, or strategy='auto_plan'.",
+            )
+        self._requested_plan = plan
+        self._micro_batch_size = micro_batch_size
+        self._accumulate_grad_batches = accumulate_grad_batches
+        self._plan: Plan | None = plan
+        self._checkpoint_plan: Plan | None = None
+        self._user_accumulate: int | None = None
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan being run: set once the train dataloader is known (``None`` before ``fit``)."""
+        return self._plan
+
+    @property
+    def checkpoint_plan(self) -> Plan | None:
+        """The plan stored in the checkpoint this run resumed from, if any."""
+        return self._checkpoint_plan
+
+    @override
+    def setup_environment(self) -> None:
+        if self._requested_plan is not None:
+            _check_plan(self._requested_plan, self.world_size)  # fail before the process group exists
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # Remember the user's accumulation: it defines their global batch, and teardown restores it.
+        self._user_accumulate = trainer.accumulate_grad_batches
+        super().setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader  # evaluation runs at the loader's own batch size
+        plan = resolve_dp_ga_plan(
+            world_size=self.world_size,
+            loader_batch=loader_batch_size(dataloader),
+            user_accumulate=self._user_accumulate if self._user_accumulate is not None else trainer.accumulate_grad_batches,
+            plan=self._requested_plan,
+            micro_batch_size=self._micro_batch_size,
+            accumulate_grad_batches=self._accumulate_grad_batches,
+            checkpoint_plan=self._checkpoint_plan,
+        )
+        if plan.accumulate_grad_batches > 1 and not self.lightning_module.automatic_optimization:
+            raise InfeasiblePlanError(
+                f"The plan accumulates {plan.accumulate_grad_batches} micro-batches but the LightningModule uses manual optimization.",
+                hint="Use automatic optimization, or micro_batch_size equal to the loader batch and accumulate_grad_batches=1.",
+            )
+        if plan != self._plan:
+            rank_zero_info(f"dp_ga: running {plan.describe()} (global batch {plan.global_batch_size}).")
+        self._plan = plan
+        trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        if loader_batch_size(dataloader) == plan.micro_batch_size:
+            return dataloader
+        return _MicroBatchLoader(dataloader, plan.micro_batch_size)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        by_name = None
+        if "optimizer_states" in checkpoint and self.lightning_module is not None:
+            named = dict(self.lightning_module.named_parameters())
+            by_name = [
+                optimizer_state_by_name(opt, named, state_dict=sd) for opt, sd in zip(self.optimizers, checkpoint["optimizer_states"])
+            ]
+        add_portable_state(checkpoint, plan=self._plan, optimizer_states_by_name=by_name)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._checkpoint_plan = stored_plan(checkpoint)
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not load_portable_optimizer_states(self.optimizers, self.lightning_module.named_parameters(), checkpoint):
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and self._user_accumulate is not None:
+            module.trainer.accumulate_grad_batches = self._user_accumulate
+        super().teardown()
+
+
+def resolve_dp_ga_plan(
+    *,
+    world_size: int,
+    loader_batch: int | None,
+    user_accumulate: int,
+    plan: Plan | None = None,
+    micro_batch_size: int | Auto = "auto",
+    accumulate_grad_batches: int | Auto = "auto",
+    checkpoint_plan: Plan | None = None,
+) -> Plan:
+    """The ``dp_ga`` plan to run, from the user's loader and the strategy's arguments (pure).
+
+    The user's global batch is ``world_size · loader_batch · user_accumulate``; every plan returned
+    factors it (DESIGN §3.1). Resolution order: an explicit ``plan``; explicit ``micro_batch_size``
+    and/or ``accumulate_grad_batches``; the ``checkpoint_plan`` when it fits this world size and
+    global batch (resume does not re-plan); else the loader's own layout.
+
+    Raises:
+        InfeasiblePlanError: the numbers do not factor the global batch, or the plan does not fit
+            this world size.
+    """
+    if loader_batch is None:
+        if plan is not None:
+            return _check_plan(plan, world_size)
+        if isinstance(micro_batch_size, int) and isinstance(accumulate_grad_batches, int):
+            return Plan(
+                strategy="dp_ga",
+                dp=world_size,
+                micro_batch_size=micro_batch_size,
+                accumulate_grad_batches=accumulate_grad_batches,
+                global_batch_size=world_size * micro_batch_size * accumulate_grad_batches,
+            )
+        raise InfeasiblePlanError(
+            "The train dataloader's per-rank batch size cannot be read (no `batch_size` on it or on its batch_sampler).",
+            hint="Pass both micro_batch_size and accumulate_grad_batches to DPGAStrategy, or a Plan.",
+        )
+    per_replica = loader_batch * user_accumulate  # samples one replica contributes to one optimizer step
+    global_batch = world_size * per_replica
+    user = f"loader batch ({loader_batch}) x world size ({world_size}) x accumulate_grad_batches ({user_accumulate})"
+    if plan is not None:
+        _check_plan(plan, world_size)
+        if plan.global_batch_size != global_batch:
+            raise InfeasiblePlanError(
+                f"The plan's global batch ({plan.global_batch_size}) differs from the user's {user} = {global_batch}.",
+                hint="A plan never changes the global batch: re-plan for this global batch, or change the loader batch size / Trainer(accumulate_grad_batches).",
+            )
+        for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
+            if value != "auto" and value != getattr(plan, name):
+                raise InfeasiblePlanError(
+                    f"`{name}`={value} contradicts the plan's {name}={getattr(plan, name)}.",
+                    hint=f"Pass either a plan or {name}, not both.",
+                )
+        return plan
+    m, s = micro_batch_size, accumulate_grad_batches
+    if m == "auto" and s == "auto":
+        if (
+            checkpoint_plan is not None
+            and checkpoint_plan.strategy == "dp_ga"
+            and checkpoint_plan.dp == world_size
+            and checkpoint_plan.global_batch_size == global_batch
+        ):
+            return checkpoint_plan
+        if checkpoint_plan is not None:
+            rank_zero_info(
+                f"dp_ga: the checkpoint's plan ({checkpoint_plan.describe()}, global batch {checkpoint_plan.global_batch_size}) "
+                f"does not fit {world_size} processes and global batch {global_batch}; running the loader's layout."
+            )
+        m, s = loader_batch, user_accumulate
+    elif m == "auto":
+        if per_replica % s:
+            raise InfeasiblePlanError(
+                f"accumulate_grad_batches={s} does not divide the {per_replica} samples per replica per step (loader batch {loader_batch} x accumulate_grad_batches {user_accumulate}).",
+                hint=f"Pick accumulate_grad_batches among {_divisors(per_replica)}.",
+            )
+        m = per_replica // s
+    elif s == "auto":
+        if per_replica % m:
+            raise InfeasiblePlanError(
+                f"micro_batch_size={m} does not divide the {per_replica} samples per replica per step (loader batch {loader_batch} x accumulate_grad_batches {user_accumulate}).",
+                hint=f"Pick micro_batch_size among {_divisors(per_replica)}.",
+            )
+        s = per_replica // m
+    elif m * s != per_replica:
+        raise InfeasiblePlanError(
+            f"micro_batch_size ({m}) x accumulate_grad_batches ({s}) = {m * s} differs from the {per_replica} samples per replica per step (loader batch {loader_batch} x accumulate_grad_batches {user_accumulate}).",
+            hint="Pass only one of them and let the other be 'auto'.",
+        )
+    return Plan(strategy="dp_ga", dp=world_size, micro_batch_size=m, accumulate_grad_batches=s, global_batch_size=global_batch)
+
+
+def _check_plan(plan: Plan, world_size: int) -> Plan:
+    if plan.strategy != "dp_ga":
+        raise InfeasiblePlanError(
+            f"DPGAStrategy runs dp_ga plans, got a {plan.strategy} plan ({plan.describe()}).",
+            hint=f"Use Trainer(strategy='{plan.strategy}') with this plan, or strategy='auto_plan'.",
+        )
+    if plan.dp != world_size:
+        raise InfeasiblePlanError(
+            f"The plan has dp={plan.dp} replicas but the trainer runs on {world_size} processes.",
+            hint=f"Use Trainer(devices=..., num_nodes=...) with {plan.dp} processes in all, or re-plan for {world_size}.",
+        )
+    return plan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def loader_batch_size(dataloader: object) -> int | None:
+    """Per-rank batch size of a DataLoader (or of its batch_sampler), ``None`` when it cannot be read."""
+    size = getattr(dataloader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _samples_per_epoch(dataloader: object) -> int | None:
+    batch = loader_batch_size(dataloader)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
+    drop_last = getattr(batch_sampler, "drop_last", getattr(dataloader, "drop_last", None))
+    if batch is None or drop_last is None:
+        return None
+    try:
+        return len(dataloader) * batch if drop_last else len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+class _MicroBatchLoader:
+    """The train loader, yielding micro-batches of ``micro_batch_size`` samples.
+
+    Everything else (``sampler`` for ``set_epoch``, ``dataset``, ``worker_init_fn``...) is the
+    wrapped loader's, so Lightning's loops treat it like the original.
+    """
+
+    def __init__(self, loader: Iterable, micro_batch_size: int) -> None:
+        self._loader = loader
+        self.micro_batch_size = micro_batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        return _rebatch(self._loader, self.micro_batch_size)
+
+    def __len__(self) -> int:
+        n = _samples_per_epoch(self._loader)
+        if n is None:
+            raise TypeError("the number of samples per epoch is unknown")  # Lightning's sized_len -> iterable
+        return math.ceil(n / self.micro_batch_size)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_loader":  # during unpickling
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("_loader", "micro_batch_size"):
+            object.__setattr__(self, name, value)
+        else:  # e.g. Lightning's worker_init_fn injection belongs to the real loader
+            setattr(self._loader, name, value)
+
+
+def _split_leaves(batch: Any) -> tuple[list[Any], Any, int, list[bool]]:
+    leaves, spec = tree_flatten(batch)
+    n = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.ndim > 0), None)
+    if n is None:
+        raise InfeasiblePlanError(
+            f"A training batch of type {type(batch).__name__} holds no tensor with a batch dimension to split into micro-batches.",
+            hint="Return tensors (or dicts/lists/tuples of tensors) from the train dataloader, or use micro_batch_size='auto'.",
+        )
+    is_batch = [isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == n for leaf in leaves]
+    return leaves, spec, n, is_batch
+
+
+def _slice(flat: tuple[list[Any], Any, int, list[bool]], start: int, stop: int) -> Any:
+    leaves, spec, _, is_batch = flat
+    return tree_unflatten([leaf[start:stop] if b else leaf for leaf, b in zip(leaves, is_batch)], spec)
+
+
+def _concat(pieces: list[Any]) -> Any:
+    if len(pieces) == 1:
+        return pieces[0]
+    flats = [_split_leaves(p) for p in pieces]
+    leaves0, spec, _, is_batch = flats[0]
+    out = [torch.cat([f[0][i] for f in flats]) if b else leaf for i, (leaf, b) in enumerate(zip(leaves0, is_batch))]
+    return tree_unflatten(out, spec)
+
+
+def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
+    """Yield the samples of ``batches`` in order, ``m`` at a time (the last one may be shorter)."""
+    pending: list[Any] = []
+    pending_n = 0
+    for batch in batches:
+        flat = _split_leaves(batch)
+        n = flat[2]
+        if not pending_n and n == m:
+            yield batch  # the common case: nothing to do
+            continue
+        offset = 0
+        if pending_n:
+            take = min(m - pending_n, n)
+            pending.append(_slice(flat, 0, take))
+            pending_n += take
+            offset = take
+            if pending_n < m:
+                continue
+            yield _concat(pending)
+            pending, pending_n = [], 0
+        while n - offset >= m:
+            yield _slice(flat, offset, offset + m)  # a view, no copy
+            offset += m
+        if offset < n:
+            pending, pending_n = [_slice(flat, offset, n)], n - offset
+    if pending_n:
+        yield _concat(pending)

@@ -1,0 +1,62 @@
+"""A tiny deterministic language model (Lightning's demo Transformer, dropout 0) and synthetic data.
+
+Shared by the dp_ga and checkpoint tests; module-level so spawned ranks can import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.demos import Transformer
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+VOCAB, SEQ = 16, 6
+
+
+def token_dataset(n: int, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return TensorDataset(x, torch.roll(x, -1, dims=1))  # next-token targets
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, n_samples: int = 320, loader_batch: int = 16, optimizer: str = "sgd", reference_sampler: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1234)  # identical initial weights in every process
+        self.model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+        self.micro_batch_sizes: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, target = batch
+        self.micro_batch_sizes.append(inputs.shape[0])
+        return F.nll_loss(self.model(inputs, target), target.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        ds = token_dataset(self.hparams.n_samples)
+        if self.hparams.reference_sampler:
+            # A single-process run that visits the samples in the order Lightning's injected
+            # DistributedSampler(shuffle=True, seed=0) gives a multi-rank run.
+            return DataLoader(ds, batch_size=self.hparams.loader_batch, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=0))
+        return DataLoader(ds, batch_size=self.hparams.loader_batch, shuffle=True)
+
+
+def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    kw.update(overrides)
+    return kw
