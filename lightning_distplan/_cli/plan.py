@@ -1,0 +1,78 @@
+"""``distplan plan``: rank the plans for a saved profile (DESIGN §5)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_distplan.plan import STRATEGIES
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="Rank data-parallel and pipeline plans for a saved profile.",
+        description="Rank every plan that factors the global batch over the world size, with predicted step time and memory.",
+    )
+    parser.add_argument("--profile", required=True, help="Profile JSON written by `distplan profile`.")
+    parser.add_argument("--world-size", type=int, required=True, help="Number of devices.")
+    parser.add_argument("--global-batch-size", type=int, required=True, help="Samples per optimizer step (kept exactly).")
+    parser.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or a JSON list of candidates.")
+    parser.add_argument("--top", type=int, default=None, help="Show only the best K candidates (table default: 10; json default: all).")
+    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="Strategies to consider.")
+    parser.add_argument("--max-pp", type=int, default=None, help="Most pipeline stages to consider.")
+    parser.add_argument("--device-memory-gb", type=float, default=None, help="Device memory in GiB (default: the profiled device's).")
+    parser.add_argument("--bandwidth-gbps", type=float, default=None, help="Interconnect bandwidth in Gbit/s (default: measured, else 4).")
+    parser.add_argument("--latency-us", type=float, default=None, help="Interconnect latency in microseconds (default: measured, else 50).")
+    parser.add_argument("--compute-scale", type=float, default=1.0, help="Multiply profiled compute times (e.g. 0.5 for a 2x faster device).")
+    parser.add_argument("--memory-margin", type=float, default=0.9, help="Usable fraction of device memory (default 0.9).")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="Price of one device per hour: rank by C + w*T.")
+    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (with --price-per-hour).")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.planner import enumerate_plans, explain, rank_plans
+    from lightning_distplan.profile import Profile
+
+    if args.top is not None and args.top < 1:
+        raise InfeasiblePlanError(f"--top must be at least 1, got {args.top}.", hint="Pass --top 10, or leave it out.")
+    profile = Profile.load(args.profile)
+    # Validate sizes and factoring before building the hardware, so bad input gives one error
+    # line and not a link-default warning first.
+    enumerate_plans(
+        profile, world_size=args.world_size, global_batch_size=args.global_batch_size, strategies=tuple(args.strategy), max_pp=args.max_pp
+    )
+    for flag in ("device_memory_gb", "bandwidth_gbps", "latency_us"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0 and not (flag == "latency_us" and value == 0):
+            raise InfeasiblePlanError(f"--{flag.replace('_', '-')} must be positive, got {value}.", hint="Pass a positive number.")
+    hardware = Hardware.from_profile(
+        profile,
+        device_memory_bytes=None if args.device_memory_gb is None else int(args.device_memory_gb * 2**30),
+        bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9 / 8,
+        latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+    )
+    hardware = replace(hardware, compute_scale=args.compute_scale, memory_margin=args.memory_margin)
+    candidates = rank_plans(
+        profile,
+        world_size=args.world_size,
+        global_batch_size=args.global_batch_size,
+        hardware=hardware,
+        price_per_hour=args.price_per_hour,
+        time_weight=args.time_weight,
+        strategies=tuple(args.strategy),
+        max_pp=args.max_pp,
+    )
+    if args.format == "json":
+        shown = candidates if args.top is None else candidates[: args.top]
+        print(json.dumps([c.to_dict() for c in shown], indent=1))
+    else:
+        print(explain(candidates, top=10 if args.top is None else args.top))
+    return 0

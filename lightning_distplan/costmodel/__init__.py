@@ -1,0 +1,41 @@
+"""The cost model: time, memory and money of a :class:`~lightning_distplan.plan.Plan`.
+
+Pure Python over a saved :class:`~lightning_distplan.profile.Profile` — no torch, no lightning —
+so a profile taken on a GPU can be re-planned anywhere. Equations: DESIGN §4, seeds 000 and 001.
+
+Example:
+    >>> from lightning_distplan.costmodel import predict
+    >>> prediction = predict(profile, plan)  # doctest: +SKIP
+    >>> prediction.step_time_s, prediction.peak_memory_bytes, prediction.feasible  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from lightning_distplan.costmodel._cost import cost_per_step, objective
+from lightning_distplan.costmodel._hardware import DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_LATENCY_S, Hardware
+from lightning_distplan.costmodel._partition import partition_layers
+from lightning_distplan.costmodel._predict import (
+    BREAKDOWN_KEYS,
+    MEMORY_KEYS,
+    Prediction,
+    in_flight_microbatches,
+    overlappable_fraction,
+    predict,
+    ring_allreduce_time,
+)
+
+__all__ = [
+    "Hardware",
+    "Prediction",
+    "predict",
+    "partition_layers",
+    "cost_per_step",
+    "objective",
+    "ring_allreduce_time",
+    "overlappable_fraction",
+    "in_flight_microbatches",
+    "BREAKDOWN_KEYS",
+    "MEMORY_KEYS",
+    "DEFAULT_BANDWIDTH_BYTES_PER_S",
+    "DEFAULT_LATENCY_S",
+]

@@ -1,0 +1,137 @@
+"""Hardware: the device memory, interconnect and speed a plan is priced on."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_distplan.errors import CatalogError, ProfileFormatError
+
+if TYPE_CHECKING:
+    from lightning_distplan.profile import Profile
+
+__all__ = ["Hardware", "DEFAULT_BANDWIDTH_BYTES_PER_S", "DEFAULT_LATENCY_S"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BANDWIDTH_BYTES_PER_S = 4e9 / 8
+"""Used when the profile measured no link and none is given: 4 Gbit/s."""
+# source: seed 000 Table III, AliCloud gn6i.xlarge (1×T4) "Bandwidth (Gbps) 4" — the paper's
+# cheapest GPU instance, so the default errs towards slow networks rather than flattering DP.
+DEFAULT_LATENCY_S = 50e-6
+"""Used when the profile measured no link and none is given: 50 µs per message."""
+# source: assumption, not a measurement — TCP round trips inside one cloud region are tens of
+# microseconds; state the real number with ``latency_s=`` (CLI ``--latency-us``).
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One kind of device and its interconnect, as the cost model sees them.
+
+    Example:
+        >>> hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=50e-6,
+        ...               allreduce_bandwidth_bytes_per_s=1.25e9, p2p_latency_s=50e-6,
+        ...               p2p_bandwidth_bytes_per_s=1.25e9)
+        >>> round(hw.usable_memory_bytes / 2**30, 1)
+        14.4
+    """
+
+    name: str = "profiled"
+    """Human-readable device name."""
+    device_memory_bytes: int
+    """Total memory of one device."""
+    allreduce_latency_s: float
+    """Per-step latency L of the ring all-reduce link (seed 001 eq. 5.1)."""
+    allreduce_bandwidth_bytes_per_s: float
+    """Bandwidth BW of the slowest link in the all-reduce ring (seed 001 eq. 5.1)."""
+    p2p_latency_s: float
+    """Latency of one pipeline boundary send (seed 001 eq. 6.2)."""
+    p2p_bandwidth_bytes_per_s: float
+    """Bandwidth of a pipeline boundary send (seed 001 eq. 6.2)."""
+    compute_scale: float = 1.0
+    """Multiplies every profiled compute time (1.0 = the profiled device; <1 = a faster one)."""
+    memory_margin: float = 0.9
+    """Usable fraction of device memory: the safety margin against fragmentation and spikes."""
+    link_source: str = "given"
+    """Where the link numbers came from: "measured", "given" or "default"."""
+
+    def __post_init__(self) -> None:
+        hint = "Pass positive, finite hardware numbers."
+        if not isinstance(self.device_memory_bytes, int) or self.device_memory_bytes <= 0:
+            raise CatalogError(f"`device_memory_bytes` must be a positive integer, got {self.device_memory_bytes!r}.", hint=hint)
+        for name in ("allreduce_bandwidth_bytes_per_s", "p2p_bandwidth_bytes_per_s", "compute_scale"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise CatalogError(f"`{name}` must be positive and finite, got {value!r}.", hint=hint)
+        for name in ("allreduce_latency_s", "p2p_latency_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise CatalogError(f"`{name}` must be >= 0 and finite, got {value!r}.", hint=hint)
+        if not 0 < self.memory_margin <= 1:
+            raise CatalogError(f"`memory_margin` must be in (0, 1], got {self.memory_margin!r}.", hint="Use e.g. 0.9 to keep 10% headroom.")
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """``memory_margin · device_memory_bytes``: what a plan may use on one device."""
+        return self.memory_margin * self.device_memory_bytes
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: Profile,
+        *,
+        device_memory_bytes: int | None = None,
+        bandwidth_bytes_per_s: float | None = None,
+        latency_s: float | None = None,
+    ) -> Hardware:
+        """The profiled device, with its measured links.
+
+        Given numbers win over measured ones (the user describes the target cluster); links the
+        profile did not measure and the user did not give fall back to
+        :data:`DEFAULT_BANDWIDTH_BYTES_PER_S` / :data:`DEFAULT_LATENCY_S`, with a logged warning.
+
+        Args:
+            profile: the measured profile.
+            device_memory_bytes: override the device memory (default: the profiled device's).
+            bandwidth_bytes_per_s: interconnect bandwidth for both all-reduce and p2p sends.
+            latency_s: interconnect latency for both all-reduce and p2p sends.
+        """
+        memory = device_memory_bytes or profile.memory.device_total_bytes or profile.device.total_memory_bytes
+        if not memory:
+            raise ProfileFormatError(
+                "The profile records no device memory and none was given.",
+                hint="Pass device_memory_bytes (CLI: --device-memory-gb).",
+            )
+        used: set[str] = set()
+        links: dict[str, tuple[float, float]] = {}
+        for kind in ("allreduce", "p2p"):
+            measured = profile.link(kind)
+            if measured is not None and not measured.bandwidth_bytes_per_s > 0:
+                measured = None
+            lat, bw = latency_s, bandwidth_bytes_per_s
+            if lat is None:
+                lat = measured.latency_s if measured is not None else DEFAULT_LATENCY_S
+                used.add("measured" if measured is not None else "default")
+            if bw is None:
+                bw = measured.bandwidth_bytes_per_s if measured is not None else DEFAULT_BANDWIDTH_BYTES_PER_S
+                used.add("measured" if measured is not None else "default")
+            links[kind] = (float(lat), float(bw))
+        if "default" in used:
+            log.warning(
+                "The profile measured no inter-device link; assuming %.3g Gbit/s and %.0f µs (seed 000 Table III, gn6i). "
+                "State your cluster's numbers (CLI: --bandwidth-gbps, --latency-us).",
+                DEFAULT_BANDWIDTH_BYTES_PER_S * 8 / 1e9,
+                DEFAULT_LATENCY_S * 1e6,
+            )
+        source = "default" if "default" in used else ("measured" if "measured" in used else "given")
+        return cls(
+            name=profile.device.name or "profiled",
+            device_memory_bytes=int(memory),
+            allreduce_latency_s=links["allreduce"][0],
+            allreduce_bandwidth_bytes_per_s=links["allreduce"][1],
+            p2p_latency_s=links["p2p"][0],
+            p2p_bandwidth_bytes_per_s=links["p2p"][1],
+            link_source=source,
+        )

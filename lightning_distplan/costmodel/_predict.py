@@ -1,0 +1,375 @@
+"""Predict the step time and per-device memory of a :class:`~lightning_distplan.plan.Plan`.
+
+Pure arithmetic over a :class:`~lightning_distplan.profile.Profile` (DESIGN §4). Symbols follow
+the seeds: m micro-batch size, s accumulation steps, n pipeline micro-batches, p stages, W data
+parallel replicas, L link latency, BW link bandwidth, G gradient bytes, St_k stage time.
+
+Step-time breakdown (always sums exactly to ``step_time_s``; every key is present for every plan):
+
+``compute``       work the critical device does: s·T_calc(m) for DP, n·(compute of the slowest stage)
+                  for pipelines
+``p2p``           pipeline boundary sends on the slowest stage, n·(2L + 2m·A/BW)
+``bubble``        pipeline fill and drain: Σ_{k≠slowest} St_k, i.e. (p−1)/(n+p−1) of the pipeline time
+                  when stages are equal
+``exposed_comm``  all-reduce time not hidden behind backward computation
+``optimizer``     ``optimizer.step()`` on the device with the most parameters
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from lightning_distplan.costmodel._hardware import Hardware
+from lightning_distplan.costmodel._partition import partition_layers, stage_sums
+from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
+
+if TYPE_CHECKING:
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.profile import Profile
+
+__all__ = [
+    "Prediction",
+    "predict",
+    "ring_allreduce_time",
+    "overlappable_fraction",
+    "in_flight_microbatches",
+    "DDP_FIRST_BUCKET_BYTES",
+    "BREAKDOWN_KEYS",
+    "MEMORY_KEYS",
+]
+
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+# source: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (= 1 MiB), the size of DDP's first gradient
+# bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
+
+BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer")
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "overhead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model expects one optimizer step of a plan to cost."""
+
+    step_time_s: float
+    """Seconds per optimizer step (the whole global batch)."""
+    breakdown: dict[str, float] = field(compare=False)
+    """Seconds by cause (see the module docstring); the values sum exactly to ``step_time_s``."""
+    peak_memory_bytes: int
+    """Largest per-device memory over all devices."""
+    memory_breakdown: dict[str, int] = field(compare=False)
+    """params / grads / optimizer / activations / overhead bytes on the peak device."""
+    stage_times_s: tuple[float, ...]
+    """Per stage: forward+backward of one micro-batch incl. its boundary sends (DP: the step)."""
+    stage_memory_bytes: tuple[int, ...]
+    """Per stage: bytes on one device of that stage (DP: one entry)."""
+    stage_boundaries: tuple[int, ...]
+    """The split the prediction used (Plan convention); empty for DP."""
+    feasible: bool
+    """True when the peak fits in ``memory_margin · device_memory_bytes`` and nothing else rules the plan out."""
+    reason: str
+    """Why the plan is (in)feasible, in one sentence, with the numbers."""
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "breakdown": dict(self.breakdown),
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_breakdown": dict(self.memory_breakdown),
+            "stage_times_s": list(self.stage_times_s),
+            "stage_memory_bytes": list(self.stage_memory_bytes),
+            "stage_boundaries": list(self.stage_boundaries),
+            "feasible": self.feasible,
+            "reason": self.reason,
+        }
+
+
+def ring_allreduce_time(nbytes: float, world: int, latency_s: float, bandwidth_bytes_per_s: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``world`` replicas.
+
+    seed 001 eq. 5.1: S_all = 2(W−1)·(L + G/(W·BW)) — 2(W−1) ring steps (reduce-scatter then
+    all-gather), each sending G/W bytes over the slowest link. Zero for a single replica.
+
+    Example:
+        >>> round(ring_allreduce_time(4e6, 4, 1e-4, 1e9), 6)  # 2·3·(1e-4 + 1e6/1e9)
+        0.0066
+    """
+    if world <= 1:
+        return 0.0
+    return 2 * (world - 1) * (latency_s + nbytes / (world * bandwidth_bytes_per_s))
+
+
+def overlappable_fraction(profile: Profile, micro_batch_size: int) -> float:
+    """Share of the last micro-batch's backward that can hide DP's gradient all-reduce.
+
+    Why this number: DDP all-reduces gradient *buckets* (filled in reverse layer order) as soon
+    as every gradient in a bucket is ready, so communication can only start once the first bucket
+    (:data:`DDP_FIRST_BUCKET_BYTES`) is full; the backward of the layers that run *after* that
+    point (the earlier layers of the model) is the window in which the all-reduce can hide. Under
+    gradient accumulation only the last micro-batch syncs (``no_sync`` on the others, seed 000
+    §III-A), so this window belongs to the last micro-batch only. A model whose gradients fit in
+    the first bucket therefore has no overlap (fraction 0): its only bucket is ready when backward ends.
+    """
+    layers = profile.layers
+    bwd = [max(0.0, layer.backward(micro_batch_size)) for layer in layers]
+    total = sum(bwd)
+    if total <= 0:
+        return 0.0
+    filled = 0
+    for i in range(len(layers) - 1, -1, -1):  # backward visits layers last to first
+        filled += layers[i].param_bytes
+        if filled >= DDP_FIRST_BUCKET_BYTES:
+            return sum(bwd[:i]) / total  # backward still to run after layer i's gradients are ready
+    return 0.0
+
+
+def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> Prediction:
+    """Predict step time and memory of ``plan`` for the model in ``profile`` on ``hardware``.
+
+    Args:
+        profile: the measured profile.
+        plan: the plan to price; a pipeline plan without ``stage_boundaries`` is split with
+            :func:`~lightning_distplan.costmodel.partition_layers` (time balanced, memory capped).
+        hardware: target devices and links; default :meth:`Hardware.from_profile`.
+
+    Raises:
+        ModelSplitError: the plan has more stages than the profile has layers, or boundaries past the last layer.
+    """
+    hw = hardware if hardware is not None else Hardware.from_profile(profile)
+    if plan.strategy == "dp_ga":
+        return _predict_dp(profile, plan, hw)
+    return _predict_pipeline(profile, plan, hw)
+
+
+# -- shared pieces ----------------------------------------------------------------------------
+def _optimizer_state_bytes(profile: Profile) -> int:
+    # Both places may carry it (OptimizerProfile after a step, MemoryProfile from the allocator);
+    # take the larger so a profiler that fills only one is still counted.
+    return max(int(profile.optimizer.state_bytes), int(profile.memory.optimizer_state_bytes))
+
+
+def _step_compute(profile: Profile, m: int, scale: float) -> float:
+    # seed 000 §III-B: T_calc(m) = α·m + β, fitted forward + backward of the whole step;
+    # clamped at 0 because an extrapolated fit with β < 0 must not yield negative time.
+    return scale * max(0.0, profile.step.time(m))
+
+
+def _layer_times(profile: Profile, m: int, scale: float) -> list[float]:
+    """Per-layer fwd+bwd at m, calibrated so they sum to the whole-step fit T_calc(m).
+
+    The step fit is measured without per-layer hooks, so it is the trustworthy total; the layer
+    fits (slowed by their hooks, missing the loss) only give each layer's share.
+    """
+    raw = [max(0.0, layer.time(m)) for layer in profile.layers]
+    total = sum(raw)
+    step = _step_compute(profile, m, scale)
+    if total <= 0:
+        return [step / len(raw)] * len(raw)
+    return [step * r / total for r in raw]
+
+
+def _layer_activations(profile: Profile, m: int) -> list[float]:
+    """Per-layer saved-for-backward bytes of one micro-batch, calibrated to the whole-step fit."""
+    raw = [max(0.0, layer.activation_bytes_per_sample * m + layer.activation_bytes_fixed) for layer in profile.layers]
+    total = sum(raw)
+    whole = max(0.0, profile.memory.activation(m))
+    if whole <= 0:
+        return raw
+    if total <= 0:
+        return [whole / len(raw)] * len(raw)
+    return [whole * r / total for r in raw]
+
+
+def _param_shares(profile: Profile) -> list[float]:
+    raw = [max(0, layer.param_bytes) for layer in profile.layers]
+    total = sum(raw)
+    if total <= 0:
+        return [1.0 / len(raw)] * len(raw)
+    return [r / total for r in raw]
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def _feasibility(profile: Profile, plan: Plan, hw: Hardware, peak: int, where: str, notes: list[str]) -> tuple[bool, str]:
+    usable = hw.usable_memory_bytes
+    problems = list(notes)
+    if peak > usable:
+        problems.insert(
+            0,
+            f"peak memory {_gib(peak)}{where} exceeds {hw.memory_margin:.0%} of the {_gib(hw.device_memory_bytes)} device",
+        )
+    profiled_memory = profile.memory.device_total_bytes or profile.device.total_memory_bytes
+    if (
+        plan.strategy == "dp_ga"
+        and profile.infeasible_micro_batch_sizes
+        and plan.micro_batch_size >= min(profile.infeasible_micro_batch_sizes)
+        and (not profiled_memory or hw.device_memory_bytes <= profiled_memory)
+    ):
+        # A DP replica runs exactly the profiled workload, so a size that ran out of memory on a
+        # device at least this large is infeasible whatever the model says (DESIGN §3.4).
+        problems.append(
+            f"micro_batch_size {plan.micro_batch_size} >= {min(profile.infeasible_micro_batch_sizes)}, "
+            "which ran out of memory while profiling"
+        )
+    if problems:
+        return False, "; ".join(problems) + "."
+    reason = f"fits: peak {_gib(peak)}{where} of {_gib(usable)} usable ({hw.memory_margin:.0%} of {_gib(hw.device_memory_bytes)})"
+    largest = max(profile.micro_batch_sizes)
+    if plan.micro_batch_size > largest:
+        reason += f"; micro_batch_size {plan.micro_batch_size} is extrapolated beyond the profiled sizes (up to {largest})"
+    return True, reason + "."
+
+
+# -- data parallel + gradient accumulation ----------------------------------------------------
+def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
+    m, s, w = plan.micro_batch_size, plan.accumulate_grad_batches, plan.dp
+    c = hw.compute_scale
+    t_calc = _step_compute(profile, m, c)
+    # seed 001 eq. 5.1 / seed 000 §III-A: S_all(W) over the all-reduce link, G = gradient bytes.
+    s_all = ring_allreduce_time(profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+    # seed 000 §III-A: S_over(m) — only the last micro-batch's backward can hide the all-reduce.
+    t_bwd_last = c * max(0.0, profile.step.backward(m))
+    s_over = min(s_all, overlappable_fraction(profile, m) * t_bwd_last)
+    breakdown = {
+        "compute": s * t_calc,  # seed 000 §III-A: T = s·T_calc(m) + S_all(W) − S_over(m)
+        "p2p": 0.0,
+        "bubble": 0.0,
+        "exposed_comm": s_all - s_over,
+        "optimizer": c * profile.optimizer.step_time_s,  # one step per global batch
+    }
+    step = sum(breakdown.values())
+    memory = {
+        "params": int(profile.memory.param_bytes),
+        "grads": int(profile.memory.grad_bytes),
+        "optimizer": _optimizer_state_bytes(profile),
+        # DESIGN §4: DP holds the saved activations of one micro-batch at a time.
+        "activations": int(round(max(0.0, profile.memory.activation(m)) or sum(_layer_activations(profile, m)))),
+        "overhead": int(profile.memory.fixed_overhead_bytes),
+    }
+    peak = sum(memory.values())
+    feasible, reason = _feasibility(profile, plan, hw, peak, "", [])
+    return Prediction(
+        step_time_s=step,
+        breakdown=breakdown,
+        peak_memory_bytes=peak,
+        memory_breakdown=memory,
+        stage_times_s=(step,),
+        stage_memory_bytes=(peak,),
+        stage_boundaries=(),
+        feasible=feasible,
+        reason=reason,
+    )
+
+
+# -- pipelines (GPipe, 1F1B; hybrid dp×pp) -----------------------------------------------------
+def in_flight_microbatches(strategy: str, n: int, p: int, k: int) -> int:
+    """Micro-batches whose activations stage ``k`` (0-indexed) holds at its peak.
+
+    GPipe runs all n forwards before any backward, so every stage keeps n. 1F1B starts the
+    backward of micro-batch 0 as soon as it can, so stage k keeps at most p − k (p − k + 1 for
+    1-indexed k, DESIGN §4), and never more than n.
+    """
+    return n if strategy == "gpipe" else min(n, p - k)
+
+
+def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
+    m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
+    n_layers = len(profile.layers)
+    c = hw.compute_scale
+    times = _layer_times(profile, m, c)
+    acts = _layer_activations(profile, m)
+    shares = _param_shares(profile)
+    static_total = profile.memory.param_bytes + profile.memory.grad_bytes + _optimizer_state_bytes(profile)
+    overhead = int(profile.memory.fixed_overhead_bytes)
+    notes: list[str] = []
+
+    if plan.stage_boundaries:
+        boundaries = plan.stage_boundaries
+        if p > n_layers or boundaries[-1] >= n_layers:
+            raise ModelSplitError(
+                f"`stage_boundaries` {list(boundaries)} need more than the {n_layers} profiled layers.",
+                hint=f"Use boundaries below {n_layers} and at most {n_layers} stages.",
+            )
+    else:
+        # Memory per layer for the split: the worst stage's in-flight count (stage 0) times that
+        # layer's activations, plus its share of params/grads/optimizer state.
+        worst = in_flight_microbatches(plan.strategy, n, p, 0)
+        layer_mem = [sh * static_total + worst * a for sh, a in zip(shares, acts)]
+        try:
+            boundaries = partition_layers(times, p, layer_memory=layer_mem, memory_cap=hw.usable_memory_bytes - overhead)
+        except InfeasiblePlanError:
+            boundaries = partition_layers(times, p)  # best time split; the memory check below reports it
+            notes.append(f"no split into {p} stages fits every stage in memory")
+
+    edges = [0, *boundaries, n_layers]
+    stage_compute = stage_sums(times, boundaries)
+    # seed 001 eq. 6.2 / DESIGN §4: every stage but the last sends its last layer's output forward
+    # (L + m·A_k/BW) and receives the same-sized gradient back: 2·(L + m·A_k/BW) per micro-batch.
+    stage_p2p = tuple(
+        2 * (hw.p2p_latency_s + m * profile.layers[edges[k + 1] - 1].output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s)
+        if k < p - 1
+        else 0.0
+        for k in range(p)
+    )
+    stage_time = tuple(ck + pk for ck, pk in zip(stage_compute, stage_p2p))
+    slow = max(range(p), key=lambda k: stage_time[k])
+    # seed 000 eq. (1): T = Σ_k St_k(m) + (n − 1)·max_k St_k(m)  (= eq. (2) with St_k = α_k·m + β_k;
+    # for equal stages this is seed 001 eq. 6.1: T_seq·(p + n − 1)/(p·n) per micro-batch of work).
+    # 1F1B uses the same expression: without interleaving its warm-up + cool-down is the same p − 1
+    # slots as GPipe's fill + drain, and its steady state is bound by the slowest stage too
+    # (DESIGN §4). seed 000 eq. (3) (DAPPLE) is not used: it charges the first stage n full
+    # micro-batches *plus* (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages, which
+    # exceeds the (n + p − 1)·St any non-interleaved 1F1B schedule takes once n > p, and contradicts
+    # the (p − 1)/(n + p − 1) bubble both schedules have. 1F1B differs from GPipe in memory, below.
+    # Decomposition seen from the slowest stage: it is busy n·St*; the rest, Σ_{k≠*} St_k, is bubble.
+    bubble = sum(stage_time[k] for k in range(p) if k != slow)
+
+    stage_shares = stage_sums(shares, boundaries)
+    # DESIGN §4: hybrid dp×pp all-reduces each stage's gradients over its dp replicas after the
+    # flush; stages do it in parallel, so the step waits for the largest (seed 001 eq. 5.1 each).
+    allreduce = max(
+        ring_allreduce_time(sh * profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+        for sh in stage_shares
+    )
+    breakdown = {
+        "compute": n * stage_compute[slow],
+        "p2p": n * stage_p2p[slow],
+        "bubble": bubble,
+        "exposed_comm": allreduce,
+        # each stage steps its own parameters in parallel: the stage with the most parameters waits longest
+        "optimizer": c * profile.optimizer.step_time_s * max(stage_shares),
+    }
+    step = sum(breakdown.values())
+
+    stage_act = stage_sums(acts, boundaries)
+    opt_bytes = _optimizer_state_bytes(profile)
+    per_stage: list[dict[str, int]] = []
+    for k in range(p):
+        share = stage_shares[k]
+        per_stage.append(
+            {
+                "params": int(round(share * profile.memory.param_bytes)),
+                "grads": int(round(share * profile.memory.grad_bytes)),
+                "optimizer": int(round(share * opt_bytes)),
+                # DESIGN §4: GPipe keeps n micro-batches of the stage's activations, 1F1B min(n, p − k).
+                "activations": int(round(in_flight_microbatches(plan.strategy, n, p, k) * stage_act[k])),
+                "overhead": overhead,
+            }
+        )
+    stage_memory = tuple(sum(d.values()) for d in per_stage)
+    top = max(range(p), key=lambda k: stage_memory[k])
+    feasible, reason = _feasibility(profile, plan, hw, stage_memory[top], f" on stage {top}", notes)
+    return Prediction(
+        step_time_s=step,
+        breakdown=breakdown,
+        peak_memory_bytes=stage_memory[top],
+        memory_breakdown=per_stage[top],
+        stage_times_s=stage_time,
+        stage_memory_bytes=stage_memory,
+        stage_boundaries=tuple(boundaries),
+        feasible=feasible,
+        reason=reason,
+    )
+

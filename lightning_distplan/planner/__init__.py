@@ -1,0 +1,26 @@
+"""The planner: enumerate the plans that keep the user's global batch, price them, rank them.
+
+Pure Python over a saved :class:`~lightning_distplan.profile.Profile` (DESIGN §3.6): no torch, no
+lightning.
+
+Example:
+    >>> from lightning_distplan.planner import explain, rank_plans
+    >>> candidates = rank_plans(profile, world_size=8, global_batch_size=256)  # doctest: +SKIP
+    >>> print(explain(candidates, top=5))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from lightning_distplan.planner._enumerate import PIN_KEYS, enumerate_plans, nearest_valid_batch_sizes
+from lightning_distplan.planner._explain import explain, why_winner
+from lightning_distplan.planner._rank import Candidate, rank_plans
+
+__all__ = [
+    "Candidate",
+    "enumerate_plans",
+    "rank_plans",
+    "explain",
+    "why_winner",
+    "nearest_valid_batch_sizes",
+    "PIN_KEYS",
+]

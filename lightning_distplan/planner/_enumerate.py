@@ -1,0 +1,234 @@
+"""Every plan that runs the user's global batch on ``world_size`` devices (DESIGN §3.1)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
+from lightning_distplan.plan import STRATEGIES, Plan
+
+if TYPE_CHECKING:
+    from lightning_distplan.profile import Profile
+
+__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "PIN_KEYS"]
+
+PIN_KEYS = (
+    "strategy",
+    "schedule",
+    "dp",
+    "pp",
+    "micro_batch_size",
+    "accumulate_grad_batches",
+    "n_microbatches",
+    "stage_boundaries",
+)
+_SCHEDULE_TO_STRATEGY = {"none": "dp_ga", "gpipe": "gpipe", "1f1b": "1f1b"}
+
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def _check_sizes(world_size: Any, global_batch_size: Any) -> None:
+    for name, value in (("world_size", world_size), ("global_batch_size", global_batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InfeasiblePlanError(
+                f"`{name}` must be a positive integer, got {value!r}.",
+                hint="Pass the number of devices (--world-size) and the samples per optimizer step (--global-batch-size), both >= 1.",
+            )
+
+
+def _check_strategies(strategies: Iterable[str]) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(strategies))
+    unknown = [s for s in chosen if s not in STRATEGIES]
+    if unknown or not chosen:
+        raise InfeasiblePlanError(f"Unknown strategies {unknown or '(none given)'}.", hint=f"Choose from {', '.join(STRATEGIES)}.")
+    return chosen
+
+
+def _raw_plans(
+    profile: Profile, world_size: int, global_batch_size: int, strategies: Sequence[str], max_pp: int | None
+) -> list[Plan]:
+    """All factorisations, unpinned. Pipelines only when the profile says the model can be split."""
+    n_layers = len(profile.layers)
+    names = tuple(layer.name for layer in profile.layers)
+    plans: list[Plan] = []
+    for pp in _divisors(world_size):
+        dp = world_size // pp
+        if global_batch_size % dp:
+            continue
+        per_replica = global_batch_size // dp
+        for m in _divisors(per_replica):
+            steps = per_replica // m
+            if pp == 1:
+                if "dp_ga" in strategies:
+                    # DESIGN §3.1: B = dp · m · s
+                    plans.append(Plan(strategy="dp_ga", dp=dp, micro_batch_size=m, accumulate_grad_batches=steps, global_batch_size=global_batch_size))
+                continue
+            if not profile.splittable or pp > n_layers or (max_pp is not None and pp > max_pp):
+                continue
+            for strategy in ("gpipe", "1f1b"):
+                if strategy not in strategies or (strategy == "1f1b" and steps < pp):
+                    continue  # 1F1B needs at least one micro-batch per stage in flight
+                # DESIGN §3.1: B = dp · m · n
+                plans.append(
+                    Plan(strategy=strategy, dp=dp, pp=pp, micro_batch_size=m, n_microbatches=steps, global_batch_size=global_batch_size, layer_names=names)
+                )
+    return plans
+
+
+def nearest_valid_batch_sizes(
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    strategies: Sequence[str] = STRATEGIES,
+    max_pp: int | None = None,
+) -> tuple[int | None, int]:
+    """The closest global batch sizes below (None if none) and above ``global_batch_size`` that some plan factors."""
+    strategies = _check_strategies(strategies)
+    below = next(
+        (b for b in range(global_batch_size - 1, 0, -1) if _raw_plans(profile, world_size, b, strategies, max_pp)),
+        None,
+    )
+    above = global_batch_size + 1
+    # world_size · k always factors with dp_ga; pipelines alone may need more, so the search is bounded generously.
+    while not _raw_plans(profile, world_size, above, strategies, max_pp):
+        above += 1
+        if above > 64 * world_size * max(global_batch_size, 1):
+            raise BatchNotFactorableError(
+                f"No global batch size near {global_batch_size} can be factored for the strategies {list(strategies)} on {world_size} devices.",
+                hint="Allow strategy 'dp_ga', or check that the profile is splittable for pipelines.",
+            )
+    return below, above
+
+
+def _plan_value(plan: Plan, key: str) -> Any:
+    if key == "schedule":
+        return plan.schedule
+    return getattr(plan, key)
+
+
+def _normalise_pins(pins: dict[str, Any] | None) -> dict[str, Any]:
+    if not pins:
+        return {}
+    unknown = sorted(set(pins) - set(PIN_KEYS))
+    if unknown:
+        raise InfeasiblePlanError(f"Unknown pins {unknown}.", hint=f"Pin any of {', '.join(PIN_KEYS)}.")
+    out = dict(pins)
+    if "schedule" in out:
+        if out["schedule"] not in _SCHEDULE_TO_STRATEGY:
+            raise InfeasiblePlanError(f"Pinned schedule {out['schedule']!r} is unknown.", hint="Use 'none' (dp_ga), 'gpipe' or '1f1b'.")
+    if "strategy" in out and out["strategy"] not in STRATEGIES:
+        raise InfeasiblePlanError(f"Pinned strategy {out['strategy']!r} is unknown.", hint=f"Use one of {', '.join(STRATEGIES)}.")
+    if "stage_boundaries" in out:
+        out["stage_boundaries"] = tuple(int(b) for b in out["stage_boundaries"])
+    return out
+
+
+def _pin_reason(key: str, value: Any, profile: Profile, world_size: int, global_batch_size: int, strategies: Sequence[str]) -> str:
+    """Why a pin that matches no plan is impossible on its own (best effort, one clause)."""
+    n_layers = len(profile.layers)
+    if key in ("strategy", "schedule"):
+        strategy = value if key == "strategy" else _SCHEDULE_TO_STRATEGY[value]
+        if strategy not in strategies:
+            return f"strategy {strategy!r} is not among the allowed strategies {list(strategies)}"
+        if strategy != "dp_ga" and not profile.splittable:
+            return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+        if strategy != "dp_ga" and world_size < 2:
+            return "a pipeline needs at least 2 devices"
+    if key == "dp" and (not isinstance(value, int) or value < 1 or world_size % value):
+        return f"dp must divide world_size {world_size}"
+    if key == "pp":
+        if not isinstance(value, int) or value < 1 or world_size % value:
+            return f"pp must divide world_size {world_size}"
+        if value > 1 and not profile.splittable:
+            return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+        if value > n_layers:
+            return f"the profile has only {n_layers} layers, so at most {n_layers} stages"
+    if key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches") and (
+        not isinstance(value, int) or value < 1 or global_batch_size % value
+    ):
+        return f"it must be a positive divisor of the global batch size {global_batch_size}"
+    if key == "stage_boundaries":
+        b = value
+        if not _valid_boundaries(b, n_layers):
+            return f"boundaries must be strictly increasing layer indices in 1..{n_layers - 1}"
+        if not profile.splittable:
+            return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+        if world_size % (len(b) + 1):
+            return f"{len(b) + 1} stages do not divide world_size {world_size}"
+    return f"no plan with B={global_batch_size} on {world_size} devices has it"
+
+
+def _valid_boundaries(b: tuple[int, ...], n_layers: int) -> bool:
+    return bool(b) and all(0 < x < n_layers for x in b) and all(x < y for x, y in zip(b, b[1:]))
+
+
+def _matches(plan: Plan, key: str, value: Any) -> bool:
+    if key == "stage_boundaries":
+        return plan.pp == len(value) + 1
+    if key == "schedule":
+        return plan.schedule == value
+    return _plan_value(plan, key) == value
+
+
+def enumerate_plans(
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    strategies: Sequence[str] = STRATEGIES,
+    max_pp: int | None = None,
+    pins: dict[str, Any] | None = None,
+) -> list[Plan]:
+    """Every plan with dp · pp = ``world_size`` that factors ``global_batch_size`` exactly.
+
+    ``dp_ga``: B = dp·m·s. ``gpipe``/``1f1b``: B = dp·m·n with 2 ≤ pp ≤ number of profiled layers,
+    only when ``profile.splittable``; 1F1B needs n ≥ pp. Plans carry the profile's layer names;
+    pipeline plans leave ``stage_boundaries`` empty (the cost model balances them) unless pinned.
+
+    Args:
+        profile: the measured profile.
+        world_size: devices in total.
+        global_batch_size: samples per optimizer step (the user's, never changed).
+        strategies: which of ``dp_ga``, ``gpipe``, ``1f1b`` to consider.
+        max_pp: the most pipeline stages to consider.
+        pins: fix any of :data:`PIN_KEYS`, e.g. ``{"strategy": "1f1b", "micro_batch_size": 4}``.
+
+    Raises:
+        InfeasiblePlanError: bad sizes, an unknown strategy or pin, or a pin no plan satisfies (named, with why).
+        BatchNotFactorableError: no plan factors the global batch; lists the nearest valid sizes.
+    """
+    _check_sizes(world_size, global_batch_size)
+    strategies = _check_strategies(strategies)
+    pins = _normalise_pins(pins)
+    plans = _raw_plans(profile, world_size, global_batch_size, strategies, max_pp)
+    if not plans:
+        below, above = nearest_valid_batch_sizes(
+            profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp
+        )
+        nearest = (f"{below} or " if below else "") + str(above)
+        pipelines = "" if profile.splittable and any(s != "dp_ga" for s in strategies) else " (data parallel only: B must be a multiple of the world size)"
+        raise BatchNotFactorableError(
+            f"Global batch size {global_batch_size} cannot be factored over {world_size} devices{pipelines}.",
+            hint=f"Use the nearest valid global batch size, {nearest}, or a world size that divides it.",
+        )
+    for key, value in pins.items():
+        if key == "stage_boundaries" and not _valid_boundaries(value, len(profile.layers)):
+            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies)
+            raise InfeasiblePlanError(f"The pin {key}={list(value)!r} is impossible: {reason}.", hint="Drop or change that pin.")
+        if not any(_matches(plan, key, value) for plan in plans):
+            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies)
+            raise InfeasiblePlanError(f"The pin {key}={value!r} is impossible: {reason}.", hint="Drop or change that pin.")
+    chosen = [plan for plan in plans if all(_matches(plan, k, v) for k, v in pins.items())]
+    if not chosen:
+        pinned = ", ".join(f"{k}={v!r}" for k, v in pins.items())
+        raise InfeasiblePlanError(
+            f"The pins {pinned} are each possible but no plan with B={global_batch_size} on {world_size} devices satisfies all of them together.",
+            hint="Drop one of the pins; dp·pp must equal the world size and dp·m·(s or n) the global batch.",
+        )
+    if "stage_boundaries" in pins:
+        chosen = [replace(plan, stage_boundaries=pins["stage_boundaries"]) for plan in chosen]
+    return chosen

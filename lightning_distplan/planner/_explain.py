@@ -1,0 +1,92 @@
+"""A human-readable ranking: aligned table plus one line on why the winner wins."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from lightning_distplan.costmodel import BREAKDOWN_KEYS
+from lightning_distplan.planner._rank import Candidate
+
+__all__ = ["explain", "why_winner"]
+
+_SHORT = {"compute": "compute", "p2p": "p2p", "bubble": "bubble", "exposed_comm": "comm", "optimizer": "optim"}
+
+
+def _s(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f}"
+
+
+def explain(candidates: Sequence[Candidate], top: int = 10) -> str:
+    """Render ranked candidates as an aligned text table and a "why the winner wins" line.
+
+    Args:
+        candidates: the output of :func:`rank_plans` (best first).
+        top: how many rows to show (the summary always considers all candidates).
+    """
+    if not candidates:
+        return "No candidate plans."
+    priced = any(c.cost_per_step is not None for c in candidates)
+    header = ["rank", "plan", "step s"] + [_SHORT[k] + " s" for k in BREAKDOWN_KEYS] + ["peak GiB"]
+    if priced:
+        header += ["cost/step", "objective"]
+    header += ["feasible / why"]
+    rows = []
+    for cand in list(candidates)[: max(top, 1)]:
+        pred = cand.prediction
+        row = [str(cand.rank), cand.plan.describe(), _s(pred.step_time_s)]
+        row += [_s(pred.breakdown.get(k, 0.0)) for k in BREAKDOWN_KEYS]
+        row += [_gib(pred.peak_memory_bytes)]
+        if priced:
+            row += [_s(cand.cost_per_step or 0.0), _s(cand.objective)]
+        row += ["yes" if pred.feasible else f"NO: {pred.reason}"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    numeric = set(range(2, len(header) - 1))
+
+    def fmt(row: list[str]) -> str:
+        cells = [row[i].rjust(widths[i]) if i in numeric else row[i].ljust(widths[i]) for i in range(len(widths))]
+        return "  ".join(cells + [row[-1]]).rstrip()
+
+    lines = [fmt(header), fmt(["-" * w for w in widths] + ["-" * len(header[-1])])]
+    lines += [fmt(r) for r in rows]
+    if len(candidates) > len(rows):
+        lines.append(f"... {len(candidates) - len(rows)} more")
+    lines.append("")
+    lines.append(why_winner(candidates))
+    return "\n".join(lines)
+
+
+def why_winner(candidates: Sequence[Candidate]) -> str:
+    """One sentence: what the best plan saves over the best plan of another strategy (or the runner-up)."""
+    if not candidates:
+        return "No candidate plans."
+    win = candidates[0]
+    if not win.prediction.feasible:
+        return f"No plan fits in memory; the closest, {win.plan.describe()}, fails because {win.prediction.reason}"
+    feasible = [c for c in candidates[1:] if c.prediction.feasible]
+    if not feasible:
+        return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
+    other = next((c for c in feasible if c.plan.strategy != win.plan.strategy), feasible[0])
+    what = f"the best {other.plan.strategy} plan" if other.plan.strategy != win.plan.strategy else "the runner-up"
+    wt, ot = win.prediction.step_time_s, other.prediction.step_time_s
+    if ot > wt:
+        diffs = {k: other.prediction.breakdown.get(k, 0.0) - win.prediction.breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS}
+        key = max(diffs, key=lambda k: diffs[k])
+        because = f", mostly {_SHORT[key]} ({_s(win.prediction.breakdown[key])} s vs {_s(other.prediction.breakdown[key])} s)"
+        return (
+            f"Why the winner wins: {win.plan.describe()} takes {_s(wt)} s/step, {ot / wt:.2f}x less than {what} "
+            f"({other.plan.describe()}: {_s(ot)} s){because}."
+        )
+    if win.objective < other.objective:
+        return (
+            f"Why the winner wins: {win.plan.describe()} has the lower objective C + w·T ({_s(win.objective)} vs "
+            f"{_s(other.objective)} for {what}, {other.plan.describe()})."
+        )
+    return (
+        f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step "
+        f"and needs less peak memory ({_gib(win.prediction.peak_memory_bytes)} vs {_gib(other.prediction.peak_memory_bytes)} GiB)."
+    )

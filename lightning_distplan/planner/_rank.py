@@ -1,0 +1,122 @@
+"""Price every candidate plan with the cost model and order them (DESIGN §2, §3.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from lightning_distplan.costmodel import Hardware, Prediction, cost_per_step, objective, predict
+from lightning_distplan.planner._enumerate import enumerate_plans
+from lightning_distplan.plan import STRATEGIES, Plan
+
+if TYPE_CHECKING:
+    from lightning_distplan.profile import Profile
+
+__all__ = ["Candidate", "rank_plans"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ranked plan with its prediction.
+
+    ``plan`` carries the stage boundaries the prediction used, so running it runs what was priced.
+    """
+
+    plan: Plan
+    prediction: Prediction
+    objective: float
+    """What the ranking minimised: predicted seconds per step, or C + w·T when a price is given."""
+    rank: int
+    """1 = best; feasible plans always rank above infeasible ones."""
+    cost_per_step: float | None = None
+    """Money per step (seed 000 §IV-D) when a price was given, else None."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record of ``distplan plan --format json`` (DESIGN §5 field names)."""
+        plan, pred = self.plan, self.prediction
+        return {
+            "rank": self.rank,
+            "strategy": plan.strategy,
+            "schedule": plan.schedule,
+            "dp": plan.dp,
+            "pp": plan.pp,
+            "micro_batch_size": plan.micro_batch_size,
+            "accumulate_grad_batches": plan.accumulate_grad_batches,
+            "n_microbatches": plan.n_microbatches,
+            "global_batch_size": plan.global_batch_size,
+            "world_size": plan.world_size,
+            "stage_boundaries": list(plan.stage_boundaries),
+            "predicted_step_time_s": pred.step_time_s,
+            "predicted_peak_memory_bytes": pred.peak_memory_bytes,
+            "feasible": pred.feasible,
+            "reason": pred.reason,
+            "breakdown": dict(pred.breakdown),
+            "memory_breakdown": dict(pred.memory_breakdown),
+            "stage_times_s": list(pred.stage_times_s),
+            "stage_memory_bytes": list(pred.stage_memory_bytes),
+            "predicted_cost_per_step": self.cost_per_step,
+            "objective": self.objective,
+            "plan": plan.to_dict(),
+        }
+
+
+def rank_plans(
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    hardware: Hardware | None = None,
+    price_per_hour: float | None = None,
+    time_weight: float = 0.0,
+    pins: dict[str, Any] | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    max_pp: int | None = None,
+) -> list[Candidate]:
+    """Every plan for ``global_batch_size`` on ``world_size`` devices, best first.
+
+    Feasible plans come first, ordered by objective — predicted step time, or
+    C + w·T (seed 000 §IV-D) with C = world_size · price_per_hour/3600 · T when ``price_per_hour``
+    is given (one device per instance) — then by lower peak memory (so 1F1B beats an equally fast
+    GPipe). Infeasible plans follow, marked, with their reason.
+
+    Args:
+        profile: the measured profile.
+        world_size: devices in total.
+        global_batch_size: samples per optimizer step.
+        hardware: target devices; default :meth:`Hardware.from_profile`.
+        price_per_hour: price of one device (instance) per hour.
+        time_weight: w in C + w·T (only with a price).
+        pins: see :func:`enumerate_plans`.
+        strategies: which strategies to consider.
+        max_pp: the most pipeline stages to consider.
+
+    Raises:
+        InfeasiblePlanError: ``world_size`` or ``global_batch_size`` below 1, or an impossible pin.
+        BatchNotFactorableError: the global batch cannot be factored (with the nearest valid sizes).
+
+    Example:
+        >>> best = rank_plans(profile, world_size=4, global_batch_size=64)[0]  # doctest: +SKIP
+        >>> best.plan.describe(), best.prediction.step_time_s  # doctest: +SKIP
+    """
+    plans = enumerate_plans(
+        profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp, pins=pins
+    )
+    hw = hardware if hardware is not None else Hardware.from_profile(profile)
+    scored: list[tuple[tuple, Plan, Prediction, float, float | None]] = []
+    for plan in plans:
+        pred = predict(profile, plan, hw)
+        if pred.stage_boundaries != plan.stage_boundaries:
+            plan = replace(plan, stage_boundaries=pred.stage_boundaries)
+        cost = None
+        if price_per_hour is not None:
+            cost = cost_per_step(pred.step_time_s, instances=plan.world_size, price_per_hour=price_per_hour)
+            score = objective(cost, pred.step_time_s, time_weight)
+        else:
+            score = pred.step_time_s
+        key = (not pred.feasible, score, pred.peak_memory_bytes, plan.pp, plan.describe())
+        scored.append((key, plan, pred, score, cost))
+    scored.sort(key=lambda item: item[0])
+    return [
+        Candidate(plan=plan, prediction=pred, objective=score, rank=i + 1, cost_per_step=cost)
+        for i, (_, plan, pred, score, cost) in enumerate(scored)
+    ]

@@ -1,0 +1,65 @@
+"""Hardware from a profile, and the money side: C = instances·price_per_s·T, objective C + w·T."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+
+from lightning_distplan.costmodel import DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_LATENCY_S, Hardware, cost_per_step, objective
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.errors import CatalogError, DistPlanError
+from lightning_distplan.profile import LinkProfile
+
+LINKS = (
+    LinkProfile(kind="allreduce", backend="nccl", world_size=2, latency_s=2e-5, bandwidth_bytes_per_s=5e10),
+    LinkProfile(kind="allreduce", backend="nccl", world_size=4, latency_s=3e-5, bandwidth_bytes_per_s=4e10),
+    LinkProfile(kind="p2p", backend="nccl", world_size=2, latency_s=1e-5, bandwidth_bytes_per_s=6e10),
+)
+
+
+def test_from_profile_uses_measured_links_and_memory():
+    prof = synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS, device_memory_bytes=24 << 30)
+    hw = Hardware.from_profile(prof)
+    assert hw.device_memory_bytes == 24 << 30
+    # the all-reduce measured over the most ranks is the one that scales to a ring
+    assert (hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s) == (3e-5, 4e10)
+    assert (hw.p2p_latency_s, hw.p2p_bandwidth_bytes_per_s) == (1e-5, 6e10)
+    assert hw.link_source == "measured" and hw.compute_scale == 1.0 and hw.memory_margin == 0.9
+
+
+def test_given_numbers_win_and_defaults_are_explicit(caplog):
+    prof = synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS)
+    given = Hardware.from_profile(prof, device_memory_bytes=8 << 30, bandwidth_bytes_per_s=1.25e9, latency_s=1e-4)
+    assert given.device_memory_bytes == 8 << 30
+    assert given.allreduce_bandwidth_bytes_per_s == given.p2p_bandwidth_bytes_per_s == 1.25e9
+    assert given.allreduce_latency_s == given.p2p_latency_s == 1e-4
+    assert given.link_source == "given"
+    with caplog.at_level(logging.WARNING):
+        default = Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]))
+    assert default.link_source == "default"
+    assert default.allreduce_bandwidth_bytes_per_s == DEFAULT_BANDWIDTH_BYTES_PER_S == 5e8  # 4 Gbit/s, seed 000 Table III
+    assert default.p2p_latency_s == DEFAULT_LATENCY_S
+    assert "no inter-device link" in caplog.text
+
+
+def test_hardware_validation_is_a_one_sentence_error():
+    good = Hardware(device_memory_bytes=1, allreduce_latency_s=0, allreduce_bandwidth_bytes_per_s=1, p2p_latency_s=0, p2p_bandwidth_bytes_per_s=1)
+    with pytest.raises(CatalogError, match=r"allreduce_bandwidth_bytes_per_s.*got 0.*HINT"):
+        replace(good, allreduce_bandwidth_bytes_per_s=0)
+    with pytest.raises(CatalogError, match="memory_margin"):
+        replace(good, memory_margin=1.5)
+    with pytest.raises(DistPlanError, match="device_memory_bytes"):
+        replace(good, device_memory_bytes=0)
+
+
+def test_cost_seed000_section_4d():
+    # C = instances · price/3600 · T = 8 · (3.6/3600) · 2.5 = 0.02
+    assert cost_per_step(2.5, instances=8, price_per_hour=3.6) == pytest.approx(0.02, rel=1e-12)
+    assert objective(0.02, 2.5, 0.0) == pytest.approx(0.02)
+    assert objective(0.02, 2.5, 4096) == pytest.approx(0.02 + 4096 * 2.5)
+    with pytest.raises(CatalogError, match="instances"):
+        cost_per_step(1.0, instances=0, price_per_hour=1.0)
+    with pytest.raises(CatalogError, match="time_weight"):
+        objective(1.0, 1.0, -1)

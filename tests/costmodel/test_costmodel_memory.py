@@ -1,0 +1,123 @@
+"""Per-device memory: DP, GPipe vs 1F1B in-flight activations, feasibility."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lightning_distplan.costmodel import MEMORY_KEYS, Hardware, in_flight_microbatches, predict
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.plan import Plan
+
+
+def hw(memory: int = 16 << 30, **kw) -> Hardware:
+    return Hardware(
+        device_memory_bytes=memory, allreduce_latency_s=1e-4, allreduce_bandwidth_bytes_per_s=1e9,
+        p2p_latency_s=1e-3, p2p_bandwidth_bytes_per_s=1e9, **kw,
+    )
+
+
+def profile(**kw):
+    # params 1e6 per layer (4e6), grads = params, Adam state 2× params (8e6),
+    # saved activations per sample [1, 2, 3, 4]e6 (whole step 10e6·m), fixed overhead 1e6
+    layers = [
+        LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=1e6),
+        LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=2e6),
+        LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=3e6),
+        LayerSpec(fwd_alpha=0.03, bwd_alpha=0.06, param_bytes=1_000_000, activation_bytes_per_sample=4e6),
+    ]
+    return synthetic_profile(layers, fixed_overhead_bytes=1_000_000, **kw)
+
+
+def test_dp_memory_one_microbatch_of_activations():
+    plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=2, accumulate_grad_batches=4, global_batch_size=16)
+    pred = predict(profile(), plan, hw())
+    assert pred.memory_breakdown == {"params": 4_000_000, "grads": 4_000_000, "optimizer": 8_000_000, "activations": 20_000_000, "overhead": 1_000_000}
+    assert tuple(pred.memory_breakdown) == MEMORY_KEYS
+    assert pred.peak_memory_bytes == 37_000_000
+
+
+def test_gpipe_vs_1f1b_exact_counts():
+    kw = dict(dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8, stage_boundaries=(3,))
+    gpipe = predict(profile(), Plan(strategy="gpipe", **kw), hw())
+    onef = predict(profile(), Plan(strategy="1f1b", **kw), hw())
+    # stage 0 = layers 0..2: static 3/4·16e6 = 12e6, activations/micro-batch 2·(1+2+3)e6 = 12e6
+    # stage 1 = layer 3:      static 1/4·16e6 = 4e6,  activations/micro-batch 2·4e6 = 8e6
+    # GPipe keeps n = 4 on both stages; 1F1B keeps min(n, p−k) = 2 on stage 0 and 1 on stage 1
+    assert gpipe.stage_memory_bytes == (12e6 + 4 * 12e6 + 1e6, 4e6 + 4 * 8e6 + 1e6)
+    assert onef.stage_memory_bytes == (12e6 + 2 * 12e6 + 1e6, 4e6 + 1 * 8e6 + 1e6)
+    assert gpipe.peak_memory_bytes == 61_000_000 and onef.peak_memory_bytes == 37_000_000
+    assert onef.memory_breakdown == {"params": 3_000_000, "grads": 3_000_000, "optimizer": 6_000_000, "activations": 24_000_000, "overhead": 1_000_000}
+    # the two schedules differ in memory only
+    assert gpipe.step_time_s == onef.step_time_s
+
+
+def test_in_flight_counts():
+    assert [in_flight_microbatches("1f1b", 8, 4, k) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_microbatches("1f1b", 2, 4, k) for k in range(4)] == [2, 2, 2, 1]
+    assert [in_flight_microbatches("gpipe", 8, 4, k) for k in range(4)] == [8, 8, 8, 8]
+
+
+def test_1f1b_never_needs_more_than_gpipe_random():
+    rng = random.Random(1)
+    for _ in range(40):
+        layers = [
+            LayerSpec(fwd_alpha=rng.uniform(0, 1), bwd_alpha=rng.uniform(0, 1), param_bytes=rng.randrange(0, 10**7), activation_bytes_per_sample=rng.uniform(0, 1e7))
+            for _ in range(rng.randint(2, 8))
+        ]
+        prof = synthetic_profile(layers)
+        p = rng.randint(2, len(layers))
+        n = rng.randint(p, 12)
+        kw = dict(dp=1, pp=p, micro_batch_size=rng.randint(1, 4), n_microbatches=n)
+        kw["global_batch_size"] = kw["micro_batch_size"] * n
+        g = predict(prof, Plan(strategy="gpipe", **kw), hw())
+        o = predict(prof, Plan(strategy="1f1b", stage_boundaries=g.stage_boundaries, **kw), hw())
+        assert all(x <= y for x, y in zip(o.stage_memory_bytes, g.stage_memory_bytes))
+        assert o.peak_memory_bytes <= g.peak_memory_bytes
+
+
+def test_feasibility_uses_the_margin_and_marks_infeasible():
+    kw = dict(dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    device = 50_000_000  # usable 0.9 × 50e6 = 45e6
+    onef = predict(profile(), Plan(strategy="1f1b", **kw), hw(device))
+    gpipe = predict(profile(), Plan(strategy="gpipe", **kw), hw(device))
+    assert onef.feasible and onef.peak_memory_bytes == 37_000_000 and onef.stage_boundaries == (3,)
+    assert "fits" in onef.reason
+    # GPipe's 4 micro-batches fit no split: (3,) needs 61e6 on stage 0, (2,) 64e6+... on stage 1
+    assert not gpipe.feasible
+    assert "exceeds 90%" in gpipe.reason and "no split into 2 stages fits" in gpipe.reason
+    dp = predict(profile(), Plan(strategy="dp_ga", micro_batch_size=2, accumulate_grad_batches=4, global_batch_size=8), hw(device, memory_margin=0.7))
+    assert not dp.feasible  # 37e6 > 0.7 × 50e6
+
+
+def test_memory_cap_steers_the_partition():
+    # equal times, very unequal activations: the time-optimal split (2,) does not fit, (3,) does
+    layers = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, activation_bytes_per_sample=a) for a in (1e6, 1e6, 8e6, 1e6)]
+    prof = synthetic_profile(layers)
+    plan = Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=1, n_microbatches=2, global_batch_size=2)
+    assert predict(prof, plan, hw()).stage_boundaries == (2,)
+    capped = predict(prof, plan, hw(int(20e6 / 0.9) + 1))  # usable just above 20e6: (2,) puts 2·9e6 = 18e6 on stage 1, fits
+    assert capped.stage_boundaries == (2,)
+    tight = predict(prof, plan, hw(int(17e6 / 0.9)))  # usable ~17e6: stage 1 of (2,) needs 18e6; (3,) needs 2·10e6 = 20e6 on stage 0
+    assert not tight.feasible
+    tighter_ok = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, activation_bytes_per_sample=a) for a in (1e6, 1e6, 1e6, 8e6)])
+    split = predict(tighter_ok, plan, hw(int(17e6 / 0.9)))
+    # time-optimal (2,) puts 2·9e6 = 18e6 on stage 1 (too much); (3,) puts 6e6 | 16e6 and is chosen
+    assert split.stage_boundaries == (3,) and split.feasible
+
+
+def test_profiled_oom_micro_batch_is_infeasible_for_dp():
+    prof = profile(infeasible_micro_batch_sizes=(8,))
+    ok = predict(prof, Plan(strategy="dp_ga", micro_batch_size=4, accumulate_grad_batches=2, global_batch_size=8), hw())
+    oom = predict(prof, Plan(strategy="dp_ga", micro_batch_size=8, accumulate_grad_batches=1, global_batch_size=8), hw())
+    assert ok.feasible
+    assert not oom.feasible and "ran out of memory while profiling" in oom.reason
+    # on a device larger than the profiled one, the profiled OOM no longer binds; the model decides
+    bigger = predict(prof, Plan(strategy="dp_ga", micro_batch_size=8, accumulate_grad_batches=1, global_batch_size=8), hw(32 << 30))
+    assert bigger.feasible
+
+
+def test_extrapolated_micro_batch_is_flagged():
+    pred = predict(profile(), Plan(strategy="dp_ga", micro_batch_size=16, accumulate_grad_batches=1, global_batch_size=16), hw())
+    assert pred.feasible and "extrapolated beyond the profiled sizes (up to 8)" in pred.reason

@@ -1,0 +1,200 @@
+"""Step-time formulas of the cost model, pinned against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lightning_distplan.costmodel import BREAKDOWN_KEYS, Hardware, overlappable_fraction, predict, ring_allreduce_time
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.errors import ModelSplitError
+from lightning_distplan.plan import Plan
+from lightning_distplan.profile import LinearFit
+
+
+def hw(**kw) -> Hardware:
+    base = dict(
+        device_memory_bytes=16 << 30,
+        allreduce_latency_s=1e-4,
+        allreduce_bandwidth_bytes_per_s=1e9,
+        p2p_latency_s=1e-3,
+        p2p_bandwidth_bytes_per_s=1e9,
+    )
+    base.update(kw)
+    return Hardware(**base)
+
+
+def dp_profile(param_bytes: int = 4_000_000):
+    # two layers, each bwd 0.1·m + 0.05; whole step fit given explicitly:
+    # T_calc(m) = (0.1 + 0.2)·m + (0.05 + 0.1) = 0.3·m + 0.15
+    layer = LayerSpec(fwd_alpha=0.03, fwd_beta=0.01, bwd_alpha=0.1, bwd_beta=0.05, param_bytes=param_bytes)
+    return synthetic_profile(
+        [layer, layer], step_forward=(0.1, 0.05), step_backward=(0.2, 0.1), optimizer_step_time_s=0.02, grad_bytes=8_000_000
+    )
+
+
+def test_ring_allreduce_seed001_eq_5_1():
+    # 2(W−1)·(L + G/(W·BW)) = 2·3·(1e-4 + 8e6/(4·1e9)) = 6·2.1e-3
+    assert ring_allreduce_time(8e6, 4, 1e-4, 1e9) == pytest.approx(0.0126, rel=1e-12)
+    assert ring_allreduce_time(8e6, 1, 1e-4, 1e9) == 0.0
+
+
+def test_dp_ga_fully_hidden_allreduce():
+    profile = dp_profile()
+    plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=24)
+    pred = predict(profile, plan, hw())
+    # compute = s·T_calc(m) = 3·(0.3·2 + 0.15) = 2.25; S_all = 0.0126; overlap window = 0.5·bwd(2) = 0.5·0.5 = 0.25
+    assert pred.breakdown["compute"] == pytest.approx(2.25, rel=1e-12)
+    assert pred.breakdown["exposed_comm"] == pytest.approx(0.0, abs=1e-15)
+    assert pred.breakdown["optimizer"] == pytest.approx(0.02)
+    assert pred.step_time_s == pytest.approx(2.27, rel=1e-12)
+
+
+def test_dp_ga_partial_overlap_only_last_microbatch():
+    profile = dp_profile()
+    # last layer's 4e6 bytes fill DDP's 1 MiB first bucket, so the backward of layer 0 (half the backward) can overlap
+    assert overlappable_fraction(profile, 2) == pytest.approx(0.5)
+    plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=24)
+    pred = predict(profile, plan, hw(allreduce_bandwidth_bytes_per_s=1e7))
+    s_all = 6 * (1e-4 + 8e6 / (4 * 1e7))  # 1.2006
+    s_over = 0.5 * (0.2 * 2 + 0.1)  # only the last micro-batch's backward: 0.25, not 3 × 0.25
+    assert pred.breakdown["exposed_comm"] == pytest.approx(s_all - s_over, rel=1e-12)
+    assert pred.step_time_s == pytest.approx(2.25 + 0.02 + 0.9506, rel=1e-12)
+
+
+def test_dp_ga_small_model_single_bucket_no_overlap():
+    profile = dp_profile(param_bytes=1000)  # all gradients fit DDP's first bucket: ready only when backward ends
+    assert overlappable_fraction(profile, 2) == 0.0
+    plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=2, accumulate_grad_batches=1, global_batch_size=4)
+    pred = predict(profile, plan, hw())
+    assert pred.breakdown["exposed_comm"] == pytest.approx(2 * (1e-4 + 8e6 / 2e9), rel=1e-12)
+
+
+def test_dp_single_replica_has_no_comm_and_compute_scale_applies():
+    profile = dp_profile()
+    plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=4, accumulate_grad_batches=2, global_batch_size=8)
+    pred = predict(profile, plan, hw(compute_scale=0.5))
+    assert pred.breakdown["exposed_comm"] == 0.0
+    assert pred.breakdown["compute"] == pytest.approx(0.5 * 2 * (0.3 * 4 + 0.15), rel=1e-12)
+    assert pred.breakdown["optimizer"] == pytest.approx(0.5 * 0.02)
+
+
+def pipe_profile(step_scale: float = 1.0):
+    small = LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e6)
+    big = LayerSpec(fwd_alpha=0.03, bwd_alpha=0.06, param_bytes=1_000_000, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e6)
+    layers = [small, small, small, big]  # 0.03·m, 0.03·m, 0.03·m, 0.09·m
+    return synthetic_profile(
+        layers,
+        step_forward=(0.06 * step_scale, 0.0),
+        step_backward=(0.12 * step_scale, 0.0),
+        optimizer_step_time_s=0.1,
+    )
+
+
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b"])
+def test_pipeline_seed000_eq1(strategy):
+    plan = Plan(strategy=strategy, dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    pred = predict(pipe_profile(), plan, hw())
+    # layer times at m=2: [0.06, 0.06, 0.06, 0.18] -> the unique best split is (3,): 0.18 | 0.18
+    assert pred.stage_boundaries == (3,)
+    # stage 0 also sends layer 2's output forward and gets its gradient back: 2·(1e-3 + 2·1e6/1e9) = 0.006
+    assert pred.stage_times_s == pytest.approx((0.186, 0.18), rel=1e-12)
+    # eq. (1): Σ St_k + (n−1)·max St_k = 0.366 + 3·0.186 = 0.924; plus optimizer 0.1·(3/4 of the params)
+    b = pred.breakdown
+    assert b["compute"] == pytest.approx(4 * 0.18)
+    assert b["p2p"] == pytest.approx(4 * 0.006)
+    assert b["bubble"] == pytest.approx(0.18)
+    assert b["exposed_comm"] == 0.0
+    assert b["optimizer"] == pytest.approx(0.075)
+    assert pred.step_time_s == pytest.approx(0.924 + 0.075, rel=1e-12)
+
+
+def test_pipeline_layers_give_shares_step_fit_gives_total():
+    plan = Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    base = predict(pipe_profile(1.0), plan, hw(p2p_latency_s=0.0))
+    doubled = predict(pipe_profile(2.0), plan, hw(p2p_latency_s=0.0))  # same layers, whole step measured 2x slower
+    assert doubled.breakdown["compute"] == pytest.approx(2 * base.breakdown["compute"], rel=1e-12)
+    assert doubled.breakdown["bubble"] == pytest.approx(2 * base.breakdown["bubble"], rel=1e-12)
+
+
+def test_hybrid_adds_per_stage_allreduce():
+    plan = Plan(strategy="1f1b", dp=2, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=16)
+    pred = predict(pipe_profile(), plan, hw())
+    # stage 0 holds 3 of 4 equal layers: 3e6 gradient bytes over 2 replicas: 2·1·(1e-4 + 3e6/(2·1e9))
+    assert pred.breakdown["exposed_comm"] == pytest.approx(2 * (1e-4 + 1.5e-3), rel=1e-12)
+    assert pred.step_time_s == pytest.approx(0.924 + 0.075 + 0.0032, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "strategy,p,n",
+    [(s, p, n) for s in ("gpipe", "1f1b") for p, n in [(2, 1), (2, 4), (4, 4), (4, 16), (3, 7), (8, 8)] if s == "gpipe" or n >= p],
+)
+def test_bubble_fraction_equal_stages(strategy, p, n):
+    layers = [LayerSpec(fwd_alpha=0.01, fwd_beta=0.002, bwd_alpha=0.02, bwd_beta=0.004)] * 24  # 24 layers: equal stages for p = 2, 3, 4, 8
+    profile = synthetic_profile(layers, optimizer_step_time_s=0.0)
+    plan = Plan(strategy=strategy, dp=1, pp=p, micro_batch_size=3, n_microbatches=n, global_batch_size=3 * n)
+    pred = predict(profile, plan, hw(p2p_latency_s=0.0))
+    assert pred.breakdown["bubble"] / pred.step_time_s == pytest.approx((p - 1) / (n + p - 1), rel=1e-12)
+    # seed 001 eq. 6.1: T = T_seq·(p + n − 1)/p with T_seq the single-device time of one micro-batch
+    t_seq = 24 * (0.03 * 3 + 0.006)
+    assert pred.step_time_s == pytest.approx(t_seq * (p + n - 1) / p, rel=1e-12)
+
+
+def test_breakdown_sums_exactly_on_random_plans():
+    rng = random.Random(0)
+    for _ in range(60):
+        layers = [
+            LayerSpec(
+                fwd_alpha=rng.uniform(0, 0.05), fwd_beta=rng.uniform(0, 0.01), bwd_alpha=rng.uniform(0, 0.1), bwd_beta=rng.uniform(0, 0.02),
+                param_bytes=rng.randrange(0, 5_000_000), activation_bytes_per_sample=rng.uniform(0, 1e6), output_bytes_per_sample=rng.uniform(0, 1e6),
+            )
+            for _ in range(rng.randint(2, 7))
+        ]
+        profile = synthetic_profile(layers, optimizer_step_time_s=rng.uniform(0, 0.1))
+        p = rng.randint(2, len(layers))
+        n = rng.randint(p, 9)
+        dp = rng.randint(1, 3)
+        for plan in (
+            Plan(strategy=rng.choice(["gpipe", "1f1b"]), dp=dp, pp=p, micro_batch_size=2, n_microbatches=n, global_batch_size=2 * n * dp),
+            Plan(strategy="dp_ga", dp=dp, micro_batch_size=2, accumulate_grad_batches=n, global_batch_size=2 * n * dp),
+        ):
+            pred = predict(profile, plan, hw(allreduce_bandwidth_bytes_per_s=rng.uniform(1e6, 1e10)))
+            assert tuple(pred.breakdown) == BREAKDOWN_KEYS
+            assert sum(pred.breakdown.values()) == pred.step_time_s  # exactly, not approximately
+            assert all(v >= 0 for v in pred.breakdown.values())
+
+
+def test_plan_with_more_stages_than_layers_is_a_split_error():
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.01)] * 2)
+    plan = Plan(strategy="gpipe", dp=1, pp=3, micro_batch_size=1, n_microbatches=3, global_batch_size=3)
+    with pytest.raises(ModelSplitError, match=r"2 profiled layers into 3.*HINT"):
+        predict(profile, plan, hw())
+
+
+def test_seed000_table1_t4_column_a_plus_b_over_m():
+    """seed 000 Table I, HP-IaaS (T4), ResNet-101, B = 256: T_comp(m) = a + b/m.
+
+    Why this form: the iteration runs B/m micro-batches, each costing t(m) = α·m + β
+    (seed 000 §III-B), so T_comp(m) = (B/m)·(α·m + β) = B·α + B·β/m — a = B·α, b = B·β.
+    We fit α and β from the m = 1 and m = 32 rows only and let the cost model's DP+GA compute
+    term (s·T_calc(m) with s = B/m) predict the other four rows.
+    """
+    measured = {1: 16.21, 2: 10.42, 4: 8.74, 8: 5.88, 16: 5.24, 32: 5.13}
+    B = 256
+    per_microbatch = LinearFit.fit([1, 32], [measured[1] * 1 / B, measured[32] * 32 / B])
+    a, b = B * per_microbatch.alpha, B * per_microbatch.beta
+    assert a + b == pytest.approx(16.21) and a + b / 32 == pytest.approx(5.13)
+    # split the per-micro-batch fit 1:2 between forward and backward; only the sum matters here
+    profile = synthetic_profile(
+        [LayerSpec(fwd_alpha=1.0)],
+        step_forward=(per_microbatch.alpha / 3, per_microbatch.beta / 3),
+        step_backward=(2 * per_microbatch.alpha / 3, 2 * per_microbatch.beta / 3),
+    )
+    for m in (2, 4, 8, 16):
+        plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=B // m, global_batch_size=B)
+        predicted = predict(profile, plan, hw()).breakdown["compute"]
+        assert predicted == pytest.approx(a + b / m, rel=1e-9)
+        assert abs(predicted - measured[m]) / measured[m] < 0.15, (m, predicted, measured[m])
+    assert math.isclose(a + b / 4, 7.632, rel_tol=1e-3)  # the worst row (−12.7% vs 8.74), still inside 15%
