@@ -64,7 +64,7 @@ def _raw_plans(
             if pp == 1:
                 if "dp_ga" in strategies:
                     # DESIGN §3.1: B = dp · m · s
-                    plans.append(Plan(strategy="dp_ga", dp=dp, micro_batch_size=m, accumulate_grad_batches=steps, global_batch_size=global_batch_size))
+                    plans.append(Plan(strategy="dp_ga", dp=dp, micro_batch_size=m, accumulate_grad_batches=steps, global_batch_size=global_batch_size, layer_names=names))
                 continue
             if not profile.splittable or pp > n_layers or (max_pp is not None and pp > max_pp):
                 continue

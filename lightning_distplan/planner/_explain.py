@@ -70,8 +70,18 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     feasible = [c for c in candidates[1:] if c.prediction.feasible]
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
-    other = next((c for c in feasible if c.plan.strategy != win.plan.strategy), feasible[0])
-    what = f"the best {other.plan.strategy} plan" if other.plan.strategy != win.plan.strategy else "the runner-up"
+    # Compare with the best plan of another layout (dp / pp / hybrid) first: "why pipelines over DP"
+    # is the question users ask; GPipe vs 1F1B of the same layout differ only in memory.
+    other = next(
+        (c for c in feasible if c.plan.kind != win.plan.kind),
+        next((c for c in feasible if c.plan.strategy != win.plan.strategy), feasible[0]),
+    )
+    if other.plan.kind != win.plan.kind:
+        what = f"the best {other.plan.strategy} {other.plan.kind} plan"
+    elif other.plan.strategy != win.plan.strategy:
+        what = f"the best {other.plan.strategy} plan"
+    else:
+        what = "the runner-up"
     wt, ot = win.prediction.step_time_s, other.prediction.step_time_s
     if ot > wt:
         diffs = {k: other.prediction.breakdown.get(k, 0.0) - win.prediction.breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS}

@@ -1,0 +1,134 @@
+"""`distplan plan` end to end on a Profile JSON written by hand (DESIGN §5)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lightning_distplan.cli import main
+from lightning_distplan.profile import Profile
+
+
+def _fit(alpha, beta):
+    return {"alpha": alpha, "beta": beta, "r2": 1.0}
+
+
+def _layer(i, param_bytes=4_000_000):
+    return {
+        "name": f"model.layers.{i}",
+        "forward": _fit(0.01, 0.001),
+        "backward": _fit(0.02, 0.002),
+        "param_count": param_bytes // 4,
+        "param_bytes": param_bytes,
+        "activation_bytes_per_sample": 2e6,
+        "output_bytes_per_sample": 1e5,
+    }
+
+
+def profile_json(**over):
+    """A schema-version-1 profile as the profiler would save it, written out field by field."""
+    data = {
+        "schema_version": 1,
+        "model": "tests.HandWritten",
+        "device": {"type": "cuda", "name": "Tesla T4", "total_memory_bytes": 16 << 30, "memory_source": "nvml"},
+        "micro_batch_sizes": [1, 2, 4, 8],
+        "step": {"forward": _fit(0.04, 0.004), "backward": _fit(0.08, 0.008)},
+        "layers": [_layer(i) for i in range(4)],
+        "optimizer": {"name": "AdamW", "state_bytes": 32_000_000, "step_time_s": 0.01},
+        "memory": {
+            "param_bytes": 16_000_000,
+            "grad_bytes": 16_000_000,
+            "optimizer_state_bytes": 32_000_000,
+            "activation": _fit(8e6, 0.0),
+            "fixed_overhead_bytes": 50_000_000,
+            "measured_peak_bytes": {"1": 120_000_000},
+            "device_total_bytes": 16 << 30,
+            "device_total_source": "nvml",
+        },
+        "links": [{"kind": "allreduce", "backend": "nccl", "world_size": 2, "latency_s": 2e-5, "bandwidth_bytes_per_s": 2e10}],
+        "infeasible_micro_batch_sizes": [],
+        "splittable": True,
+        "split_reason": "hand-written",
+    }
+    data.update(over)
+    return data
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_json()))
+    return path
+
+
+def test_json_output_is_the_ranked_list(profile_path, capsys):
+    assert main(["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out, list) and len(out) > 4
+    assert {"dp_ga", "gpipe", "1f1b"} == {c["strategy"] for c in out}
+    for i, c in enumerate(out, 1):
+        assert c["rank"] == i
+        for key in ("strategy", "schedule", "dp", "pp", "micro_batch_size", "accumulate_grad_batches", "n_microbatches",
+                    "predicted_step_time_s", "predicted_peak_memory_bytes", "feasible", "breakdown", "objective"):
+            assert key in c
+        steps = c["accumulate_grad_batches"] if c["strategy"] == "dp_ga" else c["n_microbatches"]
+        assert c["dp"] * c["micro_batch_size"] * steps == 32 and c["dp"] * c["pp"] == 4
+    # the same ranking the library gives
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.planner import rank_plans
+
+    profile = Profile.load(profile_path)
+    lib = rank_plans(profile, world_size=4, global_batch_size=32, hardware=Hardware.from_profile(profile))
+    assert [c["predicted_step_time_s"] for c in out] == [c.prediction.step_time_s for c in lib]
+
+
+def test_table_output_and_options(profile_path, capsys):
+    args = ["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--top", "3",
+            "--bandwidth-gbps", "10", "--latency-us", "30", "--device-memory-gb", "24", "--price-per-hour", "0.8", "--time-weight", "4096"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("rank") and "objective" in lines[0] and "cost/step" in lines[0]
+    assert lines[2].startswith("1 ") and lines[5].startswith("... ")
+    assert "Why the winner wins" in lines[-1] or "only plan" in lines[-1]
+    assert main(args[:-8] + ["--format", "json", "--strategy", "dp_ga"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out) == 3 and {c["strategy"] for c in out} == {"dp_ga"}
+
+
+@pytest.mark.parametrize(
+    "mutate,args,message",
+    [
+        (None, ["--world-size", "0", "--global-batch-size", "32"], "`world_size` must be a positive integer, got 0"),
+        (None, ["--world-size", "4", "--global-batch-size", "10", "--strategy", "dp_ga"], "nearest valid global batch size, 8 or 12"),
+        ({"schema_version": 99}, ["--world-size", "2", "--global-batch-size", "8"], "profile schema version 99"),
+        ({"layers": []}, ["--world-size", "2", "--global-batch-size", "8"], "has no layers"),
+        ("corrupt", ["--world-size", "2", "--global-batch-size", "8"], "is not valid JSON"),
+        ("missing", ["--world-size", "2", "--global-batch-size", "8"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, message):
+    path = tmp_path / "p.json"
+    if mutate == "corrupt":
+        path.write_text('{"schema_version": 1, "model": ')
+    elif mutate != "missing":
+        path.write_text(json.dumps(profile_json(**(mutate or {}))))
+    assert main(["plan", "--profile", str(path), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert message in err[0] and "HINT:" in err[0]
+
+
+def test_real_entry_point_no_traceback(tmp_path):
+    # one real process (the in-process tests above cover the successful paths)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_json()))
+    bad = subprocess.run(
+        [sys.executable, "-m", "lightning_distplan.cli", "plan", "--profile", str(path), "--world-size", "3", "--global-batch-size", "8", "--strategy", "dp_ga"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "HINT: Use the nearest valid global batch size, 6 or 9" in bad.stderr

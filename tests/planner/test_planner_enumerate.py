@@ -1,0 +1,108 @@
+"""enumerate_plans: every plan factors the user's global batch exactly (DESIGN §3.1); pins."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
+from lightning_distplan.planner import enumerate_plans, nearest_valid_batch_sizes
+
+LAYER = LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1000, activation_bytes_per_sample=100)
+
+
+def prof(n_layers: int = 4, splittable: bool = True):
+    return synthetic_profile([LAYER] * n_layers, splittable=splittable)
+
+
+def _expected(W, B, n_layers, splittable=True):
+    """Brute force over all (strategy, dp, pp, m, steps) tuples."""
+    out = set()
+    for dp in range(1, W + 1):
+        for pp in range(1, W + 1):
+            if dp * pp != W:
+                continue
+            for m in range(1, B + 1):
+                for steps in range(1, B + 1):
+                    if dp * m * steps != B:
+                        continue
+                    if pp == 1:
+                        out.add(("dp_ga", dp, 1, m, steps))
+                    elif splittable and pp <= n_layers:
+                        out.add(("gpipe", dp, pp, m, steps))
+                        if steps >= pp:
+                            out.add(("1f1b", dp, pp, m, steps))
+    return out
+
+
+@pytest.mark.parametrize("W,B,n_layers", [(1, 12, 4), (4, 32, 4), (6, 24, 3), (8, 16, 8), (4, 10, 4), (3, 9, 2)])
+def test_enumeration_is_exactly_the_factorisations(W, B, n_layers):
+    plans = enumerate_plans(prof(n_layers), world_size=W, global_batch_size=B)
+    got = {(p.strategy, p.dp, p.pp, p.micro_batch_size, p.steps_per_replica) for p in plans}
+    assert got == _expected(W, B, n_layers)
+    assert len(got) == len(plans)  # no duplicates
+    for p in plans:
+        assert p.dp * p.pp == W
+        assert p.dp * p.micro_batch_size * p.steps_per_replica == B == p.global_batch_size
+        assert p.pp <= n_layers
+        assert len(p.layer_names) == n_layers
+
+
+def test_no_pipelines_for_an_unsplittable_model_and_max_pp():
+    plans = enumerate_plans(prof(splittable=False), world_size=4, global_batch_size=32)
+    assert plans and {p.strategy for p in plans} == {"dp_ga"}
+    plans = enumerate_plans(prof(8), world_size=8, global_batch_size=64, max_pp=2)
+    assert max(p.pp for p in plans) == 2
+    assert {p.strategy for p in enumerate_plans(prof(), world_size=4, global_batch_size=32, strategies=("gpipe",))} == {"gpipe"}
+
+
+def test_batch_not_factorable_lists_nearest_sizes():
+    with pytest.raises(BatchNotFactorableError, match=r"Global batch size 10 cannot be factored over 4 devices.*HINT:.*8 or 12"):
+        enumerate_plans(prof(splittable=False), world_size=4, global_batch_size=10)
+    assert nearest_valid_batch_sizes(prof(splittable=False), world_size=4, global_batch_size=10) == (8, 12)
+    # with pipelines B = 10 works on 4 devices (dp=2 × pp=2), so it is not an error
+    assert enumerate_plans(prof(), world_size=4, global_batch_size=10)
+    with pytest.raises(BatchNotFactorableError, match=r"HINT: Use the nearest valid global batch size, 8\b"):
+        enumerate_plans(prof(splittable=False), world_size=8, global_batch_size=3)
+    assert nearest_valid_batch_sizes(prof(splittable=False), world_size=8, global_batch_size=3) == (None, 8)
+
+
+@pytest.mark.parametrize("W,B", [(0, 8), (-1, 8), (4, 0)])
+def test_bad_sizes(W, B):
+    with pytest.raises(ValueError, match=r"must be a positive integer.*HINT"):
+        enumerate_plans(prof(), world_size=W, global_batch_size=B)
+
+
+def test_pins_select():
+    plans = enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "1f1b", "micro_batch_size": 2})
+    assert plans and all(p.strategy == "1f1b" and p.micro_batch_size == 2 for p in plans)
+    assert {(p.dp, p.pp) for p in plans} == {(2, 2), (1, 4)}
+    plans = enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"schedule": "none", "accumulate_grad_batches": 4})
+    assert [(p.strategy, p.micro_batch_size) for p in plans] == [("dp_ga", 2)]
+    plans = enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"stage_boundaries": [1], "strategy": "gpipe"})
+    assert plans and all(p.stage_boundaries == (1,) and p.pp == 2 and p.dp == 2 for p in plans)
+
+
+@pytest.mark.parametrize(
+    "pins,message",
+    [
+        ({"dp": 3}, r"pin dp=3 is impossible: dp must divide world_size 4"),
+        ({"pp": 8}, r"pin pp=8 is impossible: pp must divide world_size 4"),
+        ({"micro_batch_size": 5}, r"pin micro_batch_size=5 is impossible: it must be a positive divisor of the global batch size 32"),
+        ({"strategy": "gpipe"}, r"pin strategy='gpipe' is impossible: the model cannot be split"),
+        ({"bogus": 1}, r"Unknown pins \['bogus'\]"),
+        ({"schedule": "zb"}, r"schedule 'zb' is unknown"),
+        ({"stage_boundaries": [2, 1]}, r"pin stage_boundaries=\[2, 1\] is impossible: boundaries must be strictly increasing"),
+    ],
+)
+def test_impossible_pins_are_named(pins, message):
+    profile = prof(splittable="strategy" not in pins)
+    with pytest.raises(InfeasiblePlanError, match=message + ".*HINT"):
+        enumerate_plans(profile, world_size=4, global_batch_size=32, pins=pins)
+
+
+def test_pp_pin_beyond_layers_and_conflicting_pins():
+    with pytest.raises(InfeasiblePlanError, match=r"pin pp=4 is impossible: the profile has only 2 layers"):
+        enumerate_plans(prof(2), world_size=4, global_batch_size=32, pins={"pp": 4})
+    with pytest.raises(InfeasiblePlanError, match=r"each possible but no plan .* satisfies all of them together.*HINT"):
+        enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "dp_ga", "pp": 2})

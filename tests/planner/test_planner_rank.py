@@ -1,0 +1,100 @@
+"""rank_plans / explain: feasible first by objective, infeasible marked, ties by memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_distplan.costmodel import Hardware, cost_per_step, predict
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.errors import BatchNotFactorableError
+from lightning_distplan.planner import Candidate, explain, rank_plans
+
+DESIGN_FIELDS = {
+    "strategy", "schedule", "dp", "pp", "micro_batch_size", "accumulate_grad_batches", "n_microbatches", "stage_boundaries",
+    "predicted_step_time_s", "predicted_peak_memory_bytes", "feasible", "reason", "breakdown", "objective",
+}
+
+
+def prof(**kw):
+    layers = [
+        LayerSpec(fwd_alpha=0.01, fwd_beta=0.001, bwd_alpha=0.02, bwd_beta=0.002, param_bytes=4_000_000, activation_bytes_per_sample=2e6, output_bytes_per_sample=1e5)
+        for _ in range(4)
+    ]
+    return synthetic_profile(layers, optimizer_step_time_s=0.01, **kw)
+
+
+def hw(memory=16 << 30, bw=1e9):
+    return Hardware(device_memory_bytes=memory, allreduce_latency_s=1e-4, allreduce_bandwidth_bytes_per_s=bw, p2p_latency_s=1e-4, p2p_bandwidth_bytes_per_s=bw)
+
+
+def test_ranked_feasible_first_by_time_and_plans_carry_their_split():
+    cands = rank_plans(prof(), world_size=4, global_batch_size=32, hardware=hw(memory=120_000_000))
+    assert [c.rank for c in cands] == list(range(1, len(cands) + 1))
+    feas = [c.prediction.feasible for c in cands]
+    assert any(feas) and not all(feas)
+    assert feas == sorted(feas, reverse=True)  # all feasible ones first
+    times = [c.objective for c in cands if c.prediction.feasible]
+    assert times == sorted(times)
+    for c in cands:
+        assert c.objective == c.prediction.step_time_s
+        assert c.prediction == predict(prof(), c.plan, hw(memory=120_000_000))  # re-predicting the emitted plan gives the same numbers
+        if c.plan.pp > 1:
+            assert len(c.plan.stage_boundaries) == c.plan.pp - 1
+        if not c.prediction.feasible:
+            assert "exceeds" in c.prediction.reason or "ran out" in c.prediction.reason
+
+
+def test_gpipe_and_1f1b_tie_on_time_and_1f1b_wins_on_memory():
+    cands = rank_plans(prof(), world_size=2, global_batch_size=16, strategies=("gpipe", "1f1b"), hardware=hw(), pins={"micro_batch_size": 2})
+    assert [c.plan.strategy for c in cands] == ["1f1b", "gpipe"]
+    assert cands[0].prediction.step_time_s == cands[1].prediction.step_time_s
+    assert cands[0].prediction.peak_memory_bytes < cands[1].prediction.peak_memory_bytes
+    assert "ties" in explain(cands) and "less peak memory" in explain(cands)
+
+
+def test_price_gives_cost_plus_weighted_time():
+    cands = rank_plans(prof(), world_size=4, global_batch_size=32, hardware=hw(), price_per_hour=3.0, time_weight=256.0)
+    for c in cands:
+        cost = cost_per_step(c.prediction.step_time_s, instances=4, price_per_hour=3.0)
+        assert c.cost_per_step == pytest.approx(cost)
+        assert c.objective == pytest.approx(cost + 256.0 * c.prediction.step_time_s)
+    d = cands[0].to_dict()
+    assert d["predicted_cost_per_step"] == cands[0].cost_per_step
+
+
+def test_to_dict_has_design_fields():
+    cand = rank_plans(prof(), world_size=4, global_batch_size=32, hardware=hw())[0]
+    assert isinstance(cand, Candidate)
+    d = cand.to_dict()
+    assert DESIGN_FIELDS <= set(d)
+    assert d["predicted_step_time_s"] == cand.prediction.step_time_s
+    assert sum(d["breakdown"].values()) == d["predicted_step_time_s"]
+
+
+def test_errors_from_rank_plans():
+    with pytest.raises(ValueError, match=r"`world_size` must be a positive integer, got 0.*HINT"):
+        rank_plans(prof(), world_size=0, global_batch_size=32, hardware=hw())
+    with pytest.raises(BatchNotFactorableError, match=r"8 or 12"):
+        rank_plans(prof(), world_size=4, global_batch_size=10, hardware=hw(), strategies=("dp_ga",))
+
+
+def test_explain_table_and_why():
+    cands = rank_plans(prof(), world_size=4, global_batch_size=32, hardware=hw(bw=1e7))
+    text = explain(cands, top=5)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["rank", "plan", "step"]
+    assert len(lines) == 2 + 5 + 1 + 1 + 1  # header, rule, 5 rows, "... more", blank, why
+    assert lines[7].startswith(f"... {len(cands) - 5} more")
+    # columns line up: every row's "step s" value ends where the header's does
+    end = lines[0].index("step s") + len("step s")
+    assert all(line[end - 1] != " " for line in lines[2:7])
+    assert lines[-1].startswith("Why the winner wins: " + cands[0].plan.describe())
+    assert "less than" in lines[-1] and "mostly" in lines[-1]
+
+
+def test_explain_when_nothing_fits():
+    cands = rank_plans(prof(), world_size=2, global_batch_size=8, hardware=hw(memory=10_000_000))
+    assert not any(c.prediction.feasible for c in cands)
+    text = explain(cands)
+    assert "NO: peak memory" in text
+    assert text.splitlines()[-1].startswith("No plan fits in memory")
