@@ -196,16 +196,20 @@ def merge_stage_states(partials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         params: list[str] = []
         for stage, partial in enumerate(partials):
             group = partial["param_groups"][i]
+            if not group["params"]:
+                continue  # a stage without parameters in this group: its hyper-parameters are irrelevant
             h = {k: v for k, v in group.items() if k != "params"}
             if hyper is None:
                 hyper = h
-            elif h != hyper and group["params"]:
+            elif h != hyper:
                 raise CheckpointFormatError(
                     f"Param group {i} of stage {stage} has hyper-parameters {h} but an earlier stage has {hyper}.",
                     hint="Use the same optimizer settings on every stage.",
                 )
             params.extend(p for p in group["params"] if p not in params)
-        merged_groups.append({**(hyper or {}), "params": params})
+        if hyper is None:  # no stage has parameters in this group
+            hyper = {k: v for k, v in partials[0]["param_groups"][i].items() if k != "params"}
+        merged_groups.append({**hyper, "params": params})
     state: dict[str, Any] = {}
     for partial in partials:
         for fqn, s in partial["state"].items():
