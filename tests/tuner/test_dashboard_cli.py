@@ -1,0 +1,113 @@
+"""`distplan dashboard URL`: serves the study over HTTP on loopback; bad input is one line + HINT."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _synthetic_study import SMALL, make_study  # noqa: E402
+
+from lightning_distplan.cli import main  # noqa: E402
+
+pytest.importorskip("optuna_dashboard")
+
+
+def test_cli_serves_study_api_spa_and_artifacts(tmp_path: Path) -> None:
+    import optuna
+
+    from lightning_distplan.tuner.plots import attach_to_study
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    db = tmp_path / "tune.db"
+    study = make_study(f"sqlite:///{db}", study_name="cli-study", **SMALL)
+    stored = attach_to_study(study)
+    assert stored["artifact_dir"] == str(tmp_path / "tune-artifacts")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_distplan.cli", "dashboard", f"sqlite:///{db}", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        line = proc.stdout.readline()  # printed after the socket is bound
+        match = re.search(r"at (http://127\.0\.0\.1:(\d+)/dashboard/)", line)
+        assert match, f"unexpected output {line!r}"
+        assert "artifacts from" in line and "tune-artifacts" in line  # picked up without a flag
+        base = match.group(1).removesuffix("dashboard/")
+        with urllib.request.urlopen(base + "api/studies", timeout=20) as resp:
+            studies = resp.read().decode()
+        assert '"study_name": "cli-study"' in studies
+        with urllib.request.urlopen(base + "dashboard/", timeout=20) as resp:
+            assert "bundle.js" in resp.read().decode()  # the SPA shell
+        artifact_id = stored["artifact_ids"][0]
+        with urllib.request.urlopen(f"{base}artifacts/{study._study_id}/{artifact_id}", timeout=20) as resp:
+            assert resp.read(8) == b"\x89PNG\r\n\x1a\n"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_cli_missing_sqlite_file_is_one_line_with_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.db"
+    assert main(["dashboard", f"sqlite:///{missing}", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "HINT:" in err and len(err.strip().splitlines()) == 1
+    assert not missing.exists()  # not silently created
+
+
+def test_cli_unreachable_and_empty_storage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_text("not a database")
+    assert main(["dashboard", f"sqlite:///{bad}", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "Cannot open the Optuna storage" in err and "HINT:" in err
+    assert main(["dashboard", "nosuchdialect://host/db", "--port", "0"]) == 2
+    assert "Cannot open the Optuna storage" in capsys.readouterr().err
+    import optuna
+
+    empty = tmp_path / "empty.db"
+    optuna.storages.RDBStorage(f"sqlite:///{empty}")  # schema, no study
+    assert main(["dashboard", f"sqlite:///{empty}", "--port", "0"]) == 2
+    assert "holds no study" in capsys.readouterr().err
+
+
+def test_cli_port_in_use_and_out_of_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    db = tmp_path / "s.db"
+    make_study(f"sqlite:///{db}", study_name="s", instances=("gn6i.xlarge",), counts=(1,), micro_batch_sizes=(4,))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert main(["dashboard", f"sqlite:///{db}", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"Cannot listen on 127.0.0.1:{port}" in err and "--port" in err
+    assert main(["dashboard", f"sqlite:///{db}", "--port", "70000"]) == 2
+    assert "--port must be in 0..65535, got 70000" in capsys.readouterr().err
+
+
+def test_missing_optuna_dashboard_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_distplan.tuner._dashboard import MissingDependencyError, require
+
+    monkeypatch.setitem(sys.modules, "optuna_dashboard", None)  # what an uninstalled package looks like to import
+    with pytest.raises(MissingDependencyError, match=r"'optuna-dashboard'.*not installed.*HINT: Run `pip install \"lightning_distplan\[dashboard\]\"`") as info:
+        require("optuna_dashboard")
+    assert isinstance(info.value, ImportError)
+
+
+def test_cli_without_optuna_dashboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "s.db"
+    make_study(f"sqlite:///{db}", study_name="s", instances=("gn6i.xlarge",), counts=(1,), micro_batch_sizes=(4,))
+    monkeypatch.setitem(sys.modules, "optuna_dashboard", None)
+    assert main(["dashboard", f"sqlite:///{db}"]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install "lightning_distplan[dashboard]"' in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,154 @@
+"""Pareto front / time-breakdown extraction and plots, and what attach_to_study stores."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _synthetic_study import SMALL, config_attrs, make_study  # noqa: E402
+
+from lightning_distplan.tuner import plots  # noqa: E402
+from lightning_distplan.tuner.plots import (  # noqa: E402
+    attach_to_study,
+    plot_pareto_front,
+    plot_time_breakdown,
+    summary_markdown,
+)
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.fixture(scope="module")
+def study() -> optuna.Study:
+    return make_study(None, study_name="plots", **SMALL)
+
+
+def _trial(attrs: dict, *, state: optuna.trial.TrialState = optuna.trial.TrialState.COMPLETE) -> optuna.trial.FrozenTrial:
+    values = [attrs["cost_per_step"], attrs["step_time_s"]] if state == optuna.trial.TrialState.COMPLETE else None
+    return optuna.trial.create_trial(user_attrs=attrs, values=values, state=state)
+
+
+def test_pareto_info_is_the_non_dominated_set(study: optuna.Study) -> None:
+    info = plots._get_pareto_info(study)
+    feasible = [t for t in study.trials if t.user_attrs["feasible"]]
+    assert len(info.points) == len(feasible) and info.n_infeasible == len(study.trials) - len(feasible) > 0
+    assert info.currency == "RMB" and info.study_name == "plots"
+
+    def dominates(a, b) -> bool:
+        return a.step_time_s <= b.step_time_s and a.cost_per_step <= b.cost_per_step and (a.step_time_s, a.cost_per_step) != (b.step_time_s, b.cost_per_step)
+
+    front_ids = {p.trial_number for p in info.front}
+    assert len(info.front) >= 3
+    for p in info.points:
+        beaten = any(dominates(q, p) for q in info.points)
+        assert beaten == (p.trial_number not in front_ids), p.label
+    times = [p.step_time_s for p in info.front]
+    costs = [p.cost_per_step for p in info.front]
+    assert times == sorted(times) and costs == sorted(costs, reverse=True)
+    # seed 000 §IV-D weights: w = 0 picks the cheapest, the largest w the fastest point of the front
+    assert info.best_by_weight[0.0].cost_per_step == min(costs)
+    assert info.best_by_weight[2.0**16].step_time_s == min(times)
+
+
+def test_duplicates_infeasible_and_running_trials() -> None:
+    a = config_attrs("gn7i.2xlarge", 2, 8, 4)
+    b = config_attrs("gn7e.4xlarge", 4, 16, 1)
+    trials = [
+        _trial(a),
+        _trial(a),  # a sampler revisiting a configuration: drawn once
+        _trial(b),
+        _trial({**config_attrs("sgn7i.xlarge", 1, 16, 4)}, state=optuna.trial.TrialState.PRUNED),
+        optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL),
+    ]
+    info = plots._get_pareto_info(trials)
+    assert [p.trial_number for p in info.points] == [trials[0].number, trials[2].number]
+    assert info.n_infeasible == 2 and info.study_name is None
+    assert info.points[0].label == "gn7i.2xlarge×2 · dp_ga dp=2 m=8 s=4"
+
+
+def test_pipeline_label_uses_n_microbatches() -> None:
+    attrs = {**config_attrs("gn7e.4xlarge", 4, 4, 1), "strategy": "1f1b", "schedule": "1f1b", "dp": 2, "pp": 2, "n_microbatches": 8, "accumulate_grad_batches": 1}
+    (point,) = plots._get_pareto_info([_trial(attrs)]).points
+    assert point.plan == "1f1b dp=2 pp=2 m=4 n=8"
+
+
+def test_no_feasible_trial_is_a_clear_error() -> None:
+    trials = [_trial(config_attrs("sgn7i.xlarge", 1, 16, 4), state=optuna.trial.TrialState.PRUNED)]
+    with pytest.raises(ValueError, match=r"No feasible configuration among 1 trials.*HINT"):
+        plot_pareto_front(trials)
+    with pytest.raises(TypeError, match="HINT"):
+        plot_pareto_front([1, 2, 3])
+    with pytest.raises(ValueError, match=r"`top_k` must be >= 1, got 0"):
+        plot_time_breakdown(trials, top_k=0)
+
+
+def test_breakdown_ranks_by_objective_and_stacks_to_step_time(study: optuna.Study) -> None:
+    cheap = plots._get_breakdown_info(study, top_k=5, time_weight=0.0)
+    fast = plots._get_breakdown_info(study, top_k=5, time_weight=2.0**16)
+    assert [p.cost_per_step for p in cheap.points] == sorted(p.cost_per_step for p in cheap.points)
+    assert fast.points[0].step_time_s == min(p.step_time_s for p in plots._get_pareto_info(study).points)
+    assert set(cheap.parts) == set(plots.BREAKDOWN_PARTS)  # synthetic parts sum to the step time: no "other"
+    for i, p in enumerate(cheap.points):
+        assert sum(cheap.parts[k][i] for k in cheap.parts) == pytest.approx(p.step_time_s)
+    # default weight: the study's time_weight user attribute (what the tuner stores)
+    assert plots._get_breakdown_info(study).time_weight == 0.0
+
+
+def test_breakdown_shows_unexplained_time_as_other() -> None:
+    attrs = config_attrs("gn7i.2xlarge", 1, 8, 8)
+    attrs["breakdown"] = {"compute": attrs["step_time_s"] / 2}
+    info = plots._get_breakdown_info([_trial(attrs)], top_k=3)
+    assert info.parts["other"][0] == pytest.approx(attrs["step_time_s"] / 2)
+
+
+def test_plots_write_inline_html_and_png(study: optuna.Study, tmp_path: Path) -> None:
+    fig = plot_pareto_front(study, path_html=tmp_path / "p.html", path_png=tmp_path / "p.png")
+    info = plots._get_pareto_info(study)
+    names = [trace.name for trace in fig.data]
+    assert "Pareto front" in names and any(n.startswith("F1 ") for n in names)
+    html = (tmp_path / "p.html").read_text()
+    assert "Cost vs time per step" in html and "gn7" in html
+    assert 'src="https://cdn.plot.ly' not in html and len(html) > 1_000_000  # plotly.js inlined: opens offline
+    png = (tmp_path / "p.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    front_trace = next(t for t in fig.data if t.name == "Pareto front")
+    assert list(front_trace.x) == [p.step_time_s for p in info.front]
+
+    fig = plot_time_breakdown(study, top_k=4, path_html=tmp_path / "b.html", path_png=tmp_path / "b.png")
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [b.name for b in bars] == ["compute", "exposed communication", "pipeline bubble", "optimizer step"]
+    assert all(len(b.y) == 4 for b in bars) and fig.layout.barmode == "stack"
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "b.html").stat().st_size > 1_000_000
+
+
+def test_summary_markdown_names_best_and_front(study: optuna.Study) -> None:
+    text = summary_markdown(study, time_weight=0.0)
+    info = plots._get_pareto_info(study)
+    best = info.best_by_weight[0.0]
+    assert f"**{best.hardware}**, `{best.plan}`" in text
+    for p in info.front:
+        assert f"| {p.trial_number} | {p.hardware} | `{p.plan}` |" in text
+
+
+def test_attach_to_study_stores_note_plots_and_png_artifacts(tmp_path: Path) -> None:
+    from optuna_dashboard import get_note
+
+    db = tmp_path / "tune.db"
+    study = make_study(f"sqlite:///{db}", study_name="attach", instances=("gn6i.xlarge", "gn7i.2xlarge"), counts=(1, 2), micro_batch_sizes=(4, 8))
+    stored = attach_to_study(study)
+    assert get_note(study) == summary_markdown(study)
+    system = study._storage.get_study_system_attrs(study._study_id)  # optuna 5 dropped Study.system_attrs
+    for graph_id in (plots.PARETO_GRAPH_ID, plots.BREAKDOWN_GRAPH_ID):
+        assert any(k.startswith(f"dashboard:plot_data:{graph_id}:") for k in system)
+    metas = optuna.artifacts.get_all_artifact_meta(study)
+    assert sorted(m.filename for m in metas) == ["attach-pareto_front.png", "attach-time_breakdown.png"]
+    assert all(m.mimetype == "image/png" for m in metas)
+    art_dir = tmp_path / "tune-artifacts"
+    assert stored["artifact_dir"] == str(art_dir)
+    for meta in metas:
+        assert (art_dir / meta.artifact_id).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (art_dir / "_staging").exists()
