@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
@@ -169,8 +170,12 @@ class DPGAStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # Prefer the by-name state (any lightning_distplan strategy wrote it); plain Lightning checkpoints lack it.
         if not load_portable_optimizer_states(self.optimizers, self.lightning_module.named_parameters(), checkpoint):
             super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer in self.optimizers:
+            _optimizer_to_device(optimizer, self.root_device)  # as Strategy.load_optimizer_state_dict does
 
     @override
     def teardown(self) -> None:
