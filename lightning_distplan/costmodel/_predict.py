@@ -26,7 +26,7 @@ from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
 if TYPE_CHECKING:
     from lightning_distplan.plan import Plan
-    from lightning_distplan.profile import Profile
+    from lightning_distplan.profile import LinearFit, Profile
 
 __all__ = [
     "Prediction",
@@ -111,7 +111,7 @@ def overlappable_fraction(profile: Profile, micro_batch_size: int) -> float:
     the first bucket therefore has no overlap (fraction 0): its only bucket is ready when backward ends.
     """
     layers = profile.layers
-    bwd = [max(0.0, layer.backward(micro_batch_size)) for layer in layers]
+    bwd = [_monotone(layer.backward, micro_batch_size, profile.micro_batch_sizes) for layer in layers]
     total = sum(bwd)
     if total <= 0:
         return 0.0
@@ -148,10 +148,23 @@ def _optimizer_state_bytes(profile: Profile) -> int:
     return max(int(profile.optimizer.state_bytes), int(profile.memory.optimizer_state_bytes))
 
 
+def _monotone(fit: LinearFit, m: int, sizes: tuple[int, ...]) -> float:
+    """``fit(m)``, but never below the fit at a smaller profiled size, and never negative.
+
+    A micro-batch of more samples is never cheaper to run; a noisy fit (CPU timings on a busy host)
+    can still come out with α < 0 and would then extrapolate to zero or negative time.
+    """
+    return max(0.0, fit(m), *(fit(x) for x in sizes if x <= m))
+
+
 def _step_compute(profile: Profile, m: int, scale: float) -> float:
-    # seed 000 §III-B: T_calc(m) = α·m + β, fitted forward + backward of the whole step;
-    # clamped at 0 because an extrapolated fit with β < 0 must not yield negative time.
-    return scale * max(0.0, profile.step.time(m))
+    # seed 000 §III-B: T_calc(m) = α·m + β, fitted forward + backward of the whole step.
+    sizes = profile.micro_batch_sizes
+    return scale * (_monotone(profile.step.forward, m, sizes) + _monotone(profile.step.backward, m, sizes))
+
+
+def _step_backward(profile: Profile, m: int, scale: float) -> float:
+    return scale * _monotone(profile.step.backward, m, profile.micro_batch_sizes)
 
 
 def _layer_times(profile: Profile, m: int, scale: float) -> list[float]:
@@ -160,7 +173,8 @@ def _layer_times(profile: Profile, m: int, scale: float) -> list[float]:
     The step fit is measured without per-layer hooks, so it is the trustworthy total; the layer
     fits (slowed by their hooks, missing the loss) only give each layer's share.
     """
-    raw = [max(0.0, layer.time(m)) for layer in profile.layers]
+    sizes = profile.micro_batch_sizes
+    raw = [_monotone(layer.forward, m, sizes) + _monotone(layer.backward, m, sizes) for layer in profile.layers]
     total = sum(raw)
     step = _step_compute(profile, m, scale)
     if total <= 0:
@@ -230,7 +244,7 @@ def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     # seed 001 eq. 5.1 / seed 000 §III-A: S_all(W) over the all-reduce link, G = gradient bytes.
     s_all = ring_allreduce_time(profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     # seed 000 §III-A: S_over(m) — only the last micro-batch's backward can hide the all-reduce.
-    t_bwd_last = c * max(0.0, profile.step.backward(m))
+    t_bwd_last = _step_backward(profile, m, c)
     s_over = min(s_all, overlappable_fraction(profile, m) * t_bwd_last)
     breakdown = {
         "compute": s * t_calc,  # seed 000 §III-A: T = s·T_calc(m) + S_all(W) − S_over(m)

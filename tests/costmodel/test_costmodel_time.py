@@ -198,3 +198,13 @@ def test_seed000_table1_t4_column_a_plus_b_over_m():
         assert predicted == pytest.approx(a + b / m, rel=1e-9)
         assert abs(predicted - measured[m]) / measured[m] < 0.15, (m, predicted, measured[m])
     assert math.isclose(a + b / 4, 7.632, rel_tol=1e-3)  # the worst row (−12.7% vs 8.74), still inside 15%
+
+
+def test_noisy_negative_slope_fit_never_makes_bigger_microbatches_cheaper():
+    # a CPU-noise fit: backward t(m) = −0.1·m + 1.0 over profiled sizes 1, 2, 4 (0.9, 0.8, 0.6)
+    profile = synthetic_profile(
+        [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02)], step_forward=(0.01, 0.0), step_backward=(-0.1, 1.0), micro_batch_sizes=(1, 2, 4)
+    )
+    for m, expected_bwd in [(1, 0.9), (2, 0.9), (4, 0.9), (8, 0.9), (16, 0.9)]:
+        plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=1, global_batch_size=m)
+        assert predict(profile, plan, hw()).breakdown["compute"] == pytest.approx(0.01 * m + expected_bwd, rel=1e-12)
