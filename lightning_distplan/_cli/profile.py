@@ -1,0 +1,183 @@
+"""``distplan profile package.module:ClassName --out P``: profile a LightningModule and write its Profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import time
+from typing import Any
+
+from lightning_distplan.errors import DistPlanError
+from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
+
+__all__ = ["add_parser", "run"]
+
+_DEMO_HINT = (
+    "For Lightning's demo Transformer use --datamodule lightning_distplan.demos:RandomTokenData; "
+    "for image classifiers --datamodule lightning_distplan.demos:RandomImageData."
+)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "profile",
+        help="profile a LightningModule on this machine and write the Profile JSON",
+        description=(
+            "Build the LightningModule, take real batches from its train_dataloader() (or --datamodule's), "
+            "measure per-layer time, memory and FLOPs on CUDA when present else CPU, and write the Profile JSON."
+        ),
+    )
+    parser.add_argument("model", metavar="package.module:ClassName", help="import path of the LightningModule class")
+    parser.add_argument("--out", required=True, help="where to write the Profile JSON")
+    parser.add_argument("--init-args", default="{}", metavar="JSON", help="keyword arguments for the model's constructor")
+    parser.add_argument("--datamodule", default=None, metavar="package.module:ClassName", help="LightningDataModule class giving the batches")
+    parser.add_argument("--datamodule-args", default="{}", metavar="JSON", help="keyword arguments for the datamodule's constructor")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to profile on (default: cuda when present)")
+    parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to time (default: b/2, b, 2b, 4b of the loader's batch size b)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per size; the median is kept (default 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per size before the timed ones (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.set_defaults(run=run)
+
+
+def _load_class(path: str, *, what: str, option: str) -> type:
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ProfilingError(f"{what} path {path!r} is not of the form package.module:ClassName.", hint=f"Pass e.g. {option}lightning.pytorch.demos.transformer:LightningTransformer.")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        raise ProfilingError(
+            f"Cannot import module {module_name!r} for {what} {path!r} ({err}).",
+            hint="Check the spelling and that the package is installed in this environment (or on PYTHONPATH).",
+        ) from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n, None), type))
+            raise ProfilingError(
+                f"Module {module_name!r} has no attribute {attr!r}.",
+                hint=f"Classes it defines: {', '.join(public[:20]) or '(none)'}.",
+            )
+        obj = getattr(obj, part)
+    if not isinstance(obj, type):
+        raise ProfilingError(f"{path!r} is a {type(obj).__name__}, not a class.", hint=f"Name the {what} class itself.")
+    return obj
+
+
+def _json_kwargs(text: str, option: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ProfilingError(f"{option} {text!r} is not valid JSON ({err.msg} at position {err.pos}).", hint=f"Quote it for the shell, e.g. {option} '{{\"vocab_size\": 1000}}'.") from None
+    if not isinstance(value, dict):
+        raise ProfilingError(f"{option} must be a JSON object of keyword arguments, got a JSON {type(value).__name__}.", hint=f"Use e.g. {option} '{{\"vocab_size\": 1000}}'.")
+    return value
+
+
+def _sizes(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        sizes = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        sizes = []
+    if not sizes or any(m < 1 for m in sizes):
+        raise ProfilingError(f"--micro-batch-sizes {text!r} must be comma-separated positive integers.", hint="Use e.g. --micro-batch-sizes 2,4,8,16.")
+    return sizes
+
+
+def _build(cls: type, kwargs: dict[str, Any], what: str, path: str, option: str) -> Any:
+    try:
+        return cls(**kwargs)
+    except DistPlanError:
+        raise
+    except Exception as err:
+        raise ProfilingError(
+            f"Building {what} {path} with {kwargs!r} failed: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}",
+            hint=f"Pass the constructor's required arguments with {option} JSON.",
+        ) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from lightning_distplan.profiling import profile_module
+    from lightning_distplan.profiling._device import resolve_device
+
+    device = resolve_device(args.device)  # fail fast on --device cuda without a GPU
+    sizes = _sizes(args.micro_batch_sizes)
+    if args.repeats < 1 or args.warmup < 0:
+        raise ProfilingError(f"--repeats ({args.repeats}) must be >= 1 and --warmup ({args.warmup}) >= 0.", hint="Use e.g. --repeats 3 --warmup 1.")
+    init_args = _json_kwargs(args.init_args, "--init-args")
+    dm_args = _json_kwargs(args.datamodule_args, "--datamodule-args")
+    cls = _load_class(args.model, what="model", option="")
+    if not issubclass(cls, LightningModule):
+        raise ProfilingError(f"{args.model} is not a LightningModule (it is a subclass of {', '.join(b.__name__ for b in cls.__mro__[1:3])}).", hint="Name a lightning.pytorch.LightningModule subclass.")
+    datamodule = None
+    if args.datamodule:
+        dm_cls = _load_class(args.datamodule, what="datamodule", option="--datamodule ")
+        if not issubclass(dm_cls, LightningDataModule):
+            raise ProfilingError(f"{args.datamodule} is not a LightningDataModule.", hint="Name a lightning.pytorch.LightningDataModule subclass.")
+        datamodule = _build(dm_cls, dm_args, "datamodule", args.datamodule, "--datamodule-args")
+    elif args.datamodule_args != "{}":
+        raise ProfilingError("--datamodule-args was given without --datamodule.", hint="Add --datamodule package.module:ClassName.")
+    model = _build(cls, init_args, "model", args.model, "--init-args")
+    say = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
+
+    # Lightning's order in fit(): prepare_data, setup("fit") (datamodule, then model), configure_model.
+    # The model's own prepare_data is skipped when a datamodule supplies the data: it usually downloads
+    # the very dataset the datamodule replaces (the demo Transformer's WikiText2).
+    try:
+        if datamodule is not None:
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+        else:
+            model.prepare_data()
+        model.setup("fit")
+        model.configure_model()
+        loader = datamodule.train_dataloader() if datamodule is not None else model.train_dataloader()
+    except DistPlanError:
+        raise
+    except Exception as err:
+        source = args.datamodule or f"{args.model}.train_dataloader()"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+        raise DataLoadingError(
+            f"Getting the training data from {source} failed with {type(err).__name__}: {first}",
+            hint=("It may need a download, which is blocked here. " if datamodule is None else "") + _DEMO_HINT,
+        ) from None
+    if loader is None:
+        raise DataLoadingError(f"{args.datamodule or args.model} returned no train_dataloader().", hint=_DEMO_HINT)
+    try:
+        profile = profile_module(
+            model, loader, micro_batch_sizes=sizes, device=device, warmup=args.warmup, repeats=args.repeats,
+            measure_links=False, progress=say,
+        )
+    except DataLoadingError as err:
+        raise DataLoadingError(str(err).split(" HINT:")[0], hint=("The dataset may need a download, which is blocked here. " + _DEMO_HINT)) from None
+    profile = dataclasses.replace(profile, model=args.model if ":" in args.model else profile.model)
+    path = profile.save(args.out)
+    total = time.perf_counter() - start
+    _summary(profile, path, total)
+    return 0
+
+
+def _summary(profile: Any, path: Any, total: float) -> None:
+    step = profile.step
+    mem = profile.memory
+    print(f"profile of {profile.model} on {profile.device.type} ({profile.device.name}) written to {path}")
+    print(f"  micro-batch sizes {list(profile.micro_batch_sizes)}" + (f", out of memory at {list(profile.infeasible_micro_batch_sizes)}" if profile.infeasible_micro_batch_sizes else ""))
+    print(f"  step forward  t(m) = {step.forward.alpha * 1e3:.3f} ms·m + {step.forward.beta * 1e3:.3f} ms  (R² {step.forward.r2:.3f})")
+    print(f"  step backward t(m) = {step.backward.alpha * 1e3:.3f} ms·m + {step.backward.beta * 1e3:.3f} ms  (R² {step.backward.r2:.3f})")
+    print(f"  {len(profile.layers)} layers, {'splittable' if profile.splittable else 'not splittable'} into pipeline stages")
+    print(
+        f"  memory: params {mem.param_bytes / 2**20:.1f} MiB, grads {mem.grad_bytes / 2**20:.1f} MiB, "
+        f"{profile.optimizer.name} state {mem.optimizer_state_bytes / 2**20:.1f} MiB, activations {mem.activation.alpha / 2**20:.2f} MiB/sample"
+    )
+    print(f"  time: profiling {profile.profiling_time_s:.1f} s, total {total:.1f} s")

@@ -1,0 +1,172 @@
+"""Small synthetic data modules (and one model wrapper) for profiling without internet access.
+
+* :class:`RandomTokenData` yields ``(inputs, target)`` LongTensors shaped like Lightning's WikiText2
+  demo, so ``lightning.pytorch.demos.transformer.LightningTransformer`` can be profiled offline.
+* :class:`RandomImageData` yields ``(images, labels)`` for ImageNet-style classifiers.
+* :class:`TorchvisionClassifier` wraps a torchvision architecture (``resnet18``, ``vgg11``,
+  ``mobilenet_v2``, ...) built without downloading weights.
+
+Every sample is generated from its index with a seeded ``torch.Generator``, so the data is
+deterministic, needs no memory up front, and never touches the global RNG.
+
+Example::
+
+    distplan profile lightning.pytorch.demos.transformer:LightningTransformer \\
+        --datamodule lightning_distplan.demos:RandomTokenData --out profile.json
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["RandomTokenData", "RandomImageData", "TorchvisionClassifier"]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` ({value!r}) must be a positive integer. HINT: pass e.g. {name}=8.")
+
+
+class _TokenDataset(Dataset):
+    def __init__(self, vocab_size: int, block_size: int, num_samples: int, seed: int) -> None:
+        self.vocab_size, self.block_size, self.num_samples, self.seed = vocab_size, block_size, num_samples, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        # one stream of block_size + 1 tokens: target is the input shifted by one, as in WikiText2
+        tokens = torch.randint(0, self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long)
+        return tokens[:-1], tokens[1:]
+
+
+class RandomTokenData(LightningDataModule):
+    """Random token blocks shaped like ``lightning.pytorch.demos.transformer.WikiText2``.
+
+    Args:
+        vocab_size: token ids are drawn from ``[0, vocab_size)``; 33278 matches WikiText2 and the
+            default of ``LightningTransformer``.
+        block_size: tokens per sample (WikiText2 demo: 35).
+        batch_size: samples per batch of ``train_dataloader()``.
+        num_samples: samples in the dataset.
+        seed: seed of the per-sample generator.
+    """
+
+    def __init__(
+        self, vocab_size: int = 33278, block_size: int = 35, batch_size: int = 8, num_samples: int = 256, seed: int = 0
+    ) -> None:
+        super().__init__()
+        _check_positive(vocab_size=vocab_size, block_size=block_size, batch_size=batch_size, num_samples=num_samples)
+        self.vocab_size, self.block_size, self.batch_size, self.num_samples, self.seed = (
+            vocab_size, block_size, batch_size, num_samples, seed,
+        )
+        self.dataset: _TokenDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        self.dataset = _TokenDataset(self.vocab_size, self.block_size, self.num_samples, self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.dataset is None:
+            self.setup("fit")
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+
+
+class _ImageDataset(Dataset):
+    def __init__(self, num_classes: int, image_size: int, channels: int, num_samples: int, seed: int) -> None:
+        self.num_classes, self.image_size, self.channels, self.num_samples, self.seed = (
+            num_classes, image_size, channels, num_samples, seed,
+        )
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = torch.randn(self.channels, self.image_size, self.image_size, generator=g)
+        label = torch.randint(0, self.num_classes, (), generator=g, dtype=torch.long)
+        return image, label
+
+
+class RandomImageData(LightningDataModule):
+    """Random normalised images with integer labels, for ImageNet-style classifiers.
+
+    Args:
+        num_classes: labels are drawn from ``[0, num_classes)``.
+        image_size: height = width of each image (224 for ImageNet models).
+        channels: image channels.
+        batch_size: samples per batch of ``train_dataloader()``.
+        num_samples: samples in the dataset.
+        seed: seed of the per-sample generator.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        image_size: int = 224,
+        channels: int = 3,
+        batch_size: int = 8,
+        num_samples: int = 64,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        _check_positive(num_classes=num_classes, image_size=image_size, channels=channels, batch_size=batch_size, num_samples=num_samples)
+        self.num_classes, self.image_size, self.channels = num_classes, image_size, channels
+        self.batch_size, self.num_samples, self.seed = batch_size, num_samples, seed
+        self.dataset: _ImageDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        self.dataset = _ImageDataset(self.num_classes, self.image_size, self.channels, self.num_samples, self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.dataset is None:
+            self.setup("fit")
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+
+
+class TorchvisionClassifier(LightningModule):
+    """A torchvision classification architecture (random init, no download) trained with cross-entropy.
+
+    Args:
+        arch: a name from ``torchvision.models.list_models(module=torchvision.models)``, e.g. ``"resnet18"``.
+        num_classes: output classes.
+        lr: SGD learning rate (momentum 0.9).
+        model_kwargs: extra keyword arguments for the torchvision builder.
+    """
+
+    def __init__(self, arch: str = "resnet18", num_classes: int = 1000, lr: float = 0.1, **model_kwargs: Any) -> None:
+        super().__init__()
+        try:
+            import torchvision
+        except ImportError:
+            raise ImportError(
+                "TorchvisionClassifier needs torchvision. HINT: pip install 'lightning_distplan[models]'."
+            ) from None
+        names = torchvision.models.list_models(module=torchvision.models)
+        if arch not in names:
+            raise ValueError(f"Unknown torchvision classification model {arch!r}. HINT: use one of {', '.join(sorted(names))}.")
+        self.save_hyperparameters()
+        self.model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **model_kwargs)
+        self.lr = lr
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch
+        loss = torch.nn.functional.cross_entropy(self(images), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

@@ -1,0 +1,163 @@
+"""Measure the live process group's links: all-reduce and point-to-point, as latency + bytes / bandwidth.
+
+Both kinds are reported as the parameters of ONE link (``latency_s``, ``bandwidth_bytes_per_s``),
+so the cost model can use them directly:
+
+* ``p2p``: rank 0 and rank 1 ping-pong a message; half the round trip t(G) = L + G / BW is fitted.
+* ``allreduce``: the all-reduce time of G bytes over W ranks is fitted as t(G) = a + b·G and
+  inverted through the ring model S_all = 2(W−1)·(L + G/(W·BW)) (DESIGN §4; seed 001 eq. 5.1):
+  L = a / (2(W−1)), BW = 2(W−1) / (W·b). ``samples`` keep the raw (bytes, seconds) of the whole
+  all-reduce, so ``LinkProfile.time(G)`` is one link's time and the ring formula gives the collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+
+from lightning_distplan.profile import LinearFit, LinkProfile
+from lightning_distplan.profiling._errors import ProfilingError
+
+__all__ = ["measure_links", "DEFAULT_LINK_SIZES"]
+
+log = logging.getLogger(__name__)
+
+# 4 KiB .. 16 MiB: latency-bound to bandwidth-bound for gloo and NCCL alike.
+DEFAULT_LINK_SIZES: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+
+def _device_for(group: Any) -> torch.device:
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure_links(
+    *,
+    group: Any = None,
+    sizes_bytes: Sequence[int] = DEFAULT_LINK_SIZES,
+    repeats: int = 5,
+) -> tuple[LinkProfile, ...]:
+    """All-reduce and p2p latency/bandwidth over the live process group (every rank must call it).
+
+    Args:
+        group: the process group (default: the world).
+        sizes_bytes: message sizes to time (float32 tensors of that many bytes).
+        repeats: timed repetitions per size after one warm-up; the median is kept, and for the
+            all-reduce the slowest rank's median (the collective finishes with it).
+
+    Returns:
+        ``(allreduce, p2p)`` link profiles, identical on every rank; empty when not distributed
+        or the group has one rank.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ()
+    world = dist.get_world_size(group)
+    if world < 2:
+        return ()
+    sizes = sorted({int(s) for s in sizes_bytes})
+    if len(sizes) < 2 or sizes[0] < 4 or repeats < 1:
+        raise ProfilingError(
+            f"measure_links needs >= 2 distinct sizes of >= 4 bytes and repeats >= 1 (got sizes {list(sizes_bytes)}, repeats {repeats}).",
+            hint="Use the defaults or e.g. sizes_bytes=(4096, 1 << 20, 1 << 22).",
+        )
+    dev = _device_for(group)
+    rank = dist.get_rank(group)
+    backend = str(dist.get_backend(group))
+
+    # -- all-reduce -----------------------------------------------------------------------------
+    ar_times = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+        dist.all_reduce(t, group=group)  # warm-up (connection set-up, buffers)
+        runs = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            _sync(dev)
+            a = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            _sync(dev)
+            runs.append(time.perf_counter() - a)
+        med = torch.tensor([statistics.median(runs)], dtype=torch.float64, device=dev)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+        ar_times.append(float(med.item()))
+    raw = LinearFit.fit([float(s) for s in sizes], ar_times)
+    hops = 2 * (world - 1)
+    a, b = _positive(raw, sizes, ar_times)
+    allreduce = LinkProfile(
+        kind="allreduce",
+        backend=backend,
+        world_size=world,
+        latency_s=a / hops,  # ring model, DESIGN §4 / seed 001 eq. 5.1: S_all = 2(W−1)(L + G/(W·BW))
+        bandwidth_bytes_per_s=hops / (world * b),
+        r2=raw.r2,
+        samples=tuple(zip(sizes, ar_times)),
+    )
+
+    # -- p2p: rank 0 <-> rank 1 ping-pong --------------------------------------------------------
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    peer0, peer1 = ranks[0], ranks[1]
+    me = dist.get_rank()
+    p2p_times: list[float] = []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
+        dist.barrier(group=group)
+        runs = []
+        for i in range(repeats + 1):
+            if me == peer0:
+                _sync(dev)
+                a0 = time.perf_counter()
+                dist.send(t, dst=peer1)
+                dist.recv(t, src=peer1)
+                _sync(dev)
+                if i > 0:
+                    runs.append((time.perf_counter() - a0) / 2)
+            elif me == peer1:
+                dist.recv(t, src=peer0)
+                dist.send(t, dst=peer0)
+        p2p_times.append(statistics.median(runs) if runs else 0.0)
+    # rank 0 of the pair measured; everyone returns its numbers
+    box: list[Any] = [p2p_times]
+    dist.broadcast_object_list(box, src=peer0, group=group, device=dev if dev.type == "cuda" else None)
+    p2p_times = list(box[0])
+    raw_p2p = LinearFit.fit([float(s) for s in sizes], p2p_times)
+    lat, inv_bw = _positive(raw_p2p, sizes, p2p_times)
+    p2p = LinkProfile(
+        kind="p2p",
+        backend=backend,
+        world_size=world,
+        latency_s=lat,
+        bandwidth_bytes_per_s=1.0 / inv_bw,
+        r2=raw_p2p.r2,
+        samples=tuple(zip(sizes, p2p_times)),
+    )
+    log.info(
+        "links over %s (world %d): all-reduce L=%.1f us BW=%.2f GB/s (R²=%.3f); p2p L=%.1f us BW=%.2f GB/s (R²=%.3f)",
+        backend, world, allreduce.latency_s * 1e6, allreduce.bandwidth_bytes_per_s / 1e9, allreduce.r2,
+        p2p.latency_s * 1e6, p2p.bandwidth_bytes_per_s / 1e9, p2p.r2,
+    )
+    return allreduce, p2p
+
+
+def _positive(fit: LinearFit, sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the fit, both > 0; noise can push either below zero on a busy host."""
+    a, b = fit.beta, fit.alpha
+    if b <= 0:  # no measurable size dependence: bandwidth from the largest message alone
+        b = max(times[-1], 1e-12) / sizes[-1]
+    if a <= 0:  # latency hidden in noise: bound it by the smallest message's time minus its transfer
+        a = max(times[0] - b * sizes[0], times[0] * 0.5, 1e-9)
+    return a, b

@@ -1,0 +1,741 @@
+"""``profile_module``: measure a LightningModule on the real device and return a :class:`Profile`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import inspect
+import logging
+import statistics
+import sys
+import time
+import warnings
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_distplan._layers import discover_layers
+from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
+from lightning_distplan.profile import (
+    LayerProfile,
+    LinearFit,
+    MemoryProfile,
+    OptimizerProfile,
+    Profile,
+    StepProfile,
+    TimingSample,
+)
+from lightning_distplan.profiling._batches import SampleBank, move_to
+from lightning_distplan.profiling._device import device_info, resolve_device
+from lightning_distplan.profiling._errors import ProfilingError
+from lightning_distplan.profiling._recorder import LayerRecorder, RunRecord, _storage_key
+from lightning_distplan.profiling._snapshot import ModuleSnapshot, OptimizerSnapshot, RNGSnapshot
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+__all__ = ["profile_module", "default_micro_batch_sizes"]
+
+log = logging.getLogger(__name__)
+
+# Default sizes stop growing once one forward+backward would take longer than this, so profiling a
+# big model on a CPU stays in seconds; the fit still gets >= 3 sizes (smaller ones are added instead).
+_MAX_STEP_S = 1.5
+_MIN_SIZES = 3
+
+
+def default_micro_batch_sizes(loader_batch_size: int) -> list[int]:
+    """Powers of two around the loader's batch size b: b/2, b, 2b, 4b (at least 1; >= 3 distinct sizes).
+
+    Spanning a factor of 8 keeps the linear fit t(m) = α·m + β (seed 000 §III-B) well conditioned
+    for both α and β, so unprofiled sizes inside and just outside the range are predicted well.
+    """
+    b = max(1, int(loader_batch_size))
+    sizes = sorted({max(1, b // 2), b, 2 * b, 4 * b})
+    while len(sizes) < 4:
+        sizes.append(2 * sizes[-1])
+    return sizes
+
+
+def _is_oom(err: BaseException) -> bool:
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    if isinstance(err, RuntimeError):
+        text = str(err)
+        return "out of memory" in text.lower() or "can't allocate memory" in text or "DefaultCPUAllocator" in text
+    return isinstance(err, MemoryError)
+
+
+def _is_size_error(err: BaseException) -> bool:
+    """The model rejects this micro-batch size itself (BatchNorm in training needs > 1 sample per channel)."""
+    return isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _dist_group_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _reduce(value: float, op: str) -> float:
+    """All ranks agree on ``value`` (max or min); identity when not distributed."""
+    if _dist_group_size() <= 1:
+        return value
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    dev = torch.device("cuda", torch.cuda.current_device()) if ("nccl" in backend and "gloo" not in backend) else torch.device("cpu")
+    t = torch.tensor([value], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def _extract_loss(out: Any, name: str) -> Tensor:
+    loss = out.get("loss") if isinstance(out, dict) else out
+    if not isinstance(loss, Tensor):
+        raise ProfilingError(
+            f"{name}.training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'.",
+            hint="Return the scalar loss (or {'loss': loss}) from training_step.",
+        )
+    if loss.dim() != 0:
+        loss = loss.mean()
+    if not loss.requires_grad:
+        raise ProfilingError(
+            f"The loss returned by {name}.training_step does not require grad, so there is no backward to profile.",
+            hint="Make sure training_step computes the loss from the module's trainable parameters.",
+        )
+    return loss
+
+
+def _optimizers_from(conf: Any) -> list[torch.optim.Optimizer]:
+    """The optimizer(s) of any form ``configure_optimizers`` may return (Lightning's documented forms)."""
+    if conf is None:
+        return []
+    if isinstance(conf, torch.optim.Optimizer):
+        return [conf]
+    if isinstance(conf, dict):
+        return _optimizers_from(conf.get("optimizer"))
+    if isinstance(conf, (list, tuple)):
+        # ([optimizers], [schedulers]) or [opt, ...] or [{"optimizer": ...}, ...]
+        if len(conf) == 2 and isinstance(conf[0], (list, tuple)) and isinstance(conf[1], (list, tuple)):
+            return _optimizers_from(conf[0])
+        out: list[torch.optim.Optimizer] = []
+        for item in conf:
+            out += _optimizers_from(item)
+        return out
+    # lightning's LightningOptimizer wraps the real one
+    inner = getattr(conf, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else []
+
+
+def _unique_bytes(tensors: Iterable[Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        ptr, nbytes = _storage_key(t)
+        if ptr not in seen:
+            seen.add(ptr)
+            total += nbytes
+    return total
+
+
+def _state_tensors(optimizers: Sequence[torch.optim.Optimizer]) -> list[Tensor]:
+    out: list[Tensor] = []
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, Tensor):
+                    out.append(v)
+    return out
+
+
+class _Profiler:
+    def __init__(
+        self,
+        module: nn.Module,
+        batches: Iterable[Any],
+        *,
+        micro_batch_sizes: Sequence[int] | None,
+        device: torch.device,
+        optimizer: torch.optim.Optimizer | None,
+        warmup: int,
+        repeats: int,
+        progress: Callable[[str], None] | None,
+        t0: float,
+    ) -> None:
+        self.module = module
+        self.bank = SampleBank(batches)
+        self.explicit_sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
+        self.device = device
+        self.user_optimizer = optimizer
+        self.warmup = warmup
+        self.repeats = repeats
+        self.progress = progress
+        self.t0 = t0
+        self.name = type(module).__name__
+        self.cuda = device.type == "cuda"
+        sig = inspect.signature(module.training_step)
+        positional = [
+            p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        self.pass_batch_idx = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional)
+        self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self._batch_cache: dict[int, Any] = {}
+        self.spec: Any = None
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def say(self, message: str) -> None:
+        text = f"[{time.perf_counter() - self.t0:6.1f}s] {message}"
+        log.info(text)
+        if self.progress is not None:
+            self.progress(text)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def batch(self, m: int) -> Any:
+        if m not in self._batch_cache:
+            self._batch_cache = {m: move_to(self.bank.micro_batch(m), self.device)}  # keep one on the device
+        return self._batch_cache[m]
+
+    def loss(self, m: int) -> Tensor:
+        batch = self.batch(m)
+        out = self.module.training_step(batch, 0) if self.pass_batch_idx else self.module.training_step(batch)
+        return _extract_loss(out, self.name)
+
+    def chain_loss(self, m: int) -> Tensor:
+        """The loss computed the way a pipeline computes it: ``spec.inputs`` -> blocks -> ``spec.loss``.
+
+        Used for the per-layer pass of splittable models, whose blocks may be wrappers that
+        ``training_step`` never calls; the whole-step timing always uses ``training_step``.
+        """
+        batch = self.batch(m)
+        x = self.spec.inputs(batch)
+        for layer in self.spec.layers:
+            x = layer(*x) if isinstance(x, tuple) else layer(x)
+        return _extract_loss(self.spec.loss(x, batch), f"{self.name} (pipeline_spec)")
+
+    def layer_loss(self, m: int) -> Tensor:
+        return self.chain_loss(m) if self.spec is not None else self.loss(m)
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def after_oom(self) -> None:
+        self.clear_grads()
+        self._batch_cache = {}
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    # -- phases ----------------------------------------------------------------------------------
+    def time_step(self, m: int) -> tuple[float, float, int]:
+        """Whole-step forward/backward medians without layer hooks; CUDA peak allocated bytes."""
+        fwd: list[float] = []
+        bwd: list[float] = []
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for i in range(self.warmup + self.repeats):
+            self.clear_grads()
+            self.sync()
+            a = time.perf_counter()
+            loss = self.loss(m)
+            self.sync()
+            b = time.perf_counter()
+            loss.backward()
+            self.sync()
+            c = time.perf_counter()
+            del loss
+            if i >= self.warmup:
+                fwd.append(b - a)
+                bwd.append(c - b)
+        peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
+        return statistics.median(fwd), statistics.median(bwd), peak
+
+    def time_layers(self, recorder: LayerRecorder, m: int) -> tuple[RunRecord, list[RunRecord]]:
+        """One counting run (saved tensors, outputs; also the warm-up) and ``repeats`` timed runs."""
+        self.clear_grads()
+        counted = recorder.run(lambda: self.layer_loss(m), count_saved=True, synchronize=self.sync)
+        timed = []
+        for _ in range(self.repeats):
+            self.clear_grads()
+            timed.append(recorder.run(lambda: self.layer_loss(m), synchronize=self.sync))
+        return counted, timed
+
+    def optimizer_phase(self, optimizers: list[torch.optim.Optimizer]) -> tuple[float, int, int]:
+        """Median ``step()`` + one ``zero_grad()`` with the gradients of the prime step; state bytes; CUDA peak."""
+        if not optimizers:
+            return 0.0, 0, 0
+        times = []
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        # gradients stay in place across repeats, so every step does the same work
+        for i in range(self.warmup + self.repeats):
+            self.sync()
+            a = time.perf_counter()
+            for opt in optimizers:
+                opt.step()
+            self.sync()
+            if i >= max(1, self.warmup):  # the first step allocates the state: never timed
+                times.append(time.perf_counter() - a)
+        if not times:
+            times = [time.perf_counter() - a]
+        peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
+        self.sync()
+        a = time.perf_counter()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        self.sync()
+        zero = time.perf_counter() - a
+        state = _unique_bytes(_state_tensors(optimizers))
+        return statistics.median(times) + zero, state, peak
+
+
+@contextlib.contextmanager
+def _quiet_logging(module: nn.Module):
+    """``self.log`` outside a Trainer warns (and inside one would pollute its metrics): make it a no-op."""
+    own = {k: module.__dict__[k] for k in ("log", "log_dict") if k in module.__dict__}
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    object.__setattr__(module, "log", noop)
+    object.__setattr__(module, "log_dict", noop)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*self\.log.*")
+            warnings.filterwarnings("ignore", message=r".*module hierarchy tracking.*")
+            warnings.filterwarnings("ignore", message=r".*[Nn]ot attached to a .*Trainer.*")
+            yield
+    finally:
+        for k in ("log", "log_dict"):
+            if k in own:
+                object.__setattr__(module, k, own[k])
+            else:
+                module.__dict__.pop(k, None)
+
+
+def profile_module(
+    module: LightningModule,
+    batches: Iterable[Any],
+    *,
+    micro_batch_sizes: Sequence[int] | None = None,
+    device: str | torch.device | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    warmup: int = 1,
+    repeats: int = 3,
+    measure_links: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Measure ``module`` on the real device and return its :class:`~lightning_distplan.profile.Profile`.
+
+    For each micro-batch size m (built from the loader's real batches, concatenated and sliced to
+    exactly m samples) it times ``training_step`` (forward) and ``loss.backward()`` without hooks
+    (median of ``repeats`` after ``warmup``), then once more per layer with hooks, and fits every
+    time as t(m) = α·m + β (seed 000 §III-B). It counts bytes saved for backward per layer, the
+    bytes each layer outputs, FLOPs per layer, parameter/gradient/optimizer-state bytes, the
+    optimizer step time and (on CUDA) the peak memory per m. A size that runs out of memory is
+    recorded in ``infeasible_micro_batch_sizes``, not raised (all ranks agree when distributed).
+    When ``torch.distributed`` is initialised with more than one rank, every rank must call this,
+    and the links are measured too.
+
+    Profiling leaves no trace: weights, buffers, gradients, optimizer state, training flags, the
+    module's device and all RNG streams are restored afterwards, even on error.
+
+    Args:
+        module: the LightningModule (any ``nn.Module`` with ``training_step``).
+        batches: a DataLoader or any iterable of batches (tensors, or nested tuples/lists/dicts of them).
+        micro_batch_sizes: sizes to time; default: b/2, b, 2b, 4b for the loader's batch size b,
+            growing only while a step stays short (see :func:`default_micro_batch_sizes`).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when present, else CPU.
+        optimizer: measured instead of the one(s) from ``module.configure_optimizers()``.
+        warmup: untimed runs before the timed ones.
+        repeats: timed runs per size (the median is kept).
+        measure_links: measure all-reduce / p2p when distributed (see :func:`measure_links`).
+        progress: called with one line per phase (what is measured, elapsed seconds).
+
+    Returns:
+        The Profile (save it with ``profile.save(path)``).
+
+    Raises:
+        ProfilingError: the module has no trainable parameters, returns no loss, or the loader yields nothing.
+        InfeasiblePlanError: not even a micro-batch of one sample fits in memory.
+        DeviceUnavailableError: ``device`` names a device that is not present.
+
+    Example:
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> model = BoringModel()
+        >>> profile = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1)
+        >>> len(profile.micro_batch_sizes)
+        3
+    """
+    t0 = time.perf_counter()
+    name = type(module).__name__
+    if not callable(getattr(module, "training_step", None)):
+        raise ProfilingError(f"{name} has no training_step to profile.", hint="Pass a LightningModule.")
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not trainable:
+        raise ProfilingError(
+            f"{name} has no trainable parameters ({sum(1 for _ in module.parameters())} parameters, none with requires_grad), so there is nothing to train or plan.",
+            hint="Profile a model with nn.Parameters (create layers in __init__, or call configure_model()/setup() first).",
+        )
+    if getattr(module, "automatic_optimization", True) is False:
+        raise ProfilingError(
+            f"{name} uses manual optimization (automatic_optimization=False); its training_step runs backward itself, so forward and backward cannot be timed apart.",
+            hint="Profile a variant with automatic optimization, or pass a wrapper module whose training_step only returns the loss.",
+        )
+    if repeats < 1 or warmup < 0:
+        raise ProfilingError(f"repeats ({repeats}) must be >= 1 and warmup ({warmup}) >= 0.", hint="Use e.g. warmup=1, repeats=3.")
+    if micro_batch_sizes is not None:
+        sizes = list(micro_batch_sizes)
+        if not sizes or any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in sizes):
+            raise ProfilingError(
+                f"micro_batch_sizes {sizes!r} must be a non-empty list of positive integers.", hint="Pass e.g. [2, 4, 8]."
+            )
+        micro_batch_sizes = sorted(set(sizes))
+    devices = {p.device for p in module.parameters()}
+    if len(devices) > 1:
+        raise ProfilingError(
+            f"{name} has parameters on several devices ({sorted(map(str, devices))}); the profiler measures one device.",
+            hint="Move the module to one device first (module.to('cpu')).",
+        )
+    dev = resolve_device(device)
+
+    rng = RNGSnapshot.take(include_cuda=dev.type == "cuda")
+    snapshot = ModuleSnapshot.take(module)
+    user_opt_snapshot = OptimizerSnapshot.take(optimizer) if optimizer is not None else None
+    prof = _Profiler(
+        module, batches, micro_batch_sizes=micro_batch_sizes, device=dev, optimizer=optimizer,
+        warmup=warmup, repeats=repeats, progress=progress, t0=t0,
+    )
+    try:
+        with _quiet_logging(module):
+            return _run(prof, snapshot, measure_links=measure_links)
+    except (DistPlanError, KeyboardInterrupt):
+        raise
+    except Exception as err:  # the user's training_step / loss failed: say where, keep the chain
+        raise ProfilingError(
+            f"Profiling {name} failed in its training step with {type(err).__name__}: {_first_line(err)}",
+            hint="Check that training_step runs on a batch of the loader outside a Trainer (e.g. it must not need self.trainer); "
+            "the original traceback is chained to this error.",
+        ) from err
+    finally:
+        prof.bank.close()
+        prof._batch_cache = {}
+        snapshot.restore()
+        if user_opt_snapshot is not None:
+            user_opt_snapshot.restore()
+        rng.restore()
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> Profile:
+    module, dev = prof.module, prof.device
+    world = _dist_group_size()
+    module.to(dev)
+    module.train()
+    discovered = discover_layers(module)
+    layer_names = list(discovered.names)
+    layer_modules = list(discovered.modules)
+    prof.spec = discovered.spec
+    if not layer_modules:  # a module that holds its parameters directly: one layer, the whole model
+        layer_names, layer_modules = [type(module).__name__], [module]
+    b = prof.bank.first_batch_size()
+    prof.say(f"profiling {prof.name} on {dev} ({len(layer_modules)} layers, loader batch size {b})")
+
+    # -- optimizer -----------------------------------------------------------------------------
+    if prof.user_optimizer is not None:
+        optimizers = [prof.user_optimizer]
+    else:
+        try:
+            optimizers = _optimizers_from(module.configure_optimizers())
+        except Exception as err:  # configure_optimizers may need a Trainer (e.g. estimated_stepping_batches)
+            raise ProfilingError(
+                f"{prof.name}.configure_optimizers() failed outside a Trainer ({type(err).__name__}: {err}).",
+                hint="Pass the optimizer to profile explicitly: profile_module(..., optimizer=torch.optim.AdamW(model.parameters())).",
+            ) from err
+    created_snapshots = [OptimizerSnapshot.take(o) for o in optimizers if o is not prof.user_optimizer]
+
+    # -- sizes -----------------------------------------------------------------------------------
+    queue = list(prof.explicit_sizes) if prof.explicit_sizes is not None else default_micro_batch_sizes(b)
+    explicit = prof.explicit_sizes is not None
+    infeasible: list[int] = []
+    skipped: list[int] = []  # sizes the model itself rejects (BatchNorm with one sample): not memory
+
+    # Prime: one forward/backward at the smallest size (warms caches, builds lazy state), then the
+    # optimizer steps on those gradients so its state exists for the memory peaks that follow.
+    m0 = queue[0]
+    while True:
+        oom = False
+        try:
+            prof.clear_grads()
+            loss = prof.loss(m0)
+            loss.backward()
+            del loss
+        except Exception as err:
+            if _is_size_error(err):
+                prof.say(f"micro-batch {m0}: skipped ({_first_line(err)})")
+                skipped.append(m0)
+                queue = [m for m in queue if m != m0] or [2 * m0]
+                m0 = queue[0]
+                continue
+            if not _is_oom(err):
+                raise
+            oom = True
+            prof.after_oom()
+        if not _reduce(float(oom), "max"):
+            break
+        infeasible.append(m0)
+        prof.say(f"micro-batch {m0}: out of memory")
+        if m0 == 1:
+            raise InfeasiblePlanError(
+                f"{prof.name} runs out of memory on {dev} even with a micro-batch of 1 sample.",
+                hint="Profile on a device with more memory, reduce the model, or use a pipeline across several devices.",
+            )
+        queue = [m for m in queue if m < m0] or [max(1, m0 // 2)]
+        m0 = queue[0]
+    try:
+        opt_time, opt_state, opt_peak = prof.optimizer_phase(optimizers)
+    except Exception as err:
+        if not _is_oom(err):
+            raise
+        prof.after_oom()
+        raise InfeasiblePlanError(
+            f"The optimizer step of {prof.name} runs out of memory on {dev}.",
+            hint="Use an optimizer with less state (SGD instead of Adam), or shard the optimizer state over devices.",
+        ) from None
+    prof.clear_grads()
+    snapshot.restore(grads=False)  # undo the optimizer's weight updates; its state stays allocated
+    opt_name = "+".join(type(o).__name__ for o in optimizers) or "none"
+    prof.say(f"optimizer {opt_name}: step {opt_time * 1e3:.2f} ms, state {opt_state / 2**20:.1f} MiB")
+
+    # -- main loop: whole step, then per layer ---------------------------------------------------
+    param_storages = {_storage_key(t)[0] for t in list(module.parameters()) + list(module.buffers())}
+    step_samples: list[TimingSample] = []
+    peaks: dict[int, int] = {}
+    counted: dict[int, RunRecord] = {}
+    timed: dict[int, list[RunRecord]] = {}
+    done: list[int] = []
+    with LayerRecorder(layer_modules, dev, exclude_storages=param_storages) as recorder:
+        while queue:
+            m = queue.pop(0)
+            if m in done or m in infeasible or m in skipped:
+                continue
+            oom = False
+            if m in skipped:
+                continue
+            try:
+                f, bw, peak = prof.time_step(m)
+                c, t = prof.time_layers(recorder, m)
+            except Exception as err:
+                if _is_size_error(err):
+                    prof.say(f"micro-batch {m}: skipped ({_first_line(err)})")
+                    skipped.append(m)
+                    if not explicit and not queue and len(done) < _MIN_SIZES:
+                        queue = [2 * max(done + [m])]
+                    continue
+                if not _is_oom(err):
+                    raise
+                oom = True
+                prof.after_oom()
+            if _reduce(float(oom), "max"):
+                infeasible.append(m)
+                prof.say(f"micro-batch {m}: out of memory -> infeasible; larger sizes skipped")
+                larger = [x for x in queue if x > m]
+                queue = [x for x in queue if x < m]
+                if larger:
+                    log.info("Skipped micro-batch sizes %s (larger than the infeasible %d).", larger, m)
+                if not explicit and done and len(done) < _MIN_SIZES and min(done) > 1 and min(done) // 2 not in skipped:
+                    queue = [max(1, min(done) // 2)]  # below the smallest: cheap and surely fits
+                continue
+            f, bw = _reduce(f, "max"), _reduce(bw, "max")  # the slowest rank sets the pace
+            done.append(m)
+            step_samples.append(TimingSample(micro_batch_size=m, forward_s=f, backward_s=bw))
+            counted[m], timed[m] = c, t
+            if prof.cuda:
+                peaks[m] = max(peak, opt_peak)
+            prof.say(f"micro-batch {m}: forward {f * 1e3:.1f} ms, backward {bw * 1e3:.1f} ms" + (f", peak {peaks[m] / 2**20:.0f} MiB" if prof.cuda else ""))
+            if not explicit:
+                queue = _next_sizes(queue, done, infeasible, skipped, step_s=_reduce(f + bw, "max"), m=m, say=prof.say)
+        feasible = sorted(done)
+        if not feasible:
+            raise InfeasiblePlanError(
+                f"No micro-batch size of {prof.name} fits in memory on {dev} (tried {sorted(infeasible)}).",
+                hint="Profile smaller micro-batch sizes, e.g. micro_batch_sizes=[1, 2, 4].",
+            )
+        # FLOPs at the two smallest sizes (counting is slow per op, not per FLOP); per sample = slope.
+        flop_records: dict[int, RunRecord] = {}
+        from torch.utils.flop_counter import FlopCounterMode
+
+        for m in feasible[:2]:
+            try:
+                prof.clear_grads()
+                with FlopCounterMode(display=False) as counter:
+                    flop_records[m] = recorder.run(lambda: prof.layer_loss(m), flop_counter=counter, synchronize=prof.sync)
+            except Exception as err:
+                if not _is_oom(err):
+                    raise
+                prof.after_oom()
+        prof.clear_grads()
+    prof.say("counted FLOPs")
+
+    # -- links -------------------------------------------------------------------------------------
+    links = ()
+    if measure_links and world > 1:
+        from lightning_distplan.profiling._links import measure_links as _measure_links
+
+        prof.say("measuring all-reduce and p2p links")
+        links = _measure_links()
+
+    # -- assemble ----------------------------------------------------------------------------------
+    order = _execution_order(counted, len(layer_modules))
+    layers = []
+    seen_params: set[int] = set()
+    for i in order:
+        params = [p for p in layer_modules[i].parameters() if id(p) not in seen_params]
+        seen_params.update(id(p) for p in params)
+        fwd = [statistics.median(r.forward_s[i] for r in timed[m]) for m in feasible]
+        bwd = [statistics.median(r.backward_s[i] for r in timed[m]) for m in feasible]
+        saved = [counted[m].saved_bytes[i] for m in feasible]
+        outs = [counted[m].output_bytes[i] for m in feasible]
+        act = LinearFit.fit(feasible, saved)
+        out_fit = LinearFit.fit(feasible, outs)
+        flops_f, flops_b = _per_sample(flop_records, i)
+        layers.append(
+            LayerProfile(
+                name=layer_names[i],
+                forward=LinearFit.fit(feasible, fwd),
+                backward=LinearFit.fit(feasible, bwd),
+                param_count=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                activation_bytes_per_sample=max(0.0, act.alpha),
+                activation_bytes_fixed=max(0.0, act.beta),
+                output_bytes_per_sample=max(0.0, out_fit.alpha),
+                flops_forward_per_sample=flops_f,
+                flops_backward_per_sample=flops_b,
+                samples=tuple(TimingSample(micro_batch_size=m, forward_s=a, backward_s=c) for m, a, c in zip(feasible, fwd, bwd)),
+            )
+        )
+    step_samples.sort(key=lambda s: s.micro_batch_size)
+    step = StepProfile(
+        forward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s for s in step_samples]),
+        backward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.backward_s for s in step_samples]),
+        samples=tuple(step_samples),
+    )
+    all_params = list(dict.fromkeys(module.parameters()))
+    param_bytes = sum(p.numel() * p.element_size() for p in all_params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in all_params if p.requires_grad)
+    activation = LinearFit.fit(feasible, [counted[m].total_saved_bytes for m in feasible])
+    overhead = 0
+    if peaks:
+        # seed 000 §III: memory = weights + grads + optimizer state + activations(m) + a fixed part, measured
+        overhead = max(
+            0, max(int(peaks[m] - (param_bytes + grad_bytes + opt_state + activation(m))) for m in peaks)
+        )
+    else:
+        prof.say("no peak memory on CPU: fixed overhead recorded as 0 (the model's parts are counted, not measured)")
+    info = device_info(dev)
+    dtypes = [p.dtype for p in all_params]
+    dtype = str(max(set(dtypes), key=dtypes.count)).replace("torch.", "") if dtypes else "float32"
+    memory = MemoryProfile(
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_state_bytes=opt_state,
+        activation=activation,
+        fixed_overhead_bytes=overhead,
+        measured_peak_bytes=dict(sorted(peaks.items())),
+        device_total_bytes=info.total_memory_bytes,
+        device_total_source=info.memory_source,
+    )
+    if prof.bank.repeated:
+        log.warning("The loader yielded fewer samples than the largest micro-batch; samples were repeated to fill it.")
+    for snap in created_snapshots:
+        snap.restore()
+    elapsed = time.perf_counter() - prof.t0
+    profile = Profile(
+        model=f"{type(module).__module__}:{type(module).__qualname__}",
+        device=dataclasses.replace(info, dtype=dtype, count=world),
+        micro_batch_sizes=tuple(feasible),
+        step=step,
+        layers=tuple(layers),
+        optimizer=OptimizerProfile(name=opt_name, state_bytes=opt_state, step_time_s=opt_time),
+        memory=memory,
+        links=tuple(links),
+        infeasible_micro_batch_sizes=tuple(sorted(set(infeasible))),
+        splittable=discovered.spec is not None,
+        split_reason=discovered.split_reason,
+        profiling_time_s=elapsed,
+        versions=_versions(),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    prof.say(
+        f"done: step fit forward R²={step.forward.r2:.3f}, backward R²={step.backward.r2:.3f}; "
+        f"sizes {list(feasible)}" + (f", infeasible {sorted(set(infeasible))}" if infeasible else "")
+    )
+    return profile
+
+
+def _next_sizes(queue: list[int], done: list[int], infeasible: list[int], skipped: list[int], *, step_s: float, m: int, say: Callable[[str], None]) -> list[int]:
+    """Default sizes: go on while the next step stays under _MAX_STEP_S; always reach _MIN_SIZES sizes,
+    preferring smaller sizes (cheap) over larger ones when time runs short."""
+    if queue and step_s * queue[0] / m <= _MAX_STEP_S:
+        return queue
+    if len(done) >= _MIN_SIZES:
+        if queue:
+            say(f"stopping after micro-batch {m}: a step of {queue[0]} would take ~{step_s * queue[0] / m:.1f} s")
+        return []
+    smallest = min(done)
+    if smallest > 1 and smallest // 2 not in skipped:
+        return [smallest // 2]
+    larger = [x for x in queue if x not in done] or [2 * max(done)]
+    return [x for x in larger if x not in infeasible and x not in skipped][:1]
+
+
+def _execution_order(counted: dict[int, RunRecord], n: int) -> list[int]:
+    order: list[int] = []
+    for rec in counted.values():
+        for i in rec.first_call:
+            if i not in order:
+                order.append(i)
+    return order + [i for i in range(n) if i not in order]  # never-called layers last (zero time)
+
+
+def _per_sample(records: dict[int, RunRecord], i: int) -> tuple[float, float]:
+    if not records:
+        return 0.0, 0.0
+    sizes = sorted(records)
+    if len(sizes) == 1:
+        m = sizes[0]
+        return records[m].flops_forward[i] / m, records[m].flops_backward[i] / m
+    a, b = sizes[0], sizes[1]
+    f = (records[b].flops_forward[i] - records[a].flops_forward[i]) / (b - a)
+    g = (records[b].flops_backward[i] - records[a].flops_backward[i]) / (b - a)
+    return max(0.0, float(f)), max(0.0, float(g))
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0], "torch": torch.__version__}
+    try:
+        import lightning
+
+        out["lightning"] = lightning.__version__
+    except ImportError:
+        pass
+    try:
+        import lightning_distplan
+
+        out["lightning_distplan"] = lightning_distplan.__version__
+    except (ImportError, AttributeError):
+        pass
+    if torch.cuda.is_available():
+        out["cuda"] = str(torch.version.cuda)
+    return out

@@ -1,0 +1,133 @@
+"""Profiling leaves no trace (DESIGN §3.3): weights, buffers, grads, optimizer state, flags, caches, RNG."""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _profiling_models import OOMAbove  # noqa: E402
+
+from lightning_distplan.profiling import profile_module  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class Stateful(LightningModule):
+    """Dropout (uses the RNG), BatchNorm (buffers change in train mode), a frozen layer, a lazy cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.bn = nn.BatchNorm1d(12)
+        self.drop = nn.Dropout(0.3)
+        self.frozen = nn.Linear(12, 12)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(12, 3)
+        self.cache = None  # built lazily in forward, like the demo Transformer's positional encoding
+
+    def forward(self, x):
+        if self.cache is None:
+            self.cache = torch.ones(12)
+        return self.head(self.frozen(self.drop(torch.relu(self.bn(self.inp(x))))) * self.cache)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "grads": {k: None if v.grad is None else v.grad.clone() for k, v in model.named_parameters()},
+        "buffers": {k: v.clone() for k, v in model.named_buffers()},
+        "training": {k: m.training for k, m in model.named_modules()},
+        "requires_grad": {k: v.requires_grad for k, v in model.named_parameters()},
+        "opt": copy.deepcopy(opt.state_dict()),  # state_dict() holds live tensors
+        "attrs": {k: dict(vars(m)).keys() for k, m in model.named_modules()},
+    }
+
+
+def _opt_state_equal(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for key in a["state"]:
+        for name, value in a["state"][key].items():
+            other = b["state"][key][name]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+@pytest.mark.parametrize("with_history", [False, True])
+def test_profiling_leaves_no_trace(with_history: bool) -> None:
+    torch.manual_seed(1)
+    model = Stateful()
+    data = [(torch.randn(4, 6), torch.randint(0, 3, (4,))) for _ in range(3)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if with_history:  # mid-training: optimizer state exists, some grads are set, one submodule in eval
+        loss = model.training_step(data[0], 0)
+        loss.backward()
+        opt.step()
+        model.head.weight.grad = torch.randn_like(model.head.weight)
+        model.inp.weight.grad = None
+        model.drop.eval()
+    model.cache = None
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    before = _state(model, opt)
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    ids = {k: id(v) for k, v in model.named_parameters()}
+
+    profile = profile_module(model, data, micro_batch_sizes=[1, 2, 4, 8], repeats=1, optimizer=opt)
+    assert profile.optimizer.name == "AdamW"
+    assert profile.micro_batch_sizes == (2, 4, 8)  # BatchNorm rejects one sample: skipped, not "out of memory"
+    assert profile.infeasible_micro_batch_sizes == ()
+
+    after = _state(model, opt)
+    for group in ("params", "buffers"):
+        assert before[group].keys() == after[group].keys()
+        for k in before[group]:
+            assert torch.equal(before[group][k], after[group][k]), (group, k)
+    for k, g in before["grads"].items():
+        assert (g is None) == (after["grads"][k] is None), k
+        if g is not None:
+            assert torch.equal(g, after["grads"][k]), k
+    assert before["training"] == after["training"]
+    assert before["requires_grad"] == after["requires_grad"]
+    assert before["attrs"] == after["attrs"] and model.cache is None
+    _opt_state_equal(before["opt"], after["opt"])
+    if not with_history:
+        assert len(opt.state) == 0
+    assert {k: id(v) for k, v in model.named_parameters()} == ids  # same Parameter objects
+    assert "log" not in vars(model) and "log_dict" not in vars(model)
+    assert torch.equal(torch.get_rng_state(), rng[0])
+    assert random.getstate() == rng[1]
+    np_after = np.random.get_state()
+    assert np_after[0] == rng[2][0] and np.array_equal(np_after[1], rng[2][1]) and np_after[2:] == rng[2][2:]
+
+
+def test_no_trace_after_oom_and_after_error() -> None:
+    model = OOMAbove(limit=2)
+    data = [(torch.randn(4, 4), torch.randn(4, 1))]
+    bad = [(torch.randn(4, 4), "not a target")]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    profile_module(model, data, micro_batch_sizes=[1, 2, 4], repeats=1)
+    with pytest.raises(ValueError, match="failed in its training step with AttributeError.*HINT"):
+        profile_module(model, bad, micro_batch_sizes=[1], repeats=1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -1,0 +1,122 @@
+"""profile_module on tiny real models: fits, hand-counted activations/FLOPs, JSON round trip, errors."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _profiling_models import MLP, NoParams, OOMAbove, xy_batches  # noqa: E402
+
+from lightning_distplan.errors import InfeasiblePlanError  # noqa: E402
+from lightning_distplan.profile import Profile  # noqa: E402
+from lightning_distplan.profiling import ProfilingError, default_micro_batch_sizes, device_info, profile_module  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def mlp_profile() -> Profile:
+    torch.manual_seed(0)
+    return profile_module(MLP(), xy_batches(), micro_batch_sizes=[1, 2, 4, 8], repeats=2)
+
+
+def test_fits_and_samples(mlp_profile: Profile) -> None:
+    p = mlp_profile
+    assert p.micro_batch_sizes == (1, 2, 4, 8)
+    assert [s.micro_batch_size for s in p.step.samples] == [1, 2, 4, 8]
+    assert all(s.forward_s > 0 and s.backward_s > 0 for s in p.step.samples)
+    for fit in (p.step.forward, p.step.backward):
+        assert fit.r2 <= 1.0 and fit.r2 == fit.r2  # present and finite
+    assert [layer.name for layer in p.layers] == ["net.0", "net.1", "net.2"]
+    for layer in p.layers:
+        assert len(layer.samples) == 4
+        assert layer.forward.r2 <= 1.0
+    assert p.device.type == "cpu" and p.device.total_memory_bytes > 0 and p.device.memory_source
+    assert p.profiling_time_s > 0 and p.versions["torch"] == torch.__version__
+    assert p.optimizer.name == "Adam" and p.optimizer.step_time_s > 0
+    assert not p.splittable and "pipeline_spec" in p.split_reason
+
+
+def test_activation_and_flop_counts_match_hand_computation(mlp_profile: Profile) -> None:
+    # float32 = 4 bytes. Linear(8,16) saves its input x (8 floats; the weight is a parameter -> excluded),
+    # ReLU saves its output (16 floats), Linear(16,4) saves its input = the ReLU output (same storage ->
+    # counted once), mse_loss (glue after net.2 -> charged to net.2) saves prediction and target (4 + 4).
+    net0, net1, net2 = mlp_profile.layers
+    assert net0.activation_bytes_per_sample == pytest.approx(8 * 4)
+    assert net1.activation_bytes_per_sample == pytest.approx(16 * 4)
+    assert net2.activation_bytes_per_sample == pytest.approx(8 * 4)
+    assert mlp_profile.memory.activation.alpha == pytest.approx(128)
+    assert mlp_profile.memory.activation.beta == pytest.approx(0, abs=1e-6)
+    # outputs a pipeline would send
+    assert [l.output_bytes_per_sample for l in mlp_profile.layers] == pytest.approx([64, 64, 16])
+    # FLOPs: 2*in*out forward; backward = weight grad (+ input grad where the input needs grad)
+    assert net0.flops_forward_per_sample == pytest.approx(2 * 8 * 16)
+    assert net0.flops_backward_per_sample == pytest.approx(2 * 8 * 16)  # x needs no grad
+    assert net2.flops_forward_per_sample == pytest.approx(2 * 16 * 4)
+    assert net2.flops_backward_per_sample == pytest.approx(2 * 2 * 16 * 4)
+    # memory: weights 8*16+16+16*4+4 = 212 floats; Adam keeps 2 moments + a step scalar per tensor
+    assert mlp_profile.memory.param_bytes == 212 * 4 == mlp_profile.memory.grad_bytes
+    assert mlp_profile.memory.optimizer_state_bytes == 2 * 212 * 4 + 4 * 4
+    assert mlp_profile.memory.fixed_overhead_bytes == 0 and mlp_profile.memory.measured_peak_bytes == {}
+
+
+def test_json_round_trip(mlp_profile: Profile, tmp_path: Path) -> None:
+    path = mlp_profile.save(tmp_path / "p.json")
+    assert Profile.load(path) == mlp_profile
+
+
+def test_self_log_is_silenced() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile_module(MLP("sgd"), xy_batches(), micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert not [w for w in caught if "log" in str(w.message)]
+
+
+def test_oom_is_recorded_not_raised() -> None:
+    data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(8)]
+    for kind in ("cuda", "cpu"):
+        p = profile_module(OOMAbove(limit=4, kind=kind), data, micro_batch_sizes=[1, 2, 4, 8, 16], repeats=1)
+        assert p.micro_batch_sizes == (1, 2, 4)
+        assert p.infeasible_micro_batch_sizes == (8,)  # larger sizes are not tried after the first OOM
+        assert p.max_feasible_micro_batch_size == 7
+    # default sizes (b/2, b, 2b, 4b = 2, 4, 8, 16): OOM at 8 leaves 2 sizes, so a smaller one is added
+    p = profile_module(OOMAbove(limit=4), data, repeats=1)
+    assert p.infeasible_micro_batch_sizes == (8,) and p.micro_batch_sizes == (1, 2, 4)
+    with pytest.raises(InfeasiblePlanError, match="HINT"):
+        profile_module(OOMAbove(limit=0), data, micro_batch_sizes=[2], repeats=1)
+
+
+def test_default_sizes() -> None:
+    assert default_micro_batch_sizes(8) == [4, 8, 16, 32]
+    assert default_micro_batch_sizes(1) == [1, 2, 4, 8]
+    assert len(default_micro_batch_sizes(2)) >= 3
+
+
+def test_errors_have_hints() -> None:
+    with pytest.raises(ProfilingError, match="no trainable parameters.*HINT"):
+        profile_module(NoParams(), xy_batches())
+    with pytest.raises(ProfilingError, match="yielded no batches.*HINT"):
+        profile_module(MLP(), [])
+    with pytest.raises(ValueError, match="micro_batch_sizes.*HINT"):
+        profile_module(MLP(), xy_batches(), micro_batch_sizes=[0, 2])
+    manual = MLP()
+    manual.automatic_optimization = False
+    with pytest.raises(ProfilingError, match="manual optimization.*HINT"):
+        profile_module(manual, xy_batches())
+
+
+def test_cuda_request_without_gpu() -> None:
+    from lightning_distplan.errors import DeviceUnavailableError
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(DeviceUnavailableError, match="HINT"):
+        profile_module(MLP(), xy_batches(), device="cuda")
+    info = device_info("cpu")
+    assert info.type == "cpu" and info.total_memory_bytes > 2**20
+    assert info.memory_source in ("host RAM (sysconf)", "cgroup memory limit")
