@@ -1,4 +1,5 @@
-"""A tiny deterministic language model (Lightning's demo Transformer, dropout 0) and synthetic data.
+"""Tiny deterministic language models (Lightning's demo Transformer or a Hugging Face GPT-2 built
+from a config, dropout 0) and synthetic token data.
 
 Shared by the dp_ga and checkpoint tests; module-level so spawned ranks can import it.
 """
@@ -23,16 +24,27 @@ def token_dataset(n: int, seed: int = 0) -> TensorDataset:
 
 
 class TinyLM(L.LightningModule):
-    def __init__(self, n_samples: int = 320, loader_batch: int = 16, optimizer: str = "sgd", reference_sampler: bool = False) -> None:
+    def __init__(
+        self, n_samples: int = 320, loader_batch: int = 16, optimizer: str = "sgd", reference_sampler: bool = False, arch: str = "transformer"
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(1234)  # identical initial weights in every process
-        self.model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
+        if arch == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
+            )
+            self.model = GPT2LMHeadModel(cfg)
+        else:
+            self.model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=1, dropout=0.0)
         self.micro_batch_sizes: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, target = batch
         self.micro_batch_sizes.append(inputs.shape[0])
+        if self.hparams.arch == "gpt2":
+            return self.model(input_ids=inputs, labels=inputs).loss  # HF shifts the labels itself
         return F.nll_loss(self.model(inputs, target), target.reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

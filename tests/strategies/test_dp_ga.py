@@ -32,8 +32,13 @@ class _CountAllReduce(L.Callback):
         trainer.strategy.model.register_comm_hook(self.state, _counting_allreduce)
 
 
-def _train_dp_ga(rank: int, world_size: int, steps: int) -> dict[str, Any]:
-    model = TinyLM(n_samples=320, loader_batch=16)
+def _train_dp_ga(rank: int, world_size: int, steps: int, archs: tuple[str, ...]) -> dict[str, Any]:
+    # Several models in one pair of processes: starting a rank costs more than training a tiny model.
+    return {arch: _train_one(world_size, steps, arch) for arch in archs}
+
+
+def _train_one(world_size: int, steps: int, arch: str) -> dict[str, Any]:
+    model = TinyLM(n_samples=320, loader_batch=16, arch=arch)
     counter = _CountAllReduce()
     comm_state = counter.state
     # bucket_cap_mb: the whole tiny model in one gradient bucket, so one all-reduce = one hook call
@@ -50,12 +55,21 @@ def _train_dp_ga(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     }
 
 
+ARCHS = ("transformer", "gpt2")  # Lightning's demo Transformer; Hugging Face GPT-2 from a tiny config
+
+
 def test_dp_ga_same_math_as_single_process() -> None:
     """2 ranks x m=4 x s=4 (loader batch 16 re-chunked) for 10 steps == 1 process, batch 32, 10 steps."""
     t0 = time.perf_counter()
-    ranks = run_on_ranks(_train_dp_ga, 2, 10)
+    results = run_on_ranks(_train_dp_ga, 2, 10, ARCHS)
     torch.set_num_threads(1)
-    reference = TinyLM(n_samples=320, loader_batch=32, reference_sampler=True)
+    for arch in ARCHS:
+        _check_same_math([r[arch] for r in results], arch)
+    print(f"same-math test ({', '.join(ARCHS)}) {time.perf_counter() - t0:.1f}s")
+
+
+def _check_same_math(ranks: list[dict[str, Any]], arch: str) -> None:
+    reference = TinyLM(n_samples=320, loader_batch=32, reference_sampler=True, arch=arch)
     L.Trainer(**trainer_kwargs(devices=1, max_steps=10)).fit(reference)
 
     for r in ranks:
@@ -67,9 +81,9 @@ def test_dp_ga_same_math_as_single_process() -> None:
     assert reference.micro_batch_sizes == [32] * 10
     torch.testing.assert_close(ranks[0]["state"], ranks[1]["state"], rtol=0, atol=0)
     torch.testing.assert_close(ranks[0]["state"], cpu_state(reference), rtol=1e-5, atol=1e-6)
-    changed = max((ranks[0]["state"][k] - TinyLM().state_dict()[k]).abs().max().item() for k in ranks[0]["state"])
+    initial = TinyLM(arch=arch).state_dict()
+    changed = max((ranks[0]["state"][k] - initial[k]).abs().max().item() for k in ranks[0]["state"])
     assert changed > 1e-3  # the weights really moved
-    print(f"same-math test {time.perf_counter() - t0:.1f}s")
 
 
 def test_rebatch_splits_merges_and_keeps_order() -> None:
