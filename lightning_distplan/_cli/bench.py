@@ -1,0 +1,201 @@
+"""``distplan bench package.module:ClassName --world-size N --global-batch-size B``: predicted vs measured.
+
+Profiles the model, ranks the plans, runs every chosen plan for real (a fresh Lightning Trainer
+per plan, this package's strategies) and prints per-plan error, median / p90 |error|, whether the
+planner's pick is the measured best (or within 5%) and the regret; ``--out`` writes the JSON,
+``--plot`` a predicted-vs-measured PNG.
+
+Multi-process runs go through torchrun: with ``--world-size N > 1`` outside a torchrun job this
+command starts ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+lightning_distplan.cli bench ...`` (one node; ``--print-launch`` prints that command instead).
+For several nodes start torchrun yourself on each node with ``--nnodes``; inside the job all
+ranks run the candidates one after the other in the same processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+from lightning_distplan.errors import DistPlanError
+
+__all__ = ["add_parser", "run", "torchrun_command"]
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="run candidate plans for real and compare measured with predicted step time and memory",
+        description=(
+            "Profile a LightningModule, rank the plans for --world-size and --global-batch-size, train each chosen plan "
+            "for --warmup + --steps optimizer steps with lightning_distplan's strategies, and report predicted vs measured."
+        ),
+    )
+    parser.add_argument("model", metavar="package.module:ClassName", help="import path of the LightningModule class")
+    parser.add_argument("--init-args", default="{}", metavar="JSON", help="keyword arguments for the model's constructor")
+    parser.add_argument("--datamodule", default=None, metavar="package.module:ClassName", help="LightningDataModule class giving the batches")
+    parser.add_argument("--datamodule-args", default="{}", metavar="JSON", help="keyword arguments for the datamodule's constructor")
+    parser.add_argument("--world-size", type=int, required=True, help="processes in the job (torchrun is started for N > 1)")
+    parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (the same for every plan)")
+    parser.add_argument("--plans", default="all", help="'all' feasible plans (default), 'top:K', or planner ranks 'N,M,...'")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per plan; the median is reported (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per plan first (default 2)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to profile (default: powers of two up to the global batch)")
+    parser.add_argument("--profile-repeats", type=int, default=3, help="timed runs per profiled size (default 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: torch's)")
+    parser.add_argument("--out", default=None, help="write the result JSON here")
+    parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default table)")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write a predicted-vs-measured scatter here")
+    parser.add_argument("--print-launch", action="store_true", help="with --world-size > 1: print the torchrun command instead of running it")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.set_defaults(run=run)
+
+
+def _inside_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    out = [args.model, "--world-size", str(args.world_size), "--global-batch-size", str(args.global_batch_size)]
+    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "warmup", "device", "micro_batch_sizes",
+                 "profile_repeats", "threads", "out", "format", "plot"):
+        value = getattr(args, flag)
+        if value is not None:
+            out += ["--" + flag.replace("_", "-"), str(value)]
+    if args.quiet:
+        out.append("--quiet")
+    return out
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The single-node torchrun command that runs this benchmark on ``--world-size`` processes."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world_size),
+        "-m", "lightning_distplan.cli", "bench", *_forwarded(args),
+    ]
+
+
+def _quiet_lightning() -> None:
+    # One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report.
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval).*")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes
+    from lightning_distplan.bench._bench import BenchError, parse_plans_spec
+
+    if args.world_size < 1 or args.global_batch_size < 1:
+        raise BenchError(
+            f"--world-size ({args.world_size}) and --global-batch-size ({args.global_batch_size}) must be positive.",
+            hint="Use e.g. --world-size 2 --global-batch-size 32.",
+        )
+    parse_plans_spec(args.plans)
+    if args.steps < 1 or args.warmup < 0:
+        raise BenchError(f"--steps ({args.steps}) must be >= 1 and --warmup ({args.warmup}) >= 0.", hint="Use e.g. --steps 5 --warmup 2.")
+    if args.threads is not None and args.threads < 1:
+        raise BenchError(f"--threads must be >= 1, got {args.threads}.", hint="Use e.g. --threads 1.")
+    init_args = _json_kwargs(args.init_args, "--init-args")
+    dm_args = _json_kwargs(args.datamodule_args, "--datamodule-args")
+    sizes = _sizes(args.micro_batch_sizes)
+    if args.world_size > 1 and not _inside_torchrun():
+        cmd = torchrun_command(args)
+        if args.print_launch:
+            print(shlex.join(cmd))
+            return 0
+        if not args.quiet:
+            print(f"distplan bench: launching {args.world_size} processes with torchrun: {shlex.join(cmd)}", flush=True)
+        return subprocess.run(cmd, check=False).returncode
+
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    cls = _load_class(args.model, what="model", option="")
+    if not issubclass(cls, LightningModule):
+        raise BenchError(f"{args.model} is not a LightningModule.", hint="Name a lightning.pytorch.LightningModule subclass.")
+    dm_cls = None
+    if args.datamodule:
+        dm_cls = _load_class(args.datamodule, what="datamodule", option="--datamodule ")
+        if not issubclass(dm_cls, LightningDataModule):
+            raise BenchError(f"{args.datamodule} is not a LightningDataModule.", hint="Name a lightning.pytorch.LightningDataModule subclass.")
+
+    import torch
+    import torch.distributed as dist
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        # Lightning's DDP sets torch's threads to cpu_count // processes unless OMP_NUM_THREADS is set.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    _quiet_lightning()
+    created_group = False
+    if _inside_torchrun() and not dist.is_initialized():
+        use_cuda = args.device != "cpu" and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+        created_group = True
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dist.is_initialized() and dist.get_world_size() != args.world_size:
+        raise BenchError(
+            f"--world-size {args.world_size} differs from the torchrun job's {dist.get_world_size()} processes.",
+            hint="Pass the job's world size (nnodes x nproc-per-node).",
+        )
+    try:
+        datamodule = _build(dm_cls, dm_args, "datamodule", args.datamodule, "--datamodule-args") if dm_cls else None
+        if datamodule is not None:
+            datamodule.prepare_data()
+            datamodule.setup("fit")
+            loader = datamodule.train_dataloader()
+        else:
+            probe = _build(cls, init_args, "model", args.model, "--init-args")
+            probe.prepare_data()
+            probe.setup("fit")
+            loader = probe.train_dataloader()
+
+        def make_module() -> LightningModule:
+            module = _build(cls, init_args, "model", args.model, "--init-args")
+            return module
+
+        from lightning_distplan.bench import format_table, plot_result, run_bench
+
+        say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
+        result = run_bench(
+            make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
+            steps=args.steps, warmup=args.warmup, device=None if args.device == "auto" else args.device,
+            micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, progress=say,
+            meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
+                  "datamodule": args.datamodule, "datamodule_args": dm_args},
+        )
+        if rank == 0:
+            if args.out:
+                from pathlib import Path
+
+                path = Path(args.out)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(result, indent=1))
+            if args.plot:
+                plot_result(result, args.plot)
+            if args.format == "json":
+                print(json.dumps({k: v for k, v in result.items() if k != "profile"}, indent=1))
+            else:
+                print(format_table(result))
+                if args.out:
+                    print(f"result written to {args.out}" + (f", plot to {args.plot}" if args.plot else ""))
+    finally:
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    from lightning_distplan.cli import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

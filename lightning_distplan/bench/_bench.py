@@ -1,0 +1,342 @@
+"""``run_bench``: profile, plan, run every chosen candidate for real, and set measurements beside predictions."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import socket
+import sys
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_distplan.bench._compare import WITHIN, relative_error, summarize
+from lightning_distplan.bench._runner import combine_ranks, measure_plan, memory_metric
+from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_distplan.planner import Candidate
+    from lightning_distplan.profile import Profile
+
+__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES"]
+
+log = logging.getLogger(__name__)
+
+RESULT_SCHEMA = "distplan-bench/1"
+
+# 4 KiB .. 4 MiB: latency- to bandwidth-bound, yet a whole link measurement stays ~5 s even at
+# 100 Mbit/s (the profiler's default goes to 16 MiB).
+BENCH_LINK_SIZES: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+
+
+class BenchError(DistPlanError, ValueError):
+    """The benchmark cannot run as asked (bad plan selection, wrong world size, unusable data)."""
+
+
+def parse_plans_spec(spec: str) -> tuple[str, int | list[int] | None]:
+    """``("all", None)``, ``("top", K)`` or ``("ranks", [N, M, ...])`` for a ``--plans`` value.
+
+    Raises:
+        BenchError: the value is none of those forms.
+    """
+    spec = spec.strip()
+    if spec == "all":
+        return "all", None
+    if spec.startswith("top:"):
+        try:
+            k = int(spec[4:])
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise BenchError(f"--plans {spec!r} needs a positive K in top:K.", hint="Use e.g. --plans top:5.")
+        return "top", k
+    try:
+        ranks = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise BenchError(f"--plans {spec!r} is not 'all', 'top:K' or comma-separated planner ranks (>= 1).", hint="Use e.g. --plans all, --plans top:5 or --plans 1,2,7.")
+    return "ranks", ranks
+
+
+def select_candidates(candidates: Sequence[Candidate], spec: str) -> list[Candidate]:
+    """The candidates ``spec`` names: ``all`` (every feasible one), ``top:K``, or planner ranks ``N,M,...``."""
+    kind, value = parse_plans_spec(spec)
+    feasible = [c for c in candidates if c.prediction.feasible]
+    if kind == "all":
+        return feasible
+    if kind == "top":
+        return feasible[: int(value)]  # type: ignore[arg-type]
+    ranks = list(value)  # type: ignore[arg-type]
+    by_rank = {c.rank: c for c in candidates}
+    missing = [r for r in ranks if r not in by_rank]
+    if missing:
+        raise BenchError(
+            f"--plans names rank(s) {missing}, but the planner ranked {len(candidates)} plans (1..{len(candidates)}).",
+            hint="Run `distplan plan` to see the ranking, or use --plans all.",
+        )
+    return [by_rank[r] for r in dict.fromkeys(ranks)]
+
+
+class _CachedDataset(Dataset):
+    """The first ``n`` samples of the user's dataset, materialised once so data loading costs ~nothing."""
+
+    def __init__(self, dataset: Any, n: int) -> None:
+        self.samples = [dataset[i] for i in range(n)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.samples[i]
+
+
+def _dist() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if _dist()[1] == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    if _dist()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+
+    import lightning_distplan
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "lightning_distplan": getattr(lightning_distplan, "__version__", "unknown"),
+    }
+
+
+def default_bench_micro_batch_sizes(global_batch_size: int) -> list[int]:
+    """Powers of two from 1 to the global batch (at least 3): every planned micro-batch lies inside the fit."""
+    sizes = [1]
+    while sizes[-1] * 2 <= global_batch_size:
+        sizes.append(sizes[-1] * 2)
+    while len(sizes) < 3:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def run_bench(
+    make_module: Callable[[], pl.LightningModule],
+    train_loader: DataLoader,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    plans: str = "all",
+    steps: int = 5,
+    warmup: int = 2,
+    device: str | torch.device | None = None,
+    micro_batch_sizes: Sequence[int] | None = None,
+    profile_repeats: int = 3,
+    link_sizes: Sequence[int] = BENCH_LINK_SIZES,
+    progress: Callable[[str], None] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Profile, plan, run the chosen plans for real and compare them with the predictions.
+
+    Every rank of the live process group (or a single process) must call this with the same
+    arguments. Candidates run one after the other in the same processes, each with a fresh module
+    from ``make_module`` and a fresh Lightning Trainer whose strategy is built from the plan.
+
+    Args:
+        make_module: builds the LightningModule; called once for profiling and once per plan.
+            Seed inside it (or rely on the seed set here before each call) for identical replicas.
+        train_loader: the user's training DataLoader: profiled as is; its ``dataset`` and
+            ``collate_fn`` feed every plan at the batch size the plan needs.
+        world_size: processes in the job (must equal the process group's size).
+        global_batch_size: samples per optimizer step, the same for every plan.
+        plans: ``"all"`` (every feasible plan), ``"top:K"`` or planner ranks ``"1,3,5"``.
+        steps: timed optimizer steps per plan (median reported).
+        warmup: untimed optimizer steps per plan first.
+        device: ``"cpu"``/``"cuda"``; default CUDA when present.
+        micro_batch_sizes: sizes to profile; default powers of two up to the global batch.
+        profile_repeats: timed runs per profiled size.
+        link_sizes: message sizes for the link measurement (when distributed).
+        progress: called with one line per phase.
+        meta: extra provenance (e.g. the command line), stored under ``provenance``.
+
+    Returns:
+        The result dict (schema :data:`RESULT_SCHEMA`): ``plans`` (per-plan predicted and measured
+        numbers, errors, breakdown), ``summary`` (see :func:`~lightning_distplan.bench.summarize`),
+        ``links``, ``provenance``. Identical on every rank.
+
+    Raises:
+        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
+    """
+    from lightning_distplan.planner import rank_plans
+    from lightning_distplan.profile import Profile
+    from lightning_distplan.profiling import measure_links, profile_module
+    from lightning_distplan.profiling._device import resolve_device
+
+    started = time.perf_counter()
+    say = progress or (lambda line: None)
+    if steps < 1 or warmup < 0:
+        raise BenchError(f"--steps ({steps}) must be >= 1 and --warmup ({warmup}) >= 0.", hint="Use e.g. --steps 5 --warmup 2.")
+    rank, world = _dist()
+    if world != world_size:
+        raise BenchError(
+            f"The benchmark was asked for world size {world_size} but runs in {world} process(es).",
+            hint=f"Launch it with `python -m torch.distributed.run --nproc-per-node {world_size} -m lightning_distplan.cli bench ...` "
+            "(the `distplan bench` command does this itself when it is not inside a torchrun job).",
+        )
+    dataset = getattr(train_loader, "dataset", None)
+    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise BenchError(
+            f"The train DataLoader's dataset ({type(dataset).__name__}) is not a map-style dataset with __len__/__getitem__.",
+            hint="Give the benchmark a DataLoader over a map-style Dataset (e.g. --datamodule lightning_distplan.demos:RandomTokenData).",
+        )
+    dev = resolve_device(device)
+    accelerator = "cuda" if dev.type == "cuda" else "cpu"
+
+    # -- profile (every rank; rank 0's profile is the one planned on) -----------------------------
+    sizes = list(micro_batch_sizes) if micro_batch_sizes else default_bench_micro_batch_sizes(global_batch_size)
+    say(f"profiling on {dev} at micro-batch sizes {sizes} (world size {world})")
+    torch.manual_seed(0)
+    module = make_module()
+    profile = profile_module(module, train_loader, micro_batch_sizes=sizes, device=dev, repeats=profile_repeats, measure_links=False)
+    del module
+    if world > 1:
+        say(f"measuring the links at {[s >> 10 for s in link_sizes]} KiB")
+        profile = dataclasses.replace(profile, links=measure_links(sizes_bytes=link_sizes, repeats=3))
+    profile = Profile.from_dict(_broadcast(profile.to_dict()), source="rank 0's profile")
+    for link in profile.links:
+        say(f"  {link.kind}: latency {link.latency_s * 1e6:.0f} us, bandwidth {link.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s (R² {link.r2:.3f})")
+
+    # -- plan --------------------------------------------------------------------------------------
+    candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size)
+    chosen = select_candidates(candidates, plans)
+    if not chosen:
+        raise InfeasiblePlanError(
+            f"None of the {len(candidates)} plans for world size {world_size} and global batch {global_batch_size} is predicted to fit in memory.",
+            hint="Lower --global-batch-size or use a bigger device.",
+        )
+    say(f"{len(candidates)} candidate plans, running {len(chosen)} for {warmup}+{steps} optimizer steps each")
+
+    # -- run --------------------------------------------------------------------------------------
+    per_replica_max = global_batch_size // min(c.plan.dp for c in chosen)
+    needed = min(len(dataset), (warmup + steps) * global_batch_size)
+    if needed < per_replica_max:
+        raise BenchError(
+            f"The dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size}).",
+            hint="Use a bigger dataset (e.g. num_samples in the datamodule's arguments) or a smaller --global-batch-size.",
+        )
+    cached = _CachedDataset(dataset, needed)
+    collate = getattr(train_loader, "collate_fn", None)
+
+    def make_loader(batch_size: int) -> DataLoader:
+        return DataLoader(cached, batch_size=batch_size, shuffle=False, drop_last=True, collate_fn=collate)
+
+    def seeded_module() -> pl.LightningModule:
+        torch.manual_seed(0)
+        return make_module()
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    nodes = max(1, world // local)
+    records = []
+    for i, cand in enumerate(chosen):
+        plan, pred = cand.plan, cand.prediction
+        t0 = time.perf_counter()
+        mine = measure_plan(
+            plan, make_module=seeded_module, make_loader=make_loader, steps=steps, warmup=warmup,
+            accelerator=accelerator, devices=local, num_nodes=nodes,
+        )
+        got = combine_ranks(_gather(mine), warmup=warmup)
+        err = relative_error(pred.step_time_s, got["measured_step_time_s"])
+        mem_err = relative_error(pred.peak_memory_bytes, got["measured_peak_memory_bytes"])
+        record = {
+            "rank": cand.rank,
+            "plan": plan.describe(),
+            "strategy": plan.strategy,
+            "schedule": plan.schedule,
+            "dp": plan.dp,
+            "pp": plan.pp,
+            "micro_batch_size": plan.micro_batch_size,
+            "accumulate_grad_batches": plan.accumulate_grad_batches,
+            "n_microbatches": plan.n_microbatches,
+            "stage_boundaries": list(plan.stage_boundaries),
+            "predicted_step_time_s": pred.step_time_s,
+            "predicted_breakdown": dict(pred.breakdown),
+            "predicted_stage_times_s": list(pred.stage_times_s),
+            "predicted_peak_memory_bytes": pred.peak_memory_bytes,
+            "predicted_memory_breakdown": dict(pred.memory_breakdown),
+            **got,
+            "step_time_error": err,
+            "abs_step_time_error": None if err is None else abs(err),
+            "memory_error": mem_err,
+            "wall_s": time.perf_counter() - t0,
+            "plan_json": plan.to_dict(),
+        }
+        records.append(record)
+        shown = "failed: " + str(got["error"]) if got["error"] else (
+            f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {pred.step_time_s * 1e3:.1f} ms ({err:+.1%})"
+        )
+        say(f"[{i + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
+    summary = summarize(records, within=WITHIN)
+    result = {
+        "schema": RESULT_SCHEMA,
+        "model": profile.model,
+        "world_size": world_size,
+        "global_batch_size": global_batch_size,
+        "steps": steps,
+        "warmup": warmup,
+        "plans_selection": plans,
+        "device": {"type": profile.device.type, "name": profile.device.name},
+        "accelerator": accelerator,
+        "memory_metric": memory_metric(dev),
+        "step_time_metric": "median over timed steps of the slowest rank's wall time between optimizer steps"
+        + (" (cuda-synchronised)" if dev.type == "cuda" else ""),
+        "links": [dataclasses.asdict(link) for link in profile.links],
+        "n_candidates": len(candidates),
+        "candidates_not_run": [
+            {"rank": c.rank, "plan": c.plan.describe(), "feasible": c.prediction.feasible, "predicted_step_time_s": c.prediction.step_time_s}
+            for c in candidates
+            if c not in chosen
+        ],
+        "plans": records,
+        "summary": summary,
+        "profile": profile.to_dict(),
+        "provenance": {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "versions": _versions(),
+            "wall_s": time.perf_counter() - started,
+            **(meta or {}),
+        },
+    }
+    return result

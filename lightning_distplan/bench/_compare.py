@@ -1,0 +1,120 @@
+"""Predicted vs measured: per-plan errors and the planner's report card (pure Python, no torch).
+
+Errors are relative to the measurement: ``(predicted − measured) / measured``, so +0.2 means the
+model said 20% slower than it ran. The *pick* is the best-ranked plan among those measured (the
+planner's rank 1 whenever it was run); the *regret* is how much slower the pick ran than the
+fastest measured plan: ``measured(pick) / measured(best) − 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+__all__ = ["relative_error", "percentile", "summarize", "WITHIN"]
+
+WITHIN = 0.05
+"""The pick counts as good when it ran within 5% of the measured best (issue 6 target)."""
+
+
+def relative_error(predicted: float | None, measured: float | None) -> float | None:
+    """``(predicted − measured) / measured``, or ``None`` when either is missing or measured is not positive."""
+    if predicted is None or measured is None or not measured > 0 or not math.isfinite(predicted):
+        return None
+    return (predicted - measured) / measured
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]) like ``numpy.percentile``; ``None`` for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -> dict[str, Any]:
+    """Summary over per-plan records.
+
+    Each record needs ``rank`` (planner rank, 1 = best predicted), ``plan`` (a short description),
+    ``predicted_step_time_s`` and ``measured_step_time_s`` (``None`` when the run failed), and may
+    have ``predicted_peak_memory_bytes`` / ``measured_peak_memory_bytes``.
+
+    Returns:
+        ``n_plans``, ``n_measured``, ``median_abs_error`` / ``p90_abs_error`` / ``mean_signed_error``
+        of the step time, the same ``*_memory_*`` for memory when measured, ``pick`` and
+        ``measured_best`` (rank, plan, predicted, measured), ``pick_is_best``, ``pick_within``
+        (``within`` of the best), ``regret`` and ``spearman`` (rank correlation of predicted vs measured).
+    """
+    measured = [r for r in records if r.get("measured_step_time_s") is not None]
+    errors = [relative_error(r["predicted_step_time_s"], r["measured_step_time_s"]) for r in measured]
+    abs_err = [abs(e) for e in errors if e is not None]
+    mem_err = [
+        abs(e)
+        for r in measured
+        if (e := relative_error(r.get("predicted_peak_memory_bytes"), r.get("measured_peak_memory_bytes"))) is not None
+    ]
+    out: dict[str, Any] = {
+        "n_plans": len(records),
+        "n_measured": len(measured),
+        "median_abs_error": percentile(abs_err, 50),
+        "p90_abs_error": percentile(abs_err, 90),
+        "max_abs_error": max(abs_err) if abs_err else None,
+        "mean_signed_error": sum(e for e in errors if e is not None) / len(abs_err) if abs_err else None,
+        "median_abs_memory_error": percentile(mem_err, 50),
+        "p90_abs_memory_error": percentile(mem_err, 90),
+        "within": within,
+        "pick": None,
+        "measured_best": None,
+        "pick_is_best": None,
+        "pick_within": None,
+        "regret": None,
+        "spearman": None,
+    }
+    if not measured:
+        return out
+    pick = min(measured, key=lambda r: r["rank"])
+    best = min(measured, key=lambda r: r["measured_step_time_s"])
+
+    def brief(r: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: r.get(k) for k in ("rank", "plan", "predicted_step_time_s", "measured_step_time_s")}
+
+    regret = pick["measured_step_time_s"] / best["measured_step_time_s"] - 1.0
+    out.update(
+        pick=brief(pick),
+        measured_best=brief(best),
+        pick_is_best=pick is best,
+        pick_within=regret <= within + 1e-12,
+        regret=regret,
+        spearman=_spearman([r["predicted_step_time_s"] for r in measured], [r["measured_step_time_s"] for r in measured]),
+    )
+    return out
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):  # ties share their average rank
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return ranks
+
+
+def _spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    if len(a) < 3:
+        return None
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (va * vb) if va > 0 and vb > 0 else None

@@ -1,0 +1,120 @@
+"""Readable table and predicted-vs-measured plot of a benchmark result (data in, text / PNG out)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["format_table", "plot_result"]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:9.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:8.1f}"
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """Per-plan predicted vs measured step time and memory, then the summary lines."""
+    lines = [
+        f"distplan bench: {result['model']} on {result['world_size']} x {result['device']['type']} "
+        f"({result['device']['name']}), global batch {result['global_batch_size']}, "
+        f"{result['warmup']}+{result['steps']} steps per plan",
+    ]
+    for link in result.get("links", []):
+        lines.append(
+            f"  link {link['kind']:9s}: latency {link['latency_s'] * 1e6:7.0f} us, bandwidth {link['bandwidth_bytes_per_s'] * 8 / 1e6:9.1f} Mbit/s"
+        )
+    header = f"{'rank':>4}  {'plan':52s} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>8} {'meas MiB':>8} {'error':>7}"
+    lines += ["", header, "-" * len(header)]
+    best_rank = (result["summary"].get("measured_best") or {}).get("rank")
+    pick_rank = (result["summary"].get("pick") or {}).get("rank")
+    for r in result["plans"]:
+        mark = ("*" if r["rank"] == pick_rank else " ") + ("!" if r["rank"] == best_rank else " ")
+        lines.append(
+            f"{r['rank']:>4}{mark}{r['plan'][:52]:52s} {_ms(r['predicted_step_time_s'])} {_ms(r['measured_step_time_s'])} "
+            f"{_pct(r['step_time_error']):>7}   {_mib(r['predicted_peak_memory_bytes'])} {_mib(r['measured_peak_memory_bytes'])} "
+            f"{_pct(r['memory_error']):>7}" + (f"  FAILED {r['error']}" if r.get("error") else "")
+        )
+    s = result["summary"]
+    lines += [
+        "",
+        "* = planner's pick (best-ranked plan that was run), ! = measured best",
+        f"memory: predicted peak vs {result['memory_metric']}",
+    ]
+    if s["n_measured"]:
+        lines += [
+            f"step time |error|: median {s['median_abs_error']:.1%}, p90 {s['p90_abs_error']:.1%}, max {s['max_abs_error']:.1%}, "
+            f"mean signed {s['mean_signed_error']:+.1%} over {s['n_measured']} plans"
+            + (f"; Spearman rank correlation {s['spearman']:.2f}" if s.get("spearman") is not None else ""),
+            f"pick: rank {s['pick']['rank']} {s['pick']['plan']} ran {s['pick']['measured_step_time_s'] * 1e3:.1f} ms; "
+            f"measured best: rank {s['measured_best']['rank']} {s['measured_best']['plan']} {s['measured_best']['measured_step_time_s'] * 1e3:.1f} ms",
+            f"pick is measured best: {s['pick_is_best']}; within {s['within']:.0%} of it: {s['pick_within']}; regret {s['regret']:.1%}",
+        ]
+        if s.get("median_abs_memory_error") is not None:
+            lines.append(f"memory |error|: median {s['median_abs_memory_error']:.1%}, p90 {s['p90_abs_memory_error']:.1%}")
+    else:
+        lines.append("no plan produced a measurement")
+    return "\n".join(lines)
+
+
+def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str | Path, *, title: str | None = None) -> Path:
+    """Scatter of predicted vs measured step time (log-log) with y = x and ±10% / ±25% bands.
+
+    ``result`` may be one result or a list of them (e.g. a sweep); points are coloured by strategy
+    and the planner's pick of each result is circled.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [result] if isinstance(result, Mapping) else list(result)
+    colours = {"dp_ga": "tab:blue", "gpipe": "tab:orange", "1f1b": "tab:green"}
+    fig, ax = plt.subplots(figsize=(6, 6))
+    xs_all: list[float] = []
+    seen: set[str] = set()
+    for res in results:
+        pick = (res["summary"].get("pick") or {}).get("rank")
+        for r in res["plans"]:
+            if r["measured_step_time_s"] is None:
+                continue
+            x, y = r["measured_step_time_s"], r["predicted_step_time_s"]
+            xs_all += [x, y]
+            label = r["strategy"] if r["strategy"] not in seen else None
+            seen.add(r["strategy"])
+            ax.scatter([x], [y], s=22, color=colours.get(r["strategy"], "gray"), label=label, alpha=0.8)
+            if r["rank"] == pick:
+                ax.scatter([x], [y], s=110, facecolors="none", edgecolors="black", linewidths=1.2)
+    if xs_all:
+        lo, hi = min(xs_all) / 1.3, max(xs_all) * 1.3
+        ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="y = x")
+        for band, style in ((0.10, ":"), (0.25, "--")):
+            ax.plot([lo, hi], [lo * (1 + band), hi * (1 + band)], "k" + style, lw=0.6)
+            ax.plot([lo, hi], [lo * (1 - band), hi * (1 - band)], "k" + style, lw=0.6, label=f"±{band:.0%}")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers, no crowded minor labels
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("measured step time [s]")
+    ax.set_ylabel("predicted step time [s]")
+    ax.set_title(title or (f"{results[0]['model']}: predicted vs measured" if len(results) == 1 else "predicted vs measured"), fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, which="both", alpha=0.2)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

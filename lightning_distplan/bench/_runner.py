@@ -1,0 +1,208 @@
+"""Run one plan for real with a fresh Lightning Trainer and measure its step time and peak memory.
+
+Every rank of the live process group calls :func:`measure_plan` for the same plan, in the same
+order; the Trainer's strategy (``DPGAStrategy`` / ``PipelineStrategy``) joins the existing group
+(Lightning's ``_init_dist_connection`` returns early when one is initialised), so candidates run
+back to back in the same processes.
+
+What is measured:
+
+* step time: wall time between consecutive optimizer steps (``on_train_batch_end`` where
+  ``trainer.global_step`` advanced; the first interval starts at the first ``on_train_batch_start``),
+  after ``torch.cuda.synchronize`` on GPU. Per step the slowest rank counts (a step ends when the
+  last rank's collective ends), and the plan's time is the median over the ``steps`` steps after
+  ``warmup``.
+* peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before the model is built);
+  on CPU the growth of the resident set (``VmHWM`` after the run minus ``VmRSS`` before the model
+  was built, after ``malloc_trim`` and a reset of the high-water mark through
+  ``/proc/self/clear_refs``). The CPU number therefore also counts allocator slack, Lightning and
+  gloo buffers; it is the closest thing to "memory this plan needs" a CPU offers.
+  The larger rank's number counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import statistics
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from lightning.pytorch import Callback
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from lightning_distplan.plan import Plan
+
+__all__ = ["StepTimer", "measure_plan", "memory_metric", "build_strategy"]
+
+log = logging.getLogger(__name__)
+
+
+class StepTimer(Callback):
+    """Timestamps of optimizer-step boundaries (synchronised on CUDA)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self._last_step = -1
+
+    def _now(self, trainer: pl.Trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.stamps:
+            self.stamps.append(self._now(trainer))
+            self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self._last_step:
+            self.stamps.append(self._now(trainer))
+            self._last_step = trainer.global_step
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds of each optimizer step, in order."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def memory_metric(device: torch.device) -> str:
+    """Name of what ``measured_peak_memory_bytes`` means on ``device``."""
+    return "cuda_max_memory_allocated" if device.type == "cuda" else "cpu_rss_high_water_growth"
+
+
+def _proc_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_cpu_peak() -> int | None:
+    """Return freed memory to the OS, reset the RSS high-water mark, and return the RSS in bytes."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM to the current RSS (proc(5))
+    except OSError:
+        return None
+    rss = _proc_kib("VmRSS")
+    return None if rss is None else rss * 1024
+
+
+def build_strategy(plan: Plan) -> Any:
+    """This package's Lightning strategy for ``plan`` (dp_ga, or gpipe / 1f1b incl. hybrid dp×pp)."""
+    if plan.strategy == "dp_ga":
+        from lightning_distplan.strategies import DPGAStrategy
+
+        return DPGAStrategy(plan=plan)
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    return PipelineStrategy(plan=plan, schedule=plan.strategy)
+
+
+def measure_plan(
+    plan: Plan,
+    *,
+    make_module: Callable[[], pl.LightningModule],
+    make_loader: Callable[[int], DataLoader],
+    steps: int,
+    warmup: int,
+    accelerator: str,
+    devices: int,
+    num_nodes: int,
+) -> dict[str, Any]:
+    """Train ``plan`` for ``warmup + steps`` optimizer steps with a fresh module and Trainer on this rank.
+
+    Args:
+        plan: the plan to run.
+        make_module: builds a fresh LightningModule (same seed on every rank and call).
+        make_loader: per-replica batch size -> the training DataLoader (Lightning shards it).
+        steps: timed optimizer steps.
+        warmup: untimed optimizer steps first.
+        accelerator: ``"cpu"`` or ``"cuda"``.
+        devices: processes per node.
+        num_nodes: nodes.
+
+    Returns:
+        This rank's raw numbers: ``step_times_s`` (all steps, warm-up included), ``peak_memory_bytes``
+        and ``error`` (``None`` when the run worked).
+    """
+    import lightning.pytorch as pl_
+
+    device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = None
+    else:
+        base = _reset_cpu_peak()
+    timer = StepTimer()
+    error = None
+    try:
+        module = make_module()
+        trainer = pl_.Trainer(
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            strategy=build_strategy(plan),
+            max_steps=warmup + steps,
+            max_epochs=-1,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer],
+        )
+        trainer.fit(module, train_dataloaders=make_loader(plan.global_batch_size // plan.dp))
+        if trainer.global_step != warmup + steps:
+            error = f"ran {trainer.global_step} optimizer steps, expected {warmup + steps} (the dataset is too small?)"
+    except Exception as err:  # a failed plan is data for the report, not the end of the benchmark
+        error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        log.warning("plan %s failed: %s", plan.describe(), error)
+    if device.type == "cuda":
+        peak = int(torch.cuda.max_memory_allocated(device))
+    else:
+        hwm = _proc_kib("VmHWM")
+        peak = None if base is None or hwm is None else max(0, hwm * 1024 - base)
+    module = trainer = None  # noqa: F841 — free this plan's model before the next one
+    gc.collect()
+    return {"step_times_s": timer.step_times, "peak_memory_bytes": peak, "error": error}
+
+
+def combine_ranks(per_rank: list[dict[str, Any]], *, warmup: int) -> dict[str, Any]:
+    """One plan's numbers from every rank's: per step the slowest rank, median over timed steps."""
+    errors = [r["error"] for r in per_rank if r["error"]]
+    lengths = {len(r["step_times_s"]) for r in per_rank}
+    out: dict[str, Any] = {"error": errors[0] if errors else None}
+    if errors or not lengths or min(lengths) <= warmup:
+        out.update(measured_step_time_s=None, measured_step_times_s=[], measured_peak_memory_bytes=None)
+        if not errors:
+            out["error"] = "no timed optimizer steps were recorded"
+        return out
+    n = min(lengths)
+    slowest = [max(r["step_times_s"][i] for r in per_rank) for i in range(n)]
+    timed = slowest[warmup:]
+    peaks = [r["peak_memory_bytes"] for r in per_rank if r["peak_memory_bytes"] is not None]
+    out.update(
+        measured_step_time_s=statistics.median(timed),
+        measured_step_times_s=timed,
+        warmup_step_times_s=slowest[:warmup],
+        measured_peak_memory_bytes=max(peaks) if peaks else None,
+        per_rank_peak_memory_bytes=[r["peak_memory_bytes"] for r in per_rank],
+    )
+    return out

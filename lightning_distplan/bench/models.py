@@ -1,0 +1,125 @@
+"""Small, configurable benchmark models and data (CPU-sized; real architectures written by others).
+
+* :class:`DemoTransformerLM`: Lightning's demo ``Transformer`` (``lightning.pytorch.demos``) with
+  its size as constructor arguments (the demo's ``LightningTransformer`` only exposes the vocabulary).
+* :class:`TinyGPT2LM`: a Hugging Face ``GPT2LMHeadModel`` built from a small ``GPT2Config`` (no download).
+* :class:`WideMLP`: an ``nn.Sequential`` MLP, parameter-heavy for its compute, so data-parallel
+  all-reduce is expensive on a slow link while its boundary activations are tiny.
+* :class:`RandomVectorData`: ``(features, label)`` batches for :class:`WideMLP`.
+
+All of them split into pipeline stages through the built-in adapters
+(``lightning_distplan.strategies._adapters``). Use them with
+``lightning_distplan.demos.RandomTokenData`` for the language models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["DemoTransformerLM", "TinyGPT2LM", "WideMLP", "RandomVectorData"]
+
+
+class DemoTransformerLM(LightningModule):
+    """Lightning's demo encoder-decoder Transformer at a chosen size (SGD, lr 0.1, like the demo)."""
+
+    def __init__(self, vocab_size: int = 4096, ninp: int = 128, nhead: int = 2, nhid: int = 256, nlayers: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        from lightning.pytorch.demos.transformer import Transformer
+
+        self.save_hyperparameters()
+        self.model = Transformer(vocab_size=vocab_size, ninp=ninp, nhead=nhead, nhid=nhid, nlayers=nlayers, dropout=dropout)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, target = batch
+        return F.nll_loss(self.model(inputs, target), target.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TinyGPT2LM(LightningModule):
+    """A small GPT-2 (Hugging Face ``GPT2LMHeadModel`` from a config; tied embeddings; AdamW)."""
+
+    def __init__(self, vocab_size: int = 4096, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, n_positions: int = 64) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.save_hyperparameters()
+        config = GPT2Config(
+            vocab_size=vocab_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=n_positions,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
+        self.model = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, labels = batch
+        return self.model(input_ids=inputs, labels=labels).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class WideMLP(LightningModule):
+    """``depth`` Linear+ReLU blocks of width ``hidden`` in an ``nn.Sequential`` (SGD with momentum)."""
+
+    def __init__(self, in_features: int = 256, hidden: int = 1024, depth: int = 4, num_classes: int = 10) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        width = in_features
+        for _ in range(depth):
+            layers.append(nn.Sequential(nn.Linear(width, hidden), nn.ReLU()))
+            width = hidden
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def pipeline_loss(self, output: Tensor, batch: Any) -> Tensor:
+        return F.cross_entropy(output, batch[1])
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.pipeline_loss(self(batch[0]), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class _VectorDataset(Dataset):
+    def __init__(self, in_features: int, num_classes: int, num_samples: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(num_samples, in_features, generator=g)
+        self.y = torch.randint(0, num_classes, (num_samples,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+class RandomVectorData(LightningDataModule):
+    """Random feature vectors with integer labels (seeded)."""
+
+    def __init__(self, in_features: int = 256, num_classes: int = 10, batch_size: int = 16, num_samples: int = 512, seed: int = 0) -> None:
+        super().__init__()
+        for name, value in (("in_features", in_features), ("num_classes", num_classes), ("batch_size", batch_size), ("num_samples", num_samples)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}` ({value!r}) must be a positive integer. HINT: pass e.g. {name}=16.")
+        self.in_features, self.num_classes, self.batch_size, self.num_samples, self.seed = in_features, num_classes, batch_size, num_samples, seed
+        self.dataset: _VectorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        self.dataset = _VectorDataset(self.in_features, self.num_classes, self.num_samples, self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        if self.dataset is None:
+            self.setup("fit")
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)

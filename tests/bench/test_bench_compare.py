@@ -1,0 +1,76 @@
+"""Pure parts of the benchmark: errors, percentiles, the summary's pick / regret, plan selection, report."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_distplan.bench import BenchError, format_table, percentile, plot_result, relative_error, select_candidates, summarize
+
+
+def _rec(rank, pred, meas, plan=None):
+    return {"rank": rank, "plan": plan or f"plan{rank}", "predicted_step_time_s": pred, "measured_step_time_s": meas}
+
+
+def test_relative_error_and_percentile():
+    assert relative_error(1.2, 1.0) == pytest.approx(0.2)
+    assert relative_error(0.5, 1.0) == pytest.approx(-0.5)
+    assert relative_error(1.0, None) is None and relative_error(1.0, 0.0) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)  # linear interpolation like numpy
+    assert percentile([], 50) is None
+
+
+def test_summary_pick_best_within_and_regret():
+    # planner ranks 1..4; plan 2 actually ran fastest, the pick (rank 1) is 4% slower than it
+    recs = [_rec(1, 1.0, 1.04), _rec(2, 1.1, 1.0), _rec(3, 2.0, 2.5), _rec(4, 3.0, None)]
+    s = summarize(recs)
+    assert s["n_plans"] == 4 and s["n_measured"] == 3
+    errs = sorted(abs(e) for e in (1.0 / 1.04 - 1, 0.1, 2.0 / 2.5 - 1))
+    assert s["median_abs_error"] == pytest.approx(errs[1])
+    assert s["p90_abs_error"] == pytest.approx(errs[1] + 0.8 * (errs[2] - errs[1]))
+    assert s["pick"]["rank"] == 1 and s["measured_best"]["rank"] == 2
+    assert s["pick_is_best"] is False and s["pick_within"] is True
+    assert s["regret"] == pytest.approx(0.04)
+    assert s["spearman"] == pytest.approx(0.5)
+
+    s = summarize([_rec(1, 1.0, 1.2), _rec(2, 1.1, 1.0)])
+    assert s["pick_within"] is False and s["regret"] == pytest.approx(0.2)
+    assert summarize([_rec(1, 1.0, None)])["pick"] is None  # nothing measured: no verdict
+
+
+class _Pred:
+    def __init__(self, feasible):
+        self.feasible = feasible
+
+
+class _Cand:
+    def __init__(self, rank, feasible=True):
+        self.rank, self.prediction = rank, _Pred(feasible)
+
+
+def test_select_candidates():
+    cands = [_Cand(1), _Cand(2), _Cand(3), _Cand(4, feasible=False)]
+    assert [c.rank for c in select_candidates(cands, "all")] == [1, 2, 3]
+    assert [c.rank for c in select_candidates(cands, "top:2")] == [1, 2]
+    assert [c.rank for c in select_candidates(cands, "3,1,3")] == [3, 1]
+    with pytest.raises(BenchError, match=r"rank\(s\) \[9\].*HINT"):
+        select_candidates(cands, "1,9")
+    with pytest.raises(BenchError, match="top:K"):
+        select_candidates(cands, "top:0")
+    with pytest.raises(BenchError, match="not 'all'"):
+        select_candidates(cands, "best")
+
+
+def test_table_and_plot(tmp_path):
+    plans = [
+        {**_rec(1, 0.10, 0.11, "dp_ga dp=2 m=4 accumulate=1"), "strategy": "dp_ga", "step_time_error": -0.09,
+         "predicted_peak_memory_bytes": 2**20, "measured_peak_memory_bytes": 2**21, "memory_error": -0.5, "error": None},
+        {**_rec(2, 0.12, 0.10, "1f1b dp=1 pp=2 m=2 n_microbatches=4"), "strategy": "1f1b", "step_time_error": 0.2,
+         "predicted_peak_memory_bytes": 2**20, "measured_peak_memory_bytes": None, "memory_error": None, "error": None},
+    ]
+    result = {"model": "m", "world_size": 2, "device": {"type": "cpu", "name": "x"}, "global_batch_size": 8,
+              "warmup": 1, "steps": 2, "links": [], "plans": plans, "summary": summarize(plans), "memory_metric": "cpu_rss_high_water_growth"}
+    text = format_table(result)
+    assert "regret 10.0%" in text and "1*" in text and "2 !" in text
+    png = plot_result(result, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,102 @@
+"""``distplan bench`` end to end: real profiling, real Lightning runs of each plan, real measurements.
+
+World size 1 runs in one process; world size 2 goes through torchrun (the command launches
+``python -m torch.distributed.run``), gloo on loopback, and covers data-parallel and pipeline plans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+MODEL = ["lightning_distplan.bench.models:WideMLP", "--init-args", '{"in_features": 16, "hidden": 32, "depth": 2}',
+         "--datamodule", "lightning_distplan.bench.models:RandomVectorData", "--datamodule-args", '{"in_features": 16, "batch_size": 4}']
+PLAN_KEYS = {
+    "rank", "plan", "strategy", "dp", "pp", "micro_batch_size", "predicted_step_time_s", "predicted_breakdown",
+    "predicted_peak_memory_bytes", "measured_step_time_s", "measured_step_times_s", "measured_peak_memory_bytes",
+    "step_time_error", "abs_step_time_error", "memory_error", "error",
+}
+SUMMARY_KEYS = {"median_abs_error", "p90_abs_error", "pick", "measured_best", "pick_is_best", "pick_within", "regret"}
+
+
+def _bench(tmp_path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--steps", "2", "--warmup", "1", "--threads", "1",
+           "--profile-repeats", "1", "--out", str(out), "--quiet", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "step time |error|: median" in res.stdout  # the readable table was printed
+    return result
+
+
+def _check(result: dict, world_size: int) -> None:
+    assert result["schema"] == "distplan-bench/1" and result["world_size"] == world_size
+    assert result["plans"], "no plan was run"
+    for rec in result["plans"]:
+        assert PLAN_KEYS <= rec.keys()
+        assert rec["error"] is None, rec["error"]
+        assert len(rec["measured_step_times_s"]) == 2 and all(t > 0 for t in rec["measured_step_times_s"])
+        assert rec["measured_step_time_s"] == pytest.approx(sorted(rec["measured_step_times_s"])[0] * 0.5 + sorted(rec["measured_step_times_s"])[1] * 0.5)
+        assert rec["step_time_error"] == pytest.approx(rec["predicted_step_time_s"] / rec["measured_step_time_s"] - 1)
+        assert rec["predicted_step_time_s"] > 0 and rec["predicted_peak_memory_bytes"] > 0
+        assert rec["plan_json"]["global_batch_size"] == result["global_batch_size"]
+    s = result["summary"]
+    assert SUMMARY_KEYS <= s.keys() and s["n_measured"] == len(result["plans"])
+    assert s["regret"] >= 0 and (s["regret"] <= 0.05) == s["pick_within"]
+    best = min(result["plans"], key=lambda r: r["measured_step_time_s"])
+    assert s["measured_best"]["rank"] == best["rank"]
+    assert result["memory_metric"] == "cpu_rss_high_water_growth"
+    assert result["provenance"]["command"].startswith("distplan bench")
+
+
+def test_bench_world_size_1(tmp_path):
+    result = _bench(tmp_path, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--plot", str(tmp_path / "p.png"))
+    _check(result, 1)
+    assert [r["rank"] for r in result["plans"]] == [1, 2]
+    assert {r["strategy"] for r in result["plans"]} == {"dp_ga"}  # one process: no pipeline
+    assert {(r["micro_batch_size"], r["accumulate_grad_batches"]) for r in result["plans"]} <= {(4, 1), (2, 2), (1, 4)}
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert result["links"] == []  # nothing to measure on one process
+
+
+def test_bench_world_size_2_torchrun_loopback(tmp_path):
+    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all")
+    _check(result, 2)
+    strategies = {r["strategy"] for r in result["plans"]}
+    assert "dp_ga" in strategies and strategies & {"gpipe", "1f1b"}, strategies  # both kinds ran, one after the other
+    assert {link["kind"] for link in result["links"]} == {"allreduce", "p2p"}  # measured over the live group
+    for rec in result["plans"]:
+        assert rec["dp"] * rec["pp"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"),
+     (["--world-size", "0"], "--world-size")],
+)
+def test_bench_bad_input_one_line_error(capsys, args, message):
+    from lightning_distplan.cli import main
+
+    base = {"--world-size": "1", "--global-batch-size": "4"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    argv = ["bench", *MODEL, *(x for kv in base.items() for x in kv)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "HINT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_print_launch_names_torchrun(capsys, monkeypatch):
+    from lightning_distplan.cli import main
+
+    for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["bench", *MODEL, "--world-size", "4", "--global-batch-size", "8", "--print-launch"]) == 0
+    out = capsys.readouterr().out
+    assert "-m torch.distributed.run --standalone --nproc-per-node 4 -m lightning_distplan.cli bench" in out

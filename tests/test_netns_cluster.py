@@ -1,0 +1,135 @@
+"""scripts/netns_cluster.sh: up / limited rate / down round trip with a real transfer between the namespaces.
+
+Skipped (with the script's own message) where network namespaces are not permitted.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "netns_cluster.sh"
+PREFIX = f"dpt{os.getpid() % 10000}_n"  # unique per test run, <= 15 chars with the "0v" suffix
+ENV = {**os.environ, "DISTPLAN_NETNS_PREFIX": PREFIX}
+NBYTES = 2_000_000  # 16 Mbit: 0.16 s at 100 Mbit/s, milliseconds unlimited
+PORT = 29517
+
+_SERVER = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("10.77.0.2", int(sys.argv[1]))); s.listen(1); s.settimeout(20)
+    print("ready", flush=True)
+    c, _ = s.accept(); c.settimeout(20); n = 0
+    while n < int(sys.argv[2]):
+        chunk = c.recv(1 << 16)
+        if not chunk: break
+        n += len(chunk)
+    c.sendall(b"k"); c.close(); print(n, flush=True)
+    """
+)
+_CLIENT = textwrap.dedent(
+    """
+    import socket, sys, time
+    for _ in range(100):  # the server may still be binding
+        try:
+            c = socket.create_connection(("10.77.0.2", int(sys.argv[1])), timeout=20); break
+        except OSError:
+            time.sleep(0.05)
+    data = b"x" * int(sys.argv[2]); t0 = time.perf_counter()
+    c.sendall(data); c.recv(1)
+    print(time.perf_counter() - t0)
+    """
+)
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], env=ENV, capture_output=True, text=True, timeout=60, check=check)
+
+
+def _transfer_seconds(port: int) -> float:
+    """Seconds to send NBYTES from namespace 0 (10.77.0.1) to namespace 1 (10.77.0.2) and get an ack."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", f"{PREFIX}1", sys.executable, "-c", _SERVER, str(port), str(NBYTES)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        out = subprocess.run(
+            ["ip", "netns", "exec", f"{PREFIX}0", sys.executable, "-c", _CLIENT, str(port), str(NBYTES)],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        received = int(server.communicate(timeout=30)[0].strip())
+        assert received == NBYTES
+        return float(out.stdout.strip())
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.fixture
+def cluster():
+    probe = _sh("status", check=False)
+    up = _sh("up", "--rate", "unlimited", check=False)
+    if up.returncode == 77:
+        pytest.skip(up.stderr.strip())
+    assert up.returncode == 0, up.stderr
+    assert probe.returncode == 0
+    try:
+        yield
+    finally:
+        _sh("down", check=False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_up_limit_down_round_trip(cluster):
+    status = _sh("status").stdout
+    assert f"{PREFIX}0 {PREFIX}0v 10.77.0.1/24" in status and f"{PREFIX}1 {PREFIX}1v 10.77.0.2/24" in status
+    assert "tbf" not in status
+    fast = _transfer_seconds(PORT)
+
+    again = _sh("up", "--rate", "100mbit")  # idempotent: re-shapes the existing cluster
+    assert "existing" in again.stdout
+    status = _sh("status").stdout
+    assert status.count("rate 100Mbit") == 2, status  # both veth ends are limited
+    slow = _transfer_seconds(PORT + 1)
+    mbit_per_s = NBYTES * 8 / slow / 1e6
+    # 2 MB through a 100 Mbit/s token bucket needs >= ~0.16 s minus the initial burst
+    assert mbit_per_s < 130, f"limited link moved {mbit_per_s:.0f} Mbit/s"
+    assert slow > 3 * fast, (slow, fast)
+
+    assert "removed" in _sh("down").stdout
+    assert "nothing to remove" in _sh("down").stdout  # idempotent
+    assert "status down" in _sh("status").stdout
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert PREFIX not in listed
+
+
+def test_bad_arguments_fail_clearly():
+    bad = _sh("up", "--rate", "10gbit", check=False)
+    assert bad.returncode != 0 and "--rate must be 100mbit, 1gbit or unlimited" in bad.stderr
+    bad = _sh("sideways", check=False)
+    assert bad.returncode != 0 and "unknown action" in bad.stderr
+
+
+def test_skip_message_without_privileges():
+    """As an unprivileged user the script exits 77 with a clear message and changes nothing."""
+    if os.geteuid() != 0:
+        res = _sh("up", check=False)
+    else:
+        nobody = subprocess.run(["id", "-u", "nobody"], capture_output=True, text=True)
+        if nobody.returncode != 0 or not Path("/usr/sbin/runuser").exists() and not Path("/sbin/runuser").exists():
+            pytest.skip("no 'nobody' user or runuser to drop privileges with")
+        res = subprocess.run(
+            ["runuser", "-u", "nobody", "--", "bash", str(SCRIPT), "up"],
+            env={**ENV, "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}, capture_output=True, text=True, timeout=30,
+        )
+    assert res.returncode == 77, (res.returncode, res.stderr)
+    assert "skipped" in res.stderr and "HINT" in res.stderr
