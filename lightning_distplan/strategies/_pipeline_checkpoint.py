@@ -1,0 +1,181 @@
+"""Full (strategy-portable) model and optimizer state for the pipeline strategy.
+
+Each pipeline rank keeps only its stage's tensors. A checkpoint must still hold the state a plain,
+single-process run would hold (DESIGN §3.5), so saving gathers every stage's tensors to global
+rank 0 under the LightningModule's own ``state_dict`` keys, and the optimizer state under the
+indices the un-pruned optimizer (built by ``configure_optimizers`` over the whole module) uses.
+Loading does the reverse: each rank picks its own entries out of the full state.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "StateOwnership",
+    "OptimizerIndex",
+    "gather_full_state_dict",
+    "gather_full_optimizer_state",
+    "local_optimizer_state",
+    "optimizer_state_names",
+    "prune_module",
+]
+
+
+@dataclass(frozen=True)
+class StateOwnership:
+    """Which stage provides each ``state_dict`` entry (the first stage that uses the tensor)."""
+
+    keys: tuple[str, ...]
+    """Every key of the full ``state_dict``, in its order."""
+    provider: dict[str, int]
+    """Stage whose rank of replica 0 sends the entry; entries no layer uses are sent by stage 0."""
+
+    @classmethod
+    def of(cls, module: nn.Module, tensor_stages: dict[int, set[int]]) -> StateOwnership:
+        full = module.state_dict(keep_vars=True)
+        provider = {k: min(tensor_stages.get(id(t), {0})) for k, t in full.items()}
+        return cls(tuple(full), provider)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _gather_to_zero(local: Any) -> list[Any] | None:
+    world = dist.get_world_size()
+    out: list[Any] | None = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(local, out, dst=0)
+    return out
+
+
+def gather_full_state_dict(module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int) -> dict[str, Any]:
+    """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty elsewhere)."""
+    local_sd = module.state_dict()
+    mine = {}
+    if replica == 0:  # replicas hold identical weights; one copy is enough
+        mine = {k: _to_cpu(local_sd[k]) for k in ownership.keys if ownership.provider[k] == stage and k in local_sd}
+    parts = _gather_to_zero(mine)
+    if parts is None:
+        return {}
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return OrderedDict((k, merged[k]) for k in ownership.keys if k in merged)
+
+
+@dataclass(frozen=True)
+class OptimizerIndex:
+    """How a stage's pruned optimizer maps onto the optimizer ``configure_optimizers`` built over the whole module."""
+
+    full_group_sizes: tuple[int, ...]
+    """Number of parameters in each original param group."""
+    local_to_full: tuple[int, ...]
+    """Original (torch ``state_dict``) index of each parameter the pruned optimizer still holds, in its order."""
+    provided: frozenset[int]
+    """Original indices whose state this stage sends when saving (the first stage using the parameter)."""
+    names: tuple[str, ...]
+    """Parameter name (first one of ``named_parameters``) of every original index."""
+
+    @classmethod
+    def prune(cls, optimizer: Optimizer, keep: set[int], provide: set[int], module: nn.Module) -> OptimizerIndex:
+        """Drop parameters whose ``id`` is not in ``keep`` from ``optimizer``'s groups (its state must be empty)."""
+        name_of: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            name_of.setdefault(id(p), name)
+        sizes, local_to_full, provided, names = [], [], set(), []
+        index = 0
+        for group in optimizer.param_groups:
+            sizes.append(len(group["params"]))
+            kept = []
+            for p in group["params"]:
+                names.append(name_of.get(id(p), f"<unnamed parameter {index}>"))
+                if id(p) in keep:
+                    kept.append(p)
+                    local_to_full.append(index)
+                    if id(p) in provide:
+                        provided.add(index)
+                index += 1
+            group["params"] = kept
+        return cls(tuple(sizes), tuple(local_to_full), frozenset(provided), tuple(names))
+
+
+def _full_param_groups(local_groups: Iterable[dict[str, Any]], sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    groups, start = [], 0
+    for group, size in zip(local_groups, sizes):
+        g = {k: v for k, v in group.items() if k != "params"}
+        g["params"] = list(range(start, start + size))
+        groups.append(g)
+        start += size
+    return groups
+
+
+def gather_full_optimizer_state(optimizer: Optimizer, index: OptimizerIndex, *, replica: int) -> dict[str, Any]:
+    """Collective: the state dict of the un-pruned optimizer, on global rank 0 (empty elsewhere)."""
+    local = optimizer.state_dict()
+    mine: dict[int, Any] = {}
+    if replica == 0:
+        for local_idx, state in local["state"].items():
+            full_idx = index.local_to_full[local_idx]
+            if full_idx in index.provided:
+                mine[full_idx] = _to_cpu(state)
+    parts = _gather_to_zero(mine)
+    if parts is None:
+        return {}
+    state: dict[int, Any] = {}
+    for part in parts:
+        state.update(part)
+    return {"state": dict(sorted(state.items())), "param_groups": _full_param_groups(local["param_groups"], index.full_group_sizes)}
+
+
+def optimizer_state_names(full: dict[str, Any], index: OptimizerIndex) -> dict[str, Any]:
+    """A full torch-format optimizer state keyed by parameter name (the ``_checkpoint`` portable format)."""
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index.names[i] for i in g["params"]]} for g in full["param_groups"]]
+    return {"state": {index.names[i]: s for i, s in full["state"].items()}, "param_groups": groups}
+
+
+def local_optimizer_state(full: dict[str, Any], index: OptimizerIndex) -> dict[str, Any]:
+    """This stage's part of a full optimizer state dict, indexed like the pruned optimizer."""
+    state = {local_idx: full["state"][full_idx] for local_idx, full_idx in enumerate(index.local_to_full) if full_idx in full["state"]}
+    full_groups = full["param_groups"]
+    if tuple(len(g["params"]) for g in full_groups) != index.full_group_sizes:
+        raise ValueError(
+            f"The checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in full_groups]}, "
+            f"this model's has {list(index.full_group_sizes)}. HINT: resume with the same `configure_optimizers`."
+        )
+    groups, local_idx, start = [], 0, 0
+    for g, size in zip(full_groups, index.full_group_sizes):
+        n_local = sum(1 for f in index.local_to_full if start <= f < start + size)
+        new = {k: v for k, v in g.items() if k != "params"}
+        new["params"] = list(range(local_idx, local_idx + n_local))
+        groups.append(new)
+        local_idx += n_local
+        start += size
+    return {"state": state, "param_groups": groups}
+
+
+def prune_module(module: nn.Module, keep: set[int]) -> int:
+    """Free the storage of every parameter and buffer whose ``id`` is not in ``keep``; returns bytes freed.
+
+    The tensor objects stay (with an empty storage) so that optimizer param groups and user references
+    do not break; ``state_dict`` keys stay, and the full values are gathered at save time.
+    """
+    freed = 0
+    for sub in module.modules():
+        for name, t in list(sub._parameters.items()) + list(sub._buffers.items()):
+            if t is None or id(t) in keep or t.numel() == 0:
+                continue
+            freed += t.numel() * t.element_size()
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return freed

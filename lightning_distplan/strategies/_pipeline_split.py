@@ -1,0 +1,227 @@
+"""Pure helpers of the pipeline strategy: where to cut, what one stage runs, how a batch is split.
+
+Nothing here talks to a process group, so everything tests in milliseconds on one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
+
+__all__ = [
+    "StageModule",
+    "resolve_boundaries",
+    "stage_ranges",
+    "split_microbatches",
+    "split_structure",
+    "auto_n_microbatches",
+    "PipelineLayout",
+]
+
+_HOOK_EXAMPLE = """
+    from lightning_distplan import PipelineSpec
+
+    def pipeline_spec(self):  # in your LightningModule
+        return PipelineSpec(
+            layers=[self.embed, *self.blocks, self.head],        # run in this order
+            inputs=lambda batch: batch[0],                        # what layers[0] receives
+            loss=lambda out, batch: F.cross_entropy(out, batch[1]),  # mean over the micro-batch
+        )"""
+
+
+def no_spec_error(reason: str) -> ModelSplitError:
+    return ModelSplitError(
+        f"The model cannot run as a pipeline: {reason}.",
+        hint="Define `pipeline_spec()` on the LightningModule (or `pipeline_loss(output, batch)` next to a "
+        "recognised `self.model`), e.g.:" + _HOOK_EXAMPLE,
+    )
+
+
+class StageModule(nn.Module):
+    """The contiguous blocks ``layers[start:stop]`` of a :class:`PipelineSpec` run as one stage.
+
+    A block's output is passed to the next block unpacked when it is a tuple, as the spec's contract
+    says. The blocks are the LightningModule's own sub-modules (not copies), so the module's
+    ``state_dict`` keys never change.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(layers)
+
+    def forward(self, *args: Any) -> Any:
+        # p2p send/recv need contiguous buffers: make boundary activations and their gradients contiguous.
+        x: Any = tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
+        for block in self.blocks:
+            x = block(*x) if isinstance(x, tuple) else block(x)
+        if isinstance(x, tuple):
+            return tuple(t.contiguous() if isinstance(t, Tensor) else t for t in x)
+        return x.contiguous() if isinstance(x, Tensor) else x
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward returns a contiguous gradient (autograd may produce strided ones)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def stage_ranges(boundaries: Sequence[int], n_layers: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` layer range of every stage from the Plan's ``stage_boundaries``."""
+    edges = [0, *boundaries, n_layers]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def resolve_boundaries(
+    stage_boundaries: Sequence[int] | str,
+    *,
+    stages: int,
+    layers: Sequence[nn.Module],
+) -> tuple[int, ...]:
+    """Validate explicit boundaries, or balance the layers over ``stages`` when ``"auto"``.
+
+    ``"auto"`` minimises the largest stage by parameter count (a proxy for time when no profile is
+    given) with the exact contiguous partition solver of ``costmodel`` when it is available.
+    """
+    n_layers = len(layers)
+    if stages > n_layers:
+        raise ModelSplitError(
+            f"Cannot split {n_layers} layers into {stages} pipeline stages (more stages than layers).",
+            hint=f"Use at most {n_layers} stages, or expose finer blocks through `pipeline_spec()`.",
+        )
+    if stage_boundaries != "auto":
+        b = tuple(int(x) for x in stage_boundaries)  # type: ignore[union-attr]
+        if len(b) != stages - 1 or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])) or (b and b[-1] >= n_layers):
+            raise InfeasiblePlanError(
+                f"`stage_boundaries` {list(b)} must be {stages - 1} strictly increasing layer indices in [1, {n_layers - 1}] "
+                f"for {stages} stages over {n_layers} layers.",
+                hint="Give the index of the first layer of every stage after the first, or use 'auto'.",
+            )
+        return b
+    # +1 so parameter-free blocks (pooling, activations) still count as work and get spread out
+    weights = [1.0 + sum(p.numel() for p in layer.parameters()) for layer in layers]
+    try:
+        from lightning_distplan.costmodel._partition import partition_layers
+    except ImportError:  # pragma: no cover - costmodel is part of the package; keep a fallback anyway
+        return _greedy_partition(weights, stages)
+    return tuple(partition_layers(weights, stages))
+
+
+def _greedy_partition(weights: Sequence[float], stages: int) -> tuple[int, ...]:
+    total = sum(weights)
+    bounds: list[int] = []
+    acc = 0.0
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        remaining_layers = len(weights) - (i + 1)
+        remaining_cuts = stages - 1 - len(bounds)
+        if remaining_cuts and (acc >= total * (len(bounds) + 1) / stages or remaining_layers == remaining_cuts):
+            bounds.append(i + 1)
+    return tuple(bounds)
+
+
+def auto_n_microbatches(per_replica_batch: int, stages: int) -> int:
+    """The largest divisor of the per-replica batch up to ``4 * stages`` (bubble (p-1)/(n+p-1) below ~20 %)."""
+    for n in range(min(per_replica_batch, 4 * stages), 0, -1):
+        if per_replica_batch % n == 0:
+            return n
+    return 1  # pragma: no cover - 1 always divides
+
+
+def split_structure(obj: Any, n: int) -> list[Any]:
+    """Split every tensor in a (nested) tuple/list/dict along dim 0 into ``n`` equal chunks."""
+    if isinstance(obj, Tensor):
+        return list(torch.tensor_split(obj, n, dim=0))
+    if isinstance(obj, (tuple, list)):
+        parts = [split_structure(x, n) for x in obj]
+        rows = [[p[i] for p in parts] for i in range(n)]
+        if isinstance(obj, list):
+            return rows
+        if hasattr(obj, "_fields"):  # namedtuple
+            return [type(obj)(*row) for row in rows]
+        return [tuple(row) for row in rows]
+    if isinstance(obj, dict):
+        parts_d = {k: split_structure(v, n) for k, v in obj.items()}
+        return [{k: v[i] for k, v in parts_d.items()} for i in range(n)]
+    return [obj] * n
+
+
+def batch_size_of(obj: Any) -> int | None:
+    """Size of dim 0 of the first tensor found in a (nested) batch."""
+    if isinstance(obj, Tensor):
+        return obj.shape[0] if obj.dim() > 0 else None
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            size = batch_size_of(x)
+            if size is not None:
+                return size
+    if isinstance(obj, dict):
+        for x in obj.values():
+            size = batch_size_of(x)
+            if size is not None:
+                return size
+    return None
+
+
+def split_microbatches(inputs: Any, n: int, *, what: str = "per-replica batch") -> list[tuple[Any, ...]]:
+    """Split what layer 0 receives into ``n`` micro-batches of positional-argument tuples.
+
+    Raises:
+        BatchNotFactorableError: the batch does not split into ``n`` equal micro-batches (unequal
+            micro-batches would weight samples unequally in the mean of micro-batch losses).
+    """
+    size = batch_size_of(inputs)
+    if size is None:
+        raise BatchNotFactorableError(
+            f"The pipeline inputs hold no batched tensor (got {type(inputs).__name__}).",
+            hint="Make `PipelineSpec.inputs(batch)` return a tensor or a tuple of tensors with the batch on dim 0.",
+        )
+    if size % n:
+        raise BatchNotFactorableError(
+            f"The {what} ({size}) is not divisible by `n_microbatches` ({n}).",
+            hint=f"Use a batch size that is a multiple of {n} (and `drop_last=True` on the DataLoader), or change `n_microbatches`.",
+        )
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    return [tuple(chunk) for chunk in split_structure(args, n)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """Where this rank sits in the hybrid dp × pp grid: stage ``k`` of replica ``r`` is rank ``r·pp + k``."""
+
+    dp: int
+    pp: int
+    rank: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pp
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [replica * self.pp + k for k in range(self.pp)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [r * self.pp + stage for r in range(self.dp)]
+
+    @classmethod
+    def of(cls, *, world_size: int, stages: int, rank: int) -> PipelineLayout:
+        if world_size % stages:
+            raise InfeasiblePlanError(
+                f"The world size ({world_size}) is not divisible by the number of pipeline stages ({stages}).",
+                hint=f"Use a number of devices that is a multiple of {stages}, or change `stages`.",
+            )
+        return cls(dp=world_size // stages, pp=stages, rank=rank)

@@ -1,0 +1,625 @@
+"""Pipeline-parallel training (GPipe or 1F1B, optionally hybrid dp × pp) as a Lightning strategy.
+
+The runtime is ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe`` /
+``Schedule1F1B``); this module only adapts it to Lightning's hooks.
+
+How the hooks are used (Lightning automatic optimization, one ``training_step`` per optimizer step):
+
+* ``setup``: broadcasts rank 0's weights (as DDP does), cuts the model into the
+  :class:`~lightning_distplan.PipelineSpec`'s layers, keeps only this rank's stage (the other
+  stages' parameters and buffers are freed in place), builds the process groups, then runs the
+  module's own ``configure_optimizers`` and drops the freed parameters from the optimizer's param
+  groups before it has any state. So the optimizer keeps the user's class and hyper-parameters
+  and holds state for this stage only.
+* ``training_step``: runs one whole pipeline schedule (``schedule.step``: forward *and* backward
+  of all micro-batches of the per-replica batch) and returns the global mean loss, also logged as
+  ``train_loss`` on every rank. The LightningModule's own ``training_step`` is not called: its
+  loss is ``PipelineSpec.loss``.
+* ``backward``: Lightning calls ``zero_grad`` between ``training_step`` and ``backward``
+  (``Closure.closure``), so ``training_step`` parks the gradients the schedule produced and
+  ``backward`` puts them back, then all-reduces them over the data-parallel replicas of the stage
+  (and sums tied parameters over the stages that share them). ``on_before_backward`` /
+  ``on_after_backward`` still run around it. This keeps Lightning's loop, callbacks, gradient
+  accumulation, LR schedulers and ``optimizer_step`` hooks untouched, which a manual-optimization
+  rewrite of the user's module would not.
+* ``validation_step`` / ``test_step``: a forward-only run of the pipeline (``schedule.eval``) that
+  logs ``val_loss`` / ``test_loss`` (the true mean over the global batch) on every rank; the
+  module's own ``validation_step``/``test_step`` is not called. ``predict_step`` returns the last
+  stage's merged output on every rank of the replica.
+* ``lightning_module_state_dict`` / ``optimizer_state``: gather the full state to rank 0 under the
+  plain module's keys, so checkpoints load with ``LightningModule.load_from_checkpoint`` and under
+  any other strategy; ``load_optimizer_state_dict`` takes this stage's part of a full state.
+  ``save_checkpoint`` stores the effective plan as ``checkpoint["distplan_plan"]``.
+
+Rank layout: stage ``k`` of replica ``r`` is global rank ``r·pp + k``; each DataLoader shard goes
+to a replica (all stages of a replica read the same batch; only stage 0 uses the inputs and only
+the last stage the targets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies.ddp import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_distplan._layers import PipelineSpec, discover_layers
+from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.plan import Plan
+from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
+from lightning_distplan.strategies._pipeline_checkpoint import (
+    OptimizerIndex,
+    StateOwnership,
+    gather_full_optimizer_state,
+    gather_full_state_dict,
+    local_optimizer_state,
+    optimizer_state_names,
+    prune_module,
+)
+from lightning_distplan.strategies._pipeline_split import (
+    PipelineLayout,
+    StageModule,
+    auto_n_microbatches,
+    batch_size_of,
+    no_spec_error,
+    resolve_boundaries,
+    split_microbatches,
+    split_structure,
+    stage_ranges,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+__all__ = ["PipelineStrategy"]
+
+ScheduleName = Literal["auto", "gpipe", "1f1b"]
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class PipelineStrategy(DDPStrategy):
+    """Run a LightningModule as a GPipe or 1F1B pipeline over ``torch.distributed.pipelining``.
+
+    ``world_size = dp · stages``: with more devices than stages, ``dp`` replicas of the pipeline
+    train on disjoint shards and all-reduce each stage's gradients (hybrid dp × pp). The update is
+    the one a single process would make on the global batch (``dp ×`` the DataLoader batch):
+    every micro-batch loss is a mean, the schedule averages them, the replicas average the result.
+
+    Args:
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"auto"`` (the plan's, else 1F1B, which keeps at most
+            ``pp − k`` micro-batches of activations alive on stage ``k`` instead of all ``n``).
+        n_microbatches: micro-batches per optimizer step and replica; ``"auto"`` takes the plan's,
+            else the largest divisor of the per-replica batch up to ``4 · stages``.
+        stages: pipeline stages; ``"auto"`` takes the plan's ``pp``, else the world size.
+        stage_boundaries: index of the first layer of stages 1..pp-1 in the
+            :class:`~lightning_distplan.PipelineSpec` layers; ``"auto"`` takes the plan's, else balances
+            the layers by parameter count with the exact contiguous partition solver.
+        plan: a :class:`~lightning_distplan.Plan` to run (``gpipe``/``1f1b``); explicit arguments
+            must agree with it.
+        deferred_batchnorm: replace BatchNorm layers by fairscale's ``DeferredBatchNorm`` so running
+            statistics are those of the whole batch rather than of each micro-batch.
+        start_method: ``"popen"`` (script re-launch, like ``ddp``) or ``"spawn"``/``"fork"``.
+
+    Example::
+
+        trainer = L.Trainer(strategy=PipelineStrategy(schedule="1f1b", n_microbatches=8), devices=4)
+        trainer = L.Trainer(strategy="gpipe", devices=2)   # registered preset
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        schedule: ScheduleName = "auto",
+        n_microbatches: int | Literal["auto"] = "auto",
+        stages: int | Literal["auto"] = "auto",
+        stage_boundaries: Sequence[int] | Literal["auto"] = "auto",
+        plan: Plan | None = None,
+        *,
+        deferred_batchnorm: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if schedule not in ("auto", *_SCHEDULES):
+            raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
+        for name, value, low in (("n_microbatches", n_microbatches, 1), ("stages", stages, 2)):
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise InfeasiblePlanError(f"`{name}` must be 'auto' or an integer >= {low}, got {value!r}.", hint=f"Pass {name}='auto'.")
+        if plan is not None:
+            if plan.strategy not in _SCHEDULES:
+                raise InfeasiblePlanError(
+                    f"PipelineStrategy runs gpipe/1f1b plans, got a {plan.strategy!r} plan.", hint="Use strategy='dp_ga' for it."
+                )
+            for name, mine, theirs in (
+                ("schedule", schedule, plan.strategy),
+                ("n_microbatches", n_microbatches, plan.n_microbatches),
+                ("stages", stages, plan.pp),
+            ):
+                if mine != "auto" and mine != theirs:
+                    raise InfeasiblePlanError(f"`{name}`={mine!r} contradicts the plan's {theirs!r}.", hint=f"Leave `{name}`='auto' to run the plan.")
+            schedule, n_microbatches, stages = plan.strategy, plan.n_microbatches, plan.pp
+            if stage_boundaries == "auto" and plan.stage_boundaries:
+                stage_boundaries = plan.stage_boundaries
+        self._schedule_name: str = "1f1b" if schedule == "auto" else schedule
+        self._n_arg = n_microbatches
+        self._stages_arg = stages
+        self._boundaries_arg = stage_boundaries
+        self._plan_arg = plan
+        self._deferred_batchnorm = deferred_batchnorm
+        if self._schedule_name == "1f1b" and isinstance(n_microbatches, int) and isinstance(stages, int):
+            _check_1f1b(n_microbatches, stages)
+        self._built = False
+        self._n: int | None = n_microbatches if isinstance(n_microbatches, int) else None
+        self._per_replica_batch: int | None = None
+        self._schedules: dict[tuple, Any] = {}
+        self._parked: dict[nn.Parameter, Tensor] = {}
+        self._warned_bypass = False
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def stages(self) -> int:
+        if isinstance(self._stages_arg, int):
+            return self._stages_arg
+        return self.num_nodes * self.num_processes
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout.of(world_size=self.num_nodes * self.num_processes, stages=self.stages, rank=self.global_rank)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        layout = self.layout
+        return {"num_replicas": layout.dp, "rank": layout.replica}
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan being run: known once the first training batch fixed the per-replica batch."""
+        if self._per_replica_batch is None or self._n is None or not self._built:
+            return self._plan_arg
+        layout = self.layout
+        return Plan(
+            strategy=self._schedule_name,  # type: ignore[arg-type]
+            dp=layout.dp,
+            pp=layout.pp,
+            micro_batch_size=self._per_replica_batch // self._n,
+            n_microbatches=self._n,
+            global_batch_size=layout.dp * self._per_replica_batch,
+            stage_boundaries=self._boundaries,
+            layer_names=self._layer_names,
+        )
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self._start_method == "popen":
+            super()._configure_launcher()
+        else:
+            self._launcher = _PipelineMultiProcessingLauncher(self, start_method=self._start_method)
+
+    # ------------------------------------------------------------------ setup
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if trainer.precision not in ("32-true", "32"):
+            raise InfeasiblePlanError(
+                f"PipelineStrategy supports precision '32-true' only, got {trainer.precision!r}.",
+                hint="Use Trainer(precision='32-true') or strategy='dp_ga'.",
+            )
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            raise InfeasiblePlanError(
+                "Gradient clipping by norm is not supported by PipelineStrategy (each stage sees only its own gradients).",
+                hint="Use gradient_clip_algorithm='value' or no clipping.",
+            )
+        assert self.model is not None
+        if not self._built:
+            if _distributed_is_initialized():
+                _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
+            self._build_pipeline()
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _build_pipeline(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        layout = self.layout
+        if self._schedule_name == "1f1b" and self._n is not None:
+            _check_1f1b(self._n, layout.pp)
+        self._maybe_defer_batchnorm(module)  # before discovery, so adapters wrap the converted modules
+        discovered = discover_layers(module)
+        if discovered.spec is None:
+            raise no_spec_error(discovered.split_reason)
+        spec: PipelineSpec = discovered.spec
+        layers = list(spec.layers)
+        self._boundaries = resolve_boundaries(self._boundaries_arg, stages=layout.pp, layers=layers)
+        self._layer_names = discovered.names
+        if self._plan_arg is not None and self._plan_arg.layer_names and tuple(self._plan_arg.layer_names) != discovered.names:
+            rank_zero_warn(
+                "The plan's layer names differ from this model's pipeline layers; its stage boundaries may cut elsewhere "
+                "than profiled. Re-plan from a fresh profile of this model."
+            )
+        ranges = stage_ranges(self._boundaries, len(layers))
+
+        tensor_stages: dict[int, set[int]] = {}
+        param_stages: dict[nn.Parameter, set[int]] = {}
+        for k, (a, b) in enumerate(ranges):
+            for layer in layers[a:b]:
+                for p in layer.parameters():
+                    tensor_stages.setdefault(id(p), set()).add(k)
+                    param_stages.setdefault(p, set()).add(k)
+                for t in layer.buffers():
+                    tensor_stages.setdefault(id(t), set()).add(k)
+        self._ownership = StateOwnership.of(module, tensor_stages)
+        k = layout.stage
+        in_layers = set(tensor_stages)
+        keep = {i for i, s in tensor_stages.items() if k in s}
+        keep |= {id(t) for t in [*module.parameters(), *module.buffers()] if id(t) not in in_layers}
+        self._keep = keep
+        self._provide = {i for i, s in tensor_stages.items() if min(s) == k} | {
+            id(t) for t in module.parameters() if id(t) not in in_layers and k == 0
+        }
+        freed = prune_module(module, keep)
+        a, b = ranges[k]
+        self._stage_module = StageModule(layers[a:b])
+        self._spec = spec
+
+        # Every rank creates every group, in the same order (a requirement of new_group).
+        pipe_groups = [dist.new_group(layout.pipeline_ranks(r)) for r in range(layout.dp)]
+        self._pipe_group = pipe_groups[layout.replica]
+        self._dp_group = None
+        if layout.dp > 1:
+            dp_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
+            self._dp_group = dp_groups[k]
+        # Parameters used on several stages (tied embeddings): their gradient is the sum over those stages.
+        self._shared: list[tuple[list[nn.Parameter], Any]] = []
+        by_stages: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for p, s in param_stages.items():
+            if len(s) > 1:
+                by_stages.setdefault(tuple(sorted(s)), []).append(p)
+        for s_tuple in sorted(by_stages):
+            ranks = sorted(r * layout.pp + s for r in range(layout.dp) for s in s_tuple)
+            group = dist.new_group(ranks)
+            if k in s_tuple:
+                self._shared.append((by_stages[s_tuple], group))
+        shared_ids = {id(p) for params, _ in self._shared for p in params}
+        self._stage_params = [p for p in self._stage_module.parameters() if id(p) not in shared_ids]
+        self._built = True
+        rank_zero_info(
+            f"PipelineStrategy: {self._schedule_name} dp={layout.dp} pp={layout.pp}, {len(layers)} layers, "
+            f"stage boundaries {list(self._boundaries)}; rank 0 freed {freed / 2**20:.1f} MiB of other stages' tensors."
+        )
+
+    def _maybe_defer_batchnorm(self, module: nn.Module) -> None:
+        has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+        if not has_bn:
+            return
+        if not self._deferred_batchnorm:
+            rank_zero_warn(
+                "The model has BatchNorm layers: under micro-batching their running statistics are updated per "
+                "micro-batch, not per batch, so they differ from a single-device run. fairscale's "
+                "`fairscale.nn.pipe.batchnorm.DeferredBatchNorm` restores batch statistics: pass "
+                "PipelineStrategy(deferred_batchnorm=True)."
+            )
+            return
+        if self._n is None:
+            raise InfeasiblePlanError(
+                "`deferred_batchnorm=True` needs a fixed `n_microbatches`.", hint="Pass n_microbatches=<int> or a plan."
+            )
+        from lightning_distplan.strategies._pipeline_batchnorm import convert_deferred_batchnorm
+
+        convert_deferred_batchnorm(module, chunks=self._n)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        # The optimizers were built over the whole module; keep only this stage's parameters (no state exists yet).
+        self._opt_index: dict[int, OptimizerIndex] = {}
+        for opt in self.optimizers:
+            self._opt_index[id(opt)] = OptimizerIndex.prune(opt, self._keep, self._provide, self.lightning_module)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ steps
+
+    def _loss_fn(self, output: Any, index: Tensor) -> Tensor:
+        # The schedule only carries tensors as targets; it gets the micro-batch index and we look the
+        # micro-batch's targets (any structure) up here.
+        return self._spec.loss(output, self._targets[int(index.reshape(-1)[0])])
+
+    def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
+        shapes = tuple(tuple(t.shape) for t in _tensors(batch))
+        key = (mode, n, shapes)
+        if key not in self._schedules:
+            layout = self.layout
+            stage = PipelineStage(self._stage_module, layout.stage, layout.pp, self.root_device, group=self._pipe_group)
+            cls = _SCHEDULES[self._schedule_name] if mode == "train" else ScheduleGPipe
+            loss_fn = None if mode == "predict" else self._loss_fn
+            self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=True)
+        return self._schedules[key]
+
+    def _prepare(self, batch: Any, n: int, *, targets: bool, what: str) -> dict[str, Any]:
+        layout = self.layout
+        # Every rank splits (cheap views) so that a bad batch fails on all ranks alike.
+        arg_mbs = split_microbatches(self._spec.inputs(batch), n, what=what)
+        kwargs: dict[str, Any] = {}
+        if layout.stage == 0:
+            kwargs["arg_mbs"] = arg_mbs
+        if targets and layout.stage == layout.pp - 1:
+            source = self._spec.targets(batch) if self._spec.targets is not None else batch
+            self._targets = split_structure(source, n)
+            kwargs["target_mbs"] = [torch.tensor([i], device=self.root_device) for i in range(n)]
+        return kwargs
+
+    def _global_mean(self, losses: list[Tensor]) -> Tensor:
+        layout = self.layout
+        local = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=self.root_device)
+        local = local.to(self.root_device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)  # only last-stage ranks contribute
+        return local / layout.dp
+
+    def _warn_bypass(self) -> None:
+        if not self._warned_bypass:
+            self._warned_bypass = True
+            rank_zero_warn(
+                "PipelineStrategy runs the pipeline itself: the LightningModule's training_step/validation_step/"
+                "test_step are not called; the loss is `PipelineSpec.loss`, logged as train_loss/val_loss/test_loss."
+            )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch = args[0] if args else kwargs["batch"]
+        self._warn_bypass()
+        size = batch_size_of(self._spec.inputs(batch))
+        if self._n is None:
+            self._n = auto_n_microbatches(size or 1, self.layout.pp)
+            if self._schedule_name == "1f1b":
+                _check_1f1b(self._n, self.layout.pp)
+        if self._per_replica_batch is None:
+            self._per_replica_batch = size
+        schedule = self._schedule_for("train", self._n, batch)
+        mb_kwargs = self._prepare(batch, self._n, targets=True, what="per-replica batch")
+        losses: list[Tensor] = []
+        # The schedule accumulates into .grad and then divides ALL of .grad by n, so it must start from
+        # None; the gradients already there (last step's, or accumulated ones) go back afterwards and
+        # Lightning's zero_grad decides their fate.
+        params = list(self._stage_module.parameters())
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with torch.enable_grad():
+            schedule.step(**mb_kwargs, losses=losses, return_outputs=False)
+        # Lightning calls zero_grad between training_step and backward: park the new gradients until backward.
+        for p, old in zip(params, previous):
+            if p.grad is not None:
+                self._parked[p] = p.grad
+            p.grad = old
+        loss = self._global_mean(losses)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=size, sync_dist=False)
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        module = self.lightning_module
+        assert module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        for p, grad in self._parked.items():
+            grad = grad / accumulate if accumulate > 1 else grad
+            p.grad = grad if p.grad is None else p.grad + grad
+        self._parked.clear()
+        layout = self.layout
+        if self._dp_group is not None:
+            _all_reduce_mean(self._stage_params, self._dp_group, divide_by=layout.dp)
+        for params, group in self._shared:
+            _all_reduce_mean(params, group, divide_by=layout.dp)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        return closure_loss
+
+    def _eval_step(self, batch: Any, name: str) -> Tensor:
+        size = batch_size_of(self._spec.inputs(batch)) or 1
+        n = _largest_divisor_at_most(size, self._n or 4 * self.layout.pp)
+        schedule = self._schedule_for("eval", n, batch)
+        mb_kwargs = self._prepare(batch, n, targets=True, what="evaluation batch")
+        losses: list[Tensor] = []
+        schedule.eval(**mb_kwargs, losses=losses)
+        loss = self._global_mean(losses)
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=size, sync_dist=False)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        self._warn_bypass()
+        return self._eval_step(args[0] if args else kwargs["batch"], "val_loss")
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        self._warn_bypass()
+        return self._eval_step(args[0] if args else kwargs["batch"], "test_loss")
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs["batch"]
+        layout = self.layout
+        size = batch_size_of(self._spec.inputs(batch)) or 1
+        n = _largest_divisor_at_most(size, self._n or 4 * layout.pp)
+        schedule = self._schedule_for("predict", n, batch)
+        mb_kwargs = self._prepare(batch, n, targets=False, what="prediction batch")
+        out = schedule.eval(**mb_kwargs)
+        holder = [_cpu(out) if layout.stage == layout.pp - 1 else None]
+        if layout.pp > 1:
+            dist.broadcast_object_list(holder, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
+        return holder[0]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty on other ranks)."""
+        layout = self.layout
+        return gather_full_state_dict(self.lightning_module, self._ownership, stage=layout.stage, replica=layout.replica)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._built:
+            return super().lightning_module_state_dict()
+        return self.full_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        index = getattr(self, "_opt_index", {}).get(id(optimizer))
+        if index is None:
+            return optimizer.state_dict()
+        return gather_full_optimizer_state(optimizer, index, replica=self.layout.replica)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if not self._built:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        local = module.state_dict(keep_vars=True)
+        mine = {k: v for k, v in checkpoint["state_dict"].items() if k in local and local[k].numel() > 0}
+        missing = [k for k in self._ownership.keys if k not in checkpoint["state_dict"]]
+        if strict and missing:
+            raise KeyError(f"The checkpoint misses {len(missing)} entries of the model, e.g. {missing[:3]}. HINT: load a checkpoint of this model.")
+        module.load_state_dict(mine, strict=False)
+        return None
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+        raw = [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+        # Prefer the by-name state (written by every lightning_distplan strategy); fall back to torch's ids.
+        if load_portable_optimizer_states(raw, self.lightning_module.named_parameters(), checkpoint):
+            for optimizer in raw:
+                _optimizer_to_device(optimizer, self.root_device)
+            return
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
+            index = self._opt_index[id(getattr(optimizer, "_optimizer", optimizer))]
+            optimizer.load_state_dict(local_optimizer_state(full, index))
+            _optimizer_to_device(optimizer, self.root_device)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        by_name = None
+        if self._built and self.is_global_zero and "optimizer_states" in checkpoint:
+            by_name = [
+                optimizer_state_names(full, self._opt_index[id(getattr(opt, "_optimizer", opt))])
+                for opt, full in zip(self.optimizers, checkpoint["optimizer_states"])
+            ]
+        add_portable_state(checkpoint, plan=self.plan, optimizer_states_by_name=by_name)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+class _PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Hands the *full* weights back to the main process (each worker holds one stage only)."""
+
+    @override
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        import os
+        import tempfile
+
+        strategy = self._strategy
+        assert isinstance(strategy, PipelineStrategy)
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        state_dict = strategy.lightning_module_state_dict()  # collective
+        if strategy.global_rank != 0:
+            return None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _check_1f1b(n: int, pp: int) -> None:
+    if n < pp:
+        raise InfeasiblePlanError(
+            f"`n_microbatches` ({n}) must be >= the number of pipeline stages ({pp}) for 1F1B.",
+            hint="Raise `n_microbatches` or use schedule='gpipe'.",
+        )
+
+
+def _largest_divisor_at_most(size: int, cap: int) -> int:
+    return next(d for d in range(min(size, cap), 0, -1) if size % d == 0)
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cpu(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def _all_reduce_mean(params: list[nn.Parameter], group: Any, *, divide_by: int) -> None:
+    """Sum the gradients over ``group`` in one flat buffer and divide by ``divide_by``."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= divide_by
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
