@@ -1,0 +1,258 @@
+"""Online check of the plan: predicted vs observed step time, and an opt-in re-plan when they drift.
+
+``auto_plan`` adds a :class:`StepTimeMonitor` to the trainer. It logs, per optimizer step,
+``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s`` (wall time from the first
+micro-batch's start to the optimizer step, so data loading is included — what a user waits for).
+
+With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` observed steps are
+all more than ``threshold`` × off the prediction (slower or faster), the compute part of the cost
+model is refitted from them — the one number it can learn from steps of a single micro-batch size
+is the speed of the device, ``Hardware.compute_scale`` (every profiled compute time is multiplied
+by it) — and the plans are ranked again at the next epoch boundary, on global rank 0, broadcast
+to all ranks. A new data-parallel plan (other micro-batch size / accumulation) is applied from the
+next epoch on (the train loader is re-processed, as with ``reload_dataloaders_every_n_epochs``); a
+switch between data parallel and a pipeline is logged and recorded in ``plan.json`` but not
+applied mid-run (it needs the model re-sharded: resume the last checkpoint with the pins it names).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_distplan.errors import InfeasiblePlanError
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_distplan.profile import Profile
+    from lightning_distplan.strategies._auto_planning import PlanningOutcome
+
+__all__ = ["StepTimeMonitor", "departure"]
+
+
+def departure(predicted_s: float, observed: list[float], *, threshold: float, window: int) -> float | None:
+    """The median observed/predicted ratio of the last ``window`` steps when ALL of them are beyond
+    ``threshold`` (or below 1/threshold), else None. A sustained departure, not one slow step."""
+    if predicted_s <= 0 or len(observed) < window:
+        return None
+    ratios = [o / predicted_s for o in observed[-window:]]
+    if all(r > threshold for r in ratios) or all(r < 1.0 / threshold for r in ratios):
+        return statistics.median(ratios)
+    return None
+
+
+def refit_compute_scale(prediction: Any, observed_s: float, current_scale: float) -> float:
+    """The ``compute_scale`` that makes the prediction match ``observed_s``, keeping communication fixed.
+
+    Compute, bubble and optimizer time scale with the device speed; p2p sends and exposed
+    all-reduce time do not (seed 000 §III: T = compute + communication terms).
+    """
+    fixed = prediction.breakdown.get("p2p", 0.0) + prediction.breakdown.get("exposed_comm", 0.0)
+    scaled = max(prediction.step_time_s - fixed, 1e-12)
+    return current_scale * max(observed_s - fixed, 1e-12) / scaled
+
+
+class StepTimeMonitor(Callback):
+    """Log predicted and observed step time; optionally re-plan when they depart (see module docstring).
+
+    Args:
+        replan: ``"off"`` or ``"auto"``.
+        warmup_steps: first optimizer steps ignored (allocations, caches, JIT).
+        window: consecutive steps that must all depart before a re-plan.
+        threshold: observed/predicted ratio beyond which (or below whose inverse) a step departs.
+        max_replans: re-plans per run.
+    """
+
+    def __init__(
+        self,
+        *,
+        replan: Literal["off", "auto"] = "off",
+        warmup_steps: int = 3,
+        window: int = 5,
+        threshold: float = 1.5,
+        max_replans: int = 2,
+    ) -> None:
+        if replan not in ("off", "auto"):
+            raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' or 'off'.")
+        if threshold <= 1.0:
+            raise InfeasiblePlanError(f"`threshold` must be > 1, got {threshold!r}.", hint="Use e.g. threshold=1.5 (50% off).")
+        for name, value in (("warmup_steps", warmup_steps), ("window", window), ("max_replans", max_replans)):
+            if not isinstance(value, int) or value < 0 or (name == "window" and value < 1):
+                raise InfeasiblePlanError(f"`{name}` must be a non-negative integer (window >= 1), got {value!r}.", hint="Use the defaults.")
+        self.replan = replan
+        self.warmup_steps = warmup_steps
+        self.window = window
+        self.threshold = threshold
+        self.max_replans = max_replans
+        self.history: list[dict[str, float]] = []
+        """One record per optimizer step: ``step``, ``predicted_s`` (may be None), ``observed_s``."""
+        self.replans: list[dict[str, Any]] = []
+        """One record per re-plan: step, epoch, observed/predicted ratio, new scale, old and new plan, applied."""
+        self.overhead_s: float | None = None
+        self.run_s: float | None = None
+        self._outcome: PlanningOutcome | None = None
+        self._profile: Profile | None = None
+        self._pins: dict[str, Any] = {}
+        self._memory: int | None = None
+        self._fit_start: float | None = None
+        self._predicted: float | None = None
+        self._scale = 1.0
+        self._t: float | None = None
+        self._last_step = -1
+        self._observed: list[float] = []
+        self._pending: float | None = None
+        self._replan_s = 0.0
+
+    def attach(
+        self,
+        *,
+        outcome: PlanningOutcome,
+        profile: Profile | None,
+        pins: dict[str, Any],
+        device_memory_bytes: int | None,
+        fit_start: float | None,
+    ) -> None:
+        """Called by ``auto_plan`` once it has decided."""
+        self._outcome = outcome
+        self._profile = profile
+        self._pins = dict(pins)
+        self._memory = device_memory_bytes
+        self._fit_start = fit_start
+        pred = outcome.prediction
+        self._predicted = None if pred is None else pred.step_time_s
+        if outcome.hardware is not None:
+            self._scale = outcome.hardware.compute_scale
+
+    @property
+    def predicted_step_time_s(self) -> float | None:
+        return self._predicted
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._t is None:
+            self._t = time.perf_counter()
+        if self._last_step < 0:
+            self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step <= self._last_step or self._t is None:
+            return  # an accumulation micro-batch: the step is not done yet
+        observed = time.perf_counter() - self._t
+        self._t = None
+        self._last_step = trainer.global_step
+        self.history.append({"step": trainer.global_step, "predicted_s": self._predicted, "observed_s": observed})
+        pl_module.log("distplan/observed_step_time_s", observed, on_step=True, on_epoch=False, batch_size=1)
+        if self._predicted is not None:
+            pl_module.log("distplan/predicted_step_time_s", self._predicted, on_step=True, on_epoch=False, batch_size=1)
+        if len(self.history) > self.warmup_steps:
+            self._observed.append(observed)
+        if self.replan == "auto" and self._pending is None and self._predicted is not None and len(self.replans) < self.max_replans:
+            ratio = departure(self._predicted, self._observed, threshold=self.threshold, window=self.window)
+            if ratio is not None:
+                self._pending = ratio
+                rank_zero_info(
+                    f"distplan: observed step time is {ratio:.2f}x the prediction for {self.window} steps; "
+                    "re-planning at the end of this epoch."
+                )
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.replan != "auto" or self._outcome is None:
+            return
+        # Ranks observe slightly different times: rank 0's view decides, every rank follows.
+        pending = trainer.strategy.broadcast(self._pending)
+        self._pending = None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._do_replan(trainer, pending)
+        finally:
+            self._replan_s += time.perf_counter() - t0
+        self._observed = []
+
+    def _do_replan(self, trainer: pl.Trainer, ratio: float) -> None:
+        from lightning_distplan.strategies._auto_concrete import _AutoDPGAStrategy
+        from lightning_distplan.strategies._auto_planning import PlanningOutcome, choose_plan, distplan_dir, write_artifacts
+
+        outcome = self._outcome
+        assert outcome is not None
+        running = getattr(trainer.strategy, "plan", None) or outcome.plan
+        if self._profile is None or outcome.hardware is None:
+            rank_zero_warn("distplan: cannot re-plan a plan reused from a checkpoint (no profile in this run).")
+            return
+        decision: Any = None
+        if trainer.is_global_zero:
+            current = next((c for c in outcome.candidates if c.plan == running), None)
+            observed = statistics.median(self._observed[-self.window:])
+            scale = refit_compute_scale(current.prediction, observed, self._scale) if current is not None else self._scale * ratio
+            candidates, hardware = choose_plan(
+                self._profile, world_size=running.world_size, global_batch_size=running.global_batch_size, pins=self._pins,
+                hardware=outcome.hardware, compute_scale=scale,
+            )
+            decision = (scale, candidates, hardware)
+        scale, candidates, hardware = trainer.strategy.broadcast(decision)
+        best = candidates[0].plan
+        applied = False
+        if best != running and best.strategy == "dp_ga" and isinstance(trainer.strategy, _AutoDPGAStrategy):
+            trainer.strategy.replace_plan(best)
+            trainer.fit_loop._combined_loader = None  # re-process the train loader at the next epoch start
+            applied = True
+        nxt = best if (applied or best == running) else running
+        self._scale = scale
+        self._outcome = PlanningOutcome(
+            plan=nxt, candidates=tuple(candidates), hardware=hardware, source="replanned",
+            profiling_s=outcome.profiling_s, planning_s=outcome.planning_s,
+        )
+        self._predicted = self._outcome.prediction.step_time_s if self._outcome.prediction is not None else None
+        record = {
+            "step": trainer.global_step,
+            "epoch": trainer.current_epoch,
+            "ratio": ratio,
+            "compute_scale": scale,
+            "old_plan": running.describe(),
+            "new_best": best.describe(),
+            "applied": applied,
+            "predicted_step_time_s": self._predicted,
+        }
+        self.replans.append(record)
+        if best == running:
+            what = f"the plan stays {running.describe()}"
+        elif applied:
+            what = f"switching from {running.describe()} to {best.describe()} from the next epoch"
+        else:
+            what = (
+                f"{best.describe()} is now predicted best, but switching from {running.describe()} needs the model re-sharded; "
+                f"resume from the last checkpoint with AutoPlanStrategy(strategy='{best.strategy}', stages={best.pp}) to run it"
+            )
+        rank_zero_info(f"distplan: re-planned with compute scale {scale:.3g} (observed/predicted {ratio:.2f}x): {what}.")
+        if trainer.is_global_zero:
+            write_artifacts(distplan_dir(trainer), profile=None, outcome=self._outcome, extra={"replans": self.replans})
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fit_start is None or self._outcome is None:
+            return
+        self.run_s = time.perf_counter() - self._fit_start
+        self.overhead_s = self._outcome.overhead_s + self._replan_s
+        pct = 100.0 * self.overhead_s / self.run_s if self.run_s > 0 else 0.0
+        rank_zero_info(
+            f"distplan: planning overhead {self.overhead_s:.2f} s = {pct:.1f}% of this fit ({self.run_s:.1f} s; "
+            f"plan {self._outcome.plan.describe()}, {self._outcome.source})."
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"replans": list(self.replans), "compute_scale": self._scale}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.replans = list(state_dict.get("replans", []))
+        self._scale = float(state_dict.get("compute_scale", 1.0))

@@ -1,0 +1,243 @@
+"""``PlanningCallback``: keep your strategy; let the profile pick micro-batch size and accumulation.
+
+Like Lightning's ``BatchSizeFinder`` (callback → ``tuner/batch_size_scaling.py``), the callback only
+validates and calls the plain functions below, and the Trainer state it changes is put back in
+``finally:`` / at teardown.
+
+At ``setup("fit")`` — process group up, datamodule set up, model not yet wrapped by DDP/FSDP — it
+profiles the module on this rank's device (every rank; no trace left), ranks the ``dp_ga`` plans
+for the user's fixed global batch (loader batch × ``accumulate_grad_batches`` × world size) on rank
+0 and broadcasts the winner, then applies it: the train loader is re-chunked into the planned
+micro-batches with ``dp_ga``'s own loader wrapper (hooked into ``strategy.process_dataloader``,
+after Lightning injected the distributed sampler) and ``trainer.accumulate_grad_batches`` is set.
+It also ranks every other strategy and, when one is predicted faster, says so without forcing it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.plan import Plan
+from lightning_distplan.strategies._auto_planning import (
+    PlanningOutcome,
+    choose_plan,
+    describe_for_user,
+    distplan_dir,
+    faster_alternative,
+    log_outcome,
+    pins_from,
+    profile_in_fit,
+    user_global_batch,
+    write_artifacts,
+)
+from lightning_distplan.strategies.dp_ga import DPGAStrategy, _MicroBatchLoader, loader_batch_size
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_distplan.planner import Candidate
+
+__all__ = ["PlanningCallback", "plan_micro_batching", "apply_dp_ga_plan", "AppliedPlan"]
+
+Auto = Literal["auto"]
+
+
+class PlanningCallback(Callback):
+    """Profile at the start of ``fit``, then run the best micro-batch size / accumulation for the
+    global batch within the trainer's own strategy (ddp, fsdp, single device, ...).
+
+    Args:
+        micro_batch_size: pin the micro-batch size (``"auto"``: planned).
+        accumulate_grad_batches: pin the accumulation (``"auto"``: planned).
+        device_memory_bytes: memory of one device the plan must fit in (default: the device's own).
+        profile_repeats: timed runs per profiled micro-batch size.
+        apply: ``False`` only reports (and writes the JSON files), changing nothing.
+
+    Example::
+
+        trainer = L.Trainer(strategy="ddp", devices=4, callbacks=[PlanningCallback()])
+    """
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int | Auto = "auto",
+        accumulate_grad_batches: int | Auto = "auto",
+        device_memory_bytes: int | None = None,
+        profile_repeats: int = 3,
+        apply: bool = True,
+    ) -> None:
+        for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches), ("profile_repeats", profile_repeats)):
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=4.")
+        self._pins = pins_from(micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)
+        self._memory = device_memory_bytes
+        self._repeats = profile_repeats
+        self._apply = apply
+        self.outcome: PlanningOutcome | None = None
+        """The dp_ga plan chosen for this run, with the ranked candidates."""
+        self.alternative: tuple[Candidate, float] | None = None
+        """(best plan of another strategy, its predicted speed-up) when one is predicted faster."""
+        self.overhead_s: float | None = None
+        self.run_s: float | None = None
+        self._applied: AppliedPlan | None = None
+        self._fit_start: float | None = None
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self.outcome is None else self.outcome.plan
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._fit_start = time.perf_counter()
+        if isinstance(trainer.strategy, DPGAStrategy):
+            raise InfeasiblePlanError(
+                f"PlanningCallback cannot re-plan under {type(trainer.strategy).__name__}, which plans micro-batches itself.",
+                hint="Use strategy='auto_plan' (profiles and plans everything) or drop the callback.",
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise InfeasiblePlanError(
+                "PlanningCallback sets accumulate_grad_batches, which a GradientAccumulationScheduler callback also changes.",
+                hint="Use one of the two.",
+            )
+        self.outcome, self.alternative = plan_micro_batching(
+            trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats
+        )
+        if self._apply:
+            if not pl_module.automatic_optimization and self.outcome.plan.accumulate_grad_batches > 1:
+                rank_zero_warn("PlanningCallback: the module uses manual optimization, so the plan is reported but not applied.")
+                return
+            self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._fit_start is None or self.outcome is None:
+            return
+        self.run_s = time.perf_counter() - self._fit_start
+        self.overhead_s = self.outcome.overhead_s
+        rank_zero_info(
+            f"PlanningCallback: planning overhead {self.overhead_s:.2f} s = {100 * self.overhead_s / max(self.run_s, 1e-9):.1f}% "
+            f"of this fit ({self.run_s:.1f} s)."
+        )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._applied is not None:
+            self._applied.restore(trainer)
+            self._applied = None
+
+
+def plan_micro_batching(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    *,
+    pins: dict[str, Any] | None = None,
+    device_memory_bytes: int | None = None,
+    repeats: int = 3,
+) -> tuple[PlanningOutcome, tuple[Candidate, float] | None]:
+    """Profile ``module`` inside this fit, choose the best ``dp_ga`` plan for the user's global batch
+    (rank 0 decides, all ranks get it), write ``profile.json`` / ``plan.json``, log, and report a
+    faster plan of another strategy if there is one. Every rank must call it."""
+    strategy = trainer.strategy
+    world = trainer.world_size
+    t0 = time.perf_counter()
+    profile, loader = profile_in_fit(
+        trainer, module, device=strategy.root_device, repeats=repeats, measure_links=world > 1, log_prefix="PlanningCallback"
+    )
+    profiling_s = time.perf_counter() - t0
+    global_batch = user_global_batch(loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world)
+    t1 = time.perf_counter()
+    decision: Any = None
+    if trainer.is_global_zero:
+        try:
+            dp, hardware = choose_plan(
+                profile, world_size=world, global_batch_size=global_batch, pins=pins, device_memory_bytes=device_memory_bytes,
+                strategies=("dp_ga",),
+            )
+            try:  # the report: every strategy, same hardware, no pins (the user may switch strategies)
+                everything, _ = choose_plan(profile, world_size=world, global_batch_size=global_batch, hardware=hardware)
+            except InfeasiblePlanError:
+                everything = dp
+            decision = ("ok", dp, hardware, faster_alternative(everything, dp[0].plan))
+        except Exception as err:  # every rank raises the same error
+            decision = ("error", err)
+    decision = strategy.broadcast(decision)
+    if decision[0] == "error":
+        raise decision[1]
+    _, candidates, hardware, alternative = decision
+    outcome = PlanningOutcome(
+        plan=candidates[0].plan, candidates=tuple(candidates), hardware=hardware, source="profiled",
+        profiling_s=profiling_s, planning_s=time.perf_counter() - t1,
+    )
+    extra: dict[str, Any] = {"running_strategy": type(strategy).__name__}
+    if alternative is not None:
+        cand, speedup = alternative
+        message = f"{describe_for_user(cand.plan)} is predicted {speedup:.1f}x faster: use strategy='auto_plan'"
+        extra["faster_alternative"] = {"message": message, "speedup": speedup, **cand.to_dict()}
+    if trainer.is_global_zero:
+        write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra=extra)
+    log_outcome(outcome, prefix="PlanningCallback")
+    if alternative is not None:
+        rank_zero_warn(f"PlanningCallback: {extra['faster_alternative']['message']} (running {outcome.plan.describe()}).")
+    return outcome, alternative
+
+
+@dataclass
+class AppliedPlan:
+    """What :func:`apply_dp_ga_plan` changed, so that :meth:`restore` can put it back."""
+
+    strategy: Any
+    had_own_process_dataloader: bool
+    own_process_dataloader: Callable[..., Any] | None
+    accumulate_grad_batches: int
+
+    def restore(self, trainer: pl.Trainer) -> None:
+        try:
+            if self.had_own_process_dataloader:
+                self.strategy.process_dataloader = self.own_process_dataloader
+            else:
+                self.strategy.__dict__.pop("process_dataloader", None)
+        finally:
+            trainer.accumulate_grad_batches = self.accumulate_grad_batches
+
+
+def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
+    """Run ``plan``'s micro-batch size and accumulation under the trainer's current strategy.
+
+    The strategy's ``process_dataloader`` (called by Lightning after it injected the distributed
+    sampler) is wrapped on this instance so train loaders are re-chunked into ``plan.micro_batch_size``
+    samples by ``dp_ga``'s loader wrapper; ``trainer.accumulate_grad_batches`` becomes the plan's.
+    """
+    strategy = trainer.strategy
+    applied = AppliedPlan(
+        strategy=strategy,
+        had_own_process_dataloader="process_dataloader" in strategy.__dict__,
+        own_process_dataloader=strategy.__dict__.get("process_dataloader"),
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+    )
+    original = strategy.process_dataloader
+
+    def process_dataloader(dataloader: object) -> object:
+        dataloader = original(dataloader)
+        if trainer.state.stage != RunningStage.TRAINING or loader_batch_size(dataloader) == plan.micro_batch_size:
+            return dataloader
+        return _MicroBatchLoader(dataloader, plan.micro_batch_size)
+
+    strategy.process_dataloader = process_dataloader
+    trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+    if plan.accumulate_grad_batches != applied.accumulate_grad_batches or plan.micro_batch_size:
+        rank_zero_info(
+            f"PlanningCallback: running micro-batches of {plan.micro_batch_size} with accumulate_grad_batches="
+            f"{plan.accumulate_grad_batches} (global batch {plan.global_batch_size})."
+        )
+    return applied

@@ -1,0 +1,159 @@
+"""The concrete strategies ``auto_plan`` turns into, and how it builds them in the running processes.
+
+``_AutoDPGAStrategy`` / ``_AutoPipelineStrategy`` are the public ``DPGAStrategy`` /
+``PipelineStrategy`` plus the two things only a plan chosen *inside* ``fit`` needs:
+
+* the per-replica batch of the plan may differ from what the user's loader yields per step
+  (a pipeline runs ``m·n`` samples per schedule; a given ``global_batch_size`` may differ from
+  ``loader batch × accumulate × world``), so the train loader is re-chunked with ``dp_ga``'s own
+  re-batching (:func:`~lightning_distplan.strategies.dp_ga._rebatch`) and the Trainer's
+  ``accumulate_grad_batches`` set for the plan — and restored at teardown;
+* a re-plan at an epoch boundary (``replan="auto"``) can hand a new dp_ga plan to the running strategy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_distplan.plan import Plan
+from lightning_distplan.strategies.dp_ga import DPGAStrategy, _MicroBatchLoader, _rebatch, _samples_per_epoch, loader_batch_size
+from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import Strategy
+
+__all__ = ["build_concrete", "_AutoDPGAStrategy", "_AutoPipelineStrategy", "_FullBatchLoader"]
+
+# DDPStrategy constructor arguments that only DDP (not the pipeline) understands.
+_PIPELINE_KWARGS = ("deferred_batchnorm",)
+
+
+class _AutoDPGAStrategy(DPGAStrategy):
+    """:class:`DPGAStrategy` running a plan chosen by ``auto_plan`` (may change at an epoch boundary)."""
+
+    def __init__(self, *, plan: Plan, user_accumulate: int, **kwargs: Any) -> None:
+        super().__init__(plan=plan, **kwargs)
+        self._auto_user_accumulate = user_accumulate
+
+    def replace_plan(self, plan: Plan) -> None:
+        """Run ``plan`` from the next time the train loader is processed (the next epoch boundary)."""
+        self._requested_plan = plan
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        plan = self._requested_plan
+        if trainer.state.stage == RunningStage.TRAINING and plan is not None:
+            b = loader_batch_size(dataloader)
+            per_replica = plan.global_batch_size // plan.dp
+            if b is not None and per_replica % b == 0:
+                # DPGAStrategy reads the user's global batch as loader batch x world x accumulation; a
+                # plan for an explicitly given global batch is presented through the accumulation.
+                self._user_accumulate = per_replica // b
+        return super().process_dataloader(dataloader)
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            module.trainer.accumulate_grad_batches = self._auto_user_accumulate
+
+
+class _FullBatchLoader(_MicroBatchLoader):
+    """Yields exactly ``micro_batch_size`` samples per batch; a trailing short batch is dropped (a
+    pipeline schedule needs ``n`` equal micro-batches), with one warning."""
+
+    def __iter__(self) -> Iterator[Any]:
+        from lightning_distplan.strategies.dp_ga import _split_leaves
+
+        warned = False
+        for batch in _rebatch(self._loader, self.micro_batch_size):
+            if _split_leaves(batch)[2] == self.micro_batch_size:
+                yield batch
+            elif not warned:
+                warned = True
+                rank_zero_warn(
+                    f"auto_plan: the epoch's last {_split_leaves(batch)[2]} samples per replica do not fill a pipeline step of "
+                    f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
+                )
+
+    def __len__(self) -> int:
+        n = _samples_per_epoch(self._loader)
+        if n is None:
+            raise TypeError("the number of samples per epoch is unknown")
+        return n // self.micro_batch_size
+
+
+class _AutoPipelineStrategy(PipelineStrategy):
+    """:class:`PipelineStrategy` fed ``m·n`` samples per replica and step from the user's loader."""
+
+    def __init__(self, *, plan: Plan, user_accumulate: int, **kwargs: Any) -> None:
+        super().__init__(plan=plan, **kwargs)
+        self._auto_plan = plan
+        self._auto_user_accumulate = user_accumulate
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # One schedule (n micro-batches) is one optimizer step; the accumulation is in the schedule.
+        trainer.accumulate_grad_batches = 1
+        super().setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        trainer.accumulate_grad_batches = 1
+        per_replica = self._auto_plan.micro_batch_size * self._auto_plan.n_microbatches
+        if loader_batch_size(dataloader) == per_replica:
+            return dataloader
+        return _FullBatchLoader(dataloader, per_replica)
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        super().teardown()
+        if module is not None and module._trainer is not None:
+            module.trainer.accumulate_grad_batches = self._auto_user_accumulate
+
+
+def build_concrete(
+    auto: DDPStrategy,
+    plan: Plan,
+    *,
+    user_accumulate: int,
+    ddp_kwargs: dict[str, Any],
+    pipeline_kwargs: dict[str, Any],
+) -> Strategy:
+    """The strategy that runs ``plan``, sharing ``auto``'s accelerator, devices, cluster environment,
+    checkpoint IO, precision plugin, launcher and (already initialised) process group."""
+    common: dict[str, Any] = dict(
+        accelerator=auto.accelerator,
+        parallel_devices=auto.parallel_devices,
+        cluster_environment=auto.cluster_environment,
+        checkpoint_io=auto.checkpoint_io,
+        precision_plugin=auto.precision_plugin,
+        process_group_backend=auto._process_group_backend,
+        timeout=auto._timeout,
+        start_method=auto._start_method,
+    )
+    concrete: DDPStrategy
+    if plan.strategy == "dp_ga":
+        concrete = _AutoDPGAStrategy(plan=plan, user_accumulate=user_accumulate, **common, **ddp_kwargs)
+    else:
+        concrete = _AutoPipelineStrategy(plan=plan, user_accumulate=user_accumulate, **common, **pipeline_kwargs)
+    concrete.num_nodes = auto.num_nodes
+    concrete._layer_sync = auto._layer_sync
+    concrete._launcher = auto._launcher  # the processes are already launched: keep the launcher that did it
+    concrete.set_world_ranks()
+    assert auto.lightning_module is not None
+    concrete.connect(auto.lightning_module)
+    return concrete

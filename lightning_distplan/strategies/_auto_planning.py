@@ -1,0 +1,393 @@
+"""Profile → plan → record, inside a running ``Trainer.fit`` (shared by ``auto_plan`` and ``PlanningCallback``).
+
+Plain module-level functions over a Trainer and plain data, so the Lightning adapters
+(:class:`~lightning_distplan.strategies.auto_plan.AutoPlanStrategy`,
+:class:`~lightning_distplan.callbacks.PlanningCallback`) stay thin.
+
+"Profiling leaves no trace" (DESIGN §3.3) is kept here at the Trainer level: the profiler itself
+restores weights, optimizer state and RNG streams; :func:`profile_in_fit` additionally draws its
+batches from a *fresh* instance of the user's train loader (the loader the fit loop iterates is
+created later, so its position is untouched), snapshots all RNG streams around that, and
+snapshots and restores every progress counter of the fit loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_distplan.costmodel import Hardware
+from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.planner import Candidate, explain, rank_plans
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_distplan.profile import Profile
+
+__all__ = [
+    "PlanningOutcome",
+    "TrainerCounters",
+    "fresh_train_loader",
+    "user_global_batch",
+    "profile_in_fit",
+    "choose_plan",
+    "write_artifacts",
+    "pins_from",
+    "distplan_dir",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningOutcome:
+    """What planning decided, with what it was based on."""
+
+    plan: Plan
+    """The plan to run."""
+    candidates: tuple[Candidate, ...] = ()
+    """All ranked candidates (best first); empty when the plan came from a checkpoint."""
+    hardware: Hardware | None = None
+    """The hardware the candidates were priced on."""
+    source: str = "profiled"
+    """``"profiled"`` (measured now), ``"checkpoint"`` (stored plan reused) or ``"pinned"``."""
+    profiling_s: float = 0.0
+    """Seconds spent profiling (0 when reused)."""
+    planning_s: float = 0.0
+    """Seconds spent ranking plans."""
+
+    @property
+    def prediction(self) -> Any:
+        """The cost model's prediction for :attr:`plan` (None when the plan was not priced)."""
+        for c in self.candidates:
+            if c.plan == self.plan:
+                return c.prediction
+        return None
+
+    @property
+    def overhead_s(self) -> float:
+        return self.profiling_s + self.planning_s
+
+
+def distplan_dir(trainer: pl.Trainer) -> Path:
+    """``<trainer.default_root_dir>/distplan`` (DESIGN §5)."""
+    return Path(trainer.default_root_dir) / "distplan"
+
+
+# -- trainer state ----------------------------------------------------------------------------------
+@dataclass
+class TrainerCounters:
+    """Every progress counter of the fit loop plus the trainer fields planning could touch."""
+
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    objects: dict[str, Any] = field(default_factory=dict, repr=False)
+    accumulate_grad_batches: int = 1
+    batches_that_stepped: int = 0
+    callback_metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def take(cls, trainer: pl.Trainer) -> TrainerCounters:
+        import copy
+
+        objects = dict(_progress_objects(trainer.fit_loop, "fit_loop"))
+        return cls(
+            progress={name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()},
+            objects=objects,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            batches_that_stepped=trainer.fit_loop.epoch_loop._batches_that_stepped,
+            callback_metrics=dict(trainer.callback_metrics),
+        )
+
+    def restore(self, trainer: pl.Trainer) -> None:
+        for name, obj in self.objects.items():
+            obj.load_state_dict(self.progress[name])
+        trainer.accumulate_grad_batches = self.accumulate_grad_batches
+        trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
+
+    def comparable(self) -> dict[str, Any]:
+        return {
+            "progress": self.progress,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "batches_that_stepped": self.batches_that_stepped,
+            "callback_metrics": sorted(self.callback_metrics),
+        }
+
+
+def _progress_objects(loop: Any, prefix: str, seen: set[int] | None = None) -> list[tuple[str, Any]]:
+    """(dotted name, progress tracker) of ``loop`` and its child loops, found by walking attributes."""
+    from lightning.pytorch.loops.loop import _Loop
+    from lightning.pytorch.loops.progress import _BaseProgress
+
+    seen = set() if seen is None else seen
+    if id(loop) in seen:
+        return []
+    seen.add(id(loop))
+    out: list[tuple[str, Any]] = []
+    for name, value in sorted(vars(loop).items()):
+        if isinstance(value, _BaseProgress):
+            out.append((f"{prefix}.{name}", value))
+        elif isinstance(value, _Loop) or type(value).__name__ in ("_AutomaticOptimization", "_ManualOptimization"):
+            out += _progress_objects(value, f"{prefix}.{name}", seen)
+    return out
+
+
+# -- data ----------------------------------------------------------------------------------------------
+def fresh_train_loader(trainer: pl.Trainer) -> Any:
+    """A new instance of the user's train loader (datamodule or module hook), never the fit loop's.
+
+    Raises:
+        InfeasiblePlanError: there is no train dataloader to profile with.
+    """
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+    from lightning.pytorch.utilities import CombinedLoader
+
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        raise InfeasiblePlanError(
+            "There is no train dataloader to profile the model with.",
+            hint="Pass train_dataloaders= or a datamodule to trainer.fit, or define train_dataloader().",
+        )
+    loader = _request_dataloader(source)
+    if isinstance(loader, CombinedLoader):
+        loader = loader.flattened[0]
+    elif isinstance(loader, Mapping):
+        loader = next(iter(loader.values()))
+    elif isinstance(loader, (list, tuple)):
+        loader = loader[0]
+    return loader
+
+
+def user_global_batch(*, loader_batch: int | None, accumulate: int, world_size: int, given: int | None = None) -> int:
+    """The user's global batch: ``loader batch × accumulate_grad_batches × world size`` (DESIGN §3.1), or ``given``.
+
+    Raises:
+        InfeasiblePlanError: neither a readable loader batch size nor ``given``.
+    """
+    if given is not None:
+        return given
+    if loader_batch is None:
+        raise InfeasiblePlanError(
+            "The train dataloader's batch size cannot be read (no `batch_size` on it or on its batch_sampler).",
+            hint="Pass global_batch_size= to AutoPlanStrategy / PlanningCallback.",
+        )
+    return loader_batch * accumulate * world_size
+
+
+def profile_in_fit(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    *,
+    device: torch.device,
+    micro_batch_sizes: Sequence[int] | None = None,
+    repeats: int = 3,
+    measure_links: bool = True,
+    log_prefix: str = "distplan",
+) -> tuple[Profile, Any]:
+    """Profile ``module`` on ``device`` with real batches of the user's train loader, leaving no trace.
+
+    Every rank must call it when distributed (the profiler's collectives and link measurements).
+
+    Returns:
+        (the profile, the fresh loader it drew from — its ``batch_size`` is the user's loader batch)
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from lightning_distplan.profiling import measure_links as _measure_links
+    from lightning_distplan.profiling import profile_module
+    from lightning_distplan.profiling._snapshot import RNGSnapshot
+
+    def progress(line: str) -> None:
+        rank_zero_info(f"{log_prefix}: profiling {line}")
+
+    counters = TrainerCounters.take(trainer)
+    # The loader's sampler may draw its seed from the global RNG when iterated: snapshot first.
+    rng = RNGSnapshot.take(include_cuda=device.type == "cuda")
+    was_training = module.training
+    try:
+        loader = fresh_train_loader(trainer)
+        profile = profile_module(
+            module,
+            loader,
+            micro_batch_sizes=micro_batch_sizes,
+            device=device,
+            repeats=repeats,
+            measure_links=False,
+            progress=progress,
+        )
+        if measure_links and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            t0 = time.perf_counter()
+            sizes = link_sizes(profile.memory.grad_bytes)
+            links = _measure_links(sizes_bytes=sizes, repeats=3)
+            elapsed = time.perf_counter() - t0
+            progress(f"links: all-reduce and p2p at {[f'{s / 2**10:.0f} KiB' for s in sizes]} in {elapsed:.2f} s")
+            profile = dataclasses.replace(profile, links=links, profiling_time_s=profile.profiling_time_s + elapsed)
+    finally:
+        rng.restore()
+        counters.restore(trainer)
+        module.train(was_training)
+    return profile, loader
+
+
+def link_sizes(grad_bytes: int) -> tuple[int, ...]:
+    """Message sizes for the link fit: latency-bound small messages up to the model's gradient size.
+
+    The all-reduce of the gradients (G bytes) is the biggest message a plan sends; measuring up to
+    it (capped at 16 MiB, beyond which the fit t = L + bytes/BW extrapolates linearly) instead of
+    the profiler's fixed 4 KiB..16 MiB keeps the measurement short for small models.
+    """
+    top = 1 << 17
+    while top < min(int(grad_bytes), 1 << 24):
+        top <<= 1
+    return (1 << 12, 1 << 15, top)
+
+
+def pins_from(**values: Any) -> dict[str, Any]:
+    """Planner pins from keyword arguments: ``"auto"`` / ``None`` mean "let the planner choose".
+
+    ``stages`` becomes the ``pp`` pin; ``schedule="none"`` means data parallel.
+    """
+    pins: dict[str, Any] = {}
+    for key, value in values.items():
+        if value is None or (isinstance(value, str) and value == "auto"):
+            continue
+        if key == "stages":
+            key = "pp"
+        if key == "stage_boundaries":
+            value = tuple(value)
+        pins[key] = value
+    return pins
+
+
+def choose_plan(
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    pins: dict[str, Any] | None = None,
+    device_memory_bytes: int | None = None,
+    strategies: Sequence[str] = STRATEGIES,
+    compute_scale: float = 1.0,
+    hardware: Hardware | None = None,
+) -> tuple[list[Candidate], Hardware]:
+    """Rank every plan for the user's global batch on ``world_size`` devices; the first is feasible.
+
+    Raises:
+        InfeasiblePlanError: an impossible pin (from the planner, with its HINT), or no plan fits in memory.
+        BatchNotFactorableError: the global batch cannot be factored over the devices.
+    """
+    if hardware is None:
+        hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes)
+    if compute_scale != hardware.compute_scale:
+        hardware = replace(hardware, compute_scale=compute_scale)
+    candidates = rank_plans(
+        profile, world_size=world_size, global_batch_size=global_batch_size, hardware=hardware, pins=pins, strategies=strategies
+    )
+    if not candidates or not candidates[0].prediction.feasible:
+        best = candidates[0] if candidates else None
+        cap = f"{hardware.device_memory_bytes / 2**20:.1f} MiB per device"
+        closest = (
+            f" the closest, {best.plan.describe()}, needs {best.prediction.peak_memory_bytes / 2**20:.1f} MiB"
+            if best is not None
+            else ""
+        )
+        pinned = f" with the pins {pins}" if pins else ""
+        raise InfeasiblePlanError(
+            f"No plan for global batch {global_batch_size} on {world_size} devices{pinned} fits in {cap} "
+            f"(usable {hardware.memory_margin:.0%});{closest}.",
+            hint="Drop pins, raise device_memory_bytes, use more devices (pipeline stages split the model), or a smaller micro-batch.",
+        )
+    return candidates, hardware
+
+
+def faster_alternative(candidates: Sequence[Candidate], running: Plan, *, min_speedup: float = 1.05) -> tuple[Candidate, float] | None:
+    """The best feasible candidate of another strategy or layout than ``running``, if predicted faster."""
+    current = next((c for c in candidates if c.plan == running), None)
+    if current is None:
+        return None
+    for c in candidates:
+        if not c.prediction.feasible:
+            break
+        if (c.plan.strategy, c.plan.pp) != (running.strategy, running.pp):
+            speedup = current.prediction.step_time_s / max(c.prediction.step_time_s, 1e-12)
+            return (c, speedup) if speedup >= min_speedup else None
+    return None
+
+
+def describe_for_user(plan: Plan) -> str:
+    """``"1f1b with 2 stages"``, ``"dp_ga with micro-batch 8 x 4 accumulation"``."""
+    if plan.strategy == "dp_ga":
+        return f"dp_ga with micro-batch {plan.micro_batch_size} x {plan.accumulate_grad_batches} accumulation on {plan.dp} replicas"
+    dp = f", {plan.dp} replicas" if plan.dp > 1 else ""
+    return f"{plan.strategy} with {plan.pp} stages{dp} ({plan.n_microbatches} micro-batches of {plan.micro_batch_size})"
+
+
+def plan_record(outcome: PlanningOutcome, *, top: int = 5, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The content of ``plan.json``: chosen plan, its prediction, the best alternatives."""
+    chosen = next((c for c in outcome.candidates if c.plan == outcome.plan), None)
+    alternatives = [c.to_dict() for c in outcome.candidates if c.plan != outcome.plan][:top]
+    return {
+        "plan": outcome.plan.to_dict(),
+        "source": outcome.source,
+        "prediction": chosen.to_dict() if chosen is not None else None,
+        "alternatives": alternatives,
+        "hardware": None if outcome.hardware is None else {
+            "name": outcome.hardware.name,
+            "device_memory_bytes": outcome.hardware.device_memory_bytes,
+            "allreduce_latency_s": outcome.hardware.allreduce_latency_s,
+            "allreduce_bandwidth_bytes_per_s": outcome.hardware.allreduce_bandwidth_bytes_per_s,
+            "p2p_latency_s": outcome.hardware.p2p_latency_s,
+            "p2p_bandwidth_bytes_per_s": outcome.hardware.p2p_bandwidth_bytes_per_s,
+            "compute_scale": outcome.hardware.compute_scale,
+            "link_source": outcome.hardware.link_source,
+        },
+        "profiling_s": outcome.profiling_s,
+        "planning_s": outcome.planning_s,
+        **(dict(extra) if extra else {}),
+    }
+
+
+def write_artifacts(
+    directory: Path, *, profile: Profile | None, outcome: PlanningOutcome, extra: Mapping[str, Any] | None = None
+) -> Path:
+    """Write ``profile.json`` (when profiled) and ``plan.json`` under ``directory``; returns the plan path.
+
+    Call on global rank 0 only.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    if profile is not None:
+        profile.save(directory / "profile.json")
+    path = directory / "plan.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(plan_record(outcome, extra=extra), indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def log_outcome(outcome: PlanningOutcome, *, prefix: str = "distplan", top: int = 5) -> None:
+    """Log the plan and the best alternatives once (rank zero)."""
+    lines = [f"{prefix}: chose {outcome.plan.describe()} (global batch {outcome.plan.global_batch_size}, {outcome.source})"]
+    pred = outcome.prediction
+    if pred is not None:
+        lines[0] += f", predicted {pred.step_time_s * 1e3:.2f} ms/step, peak {pred.peak_memory_bytes / 2**20:.1f} MiB/device"
+    if outcome.candidates:
+        lines.append(explain(outcome.candidates, top=top))
+    if outcome.source == "profiled":
+        lines.append(f"{prefix}: planning overhead {outcome.profiling_s:.2f} s profiling + {outcome.planning_s:.3f} s ranking")
+    rank_zero_info("\n".join(lines))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0

@@ -1,0 +1,294 @@
+"""``auto_plan``: profile the model at the start of ``fit``, pick the best plan, run it — no relaunch.
+
+Mechanism (Lightning 2.x ``Trainer._run``): ``AutoPlanStrategy`` is a ``DDPStrategy``, so Lightning's
+own launcher, cluster environment and process-group setup run unchanged
+(``setup_environment`` → ``init_process_group``). The trainer then calls the LightningModule's and
+datamodule's ``setup`` hooks, restores the checkpoint's weights (``ckpt_path=``), and calls
+``strategy.setup(trainer)``; that is where this strategy works, in every process:
+
+1. resume: a checkpoint written by any strategy of this package holds ``checkpoint["distplan_plan"]``
+   (read in :meth:`load_checkpoint`); when it fits this world size and global batch it is run as
+   is — nothing is profiled (DESIGN §3.5).
+2. otherwise profile the module on this rank's device with real batches from a fresh instance of
+   the user's train loader (:func:`~lightning_distplan.profiling.profile_module`, which also measures
+   the live process group's links), leaving no trace (weights, optimizer, RNG, loader, counters);
+3. rank the plans for the actual world size and the user's global batch (loader batch ×
+   ``accumulate_grad_batches`` × world size, unless ``global_batch_size=`` is given) on global rank 0
+   only, and broadcast the winner, so every rank runs the same plan;
+4. write ``profile.json`` and ``plan.json`` under ``<default_root_dir>/distplan/`` (rank 0) and log the
+   plan and the best alternatives once;
+5. build the concrete strategy — :class:`~lightning_distplan.strategies.DPGAStrategy` or
+   :class:`~lightning_distplan.strategies.pipeline.PipelineStrategy` (incl. hybrid dp × pp) — sharing
+   this strategy's accelerator, devices, cluster environment, checkpoint IO, precision plugin,
+   launcher and process group, put it in the trainer's place (``trainer.strategy`` reads
+   ``trainer._accelerator_connector.strategy``) and call its ``setup(trainer)``. Everything after
+   (dataloader processing, steps, checkpoints, teardown) is the concrete strategy's.
+
+A :class:`~lightning_distplan.callbacks.StepTimeMonitor` is added to the trainer's callbacks: it logs
+predicted vs observed step time and, with ``replan="auto"``, re-plans at an epoch boundary when
+the two depart.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.strategies._auto_concrete import build_concrete
+from lightning_distplan.strategies._auto_planning import (
+    PlanningOutcome,
+    choose_plan,
+    distplan_dir,
+    log_outcome,
+    pins_from,
+    profile_in_fit,
+    user_global_batch,
+    write_artifacts,
+)
+from lightning_distplan.strategies._checkpoint import stored_plan
+from lightning_distplan.strategies.dp_ga import loader_batch_size
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.strategies import Strategy
+
+    from lightning_distplan.profile import Profile
+
+__all__ = ["AutoPlanStrategy"]
+
+Auto = Literal["auto"]
+
+
+class AutoPlanStrategy(DDPStrategy):
+    """Profile, plan and run the best data-parallel or pipeline plan, all inside ``trainer.fit``.
+
+    Every argument left at ``"auto"`` is chosen by the planner; any other value pins that part of
+    the plan (an impossible pin raises :class:`~lightning_distplan.InfeasiblePlanError` with a HINT).
+
+    Args:
+        strategy: ``"dp_ga"``, ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"none"`` (data parallel), ``"gpipe"`` or ``"1f1b"``.
+        stages: pipeline stages ``pp`` (1 = data parallel).
+        micro_batch_size: samples per forward/backward on one device.
+        accumulate_grad_batches: micro-batches accumulated per replica (data parallel plans).
+        n_microbatches: micro-batches per pipeline schedule.
+        stage_boundaries: index of the first profiled layer of stages 1..pp-1.
+        global_batch_size: samples per optimizer step; default: the user's loader batch ×
+            ``Trainer(accumulate_grad_batches)`` × world size.
+        device_memory_bytes: memory of one device the plan must fit in (default: the device's own;
+            on CPU the host RAM).
+        replan: ``"off"``, or ``"auto"`` to re-plan at the next epoch boundary when observed step
+            times depart from the prediction (see :class:`~lightning_distplan.callbacks.StepTimeMonitor`).
+        profile_repeats: timed runs per profiled micro-batch size (the median is kept).
+        profile_micro_batch_sizes: sizes to profile; default: around the loader's batch size.
+        deferred_batchnorm: passed to the pipeline strategy when a pipeline is chosen.
+        **ddp_kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and to the
+            ``dp_ga`` strategy when chosen), e.g. ``process_group_backend``, ``find_unused_parameters``.
+
+    Example::
+
+        trainer = L.Trainer(strategy="auto_plan", accelerator="cpu", devices=2)
+        trainer.fit(model, datamodule)
+        trainer.strategy.plan          # the Plan that ran
+    """
+
+    strategy_name = "auto_plan"
+
+    def __init__(
+        self,
+        strategy: Literal["auto", "dp_ga", "gpipe", "1f1b"] = "auto",
+        schedule: Literal["auto", "none", "gpipe", "1f1b"] = "auto",
+        stages: int | Auto = "auto",
+        micro_batch_size: int | Auto = "auto",
+        accumulate_grad_batches: int | Auto = "auto",
+        n_microbatches: int | Auto = "auto",
+        stage_boundaries: Sequence[int] | Auto = "auto",
+        global_batch_size: int | Auto = "auto",
+        device_memory_bytes: int | None = None,
+        replan: Literal["off", "auto"] = "off",
+        profile_repeats: int = 3,
+        profile_micro_batch_sizes: Sequence[int] | None = None,
+        deferred_batchnorm: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        base = {k: ddp_kwargs.pop(k) for k in list(ddp_kwargs) if k in _DDP_BASE_ARGS}
+        super().__init__(**base)
+        if strategy != "auto" and strategy not in STRATEGIES:
+            raise InfeasiblePlanError(f"Unknown strategy {strategy!r}.", hint=f"Use 'auto' or one of {', '.join(STRATEGIES)}.")
+        if schedule not in ("auto", "none", "gpipe", "1f1b"):
+            raise InfeasiblePlanError(f"Unknown schedule {schedule!r}.", hint="Use 'auto', 'none', 'gpipe' or '1f1b'.")
+        for name, value in (
+            ("stages", stages), ("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches),
+            ("n_microbatches", n_microbatches), ("global_batch_size", global_batch_size), ("profile_repeats", profile_repeats),
+        ):
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=2 or leave it 'auto'.")
+        if device_memory_bytes is not None and (not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0):
+            raise InfeasiblePlanError(f"`device_memory_bytes` must be a positive integer, got {device_memory_bytes!r}.", hint="Pass e.g. 8 * 2**30.")
+        if replan not in ("off", "auto"):
+            raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' to re-plan when step times drift.")
+        self._pins = pins_from(
+            strategy=strategy, schedule=schedule, stages=stages, micro_batch_size=micro_batch_size,
+            accumulate_grad_batches=accumulate_grad_batches, n_microbatches=n_microbatches,
+            stage_boundaries=None if stage_boundaries == "auto" else stage_boundaries,
+        )
+        self._global_batch_arg = None if global_batch_size == "auto" else global_batch_size
+        self._device_memory_bytes = device_memory_bytes
+        self._replan = replan
+        self._profile_repeats = profile_repeats
+        self._profile_sizes = None if profile_micro_batch_sizes is None else list(profile_micro_batch_sizes)
+        self._extra_ddp_kwargs = ddp_kwargs
+        self._pipeline_kwargs = {"deferred_batchnorm": deferred_batchnorm}
+        self._checkpoint_plan: Plan | None = None
+        self._outcome: PlanningOutcome | None = None
+        self._profile: Profile | None = None
+        self._concrete: Strategy | None = None
+        self._monitor: Any = None
+        self._fit_start: float | None = None
+
+    # -- public --------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        """The plan chosen for this run (``None`` before ``fit`` reached ``setup``)."""
+        return None if self._outcome is None else self._outcome.plan
+
+    @property
+    def outcome(self) -> PlanningOutcome | None:
+        """The plan with its ranked candidates, hardware and planning time."""
+        return self._outcome
+
+    @property
+    def profile(self) -> Profile | None:
+        """The profile measured in this run (``None`` when the plan came from a checkpoint)."""
+        return self._profile
+
+    @property
+    def concrete(self) -> Strategy | None:
+        """The strategy this one turned into (also ``trainer.strategy`` after ``setup``)."""
+        return self._concrete
+
+    @property
+    def pins(self) -> dict[str, Any]:
+        return dict(self._pins)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._checkpoint_plan = stored_plan(checkpoint)
+        return checkpoint
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            # Nothing to plan for evaluation/prediction without a fit: behave like DDP.
+            rank_zero_info("auto_plan: not fitting, running as plain DDP (plans are made at the start of fit).")
+            super().setup(trainer)
+            return
+        self._fit_start = time.perf_counter()
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        outcome = self._decide(trainer)
+        self._outcome = outcome
+        concrete = build_concrete(
+            self,
+            outcome.plan,
+            user_accumulate=trainer.accumulate_grad_batches,
+            ddp_kwargs=self._extra_ddp_kwargs,
+            pipeline_kwargs=self._pipeline_kwargs,
+        )
+        self._concrete = concrete
+        self._attach_monitor(trainer, outcome)
+        trainer._accelerator_connector.strategy = concrete
+        concrete.setup(trainer)
+
+    # -- planning ------------------------------------------------------------------------------
+    def _decide(self, trainer: pl.Trainer) -> PlanningOutcome:
+        from lightning_distplan.strategies._auto_planning import fresh_train_loader
+
+        world = self.world_size
+        module = self.lightning_module
+        assert module is not None
+        stored = self._checkpoint_plan
+        if stored is not None:
+            # Resume keeps the stored plan when it still fits: no profiling (DESIGN §3.5).
+            loader = fresh_train_loader(trainer)
+            global_batch = user_global_batch(
+                loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
+                given=self._global_batch_arg,
+            )
+            if stored.world_size == world and stored.global_batch_size == global_batch:
+                outcome = PlanningOutcome(plan=stored, source="checkpoint")
+                rank_zero_info(f"auto_plan: resuming with the checkpoint's plan {stored.describe()}; not profiling again.")
+                return outcome
+            rank_zero_warn(
+                f"auto_plan: the checkpoint's plan ({stored.describe()}, global batch {stored.global_batch_size}) does not fit "
+                f"this run ({world} devices, global batch {global_batch}); profiling and planning again."
+            )
+        t0 = time.perf_counter()
+        profile, loader = profile_in_fit(
+            trainer, module, device=self.root_device, micro_batch_sizes=self._profile_sizes, repeats=self._profile_repeats,
+            log_prefix="auto_plan",
+        )
+        profiling_s = time.perf_counter() - t0
+        self._profile = profile
+        global_batch = user_global_batch(
+            loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
+            given=self._global_batch_arg,
+        )
+        # Decide once, on global rank 0, and broadcast: timings differ slightly between ranks, the plan must not.
+        t1 = time.perf_counter()
+        decision: Any = None
+        if self.is_global_zero:
+            try:
+                candidates, hardware = choose_plan(
+                    profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
+                    device_memory_bytes=self._device_memory_bytes,
+                )
+                decision = ("ok", candidates, hardware)
+            except Exception as err:  # every rank must raise, not only rank 0
+                decision = ("error", err)
+        decision = self.broadcast(decision)
+        if decision[0] == "error":
+            raise decision[1]
+        _, candidates, hardware = decision
+        outcome = PlanningOutcome(
+            plan=candidates[0].plan, candidates=tuple(candidates), hardware=hardware, source="profiled",
+            profiling_s=profiling_s, planning_s=time.perf_counter() - t1,
+        )
+        if self.is_global_zero:
+            write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra={"pins": _jsonable(self._pins)})
+        log_outcome(outcome, prefix="auto_plan")
+        return outcome
+
+    def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome) -> None:
+        from lightning_distplan.callbacks.monitor import StepTimeMonitor
+
+        existing = [cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)]
+        monitor = existing[0] if existing else StepTimeMonitor(replan=self._replan)
+        if not existing:
+            trainer.callbacks.append(monitor)
+        monitor.attach(
+            outcome=outcome, profile=self._profile, pins=self._pins, device_memory_bytes=self._device_memory_bytes,
+            fit_start=self._fit_start,
+        )
+        self._monitor = monitor
+
+
+_DDP_BASE_ARGS = (
+    "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+    "process_group_backend", "timeout", "start_method",
+)
+
+
+def _jsonable(pins: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in pins.items()}

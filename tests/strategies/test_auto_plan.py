@@ -1,0 +1,159 @@
+"""auto_plan on 2 real gloo ranks: picks dp_ga / a pipeline, matches the chosen strategy run directly,
+leaves no trace, resumes under the stored plan without profiling.
+
+All distributed scenarios run in ONE pair of spawned processes (module-scoped fixture): starting
+Python + torch + Lightning costs far more than the tiny fits on this shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from _auto_plan_models import ChainMLP, LossRecorder, full_state, trainer_kwargs
+from _dist_utils import run_on_ranks
+
+from lightning_distplan import Plan
+from lightning_distplan.costmodel import Hardware, predict
+from lightning_distplan.planner import enumerate_plans
+from lightning_distplan.profiling import profile_module
+
+DP_MODEL = dict(width=64, depth=4, n_samples=1536, loader_batch=128, dropout=0.1)
+PP_MODEL = dict(width=256, depth=4, n_samples=64, loader_batch=4, dropout=0.1)
+STEPS = 4
+
+
+def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, **kw: Any) -> tuple[L.Trainer, LossRecorder]:
+    rec = LossRecorder()
+    trainer = L.Trainer(**trainer_kwargs(tmp, strategy=strategy, devices=world, callbacks=[rec], **kw))
+    trainer.fit(model)
+    return trainer, rec
+
+
+def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
+    import lightning_distplan  # noqa: F401  (registers auto_plan)
+    from lightning_distplan.strategies import DPGAStrategy
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    out: dict[str, Any] = {}
+    # -- 1. dp_ga is best: auto_plan vs DPGAStrategy(plan=...) run directly ------------------------------
+    tmp = os.path.join(root, "dp")
+    t0 = time.perf_counter()
+    auto, rec = _fit(ChainMLP(**DP_MODEL), tmp, "auto_plan", world, max_steps=STEPS)
+    out["dp_auto_s"] = time.perf_counter() - t0
+    plan = auto.strategy.plan
+    out["dp_plan"] = plan
+    out["dp_strategy"] = type(auto.strategy).__name__
+    out["dp_is_dpga"] = isinstance(auto.strategy, DPGAStrategy)
+    out["dp_losses"] = rec.losses
+    out["dp_state"] = full_state(auto)
+    out["dp_monitor"] = [cb for cb in auto.callbacks if type(cb).__name__ == "StepTimeMonitor"][0].history
+    ckpt = os.path.join(root, "dp_step4.ckpt")
+    auto.save_checkpoint(ckpt)  # "killed" after 4 of 6 steps of the epoch
+    direct, rec_d = _fit(ChainMLP(**DP_MODEL), os.path.join(root, "dp_direct"), DPGAStrategy(plan=plan), world, max_steps=STEPS)
+    out["dp_direct_losses"] = rec_d.losses
+    out["dp_direct_state"] = full_state(direct)
+
+    # -- 2. resume: same plan, no profiling ---------------------------------------------------------------
+    profile_json = Path(tmp) / "distplan" / "profile.json"
+    mtime = profile_json.stat().st_mtime if rank == 0 else None
+    rec_r = LossRecorder()
+    strategy = lightning_distplan.strategies.auto_plan.AutoPlanStrategy()
+    resumed = L.Trainer(**trainer_kwargs(tmp, strategy=strategy, devices=world, callbacks=[rec_r], max_steps=STEPS + 2))
+    resumed.fit(ChainMLP(**DP_MODEL), ckpt_path=ckpt)
+    out["resume_plan"] = resumed.strategy.plan
+    out["resume_source"] = strategy.outcome.source
+    out["resume_profile"] = strategy.profile
+    out["resume_global_step"] = resumed.global_step
+    out["resume_steps_run"] = len(rec_r.losses)
+    out["resume_profile_untouched"] = rank != 0 or profile_json.stat().st_mtime == mtime
+
+    # -- 3. a pipeline is best (DP does not fit the per-device memory cap) --------------------------------
+    tmp = os.path.join(root, "pp")
+    auto, rec = _fit(ChainMLP(**PP_MODEL), tmp, lightning_distplan.strategies.auto_plan.AutoPlanStrategy(device_memory_bytes=pp_cap), world, max_steps=STEPS)
+    plan = auto.strategy.plan
+    out["pp_plan"] = plan
+    out["pp_is_pipeline"] = isinstance(auto.strategy, PipelineStrategy)
+    out["pp_losses"] = rec.losses
+    out["pp_state"] = full_state(auto)
+    # Direct: the plan's per-replica batch straight from the loader.
+    direct_model = ChainMLP(**{**PP_MODEL, "loader_batch": plan.global_batch_size // plan.dp})
+    direct, rec_d = _fit(direct_model, os.path.join(root, "pp_direct"), PipelineStrategy(plan=plan), world, max_steps=STEPS)
+    out["pp_direct_losses"] = rec_d.losses
+    out["pp_direct_state"] = full_state(direct)
+    return out
+
+
+def _pp_cap() -> int:
+    """A per-device memory cap between the smallest DP peak and the smallest pipeline peak (counted, not timed)."""
+    torch.set_num_threads(1)
+    model = ChainMLP(**PP_MODEL)
+    profile = profile_module(model, model.train_dataloader(), micro_batch_sizes=[2, 4, 8], repeats=1)
+    big = Hardware.from_profile(profile, device_memory_bytes=1 << 40)
+    peaks: dict[bool, list[int]] = {True: [], False: []}
+    for plan in enumerate_plans(profile, world_size=2, global_batch_size=2 * PP_MODEL["loader_batch"]):
+        peaks[plan.strategy == "dp_ga"].append(predict(profile, plan, big).peak_memory_bytes)
+    dp_min, pp_min = min(peaks[True]), min(peaks[False])
+    assert pp_min < dp_min, (pp_min, dp_min)
+    return int((dp_min + pp_min) / 2 / big.memory_margin)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = str(tmp_path_factory.mktemp("auto_plan"))
+    t0 = time.perf_counter()
+    ranks = run_on_ranks(_scenarios, 2, root, _pp_cap(), timeout=400)
+    print(f"auto_plan scenarios on 2 ranks: {time.perf_counter() - t0:.1f}s (dp auto fit {ranks[0]['dp_auto_s']:.1f}s)")
+    return {"ranks": ranks, "root": Path(root)}
+
+
+def test_auto_plan_picks_dp_ga_and_matches_direct_run(results: dict[str, Any]) -> None:
+    r0, r1 = results["ranks"]
+    plan: Plan = r0["dp_plan"]
+    assert plan.strategy == "dp_ga" and plan.dp == 2 and plan.global_batch_size == 2 * DP_MODEL["loader_batch"]
+    assert r1["dp_plan"] == plan  # decided once, broadcast
+    assert r0["dp_is_dpga"] and r1["dp_is_dpga"]  # trainer.strategy is the concrete strategy after the swap
+    assert len(r0["dp_losses"]) == STEPS * plan.accumulate_grad_batches
+    # Same losses and weights as DPGAStrategy(plan=plan) run directly: profiling left no trace
+    # (weights, optimizer, RNG — dropout masks —, loader position and counters).
+    for r in (r0, r1):
+        assert r["dp_losses"] == pytest.approx(r["dp_direct_losses"], rel=1e-6, abs=1e-7)
+        torch.testing.assert_close(r["dp_state"], r["dp_direct_state"], rtol=1e-6, atol=1e-7)
+    changed = max((r0["dp_state"][k] - ChainMLP(**DP_MODEL).state_dict()[k]).abs().max().item() for k in r0["dp_state"])
+    assert changed > 1e-3
+    # monitor: predicted and observed step time per optimizer step
+    assert len(r0["dp_monitor"]) == STEPS and all(h["observed_s"] > 0 and h["predicted_s"] > 0 for h in r0["dp_monitor"])
+
+
+def test_auto_plan_writes_profile_and_plan_json(results: dict[str, Any]) -> None:
+    d = results["root"] / "dp" / "distplan"
+    data = json.loads((d / "plan.json").read_text())
+    assert Plan.from_dict(data["plan"]) == results["ranks"][0]["dp_plan"]
+    assert data["prediction"]["predicted_step_time_s"] > 0 and data["alternatives"]
+    assert data["source"] == "profiled" and data["profiling_s"] > 0
+    assert json.loads((d / "profile.json").read_text())["layers"]
+
+
+def test_auto_plan_resume_keeps_plan_without_profiling(results: dict[str, Any]) -> None:
+    for r in results["ranks"]:
+        assert r["resume_plan"] == r["dp_plan"]
+        assert r["resume_source"] == "checkpoint" and r["resume_profile"] is None
+        assert r["resume_global_step"] == STEPS + 2 and r["resume_steps_run"] == 2 * r["dp_plan"].accumulate_grad_batches
+        assert r["resume_profile_untouched"]
+
+
+def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(results: dict[str, Any]) -> None:
+    r0, r1 = results["ranks"]
+    plan: Plan = r0["pp_plan"]
+    assert plan.strategy in ("gpipe", "1f1b") and plan.pp == 2 and plan.dp == 1
+    assert plan.global_batch_size == 2 * PP_MODEL["loader_batch"]
+    assert r1["pp_plan"] == plan and r0["pp_is_pipeline"] and r1["pp_is_pipeline"]
+    assert len(r0["pp_losses"]) == STEPS
+    assert r0["pp_losses"] == pytest.approx(r0["pp_direct_losses"], rel=1e-6, abs=1e-7)
+    torch.testing.assert_close(r0["pp_state"], r0["pp_direct_state"], rtol=1e-6, atol=1e-7)
