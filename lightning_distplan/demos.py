@@ -74,10 +74,18 @@ class RandomTokenData(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.dataset = _TokenDataset(self.vocab_size, self.block_size, self.num_samples, self.seed)
 
+    def _generator(self) -> torch.Generator:
+        return _loader_generator(self.seed)
+
     def train_dataloader(self) -> DataLoader:
         if self.dataset is None:
             self.setup("fit")
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, generator=self._generator())
+
+
+def _loader_generator(seed: int) -> torch.Generator:
+    # a DataLoader draws its workers' base seed from this, not from the global RNG
+    return torch.Generator().manual_seed(seed)
 
 
 class _ImageDataset(Dataset):
@@ -128,10 +136,13 @@ class RandomImageData(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         self.dataset = _ImageDataset(self.num_classes, self.image_size, self.channels, self.num_samples, self.seed)
 
+    def _generator(self) -> torch.Generator:
+        return _loader_generator(self.seed)
+
     def train_dataloader(self) -> DataLoader:
         if self.dataset is None:
             self.setup("fit")
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, generator=self._generator())
 
 
 class TorchvisionClassifier(LightningModule):

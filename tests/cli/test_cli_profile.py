@@ -1,0 +1,111 @@
+"""`distplan profile`: a real run writes a loadable Profile; bad input exits 2 with one line and a HINT."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_distplan.cli import main
+from lightning_distplan.profile import Profile
+
+torch.set_num_threads(1)
+
+_TINY = ["--datamodule", "lightning_distplan.demos:RandomTokenData"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(["profile", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_profile_demo_transformer_writes_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "p.json"
+    rc, out, err = _run(
+        [
+            "lightning.pytorch.demos.transformer:LightningTransformer",
+            "--init-args", json.dumps({"vocab_size": 64}),
+            *_TINY, "--datamodule-args", json.dumps({"vocab_size": 64, "block_size": 8, "batch_size": 2, "num_samples": 16}),
+            "--micro-batch-sizes", "1,2,4", "--repeats", "1", "--device", "cpu", "--out", str(out_file),
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    profile = Profile.load(out_file)
+    assert profile.model == "lightning.pytorch.demos.transformer:LightningTransformer"
+    assert profile.micro_batch_sizes == (1, 2, 4)
+    assert profile.splittable and len(profile.layers) >= 5
+    # the head projects 200 -> 64 for 8 tokens per sample: 2*200*64*8 forward FLOPs (+ the loss)
+    assert profile.layers[-1].flops_forward_per_sample >= 2 * 200 * 64 * 8
+    assert "written to" in out and "R²" in out and "time: profiling" in out
+
+
+def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cli_profile_fixtures.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from lightning.pytorch import LightningModule
+            from torch.utils.data import DataLoader
+
+            class NoParams(LightningModule):
+                def training_step(self, batch, batch_idx):
+                    return batch.sum()
+                def train_dataloader(self):
+                    return DataLoader(torch.ones(8, 2), batch_size=2)
+
+            class NeedsDownload(LightningModule):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(2, 1)
+                def training_step(self, batch, batch_idx):
+                    return self.lin(batch).sum()
+                def train_dataloader(self):
+                    raise ConnectionError("Failed to resolve 'raw.githubusercontent.com'")
+
+            class NotAModule:
+                pass
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["no_such_pkg.models:Net"], r"Cannot import module 'no_such_pkg.models'"),
+        (["cli_profile_fixtures:Missing"], r"has no attribute 'Missing'.*HINT: Classes it defines: .*NeedsDownload"),
+        (["cli_profile_fixtures:NotAModule"], r"is not a LightningModule"),
+        (["cli_profile_fixtures:NoParams"], r"no trainable parameters"),
+        (["cli_profile_fixtures:NeedsDownload"], r"ConnectionError.*HINT: .*--datamodule lightning_distplan.demos:RandomTokenData"),
+        (["cli_profile_fixtures:NoParams", "--init-args", "{bad json"], r"--init-args .* is not valid JSON"),
+        (["cli_profile_fixtures:NoParams", "--init-args", "[1, 2]"], r"must be a JSON object"),
+        (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "2,x"], r"--micro-batch-sizes"),
+        (["cli_profile_fixtures:NoParams", "--datamodule", "cli_profile_fixtures:NotAModule"], r"is not a LightningDataModule"),
+    ],
+)
+def test_errors_exit_2_with_hint(
+    argv: list[str], pattern: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_module(tmp_path, monkeypatch)
+    rc, out, err = _run([*argv, "--out", str(tmp_path / "p.json")], capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "HINT:" in lines[0] and "Traceback" not in err
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cuda_without_gpu_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    rc, _, err = _run(["lightning.pytorch.demos.transformer:LightningTransformer", *_TINY, "--device", "cuda", "--out", str(tmp_path / "p.json")], capsys)
+    assert rc == 2
+    assert "no CUDA GPU" in err and "HINT:" in err

@@ -1,0 +1,64 @@
+"""Micro-batches are cut from the loader's real batches: exact size, nested structures, repetition."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+from lightning_distplan.demos import RandomImageData, RandomTokenData
+from lightning_distplan.profiling._batches import SampleBank, batch_size_of
+from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
+
+Pair = namedtuple("Pair", "x y")
+
+
+def _loader(n: int = 3, b: int = 4):
+    for i in range(n):
+        base = torch.arange(i * b, (i + 1) * b)
+        yield {"ids": base.view(b, 1).expand(b, 3).clone(), "extra": Pair(base.float(), [f"s{j}" for j in base.tolist()]), "scale": torch.tensor(2.0)}
+
+
+def test_exact_sizes_across_batches_and_nesting() -> None:
+    bank = SampleBank(_loader())
+    assert bank.first_batch_size() == 4
+    for m in (1, 3, 4, 6, 12):
+        mb = bank.micro_batch(m)
+        assert batch_size_of(mb) == m
+        assert mb["ids"][:, 0].tolist() == list(range(m))  # the loader's first m samples, in order
+        assert isinstance(mb["extra"], Pair) and mb["extra"].y == [f"s{j}" for j in range(m)]
+        assert mb["scale"].dim() == 0
+    assert not bank.repeated
+
+
+def test_repeats_samples_when_loader_is_short() -> None:
+    bank = SampleBank(_loader(n=1, b=2))
+    mb = bank.micro_batch(5)
+    assert batch_size_of(mb) == 5 and bank.repeated
+    assert mb["ids"][:, 0].tolist() == [0, 1, 0, 1, 0]
+
+
+def test_loader_errors_are_clear() -> None:
+    def broken():
+        raise FileNotFoundError("data/wikitext-2.txt")
+        yield  # pragma: no cover
+
+    with pytest.raises(DataLoadingError, match="FileNotFoundError.*HINT"):
+        SampleBank(broken()).first_batch_size()
+    with pytest.raises(ProfilingError, match="no tensor with a batch dimension"):
+        SampleBank([["a", "b"]]).first_batch_size()
+
+
+def test_demo_data_is_deterministic_and_shaped() -> None:
+    dm = RandomTokenData(vocab_size=50, block_size=7, batch_size=3, num_samples=9)
+    dm.setup("fit")
+    (x, y), (x2, y2) = next(iter(dm.train_dataloader())), next(iter(dm.train_dataloader()))
+    assert x.shape == y.shape == (3, 7) and x.dtype == torch.long and int(x.max()) < 50
+    assert torch.equal(x, x2) and torch.equal(x[:, 1:], y[:, :-1])  # target = inputs shifted by one
+    state = torch.get_rng_state()
+    img, label = next(iter(RandomImageData(num_classes=5, image_size=8, batch_size=2, num_samples=4).train_dataloader()))
+    assert img.shape == (2, 3, 8, 8) and label.shape == (2,) and int(label.max()) < 5
+    assert torch.equal(torch.get_rng_state(), state)  # own generators: the global RNG is untouched
+    with pytest.raises(ValueError, match="batch_size.*HINT"):
+        RandomTokenData(batch_size=0)

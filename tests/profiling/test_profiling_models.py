@@ -1,0 +1,48 @@
+"""Real models someone else wrote: Lightning's demo Transformer and torchvision's ResNet-18."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_distplan.demos import RandomImageData, RandomTokenData, TorchvisionClassifier
+from lightning_distplan.profiling import profile_module
+
+torch.set_num_threads(1)
+
+
+def test_demo_transformer_pipeline_layers_and_no_trace() -> None:
+    from lightning.pytorch.demos.transformer import LightningTransformer
+
+    torch.manual_seed(0)
+    model = LightningTransformer(vocab_size=64)
+    dm = RandomTokenData(vocab_size=64, block_size=8, batch_size=2, num_samples=16)
+    dm.setup("fit")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = profile_module(model, dm.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert profile.splittable and "adapter" in profile.split_reason
+    # embeddings, 2 encoder layers, encoder norm, 2 decoder layers, head
+    assert len(profile.layers) == 7
+    # FlopCounterMode counts matmuls/convs/attention: every attention block and the head, not the norm
+    assert all(profile.layers[i].flops_forward_per_sample > 0 for i in (1, 2, 4, 5, 6))
+    assert all(profile.layers[i].flops_backward_per_sample > profile.layers[i].flops_forward_per_sample for i in (1, 2, 4, 5, 6))
+    assert all(l.activation_bytes_per_sample > 0 for l in profile.layers)
+    # the boundary after the embeddings carries (src, tgt): 2 x 8 tokens x 200 features x 4 bytes
+    assert profile.layers[0].output_bytes_per_sample == pytest.approx(2 * 8 * 200 * 4)
+    assert sum(l.param_bytes for l in profile.layers) == profile.memory.param_bytes
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert model.model.pos_encoder.pe is None and model.model.src_mask is None  # lazy caches dropped
+
+
+def test_resnet18_profiles_with_inplace_relu() -> None:
+    pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = TorchvisionClassifier("resnet18", num_classes=10)
+    data = RandomImageData(num_classes=10, image_size=32, batch_size=2, num_samples=8)
+    profile = profile_module(model, data.train_dataloader(), micro_batch_sizes=[2, 4, 8], repeats=1)
+    assert profile.splittable and len(profile.layers) == 10  # stem, 8 basic blocks, pool+fc
+    assert profile.optimizer.name == "SGD" and profile.memory.optimizer_state_bytes == profile.memory.param_bytes  # momentum
+    conv_flops = sum(l.flops_forward_per_sample for l in profile.layers)
+    assert 30e6 < conv_flops < 120e6  # ResNet-18 at 32x32 is ~1/49 of its 1.8 GMAC at 224x224 -> ~75 MFLOP
+    assert all(l.backward.alpha == l.backward.alpha for l in profile.layers)
