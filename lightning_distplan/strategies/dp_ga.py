@@ -129,6 +129,11 @@ class DPGAStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader  # evaluation runs at the loader's own batch size
+        nothing_asked = self._requested_plan is None and self._micro_batch_size == self._accumulate_grad_batches == "auto"
+        if nothing_asked and self._checkpoint_plan is None and loader_batch_size(dataloader) is None:
+            # An iterable without a readable batch size and nothing to re-plan: plain DDP + accumulation.
+            rank_zero_info("dp_ga: the train loader's batch size is unknown; running it as is (no plan).")
+            return dataloader
         plan = resolve_dp_ga_plan(
             world_size=self.world_size,
             loader_batch=loader_batch_size(dataloader),

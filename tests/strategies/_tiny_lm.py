@@ -33,7 +33,9 @@ class TinyLM(L.LightningModule):
         if arch == "gpt2":
             from transformers import GPT2Config, GPT2LMHeadModel
 
-            cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
+            cfg = GPT2Config(
+                vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
             )
             self.model = GPT2LMHeadModel(cfg)
         else:

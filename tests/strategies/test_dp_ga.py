@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -138,6 +139,41 @@ def test_bad_inputs_raise_with_hint() -> None:
 def test_plan_world_size_mismatch_fails_before_training() -> None:
     plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=8, accumulate_grad_batches=2, global_batch_size=32)
     trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(plan=plan), devices=1, max_steps=1))
-    with pytest.raises(InfeasiblePlanError, match=r"dp=2 replicas but the trainer runs on 1 processes.*HINT"):
-        trainer.fit(TinyLM(n_samples=64, loader_batch=16))
-    assert not torch.distributed.is_initialized()  # raised before any process group was created
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(InfeasiblePlanError, match=r"dp=2 replicas but the trainer runs on 1 processes.*HINT"):
+            trainer.fit(TinyLM(n_samples=64, loader_batch=16))
+        assert not torch.distributed.is_initialized()  # raised before any process group was created
+    finally:  # Lightning's launcher exported LOCAL_RANK/MASTER_PORT; other tests must not inherit them
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def test_unsized_iterable_loader_runs_as_is_when_nothing_is_asked() -> None:
+    """A loader with no readable batch size is left alone by ``DPGAStrategy()`` (single process: no group)."""
+
+    class Gen(TinyLM):
+        def train_dataloader(self) -> Any:
+            loader = super().train_dataloader()
+            return _Iterable(loader)
+
+    trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(), devices=1, max_steps=2, use_distributed_sampler=False))
+    model = Gen(n_samples=64, loader_batch=8)
+    environ = dict(os.environ)
+    try:
+        trainer.fit(model)
+    finally:
+        # Leave no process group and no LOCAL_RANK/MASTER_PORT (which Lightning exports) behind for other tests.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert trainer.strategy.plan is None and model.micro_batch_sizes == [8, 8]
+
+
+class _Iterable:
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
