@@ -1,0 +1,119 @@
+"""Bad input raises one clear sentence with a HINT; built-in adapters reproduce the models' own loss."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _pipeline_models import build, token_data  # noqa: E402
+
+from lightning_distplan._layers import discover_layers  # noqa: E402
+from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError, ModelSplitError  # noqa: E402
+from lightning_distplan.strategies._pipeline_split import (  # noqa: E402
+    PipelineLayout,
+    StageModule,
+    no_spec_error,
+    resolve_boundaries,
+    split_microbatches,
+)
+from lightning_distplan.strategies.pipeline import PipelineStrategy  # noqa: E402
+
+
+def test_pipeline_1f1b_needs_enough_microbatches() -> None:
+    with pytest.raises(InfeasiblePlanError, match=r"`n_microbatches` \(2\) must be >= the number of pipeline stages \(4\) for 1F1B.*HINT"):
+        PipelineStrategy(schedule="1f1b", n_microbatches=2, stages=4)
+    PipelineStrategy(schedule="gpipe", n_microbatches=2, stages=4)  # GPipe has no such rule
+
+
+def test_pipeline_more_stages_than_layers() -> None:
+    layers = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(ModelSplitError, match=r"Cannot split 3 layers into 4 pipeline stages.*HINT"):
+        resolve_boundaries("auto", stages=4, layers=layers)
+    with pytest.raises(InfeasiblePlanError, match=r"strictly increasing.*HINT"):
+        resolve_boundaries([2, 1], stages=3, layers=layers)
+    assert resolve_boundaries("auto", stages=3, layers=layers) == (1, 2)
+
+
+def test_pipeline_batch_not_divisible() -> None:
+    with pytest.raises(BatchNotFactorableError, match=r"per-replica batch \(10\) is not divisible by `n_microbatches` \(4\).*HINT"):
+        split_microbatches(torch.zeros(10, 3), 4)
+    assert [t[0].shape[0] for t in split_microbatches(torch.zeros(12, 3), 4)] == [3, 3, 3, 3]
+
+
+def test_pipeline_world_not_divisible_by_stages() -> None:
+    with pytest.raises(InfeasiblePlanError, match=r"world size \(3\) is not divisible by the number of pipeline stages \(2\).*HINT"):
+        PipelineLayout.of(world_size=3, stages=2, rank=0)
+    layout = PipelineLayout.of(world_size=4, stages=2, rank=3)
+    assert (layout.replica, layout.stage, layout.pipeline_ranks(1), layout.stage_ranks(1)) == (1, 1, [2, 3], [1, 3])
+
+
+def test_pipeline_unsplittable_model_says_what_to_add() -> None:
+    import lightning as L
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    found = discover_layers(Plain())
+    assert found.spec is None
+    err = no_spec_error(found.split_reason)
+    assert isinstance(err, ValueError) and "HINT" in str(err) and "def pipeline_spec(self)" in str(err)
+
+
+def _chain_loss(module: nn.Module, batch) -> torch.Tensor:
+    spec = discover_layers(module).spec
+    assert spec is not None
+    inputs = spec.inputs(batch)
+    out = StageModule(spec.layers)(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+    return spec.loss(out, spec.targets(batch) if spec.targets else batch)
+
+
+def test_pipeline_adapters_reproduce_model_loss() -> None:
+    import lightning as L
+    import torch.nn.functional as F
+    import torchvision
+    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+
+    batch = next(iter(torch.utils.data.DataLoader(token_data(), batch_size=4)))
+    for name in ("transformer", "gpt2"):
+        model = build(name)
+        torch.testing.assert_close(_chain_loss(model, batch), model.training_step(batch, 0))
+
+    class Vision(L.LightningModule):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    for net in (torchvision.models.resnet18(num_classes=5), torchvision.models.mobilenet_v2(num_classes=5)):
+        net.eval()  # batch statistics aside, the chain must compute the same function
+        torch.testing.assert_close(_chain_loss(Vision(net), (x, y)), F.cross_entropy(net(x), y))
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=16)
+    ids = torch.randint(0, 64, (2, 8))
+    mlm = BertForMaskedLM(cfg)
+    labels = torch.where(torch.rand(2, 8) < 0.5, ids, torch.full_like(ids, -100))
+    torch.testing.assert_close(_chain_loss(mlm, {"input_ids": ids, "labels": labels}), mlm(input_ids=ids, labels=labels).loss)
+    cls = BertForSequenceClassification(BertConfig(**{**cfg.to_dict(), "num_labels": 3}))
+    lab = torch.tensor([0, 2])
+    torch.testing.assert_close(_chain_loss(cls, {"input_ids": ids, "labels": lab}), cls(input_ids=ids, labels=lab).loss)
+
+    seq = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    class Reg(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = seq
+
+        def pipeline_loss(self, out, batch):
+            return F.mse_loss(out, batch[1])
+
+    xb, yb = torch.randn(4, 4), torch.randn(4, 1)
+    torch.testing.assert_close(_chain_loss(Reg(), (xb, yb)), F.mse_loss(seq(xb), yb))
