@@ -1,0 +1,157 @@
+"""auto_plan in one process (devices=1): pins, errors, LightningCLI, the online re-plan, helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import pytest
+import torch
+from _auto_plan_models import ChainMLP, trainer_kwargs
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+import lightning_distplan  # noqa: F401
+from lightning_distplan import InfeasiblePlanError
+from lightning_distplan.callbacks import StepTimeMonitor
+from lightning_distplan.callbacks.monitor import departure, refit_compute_scale
+from lightning_distplan.costmodel import Prediction
+from lightning_distplan.strategies._auto_planning import TrainerCounters, link_sizes, pins_from, profile_in_fit
+from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_clean_group() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    # DDP with devices=1 initialises a 1-rank group in this process: do not leak it into other tests.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _small(**kw: Any) -> ChainMLP:
+    return ChainMLP(**{**dict(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0), **kw})
+
+
+def test_pins_fix_the_plan_and_auto_fills_the_rest(tmp_path: Path) -> None:
+    sizes: list[int] = []
+
+    class Sizes(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+            sizes.append(batch[0].shape[0])
+
+    strategy = AutoPlanStrategy(micro_batch_size=2, profile_repeats=1)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=2, accumulate_grad_batches=2, callbacks=[Sizes()]))
+    model = _small()
+    trainer.fit(model)
+    plan = trainer.strategy.plan
+    assert plan is strategy.plan or plan == strategy.plan
+    # global batch = loader 8 x accumulate 2 x world 1; the pin m=2 leaves s = 8 to the planner
+    assert (plan.strategy, plan.micro_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == ("dp_ga", 2, 8, 16)
+    assert sizes == [2] * 16  # 2 optimizer steps of 8 planned micro-batches (the loader yields 8)
+    assert trainer.accumulate_grad_batches == 2  # the user's setting is back after fit
+    assert json.loads((tmp_path / "distplan" / "plan.json").read_text())["pins"] == {"micro_batch_size": 2}
+
+
+def test_impossible_pin_is_explained(tmp_path: Path) -> None:
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
+    with pytest.raises(InfeasiblePlanError, match=r"pin pp=2 is impossible: pp must divide world_size 1.*HINT"):
+        trainer.fit(_small())
+
+
+def test_memory_cap_no_plan_fits_is_explained(tmp_path: Path) -> None:
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(device_memory_bytes=1000, profile_repeats=1), devices=1, max_steps=1))
+    with pytest.raises(InfeasiblePlanError, match=r"No plan .* fits in 0\.0 MiB per device.*HINT"):
+        trainer.fit(_small())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"stages": 0}, "`stages` must be a positive integer"), ({"strategy": "zero3"}, "Unknown strategy 'zero3'"), ({"replan": "yes"}, "`replan`")],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(InfeasiblePlanError, match=match):
+        AutoPlanStrategy(**kwargs)
+
+
+def test_lightning_cli_trainer_strategy_auto_plan(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        BoringModel,
+        args=[
+            "fit", "--trainer.strategy=auto_plan", "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=2",
+            "--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+            "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}",
+        ],
+        save_config_kwargs={"overwrite": True},
+    )
+    assert cli.trainer.global_step == 2
+    assert cli.trainer.strategy.plan is not None and cli.trainer.strategy.plan.strategy == "dp_ga"
+    assert (tmp_path / "distplan" / "plan.json").is_file()
+
+
+def test_replan_after_a_sustained_slowdown(tmp_path: Path) -> None:
+    """The module sleeps 40 ms per step from step 4 on: the monitor sees the departure, refits the
+    compute speed at the epoch boundary and re-plans; afterwards the prediction matches again."""
+    monitor = StepTimeMonitor(replan="auto", warmup_steps=1, window=3)
+    model = _small(n_samples=80, loader_batch=8, slow_after=3, slow_s=0.04)  # 10 steps per epoch
+    trainer = L.Trainer(
+        **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1), devices=1, max_epochs=2, callbacks=[monitor])
+    )
+    trainer.fit(model)
+    assert [cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)] == [monitor]  # reused, not duplicated
+    assert len(monitor.history) == 20
+    assert len(monitor.replans) == 1
+    replan = monitor.replans[0]
+    assert replan["epoch"] == 0 and replan["ratio"] > 1.5 and replan["compute_scale"] > 1.5
+    second_epoch = monitor.history[10:]
+    ratios = sorted(h["observed_s"] / h["predicted_s"] for h in second_epoch)
+    assert 0.5 < ratios[len(ratios) // 2] < 2.0  # refitted: the prediction tracks the slowed device
+    assert json.loads((tmp_path / "distplan" / "plan.json").read_text())["replans"][0]["compute_scale"] == pytest.approx(replan["compute_scale"])
+    assert monitor.overhead_s is not None and monitor.run_s is not None and monitor.overhead_s < monitor.run_s
+
+
+def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
+    """Called from a callback in the middle of a fit: counters, RNG, weights, optimizer state unchanged."""
+    seen: dict[str, Any] = {}
+
+    class Probe(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step != 2 or seen:
+                return
+            before = TrainerCounters.take(trainer).comparable()
+            rng = torch.get_rng_state()
+            weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            opt = {k: {n: t.clone() for n, t in s.items()} for k, s in trainer.optimizers[0].state.items()}
+            profile, _ = profile_in_fit(trainer, pl_module, device=torch.device("cpu"), repeats=1, measure_links=False)
+            seen["profile"] = profile
+            seen["counters"] = (before, TrainerCounters.take(trainer).comparable())
+            seen["rng"] = torch.equal(rng, torch.get_rng_state())
+            seen["weights"] = all(torch.equal(weights[k], v) for k, v in pl_module.state_dict().items())
+            after = trainer.optimizers[0].state
+            seen["opt"] = all(torch.equal(opt[k][n], after[k][n]) for k in opt for n in opt[k])
+
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, max_steps=4, callbacks=[Probe()]))
+    trainer.fit(_small(dropout=0.2))
+    assert seen["profile"].layers
+    assert seen["counters"][0] == seen["counters"][1]
+    assert seen["rng"] and seen["weights"] and seen["opt"]
+
+
+def test_helpers() -> None:
+    assert pins_from(strategy="auto", stages=2, micro_batch_size="auto", stage_boundaries=[1]) == {"pp": 2, "stage_boundaries": (1,)}
+    assert link_sizes(10) == (4096, 32768, 131072) and link_sizes(1 << 30)[-1] == 1 << 24
+    assert departure(1.0, [2.0, 2.1, 1.9], threshold=1.5, window=3) == pytest.approx(2.0)
+    assert departure(1.0, [2.0, 1.2, 1.9], threshold=1.5, window=3) is None  # one normal step: not sustained
+    assert departure(1.0, [0.5, 0.4, 0.6], threshold=1.5, window=3) == pytest.approx(0.5)
+    pred = Prediction(
+        step_time_s=1.0, breakdown={"compute": 0.7, "p2p": 0.0, "bubble": 0.0, "exposed_comm": 0.2, "optimizer": 0.1},
+        peak_memory_bytes=1, memory_breakdown={}, stage_times_s=(1.0,), stage_memory_bytes=(1,), stage_boundaries=(),
+        feasible=True, reason="",
+    )
+    # compute + optimizer (0.8 s) scale, the exposed all-reduce (0.2 s) does not: 0.2 + 0.8 k = 2.6 -> k = 3
+    assert refit_compute_scale(pred, 2.6, 1.0) == pytest.approx(3.0)
