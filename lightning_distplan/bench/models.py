@@ -53,7 +53,7 @@ class TinyGPT2LM(LightningModule):
         self.save_hyperparameters()
         config = GPT2Config(
             vocab_size=vocab_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=n_positions,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
         )
         self.model = GPT2LMHeadModel(config)
 

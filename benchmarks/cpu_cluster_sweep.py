@@ -1,0 +1,346 @@
+"""Predicted vs measured on a two-"node" CPU cluster at three link rates (issue 6, CPU part).
+
+For every model x rate (100mbit, 1gbit, unlimited) this script
+
+1. shapes the link of the namespace cluster (``scripts/netns_cluster.sh up --rate R``: two network
+   namespaces joined by a veth pair, 10.77.0.1 / 10.77.0.2, ``tc tbf`` on both ends),
+2. starts one torchrun "node" in each namespace (``--nnodes 2 --nproc-per-node 1``, master
+   10.77.0.1, gloo over the veth via ``GLOO_SOCKET_IFNAME``), running ``distplan bench`` with
+   ``--plans all``: the job profiles the model, measures the real link, ranks every plan for world
+   size 2 and trains each one for a few optimizer steps with lightning_distplan's strategies,
+3. collects the per-plan predicted and measured step times.
+
+It writes ``benchmarks/results/cpu_cluster_sweep.json`` (provenance: command, date, versions,
+machine, rates) and a predicted-vs-measured plot, and prints the summary: median and p90
+|step-time error|, the share of settings where the planner's pick ran within 5% of the measured
+best, and how the chosen plan changes as the bandwidth drops. Needs root (network namespaces);
+the cluster is always torn down at the end.
+
+Usage::
+
+    sudo .venv/bin/python benchmarks/cpu_cluster_sweep.py                 # the full sweep
+    sudo .venv/bin/python benchmarks/cpu_cluster_sweep.py --quick --rates unlimited --models mlp   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "netns_cluster.sh"
+PREFIX = os.environ.get("DISTPLAN_NETNS_PREFIX", "distplan_n")
+
+# Small enough that all plans of a model run in ~2 minutes on two CPU cores, parameter-heavy enough
+# that a data-parallel all-reduce costs real time at 100 Mbit/s (params × 4 bytes per step).
+MODELS: dict[str, dict[str, Any]] = {
+    "demo_transformer": {
+        "model": "lightning_distplan.bench.models:DemoTransformerLM",
+        "init_args": {"vocab_size": 2048, "ninp": 128, "nhead": 2, "nhid": 256, "nlayers": 2},
+        "datamodule": "lightning_distplan.demos:RandomTokenData",
+        "datamodule_args": {"vocab_size": 2048, "block_size": 32, "batch_size": 16, "num_samples": 256},
+    },
+    "gpt2_tiny": {
+        "model": "lightning_distplan.bench.models:TinyGPT2LM",
+        "init_args": {"vocab_size": 2048, "n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 64},
+        "datamodule": "lightning_distplan.demos:RandomTokenData",
+        "datamodule_args": {"vocab_size": 2048, "block_size": 32, "batch_size": 16, "num_samples": 256},
+    },
+    "mlp": {
+        "model": "lightning_distplan.bench.models:WideMLP",
+        "init_args": {"in_features": 512, "hidden": 1024, "depth": 3, "num_classes": 10},
+        "datamodule": "lightning_distplan.bench.models:RandomVectorData",
+        "datamodule_args": {"in_features": 512, "batch_size": 16, "num_samples": 512},
+    },
+}
+QUICK: dict[str, dict[str, Any]] = {
+    "mlp": {
+        "model": "lightning_distplan.bench.models:WideMLP",
+        "init_args": {"in_features": 32, "hidden": 64, "depth": 2, "num_classes": 4},
+        "datamodule": "lightning_distplan.bench.models:RandomVectorData",
+        "datamodule_args": {"in_features": 32, "num_classes": 4, "batch_size": 4, "num_samples": 64},
+    },
+}
+RATES = ("100mbit", "1gbit", "unlimited")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
+    p.add_argument("--rates", default=",".join(RATES), help="comma-separated subset of 100mbit,1gbit,unlimited")
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--plans", default="all")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per model x rate job")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_cluster_sweep.json"))
+    p.add_argument("--plot", default=None, help="PNG (default: next to --out)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and batch, for a smoke test of the set-up")
+    return p.parse_args(argv)
+
+
+def _sh(*args: str) -> str:
+    res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+    if res.returncode == 77:
+        raise SystemExit(f"cpu_cluster_sweep: {res.stderr.strip()}")
+    if res.returncode != 0:
+        raise RuntimeError(f"netns_cluster.sh {' '.join(args)} failed: {res.stderr.strip()}")
+    return res.stdout.strip()
+
+
+def _node_cmd(node: int, spec: dict[str, Any], args: argparse.Namespace, out: Path, port: int) -> list[str]:
+    ns, dev = f"{PREFIX}{node}", f"{PREFIX}{node}v"
+    bench = [
+        spec["model"], "--init-args", json.dumps(spec["init_args"]), "--datamodule", spec["datamodule"],
+        "--datamodule-args", json.dumps(spec["datamodule_args"]), "--world-size", "2",
+        "--global-batch-size", str(args.global_batch_size), "--plans", args.plans, "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--threads", "1", "--device", "cpu", "--out", str(out),
+    ]
+    return [
+        "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+        "--master-addr", "10.77.0.1", "--master-port", str(port), "-m", "lightning_distplan.cli", "bench", *bench,
+    ]
+
+
+def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        log0, log1 = Path(tmp) / "node0.log", Path(tmp) / "node1.log"
+        cmds = [_node_cmd(i, spec, args, out, port) for i in (0, 1)]
+        t0 = time.perf_counter()
+        procs = []
+        try:
+            for cmd, log in zip(cmds, (log0, log1)):
+                procs.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))
+            deadline = time.monotonic() + args.timeout
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:  # only the two torchrun agents this function started (and their workers)
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait()
+        wall = time.perf_counter() - t0
+        codes = [p.returncode for p in procs]
+        if codes != [0, 0] or not out.exists():
+            tail = log0.read_text()[-2500:] + "\n--- node 1 ---\n" + log1.read_text()[-1500:]
+            print(f"  FAILED ({codes}, {wall:.0f} s):\n{tail}", flush=True)
+            return {"model_key": name, "rate": rate, "error": f"exit codes {codes}", "log_tail": tail, "wall_s": wall}
+        result = json.loads(out.read_text())
+        print(log0.read_text().split("distplan bench:", 2)[-1][-2500:], flush=True)
+    result.pop("profile", None)  # ~100 KB each; the per-plan predictions and links stay
+    result.update(model_key=name, rate=rate, wall_s=wall, node_commands=[shlex.join(c) for c in cmds])
+    return result
+
+
+def _pick_table(settings: list[dict[str, Any]], rates: list[str]) -> list[str]:
+    lines = [f"{'model':18s} " + " ".join(f"{r:>34s}" for r in rates)]
+    for key in dict.fromkeys(s["model_key"] for s in settings):
+        for label, field in (("pick", "pick"), ("measured best", "measured_best")):
+            row = []
+            for rate in rates:
+                s = next((x for x in settings if x["model_key"] == key and x["rate"] == rate and "summary" in x), None)
+                entry = s and s["summary"].get(field)
+                row.append(_short(entry["plan"]) + f" {entry['measured_step_time_s'] * 1e3:6.0f}ms" if entry else "-")
+            lines.append(f"{(key if label == 'pick' else '  ' + label):18s} " + " ".join(f"{c:>34s}" for c in row))
+    return lines
+
+
+def _short(plan: str) -> str:
+    return plan.replace("accumulate=", "s=").replace("n_microbatches=", "n=").replace(" split=", " ").replace("dp_ga dp=2", "dp_ga").replace(" dp=1 pp=2", "")
+
+
+def term_fit(plans: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Which term of the model is off: least squares of measured = a·compute + b·comm + c.
+
+    compute = compute + bubble + optimizer of the predicted breakdown, comm = p2p + exposed all-reduce.
+    a ≈ b ≈ 1 and c ≈ 0 mean the model is right; a > 1 says compute is under-predicted, b > 1 the
+    links, c > 0 is a fixed per-step cost the model does not have (framework / runtime overhead).
+    """
+    import numpy as np
+
+    rows = [r for r in plans if r.get("measured_step_time_s") is not None]
+    if len(rows) < 4:
+        return None
+    bd = [r["predicted_breakdown"] for r in rows]
+    x = np.array([[b.get("compute", 0) + b.get("bubble", 0) + b.get("optimizer", 0), b.get("p2p", 0) + b.get("exposed_comm", 0), 1.0] for b in bd])
+    y = np.array([r["measured_step_time_s"] for r in rows])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ coef
+    return {
+        "compute_scale": float(coef[0]),
+        "comm_scale": float(coef[1]),
+        "overhead_s": float(coef[2]),
+        "rel_rmse": float(np.sqrt(np.mean((resid / y) ** 2))),
+        "n": len(rows),
+    }
+
+
+def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[dict[str, Any], list[str]]:
+    done = [s for s in settings if "summary" in s]
+    errs = [r["abs_step_time_error"] for s in done for r in s["plans"] if r.get("abs_step_time_error") is not None]
+    signed = [(s["rate"], r["strategy"], r["step_time_error"]) for s in done for r in s["plans"] if r.get("step_time_error") is not None]
+    within = [bool(s["summary"]["pick_within"]) for s in done if s["summary"]["pick_within"] is not None]
+
+    def pct(xs: list[float], q: float) -> float | None:
+        xs = sorted(xs)
+        if not xs:
+            return None
+        pos = (len(xs) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    by_group: dict[str, dict[str, Any]] = {}
+    for rate in rates:
+        for kind in ("dp_ga", "pipeline"):
+            xs = [e for r, st, e in signed if r == rate and (st == "dp_ga") == (kind == "dp_ga")]
+            if xs:
+                by_group[f"{rate}/{kind}"] = {"n": len(xs), "median_signed_error": statistics.median(xs), "median_abs_error": statistics.median(abs(x) for x in xs)}
+    fits = {f"{s['model_key']}@{s['rate']}": term_fit(s["plans"]) for s in done}
+    summary = {
+        "term_fit": fits,
+        "n_settings": len(settings),
+        "n_settings_done": len(done),
+        "n_points": len(errs),
+        "median_abs_error": pct(errs, 50),
+        "p90_abs_error": pct(errs, 90),
+        "pick_within_5pct_rate": sum(within) / len(within) if within else None,
+        "pick_is_best_rate": (sum(bool(s["summary"]["pick_is_best"]) for s in done) / len(done)) if done else None,
+        "mean_regret": statistics.mean(s["summary"]["regret"] for s in done) if done else None,
+        "max_regret": max((s["summary"]["regret"] for s in done), default=None),
+        "by_rate_and_strategy": by_group,
+        "targets": {"median_abs_error": 0.10, "p90_abs_error": 0.25, "pick_within_5pct_rate": 0.90},
+    }
+    lines = ["", "=== cpu_cluster_sweep summary ==="]
+    lines.append(f"{'model':18s} {'rate':>10s} {'plans':>5s} {'median|e|':>9s} {'p90|e|':>8s} {'signed':>8s} {'rho':>5s} {'pick<=5%':>8s} {'regret':>7s}  link(all-reduce) Mbit/s")
+    for s in settings:
+        if "summary" not in s:
+            lines.append(f"{s['model_key']:18s} {s['rate']:>10s}  FAILED: {s.get('error')}")
+            continue
+        m = s["summary"]
+        ar = next((l for l in s["links"] if l["kind"] == "allreduce"), None)
+        lines.append(
+            f"{s['model_key']:18s} {s['rate']:>10s} {m['n_measured']:>5d} {m['median_abs_error']:>9.1%} {m['p90_abs_error']:>8.1%} "
+            f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {m['regret']:>7.1%}  "
+            + (f"{ar['bandwidth_bytes_per_s'] * 8 / 1e6:.0f}" if ar else "-")
+        )
+    if errs:
+        lines += [
+            "",
+            f"all points: median |error| {summary['median_abs_error']:.1%} (target <= 10%), p90 {summary['p90_abs_error']:.1%} (target <= 25%) over {len(errs)} runs",
+            f"pick within 5% of the measured best: {sum(within)}/{len(within)} settings = {summary['pick_within_5pct_rate']:.0%} (target >= 90%); "
+            f"pick is the best: {summary['pick_is_best_rate']:.0%}; mean regret {summary['mean_regret']:.1%}, max {summary['max_regret']:.1%}",
+            "",
+            "median signed error (predicted − measured)/measured by rate and strategy:",
+        ]
+        for k, v in by_group.items():
+            lines.append(f"  {k:22s} n={v['n']:3d}  signed {v['median_signed_error']:+.1%}  |e| {v['median_abs_error']:.1%}")
+        lines += ["", "term fit: measured ≈ a·(compute+bubble+optimizer) + b·(p2p+exposed all-reduce) + c  (a=b=1, c=0: model right)"]
+        for k, f in fits.items():
+            if f:
+                lines.append(f"  {k:28s} a={f['compute_scale']:5.2f}  b={f['comm_scale']:5.2f}  c={f['overhead_s'] * 1e3:6.1f} ms  (residual {f['rel_rmse']:.0%}, n={f['n']})")
+        lines += ["", "chosen plan (pick) and measured best as the bandwidth drops (s = accumulation, n = micro-batches):", *_pick_table(settings, rates)]
+    return summary, lines
+
+
+def _versions() -> dict[str, str]:
+    import lightning
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__}
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    catalog = QUICK if args.quick else MODELS
+    if args.quick:
+        args.global_batch_size = min(args.global_batch_size, 4)
+    names = [m.strip() for m in (args.models.split(",") if args.models else catalog)]
+    rates = [r.strip() for r in args.rates.split(",")]
+    bad = [n for n in names if n not in catalog] + [r for r in rates if r not in RATES]
+    if bad:
+        raise SystemExit(f"cpu_cluster_sweep: unknown model(s)/rate(s) {bad}. HINT: models {list(catalog)}, rates {list(RATES)}.")
+    started = datetime.now(timezone.utc)
+    load_before = os.getloadavg()
+    settings: list[dict[str, Any]] = []
+    port = 29600
+    try:
+        for rate in rates:  # slow link first: where DP vs pipeline differs most
+            print(_sh("up", "--rate", rate), flush=True)
+            for name in names:
+                port += 1
+                print(f"--- {name} @ {rate} ---", flush=True)
+                settings.append(_run_setting(name, catalog[name], rate, args, port))
+    finally:
+        print(_sh("down"), flush=True)
+    summary, lines = summarize_sweep(settings, rates)
+    print("\n".join(lines), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "schema": "distplan-cpu-cluster-sweep/1",
+        "summary": summary,
+        "summary_text": lines,
+        "settings": settings,
+        "provenance": {
+            "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["cpu_cluster_sweep.py", *argv]),
+            "date_start": started.isoformat(timespec="seconds"),
+            "date_end": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(),
+            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "kernel": platform.release(), "host": platform.node()},
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "rates": rates,
+            "cluster": "2 network namespaces (scripts/netns_cluster.sh), veth 10.77.0.1 <-> 10.77.0.2, tc tbf on both ends; "
+            "torchrun --nnodes 2 --nproc-per-node 1, gloo over the veth, 1 torch thread per rank; both 'nodes' share this machine's cores",
+            "models": {n: catalog[n] for n in names},
+            "global_batch_size": args.global_batch_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+        },
+    }
+    out.write_text(json.dumps(doc, indent=1))
+    try:
+        sys.path.insert(0, str(ROOT))
+        from lightning_distplan.bench import plot_result
+
+        plot = Path(args.plot) if args.plot else out.with_suffix(".png")
+        plot_result([s for s in settings if "summary" in s], plot, title=f"CPU 2-node sweep ({', '.join(rates)}): predicted vs measured")
+        print(f"wrote {out} and {plot}")
+    except Exception as err:  # the JSON is the result; a missing plot is not fatal
+        print(f"wrote {out} (plot failed: {err})")
+    return 0 if all("summary" in s for s in settings) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
