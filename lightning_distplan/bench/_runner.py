@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -181,14 +182,24 @@ def measure_plan(
         peak = None if base is None or hwm is None else max(0, hwm * 1024 - base)
     module = trainer = None  # noqa: F841 — free this plan's model before the next one
     gc.collect()
-    return {"step_times_s": timer.step_times, "peak_memory_bytes": peak, "error": error}
+    return {"step_times_s": timer.step_times, "peak_memory_bytes": peak, "error": error, "pid": os.getpid(), "group": _group_id()}
+
+
+def _group_id() -> str | None:
+    """Identity of the default process group, to show every plan ran in the same group (none: not distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return f"{id(dist.distributed_c10d._get_default_group()):x}"
 
 
 def combine_ranks(per_rank: list[dict[str, Any]], *, warmup: int) -> dict[str, Any]:
     """One plan's numbers from every rank's: per step the slowest rank, median over timed steps."""
     errors = [r["error"] for r in per_rank if r["error"]]
     lengths = {len(r["step_times_s"]) for r in per_rank}
-    out: dict[str, Any] = {"error": errors[0] if errors else None}
+    out: dict[str, Any] = {"error": errors[0] if errors else None, "rank_pids": [r.get("pid") for r in per_rank],
+                           "process_groups": [r.get("group") for r in per_rank]}
     if errors or not lengths or min(lengths) <= warmup:
         out.update(measured_step_time_s=None, measured_step_times_s=[], measured_peak_memory_bytes=None)
         if not errors:

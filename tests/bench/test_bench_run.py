@@ -73,6 +73,9 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
     assert {link["kind"] for link in result["links"]} == {"allreduce", "p2p"}  # measured over the live group
     for rec in result["plans"]:
         assert rec["dp"] * rec["pp"] == 2
+    # every plan ran in the same two processes and the same (reused) default process group
+    assert len({tuple(rec["rank_pids"]) for rec in result["plans"]}) == 1 and len(result["plans"][0]["rank_pids"]) == 2
+    assert len({tuple(rec["process_groups"]) for rec in result["plans"]}) == 1 and None not in result["plans"][0]["process_groups"]
 
 
 @pytest.mark.parametrize(
