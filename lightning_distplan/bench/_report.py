@@ -68,7 +68,8 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
     """Scatter of predicted vs measured step time (log-log) with y = x and ±10% / ±25% bands.
 
     ``result`` may be one result or a list of them (e.g. a sweep); points are coloured by strategy
-    and the planner's pick of each result is circled.
+    and the planner's pick of each result is circled. Results carrying a ``rate`` (a sweep's link
+    rate) get one marker shape per rate.
     """
     import matplotlib
 
@@ -80,7 +81,10 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
     fig, ax = plt.subplots(figsize=(6, 6))
     xs_all: list[float] = []
     seen: set[str] = set()
+    shapes = ("o", "s", "^", "D", "v", "P")
+    rates = list(dict.fromkeys(str(res["rate"]) for res in results if "rate" in res))
     for res in results:
+        marker = shapes[rates.index(str(res["rate"])) % len(shapes)] if "rate" in res else "o"
         pick = (res["summary"].get("pick") or {}).get("rank")
         for r in res["plans"]:
             if r["measured_step_time_s"] is None:
@@ -89,7 +93,7 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
             xs_all += [x, y]
             label = r["strategy"] if r["strategy"] not in seen else None
             seen.add(r["strategy"])
-            ax.scatter([x], [y], s=22, color=colours.get(r["strategy"], "gray"), label=label, alpha=0.8)
+            ax.scatter([x], [y], s=22, marker=marker, color=colours.get(r["strategy"], "gray"), label=label, alpha=0.8)
             if r["rank"] == pick:
                 ax.scatter([x], [y], s=110, facecolors="none", edgecolors="black", linewidths=1.2)
     if xs_all:
@@ -100,6 +104,8 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
             ax.plot([lo, hi], [lo * (1 - band), hi * (1 - band)], "k" + style, lw=0.6, label=f"±{band:.0%}")
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
+    for i, rate in enumerate(rates):  # legend entries for the marker shapes
+        ax.scatter([], [], marker=shapes[i % len(shapes)], color="gray", label=f"link {rate}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     from matplotlib.ticker import FuncFormatter, NullFormatter
