@@ -139,7 +139,7 @@ def _worker(args: argparse.Namespace) -> None:
         "python": platform.python_version(),
         "config": {"world_size": WORLD, "micro_batch_size": M, "accumulate_grad_batches": S, "global_batch_size": WORLD * M * S,
                    "model": "lightning.pytorch.demos.Transformer(vocab 256, d 64, 4 heads, ff 128, 2+2 layers), seq 32",
-                   "dp_ga_loader_batch": M * S, "ddp_loader_batch": M, "warmup_steps": args.warmup, "measured_steps": args.steps},
+                   "ddp_loader_batch": M, "dp_ga_loader_batch": M, "dp_ga_rechunk_loader_batch": M * S, "warmup_steps": args.warmup, "measured_steps": args.steps},
         "repeats": repeats,
         "dp_ga_median_step_s": dp_ga,
         "ddp_median_step_s": ddp,
