@@ -43,9 +43,11 @@ from lightning_distplan.strategies.dp_ga import DPGAStrategy, _MicroBatchLoader,
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_distplan.costmodel import Hardware
     from lightning_distplan.planner import Candidate
+    from lightning_distplan.profile import Profile
 
-__all__ = ["PlanningCallback", "plan_micro_batching", "apply_dp_ga_plan", "AppliedPlan"]
+__all__ = ["PlanningCallback", "plan_micro_batching", "rank_micro_batching", "alternative_message", "apply_dp_ga_plan", "AppliedPlan"]
 
 Auto = Literal["auto"]
 
@@ -72,7 +74,7 @@ class PlanningCallback(Callback):
         micro_batch_size: int | Auto = "auto",
         accumulate_grad_batches: int | Auto = "auto",
         device_memory_bytes: int | None = None,
-        profile_repeats: int = 3,
+        profile_repeats: int = 1,
         apply: bool = True,
     ) -> None:
         for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches), ("profile_repeats", profile_repeats)):
@@ -143,7 +145,7 @@ def plan_micro_batching(
     *,
     pins: dict[str, Any] | None = None,
     device_memory_bytes: int | None = None,
-    repeats: int = 3,
+    repeats: int = 1,
 ) -> tuple[PlanningOutcome, tuple[Candidate, float] | None]:
     """Profile ``module`` inside this fit, choose the best ``dp_ga`` plan for the user's global batch
     (rank 0 decides, all ranks get it), write ``profile.json`` / ``plan.json``, log, and report a
@@ -160,15 +162,7 @@ def plan_micro_batching(
     decision: Any = None
     if trainer.is_global_zero:
         try:
-            dp, hardware = choose_plan(
-                profile, world_size=world, global_batch_size=global_batch, pins=pins, device_memory_bytes=device_memory_bytes,
-                strategies=("dp_ga",),
-            )
-            try:  # the report: every strategy, same hardware, no pins (the user may switch strategies)
-                everything, _ = choose_plan(profile, world_size=world, global_batch_size=global_batch, hardware=hardware)
-            except InfeasiblePlanError:
-                everything = dp
-            decision = ("ok", dp, hardware, faster_alternative(everything, dp[0].plan))
+            decision = ("ok", *rank_micro_batching(profile, world_size=world, global_batch_size=global_batch, pins=pins, device_memory_bytes=device_memory_bytes))
         except Exception as err:  # every rank raises the same error
             decision = ("error", err)
     decision = strategy.broadcast(decision)
@@ -182,14 +176,40 @@ def plan_micro_batching(
     extra: dict[str, Any] = {"running_strategy": type(strategy).__name__}
     if alternative is not None:
         cand, speedup = alternative
-        message = f"{describe_for_user(cand.plan)} is predicted {speedup:.1f}x faster: use strategy='auto_plan'"
-        extra["faster_alternative"] = {"message": message, "speedup": speedup, **cand.to_dict()}
+        extra["faster_alternative"] = {"message": alternative_message(alternative), "speedup": speedup, **cand.to_dict()}
     if trainer.is_global_zero:
         write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra=extra)
     log_outcome(outcome, prefix="PlanningCallback")
     if alternative is not None:
         rank_zero_warn(f"PlanningCallback: {extra['faster_alternative']['message']} (running {outcome.plan.describe()}).")
     return outcome, alternative
+
+
+def rank_micro_batching(
+    profile: Profile,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    pins: dict[str, Any] | None = None,
+    device_memory_bytes: int | None = None,
+) -> tuple[list[Candidate], Hardware, tuple[Candidate, float] | None]:
+    """The ranked ``dp_ga`` plans, the hardware they were priced on, and — ranking every strategy on
+    the same hardware without pins — a faster plan of another strategy with its speed-up, if any (pure)."""
+    dp, hardware = choose_plan(
+        profile, world_size=world_size, global_batch_size=global_batch_size, pins=pins,
+        device_memory_bytes=device_memory_bytes, strategies=("dp_ga",),
+    )
+    try:
+        everything, _ = choose_plan(profile, world_size=world_size, global_batch_size=global_batch_size, hardware=hardware)
+    except InfeasiblePlanError:
+        everything = dp
+    return dp, hardware, faster_alternative(everything, dp[0].plan)
+
+
+def alternative_message(alternative: tuple[Candidate, float]) -> str:
+    """``"1f1b with 2 stages (...) is predicted 1.7x faster: use strategy='auto_plan'"``."""
+    cand, speedup = alternative
+    return f"{describe_for_user(cand.plan)} is predicted {speedup:.1f}x faster: use strategy='auto_plan'"
 
 
 @dataclass

@@ -188,7 +188,7 @@ def profile_in_fit(
     *,
     device: torch.device,
     micro_batch_sizes: Sequence[int] | None = None,
-    repeats: int = 3,
+    repeats: int = 1,
     measure_links: bool = True,
     log_prefix: str = "distplan",
 ) -> tuple[Profile, Any]:
@@ -216,6 +216,10 @@ def profile_in_fit(
     was_training = module.training
     try:
         loader = fresh_train_loader(trainer)
+        if micro_batch_sizes is None:
+            from lightning_distplan.strategies.dp_ga import loader_batch_size
+
+            micro_batch_sizes = in_fit_micro_batch_sizes(loader_batch_size(loader) or 1)
         profile = profile_module(
             module,
             loader,
@@ -237,6 +241,21 @@ def profile_in_fit(
         counters.restore(trainer)
         module.train(was_training)
     return profile, loader
+
+
+def in_fit_micro_batch_sizes(loader_batch: int) -> list[int]:
+    """Sizes profiled inside ``fit``: b/4, b/2 and b for the loader batch b (at least 3 distinct sizes).
+
+    Cheaper than the stand-alone profiler's b/2..4b (the sizes sum to 1.75 loader batches instead
+    of 7.5), which is what keeps planning to a few percent of a short CPU run. A factor of 4 still
+    conditions the fit t(m) = α·m + β (seed 000 §III-B); plans at larger m (pipelines, little
+    accumulation) extrapolate it.
+    """
+    b = max(1, int(loader_batch))
+    sizes = sorted({max(1, b // 4), max(1, b // 2), b})
+    while len(sizes) < 3:
+        sizes.append(2 * sizes[-1])
+    return sizes
 
 
 def link_sizes(grad_bytes: int) -> tuple[int, ...]:

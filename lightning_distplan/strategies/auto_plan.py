@@ -88,7 +88,7 @@ class AutoPlanStrategy(DDPStrategy):
         replan: ``"off"``, or ``"auto"`` to re-plan at the next epoch boundary when observed step
             times depart from the prediction (see :class:`~lightning_distplan.callbacks.StepTimeMonitor`).
         profile_repeats: timed runs per profiled micro-batch size (the median is kept).
-        profile_micro_batch_sizes: sizes to profile; default: around the loader's batch size.
+        profile_micro_batch_sizes: sizes to profile; default: b/4, b/2 and b for the loader batch b.
         deferred_batchnorm: passed to the pipeline strategy when a pipeline is chosen.
         **ddp_kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and to the
             ``dp_ga`` strategy when chosen), e.g. ``process_group_backend``, ``find_unused_parameters``.
@@ -114,7 +114,7 @@ class AutoPlanStrategy(DDPStrategy):
         global_batch_size: int | Auto = "auto",
         device_memory_bytes: int | None = None,
         replan: Literal["off", "auto"] = "off",
-        profile_repeats: int = 3,
+        profile_repeats: int = 1,
         profile_micro_batch_sizes: Sequence[int] | None = None,
         deferred_batchnorm: bool = False,
         **ddp_kwargs: Any,

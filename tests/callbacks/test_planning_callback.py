@@ -1,0 +1,137 @@
+"""PlanningCallback (single process; the 2-rank DDP run is in tests/strategies/test_auto_plan_real_models.py)
+and the StepTimeMonitor's argument checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_distplan import InfeasiblePlanError
+from lightning_distplan.callbacks import PlanningCallback, StepTimeMonitor
+from lightning_distplan.callbacks.planning import alternative_message, rank_micro_batching
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.profile import LinkProfile
+from lightning_distplan.strategies import DPGAStrategy
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Net(L.LightningModule):
+    def __init__(self, loader_batch: int = 16) -> None:
+        super().__init__()
+        self.loader_batch = loader_batch
+        torch.manual_seed(7)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(128, 8, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=self.loader_batch, shuffle=True)
+
+
+class Sizes(L.Callback):
+    """Micro-batch sizes the fit loop really runs (profiling calls training_step directly, not through the loop)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.sizes.append(batch[0].shape[0])
+
+
+def _kwargs(tmp: Path, **kw: Any) -> dict[str, Any]:
+    return dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp), **kw,
+    )
+
+
+def test_callback_applies_plan_same_math_and_restores(tmp_path: Path) -> None:
+    """Micro-batch 4 x accumulation 4 from a loader of 16 == a plain run with loader 4 and
+    accumulate_grad_batches=4, bit for bit: profiling left weights, RNG (dropout, shuffling) alone."""
+    model = Net(loader_batch=16)
+    callback, sizes = PlanningCallback(micro_batch_size=4), Sizes()
+    trainer = L.Trainer(**_kwargs(tmp_path, max_steps=3, callbacks=[callback, sizes]))
+    trainer.fit(model)
+    plan = callback.plan
+    assert (plan.strategy, plan.dp, plan.micro_batch_size, plan.accumulate_grad_batches, plan.global_batch_size) == ("dp_ga", 1, 4, 4, 16)
+    assert sizes.sizes == [4] * 12
+    assert trainer.accumulate_grad_batches == 1  # restored at teardown
+    assert "process_dataloader" not in trainer.strategy.__dict__
+    assert callback.overhead_s is not None and 0 < callback.overhead_s < callback.run_s
+
+    reference = Net(loader_batch=4)
+    L.Trainer(**_kwargs(tmp_path / "ref", max_steps=3, accumulate_grad_batches=4)).fit(reference)
+    torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=0, atol=0)
+
+    data = json.loads((tmp_path / "distplan" / "plan.json").read_text())
+    assert data["plan"]["micro_batch_size"] == 4 and data["running_strategy"] == "SingleDeviceStrategy"
+    assert (tmp_path / "distplan" / "profile.json").is_file()
+
+
+def test_callback_apply_false_only_reports(tmp_path: Path) -> None:
+    model = Net(loader_batch=16)
+    callback, sizes = PlanningCallback(micro_batch_size=2, apply=False), Sizes()
+    L.Trainer(**_kwargs(tmp_path, max_steps=2, callbacks=[callback, sizes])).fit(model)
+    assert callback.plan.micro_batch_size == 2 and sizes.sizes == [16, 16]
+
+
+def test_callback_refuses_conflicting_setups(tmp_path: Path) -> None:
+    with pytest.raises(InfeasiblePlanError, match="GradientAccumulationScheduler.*HINT"):
+        L.Trainer(**_kwargs(tmp_path, max_steps=1, callbacks=[PlanningCallback(), GradientAccumulationScheduler({0: 2})])).fit(Net())
+    with pytest.raises(InfeasiblePlanError, match="micro_batch_size"):
+        PlanningCallback(micro_batch_size=0)
+    with pytest.raises(InfeasiblePlanError, match="DPGAStrategy.*HINT"):
+        L.Trainer(**_kwargs(tmp_path, max_steps=1, strategy=DPGAStrategy(), callbacks=[PlanningCallback()])).fit(Net())
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_report_names_a_faster_pipeline_without_forcing_it() -> None:
+    """Large gradients over a slow link: all-reduce dominates DP; a 2-stage pipeline sends only small activations."""
+    layers = [LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=200 << 20, activation_bytes_per_sample=1e3, output_bytes_per_sample=1e3)] * 4
+    slow = 100e6  # 100 MB/s
+    links = (
+        LinkProfile(kind="allreduce", backend="gloo", world_size=2, latency_s=1e-4, bandwidth_bytes_per_s=slow),
+        LinkProfile(kind="p2p", backend="gloo", world_size=2, latency_s=1e-4, bandwidth_bytes_per_s=slow),
+    )
+    profile = synthetic_profile(layers, links=links, device_memory_bytes=64 << 30)
+    dp, hardware, alternative = rank_micro_batching(profile, world_size=2, global_batch_size=32)
+    assert all(c.plan.strategy == "dp_ga" for c in dp)
+    assert alternative is not None
+    cand, speedup = alternative
+    assert cand.plan.pp == 2 and speedup > 1.05
+    assert speedup == pytest.approx(dp[0].prediction.step_time_s / cand.prediction.step_time_s)
+    message = alternative_message(alternative)
+    assert message.startswith(f"{cand.plan.strategy} with 2 stages") and message.endswith("faster: use strategy='auto_plan'")
+    # no faster alternative when the link is fast and the model small
+    fast = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=1 << 10, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e6)] * 4)
+    assert rank_micro_batching(fast, world_size=2, global_batch_size=32)[2] is None
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"replan": "on"}, "replan"), ({"threshold": 1.0}, "threshold"), ({"window": 0}, "window")])
+def test_monitor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(InfeasiblePlanError, match=match):
+        StepTimeMonitor(**kwargs)
