@@ -120,6 +120,13 @@ class AutoPlanStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         base = {k: ddp_kwargs.pop(k) for k in list(ddp_kwargs) if k in _DDP_BASE_ARGS}
+        if base.get("start_method", "popen") != "popen":
+            # A spawn launcher hands rank 0's (for a pipeline: one stage's) weights back to the main
+            # process through the strategy it was built with; after the swap that would be wrong.
+            raise InfeasiblePlanError(
+                f"AutoPlanStrategy runs with start_method='popen' (Lightning re-launches the script, as for strategy='ddp'), got {base['start_method']!r}.",
+                hint="Leave start_method at its default, or launch the processes yourself with torchrun / SLURM.",
+            )
         super().__init__(**base)
         if strategy != "auto" and strategy not in STRATEGIES:
             raise InfeasiblePlanError(f"Unknown strategy {strategy!r}.", hint=f"Use 'auto' or one of {', '.join(STRATEGIES)}.")

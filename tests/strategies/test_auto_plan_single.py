@@ -56,6 +56,23 @@ def test_pins_fix_the_plan_and_auto_fills_the_rest(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "distplan" / "plan.json").read_text())["pins"] == {"micro_batch_size": 2}
 
 
+def test_given_global_batch_size(tmp_path: Path) -> None:
+    """global_batch_size=32 with a loader of 8 on one device: 32 samples per optimizer step."""
+    seen: list[int] = []
+
+    class Sizes(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+            seen.append(batch[0].shape[0])
+
+    strategy = AutoPlanStrategy(global_batch_size=32, micro_batch_size=8)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=2, callbacks=[Sizes()]))
+    trainer.fit(_small(n_samples=128))
+    plan = trainer.strategy.plan
+    assert (plan.global_batch_size, plan.micro_batch_size, plan.accumulate_grad_batches) == (32, 8, 4)
+    assert seen == [8] * 8 and trainer.global_step == 2
+    assert trainer.accumulate_grad_batches == 1
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin pp=2 is impossible: pp must divide world_size 1.*HINT"):
@@ -70,7 +87,10 @@ def test_memory_cap_no_plan_fits_is_explained(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"stages": 0}, "`stages` must be a positive integer"), ({"strategy": "zero3"}, "Unknown strategy 'zero3'"), ({"replan": "yes"}, "`replan`")],
+    [
+        ({"stages": 0}, "`stages` must be a positive integer"), ({"strategy": "zero3"}, "Unknown strategy 'zero3'"),
+        ({"replan": "yes"}, "`replan`"), ({"start_method": "spawn"}, "start_method='popen'.*HINT"),
+    ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(InfeasiblePlanError, match=match):
