@@ -30,9 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["build_concrete", "_AutoDPGAStrategy", "_AutoPipelineStrategy", "_FullBatchLoader"]
 
-# DDPStrategy constructor arguments that only DDP (not the pipeline) understands.
-_PIPELINE_KWARGS = ("deferred_batchnorm",)
-
 
 class _AutoDPGAStrategy(DPGAStrategy):
     """:class:`DPGAStrategy` running a plan chosen by ``auto_plan`` (may change at an epoch boundary)."""

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -43,6 +43,12 @@ __all__ = [
     "write_artifacts",
     "pins_from",
     "distplan_dir",
+    "in_fit_micro_batch_sizes",
+    "link_sizes",
+    "faster_alternative",
+    "describe_for_user",
+    "plan_record",
+    "log_outcome",
 ]
 
 log = logging.getLogger(__name__)
@@ -405,8 +411,3 @@ def log_outcome(outcome: PlanningOutcome, *, prefix: str = "distplan", top: int 
         lines.append(f"{prefix}: planning overhead {outcome.profiling_s:.2f} s profiling + {outcome.planning_s:.3f} s ranking")
     rank_zero_info("\n".join(lines))
 
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
