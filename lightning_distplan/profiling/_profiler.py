@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # big model on a CPU stays in seconds; the fit still gets >= 3 sizes (smaller ones are added instead).
 _MAX_STEP_S = 1.5
 _MIN_SIZES = 3
+_MIN_R2 = 0.9  # below this the linear model t(m) = α·m + β is a poor description: warn
 
 
 def default_micro_batch_sizes(loader_batch_size: int) -> list[int]:
@@ -455,6 +456,8 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     # -- optimizer -----------------------------------------------------------------------------
     if prof.user_optimizer is not None:
         optimizers = [prof.user_optimizer]
+        if prof.user_optimizer.state:  # state on the old device: load_state_dict casts it to the parameters' device
+            prof.user_optimizer.load_state_dict(prof.user_optimizer.state_dict())
     else:
         try:
             optimizers = _optimizers_from(module.configure_optimizers())
@@ -631,6 +634,17 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         backward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.backward_s for s in step_samples]),
         samples=tuple(step_samples),
     )
+    total = LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s + s.backward_s for s in step_samples])
+    worst = max(abs(total(s.micro_batch_size) - (s.forward_s + s.backward_s)) / (s.forward_s + s.backward_s) for s in step_samples)
+    # flat, overhead-bound steps have a low R² but predict fine: warn only when the line misses a point by > 15%
+    if len(step_samples) >= 3 and total.r2 < _MIN_R2 and worst > 0.15:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"The step time of {prof.name} is not linear in the micro-batch size (R² = {total.r2:.2f} over {list(feasible)}, a measured point off the line by {worst:.0%}), "
+            "so predictions at other sizes are uncertain. A busy host or a device far from saturation does this; "
+            "re-profile on an idle machine or with more repeats."
+        )
     all_params = list(dict.fromkeys(module.parameters()))
     param_bytes = sum(p.numel() * p.element_size() for p in all_params)
     grad_bytes = sum(p.numel() * p.element_size() for p in all_params if p.requires_grad)

@@ -120,3 +120,18 @@ def test_cuda_request_without_gpu() -> None:
     info = device_info("cpu")
     assert info.type == "cpu" and info.total_memory_bytes > 2**20
     assert info.memory_source in ("host RAM (sysconf)", "cgroup memory limit")
+
+
+def test_default_sizes_stop_on_time_and_keep_three() -> None:
+    from lightning_distplan.profiling._profiler import _next_sizes
+
+    say = lambda _: None  # noqa: E731
+    # fast steps: keep going
+    assert _next_sizes([16, 32], [4, 8], [], [], step_s=0.1, m=8, say=say) == [16, 32]
+    # slow with 3 sizes done: stop
+    assert _next_sizes([32], [4, 8, 16], [], [], step_s=1.0, m=16, say=say) == []
+    # slow with fewer than 3 sizes: go below the smallest (cheap) instead of above
+    assert _next_sizes([8, 16, 32], [4], [], [], step_s=2.0, m=4, say=say) == [2]
+    assert _next_sizes([], [4, 2], [], [], step_s=2.0, m=2, say=say) == [1]
+    # at size 1 already: take the next larger one anyway to reach 3 sizes
+    assert _next_sizes([], [2, 1], [], [], step_s=2.0, m=1, say=say) == [4]
