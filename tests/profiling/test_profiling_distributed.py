@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
         from lightning_distplan.profiling import measure_links, profile_module
 
-        links = measure_links(sizes_bytes=(1 << 10, 1 << 14, 1 << 18, 1 << 20), repeats=3)
+        links = measure_links(sizes_bytes=(1 << 12, 1 << 16, 1 << 20, 1 << 22), repeats=5)
         # rank 1 "runs out of memory" above 2 samples, rank 0 only above 8: both must record 4 as infeasible
         torch.manual_seed(0)
         data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(4)]
