@@ -1,0 +1,97 @@
+"""``distplan tune``: search cloud instances and plans with Optuna over the cost model (DESIGN §5)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from lightning_distplan.plan import STRATEGIES
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tune",
+        help="Search cloud instance type, count and plan for the lowest cost + w*time per step.",
+        description=(
+            "Project the profile to every GPU of a catalog, search instance type, count, strategy, stages and "
+            "micro-batch size with Optuna (objective C + w*T per step, seed 000 §IV-D), print the best configuration "
+            "and the (cost, time) Pareto front, and leave the study (per-trial breakdowns as user attributes) in the storage."
+        ),
+    )
+    parser.add_argument("--profile", required=True, help="Profile JSON written by `distplan profile`.")
+    parser.add_argument("--catalog", default="alicloud-2023", help="Built-in catalog (alicloud-2023, aws-2026) or a SkyPilot-style CSV path.")
+    parser.add_argument("--global-batch-size", type=int, required=True, help="Samples per optimizer step (kept exactly).")
+    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (seed 000 uses 0, 256, 4096, 65536).")
+    parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300).")
+    parser.add_argument("--storage", default="sqlite:///distplan.db", help="Optuna RDB URL (default sqlite:///distplan.db).")
+    parser.add_argument("--study-name", default=None, help="Study name (default distplan-<catalog>-B<batch>-w<weight>); an existing one with the same settings is extended.")
+    parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or a readable table.")
+    parser.add_argument("--seed", type=int, default=0, help="Sampler seed (default 0).")
+    parser.add_argument("--max-instances", type=int, default=8, help="Most instances of one type (default 8).")
+    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="Strategies to consider.")
+    parser.add_argument("--max-pp", type=int, default=None, help="Most pipeline stages to consider.")
+    parser.add_argument("--bandwidth", type=float, default=None, help="Network Gbit/s for every instance (required for a CSV without NetworkGbps).")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="Math assumed on the target GPUs (auto: the profile's dtype).")
+    parser.add_argument("--multi-objective", action="store_true", help="Optimise (cost, time) with NSGA-II instead of C + w*T with TPE.")
+    parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    parser.set_defaults(run=run)
+
+
+def _table(result: dict[str, Any]) -> str:
+    cur = result["currency"]
+
+    def row(c: dict[str, Any]) -> str:
+        plan = f"{c['strategy']} dp={c['dp']} pp={c['pp']} m={c['micro_batch_size']} acc={c['accumulation']}"
+        lo, hi = c["predicted_step_time_band_s"]
+        return (
+            f"{c['count']:>3} x {c['instance_type']:<20} {plan:<38} {c['predicted_step_time_s']:>9.4f}s "
+            f"[{lo:.3g}-{hi:.3g}] {c['predicted_cost_per_step']:>11.5g} {cur}  {c['predicted_peak_memory_bytes'] / 2**30:6.2f} GiB"
+        )
+
+    header = f"{'n':>3}   {'instance':<20} {'plan':<38} {'time/step':>10} {'band':<13} {'cost/step':>11}"
+    lines = [
+        f"study {result['study_name']!r} in {result['storage']}: {result['n_trials']} trials, {result['n_evaluations']} configurations priced "
+        f"of {result['space_size']}, {result['n_feasible']} feasible; objective C + w*T, w={result['time_weight']:g}",
+        "",
+        "best:",
+        header,
+        row(result["best"]),
+        "",
+        "Pareto front (cost, time), cheapest first:",
+        header,
+        *[row(c) for c in result["pareto"]],
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lightning_distplan.profile import Profile
+    from lightning_distplan.tuner import load_catalog, tune
+
+    profile = Profile.load(args.profile)
+    catalog = load_catalog(args.catalog, bandwidth_gbps=args.bandwidth)
+    result = tune(
+        profile,
+        catalog=catalog,
+        global_batch_size=args.global_batch_size,
+        time_weight=args.time_weight,
+        n_trials=args.trials,
+        storage=args.storage,
+        study_name=args.study_name,
+        seed=args.seed,
+        max_instances=args.max_instances,
+        strategies=tuple(args.strategy),
+        max_pp=args.max_pp,
+        multi_objective=args.multi_objective,
+        precision=args.precision,
+        progress=not args.no_progress,
+    )
+    data = result.to_dict()
+    if args.format == "json":
+        print(json.dumps(data, indent=1))
+    else:
+        print(_table(data))
+    return 0

@@ -1,0 +1,252 @@
+"""GPU peak numbers for the roofline projection, each row with its source.
+
+Pure Python (no torch). Peaks are *dense* (no structured sparsity). "tensor" is the BF16/FP16
+tensor-core rate (FP16 where the part has no BF16); "fp32" is the plain (non-tensor-core) FP32 rate
+that a float32 PyTorch matmul gets when TF32 is off (PyTorch's default for matmuls).
+
+The profiled device needs peaks too: the roofline ratio divides the target's bound by the source's
+(DESIGN §4). :func:`source_spec` maps a CUDA profile's device name to a row, and for a CPU profile
+estimates the host's peak from the profile itself (see its docstring); that estimate is coarse and
+the projection says so.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+from lightning_distplan.errors import CatalogError
+
+if TYPE_CHECKING:
+    from lightning_distplan.profile import Profile
+
+__all__ = ["GpuSpec", "GPUS", "gpu_spec", "match_gpu_name", "source_spec", "CPU_MEMORY_BANDWIDTH_ASSUMED"]
+
+_TB = 1e12
+_GB = 1e9
+_GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuSpec:
+    """Peak throughput of one device (a GPU, a share of one, or an estimated CPU host)."""
+
+    name: str
+    """Canonical name (``"A100-80GB"``)."""
+    tensor_flops: float
+    """Dense BF16/FP16 tensor-core FLOP/s (FP16 for parts without BF16)."""
+    fp32_flops: float
+    """Dense non-tensor FP32 FLOP/s."""
+    memory_bandwidth_bytes_per_s: float
+    """Device memory bandwidth."""
+    memory_bytes: int
+    """Device memory capacity."""
+    interconnect_bytes_per_s: float = 16 * _GB
+    """GPU-to-GPU bandwidth inside one machine, per direction (NVLink where the part has it, else PCIe)."""
+    source: str = ""
+    """Where the numbers come from."""
+    estimate: bool = False
+    """True when a number is not from a vendor datasheet (treat it as a guess)."""
+    kind: Literal["gpu", "cpu"] = "gpu"
+    fraction: float = 1.0
+    """Share of the physical device (time-sliced / vGPU instances sell 1/12 .. 1/2 of an A10)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_flops", "fp32_flops", "memory_bandwidth_bytes_per_s", "interconnect_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GpuSpec {self.name!r}: `{name}` must be > 0, got {getattr(self, name)!r}.")
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"GpuSpec {self.name!r}: `fraction` must be in (0, 1], got {self.fraction!r}.")
+
+    def peak_flops(self, precision: Literal["fp32", "bf16"]) -> float:
+        """Peak FLOP/s for the given math precision (``"bf16"`` = tensor cores, fp16 included)."""
+        return self.tensor_flops if precision == "bf16" else self.fp32_flops
+
+    def share(self, fraction: float, *, memory_bytes: int | None = None) -> GpuSpec:
+        """This GPU sliced to ``fraction`` of its compute and memory bandwidth.
+
+        Assumption (not measured): a time-sliced share gets that fraction of the peaks; the memory
+        capacity is what the instance sells (``memory_bytes``), else the same fraction of the card.
+        """
+        if fraction >= 1:
+            return self if memory_bytes is None else replace(self, memory_bytes=memory_bytes)
+        return replace(
+            self,
+            name=f"{self.name}x{fraction:.3g}",
+            tensor_flops=self.tensor_flops * fraction,
+            fp32_flops=self.fp32_flops * fraction,
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * fraction,
+            memory_bytes=memory_bytes if memory_bytes is not None else int(self.memory_bytes * fraction),
+            fraction=self.fraction * fraction,
+            estimate=True,
+            source=self.source + f"; shared {fraction:.3g} of the card: peaks scaled linearly (assumption)",
+        )
+
+
+def _row(name: str, tensor_tf: float, fp32_tf: float, bw_gbs: float, mem_gb: float, ic_gbs: float, source: str, *, estimate: bool = False) -> GpuSpec:
+    return GpuSpec(
+        name=name,
+        tensor_flops=tensor_tf * _TB,
+        fp32_flops=fp32_tf * _TB,
+        memory_bandwidth_bytes_per_s=bw_gbs * _GB,
+        # Marketing "GB" on these datasheets is GiB-sized HBM/GDDR; torch reports e.g. 79.2 GiB usable on an 80 GB part.
+        memory_bytes=int(mem_gb * _GIB),
+        interconnect_bytes_per_s=ic_gbs * _GB,
+        source=source,
+        estimate=estimate,
+    )
+
+
+# Interconnect per direction: NVLink total / 2 on SXM parts, else the PCIe slot (Gen3 x16 ≈ 16 GB/s,
+# Gen4 x16 ≈ 32 GB/s, Gen5 x16 ≈ 64 GB/s per direction; source: PCI-SIG link rates).
+GPUS: dict[str, GpuSpec] = {
+    # source: NVIDIA T4 datasheet (65 FP16 tensor TFLOPS mixed precision, 8.1 FP32, 320 GB/s, 16 GB, PCIe Gen3 x16); no BF16.
+    "T4": _row("T4", 65, 8.1, 320, 16, 16, "NVIDIA T4 datasheet"),
+    # source: NVIDIA A10 datasheet (125 BF16 dense / 250 sparse, 31.2 FP32, 600 GB/s, 24 GB, PCIe Gen4 x16).
+    "A10": _row("A10", 125, 31.2, 600, 24, 32, "NVIDIA A10 datasheet"),
+    # source: ESTIMATE - AWS publishes no A10G datasheet; ~70 tensor TFLOPS from vendor tables (FACTS.md, unconfirmed),
+    # FP32 assumed equal to the A10's 31.2 (same GA102 die), 600 GB/s and 24 GB per AWS G5 documentation.
+    "A10G": _row("A10G", 70, 31.2, 600, 24, 32, "vendor tables (FACTS.md), unconfirmed estimate", estimate=True),
+    # source: NVIDIA L4 datasheet (242 FP16/BF16 with sparsity -> 121 dense, 30.3 FP32, 300 GB/s, 24 GB, PCIe Gen4 x16).
+    "L4": _row("L4", 121, 30.3, 300, 24, 32, "NVIDIA L4 datasheet"),
+    # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16.
+    "V100": _row("V100", 125, 15.7, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)"),
+    # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
+    "A100-40GB": _row("A100-40GB", 312, 19.5, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
+    # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
+    "A100-80GB": _row("A100-80GB", 312, 19.5, 2039, 80, 300, "NVIDIA A100 datasheet (80 GB SXM)"),
+    # source: NVIDIA L40S datasheet (362.05 BF16 dense / 733 sparse, 91.6 FP32, 864 GB/s, 48 GB, PCIe Gen4 x16).
+    "L40S": _row("L40S", 362, 91.6, 864, 48, 32, "NVIDIA L40S datasheet"),
+    # source: NVIDIA H100 datasheet, SXM5 (989 BF16 dense / 1,979 sparse, 67 FP32, 3.35 TB/s, 80 GB, NVLink 900 GB/s total).
+    "H100-SXM": _row("H100-SXM", 989, 67, 3350, 80, 450, "NVIDIA H100 datasheet (SXM5)"),
+    # source: NVIDIA H100 datasheet, PCIe (756 BF16 dense, 51 FP32, 2.0 TB/s, 80 GB, PCIe Gen5 x16).
+    "H100-PCIe": _row("H100-PCIe", 756, 51, 2000, 80, 64, "NVIDIA H100 datasheet (PCIe)"),
+    # source: NVIDIA H200 datasheet, SXM (989 BF16 dense, 67 FP32, 4.8 TB/s, 141 GB, NVLink 900 GB/s total).
+    "H200": _row("H200", 989, 67, 4800, 141, 450, "NVIDIA H200 datasheet (SXM)"),
+}
+
+# Names people and catalogs use -> canonical row. SkyPilot's catalogs say "A100" for the 40 GB part and
+# "A100-80GB" for the 80 GB one; AWS p5 instances carry H100 SXM.
+_ALIASES: dict[str, str] = {
+    "A100": "A100-40GB",
+    "A10040GB": "A100-40GB",
+    "A100SXM440GB": "A100-40GB",
+    "A100PCIE40GB": "A100-40GB",
+    "A10080GB": "A100-80GB",
+    "A100SXM480GB": "A100-80GB",
+    "A100PCIE80GB": "A100-80GB",
+    "H100": "H100-SXM",
+    "H100SXM": "H100-SXM",
+    "H10080GBHBM3": "H100-SXM",
+    "H100SXM580GB": "H100-SXM",
+    "H100PCIE": "H100-PCIe",
+    "H100NVL": "H100-PCIe",
+    "H200": "H200",
+    "H200141GBHBM3E": "H200",
+    "V100": "V100",
+    "V10016GB": "V100",
+    "V100SXM216GB": "V100",
+    "TESLAV100SXM216GB": "V100",
+    "TESLAT4": "T4",
+    "T4": "T4",
+    "L4": "L4",
+    "L40S": "L40S",
+    "A10": "A10",
+    "A10G": "A10G",
+}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^A-Z0-9]", "", name.upper().replace("NVIDIA", ""))
+
+
+def match_gpu_name(name: str) -> str | None:
+    """Canonical row name for a GPU name as catalogs or ``torch.cuda.get_device_name`` spell it, or None.
+
+    Example:
+        >>> match_gpu_name("NVIDIA H100 80GB HBM3"), match_gpu_name("a100-80gb"), match_gpu_name("Tesla T4")
+        ('H100-SXM', 'A100-80GB', 'T4')
+    """
+    key = _key(name)
+    for canonical in GPUS:
+        if key == _key(canonical):
+            return canonical
+    if key in _ALIASES:
+        return _ALIASES[key]
+    # Device strings carry extra words ("NVIDIA A100-SXM4-80GB"): take the longest alias contained in it.
+    hits = [alias for alias in _ALIASES if alias in key]
+    hits += [_key(c) for c in GPUS if _key(c) in key]
+    if not hits:
+        return None
+    best = max(hits, key=len)
+    return _ALIASES.get(best) or next(c for c in GPUS if _key(c) == best)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The spec row for ``name`` (any spelling :func:`match_gpu_name` knows).
+
+    Raises:
+        CatalogError: the GPU is not in the table (the message lists the known ones).
+    """
+    canonical = match_gpu_name(name)
+    if canonical is None:
+        raise CatalogError(
+            f"Unknown GPU {name!r}; the spec table knows {', '.join(GPUS)}.",
+            hint="Use one of those names, or add a row with its datasheet source to lightning_distplan/costmodel/gpus.py.",
+        )
+    return GPUS[canonical]
+
+
+# source: assumption - a dual-channel DDR4/DDR5 desktop or a small cloud VM share streams ~20 GB/s; used only
+# when a CPU profile has to be projected and no measured host bandwidth exists.
+CPU_MEMORY_BANDWIDTH_ASSUMED = 20 * _GB
+
+
+def source_spec(profile: Profile) -> tuple[GpuSpec, str]:
+    """Peaks of the device the profile was measured on, and how they were obtained.
+
+    * CUDA profile: the spec row matching ``profile.device.name``.
+    * CPU profile: no datasheet applies, so the peak FLOP/s is *estimated from the profile itself*: the
+      highest FLOP/s any layer reached at the largest profiled micro-batch (sum of forward+backward
+      FLOPs over the fitted time). The most compute-dense layer of a model is normally a large
+      matmul, which on a CPU gets close to the host's BLAS peak, but this is still a lower bound on
+      the true peak: taking it as the peak assumes the target GPU runs that layer at its datasheet
+      peak, so CPU-based projections lean optimistic (a large bf16 matmul reaches ~80% of peak on an
+      H100, FACTS.md). Memory bandwidth is :data:`CPU_MEMORY_BANDWIDTH_ASSUMED`. Projections from a
+      CPU profile are coarse (a factor of ~3 either way, see ``projection.py``).
+
+    Raises:
+        CatalogError: a CUDA profile of a GPU the table does not know.
+    """
+    device = profile.device
+    if device.type == "cuda":
+        spec = gpu_spec(device.name)
+        return spec, f"spec table row {spec.name!r} ({spec.source})"
+    m = max(profile.micro_batch_sizes)
+    best = 0.0
+    for layer in profile.layers:
+        flops = (layer.flops_forward_per_sample + layer.flops_backward_per_sample) * m
+        t = layer.time(m)
+        if flops > 0 and t > 0:
+            best = max(best, flops / t)
+    basis = (
+        f"CPU host: peak FLOP/s estimated as the best per-layer achieved rate in the profile at micro-batch {m} "
+        f"({best / 1e9:.3g} GFLOP/s); memory bandwidth assumed {CPU_MEMORY_BANDWIDTH_ASSUMED / 1e9:.0f} GB/s"
+    )
+    if best <= 0:
+        # No FLOP counts at all: fall back to a stated guess of a small multicore host.
+        # source: assumption - ~100 GFLOP/s FP32, a few AVX2/AVX-512 cores running PyTorch's BLAS.
+        best = 100e9
+        basis = "CPU host: no per-layer FLOPs in the profile, peak assumed 100 GFLOP/s FP32; memory bandwidth assumed 20 GB/s"
+    spec = GpuSpec(
+        name=f"cpu:{device.name}",
+        tensor_flops=best,
+        fp32_flops=best,
+        memory_bandwidth_bytes_per_s=CPU_MEMORY_BANDWIDTH_ASSUMED,
+        memory_bytes=int(device.total_memory_bytes) or 1,
+        source=basis,
+        estimate=True,
+        kind="cpu",
+    )
+    return spec, basis

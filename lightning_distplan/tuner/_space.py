@@ -1,0 +1,327 @@
+"""The tuner's configuration space and how one configuration is priced (shared by Optuna and exhaustive search).
+
+A configuration is (instance type, instance count, plan): the plan is one of
+:func:`lightning_distplan.planner.enumerate_plans` for the world size the instances give, so every
+configuration factors the global batch exactly (DESIGN §3.1). Pricing projects the profile to the
+instance's GPU (:mod:`lightning_distplan.costmodel.projection`), builds a
+:class:`~lightning_distplan.costmodel.Hardware` from the catalog row, and applies the cost model and
+the objective C + w·T (seed 000 §IV-D).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from lightning_distplan.costmodel import DEFAULT_LATENCY_S, Hardware, cost_per_step, objective, predict
+from lightning_distplan.costmodel.projection import ProjectionInfo, project_profile
+from lightning_distplan.errors import BatchNotFactorableError, DistPlanError
+from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.planner import enumerate_plans
+from lightning_distplan.profile import Profile
+from lightning_distplan.tuner.catalog import Catalog, Instance
+
+__all__ = ["ConfigSpace", "TunedConfig"]
+
+NETWORK_LATENCY_S = DEFAULT_LATENCY_S
+# source: assumption (costmodel.DEFAULT_LATENCY_S, 50 µs) - TCP between instances in one region; catalogs
+# do not publish latency.
+INTRA_NODE_LATENCY_S = 10e-6
+# source: assumption - NCCL small-message latency between GPUs of one machine is on the order of 10 µs.
+
+
+@dataclass(frozen=True, kw_only=True)
+class TunedConfig:
+    """One priced configuration: what to rent, how to run it, and what the model expects."""
+
+    instance_type: str
+    count: int
+    """Instances rented."""
+    gpu: str
+    world_size: int
+    plan: Plan
+    step_time_s: float
+    """Predicted seconds per optimizer step (central projection)."""
+    step_time_band_s: tuple[float, float]
+    """The projection's stated uncertainty band on ``step_time_s``."""
+    cost_per_step: float
+    """count · price_per_hour / 3600 · step_time_s (seed 000 §IV-D)."""
+    currency: str
+    objective: float
+    """C + w·T (seed 000 §IV-D)."""
+    price_per_hour: float
+    peak_memory_bytes: int
+    device_memory_bytes: int
+    feasible: bool
+    reason: str
+    breakdown: dict[str, float] = field(default_factory=dict, compare=False)
+    memory_breakdown: dict[str, int] = field(default_factory=dict, compare=False)
+    trial_number: int | None = None
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        p = self.plan
+        return (self.instance_type, self.count, p.strategy, p.dp, p.pp, p.micro_batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON entry of ``distplan tune`` (DESIGN §5 field names)."""
+        p = self.plan
+        return {
+            "instance_type": self.instance_type,
+            "count": self.count,
+            "gpu": self.gpu,
+            "world_size": self.world_size,
+            "strategy": p.strategy,
+            "schedule": p.schedule,
+            "dp": p.dp,
+            "pp": p.pp,
+            "micro_batch_size": p.micro_batch_size,
+            "accumulate_grad_batches": p.accumulate_grad_batches,
+            "n_microbatches": p.n_microbatches,
+            "accumulation": p.steps_per_replica,
+            "global_batch_size": p.global_batch_size,
+            "stage_boundaries": list(p.stage_boundaries),
+            "predicted_step_time_s": self.step_time_s,
+            "predicted_step_time_band_s": list(self.step_time_band_s),
+            "predicted_cost_per_step": self.cost_per_step,
+            "currency": self.currency,
+            "objective": self.objective,
+            "price_per_hour": self.price_per_hour,
+            "predicted_peak_memory_bytes": self.peak_memory_bytes,
+            "device_memory_bytes": self.device_memory_bytes,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "breakdown": dict(self.breakdown),
+            "trial_number": self.trial_number,
+        }
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any], *, trial_number: int | None = None) -> TunedConfig:
+        """Rebuild from a trial's user attributes (see :meth:`ConfigSpace.trial_attrs`)."""
+        plan = Plan.from_dict(attrs["plan"])
+        return cls(
+            instance_type=attrs["instance_type"],
+            count=int(attrs["count"]),
+            gpu=attrs["gpu"],
+            world_size=int(attrs["world_size"]),
+            plan=plan,
+            step_time_s=float(attrs["step_time_s"]),
+            step_time_band_s=tuple(attrs["step_time_band_s"]),  # type: ignore[arg-type]
+            cost_per_step=float(attrs["cost_per_step"]),
+            currency=attrs["currency"],
+            objective=float(attrs["objective"]),
+            price_per_hour=float(attrs["price_per_hour"]),
+            peak_memory_bytes=int(attrs["memory"]["peak_bytes"]),
+            device_memory_bytes=int(attrs["memory"]["device_bytes"]),
+            feasible=bool(attrs["feasible"]),
+            reason=attrs["reason"],
+            breakdown=dict(attrs["breakdown"]),
+            memory_breakdown=dict(attrs["memory"]["breakdown"]),
+            trial_number=trial_number,
+        )
+
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+class ConfigSpace:
+    """Instances × counts × plans for one profile, catalog and global batch, with cached pricing."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        catalog: Catalog,
+        *,
+        global_batch_size: int,
+        time_weight: float,
+        max_instances: int,
+        strategies: Sequence[str] = STRATEGIES,
+        max_pp: int | None = None,
+        precision: str = "auto",
+    ) -> None:
+        self.profile = profile
+        self.catalog = catalog
+        self.global_batch_size = global_batch_size
+        self.time_weight = time_weight
+        self.max_instances = max_instances
+        pipelines_possible = profile.splittable and len(profile.layers) >= 2
+        self.strategies = tuple(s for s in strategies if s == "dp_ga" or pipelines_possible)
+        self.max_pp = max_pp
+        self.precision = precision
+        self._plans: dict[int, list[Plan]] = {}
+        self._projected: dict[str, tuple[Profile, ProjectionInfo]] = {}
+        self._cache: dict[tuple[Any, ...], TunedConfig] = {}
+        self.evaluations = 0
+
+    # -- the space ----------------------------------------------------------------------------
+    def plans(self, world_size: int) -> list[Plan]:
+        """Every plan for ``world_size`` devices (empty when none factors the global batch)."""
+        if world_size not in self._plans:
+            try:
+                plans = enumerate_plans(
+                    self.profile, world_size=world_size, global_batch_size=self.global_batch_size, strategies=self.strategies or ("dp_ga",), max_pp=self.max_pp
+                )
+            except BatchNotFactorableError:
+                plans = []
+            self._plans[world_size] = [p for p in plans if p.strategy in self.strategies]
+        return self._plans[world_size]
+
+    def configurations(self) -> list[tuple[Instance, int, Plan]]:
+        """The whole space, in a fixed order."""
+        return [(inst, count, plan) for inst in self.catalog.instances for count in range(1, self.max_instances + 1) for plan in self.plans(inst.world_size(count))]
+
+    @property
+    def size(self) -> int:
+        return sum(len(self.plans(inst.world_size(c))) for inst in self.catalog.instances for c in range(1, self.max_instances + 1))
+
+    @property
+    def max_pp_value(self) -> int:
+        hi = len(self.profile.layers)
+        if self.max_pp is not None:
+            hi = min(hi, self.max_pp)
+        return min(hi, max(i.world_size(self.max_instances) for i in self.catalog.instances))
+
+    def nearest_plan(self, world_size: int, strategy: str, pp: int, micro_batch_size: int) -> Plan | None:
+        """The valid plan closest (in log scale: pp first, then micro-batch size) to a sampled point.
+
+        Samplers draw factors independently; this maps a draw onto the enumerated valid plans so every
+        trial runs a configuration that factors the global batch. None when ``strategy`` has no plan
+        on ``world_size`` devices.
+        """
+        plans = [p for p in self.plans(world_size) if p.strategy == strategy]
+        if not plans:
+            return None
+        pps = sorted({p.pp for p in plans})
+        best_pp = min(pps, key=lambda x: (abs(math.log(x) - math.log(pp)), x))
+        plans = [p for p in plans if p.pp == best_pp]
+        return min(plans, key=lambda p: (abs(math.log(p.micro_batch_size) - math.log(micro_batch_size)), p.micro_batch_size))
+
+    # -- pricing ------------------------------------------------------------------------------
+    def projection(self, inst: Instance) -> tuple[Profile, ProjectionInfo]:
+        key = inst.instance_type
+        if key not in self._projected:
+            self._projected[key] = project_profile(self.profile, inst.gpu_spec(), precision=self.precision)  # type: ignore[arg-type]
+        return self._projected[key]
+
+    def hardware(self, inst: Instance, count: int) -> Hardware:
+        """Devices and links of ``count`` instances: the network between instances, NVLink/PCIe inside one."""
+        spec = inst.gpu_spec()
+        network = inst.network_gbps * 1e9 / 8
+        if count == 1 and inst.devices_per_instance > 1:
+            bw, lat = spec.interconnect_bytes_per_s, INTRA_NODE_LATENCY_S
+            source = f"intra-instance GPU link {spec.interconnect_bytes_per_s / 1e9:g} GB/s ({spec.source})"
+        else:
+            # A ring or a pipeline spanning instances is bound by the slowest link: the instance network
+            # (with one device per instance nothing is sent, and the value is unused).
+            bw, lat = min(network, spec.interconnect_bytes_per_s), NETWORK_LATENCY_S
+            source = f"catalog network {inst.network_gbps:g} Gbit/s ({inst.network_source or inst.source})"
+        return Hardware(
+            name=f"{count}x {inst.instance_type} ({inst.gpu})",
+            device_memory_bytes=int(spec.memory_bytes),
+            allreduce_latency_s=lat,
+            allreduce_bandwidth_bytes_per_s=bw,
+            p2p_latency_s=lat,
+            p2p_bandwidth_bytes_per_s=bw,
+            link_source=source,
+        )
+
+    def evaluate(self, inst: Instance, count: int, plan: Plan) -> TunedConfig:
+        """Price one configuration (cached: the same configuration is evaluated once)."""
+        key = (inst.instance_type, count, plan.strategy, plan.dp, plan.pp, plan.micro_batch_size)
+        if key in self._cache:
+            return self._cache[key]
+        self.evaluations += 1
+        projected, info = self.projection(inst)
+        hw = self.hardware(inst, count)
+        try:
+            pred = predict(projected, plan, hw)
+        except DistPlanError as err:
+            config = TunedConfig(
+                instance_type=inst.instance_type, count=count, gpu=inst.gpu, world_size=plan.world_size, plan=plan,
+                step_time_s=math.inf, step_time_band_s=(math.inf, math.inf), cost_per_step=math.inf, currency=inst.currency,
+                objective=math.inf, price_per_hour=inst.price_per_hour, peak_memory_bytes=0, device_memory_bytes=hw.device_memory_bytes,
+                feasible=False, reason=str(err),
+            )
+            self._cache[key] = config
+            return config
+        t = pred.step_time_s
+        cost = cost_per_step(t, instances=count, price_per_hour=inst.price_per_hour)  # seed 000 §IV-D
+        lo, hi = info.band
+        run_plan = Plan.from_dict({**plan.to_dict(), "stage_boundaries": list(pred.stage_boundaries)}) if plan.pp > 1 else plan
+        config = TunedConfig(
+            instance_type=inst.instance_type,
+            count=count,
+            gpu=inst.gpu,
+            world_size=plan.world_size,
+            plan=run_plan,
+            step_time_s=t,
+            step_time_band_s=(t * lo, t * hi),
+            cost_per_step=cost,
+            currency=inst.currency,
+            objective=objective(cost, t, self.time_weight),  # seed 000 §IV-D: C + w·T
+            price_per_hour=inst.price_per_hour,
+            peak_memory_bytes=pred.peak_memory_bytes,
+            device_memory_bytes=hw.device_memory_bytes,
+            feasible=pred.feasible,
+            reason=pred.reason,
+            breakdown=dict(pred.breakdown),
+            memory_breakdown=dict(pred.memory_breakdown),
+        )
+        self._cache[key] = config
+        return config
+
+    def trial_attrs(self, config: TunedConfig, inst: Instance, *, requested: dict[str, Any] | None = None) -> dict[str, Any]:
+        """User attributes stored on a trial: everything needed to read or rebuild the configuration."""
+        _, info = self.projection(inst)
+        hw = self.hardware(inst, config.count)
+        finite = config.feasible and math.isfinite(config.step_time_s)
+        attrs: dict[str, Any] = {
+            "instance_type": config.instance_type,
+            "count": config.count,
+            "gpu": config.gpu,
+            "world_size": config.world_size,
+            "plan": config.plan.to_dict(),
+            "strategy": config.plan.strategy,
+            "schedule": config.plan.schedule,
+            "dp": config.plan.dp,
+            "pp": config.plan.pp,
+            "micro_batch_size": config.plan.micro_batch_size,
+            "accumulate_grad_batches": config.plan.accumulate_grad_batches,
+            "n_microbatches": config.plan.n_microbatches,
+            "accumulation": config.plan.steps_per_replica,
+            "feasible": config.feasible,
+            "reason": config.reason,
+            "step_time_s": config.step_time_s if finite or math.isfinite(config.step_time_s) else None,
+            "step_time_band_s": list(config.step_time_band_s) if math.isfinite(config.step_time_s) else None,
+            "cost_per_step": config.cost_per_step if math.isfinite(config.cost_per_step) else None,
+            "objective": config.objective if math.isfinite(config.objective) else None,
+            "currency": config.currency,
+            "price_per_hour": config.price_per_hour,
+            "breakdown": dict(config.breakdown),
+            "peak_memory_bytes": config.peak_memory_bytes,
+            "memory": {
+                "peak_bytes": config.peak_memory_bytes,
+                "device_bytes": config.device_memory_bytes,
+                "usable_bytes": int(hw.usable_memory_bytes),
+                "breakdown": dict(config.memory_breakdown),
+            },
+            "hardware": {
+                "allreduce_bandwidth_bytes_per_s": hw.allreduce_bandwidth_bytes_per_s,
+                "allreduce_latency_s": hw.allreduce_latency_s,
+                "p2p_bandwidth_bytes_per_s": hw.p2p_bandwidth_bytes_per_s,
+                "link_source": hw.link_source,
+            },
+            "projection": {
+                "source": info.source,
+                "target": info.target,
+                "precision": info.precision,
+                "compute_scale": info.compute_scale,
+                "uncertainty_pct": info.uncertainty_pct,
+                "band": list(info.band),
+            },
+        }
+        if requested:
+            attrs["requested"] = requested
+        return attrs

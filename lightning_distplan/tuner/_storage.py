@@ -1,0 +1,104 @@
+"""Open an Optuna RDB storage with a clear error, and write a finished run into it in one transaction.
+
+Why a bulk writer: ``Study.add_trials`` commits every trial separately and looks every attribute up
+before inserting it (~0.1-0.2 s per trial with our ~25 user attributes on SQLite), which alone would
+spend most of the 30 s budget of a 300-trial search. Writing the same rows through Optuna's own
+SQLAlchemy models in one session is ~50× faster and atomic: either the whole run lands or nothing
+does. The models are Optuna internals, so any failure (a schema change in a future Optuna) rolls
+the transaction back and falls back to the public ``add_trials``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Sequence
+
+from lightning_distplan.errors import DistPlanError
+
+__all__ = ["StudyStorageError", "open_storage", "write_trials"]
+
+log = logging.getLogger(__name__)
+
+
+class StudyStorageError(DistPlanError, ValueError):
+    """The Optuna storage URL is invalid or the database cannot be reached."""
+
+
+_HINT = (
+    "Use an RDB URL such as sqlite:///distplan.db (a file in an existing directory) or "
+    "postgresql://user:pass@host/db, and check that the server is reachable and its driver installed."
+)
+
+
+def open_storage(url: Any) -> Any:
+    """An ``optuna.storages.RDBStorage`` for ``url``, or :class:`StudyStorageError` naming what is wrong."""
+    import optuna
+
+    if not isinstance(url, str) or "://" not in url:
+        raise StudyStorageError(f"Storage {url!r} is not a database URL.", hint=_HINT)
+    try:
+        storage = optuna.storages.RDBStorage(url)
+        storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
+    except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StudyStorageError(f"Cannot open the study storage {url!r} ({type(err).__name__}: {first[:200]}).", hint=_HINT) from None
+    return storage
+
+
+def write_trials(study: Any, trials: Sequence[Any]) -> None:
+    """Append finished ``trials`` (FrozenTrial) to ``study`` (backed by an RDBStorage), atomically."""
+    if not trials:
+        return
+    storage = study._storage
+    rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+    try:
+        _bulk_insert(rdb, study._study_id, trials)
+    except Exception as err:  # noqa: BLE001 - any internal mismatch: fall back to the public API
+        log.info("Bulk trial insert unavailable (%s: %s); using Study.add_trials.", type(err).__name__, err)
+        study.add_trials(trials)
+
+
+def _bulk_insert(rdb: Any, study_id: int, trials: Sequence[Any]) -> None:
+    from optuna import distributions
+    from optuna.storages._rdb import models
+
+    session = rdb.scoped_session()
+    try:
+        models.StudyModel.find_or_raise_by_id(study_id, session, for_update=True)
+        first = session.query(models.TrialModel).filter(models.TrialModel.study_id == study_id).count()
+        for i, t in enumerate(trials):
+            row = models.TrialModel(
+                study_id=study_id,
+                number=first + i,
+                state=t.state,
+                datetime_start=t.datetime_start,
+                datetime_complete=t.datetime_complete,
+            )
+            session.add(row)
+            session.flush()  # assigns row.trial_id
+            tid = row.trial_id
+            values = t.values if t.values is not None else []
+            for objective, value in enumerate(values):
+                stored, kind = models.TrialValueModel.value_to_stored_repr(value)
+                session.add(models.TrialValueModel(trial_id=tid, objective=objective, value=stored, value_type=kind))
+            for name, value in t.params.items():
+                dist = t.distributions[name]
+                session.add(
+                    models.TrialParamModel(
+                        trial_id=tid, param_name=name, param_value=dist.to_internal_repr(value), distribution_json=distributions.distribution_to_json(dist)
+                    )
+                )
+            for key, value in t.user_attrs.items():
+                session.add(models.TrialUserAttributeModel(trial_id=tid, key=key, value_json=json.dumps(value)))
+            for key, value in t.system_attrs.items():
+                session.add(models.TrialSystemAttributeModel(trial_id=tid, key=key, value_json=json.dumps(value)))
+            for step, value in t.intermediate_values.items():
+                stored, kind = models.TrialIntermediateValueModel.intermediate_value_to_stored_repr(value)
+                session.add(models.TrialIntermediateValueModel(trial_id=tid, step=step, intermediate_value=stored, intermediate_value_type=kind))
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

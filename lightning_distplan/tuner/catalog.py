@@ -1,0 +1,388 @@
+"""Cloud instance catalogs: what can be rented, with which GPUs, network and price.
+
+Two built-in catalogs, each row citing its source and date, and user CSVs in SkyPilot's layout:
+
+* ``alicloud-2023``: seed 000 Table III exactly (AliCloud ECS GPU instances, RMB/hour, one GPU or a
+  shared fraction of one per instance), so the paper's setting can be reproduced.
+* ``aws-2026``: AWS us-east-1 on-demand prices from a public price-catalog snapshot (FACTS.md, USD/hour);
+  network bandwidth from the AWS EC2 instance-type documentation.
+
+A user CSV is parsed by header name (SkyPilot: ``InstanceType, AcceleratorName, AcceleratorCount,
+vCPUs, MemoryGiB, Price, SpotPrice, Region``) plus ``NetworkGbps`` (required unless a bandwidth is
+given), optional ``GpuMemoryGiB`` and ``Currency`` (default USD).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+from lightning_distplan.costmodel.gpus import GPUS, GpuSpec, gpu_spec, match_gpu_name
+from lightning_distplan.errors import CatalogError
+
+__all__ = ["Instance", "Catalog", "BUILTIN_CATALOGS", "load_catalog", "parse_catalog_csv"]
+
+log = logging.getLogger(__name__)
+
+_GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Instance:
+    """One rentable instance type."""
+
+    instance_type: str
+    """Provider's name (``"gn6i.xlarge"``, ``"p4d.24xlarge"``)."""
+    gpu: str
+    """Canonical GPU row name in :data:`lightning_distplan.costmodel.gpus.GPUS`."""
+    gpus_per_instance: float
+    """GPUs per instance; a fraction < 1 is a shared GPU (1/6 = one sixth of a card)."""
+    gpu_memory_gb: float
+    """Memory of one GPU, or of the share for a fractional GPU, in GB (GiB-sized, as sold)."""
+    vcpus: float
+    memory_gb: float
+    """Host memory."""
+    network_gbps: float
+    """Instance network bandwidth in Gbit/s (the inter-instance link)."""
+    price_per_hour: float
+    """On-demand price of one instance per hour, in ``currency``."""
+    currency: str
+    region: str = ""
+    source: str = ""
+    """Where the row comes from (table, snapshot, file and line)."""
+    date: str = ""
+    """When the price was valid / captured."""
+    spot_price_per_hour: float | None = None
+    network_source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_instance", "gpu_memory_gb", "network_gbps", "price_per_hour"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and name != "price_per_hour"):
+                raise CatalogError(
+                    f"Instance {self.instance_type!r}: `{name}` must be a positive number, got {value!r}.",
+                    hint="Fix the catalog row.",
+                )
+        if self.gpus_per_instance > 1 and self.gpus_per_instance != int(self.gpus_per_instance):
+            raise CatalogError(
+                f"Instance {self.instance_type!r}: {self.gpus_per_instance} GPUs per instance is neither whole nor a share of one GPU.",
+                hint="Use a whole number of GPUs, or a fraction below 1 for a shared GPU.",
+            )
+
+    @property
+    def devices_per_instance(self) -> int:
+        """Ranks per instance: one per whole GPU, one for a shared GPU."""
+        return max(1, int(self.gpus_per_instance))
+
+    def world_size(self, count: int) -> int:
+        """Ranks when renting ``count`` of these instances."""
+        return count * self.devices_per_instance
+
+    def gpu_spec(self) -> GpuSpec:
+        """The GPU one rank gets: the spec row, sliced for a shared GPU, with the memory the instance sells."""
+        spec = gpu_spec(self.gpu)
+        memory = int(self.gpu_memory_gb * _GIB)
+        if self.gpus_per_instance < 1:
+            return spec.share(self.gpus_per_instance, memory_bytes=memory)
+        return spec.share(1.0, memory_bytes=memory)
+
+    def to_dict(self) -> dict[str, object]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Catalog:
+    """A named list of instances priced in one currency."""
+
+    name: str
+    currency: str
+    instances: tuple[Instance, ...]
+    source: str = ""
+    date: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.instances:
+            raise CatalogError(f"Catalog {self.name!r} has no GPU instances.", hint="Add at least one row with an AcceleratorName.")
+        currencies = {i.currency for i in self.instances}
+        if currencies != {self.currency}:
+            raise CatalogError(
+                f"Catalog {self.name!r} mixes currencies {sorted(currencies)}; costs would not be comparable.",
+                hint="Use one currency per catalog (split the file).",
+            )
+        names = [i.instance_type for i in self.instances]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise CatalogError(f"Catalog {self.name!r} lists instance types {dupes} more than once.", hint="Keep one row per instance type.")
+
+    def get(self, instance_type: str) -> Instance:
+        for inst in self.instances:
+            if inst.instance_type == instance_type:
+                return inst
+        raise CatalogError(
+            f"Instance type {instance_type!r} is not in catalog {self.name!r}.",
+            hint=f"Use one of {', '.join(i.instance_type for i in self.instances)}.",
+        )
+
+    @property
+    def instance_types(self) -> tuple[str, ...]:
+        return tuple(i.instance_type for i in self.instances)
+
+
+# --------------------------------------------------------------------------------------- built-ins
+_ALI_SOURCE = "seed 000 (f67cd44a8fa141d7) Table III, AliCloud ECS GPU instances"
+
+
+def _ali(instance_type: str, vcpus: int, memory_gb: float, gpu: str, share: str, gpu_memory_gb: float, gbps: float, rmb: float) -> Instance:
+    return Instance(
+        instance_type=instance_type,
+        gpu=gpu,
+        gpus_per_instance=float(Fraction(share)),
+        gpu_memory_gb=gpu_memory_gb,
+        vcpus=vcpus,
+        memory_gb=memory_gb,
+        network_gbps=gbps,
+        price_per_hour=rmb,
+        currency="RMB",
+        region="cn (not stated in the paper)",
+        source=_ALI_SOURCE,
+        date="2023",
+        network_source="seed 000 Table III 'Bandwidth (Gbps)'",
+    )
+
+
+# source: seed 000 Table III (vCPU, memory GB, GPU, GPU memory GB, bandwidth Gbps, price RMB/hour), verbatim;
+# "1*A10 * 1/6" is one sixth of an A10 shared between tenants. gn7e carries an 80 GB A100.
+_ALICLOUD_2023 = (
+    _ali("gn6i.xlarge", 4, 15, "T4", "1", 16, 4, 11.67),
+    _ali("gn6i.2xlarge", 8, 31, "T4", "1", 16, 5, 14.04),
+    _ali("gn7i.2xlarge", 8, 30, "A10", "1", 24, 16, 12.75),
+    _ali("gn7i.4xlarge", 16, 60, "A10", "1", 24, 16, 13.50),
+    _ali("vgn7i-vws.xlarge", 4, 30, "A10", "1/6", 4, 3, 3.117),
+    _ali("vgn7i-vws.2xlarge", 10, 62, "A10", "1/3", 8, 5, 5.609),
+    _ali("vgn7i-vws.3xlarge", 14, 93, "A10", "1/2", 12, 8, 8.102),
+    _ali("sgn7i.xlarge", 4, 8, "A10", "1/12", 2, 5, 1.875),
+    _ali("sgn7i.2xlarge", 8, 16, "A10", "1/6", 4, 10, 3.124),
+    _ali("sgn7i.4xlarge", 16, 32, "A10", "1/3", 8, 20, 5.621),
+    _ali("gn6v.2xlarge", 8, 32, "V100", "1", 16, 2.5, 26.46),
+    _ali("gn7e.4xlarge", 16, 125, "A100-80GB", "1", 80, 25, 34.742),
+)
+
+_AWS_SOURCE = "AWS us-east-1 on-demand, public price-catalog snapshot (FACTS.md)"
+_AWS_NET_SOURCE = "AWS EC2 accelerated-computing instance docs, 'Network bandwidth (Gbps)'; 'up to' values are burst peaks"
+
+
+def _aws(instance_type: str, gpus: int, gpu: str, gpu_memory_gb: float, vcpus: int, memory_gb: float, gbps: float, usd: float) -> Instance:
+    return Instance(
+        instance_type=instance_type,
+        gpu=gpu,
+        gpus_per_instance=float(gpus),
+        gpu_memory_gb=gpu_memory_gb,
+        vcpus=vcpus,
+        memory_gb=memory_gb,
+        network_gbps=gbps,
+        price_per_hour=usd,
+        currency="USD",
+        region="us-east-1",
+        source=_AWS_SOURCE,
+        date="2026-11 (snapshot month; prices change)",
+        network_source=_AWS_NET_SOURCE,
+    )
+
+
+# source: prices FACTS.md (AWS us-east-1 on-demand snapshot); vCPU / memory GiB / network Gbps from the AWS EC2
+# instance-type documentation (G5, G6, G6e, P3, P4d/P4de, P5/P5en pages). "Up to 10" is taken as 10.
+_AWS_2026 = (
+    _aws("g5.xlarge", 1, "A10G", 24, 4, 16, 10, 1.006),
+    _aws("g5.48xlarge", 8, "A10G", 24, 192, 768, 100, 16.288),
+    _aws("g6.xlarge", 1, "L4", 24, 4, 16, 10, 0.8048),
+    _aws("g6.48xlarge", 8, "L4", 24, 192, 768, 100, 13.3504),
+    _aws("g6e.xlarge", 1, "L40S", 48, 4, 32, 20, 1.861),
+    _aws("p3.2xlarge", 1, "V100", 16, 8, 61, 10, 3.06),
+    _aws("p3.16xlarge", 8, "V100", 16, 64, 488, 25, 24.48),
+    _aws("p4d.24xlarge", 8, "A100-40GB", 40, 96, 1152, 400, 32.7726),
+    _aws("p4de.24xlarge", 8, "A100-80GB", 80, 96, 1152, 400, 40.96575),
+    _aws("p5.48xlarge", 8, "H100-SXM", 80, 192, 2048, 3200, 98.32),
+    _aws("p5en.48xlarge", 8, "H200", 141, 192, 2048, 3200, 84.8),
+)
+
+BUILTIN_CATALOGS: dict[str, Catalog] = {
+    "alicloud-2023": Catalog(name="alicloud-2023", currency="RMB", instances=_ALICLOUD_2023, source=_ALI_SOURCE, date="2023"),
+    "aws-2026": Catalog(
+        name="aws-2026",
+        currency="USD",
+        instances=_AWS_2026,
+        source=_AWS_SOURCE,
+        date="2026-11",
+        notes=("A10G peaks are an estimate (no NVIDIA datasheet).",),
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------- CSV
+_REQUIRED = ("InstanceType", "AcceleratorName", "AcceleratorCount", "Price")
+_OPTIONAL = ("vCPUs", "MemoryGiB", "SpotPrice", "Region", "NetworkGbps", "GpuMemoryGiB", "Currency")
+
+
+def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = None) -> Catalog:
+    """A built-in catalog by name, or a user CSV by path.
+
+    Args:
+        name_or_path: ``"alicloud-2023"``, ``"aws-2026"`` or the path of a CSV file.
+        bandwidth_gbps: network bandwidth for every instance (overrides ``NetworkGbps``; required
+            for a CSV without that column).
+
+    Raises:
+        CatalogError: unknown name (the message lists the valid ones) or a malformed CSV.
+    """
+    key = str(name_or_path)
+    if key in BUILTIN_CATALOGS:
+        catalog = BUILTIN_CATALOGS[key]
+        if bandwidth_gbps is None:
+            return catalog
+        _check_bandwidth(bandwidth_gbps)
+        from dataclasses import replace
+
+        return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth)") for i in catalog.instances))
+    path = Path(key)
+    if path.suffix.lower() == ".csv" or path.exists():
+        return parse_catalog_csv(path, bandwidth_gbps=bandwidth_gbps)
+    raise CatalogError(
+        f"Unknown catalog {key!r}: it is neither a built-in catalog nor an existing CSV file.",
+        hint=f"Use one of {', '.join(BUILTIN_CATALOGS)}, or the path of a SkyPilot-style CSV ({', '.join(_REQUIRED)}, NetworkGbps).",
+    )
+
+
+def _check_bandwidth(bandwidth_gbps: float) -> None:
+    if not isinstance(bandwidth_gbps, (int, float)) or not math.isfinite(bandwidth_gbps) or bandwidth_gbps <= 0:
+        raise CatalogError(f"The network bandwidth must be a positive number of Gbit/s, got {bandwidth_gbps!r}.", hint="Pass e.g. --bandwidth 25.")
+
+
+def _number(value: str, *, column: str, where: str, allow_fraction: bool = False, allow_zero: bool = False) -> float:
+    text = (value or "").strip()
+    if not text:
+        raise CatalogError(f"{where}: column {column!r} is empty.", hint=f"Fill in {column} for that row (or delete the row).")
+    try:
+        number = float(Fraction(text)) if allow_fraction and "/" in text else float(text)
+    except (ValueError, ZeroDivisionError):
+        raise CatalogError(f"{where}: column {column!r} holds {text!r}, which is not a number.", hint=f"Write {column} as a plain number.") from None
+    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+        raise CatalogError(f"{where}: column {column!r} holds {text!r}; it must be a positive number.", hint=f"Fix {column} in that row.")
+    return number
+
+
+def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, name: str | None = None) -> Catalog:
+    """Parse a SkyPilot-style catalog CSV (columns found by header name, any order, case-insensitive).
+
+    Rows without an ``AcceleratorName`` (CPU-only instances in SkyPilot files) are skipped. A row
+    whose ``InstanceType`` repeats in another ``Region`` becomes ``type@region``; repeats in the same
+    region (availability zones) keep the cheapest.
+
+    Raises:
+        CatalogError: missing file or columns, a missing / negative / non-numeric price or count, an
+            unknown GPU (the message lists the known ones), no bandwidth; messages carry the line number.
+    """
+    path = Path(path)
+    if bandwidth_gbps is not None:
+        _check_bandwidth(bandwidth_gbps)
+    if not path.is_file():
+        raise CatalogError(
+            f"Catalog file {str(path)!r} does not exist.",
+            hint=f"Pass an existing CSV, or a built-in catalog name ({', '.join(BUILTIN_CATALOGS)}).",
+        )
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CatalogError(f"Catalog file {str(path)!r} cannot be read as UTF-8 text ({err}).", hint="Save it as a UTF-8 CSV.") from None
+    reader = csv.reader(text.splitlines())
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise CatalogError(f"Catalog file {str(path)!r} is empty.", hint=f"Give a header row with {', '.join(_REQUIRED)}, NetworkGbps.") from None
+    index = {h.strip().lower(): i for i, h in enumerate(header)}
+    required = list(_REQUIRED) + ([] if bandwidth_gbps is not None else ["NetworkGbps"])
+    missing = [c for c in required if c.lower() not in index]
+    if missing:
+        hint = f"Add the column(s) {', '.join(missing)} to the header (line 1)"
+        if "NetworkGbps" in missing:
+            hint += "; or state the network bandwidth for all instances with --bandwidth GBPS (bandwidth_gbps=)"
+        raise CatalogError(f"Catalog file {str(path)!r} line 1: missing column(s) {missing}; found {header}.", hint=hint + ".")
+
+    def cell(row: list[str], column: str) -> str:
+        i = index.get(column.lower())
+        return row[i].strip() if i is not None and i < len(row) else ""
+
+    rows: dict[tuple[str, str], Instance] = {}
+    for lineno, row in enumerate(reader, start=2):
+        if not any(c.strip() for c in row):
+            continue
+        where = f"{path.name} line {lineno}"
+        itype = cell(row, "InstanceType")
+        if not itype:
+            raise CatalogError(f"{where}: column 'InstanceType' is empty.", hint="Name the instance type in every row.")
+        gpu_name = cell(row, "AcceleratorName")
+        if not gpu_name:
+            continue  # a CPU-only instance: nothing to plan on
+        canonical = match_gpu_name(gpu_name)
+        if canonical is None:
+            raise CatalogError(
+                f"{where}: unknown GPU {gpu_name!r} for {itype!r}; the spec table knows {', '.join(GPUS)}.",
+                hint="Use one of those names, or add a row with its datasheet source to lightning_distplan/costmodel/gpus.py.",
+            )
+        count = _number(cell(row, "AcceleratorCount"), column="AcceleratorCount", where=where, allow_fraction=True)
+        price = _number(cell(row, "Price"), column="Price", where=where, allow_zero=False)
+        spot_text = cell(row, "SpotPrice")
+        spot = _number(spot_text, column="SpotPrice", where=where) if spot_text else None
+        if bandwidth_gbps is not None:
+            gbps, net_source = float(bandwidth_gbps), "given (--bandwidth)"
+        else:
+            gbps, net_source = _number(cell(row, "NetworkGbps"), column="NetworkGbps", where=where), f"{path.name} NetworkGbps"
+        mem_text = cell(row, "GpuMemoryGiB")
+        spec = gpu_spec(canonical)
+        if mem_text:
+            gpu_mem = _number(mem_text, column="GpuMemoryGiB", where=where)
+        else:
+            gpu_mem = spec.memory_bytes / _GIB * min(count, 1.0)
+        vcpus_text, mem_host_text = cell(row, "vCPUs"), cell(row, "MemoryGiB")
+        region = cell(row, "Region")
+        currency = cell(row, "Currency") or "USD"
+        try:
+            inst = Instance(
+                instance_type=itype,
+                gpu=canonical,
+                gpus_per_instance=count,
+                gpu_memory_gb=gpu_mem,
+                vcpus=_number(vcpus_text, column="vCPUs", where=where) if vcpus_text else 0.0,
+                memory_gb=_number(mem_host_text, column="MemoryGiB", where=where) if mem_host_text else 0.0,
+                network_gbps=gbps,
+                price_per_hour=price,
+                currency=currency,
+                region=region,
+                source=f"{path} line {lineno}",
+                date="",
+                spot_price_per_hour=spot,
+                network_source=net_source,
+            )
+        except CatalogError as err:
+            raise CatalogError(f"{where}: {str(err).split(' HINT:')[0]}", hint="Fix that row.") from None
+        key = (itype, region)
+        if key not in rows or inst.price_per_hour < rows[key].price_per_hour:
+            rows[key] = inst
+    if not rows:
+        raise CatalogError(f"Catalog file {str(path)!r} has no GPU instance rows.", hint="Add rows with AcceleratorName and AcceleratorCount.")
+    regions_per_type: dict[str, int] = {}
+    for itype, _ in rows:
+        regions_per_type[itype] = regions_per_type.get(itype, 0) + 1
+    from dataclasses import replace
+
+    instances = tuple(
+        replace(inst, instance_type=f"{itype}@{region}") if regions_per_type[itype] > 1 else inst for (itype, region), inst in rows.items()
+    )
+    currencies = sorted({i.currency for i in instances})
+    if len(currencies) > 1:
+        raise CatalogError(f"Catalog file {str(path)!r} mixes currencies {currencies}.", hint="Use one currency per catalog.")
+    return Catalog(name=name or path.stem, currency=currencies[0], instances=instances, source=str(path), date="")

@@ -1,0 +1,431 @@
+"""Search cloud configurations with Optuna over the fitted cost model (seed 000 §IV-D).
+
+Search space (one trial = one configuration): ``instance_type`` (categorical), ``n_instances``
+(1..max_instances), ``strategy`` (``dp_ga`` / ``gpipe`` / ``1f1b``; a pipeline with dp > 1 is the
+hybrid), ``pp`` (pipelines only) and ``micro_batch_size`` (log scale). The sampled point is mapped
+onto the nearest plan that :func:`~lightning_distplan.planner.enumerate_plans` lists for that world
+size (:meth:`ConfigSpace.nearest_plan`), so every configuration a trial runs factors the global
+batch exactly; accumulation (``accumulate_grad_batches`` or ``n_microbatches``) follows from the
+other factors. The requested values stay in the trial's params, the plan that ran in its user
+attributes.
+
+Objective: C + w·T per optimizer step with TPESampler(seed) (single objective, the default), or
+(C, T) with NSGAIISampler(seed) (``multi_objective=True``). Either way the reported Pareto front is
+computed from *all feasible evaluated configurations* of the study, so it is the same kind of object
+in both modes.
+
+Infeasible configurations (memory over the device's usable share, or a strategy with no plan on that
+many devices) are recorded as trials in state PRUNED with ``feasible=False`` and the reason in their
+user attributes — the sampler ranks them below every feasible trial.
+
+Storage and atomicity: trials run against an in-memory study and are written to the storage in one
+pass at the end (optuna's ``add_trials``), because per-trial SQLite commits cost ~50× more than the
+cost model itself. So a failed or interrupted run writes nothing, and an existing study is only ever
+extended by a complete run with the same settings; different settings are refused before any trial.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
+from lightning_distplan.plan import STRATEGIES
+from lightning_distplan.profile import Profile
+from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
+from lightning_distplan.tuner._storage import StudyStorageError, open_storage, write_trials
+from lightning_distplan.tuner.catalog import Catalog, load_catalog
+
+__all__ = ["TuneResult", "ExhaustiveResult", "StudyStorageError", "StudyConflictError", "tune", "exhaustive", "pareto_front", "TIME_WEIGHTS"]
+
+log = logging.getLogger(__name__)
+
+TIME_WEIGHTS = (0.0, 2.0**8, 2.0**12, 2.0**16)
+"""The weights w of seed 000 §IV-D: C + w·T with w ∈ {0, 2^8, 2^12, 2^16}."""
+
+SETTINGS_ATTR = "distplan_settings"
+_SETTINGS_VERSION = 1
+
+
+class StudyConflictError(DistPlanError, ValueError):
+    """A study of that name exists with different settings (it is left untouched)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneResult:
+    """What :func:`tune` found."""
+
+    best: TunedConfig
+    """Lowest objective C + w·T among the study's feasible configurations."""
+    pareto: tuple[TunedConfig, ...]
+    """Non-dominated (cost, time) configurations among the study's feasible ones, cheapest first."""
+    study_name: str
+    storage: str
+    time_weight: float
+    currency: str
+    catalog: str
+    n_trials: int
+    """Trials this call ran."""
+    n_study_trials: int
+    """Trials in the study after this call (more when it resumed a study)."""
+    n_evaluations: int
+    """Distinct configurations this call priced with the cost model (repeated draws are cached)."""
+    n_feasible: int
+    """Feasible trials in the study."""
+    space_size: int
+    """Configurations in the whole space (instances × counts × valid plans)."""
+    elapsed_s: float
+    resumed: bool = False
+    sampler: str = "TPESampler"
+    projections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Instance type -> projection summary (target, compute scale, uncertainty band and its basis)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "best": self.best.to_dict(),
+            "pareto": [c.to_dict() for c in self.pareto],
+            "study_name": self.study_name,
+            "storage": self.storage,
+            "objective": "C + w*T per optimizer step (seed 000 §IV-D)",
+            "time_weight": self.time_weight,
+            "currency": self.currency,
+            "catalog": self.catalog,
+            "sampler": self.sampler,
+            "n_trials": self.n_trials,
+            "n_study_trials": self.n_study_trials,
+            "n_evaluations": self.n_evaluations,
+            "n_feasible": self.n_feasible,
+            "space_size": self.space_size,
+            "elapsed_s": self.elapsed_s,
+            "resumed": self.resumed,
+            "projections": self.projections,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExhaustiveResult:
+    """Every configuration of the space, priced (the reference the tuner is measured against)."""
+
+    best: TunedConfig
+    pareto: tuple[TunedConfig, ...]
+    n_evaluations: int
+    n_feasible: int
+    elapsed_s: float
+    configs: tuple[TunedConfig, ...] = field(default=(), repr=False)
+
+
+def pareto_front(configs: Sequence[TunedConfig]) -> tuple[TunedConfig, ...]:
+    """Feasible configurations not dominated in (cost per step, time per step), cheapest first.
+
+    One entry per distinct (cost, time) point; ties keep the first seen.
+    """
+    pts = sorted((c for c in configs if c.feasible and math.isfinite(c.objective)), key=lambda c: (c.cost_per_step, c.step_time_s))
+    front: list[TunedConfig] = []
+    best_time = math.inf
+    for c in pts:
+        if c.step_time_s < best_time:
+            front.append(c)
+            best_time = c.step_time_s
+    return tuple(front)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _fingerprint(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _validate(profile: Profile, global_batch_size: Any, time_weight: Any, n_trials: Any, max_instances: Any, seed: Any) -> None:
+    if not isinstance(profile, Profile):
+        raise InfeasiblePlanError(f"`profile` must be a Profile, got {type(profile).__name__}.", hint="Load one with Profile.load(path).")
+    for name, value, low in (("global_batch_size", global_batch_size, 1), ("n_trials", n_trials, 1), ("max_instances", max_instances, 1), ("seed", seed, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise InfeasiblePlanError(f"`{name}` must be an integer >= {low}, got {value!r}.", hint=f"Pass a valid {name.replace('_', '-')}.")
+    if not isinstance(time_weight, (int, float)) or not math.isfinite(time_weight) or time_weight < 0:
+        raise InfeasiblePlanError(f"`time_weight` must be a non-negative number, got {time_weight!r}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
+
+
+def _existing_study(storage: Any, study_name: str) -> Any | None:
+    import optuna
+
+    try:
+        storage.get_study_id_from_name(study_name)
+    except KeyError:
+        return None
+    return optuna.load_study(study_name=study_name, storage=storage)
+
+
+def _config_from_trial(trial: Any) -> TunedConfig | None:
+    attrs = trial.user_attrs
+    if not attrs.get("feasible") or attrs.get("objective") is None:
+        return None
+    try:
+        return TunedConfig.from_attrs(attrs, trial_number=trial.number)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------ tune
+def tune(
+    profile: Profile,
+    *,
+    catalog: Catalog | str,
+    global_batch_size: int,
+    time_weight: float = 0.0,
+    n_trials: int = 300,
+    storage: str = "sqlite:///distplan.db",
+    study_name: str | None = None,
+    seed: int = 0,
+    max_instances: int = 8,
+    strategies: Sequence[str] = STRATEGIES,
+    max_pp: int | None = None,
+    multi_objective: bool = False,
+    precision: str = "auto",
+    bandwidth_gbps: float | None = None,
+    progress: bool = True,
+    sampler: Any = None,
+) -> TuneResult:
+    """Search instance type, count, strategy, stages and micro-batch size for the lowest C + w·T.
+
+    Args:
+        profile: the measured profile (any device; it is projected to each catalog GPU).
+        catalog: a :class:`Catalog`, a built-in name (``"alicloud-2023"``, ``"aws-2026"``) or a CSV path.
+        global_batch_size: the user's batch per optimizer step; every configuration factors it exactly.
+        time_weight: w in C + w·T (seed 000 §IV-D uses 0, 2^8, 2^12, 2^16); C is in the catalog currency.
+        n_trials: trials to run in this call.
+        storage: any Optuna RDB URL; SQLite by default.
+        study_name: default ``distplan-<catalog>-B<global batch>-w<weight>``. An existing study with the same
+            settings is extended; one with different settings is refused (:class:`StudyConflictError`).
+        seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``).
+        max_instances: the most instances of one type to rent.
+        strategies / max_pp: restrict the plans (as :func:`~lightning_distplan.planner.enumerate_plans`).
+        multi_objective: optimise (cost, time) with NSGA-II instead of C + w·T with TPE.
+        precision: projection math, see :func:`~lightning_distplan.costmodel.projection.project_profile`.
+        bandwidth_gbps: override every instance's network bandwidth (catalog given by name or path).
+        progress: show Optuna's progress bar (stderr).
+        sampler: an Optuna sampler to use instead of the seeded default (for experiments).
+
+    Raises:
+        CatalogError: unknown or malformed catalog.
+        StudyStorageError: invalid or unreachable storage (nothing is run).
+        StudyConflictError: the study exists with other settings (it is left untouched).
+        InfeasiblePlanError: bad arguments, or no evaluated configuration fits in memory.
+    """
+    import optuna
+
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's INFO line per trial and per study would drown the output
+    try:
+        return _tune(
+            profile, catalog=catalog, global_batch_size=global_batch_size, time_weight=time_weight, n_trials=n_trials, storage=storage,
+            study_name=study_name, seed=seed, max_instances=max_instances, strategies=strategies, max_pp=max_pp,
+            multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, progress=progress, sampler=sampler,
+        )
+    finally:
+        optuna.logging.set_verbosity(level)
+
+
+def _tune(
+    profile: Profile,
+    *,
+    catalog: Catalog | str,
+    global_batch_size: int,
+    time_weight: float,
+    n_trials: int,
+    storage: str,
+    study_name: str | None,
+    seed: int,
+    max_instances: int,
+    strategies: Sequence[str],
+    max_pp: int | None,
+    multi_objective: bool,
+    precision: str,
+    bandwidth_gbps: float | None,
+    progress: bool,
+    sampler: Any,
+) -> TuneResult:
+    import optuna
+
+    started = time.perf_counter()
+    _validate(profile, global_batch_size, time_weight, n_trials, max_instances, seed)
+    if not isinstance(catalog, Catalog):
+        catalog = load_catalog(catalog, bandwidth_gbps=bandwidth_gbps)
+    space = ConfigSpace(
+        profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,
+        strategies=strategies, max_pp=max_pp, precision=precision,
+    )
+    space_size = space.size
+    if space_size == 0:
+        raise InfeasiblePlanError(
+            f"No configuration of up to {max_instances} instances factors the global batch size {global_batch_size}.",
+            hint="Raise --max-instances or use a global batch size with more divisors.",
+        )
+    # Project once per instance type now: an unknown profiled GPU fails here, before any trial.
+    projections = {inst.instance_type: space.projection(inst)[1].to_dict() for inst in catalog.instances}
+    settings = {
+        "version": _SETTINGS_VERSION,
+        "profile": _fingerprint(profile.to_dict()),
+        "model": profile.model,
+        "catalog": catalog.name,
+        "catalog_fingerprint": _fingerprint([i.to_dict() for i in catalog.instances]),
+        "global_batch_size": global_batch_size,
+        "time_weight": float(time_weight),
+        "max_instances": max_instances,
+        "strategies": list(space.strategies),
+        "max_pp": max_pp,
+        "multi_objective": bool(multi_objective),
+        "precision": precision,
+        "seed": seed,
+    }
+    name = study_name or f"distplan-{catalog.name}-B{global_batch_size}-w{time_weight:g}"
+    store = open_storage(storage)
+    existing = _existing_study(store, name)
+    if existing is not None:
+        old = existing.user_attrs.get(SETTINGS_ATTR)
+        if old != settings:
+            if not isinstance(old, dict):
+                why = "it was not created by `distplan tune`"
+            else:
+                why = "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
+            raise StudyConflictError(
+                f"Study {name!r} already exists in {storage!r} and {why}; it was left untouched.",
+                hint="Pass a new --study-name, or delete the old study (optuna delete-study --study-name NAME --storage URL).",
+            )
+
+    directions = ["minimize", "minimize"] if multi_objective else ["minimize"]
+    if sampler is None:
+        sampler = optuna.samplers.NSGAIISampler(seed=seed) if multi_objective else optuna.samplers.TPESampler(seed=seed)
+    memory_study = optuna.create_study(directions=directions, sampler=sampler, study_name=name)
+    n_before = 0
+    if existing is not None:
+        memory_study.add_trials(existing.get_trials(deepcopy=False))
+        n_before = len(existing.trials)
+
+    types = list(catalog.instance_types)
+    pp_hi = space.max_pp_value
+    pipelines = [s for s in space.strategies if s != "dp_ga"] if pp_hi >= 2 else []
+    strategy_choices = [s for s in space.strategies if s == "dp_ga" or s in pipelines]
+
+    def objective_fn(trial: Any) -> Any:
+        itype = trial.suggest_categorical("instance_type", types)
+        count = trial.suggest_int("n_instances", 1, max_instances)
+        strategy = trial.suggest_categorical("strategy", strategy_choices)
+        pp = trial.suggest_int("pp", 2, pp_hi, log=True) if strategy != "dp_ga" else 1
+        m = trial.suggest_int("micro_batch_size", 1, global_batch_size, log=True)
+        inst = catalog.get(itype)
+        world = inst.world_size(count)
+        requested = {"strategy": strategy, "pp": pp, "micro_batch_size": m}
+        plan = space.nearest_plan(world, strategy, pp, m)
+        if plan is None:
+            trial.set_user_attr("feasible", False)
+            trial.set_user_attr("instance_type", itype)
+            trial.set_user_attr("count", count)
+            trial.set_user_attr("world_size", world)
+            trial.set_user_attr("reason", f"no {strategy} plan factors the global batch {global_batch_size} on {world} devices")
+            raise optuna.TrialPruned()
+        config = space.evaluate(inst, count, plan)
+        for key, value in space.trial_attrs(config, inst, requested=requested).items():
+            trial.set_user_attr(key, value)
+        if not config.feasible:
+            raise optuna.TrialPruned()
+        return (config.cost_per_step, config.step_time_s) if multi_objective else config.objective
+
+    memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
+    new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
+
+    # Write the finished run in one pass; a failure while writing a *new* study removes it again.
+    created = existing is None
+    try:
+        target = existing or optuna.create_study(storage=store, study_name=name, directions=directions)
+        if created:
+            target.set_user_attr(SETTINGS_ATTR, settings)
+            target.set_user_attr("objective", "C + w*T per optimizer step (seed 000 §IV-D)" if not multi_objective else "(C, T) per optimizer step")
+            target.set_user_attr("currency", catalog.currency)
+            target.set_user_attr("catalog", {"name": catalog.name, "source": catalog.source, "date": catalog.date, "instances": [i.to_dict() for i in catalog.instances]})
+            target.set_user_attr("projections", projections)
+            target.set_user_attr("global_batch_size", global_batch_size)
+            target.set_user_attr("time_weight", float(time_weight))
+        write_trials(target, new_trials)
+    except BaseException:
+        if created:
+            try:
+                optuna.delete_study(study_name=name, storage=store)
+            except Exception:  # the original error matters more
+                pass
+        raise
+
+    all_trials = memory_study.get_trials(deepcopy=False)
+    configs = [c for c in (_config_from_trial(t) for t in all_trials) if c is not None]
+    if not configs:
+        raise InfeasiblePlanError(
+            f"None of the {len(all_trials)} configurations tried fits in memory (study {name!r} keeps them with their reasons).",
+            hint="Allow more instances (--max-instances), pipelines, or bigger GPUs; or lower the global batch size.",
+        )
+    best = min(configs, key=lambda c: (c.objective, c.cost_per_step, c.step_time_s))
+    return TuneResult(
+        best=best,
+        pareto=pareto_front(configs),
+        study_name=name,
+        storage=storage,
+        time_weight=float(time_weight),
+        currency=catalog.currency,
+        catalog=catalog.name,
+        n_trials=len(new_trials),
+        n_study_trials=len(all_trials),
+        n_evaluations=space.evaluations,
+        n_feasible=len(configs),
+        space_size=space_size,
+        elapsed_s=time.perf_counter() - started,
+        resumed=existing is not None,
+        sampler=type(sampler).__name__,
+        projections=projections,
+    )
+
+
+def exhaustive(
+    profile: Profile,
+    catalog: Catalog | str,
+    *,
+    global_batch_size: int,
+    time_weight: float = 0.0,
+    max_instances: int = 8,
+    strategies: Sequence[str] = STRATEGIES,
+    max_pp: int | None = None,
+    precision: str = "auto",
+    max_configurations: int = 200_000,
+) -> ExhaustiveResult:
+    """Price every configuration of the tuner's space: the exact optimum the search is compared with.
+
+    Raises:
+        InfeasiblePlanError: the space exceeds ``max_configurations`` or nothing fits in memory.
+    """
+    started = time.perf_counter()
+    _validate(profile, global_batch_size, time_weight, 1, max_instances, 0)
+    if not isinstance(catalog, Catalog):
+        catalog = load_catalog(catalog)
+    space = ConfigSpace(
+        profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,
+        strategies=strategies, max_pp=max_pp, precision=precision,
+    )
+    if space.size > max_configurations:
+        raise InfeasiblePlanError(
+            f"The space has {space.size} configurations, more than max_configurations={max_configurations}.",
+            hint="Use tune() for a space this large, or raise max_configurations.",
+        )
+    configs = tuple(space.evaluate(inst, count, plan) for inst, count, plan in space.configurations())
+    feasible = [c for c in configs if c.feasible]
+    if not feasible:
+        raise InfeasiblePlanError(f"None of the {len(configs)} configurations fits in memory.", hint="Allow more instances or bigger GPUs.")
+    best = min(feasible, key=lambda c: (c.objective, c.cost_per_step, c.step_time_s))
+    return ExhaustiveResult(
+        best=best,
+        pareto=pareto_front(feasible),
+        n_evaluations=space.evaluations,
+        n_feasible=len(feasible),
+        elapsed_s=time.perf_counter() - started,
+        configs=configs,
+    )

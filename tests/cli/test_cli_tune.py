@@ -1,0 +1,74 @@
+"""`distplan tune` end to end: JSON contract, stored study, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tuner"))
+from tuner_profile_factory import make_profile  # noqa: E402
+
+from lightning_distplan.cli import main  # noqa: E402
+
+
+@pytest.fixture()
+def profile_path(tmp_path):
+    return str(make_profile().save(tmp_path / "profile.json"))
+
+
+def test_tune_json_contract_and_study(tmp_path, profile_path, capsys):
+    url = f"sqlite:///{tmp_path / 'd.db'}"
+    rc = main(["tune", "--profile", profile_path, "--catalog", "aws-2026", "--global-batch-size", "128", "--time-weight", "4096",
+               "--trials", "30", "--storage", url, "--study-name", "cli", "--format", "json", "--max-instances", "4", "--no-progress"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    for entry in [out["best"], *out["pareto"]]:
+        for key in ("instance_type", "count", "strategy", "schedule", "micro_batch_size", "accumulation", "dp", "pp",
+                    "predicted_step_time_s", "predicted_cost_per_step", "currency"):
+            assert key in entry, key
+        assert entry["currency"] == "USD"
+        assert entry["dp"] * entry["micro_batch_size"] * entry["accumulation"] == 128
+    study = optuna.load_study(study_name="cli", storage=url)
+    assert len(study.trials) == 30 and all("feasible" in t.user_attrs for t in study.trials)
+    assert out["projections"]["p5.48xlarge"]["target"] == "H100-SXM"
+
+
+def test_tune_table_format(tmp_path, profile_path, capsys):
+    rc = main(["tune", "--profile", profile_path, "--catalog", "alicloud-2023", "--global-batch-size", "32", "--trials", "10",
+               "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table", "--max-instances", "2", "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "best:" in text and "Pareto front" in text and "RMB" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--catalog", "nope"], "Unknown catalog 'nope'.*alicloud-2023, aws-2026"),
+        (["--storage", "not-a-url"], "not a database URL.*HINT"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, match):
+    args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "5", "--no-progress",
+            "--storage", f"sqlite:///{tmp_path / 'e.db'}", *extra]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    import re
+
+    assert re.search(match, err), err
+
+
+def test_real_command_line(tmp_path, profile_path):
+    # the installed console script, as a user runs it
+    exe = Path(sys.executable).with_name("distplan")
+    proc = subprocess.run([str(exe), "tune", "--profile", profile_path, "--catalog", "alicloud-2023", "--global-batch-size", "64",
+                           "--trials", "20", "--storage", f"sqlite:///{tmp_path / 'r.db'}", "--study-name", "r", "--max-instances", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["n_trials"] == 20 and out["best"]["currency"] == "RMB"

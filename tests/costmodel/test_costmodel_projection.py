@@ -1,0 +1,141 @@
+"""Roofline projection of a profile to another GPU (DESIGN §4), checked against hand-computed ratios."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tuner"))
+from tuner_profile_factory import make_profile  # noqa: E402
+
+from lightning_distplan.costmodel.gpus import GPUS, CPU_MEMORY_BANDWIDTH_ASSUMED, gpu_spec, match_gpu_name, source_spec  # noqa: E402
+from lightning_distplan.costmodel.projection import layer_bytes, project_profile, roofline_ratio  # noqa: E402
+from lightning_distplan.errors import CatalogError  # noqa: E402
+from lightning_distplan.profile import Profile  # noqa: E402
+
+
+def test_gpu_names_match_catalog_and_torch_spellings():
+    assert match_gpu_name("Tesla T4") == "T4"
+    assert match_gpu_name("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert match_gpu_name("NVIDIA A100-SXM4-40GB") == "A100-40GB"
+    assert match_gpu_name("A100") == "A100-40GB"  # SkyPilot's name for the 40 GB part
+    assert match_gpu_name("NVIDIA H100 80GB HBM3") == "H100-SXM"
+    assert match_gpu_name("NVIDIA H100 PCIe") == "H100-PCIe"
+    assert match_gpu_name("NVIDIA A10G") == "A10G"
+    assert match_gpu_name("NVIDIA A10") == "A10"
+    assert match_gpu_name("NVIDIA L40S") == "L40S"
+    assert match_gpu_name("Radeon 7900") is None
+    with pytest.raises(CatalogError, match=r"Unknown GPU 'MI300X'.*T4, A10, A10G.*HINT:"):
+        gpu_spec("MI300X")
+
+
+def test_every_row_has_a_source_and_the_estimate_is_marked():
+    for name, spec in GPUS.items():
+        assert spec.source, name
+        assert spec.tensor_flops >= spec.fp32_flops > 0
+    assert GPUS["A10G"].estimate and not GPUS["A10"].estimate
+    assert GPUS["H100-SXM"].tensor_flops == pytest.approx(989e12)
+    assert GPUS["H200"].memory_bandwidth_bytes_per_s == pytest.approx(4.8e12)
+    text = Path(__file__).resolve().parents[2].joinpath("lightning_distplan/costmodel/gpus.py").read_text()
+    previous = text.index("GPUS: dict[str, GpuSpec] = {")
+    for name in GPUS:
+        # each row is preceded by its own "# source:" comment (between the previous row and this one)
+        row = text.index(f'"{name}": _row(')
+        assert "# source:" in text[previous:row], name
+        previous = row
+
+
+def test_shared_gpu_scales_peaks_and_takes_the_sold_memory():
+    a10 = GPUS["A10"]
+    sixth = a10.share(1 / 6, memory_bytes=4 << 30)
+    assert sixth.fp32_flops == pytest.approx(a10.fp32_flops / 6)
+    assert sixth.memory_bandwidth_bytes_per_s == pytest.approx(a10.memory_bandwidth_bytes_per_s / 6)
+    assert sixth.memory_bytes == 4 << 30 and sixth.estimate
+
+
+def test_roofline_ratio_by_hand():
+    t4, a100 = GPUS["T4"], GPUS["A100-80GB"]
+    # compute-bound on both: ratio of fp32 peaks 8.1 / 19.5
+    r, bound = roofline_ratio(1e12, 1e6, t4, a100, source_precision="fp32", precision="fp32")
+    assert r == pytest.approx(8.1 / 19.5) and bound == "compute"
+    # memory-bound on both: ratio of bandwidths 320 / 2039
+    r, bound = roofline_ratio(1e3, 1e9, t4, a100, source_precision="fp32", precision="fp32")
+    assert r == pytest.approx(320 / 2039) and bound == "memory"
+    # mixed: 1e10 FLOPs, 1e9 bytes. T4: max(1e10/8.1e12, 1e9/320e9) = 3.125e-3 (memory);
+    # A100: max(1e10/19.5e12, 1e9/2039e9) = 5.128e-4 (compute)
+    r, bound = roofline_ratio(1e10, 1e9, t4, a100, source_precision="fp32", precision="fp32")
+    assert r == pytest.approx(max(1e10 / 19.5e12, 1e9 / 2039e9) / max(1e10 / 8.1e12, 1e9 / 320e9))
+    assert bound == "compute"
+
+
+def test_layer_bytes_by_hand():
+    layer = make_profile().layers[0]
+    fwd, bwd = layer_bytes(layer, 4, input_bytes_per_sample=100.0)
+    assert fwd == pytest.approx(28e6 + 4 * 100 + 4 * 2.6e6 + 4 * 262144)
+    assert bwd == pytest.approx(2 * 28e6 + 4 * 2.6e6 + 4 * 262144 + 4 * 100)
+
+
+def test_compute_bound_profile_projects_by_the_peak_ratio():
+    # 1.8 GFLOP fwd per sample on a T4: at m=1 F/P = 2.2e-4 s vs bytes/BW <= 1e-4 s, so every layer is
+    # compute-bound on both GPUs at every profiled size -> α and β scale by exactly 8.1/19.5.
+    profile = make_profile()
+    projected, info = project_profile(profile, GPUS["A100-80GB"])
+    ratio = 8.1 / 19.5
+    for before, after in zip(profile.layers, projected.layers):
+        assert after.forward.alpha == pytest.approx(before.forward.alpha * ratio)
+        assert after.forward.beta == pytest.approx(before.forward.beta * ratio)
+        assert after.backward.alpha == pytest.approx(before.backward.alpha * ratio)
+    assert info.layer_bounds == ("compute",) * 12
+    assert info.compute_scale == pytest.approx(ratio)
+    assert projected.step.time(8) == pytest.approx(profile.step.time(8) * ratio)
+    # optimizer step is memory-bound: bandwidth ratio
+    assert projected.optimizer.step_time_s == pytest.approx(profile.optimizer.step_time_s * 320 / 2039)
+    assert projected.device.name == "A100-80GB" and projected.memory.device_total_bytes == GPUS["A100-80GB"].memory_bytes
+    assert projected.memory.param_bytes == profile.memory.param_bytes  # memory sizes are device-independent
+    assert info.band == (pytest.approx(1 / 1.35, rel=1e-3), pytest.approx(1.35)) and "Habitat" in info.uncertainty_basis
+    # JSON round trip of the projected profile stays valid
+    Profile.from_dict(projected.to_dict())
+
+
+def test_memory_bound_layer_projects_by_bandwidth_and_bound_changes_with_m():
+    profile = make_profile(flops_fwd=1e3)  # essentially no FLOPs: pure bandwidth
+    projected, info = project_profile(profile, GPUS["H100-SXM"])
+    assert info.layer_bounds[0] == "memory"
+    assert projected.layers[3].forward(4) == pytest.approx(profile.layers[3].forward(4) * 320 / 3350, rel=1e-6)
+
+
+def test_bf16_projection_uses_tensor_peak():
+    # small parameters keep every layer compute-bound on the H100 even at m=1 in bf16
+    # (m=1: 1.8e9/989e12 = 1.8e-6 s of math vs (1e6 + 0.5·2.86e6)/3.35e12 = 7.3e-7 s of traffic)
+    profile = make_profile(param_bytes_per_layer=1_000_000)
+    _, fp32 = project_profile(profile, GPUS["H100-SXM"], precision="fp32")
+    _, bf16 = project_profile(profile, GPUS["H100-SXM"], precision="bf16")
+    assert fp32.compute_scale == pytest.approx(8.1 / 67)
+    assert bf16.compute_scale == pytest.approx(8.1 / 989)
+
+
+def test_cpu_profile_estimates_host_peak_from_the_profile_and_says_it_is_coarse():
+    profile = make_profile(device_type="cpu", device_name="x86_64")
+    spec, basis = source_spec(profile)
+    # best per-layer rate at m=8: 3 * 1.8e9 * 8 FLOPs over (4.5e-4*8+1e-4) + (9e-4*8+2e-4) s
+    expected = 3 * 1.8e9 * 8 / (4.5e-4 * 8 + 1e-4 + 9e-4 * 8 + 2e-4)
+    assert spec.fp32_flops == pytest.approx(expected)
+    assert spec.memory_bandwidth_bytes_per_s == CPU_MEMORY_BANDWIDTH_ASSUMED
+    assert "estimated" in basis and spec.kind == "cpu"
+    projected, info = project_profile(profile, GPUS["A10"])
+    assert info.band[1] >= 3.0 and "coarse" in info.uncertainty_basis
+    # With one profiled size the projection is exact at that size: the best layer (all layers are equal
+    # here, compute-bound on both sides at m=8) runs at the target's peak, F / P_target.
+    single = make_profile(device_type="cpu", device_name="x86_64", micro_batch_sizes=(8,))
+    projected, _ = project_profile(single, GPUS["A10"])
+    m = 8
+    assert projected.layers[0].time(m) == pytest.approx(3 * 1.8e9 * m / 31.2e12, rel=1e-6)
+
+
+def test_unknown_profiled_gpu_is_a_catalog_error():
+    profile = replace(make_profile(), device=replace(make_profile().device, name="Mystery GPU 9000"))
+    with pytest.raises(CatalogError, match="Unknown GPU 'Mystery GPU 9000'"):
+        project_profile(profile, GPUS["A10"])

@@ -1,0 +1,116 @@
+"""Catalogs: the built-in tables and SkyPilot-style CSV parsing with its validation errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_distplan.errors import CatalogError
+from lightning_distplan.tuner.catalog import BUILTIN_CATALOGS, load_catalog, parse_catalog_csv
+
+
+def test_alicloud_2023_is_seed_000_table_iii():
+    cat = load_catalog("alicloud-2023")
+    assert cat.currency == "RMB" and len(cat.instances) == 12
+    rows = {i.instance_type: i for i in cat.instances}
+    # spot checks straight from the table (vCPU, memory, GPU share, GPU memory, Gbps, RMB/hour)
+    gn6i = rows["gn6i.xlarge"]
+    assert (gn6i.vcpus, gn6i.memory_gb, gn6i.gpu, gn6i.gpus_per_instance, gn6i.gpu_memory_gb, gn6i.network_gbps, gn6i.price_per_hour) == (4, 15, "T4", 1.0, 16, 4, 11.67)
+    vws = rows["vgn7i-vws.xlarge"]
+    assert vws.gpu == "A10" and vws.gpus_per_instance == pytest.approx(1 / 6) and vws.gpu_memory_gb == 4 and vws.price_per_hour == 3.117
+    sgn = rows["sgn7i.xlarge"]
+    assert sgn.gpus_per_instance == pytest.approx(1 / 12) and sgn.network_gbps == 5 and sgn.price_per_hour == 1.875
+    assert rows["gn6v.2xlarge"].network_gbps == 2.5 and rows["gn6v.2xlarge"].gpu == "V100"
+    assert rows["gn7e.4xlarge"].gpu == "A100-80GB" and rows["gn7e.4xlarge"].price_per_hour == 34.742
+    assert all("Table III" in i.source and i.date for i in cat.instances)
+    # a shared GPU is one rank with that share of the card
+    assert vws.world_size(3) == 3 and vws.gpu_spec().memory_bytes == 4 * 1024**3
+
+
+def test_aws_2026_rows_are_dated_and_priced_in_usd():
+    cat = load_catalog("aws-2026")
+    assert cat.currency == "USD" and len(cat.instances) == 11
+    p4d = cat.get("p4d.24xlarge")
+    assert (p4d.gpu, p4d.gpus_per_instance, p4d.price_per_hour, p4d.network_gbps) == ("A100-40GB", 8, 32.7726, 400)
+    assert p4d.world_size(2) == 16
+    assert cat.get("g5.xlarge").gpu == "A10G" and cat.get("p5en.48xlarge").gpu == "H200"
+    assert all(i.date and i.source and i.network_source for i in cat.instances)
+
+
+def test_unknown_catalog_lists_the_valid_names():
+    with pytest.raises(CatalogError, match=r"Unknown catalog 'gcp-2025'.*HINT: Use one of alicloud-2023, aws-2026"):
+        load_catalog("gcp-2025")
+    with pytest.raises(CatalogError, match=r"not in catalog 'aws-2026'.*g5.xlarge"):
+        BUILTIN_CATALOGS["aws-2026"].get("m5.large")
+
+
+def _write(tmp_path: Path, text: str, name: str = "cat.csv") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_skypilot_csv_parsed_by_header_name(tmp_path):
+    # columns in SkyPilot's GCP-like order, plus NetworkGbps, a CPU-only row and a shared GPU
+    path = _write(
+        tmp_path,
+        "AcceleratorName,InstanceType,Region,AcceleratorCount,vCPUs,MemoryGiB,Price,SpotPrice,NetworkGbps\n"
+        "A100,a2-highgpu-1g,us-central1,1,12,85,3.67,1.1,24\n"
+        "A100,a2-highgpu-1g,us-central1,1,12,85,3.50,1.1,24\n"
+        ",n2-standard-8,us-central1,,8,32,0.38,0.1,16\n"
+        "L4,g2-standard-4,us-central1,1,4,16,0.70,,16\n"
+        "L4,g2-standard-4,europe-west4,1,4,16,0.77,,16\n"
+        "T4,shared-t4,us-central1,1/2,4,16,0.20,,8\n",
+    )
+    cat = parse_catalog_csv(path)
+    assert cat.currency == "USD"
+    types = set(cat.instance_types)
+    assert types == {"a2-highgpu-1g", "g2-standard-4@us-central1", "g2-standard-4@europe-west4", "shared-t4"}
+    a2 = cat.get("a2-highgpu-1g")
+    assert a2.gpu == "A100-40GB" and a2.price_per_hour == 3.50 and a2.spot_price_per_hour == 1.1  # cheapest AZ row kept
+    assert a2.gpu_memory_gb == pytest.approx(40)
+    shared = cat.get("shared-t4")
+    assert shared.gpus_per_instance == 0.5 and shared.gpu_memory_gb == pytest.approx(8)
+    assert "line 7" in shared.source
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ("g5.xlarge,A10G,1,,10\n", r"cat.csv line 2: column 'Price' is empty.*HINT"),
+        ("g5.xlarge,A10G,1,-1.0,10\n", r"cat.csv line 2: column 'Price' holds '-1.0'; it must be a positive number.*HINT"),
+        ("g5.xlarge,A10G,1,cheap,10\n", r"cat.csv line 2: column 'Price' holds 'cheap', which is not a number.*HINT"),
+        ("g5.xlarge,A10G,1,1.0,10\nx.large,TPUv5,1,2.0,10\n", r"cat.csv line 3: unknown GPU 'TPUv5'.*knows T4, A10, A10G.*HINT"),
+        ("g5.xlarge,A10G,two,1.0,10\n", r"line 2: column 'AcceleratorCount' holds 'two'"),
+        ("g5.xlarge,A10G,1.5,1.0,10\n", r"line 2: .*1.5 GPUs per instance is neither whole nor a share"),
+    ],
+)
+def test_bad_rows_name_the_line_and_the_rule(tmp_path, body, match):
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\n" + body)
+    with pytest.raises(CatalogError, match=match):
+        parse_catalog_csv(path)
+
+
+def test_missing_columns_and_bandwidth(tmp_path):
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price\ng5.xlarge,A10G,1,1.006\n")
+    with pytest.raises(CatalogError, match=r"line 1: missing column\(s\) \['NetworkGbps'\].*HINT:.*--bandwidth"):
+        load_catalog(str(path))
+    cat = load_catalog(str(path), bandwidth_gbps=25)
+    assert cat.get("g5.xlarge").network_gbps == 25 and "given" in cat.get("g5.xlarge").network_source
+    bad = _write(tmp_path, "InstanceType,GPU,Price\nx,A10G,1\n", "bad.csv")
+    with pytest.raises(CatalogError, match=r"missing column\(s\) \['AcceleratorName', 'AcceleratorCount', 'NetworkGbps'\]"):
+        parse_catalog_csv(bad)
+    with pytest.raises(CatalogError, match=r"does not exist.*alicloud-2023"):
+        load_catalog(str(tmp_path / "nope.csv"))
+    with pytest.raises(CatalogError, match=r"bandwidth must be a positive"):
+        load_catalog("aws-2026", bandwidth_gbps=-3)
+
+
+def test_mixed_currencies_are_refused(tmp_path):
+    path = _write(
+        tmp_path,
+        "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps,Currency\na,T4,1,1,10,USD\nb,T4,1,1,10,EUR\n",
+    )
+    with pytest.raises(CatalogError, match=r"mixes currencies \['EUR', 'USD'\]"):
+        parse_catalog_csv(path)

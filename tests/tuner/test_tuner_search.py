@@ -1,0 +1,175 @@
+"""The Optuna search over the cost model: valid configurations, stored trials, errors before any trial."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import optuna
+import pytest
+from tuner_profile_factory import make_profile
+
+from lightning_distplan.errors import CatalogError, InfeasiblePlanError
+from lightning_distplan.planner import enumerate_plans
+from lightning_distplan.tuner import (
+    ConfigSpace,
+    StudyConflictError,
+    StudyStorageError,
+    exhaustive,
+    load_catalog,
+    pareto_front,
+    tune,
+)
+
+B = 64
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return make_profile()
+
+
+def _url(tmp_path, name="study.db"):
+    return f"sqlite:///{tmp_path / name}"
+
+
+def test_tune_stores_every_trial_with_its_breakdown_and_every_config_factors_the_batch(tmp_path, profile):
+    url = _url(tmp_path)
+    result = tune(profile, catalog="alicloud-2023", global_batch_size=B, time_weight=4096, n_trials=40, storage=url,
+                  study_name="s", max_instances=4, progress=False)
+    study = optuna.load_study(study_name="s", storage=url)
+    assert len(study.trials) == 40 == result.n_trials == result.n_study_trials
+    assert study.user_attrs["distplan_settings"]["global_batch_size"] == B and study.user_attrs["currency"] == "RMB"
+    for t in study.trials:
+        a = t.user_attrs
+        if "plan" not in a:  # a strategy with no plan on that many devices
+            assert t.state == optuna.trial.TrialState.PRUNED and a["feasible"] is False and "no " in a["reason"]
+            continue
+        plan = a["plan"]
+        # DESIGN §3.1: B = dp·m·s (dp_ga) or dp·m·n (pipelines)
+        assert plan["dp"] * plan["micro_batch_size"] * plan["accumulate_grad_batches"] * plan["n_microbatches"] == B
+        assert a["world_size"] == plan["dp"] * plan["pp"]
+        for key in ("breakdown", "memory", "price_per_hour", "currency", "projection", "feasible", "step_time_s", "cost_per_step"):
+            assert key in a, key
+        if a["feasible"]:
+            assert t.state == optuna.trial.TrialState.COMPLETE
+            assert t.value == pytest.approx(a["cost_per_step"] + 4096 * a["step_time_s"])
+            assert sum(a["breakdown"].values()) == pytest.approx(a["step_time_s"])
+            # C = instances · price/3600 · T (seed 000 §IV-D)
+            assert a["cost_per_step"] == pytest.approx(a["count"] * a["price_per_hour"] / 3600 * a["step_time_s"])
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert result.best.objective == pytest.approx(min(t.value for t in complete))
+    assert study.best_value == pytest.approx(result.best.objective)
+    # the Pareto front: sorted by cost, strictly faster as it gets dearer, nothing feasible dominates a point
+    front = result.pareto
+    assert [c.cost_per_step for c in front] == sorted(c.cost_per_step for c in front)
+    assert all(a.step_time_s > b.step_time_s for a, b in zip(front, front[1:]))
+    for t in complete:
+        c, s = t.user_attrs["cost_per_step"], t.user_attrs["step_time_s"]
+        assert not any(c < p.cost_per_step and s < p.step_time_s for p in front)
+    out = result.to_dict()
+    for key in ("instance_type", "count", "strategy", "schedule", "micro_batch_size", "accumulation", "dp", "pp",
+                "predicted_step_time_s", "predicted_cost_per_step", "currency"):
+        assert key in out["best"]
+
+
+def test_infeasible_configurations_are_pruned_with_the_reason(tmp_path):
+    # 24 layers of 300 MB: 7.2 GB of parameters, 4x that with grads and Adam -> no single T4/A10 slice holds it
+    big = make_profile(n_layers=24, param_bytes_per_layer=300_000_000)
+    result = tune(big, catalog="alicloud-2023", global_batch_size=B, n_trials=30, storage=_url(tmp_path), study_name="big",
+                  max_instances=4, progress=False)
+    study = optuna.load_study(study_name="big", storage=_url(tmp_path))
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert pruned and all(t.user_attrs["feasible"] is False and t.user_attrs["reason"] for t in pruned)
+    assert any("exceeds" in t.user_attrs["reason"] for t in pruned)
+    assert result.best.feasible and result.best.peak_memory_bytes <= 0.9 * result.best.device_memory_bytes
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("distplan.db", r"Storage 'distplan.db' is not a database URL.*HINT"),
+        ("sqlite:////nonexistent-dir/x/study.db", r"Cannot open the study storage 'sqlite:////nonexistent-dir/x/study.db'.*HINT"),
+        ("nosuchdialect://host/db", r"Cannot open the study storage 'nosuchdialect://host/db'.*HINT"),
+    ],
+)
+def test_bad_storage_fails_before_any_trial(profile, url, match, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ConfigSpace, "evaluate", lambda *a, **k: calls.append(a))
+    with pytest.raises(StudyStorageError, match=match):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="x", max_instances=2, progress=False)
+    assert calls == []
+
+
+def test_unknown_catalog_lists_names(profile, tmp_path):
+    with pytest.raises(CatalogError, match="alicloud-2023, aws-2026"):
+        tune(profile, catalog="azure", global_batch_size=B, n_trials=5, storage=_url(tmp_path), progress=False)
+
+
+def _snapshot(db):
+    con = sqlite3.connect(db)
+    try:
+        return {t: con.execute(f"select * from {t}").fetchall() for t in ("trials", "trial_params", "trial_values", "trial_user_attributes", "study_user_attributes")}
+    finally:
+        con.close()
+
+
+def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile):
+    url = _url(tmp_path)
+    tune(profile, catalog="alicloud-2023", global_batch_size=B, time_weight=0, n_trials=15, storage=url, study_name="s", max_instances=2, progress=False)
+    before = _snapshot(tmp_path / "study.db")
+    with pytest.raises(StudyConflictError, match=r"Study 's' already exists.*time_weight 0.0 -> 4096.0.*left untouched.*HINT"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, time_weight=4096, n_trials=15, storage=url, study_name="s", max_instances=2, progress=False)
+    assert _snapshot(tmp_path / "study.db") == before  # not one row added or changed
+    # a study someone else made under that name is refused too
+    optuna.create_study(study_name="foreign", storage=url).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    before_foreign = _snapshot(tmp_path / "study.db")
+    with pytest.raises(StudyConflictError, match="not created by `distplan tune`"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="foreign", max_instances=2, progress=False)
+    assert _snapshot(tmp_path / "study.db") == before_foreign
+    s = optuna.load_study(study_name="s", storage=url)
+    assert len(s.trials) == 15 and s.user_attrs["time_weight"] == 0.0
+
+
+def test_failed_run_writes_nothing(tmp_path, profile, monkeypatch):
+    url = _url(tmp_path)
+
+    def boom(*a, **k):
+        raise RuntimeError("cost model exploded")
+
+    monkeypatch.setattr(ConfigSpace, "evaluate", boom)
+    with pytest.raises(RuntimeError, match="exploded"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="s", max_instances=2, progress=False)
+    assert optuna.get_all_study_names(url) == []
+
+
+def test_same_settings_resume_the_study(tmp_path, profile):
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=url, study_name="s", max_instances=2, progress=False)
+    first = tune(profile, **kw)
+    second = tune(profile, **kw)
+    assert second.resumed and second.n_trials == 12 and second.n_study_trials == 24
+    assert [t.number for t in optuna.load_study(study_name="s", storage=url).trials] == list(range(24))
+    assert second.best.objective <= first.best.objective
+
+
+def test_multi_objective_nsga2(tmp_path, profile):
+    result = tune(profile, catalog="aws-2026", global_batch_size=B, n_trials=20, storage=_url(tmp_path), study_name="mo",
+                  max_instances=2, multi_objective=True, progress=False)
+    study = optuna.load_study(study_name="mo", storage=_url(tmp_path))
+    assert len(study.directions) == 2 and result.sampler == "NSGAIISampler" and result.pareto
+    assert result.currency == "USD"
+
+
+def test_exhaustive_covers_exactly_the_enumerated_space(profile):
+    catalog = load_catalog("alicloud-2023")
+    ex = exhaustive(profile, catalog, global_batch_size=B, time_weight=256, max_instances=3)
+    expected = sum(len(enumerate_plans(profile, world_size=c, global_batch_size=B)) for _ in catalog.instances for c in (1, 2, 3))
+    assert ex.n_evaluations == len(ex.configs) == expected
+    assert all(c.plan.global_batch_size == B for c in ex.configs)
+    feasible = [c for c in ex.configs if c.feasible]
+    assert ex.best.objective == min(c.objective for c in feasible)
+    assert math.isclose(ex.best.objective, ex.best.cost_per_step + 256 * ex.best.step_time_s)
+    assert ex.pareto == pareto_front(feasible)
+    with pytest.raises(InfeasiblePlanError, match="max_configurations"):
+        exhaustive(profile, catalog, global_batch_size=B, max_instances=3, max_configurations=10)
