@@ -1,0 +1,144 @@
+"""The main example: profile -> plan -> train -> tune, with one line of Lightning code.
+
+What it does (``make example`` runs it):
+
+1. trains Lightning's demo Transformer (synthetic tokens; no download) with
+   ``Trainer(strategy="auto_plan")``: the strategy profiles the first batches on the real device,
+   fits the time/memory model, picks data parallel + accumulation or a pipeline, and trains with
+   that plan in the same processes (2 CPU processes, or every visible GPU);
+2. prints the chosen plan, the alternatives and predicted vs observed step time;
+3. searches cloud hardware for the same model with Optuna on the fitted model
+   (catalog ``alicloud-2023``, objective cost + w·time), stores the study in SQLite, writes the
+   Pareto-front and time-breakdown plots, and says how to open it in optuna-dashboard.
+
+Run:  python examples/auto_plan_demo.py [--devices N] [--epochs E] [--trials K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
+
+import lightning_distplan  # noqa: F401  (registers "auto_plan", "dp_ga", "gpipe", "1f1b")
+from lightning_distplan.demos import RandomTokenData
+
+
+class DemoTransformer(LightningTransformer):
+    """Lightning's demo model, a little smaller for a CPU demo and without the WikiText2 download."""
+
+    def __init__(self, vocab_size: int = 2000, width: int = 128, layers: int = 2) -> None:
+        super().__init__(vocab_size=vocab_size)
+        self.model = Transformer(vocab_size=vocab_size, ninp=width, nhead=4, nhid=2 * width, nlayers=layers)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def prepare_data(self) -> None:  # the parent downloads WikiText2; our data is synthetic
+        pass
+
+
+class LossHistory(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = trainer.callback_metrics.get("train_loss")
+        if loss is not None:
+            self.losses.append(float(loss))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=None, help="default: all GPUs, else 2 CPU processes")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=16, help="loader batch per process")
+    parser.add_argument("--trials", type=int, default=300)
+    parser.add_argument("--time-weight", type=float, default=4096.0)
+    parser.add_argument("--root", default="runs/example")
+    args = parser.parse_args()
+
+    gpu = torch.cuda.is_available()
+    accelerator = "gpu" if gpu else "cpu"
+    devices = args.devices or (torch.cuda.device_count() if gpu else 2)
+    if not gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
+    torch.manual_seed(0)
+
+    model = DemoTransformer()
+    data = RandomTokenData(vocab_size=2000, block_size=32, batch_size=args.batch_size, num_samples=args.samples)
+    history = LossHistory()
+    trainer = L.Trainer(
+        strategy="auto_plan",  # <- the one line
+        accelerator=accelerator,
+        devices=devices,
+        max_epochs=args.epochs,
+        default_root_dir=args.root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[history],
+    )
+    t0 = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    fit_s = time.perf_counter() - t0
+    if not trainer.is_global_zero:
+        return
+
+    distplan_dir = Path(args.root) / "distplan"
+    plan_doc = json.loads((distplan_dir / "plan.json").read_text())
+    print("\n=== 1. trained with auto_plan ===")
+    print(f"device: {devices} x {accelerator}; chosen plan: {trainer.strategy.plan.describe()}")
+    print(f"fit took {fit_s:.1f} s; train_loss first {history.losses[0]:.3f} -> last {history.losses[-1]:.3f}"
+          if history.losses else f"fit took {fit_s:.1f} s")
+    monitor = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("distplan/")}
+    if monitor:
+        print("predicted vs observed step time:", {k: round(v, 4) for k, v in monitor.items()})
+    print(f"profile + plan written to {distplan_dir}/ (profile.json, plan.json)")
+    alternatives = plan_doc.get("alternatives") or []
+    for alt in alternatives[:3]:
+        print(f"  alternative: {alt.get('strategy')} dp={alt.get('dp')} pp={alt.get('pp')} m={alt.get('micro_batch_size')} "
+              f"predicted {alt.get('predicted_step_time_s', float('nan')):.4f} s")
+
+    print("\n=== 2. what should I rent? (Optuna over the fitted model) ===")
+    from lightning_distplan.profile import Profile
+    from lightning_distplan.tuner import tune
+    from lightning_distplan.tuner.plots import attach_to_study, plot_pareto_front, plot_time_breakdown
+
+    profile = Profile.load(distplan_dir / "profile.json")
+    db = Path(args.root).resolve() / "distplan.db"
+    storage = f"sqlite:///{db}"
+    study_name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    global_batch = plan_doc["plan"]["global_batch_size"] if "plan" in plan_doc else trainer.strategy.plan.global_batch_size
+    t0 = time.perf_counter()
+    result = tune(profile, catalog="alicloud-2023", global_batch_size=global_batch, time_weight=args.time_weight,
+                  n_trials=args.trials, storage=storage, study_name=study_name, seed=0, progress=False)
+    tune_s = time.perf_counter() - t0
+    best = result.best.to_dict()
+    print(f"{args.trials} trials in {tune_s:.1f} s; best for C + {args.time_weight:g}·T per step:")
+    print("  " + json.dumps({k: best[k] for k in best if k in (
+        "instance_type", "count", "strategy", "dp", "pp", "micro_batch_size", "accumulation",
+        "predicted_step_time_s", "predicted_cost_per_step", "currency")}))
+    print(f"Pareto front (cost vs time per step): {len(result.pareto)} configurations")
+    import optuna
+
+    study = optuna.load_study(study_name=study_name, storage=storage)
+    plot_pareto_front(study, path_html=distplan_dir / "pareto.html", path_png=distplan_dir / "pareto.png")
+    plot_time_breakdown(study, path_html=distplan_dir / "breakdown.html", path_png=distplan_dir / "breakdown.png")
+    attach_to_study(study)
+    print(f"plots: {distplan_dir}/pareto.png, breakdown.png (+ .html)")
+    print(f"open the study:  distplan dashboard {storage}   (or: optuna-dashboard {storage})")
+
+
+if __name__ == "__main__":
+    main()
