@@ -39,6 +39,10 @@ class PipelineSpec:
             over the micro-batch, so the mean of micro-batch losses is the loss of the full batch.
         targets: maps a batch to the tensor(s) ``loss`` needs from it (sliced along dim 0 with the
             micro-batches); defaults to the whole batch.
+
+    A layer that is not itself a sub-module of the LightningModule (a wrapper around some of its
+    sub-modules) is named after the sub-modules it holds (``"model.embedding+pos_encoder"``), or by
+    its ``distplan_name`` attribute when it sets one.
     """
 
     layers: Sequence[nn.Module]
@@ -97,9 +101,11 @@ def discover_layers(module: nn.Module, *, target: int = _TARGET_LAYERS) -> Disco
     spec, reason = find_pipeline_spec(module)
     if spec is not None:
         by_id = {id(m): name for name, m in module.named_modules()}
-        names = []
+        names: list[str] = []
         for i, layer in enumerate(spec.layers):
-            names.append(by_id.get(id(layer), f"pipeline_layer_{i}"))
+            name = by_id.get(id(layer)) or getattr(layer, "distplan_name", None) or _wrapper_name(layer, by_id)
+            name = name or f"pipeline_layer_{i}"
+            names.append(name if name not in names else f"{name}#{i}")  # names must stay unique
         return DiscoveredLayers(tuple(names), tuple(spec.layers), spec, reason)
 
     frontier: list[tuple[str, nn.Module]] = list(module.named_children())
@@ -118,3 +124,21 @@ def discover_layers(module: nn.Module, *, target: int = _TARGET_LAYERS) -> Disco
             break
         frontier[i : i + 1] = children
     return DiscoveredLayers(tuple(n for n, _ in frontier), tuple(m for _, m in frontier), None, reason)
+
+
+def _wrapper_name(wrapper: nn.Module, by_id: dict[int, str]) -> str:
+    """``"model.embedding+pos_encoder"``: the outermost sub-modules of the LightningModule a wrapper holds.
+
+    A name that shares the previous one's parent is shortened to its last part.
+    """
+    parts: list[str] = []
+    inside: list[str] = []
+    for _, sub in wrapper.named_modules():
+        name = by_id.get(id(sub))
+        if name is None or any(name == n or name.startswith(n + ".") for n in inside):
+            continue
+        inside.append(name)
+        parent, _, leaf = name.rpartition(".")
+        prev_parent = inside[-2].rpartition(".")[0] if len(inside) > 1 else None
+        parts.append(leaf if parts and parent and parent == prev_parent else name)
+    return "+".join(parts)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import torch
 from torch import nn
 
-from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
-__all__ = ["convert_deferred_batchnorm"]
+__all__ = ["DeferredBatchNormUnsupportedError", "convert_deferred_batchnorm", "skip_metadata_inference_tracking"]
 
 
 def convert_deferred_batchnorm(layer: nn.Module, *, chunks: int) -> None:
@@ -27,3 +31,34 @@ def convert_deferred_batchnorm(layer: nn.Module, *, chunks: int) -> None:
             setattr(layer, name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks))
         else:
             convert_deferred_batchnorm(child, chunks=chunks)
+
+
+def skip_metadata_inference_tracking(stage: Any) -> None:
+    """Keep ``torch.distributed.pipelining``'s metadata-inference forward out of the batch statistics.
+
+    On its first step a ``PipelineStage`` runs one extra forward (the real first micro-batch on
+    stage 0, *uninitialised* tensors of the right shape on later stages) to learn the shapes. A
+    DeferredBatchNorm would count it as a micro-batch: the step's statistics would include it
+    (garbage on later stages) and every later commit would be shifted by one micro-batch. fairscale
+    already skips tracking under checkpoint recomputation, so that forward runs with its flag set.
+    """
+    from fairscale.nn.pipe.checkpoint import enable_recomputing
+
+    original = getattr(stage, "_forward_metadata_inference", None)
+    if original is None:
+        raise DeferredBatchNormUnsupportedError(
+            f"This torch version's PipelineStage ({torch.__version__}) has no `_forward_metadata_inference` to guard, "
+            "so DeferredBatchNorm statistics would include its shape-inference forward.",
+            hint="Use deferred_batchnorm=False (per-micro-batch statistics) or torch 2.14.",
+        )
+
+    @functools.wraps(original)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with enable_recomputing():
+            return original(*args, **kwargs)
+
+    stage._forward_metadata_inference = guarded
+
+
+class DeferredBatchNormUnsupportedError(DistPlanError, NotImplementedError):
+    """DeferredBatchNorm cannot be made exact with this runtime."""

@@ -24,8 +24,19 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   rewrite of the user's module would not.
 * ``validation_step`` / ``test_step``: a forward-only run of the pipeline (``schedule.eval``) that
   logs ``val_loss`` / ``test_loss`` (the true mean over the global batch) on every rank; the
-  module's own ``validation_step``/``test_step`` is not called. ``predict_step`` returns the last
-  stage's merged output on every rank of the replica.
+  module's own ``validation_step``/``test_step`` is not called, but Lightning still requires the
+  module to define it before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
+  ``predict_step`` returns the last stage's merged output on every rank of the replica. Checked
+  against a single process in ``tests/strategies/test_pipeline_math.py`` (fit with a val loader,
+  ``validate``, ``test``, ``predict``).
+* ``deferred_batchnorm=True``: BatchNorm layers become fairscale's ``DeferredBatchNorm``: the
+  forward still normalises each micro-batch with its own statistics (as GPipe does), but the
+  running statistics are committed once per step from all micro-batches (fairscale commits the
+  *biased* batch variance, torch's BatchNorm the unbiased one). torch's first-step
+  shape-inference forward is kept out of the statistics (``_pipeline_batchnorm``).
+* ``start_method``: ``"popen"`` re-runs the script like ``ddp``; ``"spawn"`` (tested) or ``"fork"`` use
+  Lightning's multiprocessing launcher, and the full weights (gathered from all stages) are loaded
+  back into the caller's module after ``fit``.
 * ``lightning_module_state_dict`` / ``optimizer_state``: gather the full state to rank 0 under the
   plain module's keys, so checkpoints load with ``LightningModule.load_from_checkpoint`` and under
   any other strategy; ``load_optimizer_state_dict`` takes this stage's part of a full state.
@@ -113,7 +124,8 @@ class PipelineStrategy(DDPStrategy):
         plan: a :class:`~lightning_distplan.Plan` to run (``gpipe``/``1f1b``); explicit arguments
             must agree with it.
         deferred_batchnorm: replace BatchNorm layers by fairscale's ``DeferredBatchNorm`` so running
-            statistics are those of the whole batch rather than of each micro-batch.
+            statistics are those of the whole batch rather than of each micro-batch (the forward
+            still normalises per micro-batch); needs an integer ``n_microbatches`` or a plan.
         start_method: ``"popen"`` (script re-launch, like ``ddp``) or ``"spawn"``/``"fork"``.
 
     Example::
@@ -375,6 +387,10 @@ class PipelineStrategy(DDPStrategy):
         if key not in self._schedules:
             layout = self.layout
             stage = PipelineStage(self._stage_module, layout.stage, layout.pp, self.root_device, group=self._pipe_group)
+            if self._deferred_batchnorm:
+                from lightning_distplan.strategies._pipeline_batchnorm import skip_metadata_inference_tracking
+
+                skip_metadata_inference_tracking(stage)
             cls = _SCHEDULES[self._schedule_name] if mode == "train" else ScheduleGPipe
             loss_fn = None if mode == "predict" else self._loss_fn
             self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=True)

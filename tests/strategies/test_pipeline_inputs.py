@@ -117,3 +117,52 @@ def test_pipeline_adapters_reproduce_model_loss() -> None:
 
     xb, yb = torch.randn(4, 4), torch.randn(4, 1)
     torch.testing.assert_close(_chain_loss(Reg(), (xb, yb)), F.mse_loss(seq(xb), yb))
+
+
+def test_pipeline_wrapped_layers_have_readable_names() -> None:
+    import lightning as L
+    import torchvision
+
+    names = discover_layers(build("transformer")).names
+    assert names == (
+        "model.embedding+pos_encoder",
+        "model.transformer.encoder.layers.0",
+        "model.transformer.encoder.layers.1",
+        "model.transformer.encoder.norm",
+        "model.transformer.decoder.layers.0",
+        "model.transformer.decoder.layers.1",
+        "model.transformer.decoder.norm+model.decoder",
+    )
+    assert discover_layers(build("gpt2")).names == (
+        "model.transformer.wte+wpe+drop", "model.transformer.h.0", "model.transformer.h.1", "model.transformer.ln_f+model.lm_head")
+
+    class Vision(L.LightningModule):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+    resnet = discover_layers(Vision(torchvision.models.resnet18(num_classes=5))).names
+    assert (resnet[0], resnet[1], resnet[-1]) == ("net.conv1+bn1+relu+maxpool", "net.layer1.0", "net.avgpool+fc")
+
+    # A user's own wrapper: its `distplan_name` wins; duplicates are made unique.
+    class Named(nn.Module):
+        distplan_name = "my.block"
+
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    class User(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def pipeline_spec(self):
+            from lightning_distplan import PipelineSpec
+
+            return PipelineSpec(layers=[Named(self.a), Named(self.b), self.a], inputs=lambda b: b, loss=lambda o, b: o.sum())
+
+    assert discover_layers(User()).names == ("my.block", "my.block#1", "a")

@@ -1,37 +1,151 @@
-"""Same math: gpipe, 1f1b and hybrid dp x pp runs end with the weights of a single-process run.
+"""Real gloo runs of PipelineStrategy against single-process references.
 
-Real gloo processes (torchrun-like env vars, Lightning's own launcher path for externally created
-processes); the weights come back through the strategy's full-state-dict checkpoint gather.
+* Same math: gpipe, 1f1b and hybrid dp x pp runs end with the weights of a single-process run.
+* Evaluation: validation during fit, ``trainer.validate`` / ``test`` / ``predict`` give the
+  single-process loss and outputs.
+* Memory: 1F1B keeps fewer micro-batches of activations alive than GPipe, as the cost model says.
+
+To keep the suite fast, every 2-rank check shares ONE launch of two processes (a module-scoped
+fixture), and the hybrid checks one 4-rank launch. Processes are torchrun-like (env vars, gloo),
+so Lightning treats them as externally launched; weights come back through the strategy's
+full-state-dict checkpoint gather.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _pipeline_models import GLOBAL_BATCH, build, reference_weights, run_processes, token_data, trainer_kwargs  # noqa: E402
+from _dist_utils import run_on_ranks  # noqa: E402
+from _pipeline_models import (  # noqa: E402
+    GLOBAL_BATCH,
+    MLP_BOUNDARY,
+    SavedBytesCounter,
+    TinyConvBN,
+    TinyMLP,
+    build,
+    image_data,
+    mlp_data,
+    reference_weights,
+    tensor_storages,
+    token_data,
+    trainer_kwargs,
+)
 
 import lightning as L  # noqa: E402
 
+N_MICRO = 8  # micro-batches per step in the 2-stage runs
+VAL_BATCHES = 2
+MATH_RUNS = [("transformer", "gpipe", 2, 8), ("transformer", "1f1b", 2, 8), ("gpt2", "gpipe", 2, 8), ("gpt2", "1f1b", 2, 8)]
+HYBRID_RUNS = [("transformer", "1f1b", 2, 4), ("gpt2", "gpipe", 2, 4)]
 
-def _fit_all(rank: int, world: int, runs: list[tuple[str, str, int, int]], out: str) -> None:
+
+def _val_data():
+    return token_data(n=VAL_BATCHES * GLOBAL_BATCH, seed=1)
+
+
+def _fit(rank: int, world: int, run: tuple[str, str, int, int], out: str, *, with_eval: bool = False) -> dict[str, Any]:
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
-    for name, schedule, stages, n in runs:
-        model = build(name)
-        dp = world // stages
-        loader = DataLoader(token_data(), batch_size=GLOBAL_BATCH // dp)
-        strategy = PipelineStrategy(schedule=schedule, stages=stages, n_microbatches=n)
-        trainer = L.Trainer(**trainer_kwargs(world, strategy, out))
-        trainer.fit(model, loader)
-        trainer.save_checkpoint(os.path.join(out, f"{name}-{schedule}-{world}.ckpt"))
-        if rank == 0:
-            torch.save(trainer.callback_metrics["train_loss"], os.path.join(out, f"{name}-{schedule}-{world}.loss"))
+    name, schedule, stages, n = run
+    model = build(name)
+    dp = world // stages
+    loader = DataLoader(token_data(), batch_size=GLOBAL_BATCH // dp)
+    strategy = PipelineStrategy(schedule=schedule, stages=stages, n_microbatches=n)
+    kwargs = trainer_kwargs(world, strategy, out)
+    result: dict[str, Any] = {}
+    if with_eval:  # validation runs once, at the end of the only epoch (after the last step)
+        kwargs["limit_val_batches"] = VAL_BATCHES
+        val = DataLoader(_val_data(), batch_size=GLOBAL_BATCH)
+    trainer = L.Trainer(**kwargs)
+    trainer.fit(model, loader, val if with_eval else None)
+    trainer.save_checkpoint(os.path.join(out, f"{name}-{schedule}-{world}.ckpt"))
+    if rank == 0:
+        torch.save(trainer.callback_metrics["train_loss"], os.path.join(out, f"{name}-{schedule}-{world}.loss"))
+    if with_eval:
+        result["fit_val_loss"] = trainer.callback_metrics["val_loss"].item()
+        result["validate"] = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+        result["test"] = trainer.test(model, val, verbose=False)[0]["test_loss"]
+        result["predict"] = [p.cpu() for p in trainer.predict(model, val)]
+    return result
+
+
+class _SavedBytesMeter(L.Callback):
+    """Peak live saved-for-backward bytes during the training step ``measure`` (this rank's stage)."""
+
+    def __init__(self, measure: int) -> None:
+        self.measure = measure
+        self.counter: SavedBytesCounter | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.measure:
+            self.counter = SavedBytesCounter(exclude=tensor_storages(pl_module))
+            self.counter.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.measure and self.counter is not None:
+            self.counter.__exit__(None, None, None)
+
+
+def _memory(world: int, schedule: str, out: str) -> dict[str, int]:
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    torch.manual_seed(0)
+    # Step 0 is skipped: torch.distributed.pipelining runs an extra metadata-inference forward in it.
+    meter = _SavedBytesMeter(measure=1)
+    strategy = PipelineStrategy(schedule=schedule, stages=2, n_microbatches=N_MICRO, stage_boundaries=[MLP_BOUNDARY])
+    kwargs = trainer_kwargs(world, strategy, out, callbacks=[meter])
+    kwargs["max_steps"] = 2
+    L.Trainer(**kwargs).fit(TinyMLP(), DataLoader(mlp_data(2 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+    assert meter.counter is not None
+    return {"peak": meter.counter.peak, "live_after": meter.counter.live}
+
+
+class _FirstBatchNormStats(L.Callback):
+    def __init__(self) -> None:
+        self.stats: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        bn = pl_module.model[1]  # on stage 0: the first BatchNorm (a DeferredBatchNorm now)
+        self.stats.append({k: v.detach().clone() for k, v in bn.state_dict().items() if k.startswith(("running", "num"))})
+
+
+def _deferred_batchnorm(world: int, out: str) -> list[dict[str, torch.Tensor]]:
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    stats = _FirstBatchNormStats()
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4, stage_boundaries=[3], deferred_batchnorm=True)
+    kwargs = trainer_kwargs(world, strategy, out, callbacks=[stats])
+    kwargs["max_steps"] = 2
+    L.Trainer(**kwargs).fit(TinyConvBN(), DataLoader(image_data(), batch_size=GLOBAL_BATCH))
+    return stats.stats
+
+
+def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for run in MATH_RUNS:
+        results[run[:2]] = _fit(rank, world, run, out, with_eval=run[:2] == ("transformer", "gpipe"))
+    for schedule in ("gpipe", "1f1b"):
+        results[("memory", schedule)] = _memory(world, schedule, out)
+    results["deferred_bn"] = _deferred_batchnorm(world, out)
+    return results
+
+
+def _hybrid_worker(rank: int, world: int, out: str) -> None:
+    for run in HYBRID_RUNS:
+        _fit(rank, world, run, out)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    out = str(tmp_path_factory.mktemp("pipeline_2ranks"))
+    return out, run_on_ranks(_two_rank_worker, 2, out, timeout=400)
 
 
 def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
@@ -50,15 +164,152 @@ def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
     assert torch.isfinite(torch.load(os.path.join(out, f"{name}-{schedule}-{world}.loss"))).all()
 
 
-def test_pipeline_gpipe_and_1f1b_match_single_process(tmp_path) -> None:
-    runs = [("transformer", "gpipe", 2, 8), ("transformer", "1f1b", 2, 8), ("gpt2", "gpipe", 2, 8), ("gpt2", "1f1b", 2, 8)]
-    run_processes(_fit_all, 2, runs, str(tmp_path))
-    for name, schedule, _, _ in runs:
-        _check(str(tmp_path), name, schedule, 2, 1)
+def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
+    out, _ = two_rank_run
+    for name, schedule, _, _ in MATH_RUNS:
+        _check(out, name, schedule, 2, 1)
 
 
 def test_pipeline_hybrid_dp2_pp2_matches_single_process(tmp_path) -> None:
-    runs = [("transformer", "1f1b", 2, 4), ("gpt2", "gpipe", 2, 4)]
-    run_processes(_fit_all, 4, runs, str(tmp_path))
-    for name, schedule, _, _ in runs:
+    run_on_ranks(_hybrid_worker, 4, str(tmp_path), timeout=400)
+    for name, schedule, _, _ in HYBRID_RUNS:
         _check(str(tmp_path), name, schedule, 4, 2)
+
+
+def test_pipeline_validate_test_predict_match_single_process(two_rank_run) -> None:
+    _, results = two_rank_run
+    model = build("transformer")
+    model.load_state_dict(reference_weights("transformer"))
+    model.eval()
+    batches = list(DataLoader(_val_data(), batch_size=GLOBAL_BATCH))
+    with torch.no_grad():
+        ref_loss = torch.stack([model.training_step(b, i) for i, b in enumerate(batches)]).mean().item()
+        ref_pred = [model.predict_step(b, i) for i, b in enumerate(batches)]
+    for rank, res in enumerate(results):
+        got = res[("transformer", "gpipe")]
+        for key in ("fit_val_loss", "validate", "test"):
+            assert got[key] == pytest.approx(ref_loss, rel=1e-5), (rank, key)
+        assert len(got["predict"]) == VAL_BATCHES  # every rank of the pipeline returns the last stage's output
+        torch.testing.assert_close(got["predict"], ref_pred, rtol=1e-5, atol=1e-6)
+
+
+def _per_microbatch_saved_bytes() -> tuple[int, int]:
+    """Saved bytes of ONE micro-batch per stage, measured single-process on the unsplit chain."""
+    from lightning_distplan._layers import discover_layers
+
+    torch.manual_seed(0)
+    module = TinyMLP()
+    spec = discover_layers(module).spec
+    assert spec is not None
+    x, y = mlp_data()[: GLOBAL_BATCH // N_MICRO]
+    exclude = tensor_storages(module)
+    with SavedBytesCounter(exclude=exclude) as stage0:
+        h = x
+        for layer in spec.layers[:MLP_BOUNDARY]:
+            h = layer(h)
+    h = h.detach().requires_grad_()  # stage 1 receives a fresh tensor, as over p2p
+    with SavedBytesCounter(exclude=exclude) as stage1:
+        for layer in spec.layers[MLP_BOUNDARY:]:
+            h = layer(h)
+        loss = spec.loss(h, (x, y))
+    del loss
+    return stage0.peak, stage1.peak
+
+
+def test_pipeline_1f1b_keeps_fewer_activations_than_gpipe(two_rank_run) -> None:
+    from lightning_distplan.costmodel import in_flight_microbatches
+
+    _, results = two_rank_run
+    peak = {s: [r[("memory", s)]["peak"] for r in results] for s in ("gpipe", "1f1b")}
+    per_mb = _per_microbatch_saved_bytes()
+    p, n = 2, N_MICRO
+    assert peak["1f1b"][0] < peak["gpipe"][0]
+    for k in range(p):
+        # Each micro-batch saves exactly its own tensors, so the counts are exact multiples (5% slack for
+        # anything the runtime might add).
+        assert peak["gpipe"][k] == pytest.approx(n * per_mb[k], rel=0.05), (k, peak, per_mb)
+        assert peak["1f1b"][k] == pytest.approx(min(n, p - k) * per_mb[k], rel=0.05), (k, peak, per_mb)
+        assert all(r[("memory", s)]["live_after"] == 0 for r in results for s in peak), "backward frees everything"
+
+    # The cost model, fed a single-process profile of the same model, predicts the same bytes.
+    predicted, boundary = _cost_model_activations(p, n)
+    for s in ("gpipe", "1f1b"):
+        # 20%: the profile splits the whole-step fit over layers by their own counts (seed 000 §III-B fits).
+        assert peak[s][0] == pytest.approx(predicted[s][0], rel=0.20), (s, peak[s][0], predicted[s][0])
+        # Known cost-model gap (see the xfail test below): stage 1 also saves the tensor it RECEIVES
+        # (its first Linear saves its input), a new storage that the single-process profile counted
+        # once, on stage 0's ReLU. The measured excess is exactly that boundary tensor per micro-batch.
+        expected = predicted[s][1] + in_flight_microbatches(s, n, p, 1) * boundary
+        assert peak[s][1] == pytest.approx(expected, rel=0.20), (s, peak[s][1], predicted[s][1], boundary)
+
+
+def _cost_model_activations(p: int, n: int) -> tuple[dict[str, list[float]], float]:
+    """Activation bytes per stage that ``costmodel.predict`` expects, and the stage-0 -> 1 boundary tensor's bytes."""
+    from lightning_distplan.costmodel import in_flight_microbatches, predict
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.profiling import profile_module
+
+    torch.manual_seed(0)
+    m = GLOBAL_BATCH // n
+    loader = DataLoader(mlp_data(), batch_size=m)
+    profile = profile_module(TinyMLP(), loader, micro_batch_sizes=(2, 4, 8), device="cpu", warmup=0, repeats=1, measure_links=False)
+    stage_mem = {}
+    for s in ("gpipe", "1f1b"):
+        plan = Plan(strategy=s, dp=1, pp=p, micro_batch_size=m, n_microbatches=n, global_batch_size=GLOBAL_BATCH,
+                    stage_boundaries=(MLP_BOUNDARY,), layer_names=tuple(l.name for l in profile.layers))
+        stage_mem[s] = predict(profile, plan).stage_memory_bytes
+    predicted: dict[str, list[float]] = {"gpipe": [], "1f1b": []}
+    for k in range(p):
+        # Params, grads, optimizer and overhead are the same under both schedules; the difference is
+        # (n − in_flight_1f1b) micro-batches of this stage's activations.
+        per_mb = (stage_mem["gpipe"][k] - stage_mem["1f1b"][k]) / (n - in_flight_microbatches("1f1b", n, p, k))
+        for s in predicted:
+            predicted[s].append(in_flight_microbatches(s, n, p, k) * per_mb)
+    return predicted, m * profile.layers[MLP_BOUNDARY - 1].output_bytes_per_sample
+
+
+@pytest.mark.xfail(strict=True, reason="costmodel omits the activation a stage receives from the previous stage "
+                   "(saved again on the receiving device); reported, costmodel/ is not this test's owner's")
+def test_pipeline_costmodel_counts_received_boundary_activation(two_rank_run) -> None:
+    _, results = two_rank_run
+    predicted, _ = _cost_model_activations(2, N_MICRO)
+    for s in ("gpipe", "1f1b"):
+        assert results[1][("memory", s)]["peak"] == pytest.approx(predicted[s][1], rel=0.20)
+
+
+def test_pipeline_deferred_batchnorm_keeps_full_batch_statistics(two_rank_run) -> None:
+    _, results = two_rank_run
+    stats = results[0]["deferred_bn"]  # rank 0 = stage 0, which holds the first BatchNorm
+    # One commit per optimizer step, not one per micro-batch (plain BatchNorm would count 4 per step).
+    assert [int(s["num_batches_tracked"]) for s in stats] == [1, 2]
+    # The first BatchNorm sees the same inputs as a single-process step on the whole batch, so after
+    # step 1 its running statistics are exactly the full-batch ones (torch's extra shape-inference
+    # forward must not be counted). Later BatchNorms normalise per micro-batch in the forward, as in
+    # GPipe, so only their running statistics are full-batch, of slightly different inputs.
+    model = TinyConvBN()
+    data = image_data()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))[:GLOBAL_BATCH]
+    with torch.no_grad():
+        x = model.model[0](data.tensors[0][order])  # what the first BatchNorm sees
+    momentum = model.model[1].momentum
+    torch.testing.assert_close(stats[0]["running_mean"], momentum * x.mean(dim=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+    # fairscale's DeferredBatchNorm commits the biased variance (torch's BatchNorm the unbiased one, a
+    # 1/(N-1) = 5e-4 relative difference here); E[x²] - E[x]² in float32 needs rtol 1e-4.
+    expected_var = (1 - momentum) + momentum * x.var(dim=(0, 2, 3), unbiased=False)
+    torch.testing.assert_close(stats[0]["running_var"], expected_var, rtol=1e-4, atol=1e-6)
+
+
+def test_pipeline_spawn_start_method_returns_full_weights(tmp_path) -> None:
+    """``start_method="spawn"`` from this (plain, non-distributed) process: Lightning's own spawn launcher.
+
+    Each worker holds one stage; the launcher gathers the full weights and loads them into the
+    caller's model, which then equals the single-process result.
+    """
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("transformer")
+    strategy = PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=8, start_method="spawn")
+    trainer = L.Trainer(**trainer_kwargs(2, strategy, str(tmp_path)))
+    trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    torch.testing.assert_close(model.state_dict(), reference_weights("transformer"), rtol=1e-5, atol=2e-6)
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
