@@ -357,7 +357,12 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     }
     step = sum(breakdown.values())
 
-    stage_act = stage_sums(acts, boundaries)
+    stage_act = list(stage_sums(acts, boundaries))
+    for k in range(1, p):
+        # A stage's first layer saves the tensor it receives for its backward (Linear, conv,
+        # attention and norms all save their input). On one device that storage was counted once,
+        # under the producing layer; across stages it is a second copy on the receiving device.
+        stage_act[k] += m * profile.layers[edges[k] - 1].output_bytes_per_sample
     opt_bytes = _optimizer_state_bytes(profile)
     per_stage: list[dict[str, int]] = []
     for k in range(p):

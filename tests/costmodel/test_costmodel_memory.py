@@ -121,3 +121,18 @@ def test_profiled_oom_micro_batch_is_infeasible_for_dp():
 def test_extrapolated_micro_batch_is_flagged():
     pred = predict(profile(), Plan(strategy="dp_ga", micro_batch_size=16, accumulate_grad_batches=1, global_batch_size=16), hw())
     assert pred.feasible and "extrapolated beyond the profiled sizes (up to 8)" in pred.reason
+
+
+def test_receiving_stage_keeps_a_copy_of_the_boundary_activation():
+    # Layer 2 outputs 0.5e6 bytes per sample. On one device that tensor is saved once (by its
+    # producer); across a stage boundary the receiving stage's first layer saves its own copy, per
+    # in-flight micro-batch (measured in tests/strategies/test_pipeline_math.py).
+    specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=a, output_bytes_per_sample=o)
+             for a, o in ((1e6, 0.0), (2e6, 0.0), (3e6, 0.5e6), (4e6, 0.0))]
+    prof = synthetic_profile(specs, fixed_overhead_bytes=1_000_000)
+    kw = dict(dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8, stage_boundaries=(3,))
+    gpipe = predict(prof, Plan(strategy="gpipe", **kw), hw())
+    onef = predict(prof, Plan(strategy="1f1b", **kw), hw())
+    # stage 1 activations per micro-batch: 2·4e6 + 2·0.5e6 (received) = 9e6; stage 0 unchanged (12e6)
+    assert gpipe.stage_memory_bytes == (12e6 + 4 * 12e6 + 1e6, 4e6 + 4 * 9e6 + 1e6)
+    assert onef.stage_memory_bytes == (12e6 + 2 * 12e6 + 1e6, 4e6 + 1 * 9e6 + 1e6)
