@@ -276,7 +276,6 @@ class ConfigSpace:
         """User attributes stored on a trial: everything needed to read or rebuild the configuration."""
         _, info = self.projection(inst)
         hw = self.hardware(inst, config.count)
-        finite = config.feasible and math.isfinite(config.step_time_s)
         attrs: dict[str, Any] = {
             "instance_type": config.instance_type,
             "count": config.count,
@@ -293,7 +292,7 @@ class ConfigSpace:
             "accumulation": config.plan.steps_per_replica,
             "feasible": config.feasible,
             "reason": config.reason,
-            "step_time_s": config.step_time_s if finite or math.isfinite(config.step_time_s) else None,
+            "step_time_s": config.step_time_s if math.isfinite(config.step_time_s) else None,
             "step_time_band_s": list(config.step_time_band_s) if math.isfinite(config.step_time_s) else None,
             "cost_per_step": config.cost_per_step if math.isfinite(config.cost_per_step) else None,
             "objective": config.objective if math.isfinite(config.objective) else None,

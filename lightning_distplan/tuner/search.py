@@ -18,10 +18,14 @@ Infeasible configurations (memory over the device's usable share, or a strategy 
 many devices) are recorded as trials in state PRUNED with ``feasible=False`` and the reason in their
 user attributes — the sampler ranks them below every feasible trial.
 
-Storage and atomicity: trials run against an in-memory study and are written to the storage in one
-pass at the end (optuna's ``add_trials``), because per-trial SQLite commits cost ~50× more than the
-cost model itself. So a failed or interrupted run writes nothing, and an existing study is only ever
-extended by a complete run with the same settings; different settings are refused before any trial.
+Storage and atomicity: the storage URL is opened and checked (a real round trip) and an existing
+study of that name is compared with this run's settings *before* any trial. Trials then run against
+an in-memory study and are written to the storage in one transaction at the end
+(:func:`lightning_distplan.tuner._storage.write_trials`), because per-trial SQLite commits cost
+far more than the cost model itself. So a failed or interrupted run writes nothing, and an
+existing study is only ever extended by a complete run with identical settings; different
+settings are refused (:class:`StudyConflictError`) and the study is left as it was. The price of
+this: optuna-dashboard sees the trials when the run ends, not while it runs.
 """
 
 from __future__ import annotations
@@ -159,6 +163,23 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
+def _initial_design(types: Sequence[str], max_instances: int, global_batch_size: int) -> list[dict[str, Any]]:
+    """Two corners per instance type, tried first: one instance with the whole batch in one micro-batch, and
+    the most instances with micro-batch 1 (the sampler's own draws follow).
+
+    Why: the cost surface is deceptive at its edges - C + w·T is often lowest for a single instance
+    (no all-reduce at all) or for the most instances, and an instance type whose average trial is poor
+    is rarely revisited by TPE - so the search starts from those edges for every type
+    (a deterministic initial design; the seed still drives everything after it).
+    """
+    points: list[dict[str, Any]] = []
+    for t in types:
+        points.append({"instance_type": t, "n_instances": 1, "strategy": "dp_ga", "micro_batch_size": global_batch_size})
+    for t in types:
+        points.append({"instance_type": t, "n_instances": max_instances, "strategy": "dp_ga", "micro_batch_size": 1})
+    return points
+
+
 def _config_from_trial(trial: Any) -> TunedConfig | None:
     attrs = trial.user_attrs
     if not attrs.get("feasible") or attrs.get("objective") is None:
@@ -188,6 +209,7 @@ def tune(
     bandwidth_gbps: float | None = None,
     progress: bool = True,
     sampler: Any = None,
+    initial_design: bool = True,
 ) -> TuneResult:
     """Search instance type, count, strategy, stages and micro-batch size for the lowest C + w·T.
 
@@ -208,6 +230,8 @@ def tune(
         bandwidth_gbps: override every instance's network bandwidth (catalog given by name or path).
         progress: show Optuna's progress bar (stderr).
         sampler: an Optuna sampler to use instead of the seeded default (for experiments).
+        initial_design: start a new study with two corner trials per instance type (see
+            :func:`_initial_design`; at most a quarter of ``n_trials``).
 
     Raises:
         CatalogError: unknown or malformed catalog.
@@ -224,6 +248,7 @@ def tune(
             profile, catalog=catalog, global_batch_size=global_batch_size, time_weight=time_weight, n_trials=n_trials, storage=storage,
             study_name=study_name, seed=seed, max_instances=max_instances, strategies=strategies, max_pp=max_pp,
             multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, progress=progress, sampler=sampler,
+            initial_design=initial_design,
         )
     finally:
         optuna.logging.set_verbosity(level)
@@ -247,6 +272,7 @@ def _tune(
     bandwidth_gbps: float | None,
     progress: bool,
     sampler: Any,
+    initial_design: bool,
 ) -> TuneResult:
     import optuna
 
@@ -312,7 +338,7 @@ def _tune(
 
     def objective_fn(trial: Any) -> Any:
         itype = trial.suggest_categorical("instance_type", types)
-        count = trial.suggest_int("n_instances", 1, max_instances)
+        count = trial.suggest_int("n_instances", 1, max_instances, log=True)
         strategy = trial.suggest_categorical("strategy", strategy_choices)
         pp = trial.suggest_int("pp", 2, pp_hi, log=True) if strategy != "dp_ga" else 1
         m = trial.suggest_int("micro_batch_size", 1, global_batch_size, log=True)
@@ -334,6 +360,9 @@ def _tune(
             raise optuna.TrialPruned()
         return (config.cost_per_step, config.step_time_s) if multi_objective else config.objective
 
+    if existing is None and initial_design:
+        for point in _initial_design(types, max_instances, global_batch_size)[: max(0, n_trials // 4)]:
+            memory_study.enqueue_trial(point)
     memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
     new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
 
