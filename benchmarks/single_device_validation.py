@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -49,9 +50,16 @@ class StepTimer(Callback):
         self.stamps.append(time.perf_counter())
 
 
+class OfflineTransformer(LightningTransformer):
+    """Lightning's demo Transformer unchanged, minus the WikiText2 download in ``prepare_data`` (no internet)."""
+
+    def prepare_data(self) -> None:
+        pass
+
+
 def _model(name: str):
     if name == "demo_transformer":
-        return LightningTransformer(), lambda m, n: RandomTokenData(batch_size=m, num_samples=n)
+        return OfflineTransformer(), lambda m, n: RandomTokenData(batch_size=m, num_samples=n)
     if name == "resnet18":
         return TorchvisionClassifier("resnet18", num_classes=100), lambda m, n: RandomImageData(
             num_classes=100, image_size=64, batch_size=m, num_samples=n
@@ -89,8 +97,10 @@ def _unprofiled_sizes(profiled: list[int]) -> list[int]:
         if mid not in profiled and mid > 0:
             candidates.append(mid)
     candidates = sorted(set(candidates))
-    while len(candidates) < 3:
-        candidates.append(profiled[-1] + max(1, profiled[-1] // 2) * (len(candidates) + 1))
+    step = 1
+    while len(candidates) < 3:  # then just past the largest profiled size (1.5x, 2x, ...)
+        candidates.append(profiled[-1] + max(1, profiled[-1] // 2) * step)
+        step += 1
     # spread: smallest, middle, largest
     return [candidates[0], candidates[len(candidates) // 2], candidates[-1]]
 
@@ -102,14 +112,20 @@ def main() -> int:
     parser.add_argument("--accumulations", default="1,4")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads for torch (profiling and training alike); 1 keeps timings stable on a shared host")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
     accelerator = "gpu" if device == "cuda" else "cpu"
     if device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        # Lightning's DDP-family strategies call torch.set_num_threads(cpu_count // processes) unless
+        # OMP_NUM_THREADS is set; pin it so profiling and training use the same thread count.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
     accumulations = [int(x) for x in args.accumulations.split(",")]
 
+    load_at_start = list(os.getloadavg())
     rows = []
     profiles = {}
     for name in args.models.split(","):
@@ -140,6 +156,8 @@ def main() -> int:
         "benchmark": "single_device_validation",
         "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": list(os.getloadavg()),
         "device": {"type": device, "name": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
                    "torch_threads": torch.get_num_threads()},
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__,
