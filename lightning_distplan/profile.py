@@ -230,12 +230,16 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         path = Path(path)
+        if path.is_dir():
+            raise ProfileFormatError(f"Profile path {str(path)!r} is a directory, not a file.", hint="Pass the profile JSON file itself, e.g. runs/distplan/profile.json.")
         if not path.is_file():
             raise ProfileFormatError(f"Profile file {str(path)!r} does not exist.", hint="Create one with `distplan profile package.module:ClassName --out FILE`.")
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ProfileFormatError(f"Profile file {str(path)!r} is not valid JSON ({err}).", hint="The file is corrupt; re-create it with `distplan profile`.") from None
+        except OSError as err:
+            raise ProfileFormatError(f"Profile file {str(path)!r} cannot be read ({err.strerror or err}).", hint="Check the file's permissions.") from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -267,8 +271,24 @@ class Profile:
             numbers += [layer.forward.alpha, layer.forward.beta, layer.backward.alpha, layer.backward.beta, layer.activation_bytes_per_sample]
         if any(not isinstance(x, (int, float)) or not math.isfinite(x) for x in numbers):
             raise ProfileFormatError(f"{source!r} holds a non-finite time or size.", hint=hint)
-        if self.memory.param_bytes < 0 or self.memory.optimizer_state_bytes < 0:
-            raise ProfileFormatError(f"{source!r} holds a negative memory size.", hint=hint)
+        if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.micro_batch_sizes):
+            raise ProfileFormatError(f"{source!r} lists micro-batch sizes {list(self.micro_batch_sizes)}; each must be a positive integer.", hint=hint)
+        sizes = [self.memory.param_bytes, self.memory.grad_bytes, self.memory.optimizer_state_bytes, self.optimizer.state_bytes]
+        for layer in self.layers:
+            sizes += [layer.param_bytes, layer.activation_bytes_per_sample, layer.output_bytes_per_sample]
+        if any(not math.isfinite(x) or x < 0 for x in sizes):
+            raise ProfileFormatError(f"{source!r} holds a negative or non-finite memory size.", hint=hint)
+        if self.device.type not in ("cuda", "cpu"):
+            raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
+        for link in self.links:
+            if link.kind not in ("allreduce", "p2p"):
+                raise ProfileFormatError(f"{source!r} has a link of kind {link.kind!r}; expected 'allreduce' or 'p2p'.", hint=hint)
+            if not (math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0 and math.isfinite(link.latency_s) and link.latency_s >= 0):
+                raise ProfileFormatError(
+                    f"{source!r} has a {link.kind} link with bandwidth {link.bandwidth_bytes_per_s!r} B/s and latency {link.latency_s!r} s; "
+                    "bandwidth must be positive and latency non-negative.",
+                    hint=hint,
+                )
 
 
 def _build(cls: type, data: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from lightning_distplan.plan import STRATEGIES
 
@@ -44,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None and args.top < 1:
         raise InfeasiblePlanError(f"--top must be at least 1, got {args.top}.", hint="Pass --top 10, or leave it out.")
     profile = Profile.load(args.profile)
-    # Validate sizes and factoring before building the hardware, so bad input gives one error
-    # line and not a link-default warning first.
+    # Validate sizes, factoring and every number before building the hardware, so bad input gives
+    # one error line and not a link-default warning first.
     enumerate_plans(
         profile, world_size=args.world_size, global_batch_size=args.global_batch_size, strategies=tuple(args.strategy), max_pp=args.max_pp
     )
@@ -53,6 +54,17 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and not value > 0 and not (flag == "latency_us" and value == 0):
             raise InfeasiblePlanError(f"--{flag.replace('_', '-')} must be positive, got {value}.", hint="Pass a positive number.")
+    if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
+        raise InfeasiblePlanError(f"--compute-scale must be positive, got {args.compute_scale}.", hint="Pass e.g. 0.5 for a device twice as fast.")
+    if not 0 < args.memory_margin <= 1:
+        raise InfeasiblePlanError(f"--memory-margin must be in (0, 1], got {args.memory_margin}.", hint="Pass e.g. 0.9 to keep 10% headroom.")
+    if args.price_per_hour is not None and not (math.isfinite(args.price_per_hour) and args.price_per_hour >= 0):
+        raise InfeasiblePlanError(f"--price-per-hour must be a non-negative number, got {args.price_per_hour}.", hint="Pass the hourly price of one device.")
+    if not (math.isfinite(args.time_weight) and args.time_weight >= 0):
+        raise InfeasiblePlanError(f"--time-weight must be a non-negative number, got {args.time_weight}.", hint="Use e.g. 0, 256, 4096 or 65536.")
+    if args.time_weight and args.price_per_hour is None:
+        # w only weighs time against money (C + w*T); without a price the ranking is by time and w would be silently ignored.
+        raise InfeasiblePlanError(f"--time-weight {args.time_weight} was given without --price-per-hour.", hint="Add --price-per-hour, or leave --time-weight out to rank by step time.")
     hardware = Hardware.from_profile(
         profile,
         device_memory_bytes=None if args.device_memory_gb is None else int(args.device_memory_gb * 2**30),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import json
 import time
 from typing import Any
@@ -59,6 +60,8 @@ def _load_class(path: str, *, what: str, option: str) -> type:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
+            if ":" not in path and _is_module(path):  # a dotted path naming a module
+                raise ProfilingError(f"{what} path {path!r} names a module, not a class.", hint=f"Add the class after a colon: {option}{path}:ClassName.")
             public = sorted(n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n, None), type))
             raise ProfilingError(
                 f"Module {module_name!r} has no attribute {attr!r}.",
@@ -68,6 +71,13 @@ def _load_class(path: str, *, what: str, option: str) -> type:
     if not isinstance(obj, type):
         raise ProfilingError(f"{path!r} is a {type(obj).__name__}, not a class.", hint=f"Name the {what} class itself.")
     return obj
+
+
+def _is_module(path: str) -> bool:
+    try:
+        return importlib.util.find_spec(path) is not None
+    except (ImportError, ValueError):  # a parent that is a module, not a package
+        return False
 
 
 def _json_kwargs(text: str, option: str) -> dict[str, Any]:
@@ -148,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:
         source = args.datamodule or f"{args.model}.train_dataloader()"
         first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
+        first = first.split(" HINT:")[0]  # one HINT per error: ours, which names the way around the download
         raise DataLoadingError(
             f"Getting the training data from {source} failed with {type(err).__name__}: {first}",
             hint=("It may need a download, which is blocked here. " if datamodule is None else "") + _DEMO_HINT,

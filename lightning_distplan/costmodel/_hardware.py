@@ -105,6 +105,7 @@ class Hardware:
                 hint="Pass device_memory_bytes (CLI: --device-memory-gb).",
             )
         used: set[str] = set()
+        defaulted: list[str] = []
         links: dict[str, tuple[float, float]] = {}
         for kind in ("allreduce", "p2p"):
             measured = profile.link(kind)
@@ -118,10 +119,14 @@ class Hardware:
                 bw = measured.bandwidth_bytes_per_s if measured is not None else DEFAULT_BANDWIDTH_BYTES_PER_S
                 used.add("measured" if measured is not None else "default")
             links[kind] = (float(lat), float(bw))
+            if measured is None and (latency_s is None or bandwidth_bytes_per_s is None):
+                defaulted.append("p2p" if kind == "p2p" else "all-reduce")
         if "default" in used:
+            # Name the link kinds that defaulted: a profile with a measured all-reduce but no p2p is common.
             log.warning(
-                "The profile measured no inter-device link; assuming %.3g Gbit/s and %.0f µs (seed 000 Table III, gn6i). "
+                "The profile measured no %s link; assuming %.3g Gbit/s and %.0f µs for it (seed 000 Table III, gn6i). "
                 "State your cluster's numbers (CLI: --bandwidth-gbps, --latency-us).",
+                " or ".join(defaulted),
                 DEFAULT_BANDWIDTH_BYTES_PER_S * 8 / 1e9,
                 DEFAULT_LATENCY_S * 1e6,
             )

@@ -42,7 +42,7 @@ def partition_layers(
         the first layer of stages 1..pp-1 (empty for ``pp == 1``).
 
     Raises:
-        ModelSplitError: ``pp`` is below 1 or above the number of layers.
+        ModelSplitError: ``pp`` is below 1 or above the number of layers, or the times/memory lists are malformed.
         InfeasiblePlanError: no split keeps every stage under ``memory_cap``.
 
     Example:
@@ -59,12 +59,15 @@ def partition_layers(
         )
     times = [float(t) for t in layer_times]
     if any(not math.isfinite(t) or t < 0 for t in times):
-        raise ValueError(f"Layer times must be finite and non-negative, got {times}.")
+        raise ModelSplitError(f"Layer times must be finite and non-negative, got {times}.", hint="Pass the profiled per-layer times (seconds >= 0).")
     if (layer_memory is None) != (memory_cap is None):
-        raise ValueError("Pass both `layer_memory` and `memory_cap`, or neither.")
+        raise ModelSplitError(
+            f"`layer_memory` and `memory_cap` go together, got layer_memory={'None' if layer_memory is None else 'a list'} and memory_cap={memory_cap!r}.",
+            hint="Pass both `layer_memory` and `memory_cap`, or neither.",
+        )
     mems = [0.0] * n_layers if layer_memory is None else [float(x) for x in layer_memory]
     if len(mems) != n_layers:
-        raise ValueError(f"`layer_memory` has {len(mems)} entries for {n_layers} layers.")
+        raise ModelSplitError(f"`layer_memory` has {len(mems)} entries for {n_layers} layers.", hint="Give one memory size per layer, in layer order.")
     cap = math.inf if memory_cap is None else float(memory_cap)
     if pp == 1:
         if sum(mems) > cap:

@@ -47,6 +47,26 @@ def _check_strategies(strategies: Iterable[str]) -> tuple[str, ...]:
     return chosen
 
 
+def _check_max_pp(max_pp: Any) -> None:
+    if max_pp is not None and (not isinstance(max_pp, int) or isinstance(max_pp, bool) or max_pp < 1):
+        raise InfeasiblePlanError(f"`max_pp` must be a positive integer or None, got {max_pp!r}.", hint="Pass e.g. --max-pp 4, or leave it out.")
+
+
+def _no_pipeline_reason(profile: Profile, world_size: int, max_pp: int | None) -> str | None:
+    """Why no pipeline plan can exist on ``world_size`` devices whatever the batch, or None if one can."""
+    if world_size < 2:
+        return f"a pipeline needs at least 2 devices and the world size is {world_size}"
+    if not profile.splittable:
+        return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+    n_layers = len(profile.layers)
+    limit = n_layers if max_pp is None else min(n_layers, max_pp)
+    stage_counts = [pp for pp in _divisors(world_size) if pp >= 2]
+    if not any(pp <= limit for pp in stage_counts):
+        bound = f"the profile has only {n_layers} layer{'' if n_layers == 1 else 's'}" + (f" and max_pp is {max_pp}" if max_pp is not None and max_pp < n_layers else "")
+        return f"every pipeline on {world_size} devices needs {stage_counts[0]} or more stages, but {bound}"
+    return None
+
+
 def _raw_plans(
     profile: Profile, world_size: int, global_batch_size: int, strategies: Sequence[str], max_pp: int | None
 ) -> list[Plan]:
@@ -198,13 +218,24 @@ def enumerate_plans(
         pins: fix any of :data:`PIN_KEYS`, e.g. ``{"strategy": "1f1b", "micro_batch_size": 4}``.
 
     Raises:
-        InfeasiblePlanError: bad sizes, an unknown strategy or pin, or a pin no plan satisfies (named, with why).
-        BatchNotFactorableError: no plan factors the global batch; lists the nearest valid sizes.
+        InfeasiblePlanError: bad sizes or ``max_pp``, an unknown strategy or pin, or a pin no plan satisfies (named, with why).
+        BatchNotFactorableError: no plan factors the global batch (lists the nearest valid sizes), or only
+            pipelines are allowed and none can exist on ``world_size`` devices (says why: the model cannot
+            be split, more stages than layers, a single device).
     """
     _check_sizes(world_size, global_batch_size)
     strategies = _check_strategies(strategies)
+    _check_max_pp(max_pp)
     pins = _normalise_pins(pins)
     plans = _raw_plans(profile, world_size, global_batch_size, strategies, max_pp)
+    if not plans and "dp_ga" not in strategies:
+        # Pipeline-only and no pipeline can exist at any batch size: say why, not "B does not factor".
+        reason = _no_pipeline_reason(profile, world_size, max_pp)
+        if reason is not None:
+            raise BatchNotFactorableError(
+                f"No {'/'.join(strategies)} plan exists on {world_size} devices: {reason}.",
+                hint="Allow strategy 'dp_ga', or change the world size / max_pp, or give the LightningModule a `pipeline_spec()` hook.",
+            )
     if not plans:
         below, above = nearest_valid_batch_sizes(
             profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp

@@ -108,12 +108,31 @@ def test_table_output_and_options(profile_path, capsys):
         ({"layers": []}, ["--world-size", "2", "--global-batch-size", "8"], "has no layers"),
         ("corrupt", ["--world-size", "2", "--global-batch-size", "8"], "is not valid JSON"),
         ("missing", ["--world-size", "2", "--global-batch-size", "8"], "does not exist"),
+        ("dir", ["--world-size", "2", "--global-batch-size", "8"], "is a directory, not a file"),
+        # DESIGN §5: a model that cannot be split / more stages than layers, named as such
+        ({"splittable": False, "split_reason": "no PipelineSpec"}, ["--world-size", "4", "--global-batch-size", "32", "--strategy", "gpipe"],
+         "No gpipe plan exists on 4 devices: the model cannot be split into pipeline stages (no PipelineSpec)"),
+        ({"layers": [_layer(0)]}, ["--world-size", "4", "--global-batch-size", "32", "--strategy", "1f1b"],
+         "needs 2 or more stages, but the profile has only 1 layer"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--max-pp", "0"], "`max_pp` must be a positive integer"),
+        # numbers are checked before the link-default warning, so the error stays the only line
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--memory-margin", "0"], "--memory-margin must be in (0, 1]"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--time-weight", "4096"], "without --price-per-hour"),
+        # semantically corrupt profiles are refused on load, not planned with
+        ({"micro_batch_sizes": [0, 2]}, ["--world-size", "2", "--global-batch-size", "8"], "each must be a positive integer"),
+        ({"layers": [_layer(0, param_bytes=-4)]}, ["--world-size", "2", "--global-batch-size", "8"], "negative or non-finite memory size"),
+        ({"links": [{"kind": "allreduce", "backend": "gloo", "world_size": 2, "latency_s": 1e-5, "bandwidth_bytes_per_s": 0}]},
+         ["--world-size", "2", "--global-batch-size", "8"], "bandwidth must be positive"),
+        ({"links": [{"kind": "bogus", "backend": "gloo", "world_size": 2, "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}]},
+         ["--world-size", "2", "--global-batch-size", "8"], "link of kind 'bogus'"),
     ],
 )
 def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, message):
     path = tmp_path / "p.json"
     if mutate == "corrupt":
         path.write_text('{"schema_version": 1, "model": ')
+    elif mutate == "dir":
+        path.mkdir()
     elif mutate != "missing":
         path.write_text(json.dumps(profile_json(**(mutate or {}))))
     assert main(["plan", "--profile", str(path), *args]) == 2

@@ -41,7 +41,12 @@ def test_given_numbers_win_and_defaults_are_explicit(caplog):
     assert default.link_source == "default"
     assert default.allreduce_bandwidth_bytes_per_s == DEFAULT_BANDWIDTH_BYTES_PER_S == 5e8  # 4 Gbit/s, seed 000 Table III
     assert default.p2p_latency_s == DEFAULT_LATENCY_S
-    assert "no inter-device link" in caplog.text
+    assert "measured no all-reduce or p2p link" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # all-reduce measured, p2p not: the warning names only p2p
+        half = Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS[:1]))
+    assert half.allreduce_bandwidth_bytes_per_s == 5e10 and half.p2p_bandwidth_bytes_per_s == DEFAULT_BANDWIDTH_BYTES_PER_S
+    assert "measured no p2p link" in caplog.text
 
 
 def test_hardware_validation_is_a_one_sentence_error():

@@ -64,10 +64,12 @@ def test_more_stages_than_layers_is_a_split_error():
 def test_bad_arguments():
     with pytest.raises(ModelSplitError, match="positive integer"):
         partition_layers([1, 1], 0)
-    with pytest.raises(ValueError, match="both"):
+    with pytest.raises(ModelSplitError, match=r"memory_cap=None.*HINT: Pass both"):
         partition_layers([1, 1], 2, layer_memory=[1, 1])
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ModelSplitError, match=r"non-negative, got \[1.0, -1.0\].*HINT"):
         partition_layers([1, -1], 2)
+    with pytest.raises(ModelSplitError, match=r"has 1 entries for 2 layers.*HINT"):
+        partition_layers([1, 1], 2, layer_memory=[1], memory_cap=5)
     with pytest.raises(InfeasiblePlanError, match="Layer 1 alone needs"):
         partition_layers([1, 1, 1], 2, layer_memory=[1, 9, 1], memory_cap=5)
 

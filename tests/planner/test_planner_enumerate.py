@@ -67,6 +67,31 @@ def test_batch_not_factorable_lists_nearest_sizes():
     assert nearest_valid_batch_sizes(prof(splittable=False), world_size=8, global_batch_size=3) == (None, 8)
 
 
+@pytest.mark.parametrize(
+    "profile_kw,W,strategies,max_pp,reason",
+    [
+        (dict(splittable=False), 4, ("gpipe",), None, r"the model cannot be split into pipeline stages"),
+        (dict(n_layers=1), 4, ("gpipe", "1f1b"), None, r"needs 2 or more stages, but the profile has only 1 layer\b"),
+        (dict(n_layers=2), 9, ("gpipe", "1f1b"), None, r"every pipeline on 9 devices needs 3 or more stages, but the profile has only 2 layers"),
+        (dict(), 4, ("gpipe",), 1, r"needs 2 or more stages, but the profile has only 4 layers and max_pp is 1"),
+        (dict(), 1, ("gpipe", "1f1b"), None, r"a pipeline needs at least 2 devices and the world size is 1"),
+    ],
+)
+def test_pipeline_only_that_cannot_exist_says_why(profile_kw, W, strategies, max_pp, reason):
+    # DESIGN §5: "model that cannot be split" / "more stages than layers" name the real cause, not a batch size.
+    profile = prof(**profile_kw)
+    with pytest.raises(BatchNotFactorableError, match=rf"No {'/'.join(strategies)} plan exists on {W} devices: .*{reason}.*HINT: Allow strategy 'dp_ga'"):
+        enumerate_plans(profile, world_size=W, global_batch_size=36, strategies=strategies, max_pp=max_pp)
+    # with dp_ga allowed the same request has plans: the error is about pipelines only
+    assert {p.strategy for p in enumerate_plans(profile, world_size=W, global_batch_size=36, strategies=("dp_ga",) + strategies, max_pp=max_pp)} == {"dp_ga"}
+
+
+@pytest.mark.parametrize("max_pp", [0, -2, 1.5, True])
+def test_bad_max_pp_is_named(max_pp):
+    with pytest.raises(InfeasiblePlanError, match=r"`max_pp` must be a positive integer or None, got .*HINT"):
+        enumerate_plans(prof(), world_size=4, global_batch_size=32, max_pp=max_pp)
+
+
 @pytest.mark.parametrize("W,B", [(0, 8), (-1, 8), (4, 0)])
 def test_bad_sizes(W, B):
     with pytest.raises(ValueError, match=r"must be a positive integer.*HINT"):
