@@ -4,7 +4,7 @@ The run itself reports what planning cost: ``auto_plan`` logs the profiling prog
 end of ``fit``, "planning overhead X s = Y% of this fit". This script also prints one JSON line
 with those numbers (rank 0), so the overhead claim can be checked::
 
-    python examples/auto_plan_overhead.py --devices 2 --samples 4096
+    python examples/auto_plan_overhead.py --devices 2 --samples 8192
 
 Lightning's own launcher starts the second process (``strategy="auto_plan"`` is a DDP strategy).
 """
@@ -39,7 +39,7 @@ class OfflineTransformer(LightningTransformer):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=4096, help="samples in the one epoch")
+    parser.add_argument("--samples", type=int, default=8192, help="samples in the one epoch (8192 = 256 steps of 16 per rank on 2 ranks)")
     parser.add_argument("--batch-size", type=int, default=16, help="loader batch size per rank")
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--block", type=int, default=32)

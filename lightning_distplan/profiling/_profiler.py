@@ -191,6 +191,7 @@ class _Profiler:
         self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self._batch_cache: dict[int, Any] = {}
         self.spec: Any = None
+        self.flop_sizes = 2
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -240,13 +241,13 @@ class _Profiler:
             torch.cuda.empty_cache()
 
     # -- phases ----------------------------------------------------------------------------------
-    def time_step(self, m: int) -> tuple[float, float, int]:
-        """Whole-step forward/backward medians without layer hooks; CUDA peak allocated bytes."""
+    def time_step(self, m: int, *, warmup: int) -> tuple[float, float, int]:
+        """Whole-step forward/backward medians without layer hooks (after ``warmup`` untimed runs); CUDA peak allocated bytes."""
         fwd: list[float] = []
         bwd: list[float] = []
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        for i in range(self.warmup + self.repeats):
+        for i in range(warmup + self.repeats):
             self.clear_grads()
             self.sync()
             a = time.perf_counter()
@@ -257,21 +258,31 @@ class _Profiler:
             self.sync()
             c = time.perf_counter()
             del loss
-            if i >= self.warmup:
+            if i >= warmup:
                 fwd.append(b - a)
                 bwd.append(c - b)
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
         return statistics.median(fwd), statistics.median(bwd), peak
 
-    def time_layers(self, recorder: LayerRecorder, m: int) -> tuple[RunRecord, list[RunRecord]]:
-        """One counting run (saved tensors, outputs; also the warm-up) and ``repeats`` timed runs."""
+    def count_layers(self, recorder: LayerRecorder, m: int, *, flops: bool) -> RunRecord:
+        """One untimed hooked run at ``m``: bytes saved for backward and output bytes per layer, and
+        (``flops=True``) FLOPs per layer. It is also the first warm-up at this size (same kernels,
+        same shapes), so the whole-step timing that follows needs one warm-up run less."""
         self.clear_grads()
-        counted = recorder.run(lambda: self.layer_loss(m), count_saved=True, synchronize=self.sync)
+        if not flops:
+            return recorder.run(lambda: self.layer_loss(m), count_saved=True, synchronize=self.sync)
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            return recorder.run(lambda: self.layer_loss(m), count_saved=True, flop_counter=counter, synchronize=self.sync)
+
+    def time_layers(self, recorder: LayerRecorder, m: int) -> list[RunRecord]:
+        """``repeats`` timed hooked runs (after :meth:`count_layers` and :meth:`time_step` warmed this size up)."""
         timed = []
         for _ in range(self.repeats):
             self.clear_grads()
             timed.append(recorder.run(lambda: self.layer_loss(m), synchronize=self.sync))
-        return counted, timed
+        return timed
 
     def optimizer_phase(self, optimizers: list[torch.optim.Optimizer]) -> tuple[float, int, int]:
         """Median ``step()`` + one ``zero_grad()`` with the gradients of the prime step; state bytes; CUDA peak."""
@@ -334,15 +345,18 @@ def profile_module(
     repeats: int = 3,
     measure_links: bool = True,
     progress: Callable[[str], None] | None = None,
+    flop_sizes: int = 2,
 ) -> Profile:
     """Measure ``module`` on the real device and return its :class:`~lightning_distplan.profile.Profile`.
 
     For each micro-batch size m (built from the loader's real batches, concatenated and sliced to
-    exactly m samples) it times ``training_step`` (forward) and ``loss.backward()`` without hooks
-    (median of ``repeats`` after ``warmup``), then once more per layer with hooks, and fits every
-    time as t(m) = α·m + β (seed 000 §III-B). It counts bytes saved for backward per layer, the
-    bytes each layer outputs, FLOPs per layer, parameter/gradient/optimizer-state bytes, the
-    optimizer step time and (on CUDA) the peak memory per m. A size that runs out of memory is
+    exactly m samples) it first runs one untimed hooked step that counts the bytes saved for
+    backward and the bytes output per layer (and, at the first ``flop_sizes`` sizes only, FLOPs
+    per layer); that run is also the first warm-up at m. Then it times ``training_step``
+    (forward) and ``loss.backward()`` without hooks (median of ``repeats`` after ``warmup - 1``
+    further warm-ups), then ``repeats`` times per layer with hooks, and fits every time as
+    t(m) = α·m + β (seed 000 §III-B). It also measures parameter/gradient/optimizer-state bytes,
+    the optimizer step time and (on CUDA) the peak memory per m. A size that runs out of memory is
     recorded in ``infeasible_micro_batch_sizes``, not raised (all ranks agree when distributed).
     When ``torch.distributed`` is initialised with more than one rank, every rank must call this,
     and the links are measured too.
@@ -357,10 +371,17 @@ def profile_module(
             growing only while a step stays short (see :func:`default_micro_batch_sizes`).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when present, else CPU.
         optimizer: measured instead of the one(s) from ``module.configure_optimizers()``.
-        warmup: untimed runs before the timed ones.
+        warmup: untimed runs at each size before the timed ones (the per-layer counting run is
+            the first of them, so at least one always happens).
         repeats: timed runs per size (the median is kept).
         measure_links: measure all-reduce / p2p when distributed (see :func:`measure_links`).
         progress: called with one line per phase (what is measured, elapsed seconds).
+        flop_sizes: at how many sizes FLOPs are counted (counting costs a Python call per op, so a
+            counting run is several times slower than a step on a CPU). 2: FLOPs per sample are the
+            slope between the first two sizes, exact for any F(m) = a·m + c. 1: they are F(m)/m at
+            the first size, an estimate that assumes c = 0, i.e. every counted op (matmul,
+            convolution, attention) works per sample; a batch-independent FLOP term would be
+            spread over m samples.
 
     Returns:
         The Profile (save it with ``profile.save(path)``).
@@ -392,6 +413,8 @@ def profile_module(
             f"{name} uses manual optimization (automatic_optimization=False); its training_step runs backward itself, so forward and backward cannot be timed apart.",
             hint="Profile a variant with automatic optimization, or pass a wrapper module whose training_step only returns the loss.",
         )
+    if flop_sizes not in (1, 2):
+        raise ProfilingError(f"flop_sizes ({flop_sizes}) must be 1 or 2.", hint="Use flop_sizes=2 (exact) or 1 (cheaper).")
     if repeats < 1 or warmup < 0:
         raise ProfilingError(f"repeats ({repeats}) must be >= 1 and warmup ({warmup}) >= 0.", hint="Use e.g. warmup=1, repeats=3.")
     if micro_batch_sizes is not None:
@@ -416,6 +439,7 @@ def profile_module(
         module, batches, micro_batch_sizes=micro_batch_sizes, device=dev, optimizer=optimizer,
         warmup=warmup, repeats=repeats, progress=progress, t0=t0,
     )
+    prof.flop_sizes = flop_sizes
     try:
         with _quiet_logging(module):
             return _run(prof, snapshot, measure_links=measure_links)
@@ -434,8 +458,11 @@ def profile_module(
         if user_opt_snapshot is not None:
             user_opt_snapshot.restore()
         rng.restore()
-        gc.collect()
         if dev.type == "cuda":
+            # return profiling's cached blocks to the device; a full gc.collect() first frees tensors
+            # held in reference cycles. On the CPU there is no cache to empty, and a full collection
+            # (hundreds of ms with torch + lightning loaded) would only run earlier than Python's own.
+            gc.collect()
             torch.cuda.empty_cache()
 
 
@@ -527,6 +554,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     peaks: dict[int, int] = {}
     counted: dict[int, RunRecord] = {}
     timed: dict[int, list[RunRecord]] = {}
+    flop_records: dict[int, RunRecord] = {}
     done: list[int] = []
     with LayerRecorder(layer_modules, dev, exclude_storages=param_storages) as recorder:
         while queue:
@@ -537,8 +565,12 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             if m in skipped:
                 continue
             try:
-                f, bw, peak = prof.time_step(m)
-                c, t = prof.time_layers(recorder, m)
+                # FLOPs are counted in the counting run of the first flop_sizes sizes only: counting
+                # is slow per op, and FLOPs are linear in m (see flop_sizes in the docstring).
+                count_flops = len(flop_records) < prof.flop_sizes
+                c = prof.count_layers(recorder, m, flops=count_flops)
+                f, bw, peak = prof.time_step(m, warmup=max(0, prof.warmup - 1))  # the counting run was the first warm-up
+                t = prof.time_layers(recorder, m)
             except Exception as err:
                 if _is_size_error(err):
                     prof.say(f"micro-batch {m}: skipped ({_first_line(err)})")
@@ -564,6 +596,8 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             done.append(m)
             step_samples.append(TimingSample(micro_batch_size=m, forward_s=f, backward_s=bw))
             counted[m], timed[m] = c, t
+            if count_flops:
+                flop_records[m] = c
             if prof.cuda:
                 peaks[m] = max(peak, opt_peak)
             prof.say(f"micro-batch {m}: forward {f * 1e3:.1f} ms, backward {bw * 1e3:.1f} ms" + (f", peak {peaks[m] / 2**20:.0f} MiB" if prof.cuda else ""))
@@ -575,21 +609,8 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 f"No micro-batch size of {prof.name} fits in memory on {dev} (tried {sorted(infeasible)}).",
                 hint="Profile smaller micro-batch sizes, e.g. micro_batch_sizes=[1, 2, 4].",
             )
-        # FLOPs at the two smallest sizes (counting is slow per op, not per FLOP); per sample = slope.
-        flop_records: dict[int, RunRecord] = {}
-        from torch.utils.flop_counter import FlopCounterMode
-
-        for m in feasible[:2]:
-            try:
-                prof.clear_grads()
-                with FlopCounterMode(display=False) as counter:
-                    flop_records[m] = recorder.run(lambda: prof.layer_loss(m), flop_counter=counter, synchronize=prof.sync)
-            except Exception as err:
-                if not _is_oom(err):
-                    raise
-                prof.after_oom()
         prof.clear_grads()
-    prof.say("counted FLOPs")
+    prof.say(f"per-layer pass done; FLOPs counted at micro-batch {sorted(flop_records)}")
 
     # -- links -------------------------------------------------------------------------------------
     links = ()

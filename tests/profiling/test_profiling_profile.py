@@ -135,3 +135,19 @@ def test_default_sizes_stop_on_time_and_keep_three() -> None:
     assert _next_sizes([], [4, 2], [], [], step_s=2.0, m=2, say=say) == [1]
     # at size 1 already: take the next larger one anyway to reach 3 sizes
     assert _next_sizes([], [2, 1], [], [], step_s=2.0, m=1, say=say) == [4]
+
+
+def test_flops_from_one_size_match_the_exact_slope(mlp_profile: Profile) -> None:
+    # flop_sizes=1 (what auto_plan uses in fit) counts at the first size only and divides by m:
+    # the MLP has no batch-independent FLOPs, so it must equal the two-size slope exactly.
+    torch.manual_seed(0)
+    one = profile_module(MLP(), xy_batches(), micro_batch_sizes=[2, 4, 8], repeats=1, flop_sizes=1)
+    for a, b in zip(one.layers, mlp_profile.layers):
+        assert a.flops_forward_per_sample == pytest.approx(b.flops_forward_per_sample)
+        assert a.flops_backward_per_sample == pytest.approx(b.flops_backward_per_sample)
+    assert one.layers[0].flops_forward_per_sample == pytest.approx(2 * 8 * 16)
+    # the FLOP counter does not disturb the saved-bytes count of the same run
+    assert [l.activation_bytes_per_sample for l in one.layers] == pytest.approx([32, 64, 32])
+    with pytest.raises(ProfilingError, match="flop_sizes") as info:
+        profile_module(MLP(), xy_batches(), micro_batch_sizes=[2, 4], flop_sizes=3)
+    assert "HINT" in str(info.value)
