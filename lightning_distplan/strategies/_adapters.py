@@ -30,6 +30,7 @@ The wrappers below hold references to the original sub-modules, so ``state_dict`
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -204,8 +205,15 @@ class _BertPooledHead(nn.Module):
         return self.classifier(self.dropout(self.pooler(hidden)))
 
 
+_HF_MODEL_MODULES = ("transformers.models.gpt2.modeling_gpt2", "transformers.models.bert.modeling_bert")
+
+
 @register_adapter
 def huggingface_adapter(module: nn.Module) -> PipelineSpec | None:
+    if not any(name in sys.modules for name in _HF_MODEL_MODULES):
+        # no GPT-2/BERT model can exist before its modeling module is imported; importing them only
+        # to check would cost ~0.5 s per process (most of auto_plan's set-up time for a small model)
+        return None
     try:
         from transformers import BertForMaskedLM, BertForSequenceClassification, GPT2LMHeadModel
     except ImportError:  # pragma: no cover - transformers is optional
