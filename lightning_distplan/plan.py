@@ -170,7 +170,21 @@ class Plan:
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> Plan:
-        text = Path(path_or_text).read_text() if Path(str(path_or_text)).suffix == ".json" else str(path_or_text)
+        """A plan from a ``plan.json`` path or from JSON text.
+
+        Raises:
+            ProfileFormatError: the file is missing or unreadable, not JSON, or not a valid plan.
+        """
+        text = str(path_or_text)
+        looks_like_path = isinstance(path_or_text, Path) or not text.lstrip().startswith("{")
+        if looks_like_path:
+            path = Path(path_or_text)
+            if not path.is_file():
+                raise ProfileFormatError(f"Plan file {text!r} does not exist or is not a file.", hint="Pass the plan.json that distplan wrote (under <default_root_dir>/distplan/).")
+            try:
+                text = path.read_text()
+            except (OSError, UnicodeDecodeError) as err:
+                raise ProfileFormatError(f"Plan file {text!r} cannot be read ({err}).", hint="Check the file, or re-plan with distplan.") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:

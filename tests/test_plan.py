@@ -1,0 +1,74 @@
+"""Plan: validated on construction (DESIGN §3.1, every plan factors the global batch), JSON round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_distplan.errors import InfeasiblePlanError, ProfileFormatError
+from lightning_distplan.plan import PLAN_SCHEMA_VERSION, Plan
+
+PIPE = dict(strategy="1f1b", dp=2, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=16, stage_boundaries=(3,), layer_names=tuple("abcdef"))
+
+
+def test_derived_fields():
+    dp = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=24)
+    assert (dp.kind, dp.schedule, dp.world_size, dp.steps_per_replica) == ("dp", "none", 4, 3)
+    pipe = Plan(**PIPE)
+    assert (pipe.kind, pipe.schedule, pipe.world_size, pipe.steps_per_replica) == ("hybrid", "1f1b", 4, 4)
+    assert pipe.describe() == "1f1b dp=2 pp=2 m=2 n_microbatches=4 split=[3]"
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(micro_batch_size=3), r"dp \(2\) \* micro_batch_size \(3\) \* n_microbatches \(4\) = 24 does not equal the global batch size \(16\)"),
+        (dict(strategy="zero"), r"Unknown strategy 'zero'. HINT: Use one of dp_ga, gpipe, 1f1b"),
+        (dict(dp=0), r"`dp` must be a positive integer, got 0"),
+        (dict(pp=True), r"`pp` must be a positive integer, got True"),
+        (dict(pp=4, dp=1, n_microbatches=2, micro_batch_size=8, stage_boundaries=(1, 2, 3)), r"`n_microbatches` \(2\) must be >= the number of pipeline stages \(4\) for 1F1B"),
+        (dict(stage_boundaries=(0,)), r"must be 1 strictly increasing positive layer indices"),
+        (dict(stage_boundaries=(6,)), r"point past the last of 6 layers"),
+        (dict(accumulate_grad_batches=2), r"accumulates through n_microbatches"),
+        (dict(strategy="gpipe", pp=1, dp=4, n_microbatches=2, stage_boundaries=()), r"needs at least 2 pipeline stages"),
+    ],
+)
+def test_invalid_plans_are_named(over, match):
+    with pytest.raises(InfeasiblePlanError, match=match) as info:
+        Plan(**{**PIPE, **over})
+    assert str(info.value).count("HINT: ") == 1
+
+
+def test_dp_ga_rejects_pipeline_fields():
+    with pytest.raises(InfeasiblePlanError, match=r"A dp_ga plan has pp=1 and n_microbatches=1, got pp=2"):
+        Plan(strategy="dp_ga", dp=1, pp=2, micro_batch_size=8, global_batch_size=16)
+
+
+def test_json_round_trip_from_text_and_file(tmp_path: Path):
+    plan = Plan(**PIPE)
+    data = plan.to_dict()
+    assert data["schema_version"] == PLAN_SCHEMA_VERSION and data["schedule"] == "1f1b" and data["stage_boundaries"] == [3]
+    assert Plan.from_json(plan.to_json()) == plan
+    for name in ("plan.json", "plan.txt"):  # a file is read whatever its suffix
+        path = tmp_path / name
+        plan.to_json(path)
+        loaded = Plan.from_json(path)
+        assert loaded == plan and loaded.layer_names == plan.layer_names
+        assert Plan.from_json(str(path)) == plan
+
+
+@pytest.mark.parametrize(
+    "source,match",
+    [
+        ("missing", r"Plan file .*nope.json' does not exist"),
+        ("dir", r"does not exist or is not a file"),
+        ('{"strategy": ', r"The plan is not valid JSON"),
+        ('{"schema_version": 7}', r"Plan schema version 7 is not supported"),
+        ('{"strategy": "dp_ga"}', r"The plan is missing fields"),
+    ],
+)
+def test_bad_plan_files_are_format_errors(tmp_path: Path, source: str, match: str):
+    arg = str(tmp_path / "nope.json") if source == "missing" else str(tmp_path) if source == "dir" else source
+    with pytest.raises(ProfileFormatError, match=match + r".*HINT: "):
+        Plan.from_json(arg)
