@@ -42,8 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistPlanError as err:
         print(f"distplan {args.command}: error: {err}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, FileNotFoundError, ImportError, RuntimeError, OSError) as err:
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (ValueError, TypeError, LookupError, ImportError, RuntimeError, OSError) as err:
+        # KeyError's str() quotes its message; its first argument is the sentence.
+        text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+        message = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         if "HINT:" not in message:
             message += " HINT: run with --help for usage, or set DISTPLAN_DEBUG=1 for the traceback."
         print(f"distplan {args.command}: error: {type(err).__name__}: {message}", file=sys.stderr)
