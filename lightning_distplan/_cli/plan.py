@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from lightning_distplan.plan import STRATEGIES
 
@@ -87,4 +88,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([c.to_dict() for c in shown], indent=1))
     else:
         print(explain(candidates, top=10 if args.top is None else args.top))
+    if not any(c.prediction.feasible for c in candidates):
+        # The ranking is still printed (it shows how far off each plan is), but a script must not take
+        # candidate 1 for a runnable plan (DESIGN §3.4): exit non-zero.
+        closest = candidates[0]
+        why = closest.prediction.reason.rstrip(".")
+        print(
+            f"distplan plan: error: no plan is feasible; the closest, {closest.plan.describe()}, fails because {why[:1].lower() + why[1:]}. "
+            "HINT: use more devices, a smaller global batch, or a device with more memory (--device-memory-gb).",
+            file=sys.stderr,
+        )
+        return 1
     return 0

@@ -151,3 +151,18 @@ def test_real_entry_point_no_traceback(tmp_path):
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "HINT: Use the nearest valid global batch size, 6 or 9" in bad.stderr
+
+
+def test_no_feasible_plan_prints_the_ranking_and_exits_1(profile_path, capsys):
+    # DESIGN §3.4: an infeasible plan is never presented as the pick; the list still shows how far off each is.
+    args = ["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--format", "json",
+            "--device-memory-gb", "0.01", "--bandwidth-gbps", "10", "--latency-us", "30"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out and not any(c["feasible"] for c in out)
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("distplan plan: error: no plan is feasible; the closest, dp_ga dp=4") and "exceeds" in err[0] and "HINT:" in err[0]
+    # the same request on the profiled 16 GiB device has feasible plans and exits 0
+    assert main([a for a in args if a not in ("--device-memory-gb", "0.01")]) == 0
