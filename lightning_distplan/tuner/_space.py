@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from lightning_distplan.costmodel import DEFAULT_LATENCY_S, Hardware, cost_per_step, objective, predict
 from lightning_distplan.costmodel.projection import ProjectionInfo, project_profile
-from lightning_distplan.errors import BatchNotFactorableError, DistPlanError
+from lightning_distplan.errors import BatchNotFactorableError, DistPlanError, ModelSplitError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import enumerate_plans
 from lightning_distplan.profile import Profile
@@ -127,7 +127,11 @@ def _divisors(x: int) -> list[int]:
 
 
 class ConfigSpace:
-    """Instances × counts × plans for one profile, catalog and global batch, with cached pricing."""
+    """Instances × counts × plans for one profile, catalog and global batch, with cached pricing.
+
+    Raises:
+        ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
+    """
 
     def __init__(
         self,
@@ -148,6 +152,14 @@ class ConfigSpace:
         self.max_instances = max_instances
         pipelines_possible = profile.splittable and len(profile.layers) >= 2
         self.strategies = tuple(s for s in strategies if s == "dp_ga" or pipelines_possible)
+        if not self.strategies and strategies and all(s in STRATEGIES for s in strategies):
+            # Pipeline-only request on a model that cannot be cut: say so, not "no configuration factors B".
+            n = len(profile.layers)
+            reason = (profile.split_reason or "no PipelineSpec") if not profile.splittable else f"the profile has only {n} layer{'' if n == 1 else 's'}"
+            raise ModelSplitError(
+                f"The model {profile.model!r} cannot be split into pipeline stages ({reason}), so none of the requested strategies {list(strategies)} can run.",
+                hint="Allow dp_ga (e.g. --strategy dp_ga gpipe 1f1b), or add a pipeline_spec() hook to the LightningModule and profile it again.",
+            )
         self.max_pp = max_pp
         self.precision = precision
         self._plans: dict[int, list[Plan]] = {}
@@ -163,7 +175,8 @@ class ConfigSpace:
                 plans = enumerate_plans(
                     self.profile, world_size=world_size, global_batch_size=self.global_batch_size, strategies=self.strategies or ("dp_ga",), max_pp=self.max_pp
                 )
-            except BatchNotFactorableError:
+            except (BatchNotFactorableError, ModelSplitError):
+                # No plan for this world size (the batch does not factor, or no pipeline can be cut here).
                 plans = []
             self._plans[world_size] = [p for p in plans if p.strategy in self.strategies]
         return self._plans[world_size]

@@ -238,6 +238,7 @@ def tune(
         StudyStorageError: invalid or unreachable storage (nothing is run).
         StudyConflictError: the study exists with other settings (it is left untouched).
         InfeasiblePlanError: bad arguments, or no evaluated configuration fits in memory.
+        ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
     """
     import optuna
 
@@ -431,6 +432,7 @@ def exhaustive(
 
     Raises:
         InfeasiblePlanError: the space exceeds ``max_configurations`` or nothing fits in memory.
+        ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
     """
     started = time.perf_counter()
     _validate(profile, global_batch_size, time_weight, 1, max_instances, 0)

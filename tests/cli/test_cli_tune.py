@@ -72,3 +72,13 @@ def test_real_command_line(tmp_path, profile_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["n_trials"] == 20 and out["best"]["currency"] == "RMB"
+
+
+def test_pipeline_only_on_unsplittable_profile_names_the_split(tmp_path, capsys):
+    flat = str(make_profile(splittable=False).save(tmp_path / "flat.json"))
+    rc = main(["tune", "--profile", flat, "--strategy", "gpipe", "--global-batch-size", "32", "--trials", "5", "--no-progress",
+               "--storage", f"sqlite:///{tmp_path / 'f.db'}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "cannot be split into pipeline stages (hand-built)" in err and "HINT: Allow dp_ga" in err
+    assert "factors the global batch size" not in err

@@ -9,7 +9,7 @@ import optuna
 import pytest
 from tuner_profile_factory import make_profile
 
-from lightning_distplan.errors import CatalogError, InfeasiblePlanError
+from lightning_distplan.errors import CatalogError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.planner import enumerate_plans
 from lightning_distplan.tuner import (
     ConfigSpace,
@@ -173,3 +173,15 @@ def test_exhaustive_covers_exactly_the_enumerated_space(profile):
     assert ex.pareto == pareto_front(feasible)
     with pytest.raises(InfeasiblePlanError, match="max_configurations"):
         exhaustive(profile, catalog, global_batch_size=B, max_instances=3, max_configurations=10)
+
+
+def test_pipeline_only_on_an_unsplittable_profile_names_the_split_not_the_batch(tmp_path):
+    flat = make_profile(n_layers=4, splittable=False)
+    with pytest.raises(ModelSplitError, match=r"cannot be split into pipeline stages \(hand-built\).*HINT: Allow dp_ga"):
+        tune(flat, catalog="alicloud-2023", global_batch_size=B, strategies=("gpipe",), n_trials=2, max_instances=2,
+             storage=f"sqlite:///{tmp_path / 's.db'}", progress=False)
+    with pytest.raises(ModelSplitError, match="only 1 layer"):
+        exhaustive(make_profile(n_layers=1), load_catalog("alicloud-2023"), global_batch_size=B, strategies=("1f1b",), max_instances=2)
+    # dp_ga among the strategies: the pipelines are dropped and the search runs
+    ex = exhaustive(flat, load_catalog("alicloud-2023"), global_batch_size=B, strategies=("dp_ga", "gpipe"), max_instances=2)
+    assert ex.configs and {c.plan.strategy for c in ex.configs} == {"dp_ga"}
