@@ -55,9 +55,15 @@ class GpuSpec:
     def __post_init__(self) -> None:
         for name in ("tensor_flops", "fp32_flops", "memory_bandwidth_bytes_per_s", "interconnect_bytes_per_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"GpuSpec {self.name!r}: `{name}` must be > 0, got {getattr(self, name)!r}.")
+                raise CatalogError(
+                    f"GpuSpec {self.name!r}: `{name}` must be > 0, got {getattr(self, name)!r}.",
+                    hint="Give the datasheet's dense peak in FLOP/s or bytes/s (e.g. 65e12 for 65 TFLOP/s), a positive number.",
+                )
         if not 0 < self.fraction <= 1:
-            raise ValueError(f"GpuSpec {self.name!r}: `fraction` must be in (0, 1], got {self.fraction!r}.")
+            raise CatalogError(
+                f"GpuSpec {self.name!r}: `fraction` must be in (0, 1], got {self.fraction!r}.",
+                hint="Use the share of one card the instance sells, e.g. 0.5 for half a GPU, or 1 for a whole one.",
+            )
 
     def peak_flops(self, precision: Literal["fp32", "bf16"]) -> float:
         """Peak FLOP/s for the given math precision (``"bf16"`` = tensor cores, fp16 included)."""

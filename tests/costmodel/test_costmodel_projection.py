@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tuner"))
 from tuner_profile_factory import make_profile  # noqa: E402
 
-from lightning_distplan.costmodel.gpus import GPUS, CPU_MEMORY_BANDWIDTH_ASSUMED, gpu_spec, match_gpu_name, source_spec  # noqa: E402
+from lightning_distplan.costmodel.gpus import GPUS, CPU_MEMORY_BANDWIDTH_ASSUMED, GpuSpec, gpu_spec, match_gpu_name, source_spec  # noqa: E402
 from lightning_distplan.costmodel.projection import layer_bytes, project_profile, roofline_ratio  # noqa: E402
 from lightning_distplan.errors import CatalogError  # noqa: E402
 from lightning_distplan.profile import Profile  # noqa: E402
@@ -139,3 +139,10 @@ def test_unknown_profiled_gpu_is_a_catalog_error():
     profile = replace(make_profile(), device=replace(make_profile().device, name="Mystery GPU 9000"))
     with pytest.raises(CatalogError, match="Unknown GPU 'Mystery GPU 9000'"):
         project_profile(profile, GPUS["A10"])
+
+
+def test_bad_gpu_spec_is_a_catalog_error_with_a_hint():
+    with pytest.raises(CatalogError, match=r"GpuSpec 'X'.*`fp32_flops` must be > 0, got 0.*HINT:"):
+        GpuSpec(name="X", tensor_flops=1e12, fp32_flops=0, memory_bandwidth_bytes_per_s=1e11, memory_bytes=1)
+    with pytest.raises(CatalogError, match=r"`fraction` must be in \(0, 1\], got 1.5.*HINT:"):
+        replace(gpu_spec("T4"), fraction=1.5)
