@@ -24,13 +24,15 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_distplan.errors import DemoArgumentError
+
 __all__ = ["RandomTokenData", "RandomImageData", "TorchvisionClassifier"]
 
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` ({value!r}) must be a positive integer. HINT: pass e.g. {name}=8.")
+            raise DemoArgumentError(f"`{name}` ({value!r}) must be a positive integer.", hint=f"Pass e.g. {name}=8.")
 
 
 class _TokenDataset(Dataset):
@@ -165,7 +167,7 @@ class TorchvisionClassifier(LightningModule):
             ) from None
         names = torchvision.models.list_models(module=torchvision.models)
         if arch not in names:
-            raise ValueError(f"Unknown torchvision classification model {arch!r}. HINT: use one of {', '.join(sorted(names))}.")
+            raise DemoArgumentError(f"Unknown torchvision classification model {arch!r}.", hint=f"Use one of {', '.join(sorted(names))}.")
         self.save_hyperparameters()
         self.model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **model_kwargs)
         self.lr = lr

@@ -15,6 +15,9 @@ __all__ = [
     "ModelSplitError",
     "CatalogError",
     "DeviceUnavailableError",
+    "BatchFormatError",
+    "CheckpointMismatchError",
+    "DemoArgumentError",
 ]
 
 
@@ -49,3 +52,22 @@ class CatalogError(DistPlanError, ValueError):
 
 class DeviceUnavailableError(DistPlanError, RuntimeError):
     """A device that was asked for is not present."""
+
+
+class _UnquotedKeyError(DistPlanError, KeyError):
+    """A KeyError whose ``str()`` is its sentence (the built-in one quotes its argument like a key)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+class BatchFormatError(_UnquotedKeyError, TypeError):
+    """A training batch lacks a field the pipeline needs (e.g. labels), or is of a type it cannot read."""
+
+
+class CheckpointMismatchError(_UnquotedKeyError, ValueError):
+    """A checkpoint does not match the model or optimizer it is loaded into (missing entries, other param groups)."""
+
+
+class DemoArgumentError(DistPlanError, ValueError):
+    """An argument of a :mod:`lightning_distplan.demos` data module or model is out of range or unknown."""

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_distplan._layers import PipelineSpec, register_adapter
+from lightning_distplan.errors import BatchFormatError
 
 __all__: list[str] = []
 
@@ -139,12 +140,16 @@ def _hf_labels(batch: Any, *, default_to_inputs: bool) -> Tensor:
             return batch["labels"]
         if default_to_inputs:
             return batch["input_ids"]
-        raise KeyError("The batch has no 'labels'. HINT: add 'labels' to the batch or define `pipeline_loss`.")
+        raise BatchFormatError(
+            f"The batch has no 'labels' (keys: {sorted(map(str, batch))}).", hint="Add 'labels' to the batch or define `pipeline_loss`."
+        )
     if isinstance(batch, (tuple, list)):
         return batch[1]
     if default_to_inputs:
         return batch
-    raise TypeError("The batch has no labels. HINT: use (input_ids, labels) batches or define `pipeline_loss`.")
+    raise BatchFormatError(
+        f"The batch is a {type(batch).__name__}, which carries no labels.", hint="Use (input_ids, labels) batches or define `pipeline_loss`."
+    )
 
 
 class _GPT2Embed(nn.Module):

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_distplan.errors import CheckpointMismatchError
+
 __all__ = [
     "StateOwnership",
     "OptimizerIndex",
@@ -150,9 +152,10 @@ def local_optimizer_state(full: dict[str, Any], index: OptimizerIndex) -> dict[s
     state = {local_idx: full["state"][full_idx] for local_idx, full_idx in enumerate(index.local_to_full) if full_idx in full["state"]}
     full_groups = full["param_groups"]
     if tuple(len(g["params"]) for g in full_groups) != index.full_group_sizes:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"The checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in full_groups]}, "
-            f"this model's has {list(index.full_group_sizes)}. HINT: resume with the same `configure_optimizers`."
+            f"this model's has {list(index.full_group_sizes)}.",
+            hint="Resume with the same `configure_optimizers`.",
         )
     groups, local_idx, start = [], 0, 0
     for g, size in zip(full_groups, index.full_group_sizes):

@@ -68,7 +68,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
-from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.errors import CheckpointMismatchError, InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -541,7 +541,9 @@ class PipelineStrategy(DDPStrategy):
         mine = {k: v for k, v in checkpoint["state_dict"].items() if k in local and local[k].numel() > 0}
         missing = [k for k in self._ownership.keys if k not in checkpoint["state_dict"]]
         if strict and missing:
-            raise KeyError(f"The checkpoint misses {len(missing)} entries of the model, e.g. {missing[:3]}. HINT: load a checkpoint of this model.")
+            raise CheckpointMismatchError(
+                f"The checkpoint misses {len(missing)} entries of the model, e.g. {missing[:3]}.", hint="Load a checkpoint of this model."
+            )
         module.load_state_dict(mine, strict=False)
         return None
 

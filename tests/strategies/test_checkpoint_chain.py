@@ -4,7 +4,6 @@ written by the previous strategy and read by the next."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from typing import Any
@@ -14,10 +13,6 @@ import pytest
 import torch
 from _dist_utils import run_on_ranks
 from torch.utils.data import DataLoader, DistributedSampler
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("lightning_distplan.strategies.pipeline") is None, reason="pipeline strategy not present"
-)
 
 EPOCH = 160  # samples: 5 optimizer steps of 32 per epoch, so every hop resumes at an epoch boundary
 
@@ -86,3 +81,15 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     final = torch.load(tmp_path / "1f1b.ckpt", weights_only=False)["state_dict"]
     torch.testing.assert_close(final, {k: v.detach() for k, v in reference.state_dict().items()}, rtol=1e-5, atol=2e-6)
     print(f"gpipe -> dp_ga -> 1f1b chain {time.perf_counter() - t0:.1f}s")
+
+
+def test_optimizer_state_of_other_param_groups_is_a_checkpoint_mismatch() -> None:
+    from lightning_distplan.errors import CheckpointMismatchError
+    from lightning_distplan.strategies._pipeline_checkpoint import OptimizerIndex, local_optimizer_state
+
+    index = OptimizerIndex(full_group_sizes=(2,), local_to_full=(0,), provided=frozenset({0}), names=("a", "b"))
+    full = {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}]}
+    with pytest.raises(CheckpointMismatchError, match=r"param groups of sizes \[3\], this model's has \[2\]\. HINT: Resume with the same"):
+        local_optimizer_state(full, index)
+    with pytest.raises(ValueError):  # still the built-in it was before
+        local_optimizer_state(full, index)

@@ -166,3 +166,19 @@ def test_pipeline_wrapped_layers_have_readable_names() -> None:
             return PipelineSpec(layers=[Named(self.a), Named(self.b), self.a], inputs=lambda b: b, loss=lambda o, b: o.sum())
 
     assert discover_layers(User()).names == ("my.block", "my.block#1", "a")
+
+
+def test_hf_batch_without_labels_is_a_batch_format_error() -> None:
+    from lightning_distplan.errors import BatchFormatError
+    from lightning_distplan.strategies._adapters import _hf_labels
+
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(BatchFormatError, match=r"^The batch has no 'labels' \(keys: \['input_ids'\]\)\. HINT: Add 'labels'"):
+        _hf_labels({"input_ids": ids}, default_to_inputs=False)
+    with pytest.raises(BatchFormatError, match=r"^The batch is a Tensor, which carries no labels\. HINT: Use \(input_ids, labels\)"):
+        _hf_labels(ids, default_to_inputs=False)
+    with pytest.raises(KeyError):  # the built-ins they were before still catch them
+        _hf_labels({"input_ids": ids}, default_to_inputs=False)
+    with pytest.raises(TypeError):
+        _hf_labels(ids, default_to_inputs=False)
+    assert _hf_labels({"input_ids": ids}, default_to_inputs=True) is ids
