@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from lightning_distplan.tuner._dashboard import default_artifact_dir, require
 
@@ -415,6 +415,21 @@ def _write_html(fig: go.Figure, path: Path) -> None:
     fig.write_html(str(path), include_plotlyjs=True, full_html=True)
 
 
+def _render(
+    info: Any, *, empty: str, plotly: Callable[[Any], go.Figure], png: Callable[[Any, Path], None],
+    path_html: str | Path | None, path_png: str | Path | None,
+) -> go.Figure:
+    """The plotly figure of ``info``, also written where asked; ``empty`` is the sentence raised when there are no points."""
+    if not info.points:
+        raise ValueError(f"{empty} HINT: widen the catalog or the global batch size, or run more trials.")
+    fig = plotly(info)
+    if path_html is not None:
+        _write_html(fig, Path(path_html))
+    if path_png is not None:
+        png(info, Path(path_png))
+    return fig
+
+
 def plot_pareto_front(
     study_or_trials: optuna.Study | Sequence[FrozenTrial],
     *,
@@ -439,17 +454,10 @@ def plot_pareto_front(
         ValueError: no trial is feasible, so there is nothing to plot.
     """
     info = _get_pareto_info(study_or_trials)
-    if not info.points:
-        raise ValueError(
-            f"No feasible configuration among {info.n_trials} trials of study {info.study_name!r}, so there is no Pareto front. "
-            "HINT: widen the catalog or the global batch size, or run more trials."
-        )
-    fig = _pareto_plotly(info)
-    if path_html is not None:
-        _write_html(fig, Path(path_html))
-    if path_png is not None:
-        _pareto_png(info, Path(path_png))
-    return fig
+    return _render(
+        info, empty=f"No feasible configuration among {info.n_trials} trials of study {info.study_name!r}, so there is no Pareto front.",
+        plotly=_pareto_plotly, png=_pareto_png, path_html=path_html, path_png=path_png,
+    )
 
 
 def plot_time_breakdown(
@@ -474,17 +482,10 @@ def plot_time_breakdown(
         The plotly figure.
     """
     info = _get_breakdown_info(study_or_trials, top_k=top_k, time_weight=time_weight)
-    if not info.points:
-        raise ValueError(
-            f"No feasible configuration in study {info.study_name!r}, so there is no breakdown to plot. "
-            "HINT: widen the catalog or the global batch size, or run more trials."
-        )
-    fig = _breakdown_plotly(info)
-    if path_html is not None:
-        _write_html(fig, Path(path_html))
-    if path_png is not None:
-        _breakdown_png(info, Path(path_png))
-    return fig
+    return _render(
+        info, empty=f"No feasible configuration in study {info.study_name!r}, so there is no breakdown to plot.",
+        plotly=_breakdown_plotly, png=_breakdown_png, path_html=path_html, path_png=path_png,
+    )
 
 
 def summary_markdown(study_or_trials: optuna.Study | Sequence[FrozenTrial], *, time_weight: float | None = None) -> str:
