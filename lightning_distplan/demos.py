@@ -35,23 +35,54 @@ def _check_positive(**values: int) -> None:
             raise DemoArgumentError(f"`{name}` ({value!r}) must be a positive integer.", hint=f"Pass e.g. {name}=8.")
 
 
-class _TokenDataset(Dataset):
-    def __init__(self, vocab_size: int, block_size: int, num_samples: int, seed: int) -> None:
-        self.vocab_size, self.block_size, self.num_samples, self.seed = vocab_size, block_size, num_samples, seed
+class _SeededDataset(Dataset):
+    """``num_samples`` samples, each drawn from its own generator: deterministic per index, nothing held in memory."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples, self.seed = num_samples, seed
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+    def _sample_generator(self, index: int) -> torch.Generator:
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+
+
+class _SyntheticData(LightningDataModule):
+    """A data module over one :class:`_SeededDataset` built by ``_make_dataset`` (set ``batch_size``, ``seed`` first)."""
+
+    batch_size: int
+    seed: int
+    dataset: _SeededDataset | None = None
+
+    def _make_dataset(self) -> _SeededDataset:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        self.dataset = self._make_dataset()
+
+    def train_dataloader(self) -> DataLoader:
+        if self.dataset is None:
+            self.setup("fit")
+        # a DataLoader draws its workers' base seed from this generator, not from the global RNG
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, generator=torch.Generator().manual_seed(self.seed))
+
+
+class _TokenDataset(_SeededDataset):
+    def __init__(self, vocab_size: int, block_size: int, num_samples: int, seed: int) -> None:
+        super().__init__(num_samples, seed)
+        self.vocab_size, self.block_size = vocab_size, block_size
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        g = self._sample_generator(index)
         # one stream of block_size + 1 tokens: target is the input shifted by one, as in WikiText2
         tokens = torch.randint(0, self.vocab_size, (self.block_size + 1,), generator=g, dtype=torch.long)
         return tokens[:-1], tokens[1:]
 
 
-class RandomTokenData(LightningDataModule):
+class RandomTokenData(_SyntheticData):
     """Random token blocks shaped like ``lightning.pytorch.demos.transformer.WikiText2``.
 
     Args:
@@ -71,44 +102,24 @@ class RandomTokenData(LightningDataModule):
         self.vocab_size, self.block_size, self.batch_size, self.num_samples, self.seed = (
             vocab_size, block_size, batch_size, num_samples, seed,
         )
-        self.dataset: _TokenDataset | None = None
 
-    def setup(self, stage: str | None = None) -> None:
-        self.dataset = _TokenDataset(self.vocab_size, self.block_size, self.num_samples, self.seed)
-
-    def _generator(self) -> torch.Generator:
-        return _loader_generator(self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        if self.dataset is None:
-            self.setup("fit")
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, generator=self._generator())
+    def _make_dataset(self) -> _TokenDataset:
+        return _TokenDataset(self.vocab_size, self.block_size, self.num_samples, self.seed)
 
 
-def _loader_generator(seed: int) -> torch.Generator:
-    # a DataLoader draws its workers' base seed from this, not from the global RNG
-    return torch.Generator().manual_seed(seed)
-
-
-class _ImageDataset(Dataset):
+class _ImageDataset(_SeededDataset):
     def __init__(self, num_classes: int, image_size: int, channels: int, num_samples: int, seed: int) -> None:
-        self.num_classes, self.image_size, self.channels, self.num_samples, self.seed = (
-            num_classes, image_size, channels, num_samples, seed,
-        )
-
-    def __len__(self) -> int:
-        return self.num_samples
+        super().__init__(num_samples, seed)
+        self.num_classes, self.image_size, self.channels = num_classes, image_size, channels
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        g = self._sample_generator(index)
         image = torch.randn(self.channels, self.image_size, self.image_size, generator=g)
         label = torch.randint(0, self.num_classes, (), generator=g, dtype=torch.long)
         return image, label
 
 
-class RandomImageData(LightningDataModule):
+class RandomImageData(_SyntheticData):
     """Random normalised images with integer labels, for ImageNet-style classifiers.
 
     Args:
@@ -133,18 +144,9 @@ class RandomImageData(LightningDataModule):
         _check_positive(num_classes=num_classes, image_size=image_size, channels=channels, batch_size=batch_size, num_samples=num_samples)
         self.num_classes, self.image_size, self.channels = num_classes, image_size, channels
         self.batch_size, self.num_samples, self.seed = batch_size, num_samples, seed
-        self.dataset: _ImageDataset | None = None
 
-    def setup(self, stage: str | None = None) -> None:
-        self.dataset = _ImageDataset(self.num_classes, self.image_size, self.channels, self.num_samples, self.seed)
-
-    def _generator(self) -> torch.Generator:
-        return _loader_generator(self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        if self.dataset is None:
-            self.setup("fit")
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, generator=self._generator())
+    def _make_dataset(self) -> _ImageDataset:
+        return _ImageDataset(self.num_classes, self.image_size, self.channels, self.num_samples, self.seed)
 
 
 class TorchvisionClassifier(LightningModule):

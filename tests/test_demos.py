@@ -15,6 +15,18 @@ def test_token_data_is_deterministic_and_shifted() -> None:
     x2, y2 = next(iter(RandomTokenData(vocab_size=50, block_size=8, batch_size=2, num_samples=4).train_dataloader()))
     assert x.shape == (2, 8) and torch.equal(x, x2) and torch.equal(y, y2)
     assert torch.equal(x[:, 1:], y[:, :-1])
+    assert len(data.dataset) == 4
+    with pytest.raises(IndexError):
+        data.dataset[4]
+
+
+def test_image_data_is_deterministic_per_seed() -> None:
+    def first(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return next(iter(RandomImageData(num_classes=5, image_size=8, batch_size=3, num_samples=6, seed=seed).train_dataloader()))
+
+    (x, y), (x2, y2), (x3, _) = first(1), first(1), first(2)
+    assert x.shape == (3, 3, 8, 8) and y.shape == (3,) and int(y.max()) < 5
+    assert torch.equal(x, x2) and torch.equal(y, y2) and not torch.equal(x, x3)
 
 
 @pytest.mark.parametrize(
