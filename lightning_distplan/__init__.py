@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from lightning_distplan._layers import PipelineSpec
 from lightning_distplan.errors import (
+    BatchFormatError,
     BatchNotFactorableError,
     CatalogError,
+    CheckpointMismatchError,
+    DemoArgumentError,
     DeviceUnavailableError,
     DistPlanError,
     InfeasiblePlanError,
@@ -33,6 +36,10 @@ __all__ = [
     "ModelSplitError",
     "CatalogError",
     "DeviceUnavailableError",
+    "BatchFormatError",
+    "CheckpointMismatchError",
+    "DemoArgumentError",
+    "PlanningCallback",
 ]
 
 
