@@ -49,6 +49,15 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             _date(d), "`benchmarks/single_device_validation.py`",
         ))
 
+    d = _load("cli_timings_cpu.json")
+    if d:
+        out.append((
+            "`distplan profile` of the demo Transformer / `distplan tune` 300 trials (whole commands)",
+            f"{d['profile']['wall_s']:.1f} s (profiling {d['profile']['profiling_time_s_reported']:.1f} s) / "
+            f"{d['tune_300_trials']['wall_s']:.1f} s; targets ≤ 30 s / < 30 s",
+            f"CPU; load {d['load_average_at_start'][0]:.1f} at start", _date(d), "`benchmarks/cli_timings.py`",
+        ))
+
     d = _load("cpu_cluster_sweep.json")
     if d and d.get("summary"):
         s = d["summary"]
