@@ -57,11 +57,11 @@ def _load_class(path: str, *, what: str, option: str) -> type:
             f"Cannot import module {module_name!r} for {what} {path!r} ({err}).",
             hint="Check the spelling and that the package is installed in this environment (or on PYTHONPATH).",
         ) from None
+    if ":" not in path and _is_module(path):  # a dotted path naming a module (imported or not)
+        raise ProfilingError(f"{what} path {path!r} names a module, not a class.", hint=f"Add the class after a colon: {option}{path}:ClassName.")
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            if ":" not in path and _is_module(path):  # a dotted path naming a module
-                raise ProfilingError(f"{what} path {path!r} names a module, not a class.", hint=f"Add the class after a colon: {option}{path}:ClassName.")
             public = sorted(n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n, None), type))
             raise ProfilingError(
                 f"Module {module_name!r} has no attribute {attr!r}.",
