@@ -188,6 +188,9 @@ class Profile:
     memory: MemoryProfile
     links: tuple[LinkProfile, ...] = ()
     infeasible_micro_batch_sizes: tuple[int, ...] = ()
+    rejected_micro_batch_sizes: tuple[int, ...] = ()
+    """Sizes the model itself refused (e.g. BatchNorm with one value per channel): no plan uses a
+    micro-batch at or below the largest of them."""
     splittable: bool = False
     """True when a PipelineSpec exists for the model (its ``pipeline_spec()`` hook or a built-in adapter)."""
     split_reason: str = ""
@@ -208,6 +211,11 @@ class Profile:
         if not self.infeasible_micro_batch_sizes:
             return None
         return min(self.infeasible_micro_batch_sizes) - 1
+
+    @property
+    def min_micro_batch_size(self) -> int:
+        """Smallest micro-batch a plan may use (1 unless the model rejected small sizes)."""
+        return max(self.rejected_micro_batch_sizes, default=0) + 1
 
     def link(self, kind: Literal["allreduce", "p2p"]) -> LinkProfile | None:
         matches = [link for link in self.links if link.kind == kind]

@@ -80,6 +80,8 @@ def _raw_plans(
             continue
         per_replica = global_batch_size // dp
         for m in _divisors(per_replica):
+            if m < profile.min_micro_batch_size:  # the model refused such micro-batches when profiled
+                continue
             steps = per_replica // m
             if pp == 1:
                 if "dp_ga" in strategies:

@@ -706,6 +706,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         memory=memory,
         links=tuple(links),
         infeasible_micro_batch_sizes=tuple(sorted(set(infeasible))),
+        rejected_micro_batch_sizes=tuple(sorted(set(skipped))),
         splittable=discovered.spec is not None,
         split_reason=discovered.split_reason,
         profiling_time_s=elapsed,

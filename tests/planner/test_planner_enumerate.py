@@ -131,3 +131,20 @@ def test_pp_pin_beyond_layers_and_conflicting_pins():
         enumerate_plans(prof(2), world_size=4, global_batch_size=32, pins={"pp": 4})
     with pytest.raises(InfeasiblePlanError, match=r"each possible but no plan .* satisfies all of them together.*HINT"):
         enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "dp_ga", "pp": 2})
+
+
+def test_micro_batches_the_model_rejected_are_never_planned():
+    # e.g. BatchNorm on a 1x1 feature map refuses one sample per channel: the profiler records the
+    # size as rejected and no plan, DP or pipeline, may use it (a 2-rank resnet18 run crashed on m=1).
+    import dataclasses
+
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import enumerate_plans
+
+    layers = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1000, activation_bytes_per_sample=100) for _ in range(4)]
+    prof = dataclasses.replace(synthetic_profile(layers), rejected_micro_batch_sizes=(1,))
+    assert prof.min_micro_batch_size == 2
+    plans = enumerate_plans(prof, world_size=2, global_batch_size=8)
+    assert plans and min(p.micro_batch_size for p in plans) == 2
+    assert {p.strategy for p in plans} >= {"dp_ga", "gpipe", "1f1b"}
+    assert min(p.micro_batch_size for p in enumerate_plans(synthetic_profile(layers), world_size=2, global_batch_size=8)) == 1
