@@ -134,6 +134,22 @@ class Plan:
         split = f" split={list(self.stage_boundaries)}" if self.stage_boundaries else ""
         return f"{self.strategy} dp={self.dp} pp={self.pp} m={self.micro_batch_size} n_microbatches={self.n_microbatches}{split}"
 
+    def layout(self) -> dict[str, Any]:
+        """The plan's shape as flat JSON fields (DESIGN §5 names), shared by every report that lists plans."""
+        return {
+            "strategy": self.strategy,
+            "schedule": self.schedule,
+            "dp": self.dp,
+            "pp": self.pp,
+            "micro_batch_size": self.micro_batch_size,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "n_microbatches": self.n_microbatches,
+            "accumulation": self.steps_per_replica,
+            "global_batch_size": self.global_batch_size,
+            "world_size": self.world_size,
+            "stage_boundaries": list(self.stage_boundaries),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stage_boundaries"] = list(self.stage_boundaries)

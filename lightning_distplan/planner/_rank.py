@@ -36,16 +36,7 @@ class Candidate:
         plan, pred = self.plan, self.prediction
         return {
             "rank": self.rank,
-            "strategy": plan.strategy,
-            "schedule": plan.schedule,
-            "dp": plan.dp,
-            "pp": plan.pp,
-            "micro_batch_size": plan.micro_batch_size,
-            "accumulate_grad_batches": plan.accumulate_grad_batches,
-            "n_microbatches": plan.n_microbatches,
-            "global_batch_size": plan.global_batch_size,
-            "world_size": plan.world_size,
-            "stage_boundaries": list(plan.stage_boundaries),
+            **plan.layout(),
             "predicted_step_time_s": pred.step_time_s,
             "predicted_peak_memory_bytes": pred.peak_memory_bytes,
             "feasible": pred.feasible,
