@@ -81,8 +81,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
     p.add_argument("--rates", default=",".join(RATES), help="comma-separated subset of 100mbit,1gbit,unlimited")
     p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--plans", default="all")
     p.add_argument("--timeout", type=int, default=420, help="seconds per model x rate job")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_cluster_sweep.json"))
@@ -172,7 +172,7 @@ def _short(plan: str) -> str:
 def term_fit(plans: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Which term of the model is off: least squares of measured = a·compute + b·comm + c.
 
-    compute = compute + bubble + optimizer of the predicted breakdown, comm = p2p + exposed all-reduce.
+    compute = compute + bubble + optimizer + framework of the predicted breakdown, comm = p2p + exposed all-reduce.
     a ≈ b ≈ 1 and c ≈ 0 mean the model is right; a > 1 says compute is under-predicted, b > 1 the
     links, c > 0 is a fixed per-step cost the model does not have (framework / runtime overhead).
     """
@@ -182,7 +182,7 @@ def term_fit(plans: list[dict[str, Any]]) -> dict[str, Any] | None:
     if len(rows) < 4:
         return None
     bd = [r["predicted_breakdown"] for r in rows]
-    x = np.array([[b.get("compute", 0) + b.get("bubble", 0) + b.get("optimizer", 0), b.get("p2p", 0) + b.get("exposed_comm", 0), 1.0] for b in bd])
+    x = np.array([[b.get("compute", 0) + b.get("bubble", 0) + b.get("optimizer", 0) + b.get("framework", 0), b.get("p2p", 0) + b.get("exposed_comm", 0), 1.0] for b in bd])
     y = np.array([r["measured_step_time_s"] for r in rows])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     resid = y - x @ coef

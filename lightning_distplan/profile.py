@@ -19,6 +19,8 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
                           overhead, measured peaks per micro-batch size (CUDA only)
 ``splittable``            whether a pipeline can be built (``split_reason`` says why / why not)
 ``links``                 list of :class:`LinkProfile`: all-reduce / p2p fitted as latency + bytes / bandwidth
+``framework``             :class:`FrameworkProfile`: the training loop's own cost per batch and per optimizer
+                          step (optional; absent in older files, which then count it as zero)
 ``profiling_time_s``      wall time the profiler spent
 ``versions``, ``created`` provenance
 """
@@ -43,6 +45,7 @@ __all__ = [
     "MemoryProfile",
     "LinkProfile",
     "DeviceProfile",
+    "FrameworkProfile",
     "Profile",
 ]
 
@@ -178,6 +181,18 @@ class DeviceProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FrameworkProfile:
+    """What the training loop itself costs beyond the model (Lightning's hooks, closure, logging, data fetch)."""
+
+    per_batch_s: float = 0.0
+    """Seconds per training batch (one micro-batch of dp_ga; one whole step of a pipeline)."""
+    per_step_s: float = 0.0
+    """Seconds per optimizer step beyond ``optimizer.step()`` itself."""
+    source: str = ""
+    """How it was measured ("" = not measured: counted as zero)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     model: str
     device: DeviceProfile
@@ -195,6 +210,8 @@ class Profile:
     """True when a PipelineSpec exists for the model (its ``pipeline_spec()`` hook or a built-in adapter)."""
     split_reason: str = ""
     """Why the model can or cannot be split into pipeline stages (from ``_layers.discover_layers``)."""
+    framework: FrameworkProfile = field(default_factory=FrameworkProfile)
+    """The training loop's own cost (see :class:`FrameworkProfile`)."""
     profiling_time_s: float = 0.0
     versions: dict[str, str] = field(default_factory=dict)
     created: str = ""
@@ -288,6 +305,9 @@ class Profile:
             raise ProfileFormatError(f"{source!r} holds a negative or non-finite memory size.", hint=hint)
         if self.device.type not in ("cuda", "cpu"):
             raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
+        loop = (self.framework.per_batch_s, self.framework.per_step_s)
+        if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in loop):
+            raise ProfileFormatError(f"{source!r} has a negative or non-finite training-loop overhead {list(loop)}.", hint=hint)
         for link in self.links:
             if link.kind not in ("allreduce", "p2p"):
                 raise ProfileFormatError(f"{source!r} has a link of kind {link.kind!r}; expected 'allreduce' or 'p2p'.", hint=hint)

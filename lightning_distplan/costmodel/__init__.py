@@ -21,6 +21,7 @@ from lightning_distplan.costmodel._predict import (
     in_flight_microbatches,
     overlappable_fraction,
     predict,
+    loop_sync_time,
     ring_allreduce_time,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "cost_per_step",
     "objective",
     "ring_allreduce_time",
+    "loop_sync_time",
     "overlappable_fraction",
     "in_flight_microbatches",
     "BREAKDOWN_KEYS",

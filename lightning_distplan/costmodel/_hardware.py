@@ -56,6 +56,14 @@ class Hardware:
     """Usable fraction of device memory: the safety margin against fragmentation and spikes."""
     link_source: str = "given"
     """Where the link numbers came from: "measured", "given" or "default"."""
+    comm_overlap: bool = True
+    """Whether DDP's gradient all-reduce can run alongside the last backward (seed 000 §III-A S_over).
+    True for GPUs (NCCL on its own stream); False for CPUs, where gloo reduces on the cores the
+    backward is using, so nothing is hidden."""
+    host_overlap: bool = True
+    """Whether the training loop's host work (Lightning's per-batch cost) runs while the device
+    computes (asynchronous CUDA launches): then only the part longer than the device's work shows.
+    False for CPUs, where the host is the device and every loop millisecond adds up."""
 
     def __post_init__(self) -> None:
         hint = "Pass positive, finite hardware numbers."
@@ -131,6 +139,7 @@ class Hardware:
                 DEFAULT_LATENCY_S * 1e6,
             )
         source = "default" if "default" in used else ("measured" if "measured" in used else "given")
+        cpu = profile.device.type == "cpu"
         return cls(
             name=profile.device.name or "profiled",
             device_memory_bytes=int(memory),
@@ -139,4 +148,6 @@ class Hardware:
             p2p_latency_s=links["p2p"][0],
             p2p_bandwidth_bytes_per_s=links["p2p"][1],
             link_source=source,
+            comm_overlap=not cpu,
+            host_overlap=not cpu,
         )

@@ -11,12 +11,20 @@ Step-time breakdown (always sums exactly to ``step_time_s``; every key is presen
 ``p2p``           pipeline boundary sends on the slowest stage, n·(2L + 2m·A/BW)
 ``bubble``        pipeline fill and drain: Σ_{k≠slowest} St_k, i.e. (p−1)/(n+p−1) of the pipeline time
                   when stages are equal
-``exposed_comm``  all-reduce time not hidden behind backward computation
+``exposed_comm``  all-reduce time not hidden behind backward computation (pipelines: the stage
+                  gradients' all-reduce of hybrid dp×pp)
 ``optimizer``     ``optimizer.step()`` on the device with the most parameters
+``framework``     the training loop's own cost (Lightning's hooks, closure, logging, data fetch):
+                  per training batch (a dp_ga micro-batch; a whole pipeline step) and per optimizer
+                  step, as profiled (:class:`~lightning_distplan.profile.FrameworkProfile`); on a device
+                  whose host work overlaps it (CUDA) only the part longer than the device's work; plus
+                  Lightning's per-batch broadcast in multi-process fits (:func:`loop_sync_time`) and
+                  PipelineStrategy's one-number loss all-reduce per step
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +40,7 @@ __all__ = [
     "Prediction",
     "predict",
     "ring_allreduce_time",
+    "loop_sync_time",
     "overlappable_fraction",
     "in_flight_microbatches",
     "DDP_FIRST_BUCKET_BYTES",
@@ -43,7 +52,7 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20
 # source: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (= 1 MiB), the size of DDP's first gradient
 # bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
 
-BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer")
+BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer", "framework")
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "overhead")
 
 
@@ -167,6 +176,35 @@ def _step_backward(profile: Profile, m: int, scale: float) -> float:
     return scale * _monotone(profile.step.backward, m, profile.micro_batch_sizes)
 
 
+def loop_sync_time(world: int, latency_s: float) -> float:
+    """One tiny broadcast from rank 0, which Lightning runs before *every* training batch of a multi-process fit.
+
+    source: lightning/pytorch/loops/training_epoch_loop.py, ``_broadcast_sigterm_tensor`` (Lightning
+    2.6: ``advance`` broadcasts a one-element SIGTERM flag when ``world_size > 1`` and reads it with
+    ``.item()``). It carries 8 bytes, so it costs the link latency per tree level, ⌈log2 W⌉·L, and it
+    waits for the device (``.item()``) and for every rank: no overlap hides it.
+
+    Example:
+        >>> loop_sync_time(1, 1e-3), loop_sync_time(2, 1e-3), loop_sync_time(8, 1e-3)
+        (0.0, 0.001, 0.003)
+    """
+    if world <= 1:
+        return 0.0
+    return math.ceil(math.log2(world)) * latency_s
+
+
+def _loop_time(profile: Profile, hw: Hardware, batches: int, world: int, device_busy_s: float) -> float:
+    """The training loop's own time for one optimizer step of ``batches`` training batches.
+
+    The profiled per-batch / per-step cost adds to everything else on a CPU; on CUDA the host queues
+    kernels ahead of the device, so it only shows where it is longer than the device's work in the
+    same step. The per-batch broadcast of a multi-process fit (:func:`loop_sync_time`) always adds.
+    """
+    loop = batches * profile.framework.per_batch_s + profile.framework.per_step_s
+    host = max(0.0, loop - device_busy_s) if hw.host_overlap else loop
+    return host + batches * loop_sync_time(world, hw.allreduce_latency_s)
+
+
 def _layer_times(profile: Profile, m: int, scale: float) -> list[float]:
     """Per-layer fwd+bwd at m, calibrated so they sum to the whole-step fit T_calc(m).
 
@@ -245,13 +283,16 @@ def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     s_all = ring_allreduce_time(profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     # seed 000 §III-A: S_over(m) — only the last micro-batch's backward can hide the all-reduce.
     t_bwd_last = _step_backward(profile, m, c)
-    s_over = min(s_all, overlappable_fraction(profile, m) * t_bwd_last)
+    s_over = min(s_all, overlappable_fraction(profile, m) * t_bwd_last) if hw.comm_overlap else 0.0
+    optimizer = c * profile.optimizer.step_time_s  # one step per global batch
     breakdown = {
         "compute": s * t_calc,  # seed 000 §III-A: T = s·T_calc(m) + S_all(W) − S_over(m)
         "p2p": 0.0,
         "bubble": 0.0,
         "exposed_comm": s_all - s_over,
-        "optimizer": c * profile.optimizer.step_time_s,  # one step per global batch
+        "optimizer": optimizer,
+        # Lightning runs one training batch per micro-batch (s per optimizer step)
+        "framework": _loop_time(profile, hw, s, w, s * t_calc + optimizer),
     }
     step = sum(breakdown.values())
     memory = {
@@ -347,13 +388,20 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         ring_allreduce_time(sh * profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
         for sh in stage_shares
     )
+    # PipelineStrategy averages the last stage's loss over all ranks once per step (one number:
+    # latency-bound), so every rank reports the same train_loss.
+    loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+    optimizer = c * profile.optimizer.step_time_s * max(stage_shares)
+    busy = n * stage_compute[slow] + bubble + optimizer
     breakdown = {
         "compute": n * stage_compute[slow],
         "p2p": n * stage_p2p[slow],
         "bubble": bubble,
         "exposed_comm": allreduce,
         # each stage steps its own parameters in parallel: the stage with the most parameters waits longest
-        "optimizer": c * profile.optimizer.step_time_s * max(stage_shares),
+        "optimizer": optimizer,
+        # Lightning sees one training batch per step: the schedule runs the n micro-batches inside it
+        "framework": _loop_time(profile, hw, 1, w * p, busy) + loss_allreduce,
     }
     step = sum(breakdown.values())
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lightning_distplan._layers import discover_layers
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 from lightning_distplan.profile import (
+    FrameworkProfile,
     LayerProfile,
     LinearFit,
     MemoryProfile,
@@ -192,6 +193,7 @@ class _Profiler:
         self._batch_cache: dict[int, Any] = {}
         self.spec: Any = None
         self.flop_sizes = 2
+        self.loop_overhead = True
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -346,6 +348,7 @@ def profile_module(
     measure_links: bool = True,
     progress: Callable[[str], None] | None = None,
     flop_sizes: int = 2,
+    loop_overhead: bool = True,
 ) -> Profile:
     """Measure ``module`` on the real device and return its :class:`~lightning_distplan.profile.Profile`.
 
@@ -382,6 +385,9 @@ def profile_module(
             the first size, an estimate that assumes c = 0, i.e. every counted op (matmul,
             convolution, attention) works per sample; a batch-independent FLOP term would be
             spread over m samples.
+        loop_overhead: also measure what the training loop itself costs per batch and per optimizer
+            step (a tiny real ``Trainer.fit``, ~0.2 s; see
+            :func:`~lightning_distplan.profiling._overhead.measure_framework_overhead`).
 
     Returns:
         The Profile (save it with ``profile.save(path)``).
@@ -440,6 +446,7 @@ def profile_module(
         warmup=warmup, repeats=repeats, progress=progress, t0=t0,
     )
     prof.flop_sizes = flop_sizes
+    prof.loop_overhead = loop_overhead
     try:
         with _quiet_logging(module):
             return _run(prof, snapshot, measure_links=measure_links)
@@ -612,6 +619,14 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         prof.clear_grads()
     prof.say(f"per-layer pass done; FLOPs counted at micro-batch {sorted(flop_records)}")
 
+    # -- the training loop's own cost ------------------------------------------------------------
+    framework = FrameworkProfile()
+    if prof.loop_overhead:
+        from lightning_distplan.profiling._overhead import measure_framework_overhead
+
+        framework = measure_framework_overhead()
+        prof.say(f"training loop: {framework.per_batch_s * 1e3:.2f} ms per batch, {framework.per_step_s * 1e3:.2f} ms per optimizer step")
+
     # -- links -------------------------------------------------------------------------------------
     links = ()
     if measure_links and world > 1:
@@ -705,6 +720,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         optimizer=OptimizerProfile(name=opt_name, state_bytes=opt_state, step_time_s=opt_time),
         memory=memory,
         links=tuple(links),
+        framework=framework,
         infeasible_micro_batch_sizes=tuple(sorted(set(infeasible))),
         rejected_micro_batch_sizes=tuple(sorted(set(skipped))),
         splittable=discovered.spec is not None,

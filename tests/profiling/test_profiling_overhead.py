@@ -1,0 +1,39 @@
+"""The training loop's own cost, measured with a real tiny Trainer.fit (FrameworkProfile)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_distplan.profile import FrameworkProfile
+from lightning_distplan.profiling._overhead import measure_framework_overhead
+
+
+def test_measures_a_positive_loop_cost_and_leaves_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as inside a torchrun rank: the nested fit must still run as one plain process and give the variables back
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    got = measure_framework_overhead()
+    assert torch.equal(torch.rand(3), expected)  # the RNG stream is where it was
+    assert os.environ["WORLD_SIZE"] == "2" and os.environ["RANK"] == "1"
+    assert got.source.startswith("tiny Trainer.fit")
+    # Lightning's loop costs something per batch, and far less than a second on any host that runs this suite
+    assert 0 < got.per_batch_s < 0.5
+    assert 0 <= got.per_step_s < 0.5
+
+
+def test_profile_module_records_it_and_can_skip_it() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_distplan.profiling import profile_module
+
+    model = BoringModel()
+    on = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert on.framework.per_batch_s > 0 and on.framework.source
+    off = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert off.framework == FrameworkProfile()
