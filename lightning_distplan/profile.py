@@ -19,6 +19,8 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
                           overhead, measured peaks per micro-batch size (CUDA only)
 ``splittable``            whether a pipeline can be built (``split_reason`` says why / why not)
 ``links``                 list of :class:`LinkProfile`: all-reduce / p2p fitted as latency + bytes / bandwidth
+``shared_parameters``     list of :class:`SharedParameters`: parameters several layers use (tied embeddings);
+                          a pipeline that puts those layers on different stages all-reduces their gradient
 ``framework``             :class:`FrameworkProfile`: the training loop's own cost per batch and per optimizer
                           step (optional; absent in older files, which then count it as zero)
 ``profiling_time_s``      wall time the profiler spent
@@ -46,6 +48,7 @@ __all__ = [
     "LinkProfile",
     "DeviceProfile",
     "FrameworkProfile",
+    "SharedParameters",
     "Profile",
 ]
 
@@ -181,6 +184,16 @@ class DeviceProfile:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SharedParameters:
+    """Parameters used by several layers (e.g. GPT-2's token embedding, tied to its output head)."""
+
+    layers: tuple[int, ...]
+    """Indices into ``Profile.layers`` of every layer that uses them; their bytes count under the first."""
+    param_bytes: int
+    """Bytes of those parameters (trainable ones: their gradient is what crosses stages)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class FrameworkProfile:
     """What the training loop itself costs beyond the model (Lightning's hooks, closure, logging, data fetch)."""
 
@@ -210,6 +223,8 @@ class Profile:
     """True when a PipelineSpec exists for the model (its ``pipeline_spec()`` hook or a built-in adapter)."""
     split_reason: str = ""
     """Why the model can or cannot be split into pipeline stages (from ``_layers.discover_layers``)."""
+    shared_parameters: tuple[SharedParameters, ...] = ()
+    """Parameters several layers use (see :class:`SharedParameters`)."""
     framework: FrameworkProfile = field(default_factory=FrameworkProfile)
     """The training loop's own cost (see :class:`FrameworkProfile`)."""
     profiling_time_s: float = 0.0
@@ -305,6 +320,13 @@ class Profile:
             raise ProfileFormatError(f"{source!r} holds a negative or non-finite memory size.", hint=hint)
         if self.device.type not in ("cuda", "cpu"):
             raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
+        for group in self.shared_parameters:
+            if len(group.layers) < 2 or any(not 0 <= i < len(self.layers) for i in group.layers) or group.param_bytes < 0:
+                raise ProfileFormatError(
+                    f"{source!r} has shared parameters over layers {list(group.layers)} ({group.param_bytes} bytes); "
+                    f"they need two or more of the {len(self.layers)} layers and non-negative bytes.",
+                    hint=hint,
+                )
         loop = (self.framework.per_batch_s, self.framework.per_step_s)
         if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in loop):
             raise ProfileFormatError(f"{source!r} has a negative or non-finite training-loop overhead {list(loop)}.", hint=hint)

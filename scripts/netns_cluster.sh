@@ -60,13 +60,18 @@ check_permitted() {
 
 ns_exists() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$1"; }
 
-# tc tbf arguments for a rate: burst must hold at least rate/HZ bytes (one timer tick), and the
-# latency bounds the queue. The burst is also kept above 64 KiB so a GSO super-packet from the veth
-# is never larger than the bucket (tbf would have to segment or drop it).
+# tc tbf arguments for a rate. The burst is about 1 ms of line time (at least 16 KiB), so the link
+# behaves like a wire of that rate: every message pays bytes/rate. A large bucket is not a wire: a
+# 128 KiB burst at 100 Mbit/s let each pipeline message under 128 KiB through at veth speed, so
+# pipelines paid nothing for their sends while back-to-back all-reduce traffic was limited
+# (measured: demo Transformer 1f1b m=4 n=4, 516 KiB each way per step: 90 ms with a 128 KiB
+# burst, 88 ms unlimited, 160 ms with 16 KiB). tbf segments GSO super-packets larger than the
+# bucket (tbf_segment), and the kernel's high-resolution watchdog serves a small bucket on time.
+# The latency bounds the queue.
 tbf_args() {
     case "$1" in
-        100mbit) echo "rate 100mbit burst 128k latency 50ms" ;;
-        1gbit) echo "rate 1gbit burst 512k latency 50ms" ;;
+        100mbit) echo "rate 100mbit burst 16k latency 50ms" ;;
+        1gbit) echo "rate 1gbit burst 128k latency 50ms" ;;
         *) die "unknown rate '$1'" ;;
     esac
 }

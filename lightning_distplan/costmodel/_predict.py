@@ -382,11 +382,22 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     bubble = sum(stage_time[k] for k in range(p) if k != slow)
 
     stage_shares = stage_sums(shares, boundaries)
+    stage_of = [k for k in range(p) for _ in range(edges[k], edges[k + 1])]
+    # Parameters used on several stages (tied embeddings): each of those stages holds a copy, and
+    # PipelineStrategy sums their gradient over the stages (× dp replicas) after the flush.
+    tied = [(sorted({stage_of[i] for i in g.layers}), g.param_bytes) for g in profile.shared_parameters]
+    tied = [(stages, nbytes) for stages, nbytes in tied if len(stages) > 1]
     # DESIGN §4: hybrid dp×pp all-reduces each stage's gradients over its dp replicas after the
-    # flush; stages do it in parallel, so the step waits for the largest (seed 001 eq. 5.1 each).
+    # flush; stages do it in parallel, so the step waits for the largest (seed 001 eq. 5.1 each),
+    # and a stage holding tied parameters then all-reduces those too, one group after the other.
     allreduce = max(
         ring_allreduce_time(sh * profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
-        for sh in stage_shares
+        + sum(
+            ring_allreduce_time(nbytes, len(stages) * w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+            for stages, nbytes in tied
+            if k in stages
+        )
+        for k, sh in enumerate(stage_shares)
     )
     # PipelineStrategy averages the last stage's loss over all ranks once per step (one number:
     # latency-bound), so every rank reports the same train_loss.
@@ -412,9 +423,13 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # under the producing layer; across stages it is a second copy on the receiving device.
         stage_act[k] += m * profile.layers[edges[k] - 1].output_bytes_per_sample
     opt_bytes = _optimizer_state_bytes(profile)
+    total_params = max(1, profile.memory.param_bytes)
     per_stage: list[dict[str, int]] = []
     for k in range(p):
-        share = stage_shares[k]
+        # the layer-by-layer shares count a tied parameter once, on the stage of its first user;
+        # every other stage that uses it holds a full copy too (with its gradient and optimizer state)
+        copies = sum(nbytes for stages, nbytes in tied if k in stages and k != stages[0])
+        share = stage_shares[k] + copies / total_params
         per_stage.append(
             {
                 "params": int(round(share * profile.memory.param_bytes)),

@@ -26,6 +26,7 @@ from lightning_distplan.profile import (
     MemoryProfile,
     OptimizerProfile,
     Profile,
+    SharedParameters,
     StepProfile,
     TimingSample,
 )
@@ -639,7 +640,13 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     order = _execution_order(counted, len(layer_modules))
     layers = []
     seen_params: set[int] = set()
+    users: dict[int, list[int]] = {}  # trainable parameter -> positions (in `layers`) of the layers using it
+    sizes: dict[int, int] = {}
     for i in order:
+        for p in dict.fromkeys(layer_modules[i].parameters()):
+            if p.requires_grad:
+                users.setdefault(id(p), []).append(len(layers))
+                sizes[id(p)] = p.numel() * p.element_size()
         params = [p for p in layer_modules[i].parameters() if id(p) not in seen_params]
         seen_params.update(id(p) for p in params)
         fwd = [statistics.median(r.forward_s[i] for r in timed[m]) for m in feasible]
@@ -664,6 +671,13 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 samples=tuple(TimingSample(micro_batch_size=m, forward_s=a, backward_s=c) for m, a, c in zip(feasible, fwd, bwd)),
             )
         )
+    tied: dict[tuple[int, ...], int] = {}
+    for pid, where in users.items():
+        if len(where) > 1:
+            tied[tuple(where)] = tied.get(tuple(where), 0) + sizes[pid]
+    shared = tuple(SharedParameters(layers=k, param_bytes=v) for k, v in sorted(tied.items()))
+    if shared:
+        prof.say("shared parameters: " + ", ".join(f"{g.param_bytes / 2**20:.2f} MiB over layers {list(g.layers)}" for g in shared))
     step_samples.sort(key=lambda s: s.micro_batch_size)
     step = StepProfile(
         forward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s for s in step_samples]),
@@ -721,6 +735,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         memory=memory,
         links=tuple(links),
         framework=framework,
+        shared_parameters=shared,
         infeasible_micro_batch_sizes=tuple(sorted(set(infeasible))),
         rejected_micro_batch_sizes=tuple(sorted(set(skipped))),
         splittable=discovered.spec is not None,

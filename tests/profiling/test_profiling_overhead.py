@@ -37,3 +37,31 @@ def test_profile_module_records_it_and_can_skip_it() -> None:
     assert on.framework.per_batch_s > 0 and on.framework.source
     off = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
     assert off.framework == FrameworkProfile()
+
+
+def test_tied_weights_are_recorded_once_with_every_layer_that_uses_them() -> None:
+    import torch.nn.functional as F
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    from lightning_distplan.profile import SharedParameters
+    from lightning_distplan.profiling import profile_module
+
+    class Tied(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 8))
+            self.net[3].weight = self.net[0].weight  # first and last layer share a weight, as GPT-2's embedding/head do
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(4)]
+    profile = profile_module(Tied(), batches, micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    names = [layer.name for layer in profile.layers]
+    first, last = names.index("net.0"), names.index("net.3")
+    assert profile.shared_parameters == (SharedParameters(layers=(first, last), param_bytes=8 * 8 * 4),)
+    assert sum(layer.param_bytes for layer in profile.layers) == profile.memory.param_bytes  # counted once
