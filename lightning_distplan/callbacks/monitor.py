@@ -50,10 +50,11 @@ def departure(predicted_s: float, observed: list[float], *, threshold: float, wi
 def refit_compute_scale(prediction: Any, observed_s: float, current_scale: float) -> float:
     """The ``compute_scale`` that makes the prediction match ``observed_s``, keeping communication fixed.
 
-    Compute, bubble and optimizer time scale with the device speed; p2p sends and exposed
-    all-reduce time do not (seed 000 §III: T = compute + communication terms).
+    Compute, bubble and optimizer time scale with the device speed; p2p sends, exposed all-reduce
+    time (seed 000 §III: T = compute + communication terms) and the training loop's own cost
+    (``framework``: host-side, measured apart from the device) do not.
     """
-    fixed = prediction.breakdown.get("p2p", 0.0) + prediction.breakdown.get("exposed_comm", 0.0)
+    fixed = sum(prediction.breakdown.get(k, 0.0) for k in ("p2p", "exposed_comm", "framework"))
     scaled = max(prediction.step_time_s - fixed, 1e-12)
     return current_scale * max(observed_s - fixed, 1e-12) / scaled
 

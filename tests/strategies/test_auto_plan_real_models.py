@@ -57,7 +57,8 @@ def _run(rank: int, world: int, root: str) -> dict[str, Any]:
             "plan": trainer.strategy.plan,
             "strategy": type(trainer.strategy).__name__,
             "global_step": trainer.global_step,
-            "moved": max((after[k].float() - before[k].float()).abs().max().item() for k in after if k in before and after[k].numel()),
+            # a pipeline plan gathers the full state dict on global rank 0 only (empty elsewhere)
+            "moved": max((after[k].float() - before[k].float()).abs().max().item() for k in after if k in before and after[k].numel()) if after else None,
             "seconds": time.perf_counter() - t0,
         }
 
