@@ -143,6 +143,8 @@ def measure_plan(
     """
     import lightning.pytorch as pl_
 
+    from lightning_distplan.profiling._overhead import QUIET_FIT
+
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -161,13 +163,8 @@ def measure_plan(
             strategy=build_strategy(plan),
             max_steps=warmup + steps,
             max_epochs=-1,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[timer],
+            **QUIET_FIT,
         )
         trainer.fit(module, train_dataloaders=make_loader(plan.global_batch_size // plan.dp))
         if trainer.global_step != warmup + steps:

@@ -28,9 +28,19 @@ import torch
 
 from lightning_distplan.profile import FrameworkProfile
 
-__all__ = ["measure_framework_overhead"]
+__all__ = ["measure_framework_overhead", "QUIET_FIT"]
 
 log = logging.getLogger(__name__)
+
+QUIET_FIT: dict[str, Any] = {
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+}
+"""Trainer arguments for a measuring fit: training steps only, nothing logged, saved or printed."""
 
 _STEPS = 24
 """Optimizer steps per run; the first :data:`_SKIP` are warm-up."""
@@ -110,14 +120,9 @@ def _fit_step_time(accumulate: int) -> float:
         strategy=SingleDeviceStrategy(device=torch.device("cpu")),
         max_steps=_STEPS,
         accumulate_grad_batches=accumulate,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[stamps],
         default_root_dir=os.devnull,
+        **QUIET_FIT,
     )
     data = torch.utils.data.DataLoader(torch.zeros(_STEPS * accumulate, 4), batch_size=1)
     trainer.fit(_tiny_module(), train_dataloaders=data)
