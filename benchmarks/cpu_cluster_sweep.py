@@ -147,7 +147,7 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
             return {"model_key": name, "rate": rate, "error": f"exit codes {codes}", "log_tail": tail, "wall_s": wall}
         result = json.loads(out.read_text())
         print(log0.read_text().split("distplan bench:", 2)[-1][-2500:], flush=True)
-    result.pop("profile", None)  # ~100 KB each; the per-plan predictions and links stay
+    # the profile stays (~100 KB a setting): with it a later model can be replayed against these measurements
     result.update(model_key=name, rate=rate, wall_s=wall, node_commands=[shlex.join(c) for c in cmds])
     return result
 

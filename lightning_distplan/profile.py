@@ -126,6 +126,9 @@ class StepProfile:
     forward: LinearFit
     backward: LinearFit
     samples: tuple[TimingSample, ...] = ()
+    spread: float = 0.0
+    """Relative standard deviation of one micro-batch's forward+backward between timed repeats (root
+    mean square over the profiled sizes, the largest over ranks); 0 = not measured."""
 
     def time(self, m: float) -> float:
         return self.forward(m) + self.backward(m)
@@ -327,9 +330,9 @@ class Profile:
                     f"they need two or more of the {len(self.layers)} layers and non-negative bytes.",
                     hint=hint,
                 )
-        loop = (self.framework.per_batch_s, self.framework.per_step_s)
+        loop = (self.framework.per_batch_s, self.framework.per_step_s, self.step.spread)
         if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in loop):
-            raise ProfileFormatError(f"{source!r} has a negative or non-finite training-loop overhead {list(loop)}.", hint=hint)
+            raise ProfileFormatError(f"{source!r} has a negative or non-finite training-loop overhead or step spread {list(loop)}.", hint=hint)
         for link in self.links:
             if link.kind not in ("allreduce", "p2p"):
                 raise ProfileFormatError(f"{source!r} has a link of kind {link.kind!r}; expected 'allreduce' or 'p2p'.", hint=hint)

@@ -21,6 +21,7 @@ from lightning_distplan.costmodel._predict import (
     in_flight_microbatches,
     overlappable_fraction,
     predict,
+    expected_max_excess,
     loop_sync_time,
     ring_allreduce_time,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "objective",
     "ring_allreduce_time",
     "loop_sync_time",
+    "expected_max_excess",
     "overlappable_fraction",
     "in_flight_microbatches",
     "BREAKDOWN_KEYS",

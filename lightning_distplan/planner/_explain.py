@@ -9,7 +9,7 @@ from lightning_distplan.planner._rank import Candidate
 
 __all__ = ["explain", "why_winner"]
 
-_SHORT = {"compute": "compute", "p2p": "p2p", "bubble": "bubble", "exposed_comm": "comm", "optimizer": "optim", "framework": "loop"}
+_SHORT = {"compute": "compute", "p2p": "p2p", "bubble": "bubble", "exposed_comm": "comm", "optimizer": "optim", "framework": "loop", "sync_wait": "sync"}
 
 
 def _s(x: float) -> str:

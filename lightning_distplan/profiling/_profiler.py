@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import inspect
 import logging
+import math
 import statistics
 import sys
 import time
@@ -195,6 +196,7 @@ class _Profiler:
         self.spec: Any = None
         self.flop_sizes = 2
         self.loop_overhead = True
+        self.spreads: list[float] = []
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -264,6 +266,9 @@ class _Profiler:
             if i >= warmup:
                 fwd.append(b - a)
                 bwd.append(c - b)
+        totals = [x + y for x, y in zip(fwd, bwd)]
+        if len(totals) >= 2:
+            self.spreads.append(statistics.pstdev(totals) / statistics.fmean(totals))
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
         return statistics.median(fwd), statistics.median(bwd), peak
 
@@ -679,10 +684,14 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     if shared:
         prof.say("shared parameters: " + ", ".join(f"{g.param_bytes / 2**20:.2f} MiB over layers {list(g.layers)}" for g in shared))
     step_samples.sort(key=lambda s: s.micro_batch_size)
+    # the repeat-to-repeat spread of one micro-batch (root mean square over the sizes; the largest rank's)
+    spread = math.sqrt(statistics.fmean(x * x for x in prof.spreads)) if prof.spreads else 0.0
+    spread = _reduce(spread, "max")
     step = StepProfile(
         forward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s for s in step_samples]),
         backward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.backward_s for s in step_samples]),
         samples=tuple(step_samples),
+        spread=spread,
     )
     total = LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s + s.backward_s for s in step_samples])
     worst = max(abs(total(s.micro_batch_size) - (s.forward_s + s.backward_s)) / (s.forward_s + s.backward_s) for s in step_samples)

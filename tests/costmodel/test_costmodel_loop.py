@@ -77,3 +77,22 @@ def test_profile_without_framework_loads_as_zero_and_bad_values_are_rejected():
     data["framework"]["per_batch_s"] = -1.0
     with pytest.raises(ProfileFormatError, match="training-loop overhead.*HINT"):
         Profile.from_dict(data)
+
+
+def test_sync_wait_is_the_expected_lag_of_the_slowest_rank_per_meeting():
+    from lightning_distplan.costmodel import expected_max_excess
+
+    base = _profile("cpu", per_batch=0.0, per_step=0.0)
+    noisy = dataclasses.replace(base, step=dataclasses.replace(base.step, spread=0.1))
+    hw = Hardware.from_profile(noisy)
+    dp = Plan(strategy="dp_ga", dp=2, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=12)
+    # T_calc(2) = 0.3·2 + 0.15 = 0.75 s; 3 batches each end where the 2 replicas meet
+    assert predict(noisy, dp, hw).breakdown["sync_wait"] == pytest.approx(3 * expected_max_excess(2) * 0.1 * 0.75, rel=1e-12)
+    assert predict(base, dp, hw).breakdown["sync_wait"] == 0.0  # no spread measured: nothing to wait for
+    single = Plan(strategy="dp_ga", dp=1, micro_batch_size=2, accumulate_grad_batches=6, global_batch_size=12)
+    assert predict(noisy, single, hw).breakdown["sync_wait"] == 0.0  # one replica waits for nobody
+    pipe = Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=1, n_microbatches=4, global_batch_size=4)
+    pred = predict(noisy, pipe, hw)
+    # two equal layers, one per stage: each stage computes half of T_calc(1) = 0.45 s; n + p − 1 = 5 slots
+    assert pred.breakdown["sync_wait"] == pytest.approx(5 * expected_max_excess(2) * 0.1 * 0.225, rel=1e-9)
+    assert sum(pred.breakdown.values()) == pred.step_time_s

@@ -65,3 +65,18 @@ def test_tied_weights_are_recorded_once_with_every_layer_that_uses_them() -> Non
     first, last = names.index("net.0"), names.index("net.3")
     assert profile.shared_parameters == (SharedParameters(layers=(first, last), param_bytes=8 * 8 * 4),)
     assert sum(layer.param_bytes for layer in profile.layers) == profile.memory.param_bytes  # counted once
+
+
+def test_profile_records_the_repeat_to_repeat_spread() -> None:
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_distplan.profile import Profile
+    from lightning_distplan.profiling import profile_module
+
+    model = BoringModel()
+    profile = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=3, loop_overhead=False)
+    # three timed repeats per size never take exactly the same time on a real clock
+    assert 0 < profile.step.spread < 5
+    assert Profile.from_dict(profile.to_dict()).step.spread == profile.step.spread
+    single = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert single.step.spread == 0.0  # one repeat: no spread to measure
