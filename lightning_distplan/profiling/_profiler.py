@@ -51,6 +51,10 @@ _MIN_SIZES = 3
 _MIN_R2 = 0.9  # below this the linear model t(m) = α·m + β is a poor description: warn
 
 
+_MAX_REPEATS = 15
+"""At most this many timed whole-step runs per size when ``min_timed_s`` asks for more than ``repeats``."""
+
+
 def default_micro_batch_sizes(loader_batch_size: int) -> list[int]:
     """Powers of two around the loader's batch size b: b/2, b, 2b, 4b (at least 1; >= 3 distinct sizes).
 
@@ -197,6 +201,7 @@ class _Profiler:
         self.flop_sizes = 2
         self.loop_overhead = True
         self.spreads: list[float] = []
+        self.min_timed_s = 0.25
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -252,7 +257,8 @@ class _Profiler:
         bwd: list[float] = []
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        for i in range(warmup + self.repeats):
+        i, runs, started = 0, warmup + self.repeats, None
+        while i < runs:
             self.clear_grads()
             self.sync()
             a = time.perf_counter()
@@ -266,6 +272,12 @@ class _Profiler:
             if i >= warmup:
                 fwd.append(b - a)
                 bwd.append(c - b)
+                if started is None:
+                    # A short step is cheap to repeat and noisy to time: repeat it until the timed runs
+                    # add up to min_timed_s (at most _MAX_REPEATS runs), so its median is as steady as a long step's.
+                    started = c - a
+                    runs = warmup + max(self.repeats, min(_MAX_REPEATS, math.ceil(self.min_timed_s / max(started, 1e-6))))
+            i += 1
         totals = [x + y for x, y in zip(fwd, bwd)]
         if len(totals) >= 2:
             self.spreads.append(statistics.pstdev(totals) / statistics.fmean(totals))
@@ -355,6 +367,7 @@ def profile_module(
     progress: Callable[[str], None] | None = None,
     flop_sizes: int = 2,
     loop_overhead: bool = True,
+    min_timed_s: float = 0.25,
 ) -> Profile:
     """Measure ``module`` on the real device and return its :class:`~lightning_distplan.profile.Profile`.
 
@@ -383,6 +396,9 @@ def profile_module(
         warmup: untimed runs at each size before the timed ones (the per-layer counting run is
             the first of them, so at least one always happens).
         repeats: timed runs per size (the median is kept).
+        min_timed_s: the whole-step timing repeats a short step more often than ``repeats``, until
+            its timed runs add up to this many seconds (at most 15 runs): a 5 ms step is timed ~50×
+            cheaper than a 250 ms one and is far noisier. 0 = exactly ``repeats`` runs.
         measure_links: measure all-reduce / p2p when distributed (see :func:`measure_links`).
         progress: called with one line per phase (what is measured, elapsed seconds).
         flop_sizes: at how many sizes FLOPs are counted (counting costs a Python call per op, so a
@@ -453,6 +469,7 @@ def profile_module(
     )
     prof.flop_sizes = flop_sizes
     prof.loop_overhead = loop_overhead
+    prof.min_timed_s = max(0.0, float(min_timed_s))
     try:
         with _quiet_logging(module):
             return _run(prof, snapshot, measure_links=measure_links)

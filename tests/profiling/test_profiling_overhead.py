@@ -78,5 +78,7 @@ def test_profile_records_the_repeat_to_repeat_spread() -> None:
     # three timed repeats per size never take exactly the same time on a real clock
     assert 0 < profile.step.spread < 5
     assert Profile.from_dict(profile.to_dict()).step.spread == profile.step.spread
-    single = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
-    assert single.step.spread == 0.0  # one repeat: no spread to measure
+    single = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False, min_timed_s=0)
+    assert single.step.spread == 0.0  # exactly one repeat: no spread to measure
+    short = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert short.step.spread > 0  # a BoringModel step is far below 0.25 s: repeat-until-0.25 s gave it several runs
