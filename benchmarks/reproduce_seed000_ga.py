@@ -116,14 +116,11 @@ def bert_large_profile() -> Profile:
 
 
 def _row(c: Any) -> dict[str, Any]:
-    p = c.plan
     return {
         "instance_type": c.instance_type,
         "gpu": c.gpu,
         "count": c.count,
-        "dp": p.dp,
-        "micro_batch_size": p.micro_batch_size,
-        "accumulate_grad_batches": p.accumulate_grad_batches,
+        **c.plan.layout(),
         "step_time_s": c.step_time_s,
         "step_time_band_s": list(c.step_time_band_s),
         "cost_per_step_rmb": c.cost_per_step,

@@ -10,7 +10,7 @@ model's step, but a third of the step of a small model with many micro-batches.
 ``Trainer.fit`` (a 4→1 linear layer that logs its loss, as most training steps do) twice, with
 accumulation 1 and 4, on a single CPU device, and solves the two step times for the per-batch and
 per-step parts after subtracting the tiny model's own forward/backward/step time. It takes about
-0.2 s and leaves no trace: the RNG streams are restored, nothing is written, and a Trainer that is
+0.3 s and leaves no trace: the RNG streams are restored, nothing is written, and a Trainer that is
 already fitting (``auto_plan`` profiles from inside ``fit``) is not touched.
 """
 
@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 
 from lightning_distplan.profile import FrameworkProfile
+from lightning_distplan.profiling._snapshot import RNGSnapshot
 
 __all__ = ["measure_framework_overhead", "QUIET_FIT"]
 
@@ -154,7 +155,7 @@ def measure_framework_overhead() -> FrameworkProfile:
     Returns an empty :class:`FrameworkProfile` (``source`` saying why) when the tiny fit cannot
     run here; the cost model then adds nothing, as before this measurement existed.
     """
-    rng = torch.get_rng_state()
+    rng = RNGSnapshot.take(include_cuda=False)
     try:
         with _single_process_env(), _quiet():
             one = _fit_step_time(1)
@@ -164,7 +165,7 @@ def measure_framework_overhead() -> FrameworkProfile:
         log.warning("Could not measure the training loop's overhead (%s: %s); the cost model will leave it out.", type(err).__name__, err)
         return FrameworkProfile(source=f"not measured ({type(err).__name__})")
     finally:
-        torch.set_rng_state(rng)
+        rng.restore()
     # one = b + s + fb + st ; many = k·(b + fb) + s + st   (b per batch, s per optimizer step)
     k = _ACCUMULATE
     per_batch = max(0.0, (many - one) / (k - 1) - raw_fb)

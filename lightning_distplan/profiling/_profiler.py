@@ -178,6 +178,9 @@ class _Profiler:
         repeats: int,
         progress: Callable[[str], None] | None,
         t0: float,
+        flop_sizes: int = 2,
+        loop_overhead: bool = True,
+        min_timed_s: float = 0.25,
     ) -> None:
         self.module = module
         self.bank = SampleBank(batches)
@@ -198,10 +201,10 @@ class _Profiler:
         self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
         self._batch_cache: dict[int, Any] = {}
         self.spec: Any = None
-        self.flop_sizes = 2
-        self.loop_overhead = True
+        self.flop_sizes = flop_sizes
+        self.loop_overhead = loop_overhead
+        self.min_timed_s = max(0.0, float(min_timed_s))
         self.spreads: list[float] = []
-        self.min_timed_s = 0.25
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -408,7 +411,7 @@ def profile_module(
             convolution, attention) works per sample; a batch-independent FLOP term would be
             spread over m samples.
         loop_overhead: also measure what the training loop itself costs per batch and per optimizer
-            step (a tiny real ``Trainer.fit``, ~0.2 s; see
+            step (a tiny real ``Trainer.fit``, ~0.3 s; see
             :func:`~lightning_distplan.profiling._overhead.measure_framework_overhead`).
 
     Returns:
@@ -466,10 +469,8 @@ def profile_module(
     prof = _Profiler(
         module, batches, micro_batch_sizes=micro_batch_sizes, device=dev, optimizer=optimizer,
         warmup=warmup, repeats=repeats, progress=progress, t0=t0,
+        flop_sizes=flop_sizes, loop_overhead=loop_overhead, min_timed_s=min_timed_s,
     )
-    prof.flop_sizes = flop_sizes
-    prof.loop_overhead = loop_overhead
-    prof.min_timed_s = max(0.0, float(min_timed_s))
     try:
         with _quiet_logging(module):
             return _run(prof, snapshot, measure_links=measure_links)
@@ -665,7 +666,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     users: dict[int, list[int]] = {}  # trainable parameter -> positions (in `layers`) of the layers using it
     sizes: dict[int, int] = {}
     for i in order:
-        for p in dict.fromkeys(layer_modules[i].parameters()):
+        for p in layer_modules[i].parameters():
             if p.requires_grad:
                 users.setdefault(id(p), []).append(len(layers))
                 sizes[id(p)] = p.numel() * p.element_size()
