@@ -81,8 +81,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help=f"comma-separated subset of {', '.join(MODELS)}")
     p.add_argument("--rates", default=",".join(RATES), help="comma-separated subset of 100mbit,1gbit,unlimited")
     p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per plan and pass")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--passes", type=int, default=3, help="passes over the plans; each plan's timed steps are pooled")
     p.add_argument("--plans", default="all")
     p.add_argument("--timeout", type=int, default=420, help="seconds per model x rate job")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_cluster_sweep.json"))
@@ -106,7 +107,7 @@ def _node_cmd(node: int, spec: dict[str, Any], args: argparse.Namespace, out: Pa
         spec["model"], "--init-args", json.dumps(spec["init_args"]), "--datamodule", spec["datamodule"],
         "--datamodule-args", json.dumps(spec["datamodule_args"]), "--world-size", "2",
         "--global-batch-size", str(args.global_batch_size), "--plans", args.plans, "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--threads", "1", "--device", "cpu", "--out", str(out),
+        "--warmup", str(args.warmup), "--passes", str(args.passes), "--threads", "1", "--device", "cpu", "--out", str(out),
     ]
     return [
         "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "global_batch_size": args.global_batch_size,
             "steps": args.steps,
             "warmup": args.warmup,
+            "passes": args.passes,
         },
     }
     out.write_text(json.dumps(doc, indent=1))

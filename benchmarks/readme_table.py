@@ -82,9 +82,11 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                 f"run {i}: median \\|error\\| {_pct(s.get('median_abs_error'))}, p90 {_pct(s.get('p90_abs_error'))} over {s.get('n_points')} runs, "
                 f"pick within 5% of the measured best in {within}/{s.get('n_settings_done')} settings"
             )
+        prov = runs[0].get("provenance", {})
+        each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
         out.append((
-            "Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates), "
-            + ("the same code run twice" if len(runs) > 1 else "one run"),
+            "Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates; "
+            + each + "), " + ("the same code run twice" if len(runs) > 1 else "one run"),
             "; ".join(parts) + "; targets 10% / 25% / 90%. " + _picks_by_rate(runs[0]),
             "CPU, 2 network namespaces, gloo over veth + tc tbf",
             _date(runs[-1]), "`benchmarks/cpu_cluster_sweep.py`",

@@ -47,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--plans", default="all", help="'all' feasible plans (default), 'top:K', or planner ranks 'N,M,...'")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per plan; the median is reported (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per plan first (default 2)")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="run the list of plans this many times, in alternating order, and pool each plan's timed steps (default 2)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
     parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to profile (default: powers of two up to the global batch)")
     parser.add_argument("--profile-repeats", type=int, default=3, help="timed runs per profiled size (default 3)")
@@ -65,7 +67,7 @@ def _inside_torchrun() -> bool:
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [args.model, "--world-size", str(args.world_size), "--global-batch-size", str(args.global_batch_size)]
-    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "warmup", "device", "micro_batch_sizes",
+    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "warmup", "passes", "device", "micro_batch_sizes",
                  "profile_repeats", "threads", "out", "format", "plot"):
         value = getattr(args, flag)
         if value is not None:
@@ -100,8 +102,11 @@ def run(args: argparse.Namespace) -> int:
             hint="Use e.g. --world-size 2 --global-batch-size 32.",
         )
     parse_plans_spec(args.plans)
-    if args.steps < 1 or args.warmup < 0:
-        raise BenchError(f"--steps ({args.steps}) must be >= 1 and --warmup ({args.warmup}) >= 0.", hint="Use e.g. --steps 5 --warmup 2.")
+    if args.steps < 1 or args.warmup < 0 or args.passes < 1:
+        raise BenchError(
+            f"--steps ({args.steps}) and --passes ({args.passes}) must be >= 1 and --warmup ({args.warmup}) >= 0.",
+            hint="Use e.g. --steps 5 --warmup 2 --passes 2.",
+        )
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}.", hint="Use e.g. --threads 1.")
     init_args = _json_kwargs(args.init_args, "--init-args")
@@ -169,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
-            steps=args.steps, warmup=args.warmup, device=None if args.device == "auto" else args.device,
+            steps=args.steps, warmup=args.warmup, passes=args.passes, device=None if args.device == "auto" else args.device,
             micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, progress=say,
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_distplan.bench._compare import WITHIN, relative_error, summarize
-from lightning_distplan.bench._runner import combine_ranks, measure_plan, memory_metric
+from lightning_distplan.bench._runner import combine_passes, combine_ranks, measure_plan, memory_metric
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
 if TYPE_CHECKING:
@@ -158,6 +158,7 @@ def run_bench(
     plans: str = "all",
     steps: int = 5,
     warmup: int = 2,
+    passes: int = 2,
     device: str | torch.device | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     profile_repeats: int = 3,
@@ -179,8 +180,11 @@ def run_bench(
         world_size: processes in the job (must equal the process group's size).
         global_batch_size: samples per optimizer step, the same for every plan.
         plans: ``"all"`` (every feasible plan), ``"top:K"`` or planner ranks ``"1,3,5"``.
-        steps: timed optimizer steps per plan (median reported).
-        warmup: untimed optimizer steps per plan first.
+        steps: timed optimizer steps per plan and pass.
+        warmup: untimed optimizer steps per plan and pass first.
+        passes: times the whole list of plans is run, in alternating order (first to last, then
+            last to first, ...); each plan's step time is the median of its timed steps from all
+            passes, so a slow spell of a shared host weighs on one pass of a plan, not all of it.
         device: ``"cpu"``/``"cuda"``; default CUDA when present.
         micro_batch_sizes: sizes to profile; default powers of two up to the global batch.
         profile_repeats: timed runs per profiled size.
@@ -203,8 +207,10 @@ def run_bench(
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
-    if steps < 1 or warmup < 0:
-        raise BenchError(f"--steps ({steps}) must be >= 1 and --warmup ({warmup}) >= 0.", hint="Use e.g. --steps 5 --warmup 2.")
+    if steps < 1 or warmup < 0 or passes < 1:
+        raise BenchError(
+            f"--steps ({steps}) and --passes ({passes}) must be >= 1 and --warmup ({warmup}) >= 0.", hint="Use e.g. --steps 5 --warmup 2 --passes 2."
+        )
     rank, world = _dist()
     if world != world_size:
         raise BenchError(
@@ -230,7 +236,7 @@ def run_bench(
     del module
     if world > 1:
         say(f"measuring the links at {[s >> 10 for s in link_sizes]} KiB")
-        profile = dataclasses.replace(profile, links=measure_links(sizes_bytes=link_sizes, repeats=3))
+        profile = dataclasses.replace(profile, links=measure_links(sizes_bytes=link_sizes, repeats=5))
     profile = Profile.from_dict(_broadcast(profile.to_dict()), source="rank 0's profile")
     for link in profile.links:
         say(f"  {link.kind}: latency {link.latency_s * 1e6:.0f} us, bandwidth {link.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s (R² {link.r2:.3f})")
@@ -243,7 +249,7 @@ def run_bench(
             f"None of the {len(candidates)} plans for world size {world_size} and global batch {global_batch_size} is predicted to fit in memory.",
             hint="Lower --global-batch-size or use a bigger device.",
         )
-    say(f"{len(candidates)} candidate plans, running {len(chosen)} for {warmup}+{steps} optimizer steps each")
+    say(f"{len(candidates)} candidate plans, running {len(chosen)} for {warmup}+{steps} optimizer steps each" + (f", in {passes} passes" if passes > 1 else ""))
 
     # -- run --------------------------------------------------------------------------------------
     per_replica_max = global_batch_size // min(c.plan.dp for c in chosen)
@@ -265,18 +271,36 @@ def run_bench(
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     nodes = max(1, world // local)
+    runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
+    walls = [0.0] * len(chosen)
+    for p in range(passes):
+        order = range(len(chosen)) if p % 2 == 0 else range(len(chosen) - 1, -1, -1)
+        for k, i in enumerate(order):
+            cand = chosen[i]
+            plan, pred = cand.plan, cand.prediction
+            if runs[i] and runs[i][-1]["error"]:
+                continue  # a plan that failed once is not run again
+            t0 = time.perf_counter()
+            mine = measure_plan(
+                plan, make_module=seeded_module, make_loader=make_loader, steps=steps, warmup=warmup,
+                accelerator=accelerator, devices=local, num_nodes=nodes,
+            )
+            got = combine_ranks(_gather(mine), warmup=warmup)
+            walls[i] += time.perf_counter() - t0
+            runs[i].append(got)
+            shown = "failed: " + str(got["error"]) if got["error"] else (
+                f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {pred.step_time_s * 1e3:.1f} ms "
+                f"({relative_error(pred.step_time_s, got['measured_step_time_s']):+.1%})"
+            )
+            where = f"pass {p + 1}/{passes} " if passes > 1 else ""
+            say(f"[{where}{k + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
     records = []
     for i, cand in enumerate(chosen):
         plan, pred = cand.plan, cand.prediction
-        t0 = time.perf_counter()
-        mine = measure_plan(
-            plan, make_module=seeded_module, make_loader=make_loader, steps=steps, warmup=warmup,
-            accelerator=accelerator, devices=local, num_nodes=nodes,
-        )
-        got = combine_ranks(_gather(mine), warmup=warmup)
+        got = combine_passes(runs[i])
         err = relative_error(pred.step_time_s, got["measured_step_time_s"])
         mem_err = relative_error(pred.peak_memory_bytes, got["measured_peak_memory_bytes"])
-        record = {
+        records.append({
             "rank": cand.rank,
             "plan": plan.describe(),
             **plan.layout(),
@@ -289,14 +313,9 @@ def run_bench(
             "step_time_error": err,
             "abs_step_time_error": None if err is None else abs(err),
             "memory_error": mem_err,
-            "wall_s": time.perf_counter() - t0,
+            "wall_s": walls[i],
             "plan_json": plan.to_dict(),
-        }
-        records.append(record)
-        shown = "failed: " + str(got["error"]) if got["error"] else (
-            f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {pred.step_time_s * 1e3:.1f} ms ({err:+.1%})"
-        )
-        say(f"[{i + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
+        })
     summary = summarize(records, within=WITHIN)
     result = {
         "schema": RESULT_SCHEMA,
@@ -305,11 +324,12 @@ def run_bench(
         "global_batch_size": global_batch_size,
         "steps": steps,
         "warmup": warmup,
+        "passes": passes,
         "plans_selection": plans,
         "device": {"type": profile.device.type, "name": profile.device.name},
         "accelerator": accelerator,
         "memory_metric": memory_metric(dev),
-        "step_time_metric": "median over timed steps of the slowest rank's wall time between optimizer steps"
+        "step_time_metric": "median over timed steps (of all passes) of the slowest rank's wall time between optimizer steps"
         + (" (cuda-synchronised)" if dev.type == "cuda" else ""),
         "links": [dataclasses.asdict(link) for link in profile.links],
         "n_candidates": len(candidates),

@@ -25,7 +25,7 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines = [
         f"distplan bench: {result['model']} on {result['world_size']} x {result['device']['type']} "
         f"({result['device']['name']}), global batch {result['global_batch_size']}, "
-        f"{result['warmup']}+{result['steps']} steps per plan",
+        f"{result['warmup']}+{result['steps']} steps per plan" + (f" x {result['passes']} passes" if result.get('passes', 1) > 1 else ""),
     ]
     for link in result.get("links", []):
         lines.append(

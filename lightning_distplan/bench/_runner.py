@@ -11,7 +11,8 @@ What is measured:
   ``trainer.global_step`` advanced; the first interval starts at the first ``on_train_batch_start``),
   after ``torch.cuda.synchronize`` on GPU. Per step the slowest rank counts (a step ends when the
   last rank's collective ends), and the plan's time is the median over the ``steps`` steps after
-  ``warmup``.
+  ``warmup``. With several passes (``run_bench(passes=...)``) the timed steps of every pass are
+  pooled and the median is taken over all of them (:func:`combine_passes`).
 * peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before the model is built);
   on CPU the growth of the resident set (``VmHWM`` after the run minus ``VmRSS`` before the model
   was built, after ``malloc_trim`` and a reset of the high-water mark through
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
     from lightning_distplan.plan import Plan
 
-__all__ = ["StepTimer", "measure_plan", "memory_metric", "build_strategy"]
+__all__ = ["StepTimer", "measure_plan", "memory_metric", "build_strategy", "combine_ranks", "combine_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -212,5 +213,34 @@ def combine_ranks(per_rank: list[dict[str, Any]], *, warmup: int) -> dict[str, A
         warmup_step_times_s=slowest[:warmup],
         measured_peak_memory_bytes=max(peaks) if peaks else None,
         per_rank_peak_memory_bytes=[r["peak_memory_bytes"] for r in per_rank],
+    )
+    return out
+
+
+def combine_passes(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One plan's numbers from its runs in several passes (each from :func:`combine_ranks`).
+
+    The timed steps of all passes are pooled and their median is the plan's step time: passes run
+    minutes apart, so a slow spell of a shared host weighs on one pass of a plan, not on all of it.
+    ``measured_pass_step_times_s`` keeps each pass's own median. The first failed pass decides the error.
+    """
+    out = dict(runs[0])
+    failed = [r for r in runs if r["error"] or r["measured_step_time_s"] is None]
+    if failed:
+        out.update(failed[0])
+        out.update(measured_step_time_s=None, measured_step_times_s=[], measured_peak_memory_bytes=None,
+                   passes=len(runs), measured_pass_step_times_s=[r["measured_step_time_s"] for r in runs])
+        return out
+    timed = [t for r in runs for t in r["measured_step_times_s"]]
+    peaks = [r["measured_peak_memory_bytes"] for r in runs if r["measured_peak_memory_bytes"] is not None]
+    per_rank = [r["per_rank_peak_memory_bytes"] for r in runs]
+    out.update(
+        measured_step_time_s=statistics.median(timed),
+        measured_step_times_s=timed,
+        warmup_step_times_s=[t for r in runs for t in r["warmup_step_times_s"]],
+        measured_peak_memory_bytes=max(peaks) if peaks else None,
+        per_rank_peak_memory_bytes=[max((p[i] for p in per_rank if p[i] is not None), default=None) for i in range(len(per_rank[0]))],
+        passes=len(runs),
+        measured_pass_step_times_s=[r["measured_step_time_s"] for r in runs],
     )
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 # 4 KiB .. 16 MiB: latency-bound to bandwidth-bound for gloo and NCCL alike.
 DEFAULT_LINK_SIZES: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+# Messages this small are timed several times per round: the latency estimate rests on them.
+SMALL_MESSAGE_BYTES = 1 << 16
+SMALL_MESSAGE_RUNS = 4
 
 
 def _device_for(group: Any) -> torch.device:
@@ -52,11 +55,19 @@ def measure_links(
 ) -> tuple[LinkProfile, ...]:
     """All-reduce and p2p latency/bandwidth over the live process group (every rank must call it).
 
+    The sizes are timed in ``repeats`` interleaved rounds (each round visits every size, in
+    alternating order) rather than size after size, so a disturbance of a few hundred
+    milliseconds on a shared host spoils one round of every size instead of every run of one;
+    messages of at most :data:`SMALL_MESSAGE_BYTES` are timed :data:`SMALL_MESSAGE_RUNS` times per
+    round, since the latency rests on them and they cost next to nothing. The medians give
+    t(G) = a + b·G with the bandwidth from the larger half of the sizes and the latency from the
+    smallest (see :func:`_fit`).
+
     Args:
         group: the process group (default: the world).
         sizes_bytes: message sizes to time (float32 tensors of that many bytes).
-        repeats: timed repetitions per size after one warm-up; the median is kept, and for the
-            all-reduce the slowest rank's median (the collective finishes with it).
+        repeats: timed rounds over all sizes after one warm-up per size; the median per size is
+            kept, and for the all-reduce the slowest rank's median (the collective finishes with it).
 
     Returns:
         ``(allreduce, p2p)`` link profiles, identical on every rank; empty when not distributed
@@ -76,28 +87,26 @@ def measure_links(
             hint="Use the defaults or e.g. sizes_bytes=(4096, 1 << 20, 1 << 22).",
         )
     dev = _device_for(group)
-    rank = dist.get_rank(group)
     backend = str(dist.get_backend(group))
+    buffers = {n: torch.ones(n // 4, dtype=torch.float32, device=dev) for n in sizes}
 
     # -- all-reduce -----------------------------------------------------------------------------
-    ar_times = []
-    for nbytes in sizes:
-        t = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
-        dist.all_reduce(t, group=group)  # warm-up (connection set-up, buffers)
-        runs = []
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            _sync(dev)
-            a = time.perf_counter()
-            dist.all_reduce(t, group=group)
-            _sync(dev)
-            runs.append(time.perf_counter() - a)
-        med = torch.tensor([statistics.median(runs)], dtype=torch.float64, device=dev)
-        dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
-        ar_times.append(float(med.item()))
-    raw = LinearFit.fit([float(s) for s in sizes], ar_times)
+    def all_reduce(t: torch.Tensor) -> float:
+        dist.barrier(group=group)
+        _sync(dev)
+        a = time.perf_counter()
+        dist.all_reduce(t, group=group)
+        _sync(dev)
+        return time.perf_counter() - a
+
+    for n in sizes:
+        dist.all_reduce(buffers[n], group=group)  # warm-up (connection set-up, buffers)
+    runs = _rounds(sizes, repeats, lambda n: all_reduce(buffers[n]))
+    med = torch.tensor([statistics.median(runs[n]) for n in sizes], dtype=torch.float64, device=dev)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
+    ar_times = [float(x) for x in med.tolist()]
+    raw, (a, b) = _fit(sizes, ar_times)
     hops = 2 * (world - 1)
-    a, b = _positive(raw, sizes, ar_times)
     allreduce = LinkProfile(
         kind="allreduce",
         backend=backend,
@@ -112,30 +121,29 @@ def measure_links(
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     peer0, peer1 = ranks[0], ranks[1]
     me = dist.get_rank()
-    p2p_times: list[float] = []
-    for nbytes in sizes:
-        t = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
-        dist.barrier(group=group)
-        runs = []
-        for i in range(repeats + 1):
-            if me == peer0:
-                _sync(dev)
-                a0 = time.perf_counter()
-                dist.send(t, dst=peer1)
-                dist.recv(t, src=peer1)
-                _sync(dev)
-                if i > 0:
-                    runs.append((time.perf_counter() - a0) / 2)
-            elif me == peer1:
-                dist.recv(t, src=peer0)
-                dist.send(t, dst=peer0)
-        p2p_times.append(statistics.median(runs) if runs else 0.0)
+
+    def ping_pong(t: torch.Tensor) -> float:
+        if me == peer0:
+            _sync(dev)
+            a0 = time.perf_counter()
+            dist.send(t, dst=peer1)
+            dist.recv(t, src=peer1)
+            _sync(dev)
+            return (time.perf_counter() - a0) / 2
+        if me == peer1:
+            dist.recv(t, src=peer0)
+            dist.send(t, dst=peer0)
+        return 0.0
+
+    dist.barrier(group=group)
+    for n in sizes:
+        ping_pong(buffers[n])  # warm-up
+    runs = _rounds(sizes, repeats, lambda n: ping_pong(buffers[n]))
     # rank 0 of the pair measured; everyone returns its numbers
-    box: list[Any] = [p2p_times]
+    box: list[Any] = [[statistics.median(runs[n]) for n in sizes]]
     dist.broadcast_object_list(box, src=peer0, group=group, device=dev if dev.type == "cuda" else None)
-    p2p_times = list(box[0])
-    raw_p2p = LinearFit.fit([float(s) for s in sizes], p2p_times)
-    lat, inv_bw = _positive(raw_p2p, sizes, p2p_times)
+    p2p_times = [float(x) for x in box[0]]
+    raw_p2p, (lat, inv_bw) = _fit(sizes, p2p_times)
     p2p = LinkProfile(
         kind="p2p",
         backend=backend,
@@ -145,12 +153,54 @@ def measure_links(
         r2=raw_p2p.r2,
         samples=tuple(zip(sizes, p2p_times)),
     )
+    dist.barrier(group=group)
     log.info(
         "links over %s (world %d): all-reduce L=%.1f us BW=%.2f GB/s (R²=%.3f); p2p L=%.1f us BW=%.2f GB/s (R²=%.3f)",
         backend, world, allreduce.latency_s * 1e6, allreduce.bandwidth_bytes_per_s / 1e9, allreduce.r2,
         p2p.latency_s * 1e6, p2p.bandwidth_bytes_per_s / 1e9, p2p.r2,
     )
     return allreduce, p2p
+
+
+def _rounds(sizes: Sequence[int], rounds: int, timed: Callable[[int], float]) -> dict[int, list[float]]:
+    """``timed(size)`` in ``rounds`` passes over all sizes, alternating ascending and descending order.
+
+    Every rank calls this with the same sizes and rounds, so collective and paired calls line up.
+    """
+    runs: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(rounds):
+        for n in sizes if r % 2 == 0 else reversed(sizes):
+            for _ in range(SMALL_MESSAGE_RUNS if n <= SMALL_MESSAGE_BYTES else 1):
+                runs[n].append(timed(n))
+    return runs
+
+
+def _fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[LinearFit, tuple[float, float]]:
+    """t(G) = a + b·G in two regimes: b from the larger half of the sizes, a from the smallest.
+
+    A single least-squares line over 4 KiB..16 MiB lets the largest message's absolute noise set
+    the intercept (the latency, which every pipeline message and per-batch broadcast pays), while
+    a shaped link (a token bucket passing small bursts at full speed) bends the curve so no line
+    fits both ends. So the bandwidth is the slope over the larger half of the sizes (at least two,
+    where the transfer dominates) and the latency is what the smallest message takes beyond its
+    transfer at that bandwidth. ``r2`` is that line's fit to all the medians.
+    """
+    n = len(sizes)
+    top = max(2, n // 2)
+    big = LinearFit.fit([float(s) for s in sizes[n - top:]], list(times[n - top:]))
+    slope = big.alpha
+    if slope <= 0:  # no measurable size dependence: bandwidth from the largest message alone
+        slope = max(times[-1], 1e-12) / sizes[-1]
+    intercept = times[0] - slope * sizes[0]
+    line = LinearFit(alpha=slope, beta=intercept, r2=_r2(sizes, times, slope, intercept))
+    return line, _positive(line, sizes, times)
+
+
+def _r2(sizes: Sequence[int], times: Sequence[float], slope: float, intercept: float) -> float:
+    mean = statistics.fmean(times)
+    ss_tot = sum((t - mean) ** 2 for t in times)
+    ss_res = sum((t - (intercept + slope * g)) ** 2 for g, t in zip(sizes, times))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
 
 
 def _positive(fit: LinearFit, sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:

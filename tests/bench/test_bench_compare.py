@@ -74,3 +74,29 @@ def test_table_and_plot(tmp_path):
     assert "regret 10.0%" in text and "1*" in text and "2 !" in text
     png = plot_result(result, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _run(times, error=None, peak=100):
+    return {"error": error, "rank_pids": [1, 2], "process_groups": ["g", "g"], "measured_step_time_s": None if error else sorted(times)[len(times) // 2],
+            "measured_step_times_s": [] if error else list(times), "warmup_step_times_s": [] if error else [9.0],
+            "measured_peak_memory_bytes": None if error else peak, "per_rank_peak_memory_bytes": [peak, peak - 1]}
+
+
+def test_combine_passes_pools_timed_steps():
+    from lightning_distplan.bench._runner import combine_passes
+
+    # pass 2 ran in a slow spell: its own median (2.0) would be 100% off, the pooled median is not
+    got = combine_passes([_run([1.0, 1.1, 0.9]), _run([2.0, 2.1, 1.9], peak=120), _run([1.05, 0.95, 1.0])])
+    assert got["measured_step_times_s"] == [1.0, 1.1, 0.9, 2.0, 2.1, 1.9, 1.05, 0.95, 1.0]
+    assert got["measured_step_time_s"] == pytest.approx(1.05)
+    assert got["measured_pass_step_times_s"] == [1.0, 2.0, 1.0] and got["passes"] == 3
+    assert got["measured_peak_memory_bytes"] == 120 and got["per_rank_peak_memory_bytes"] == [120, 119]
+    assert got["warmup_step_times_s"] == [9.0, 9.0, 9.0] and got["error"] is None
+
+
+def test_combine_passes_failure_is_the_result():
+    from lightning_distplan.bench._runner import combine_passes
+
+    got = combine_passes([_run([1.0]), _run([], error="RuntimeError: out of memory")])
+    assert got["error"] == "RuntimeError: out of memory" and got["measured_step_time_s"] is None
+    assert got["measured_step_times_s"] == [] and got["measured_peak_memory_bytes"] is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -41,8 +42,10 @@ def _check(result: dict, world_size: int) -> None:
     for rec in result["plans"]:
         assert PLAN_KEYS <= rec.keys()
         assert rec["error"] is None, rec["error"]
-        assert len(rec["measured_step_times_s"]) == 2 and all(t > 0 for t in rec["measured_step_times_s"])
-        assert rec["measured_step_time_s"] == pytest.approx(sorted(rec["measured_step_times_s"])[0] * 0.5 + sorted(rec["measured_step_times_s"])[1] * 0.5)
+        # the timed steps of every pass are pooled; the plan's time is their median
+        assert len(rec["measured_step_times_s"]) == 2 * result["passes"] and all(t > 0 for t in rec["measured_step_times_s"])
+        assert rec["measured_step_time_s"] == pytest.approx(statistics.median(rec["measured_step_times_s"]))
+        assert rec["passes"] == result["passes"] and len(rec["measured_pass_step_times_s"]) == result["passes"]
         assert rec["step_time_error"] == pytest.approx(rec["predicted_step_time_s"] / rec["measured_step_time_s"] - 1)
         assert rec["predicted_step_time_s"] > 0 and rec["predicted_peak_memory_bytes"] > 0
         assert rec["plan_json"]["global_batch_size"] == result["global_batch_size"]
@@ -58,6 +61,7 @@ def _check(result: dict, world_size: int) -> None:
 def test_bench_world_size_1(tmp_path):
     result = _bench(tmp_path, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--plot", str(tmp_path / "p.png"))
     _check(result, 1)
+    assert result["passes"] == 2  # the default
     assert [r["rank"] for r in result["plans"]] == [1, 2]
     assert {r["strategy"] for r in result["plans"]} == {"dp_ga"}  # one process: no pipeline
     assert {(r["micro_batch_size"], r["accumulate_grad_batches"]) for r in result["plans"]} <= {(4, 1), (2, 2), (1, 4)}
@@ -66,7 +70,7 @@ def test_bench_world_size_1(tmp_path):
 
 
 def test_bench_world_size_2_torchrun_loopback(tmp_path):
-    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all")
+    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1")
     _check(result, 2)
     strategies = {r["strategy"] for r in result["plans"]}
     assert "dp_ga" in strategies and strategies & {"gpipe", "1f1b"}, strategies  # both kinds ran, one after the other
@@ -80,7 +84,7 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"),
+    [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"),
      (["--world-size", "0"], "--world-size")],
 )
 def test_bench_bad_input_one_line_error(capsys, args, message):
