@@ -67,11 +67,8 @@ class LinearFit:
         return self.alpha * x + self.beta
 
     @classmethod
-    def fit(cls, xs: Sequence[float], ys: Sequence[float], weights: Sequence[float] | None = None) -> LinearFit:
-        """Least squares, ordinary or weighted by ``weights``; ``r2`` is the (weighted) coefficient of determination.
-
-        One point (or one distinct x) gives a line through the origin (β = 0).
-        """
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
+        """Ordinary least squares. One point gives a line through the origin (β = 0)."""
         if len(xs) != len(ys) or not xs:
             raise ValueError(f"LinearFit.fit needs equally many x and y values (got {len(xs)} and {len(ys)}).")
         n = len(xs)
@@ -79,18 +76,14 @@ class LinearFit:
             mean_x = sum(xs) / n
             mean_y = sum(ys) / n
             return cls(alpha=mean_y / mean_x if mean_x else 0.0, beta=0.0, r2=1.0)
-        w = [1.0] * n if weights is None else [float(v) for v in weights]
-        if len(w) != n or min(w) < 0 or sum(w) <= 0:
-            raise ValueError(f"LinearFit.fit needs one non-negative weight per point, not all zero (got {list(w)}).")
-        sw = sum(w)
-        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
-        my = sum(wi * y for wi, y in zip(w, ys)) / sw
-        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
-        sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys))
-        alpha = sxy / sxx if sxx > 0 else 0.0
+        mx = sum(xs) / n
+        my = sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        alpha = sxy / sxx
         beta = my - alpha * mx
-        ss_tot = sum(wi * (y - my) ** 2 for wi, y in zip(w, ys))
-        ss_res = sum(wi * (y - (alpha * x + beta)) ** 2 for wi, x, y in zip(w, xs, ys))
+        ss_tot = sum((y - my) ** 2 for y in ys)
+        ss_res = sum((y - (alpha * x + beta)) ** 2 for x, y in zip(xs, ys))
         r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
         return cls(alpha=alpha, beta=beta, r2=r2)
 

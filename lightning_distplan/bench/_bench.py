@@ -139,6 +139,18 @@ def _versions() -> dict[str, str]:
     }
 
 
+def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoader, m: int, device: torch.device) -> float:
+    """Median forward + backward seconds of one training step at micro-batch ``m``, timed as the profiler times it."""
+    from lightning_distplan.profiling._profiler import _Profiler
+
+    module = make_module().to(device).train()
+    prof = _Profiler(module, loader, micro_batch_sizes=[m], device=device, optimizer=None, warmup=1, repeats=3,
+                     progress=None, t0=time.perf_counter(), loop_overhead=False)
+    fwd, bwd, _ = prof.time_step(m, warmup=1)
+    prof.clear_grads()
+    return fwd + bwd
+
+
 def default_bench_micro_batch_sizes(global_batch_size: int) -> list[int]:
     """Powers of two from 1 to the global batch (at least 3): every planned micro-batch lies inside the fit."""
     sizes = [1]
@@ -195,7 +207,9 @@ def run_bench(
     Returns:
         The result dict (schema :data:`RESULT_SCHEMA`): ``plans`` (per-plan predicted and measured
         numbers, errors, breakdown), ``summary`` (see :func:`~lightning_distplan.bench.summarize`),
-        ``links``, ``provenance``. Identical on every rank.
+        ``links``, ``host_checks`` (after each pass, the profiled step at the largest profiled
+        micro-batch timed again: its ratio to the profiled time shows how far the host's speed
+        drifted while the plans ran), ``provenance``. Identical on every rank.
 
     Raises:
         BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
@@ -269,6 +283,19 @@ def run_bench(
         torch.manual_seed(0)
         return make_module()
 
+    check = max(profile.step.samples, key=lambda x: x.micro_batch_size)
+    check_m, profiled_check = check.micro_batch_size, check.forward_s + check.backward_s
+    host_checks: list[dict[str, Any]] = []
+
+    def check_host(after_pass: int) -> None:
+        # The same whole-step timing as the profile, again: how much faster or slower the host runs now
+        # than while it was profiled (a shared machine drifts; every prediction inherits the profile's speed).
+        seconds = max(_gather(_retime_step(seeded_module, train_loader, check_m, dev)))
+        host_checks.append({"after_pass": after_pass, "micro_batch_size": check_m, "profiled_s": profiled_check,
+                            "retimed_s": seconds, "ratio": seconds / profiled_check if profiled_check > 0 else None})
+        say(f"host check after pass {after_pass}: the m={check_m} step took {seconds * 1e3:.1f} ms, "
+            f"{seconds / profiled_check:.2f}x its profiled {profiled_check * 1e3:.1f} ms")
+
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     nodes = max(1, world // local)
     runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
@@ -294,6 +321,7 @@ def run_bench(
             )
             where = f"pass {p + 1}/{passes} " if passes > 1 else ""
             say(f"[{where}{k + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
+        check_host(p + 1)
     records = []
     for i, cand in enumerate(chosen):
         plan, pred = cand.plan, cand.prediction
@@ -340,6 +368,7 @@ def run_bench(
         ],
         "plans": records,
         "summary": summary,
+        "host_checks": host_checks,
         "profile": profile.to_dict(),
         "provenance": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

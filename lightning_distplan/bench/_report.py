@@ -61,6 +61,13 @@ def format_table(result: Mapping[str, Any]) -> str:
             lines.append(f"memory |error|: median {s['median_abs_memory_error']:.1%}, p90 {s['p90_abs_memory_error']:.1%}")
     else:
         lines.append("no plan produced a measurement")
+    checks = [c for c in result.get("host_checks", []) if c.get("ratio") is not None]
+    if checks:
+        lines.append(
+            f"host speed: the profiled m={checks[0]['micro_batch_size']} step, timed again after each pass, took "
+            + " / ".join(f"{c['ratio']:.2f}x" for c in checks)
+            + " its profiled time (1.00x: the host ran as fast as while profiling)"
+        )
     return "\n".join(lines)
 
 

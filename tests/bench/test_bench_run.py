@@ -32,7 +32,7 @@ def _bench(tmp_path, *extra: str) -> dict:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert "step time |error|: median" in res.stdout  # the readable table was printed
+    assert "step time |error|: median" in res.stdout and "host speed:" in res.stdout  # the readable table was printed
     return result
 
 
@@ -56,6 +56,11 @@ def _check(result: dict, world_size: int) -> None:
     assert s["measured_best"]["rank"] == best["rank"]
     assert result["memory_metric"] == "cpu_rss_high_water_growth"
     assert result["provenance"]["command"].startswith("distplan bench")
+    # after every pass the profiled step is timed again and compared with its profiled time
+    checks = result["host_checks"]
+    assert [c["after_pass"] for c in checks] == list(range(1, result["passes"] + 1))
+    for c in checks:
+        assert c["retimed_s"] > 0 and c["ratio"] == pytest.approx(c["retimed_s"] / c["profiled_s"])
 
 
 def test_bench_world_size_1(tmp_path):

@@ -1,19 +1,10 @@
-"""The fits that turn profiled medians into model parameters: weighted least squares and the link's L + G/BW."""
+"""The fit that turns measured link medians into the model's L + G/BW."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_distplan.profile import LinearFit
 from lightning_distplan.profiling._links import _fit
-
-
-def test_weighted_fit_equals_ordinary_with_equal_weights_and_rejects_bad_weights():
-    xs, ys = [1, 2, 4, 8], [3.0, 5.2, 8.9, 17.1]
-    a, b = LinearFit.fit(xs, ys), LinearFit.fit(xs, ys, weights=[2.0] * 4)
-    assert (a.alpha, a.beta, a.r2) == pytest.approx((b.alpha, b.beta, b.r2))
-    with pytest.raises(ValueError, match="weight"):
-        LinearFit.fit(xs, ys, weights=[1.0, -1.0, 1.0, 1.0])
 
 
 def test_link_fit_takes_bandwidth_from_large_and_latency_from_small_messages():

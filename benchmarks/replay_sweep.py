@@ -1,0 +1,85 @@
+"""Score the current cost model against the measurements of committed CPU cluster sweeps.
+
+A sweep (``benchmarks/cpu_cluster_sweep.py``) stores each setting's profile next to the measured
+step time of every plan. This script predicts each measured plan again from that stored profile
+with the cost model and planner as they are now. It prints the sweep's summary: median and p90
+|error|, the share of settings where the new pick ran within 5% of the measured best, and the
+median signed error by rate and strategy.
+
+The measurements stay the sweep's; only the predictions are new. So a change to ``costmodel/``
+or ``planner/`` is scored in seconds against every stored sweep, instead of one noisy 20-minute
+re-run. What it cannot score: changes to the profiler or the bench runner. Those need a new sweep.
+
+Usage::
+
+    python benchmarks/replay_sweep.py benchmarks/results/cpu_cluster_sweep.json benchmarks/results/cpu_cluster_sweep_run2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cpu_cluster_sweep import summarize_sweep  # noqa: E402
+
+from lightning_distplan.bench import relative_error, summarize  # noqa: E402
+from lightning_distplan.costmodel import predict  # noqa: E402
+from lightning_distplan.plan import Plan  # noqa: E402
+from lightning_distplan.profile import Profile  # noqa: E402
+
+
+def replay_setting(setting: dict[str, Any]) -> dict[str, Any]:
+    """The setting with every measured plan predicted again; planner ranks follow the new predictions."""
+    profile = Profile.from_dict(setting["profile"], source=f"{setting.get('model_key')}@{setting.get('rate')}")
+    measured = [r for r in setting["plans"] if r.get("measured_step_time_s") is not None]
+    records = []
+    for rec in measured:
+        pred = predict(profile, Plan.from_dict(rec["plan_json"]))
+        err = relative_error(pred.step_time_s, rec["measured_step_time_s"])
+        records.append({**rec, "predicted_step_time_s": pred.step_time_s, "predicted_peak_memory_bytes": pred.peak_memory_bytes,
+                        "feasible": pred.feasible, "step_time_error": err, "abs_step_time_error": abs(err)})
+    # the planner ranks feasible plans by predicted step time (ties keep the sweep's order)
+    order = sorted(range(len(records)), key=lambda i: (not records[i]["feasible"], records[i]["predicted_step_time_s"]))
+    for new_rank, i in enumerate(order, 1):
+        records[i]["rank"] = new_rank
+    return {**setting, "plans": records, "summary": summarize(records)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweeps", nargs="+", help="sweep result JSON files (with stored profiles)")
+    args = parser.parse_args(argv)
+    pooled: list[dict[str, Any]] = []
+    rates: list[str] = []
+    for path in args.sweeps:
+        doc = json.loads(Path(path).read_text())
+        settings = [s for s in doc.get("settings", []) if "profile" in s and "summary" in s]
+        if not settings:
+            raise SystemExit(f"{path}: no setting with a stored profile and measurements; it cannot be replayed.")
+        sweep_rates = doc.get("provenance", {}).get("rates") or list(dict.fromkeys(s["rate"] for s in settings))
+        rates += [r for r in sweep_rates if r not in rates]
+        replayed = [replay_setting(s) for s in settings]
+        pooled += replayed
+        summary, _ = summarize_sweep(replayed, sweep_rates)
+        old = doc.get("summary", {})
+        print(f"{path}: median |error| {summary['median_abs_error']:.1%} (recorded {old.get('median_abs_error', float('nan')):.1%}), "
+              f"p90 {summary['p90_abs_error']:.1%} (recorded {old.get('p90_abs_error', float('nan')):.1%}), "
+              f"pick within 5% {summary['pick_within_5pct_rate']:.0%} (recorded {old.get('pick_within_5pct_rate', float('nan')):.0%}) "
+              f"over {summary['n_points']} runs")
+    summary, _ = summarize_sweep(pooled, rates)
+    print(f"all: median |error| {summary['median_abs_error']:.1%}, p90 {summary['p90_abs_error']:.1%}, "
+          f"pick within 5% in {round(summary['pick_within_5pct_rate'] * summary['n_settings_done'])}/{summary['n_settings_done']} settings")
+    for key, row in summary["by_rate_and_strategy"].items():
+        print(f"  {key:22s} n={row['n']:3d}  signed {row['median_signed_error']:+.1%}  |e| {row['median_abs_error']:.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
