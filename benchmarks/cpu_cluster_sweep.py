@@ -7,7 +7,9 @@ For every model x rate (100mbit, 1gbit, unlimited) this script
 2. starts one torchrun "node" in each namespace (``--nnodes 2 --nproc-per-node 1``, master
    10.77.0.1, gloo over the veth via ``GLOO_SOCKET_IFNAME``), running ``distplan bench`` with
    ``--plans all``: the job profiles the model, measures the real link, ranks every plan for world
-   size 2 and trains each one for a few optimizer steps with lightning_distplan's strategies,
+   size 2 and trains each one for a few optimizer steps with lightning_distplan's strategies
+   (the whole list in ``--passes`` alternating passes, default 3 x 2+4 steps, each plan's timed
+   steps pooled; the profiled step is timed again after each pass to show host-speed drift),
 3. collects the per-plan predicted and measured step times.
 
 It writes ``benchmarks/results/cpu_cluster_sweep.json`` (provenance: command, date, versions,
@@ -233,7 +235,7 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         "targets": {"median_abs_error": 0.10, "p90_abs_error": 0.25, "pick_within_5pct_rate": 0.90},
     }
     lines = ["", "=== cpu_cluster_sweep summary ==="]
-    lines.append(f"{'model':18s} {'rate':>10s} {'plans':>5s} {'median|e|':>9s} {'p90|e|':>8s} {'signed':>8s} {'rho':>5s} {'pick<=5%':>8s} {'regret':>7s}  link(all-reduce) Mbit/s")
+    lines.append(f"{'model':18s} {'rate':>10s} {'plans':>5s} {'median|e|':>9s} {'p90|e|':>8s} {'signed':>8s} {'rho':>5s} {'pick<=5%':>8s} {'regret':>7s}  link(all-reduce) Mbit/s  host speed vs profile")
     for s in settings:
         if "summary" not in s:
             lines.append(f"{s['model_key']:18s} {s['rate']:>10s}  FAILED: {s.get('error')}")
@@ -243,7 +245,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         lines.append(
             f"{s['model_key']:18s} {s['rate']:>10s} {m['n_measured']:>5d} {m['median_abs_error']:>9.1%} {m['p90_abs_error']:>8.1%} "
             f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {m['regret']:>7.1%}  "
-            + (f"{ar['bandwidth_bytes_per_s'] * 8 / 1e6:.0f}" if ar else "-")
+            + (f"{ar['bandwidth_bytes_per_s'] * 8 / 1e6:<24.0f}" if ar else f"{'-':<24s}")
+            + " ".join(f"{c['ratio']:.2f}x" for c in s.get("host_checks", []) if c.get("ratio") is not None)
         )
     if errs:
         lines += [

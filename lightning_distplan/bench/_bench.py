@@ -144,9 +144,10 @@ def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoad
     from lightning_distplan.profiling._profiler import _Profiler
 
     module = make_module().to(device).train()
-    prof = _Profiler(module, loader, micro_batch_sizes=[m], device=device, optimizer=None, warmup=1, repeats=3,
+    # three untimed runs first: a fresh module's first steps allocate (and fault in) its gradient buffers
+    prof = _Profiler(module, loader, micro_batch_sizes=[m], device=device, optimizer=None, warmup=3, repeats=3,
                      progress=None, t0=time.perf_counter(), loop_overhead=False)
-    fwd, bwd, _ = prof.time_step(m, warmup=1)
+    fwd, bwd, _ = prof.time_step(m, warmup=3)
     prof.clear_grads()
     return fwd + bwd
 
@@ -207,9 +208,10 @@ def run_bench(
     Returns:
         The result dict (schema :data:`RESULT_SCHEMA`): ``plans`` (per-plan predicted and measured
         numbers, errors, breakdown), ``summary`` (see :func:`~lightning_distplan.bench.summarize`),
-        ``links``, ``host_checks`` (after each pass, the profiled step at the largest profiled
-        micro-batch timed again: its ratio to the profiled time shows how far the host's speed
-        drifted while the plans ran), ``provenance``. Identical on every rank.
+        ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
+        micro-batch timed again, slowest rank: its ratio to the profile's fit there shows roughly,
+        to about ±10% on a noisy CPU, how far the host's speed drifted while the plans ran),
+        ``provenance``. Identical on every rank.
 
     Raises:
         BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
@@ -283,13 +285,15 @@ def run_bench(
         torch.manual_seed(0)
         return make_module()
 
-    check = max(profile.step.samples, key=lambda x: x.micro_batch_size)
-    check_m, profiled_check = check.micro_batch_size, check.forward_s + check.backward_s
+    # the step the predictions rest on: the whole-step fit at the largest profiled micro-batch
+    check_m = max(x.micro_batch_size for x in profile.step.samples)
+    profiled_check = profile.step.forward(check_m) + profile.step.backward(check_m)
     host_checks: list[dict[str, Any]] = []
 
     def check_host(after_pass: int) -> None:
-        # The same whole-step timing as the profile, again: how much faster or slower the host runs now
-        # than while it was profiled (a shared machine drifts; every prediction inherits the profile's speed).
+        # The same whole-step timing as the profile, again: roughly how much faster or slower the host runs
+        # now than while it was profiled (a shared machine drifts; every prediction inherits the profile's
+        # speed). One timing of ~0.25 s: on a noisy CPU host it is itself good to about ±10%.
         seconds = max(_gather(_retime_step(seeded_module, train_loader, check_m, dev)))
         host_checks.append({"after_pass": after_pass, "micro_batch_size": check_m, "profiled_s": profiled_check,
                             "retimed_s": seconds, "ratio": seconds / profiled_check if profiled_check > 0 else None})

@@ -64,9 +64,9 @@ def format_table(result: Mapping[str, Any]) -> str:
     checks = [c for c in result.get("host_checks", []) if c.get("ratio") is not None]
     if checks:
         lines.append(
-            f"host speed: the profiled m={checks[0]['micro_batch_size']} step, timed again after each pass, took "
+            f"host speed: the m={checks[0]['micro_batch_size']} step, timed again after each pass, took "
             + " / ".join(f"{c['ratio']:.2f}x" for c in checks)
-            + " its profiled time (1.00x: the host ran as fast as while profiling)"
+            + " the profile's time for it (1.00x: as fast as while profiling; one timing, good to about ±10%)"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,38 @@
+"""The committed CPU sweep results belong to this code: replaying them reproduces every prediction.
+
+Each sweep setting stores the profile its predictions came from. Predicting each measured plan
+again from that profile with today's cost model must give the recorded number. If it does not, the
+cost model changed after the sweep, so the README's accuracy figures no longer describe the code.
+Then re-run ``benchmarks/cpu_cluster_sweep.py``, or use ``benchmarks/replay_sweep.py`` to see what
+the change does to those measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEPS = [ROOT / "benchmarks" / "results" / name for name in ("cpu_cluster_sweep.json", "cpu_cluster_sweep_run2.json")]
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_committed_sweep_replays_to_its_recorded_predictions(path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from replay_sweep import replay_setting
+
+    doc = json.loads(path.read_text())
+    settings = [s for s in doc["settings"] if "profile" in s and "summary" in s]
+    assert len(settings) == 9  # 3 models x 3 rates
+    for setting in settings:
+        replayed = replay_setting(setting)
+        recorded = {r["plan"]: r["predicted_step_time_s"] for r in setting["plans"] if r.get("measured_step_time_s") is not None}
+        again = {r["plan"]: r["predicted_step_time_s"] for r in replayed["plans"]}
+        assert again.keys() == recorded.keys()
+        for plan, seconds in recorded.items():
+            assert again[plan] == pytest.approx(seconds, rel=1e-9), f"{setting['model_key']}@{setting['rate']} {plan}"
+        # the planner's pick is the plan it ranked first
+        assert replayed["summary"]["pick"]["plan"] == setting["summary"]["pick"]["plan"]
