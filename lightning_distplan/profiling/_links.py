@@ -88,7 +88,8 @@ def measure_links(
         )
     dev = _device_for(group)
     backend = str(dist.get_backend(group))
-    buffers = {n: torch.ones(n // 4, dtype=torch.float32, device=dev) for n in sizes}
+    # zeros: a sum all-reduce keeps them zero however often it runs (ones would grow by W each time)
+    buffers = {n: torch.zeros(n // 4, dtype=torch.float32, device=dev) for n in sizes}
 
     # -- all-reduce -----------------------------------------------------------------------------
     def all_reduce(t: torch.Tensor) -> float:
