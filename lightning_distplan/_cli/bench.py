@@ -94,7 +94,7 @@ def _quiet_lightning() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes
-    from lightning_distplan.bench._bench import BenchError, parse_plans_spec
+    from lightning_distplan.bench._bench import BenchError, check_counts, parse_plans_spec
 
     if args.world_size < 1 or args.global_batch_size < 1:
         raise BenchError(
@@ -102,11 +102,7 @@ def run(args: argparse.Namespace) -> int:
             hint="Use e.g. --world-size 2 --global-batch-size 32.",
         )
     parse_plans_spec(args.plans)
-    if args.steps < 1 or args.warmup < 0 or args.passes < 1:
-        raise BenchError(
-            f"--steps ({args.steps}) and --passes ({args.passes}) must be >= 1 and --warmup ({args.warmup}) >= 0.",
-            hint="Use e.g. --steps 5 --warmup 2 --passes 2.",
-        )
+    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes)
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}.", hint="Use e.g. --threads 1.")
     init_args = _json_kwargs(args.init_args, "--init-args")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
-__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES"]
+__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,15 @@ def parse_plans_spec(spec: str) -> tuple[str, int | list[int] | None]:
     if not ranks or min(ranks) < 1:
         raise BenchError(f"--plans {spec!r} is not 'all', 'top:K' or comma-separated planner ranks (>= 1).", hint="Use e.g. --plans all, --plans top:5 or --plans 1,2,7.")
     return "ranks", ranks
+
+
+def check_counts(*, steps: int, warmup: int, passes: int) -> None:
+    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup`` >= 0."""
+    if steps < 1 or warmup < 0 or passes < 1:
+        raise BenchError(
+            f"--steps ({steps}) and --passes ({passes}) must be >= 1 and --warmup ({warmup}) >= 0.",
+            hint="Use e.g. --steps 5 --warmup 2 --passes 2.",
+        )
 
 
 def select_candidates(candidates: Sequence[Candidate], spec: str) -> list[Candidate]:
@@ -223,10 +232,7 @@ def run_bench(
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
-    if steps < 1 or warmup < 0 or passes < 1:
-        raise BenchError(
-            f"--steps ({steps}) and --passes ({passes}) must be >= 1 and --warmup ({warmup}) >= 0.", hint="Use e.g. --steps 5 --warmup 2 --passes 2."
-        )
+    check_counts(steps=steps, warmup=warmup, passes=passes)
     rank, world = _dist()
     if world != world_size:
         raise BenchError(

@@ -29,11 +29,9 @@ import gc
 import logging
 import os
 import statistics
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from lightning.pytorch import Callback
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -41,37 +39,9 @@ if TYPE_CHECKING:
 
     from lightning_distplan.plan import Plan
 
-__all__ = ["StepTimer", "measure_plan", "memory_metric", "build_strategy", "combine_ranks", "combine_passes"]
+__all__ = ["measure_plan", "memory_metric", "build_strategy", "combine_ranks", "combine_passes"]
 
 log = logging.getLogger(__name__)
-
-
-class StepTimer(Callback):
-    """Timestamps of optimizer-step boundaries (synchronised on CUDA)."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-        self._last_step = -1
-
-    def _now(self, trainer: pl.Trainer) -> float:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-        return time.perf_counter()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self.stamps:
-            self.stamps.append(self._now(trainer))
-            self._last_step = trainer.global_step
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step != self._last_step:
-            self.stamps.append(self._now(trainer))
-            self._last_step = trainer.global_step
-
-    @property
-    def step_times(self) -> list[float]:
-        """Seconds of each optimizer step, in order."""
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
 
 
 def memory_metric(device: torch.device) -> str:
@@ -144,7 +114,7 @@ def measure_plan(
     """
     import lightning.pytorch as pl_
 
-    from lightning_distplan.profiling._overhead import QUIET_FIT
+    from lightning_distplan.profiling._overhead import QUIET_FIT, StepTimer
 
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -225,7 +195,7 @@ def combine_passes(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ``measured_pass_step_times_s`` keeps each pass's own median. The first failed pass decides the error.
     """
     out = dict(runs[0])
-    failed = [r for r in runs if r["error"] or r["measured_step_time_s"] is None]
+    failed = [r for r in runs if r["error"]]  # combine_ranks gives every run without a measurement an error
     if failed:
         out.update(failed[0])
         out.update(measured_step_time_s=None, measured_step_times_s=[], measured_peak_memory_bytes=None,

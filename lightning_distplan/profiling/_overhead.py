@@ -25,11 +25,12 @@ import warnings
 from typing import Any, Iterator
 
 import torch
+from lightning.pytorch import Callback
 
 from lightning_distplan.profile import FrameworkProfile
 from lightning_distplan.profiling._snapshot import RNGSnapshot
 
-__all__ = ["measure_framework_overhead", "QUIET_FIT"]
+__all__ = ["measure_framework_overhead", "QUIET_FIT", "StepTimer"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,37 @@ QUIET_FIT: dict[str, Any] = {
     "enable_model_summary": False,
 }
 """Trainer arguments for a measuring fit: training steps only, nothing logged, saved or printed."""
+
+
+class StepTimer(Callback):
+    """Timestamps of optimizer-step boundaries (synchronised on CUDA): the first training batch's
+    start, then every batch end where ``trainer.global_step`` advanced. Used by this tiny fit and by
+    ``distplan bench`` for every plan."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self._last_step = -1
+
+    def _now(self, trainer: Any) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self.stamps:
+            self.stamps.append(self._now(trainer))
+            self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self._last_step:
+            self.stamps.append(self._now(trainer))
+            self._last_step = trainer.global_step
+
+    @property
+    def step_times(self) -> list[float]:
+        """Seconds of each optimizer step, in order."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
 
 _STEPS = 24
 """Optimizer steps per run; the first :data:`_SKIP` are warm-up."""
@@ -102,20 +134,10 @@ def _tiny_module() -> Any:
 
 def _fit_step_time(accumulate: int) -> float:
     """Median seconds per optimizer step of the tiny model under a real ``Trainer.fit``."""
-    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
-    class _Stamps(Callback):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
-            self.last = -1
-
-        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            if trainer.global_step != self.last:
-                self.last = trainer.global_step
-                self.stamps.append(time.perf_counter())
-
-    stamps = _Stamps()
+    stamps = StepTimer()
     trainer = Trainer(
         accelerator="cpu",
         strategy=SingleDeviceStrategy(device=torch.device("cpu")),
@@ -127,8 +149,7 @@ def _fit_step_time(accumulate: int) -> float:
     )
     data = torch.utils.data.DataLoader(torch.zeros(_STEPS * accumulate, 4), batch_size=1)
     trainer.fit(_tiny_module(), train_dataloaders=data)
-    gaps = [b - a for a, b in zip(stamps.stamps, stamps.stamps[1:])][_SKIP:]
-    return statistics.median(gaps)
+    return statistics.median(stamps.step_times[_SKIP:])
 
 
 def _raw_times() -> tuple[float, float]:
