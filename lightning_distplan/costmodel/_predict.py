@@ -227,19 +227,25 @@ def _loop_time(profile: Profile, hw: Hardware, batches: int, world: int, device_
     return host + batches * loop_sync_time(world, hw.allreduce_latency_s)
 
 
-def _layer_times(profile: Profile, m: int, scale: float) -> list[float]:
-    """Per-layer fwd+bwd at m, calibrated so they sum to the whole-step fit T_calc(m).
+def _layer_times(profile: Profile, m: int, scale: float) -> tuple[list[float], list[float]]:
+    """Per-layer forward and backward times at m, calibrated to the whole-step forward and backward fits.
 
-    The step fit is measured without per-layer hooks, so it is the trustworthy total; the layer
-    fits (slowed by their hooks, missing the loss) only give each layer's share.
+    The step fits are measured without per-layer hooks, so they are the trustworthy totals; the
+    layer fits (slowed by their hooks, missing the loss) only give each layer's share of each.
     """
     sizes = profile.micro_batch_sizes
-    raw = [_monotone(layer.forward, m, sizes) + _monotone(layer.backward, m, sizes) for layer in profile.layers]
-    total = sum(raw)
-    step = _step_compute(profile, m, scale)
-    if total <= 0:
-        return [step / len(raw)] * len(raw)
-    return [step * r / total for r in raw]
+
+    def calibrated(fits: list[LinearFit], whole: LinearFit) -> list[float]:
+        raw = [_monotone(fit, m, sizes) for fit in fits]
+        total, step = sum(raw), scale * _monotone(whole, m, sizes)
+        if total <= 0:
+            return [step / len(raw)] * len(raw)
+        return [step * r / total for r in raw]
+
+    return (
+        calibrated([layer.forward for layer in profile.layers], profile.step.forward),
+        calibrated([layer.backward for layer in profile.layers], profile.step.backward),
+    )
 
 
 def _layer_activations(profile: Profile, m: int) -> list[float]:
@@ -357,7 +363,8 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
     n_layers = len(profile.layers)
     c = hw.compute_scale
-    times = _layer_times(profile, m, c)
+    fwd_times, bwd_times = _layer_times(profile, m, c)
+    times = [f + b for f, b in zip(fwd_times, bwd_times)]
     acts = _layer_activations(profile, m)
     shares = _param_shares(profile)
     static_total = profile.memory.param_bytes + profile.memory.grad_bytes + _optimizer_state_bytes(profile)
@@ -383,27 +390,49 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
             notes.append(f"no split into {p} stages fits every stage in memory")
 
     edges = [0, *boundaries, n_layers]
-    stage_compute = stage_sums(times, boundaries)
+    stage_fwd, stage_bwd = stage_sums(fwd_times, boundaries), stage_sums(bwd_times, boundaries)
+    stage_compute = tuple(f + b for f, b in zip(stage_fwd, stage_bwd))
     # seed 001 eq. 6.2 / DESIGN §4: every stage but the last sends its last layer's output forward
-    # (L + m·A_k/BW) and receives the same-sized gradient back: 2·(L + m·A_k/BW) per micro-batch.
-    stage_p2p = tuple(
-        2 * (hw.p2p_latency_s + m * profile.layers[edges[k + 1] - 1].output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s)
+    # (L + m·A_k/BW) and receives the same-sized gradient back: 2·(L + m·A_k/BW) per micro-batch,
+    # one hand-over in the forward pass and one in the backward pass.
+    send = tuple(
+        hw.p2p_latency_s + m * profile.layers[edges[k + 1] - 1].output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s
         if k < p - 1
         else 0.0
         for k in range(p)
     )
+    stage_p2p = tuple(2 * x for x in send)
     stage_time = tuple(ck + pk for ck, pk in zip(stage_compute, stage_p2p))
-    slow = max(range(p), key=lambda k: stage_time[k])
-    # seed 000 eq. (1): T = Σ_k St_k(m) + (n − 1)·max_k St_k(m)  (= eq. (2) with St_k = α_k·m + β_k;
-    # for equal stages this is seed 001 eq. 6.1: T_seq·(p + n − 1)/(p·n) per micro-batch of work).
-    # 1F1B uses the same expression: without interleaving its warm-up + cool-down is the same p − 1
-    # slots as GPipe's fill + drain, and its steady state is bound by the slowest stage too
-    # (DESIGN §4). seed 000 eq. (3) (DAPPLE) is not used: it charges the first stage n full
-    # micro-batches *plus* (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages, which
-    # exceeds the (n + p − 1)·St any non-interleaved 1F1B schedule takes once n > p, and contradicts
-    # the (p − 1)/(n + p − 1) bubble both schedules have. 1F1B differs from GPipe in memory, below.
-    # Decomposition seen from the slowest stage: it is busy n·St*; the rest, Σ_{k≠*} St_k, is bubble.
-    bubble = sum(stage_time[k] for k in range(p) if k != slow)
+    if plan.strategy == "gpipe":
+        # GPipe runs all n forwards, then all n backwards: each pass is its own pipeline
+        # (seed 000 eq. (1) per pass), T = Σ_k F_k + (n − 1)·max_k F_k + Σ_k B_k + (n − 1)·max_k B_k.
+        # Its forward pass waits for the stage slowest *at forward* and its backward pass for the
+        # one slowest at backward; when they differ (the first stage heavy in forward, the last,
+        # with the loss, heavy in backward) this is longer than n·max_k(F_k + B_k).
+        phases = [
+            [f + x for f, x in zip(stage_fwd, send)],  # F_k: forward work and the activation hand-over
+            [b + x for b, x in zip(stage_bwd, send)],  # B_k: backward work and the gradient hand-over
+        ]
+    else:
+        # 1F1B: seed 000 eq. (1) with St_k = F_k + B_k. Without interleaving its warm-up +
+        # cool-down is the same p − 1 slots as GPipe's fill + drain, and in its steady state every
+        # stage alternates one forward and one backward, so the slowest St_k sets the pace
+        # (DESIGN §4). seed 000 eq. (3) (DAPPLE) is not used: it charges the first stage n full
+        # micro-batches *plus* (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages,
+        # which exceeds the (n + p − 1)·St any non-interleaved 1F1B schedule takes once n > p.
+        phases = [list(stage_time)]
+    # Per phase, seen from its slowest stage *: it is busy n·St*; the rest, Σ_{k≠*} St_k, is bubble.
+    compute = p2p = bubble = 0.0
+    slowest = []
+    for phase in phases:
+        slow = max(range(p), key=lambda k: phase[k])
+        slowest.append(slow)
+        part = phase[slow] - stage_p2p[slow] / len(phases)
+        compute += n * part
+        p2p += n * (phase[slow] - part)
+        bubble += sum(phase[k] for k in range(p) if k != slow)
+    # for equal stages both forms are seed 001 eq. 6.1: T_seq·(p + n − 1)/(p·n) per micro-batch of work
+    slot_compute = compute / n  # the critical path's compute per micro-batch (sync_wait below)
 
     stage_shares = stage_sums(shares, boundaries)
     stage_of = [k for k in range(p) for _ in range(edges[k], edges[k + 1])]
@@ -427,10 +456,10 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     # latency-bound), so every rank reports the same train_loss.
     loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     optimizer = c * profile.optimizer.step_time_s * max(stage_shares)
-    busy = n * stage_compute[slow] + bubble + optimizer
+    busy = compute + bubble + optimizer
     breakdown = {
-        "compute": n * stage_compute[slow],
-        "p2p": n * stage_p2p[slow],
+        "compute": compute,
+        "p2p": p2p,
         "bubble": bubble,
         "exposed_comm": allreduce,
         # each stage steps its own parameters in parallel: the stage with the most parameters waits longest
@@ -438,7 +467,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # Lightning sees one training batch per step: the schedule runs the n micro-batches inside it
         "framework": _loop_time(profile, hw, 1, w * p, busy) + loss_allreduce,
         # each of the n + p − 1 slots ends when the slowest of the p stages hands over
-        "sync_wait": (n + p - 1) * expected_max_excess(p) * profile.step.spread * stage_compute[slow],
+        "sync_wait": (n + p - 1) * expected_max_excess(p) * profile.step.spread * slot_compute,
     }
     step = sum(breakdown.values())
 

@@ -255,7 +255,13 @@ class _Profiler:
 
     # -- phases ----------------------------------------------------------------------------------
     def time_step(self, m: int, *, warmup: int) -> tuple[float, float, int]:
-        """Whole-step forward/backward medians without layer hooks (after ``warmup`` untimed runs); CUDA peak allocated bytes."""
+        """Whole-step forward/backward means without layer hooks (after ``warmup`` untimed runs); CUDA peak allocated bytes.
+
+        The mean, not the median: a training loop pays the average run, and on a shared host the
+        run times are skewed to the slow side (occasional slow runs), so the median sits below what
+        a loop of many steps takes. Measured on the 2-vCPU CPU cluster host (2 ranks at once, six
+        windows of 50 runs of tiny GPT-2 or an MLP): the loop's wall time per run came out 0–23%
+        (typically 6–10%) above the median run."""
         fwd: list[float] = []
         bwd: list[float] = []
         if self.cuda:
@@ -277,7 +283,7 @@ class _Profiler:
                 bwd.append(c - b)
                 if started is None:
                     # A short step is cheap to repeat and noisy to time: repeat it until the timed runs
-                    # add up to min_timed_s (at most _MAX_REPEATS runs), so its median is as steady as a long step's.
+                    # add up to min_timed_s (at most _MAX_REPEATS runs), so its mean is as steady as a long step's.
                     started = c - a
                     runs = warmup + max(self.repeats, min(_MAX_REPEATS, math.ceil(self.min_timed_s / max(started, 1e-6))))
             i += 1
@@ -285,7 +291,7 @@ class _Profiler:
         if len(totals) >= 2:
             self.spreads.append(statistics.pstdev(totals) / statistics.fmean(totals))
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
-        return statistics.median(fwd), statistics.median(bwd), peak
+        return statistics.fmean(fwd), statistics.fmean(bwd), peak
 
     def count_layers(self, recorder: LayerRecorder, m: int, *, flops: bool) -> RunRecord:
         """One untimed hooked run at ``m``: bytes saved for backward and output bytes per layer, and
@@ -308,7 +314,7 @@ class _Profiler:
         return timed
 
     def optimizer_phase(self, optimizers: list[torch.optim.Optimizer]) -> tuple[float, int, int]:
-        """Median ``step()`` + one ``zero_grad()`` with the gradients of the prime step; state bytes; CUDA peak."""
+        """Mean ``step()`` + one ``zero_grad()`` with the gradients of the prime step; state bytes; CUDA peak."""
         if not optimizers:
             return 0.0, 0, 0
         times = []
@@ -333,7 +339,7 @@ class _Profiler:
         self.sync()
         zero = time.perf_counter() - a
         state = _unique_bytes(_state_tensors(optimizers))
-        return statistics.median(times) + zero, state, peak
+        return statistics.fmean(times) + zero, state, peak
 
 
 @contextlib.contextmanager
@@ -378,7 +384,7 @@ def profile_module(
     exactly m samples) it first runs one untimed hooked step that counts the bytes saved for
     backward and the bytes output per layer (and, at the first ``flop_sizes`` sizes only, FLOPs
     per layer); that run is also the first warm-up at m. Then it times ``training_step``
-    (forward) and ``loss.backward()`` without hooks (median of ``repeats`` after ``warmup - 1``
+    (forward) and ``loss.backward()`` without hooks (mean of ``repeats`` after ``warmup - 1``
     further warm-ups), then ``repeats`` times per layer with hooks, and fits every time as
     t(m) = α·m + β (seed 000 §III-B). It also measures parameter/gradient/optimizer-state bytes,
     the optimizer step time and (on CUDA) the peak memory per m. A size that runs out of memory is
@@ -398,7 +404,7 @@ def profile_module(
         optimizer: measured instead of the one(s) from ``module.configure_optimizers()``.
         warmup: untimed runs at each size before the timed ones (the per-layer counting run is
             the first of them, so at least one always happens).
-        repeats: timed runs per size (the median is kept).
+        repeats: timed runs per size (the whole step keeps their mean, the per-layer times their median).
         min_timed_s: the whole-step timing repeats a short step more often than ``repeats``, until
             its timed runs add up to this many seconds (at most 15 runs): a 5 ms step is timed ~50×
             cheaper than a 250 ms one and is far noisier. 0 = exactly ``repeats`` runs.

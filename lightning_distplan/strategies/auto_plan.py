@@ -87,7 +87,7 @@ class AutoPlanStrategy(DDPStrategy):
             on CPU the host RAM).
         replan: ``"off"``, or ``"auto"`` to re-plan at the next epoch boundary when observed step
             times depart from the prediction (see :class:`~lightning_distplan.callbacks.StepTimeMonitor`).
-        profile_repeats: timed runs per profiled micro-batch size (the median is kept).
+        profile_repeats: timed runs per profiled micro-batch size (the whole step keeps their mean).
         profile_micro_batch_sizes: sizes to profile; default: b/4, b/2 and b for the loader batch b.
         deferred_batchnorm: passed to the pipeline strategy when a pipeline is chosen.
         **ddp_kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and to the

@@ -115,6 +115,24 @@ def test_pipeline_seed000_eq1(strategy):
     assert pred.step_time_s - b["framework"] == pytest.approx(0.924 + 0.075, rel=1e-12)
 
 
+def test_gpipe_forward_and_backward_passes_each_wait_for_their_own_slowest_stage():
+    # stage 0 heavy in forward, stage 1 (say, with the loss) heavy in backward: St_k = F_k + B_k is
+    # equal, so 1F1B's steady state is balanced, but GPipe runs all forwards, then all backwards
+    fwd_heavy = LayerSpec(fwd_alpha=0.03, bwd_alpha=0.01)
+    bwd_heavy = LayerSpec(fwd_alpha=0.01, bwd_alpha=0.03)
+    profile = synthetic_profile([fwd_heavy, bwd_heavy], optimizer_step_time_s=0.0)
+    quiet = hw(p2p_latency_s=0.0, allreduce_latency_s=0.0)
+    plans = {s: Plan(strategy=s, dp=1, pp=2, micro_batch_size=1, n_microbatches=4, global_batch_size=4, stage_boundaries=(1,)) for s in ("gpipe", "1f1b")}
+    one_f_one_b, gpipe = (predict(profile, plans[s], quiet) for s in ("1f1b", "gpipe"))
+    # 1F1B, seed 000 eq. (1) with St = 0.04: 0.04 + 0.04 + 3·0.04 = 0.2
+    assert one_f_one_b.step_time_s - one_f_one_b.breakdown["framework"] == pytest.approx(0.2, rel=1e-12)
+    # GPipe, eq. (1) per pass: forward 0.03 + 0.01 + 3·0.03 = 0.13, backward the same
+    b = gpipe.breakdown
+    assert gpipe.step_time_s - b["framework"] == pytest.approx(0.26, rel=1e-12)
+    assert b["compute"] == pytest.approx(4 * (0.03 + 0.03), rel=1e-12)
+    assert b["bubble"] == pytest.approx(0.01 + 0.01, rel=1e-12)
+
+
 def test_pipeline_layers_give_shares_step_fit_gives_total():
     plan = Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
     base = predict(pipe_profile(1.0), plan, hw(p2p_latency_s=0.0))
