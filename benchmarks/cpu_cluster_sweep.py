@@ -274,6 +274,16 @@ def _versions() -> dict[str, str]:
     return {"python": sys.version.split()[0], "torch": torch.__version__, "lightning": lightning.__version__}
 
 
+def _git_commit() -> str | None:
+    """The commit of the code that ran (``+dirty`` when the work tree had changes), or None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def _cpu() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -321,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "date_start": started.isoformat(timespec="seconds"),
             "date_end": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "versions": _versions(),
+            "git_commit": _git_commit(),
             "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "kernel": platform.release(), "host": platform.node()},
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),

@@ -56,17 +56,8 @@ def _run(variant: str, args: argparse.Namespace) -> list[float]:
     from lightning.pytorch.demos import Transformer
     from torch.utils.data import DataLoader, TensorDataset
 
+    from lightning_distplan.profiling import StepTimer
     from lightning_distplan.strategies import DPGAStrategy
-
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
-            self._last = -1
-
-        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
-            if trainer.global_step != self._last:  # an optimizer step just finished
-                self._last = trainer.global_step
-                self.stamps.append(time.perf_counter())
 
     class LM(L.LightningModule):
         def __init__(self, loader_batch: int) -> None:
@@ -105,8 +96,7 @@ def _run(variant: str, args: argparse.Namespace) -> list[float]:
         plan = trainer.strategy.plan
         if (plan.micro_batch_size, plan.accumulate_grad_batches) != (M, S):
             raise RuntimeError(f"benchmark misconfigured: {plan.describe()}")
-    times = [b - a for a, b in zip(timer.stamps, timer.stamps[1:])]
-    return times[args.warmup :]
+    return timer.step_times[args.warmup + 1 :]  # max_steps = steps + warmup + 1
 
 
 def _worker(args: argparse.Namespace) -> None:

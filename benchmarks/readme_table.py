@@ -25,6 +25,15 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def sweep_files() -> list[Path]:
+    """The committed CPU cluster sweeps in run order: ``cpu_cluster_sweep.json``, then ``_run2``, ``_run3`` ..."""
+    def order(path: Path) -> int:
+        tail = path.stem.removeprefix("cpu_cluster_sweep").removeprefix("_run")
+        return int(tail) if tail.isdigit() else 1
+
+    return sorted(RESULTS.glob("cpu_cluster_sweep*.json"), key=order)
+
+
 def _picks_by_rate(d: dict) -> str:
     """The planner's pick per model as the link changes (from the sweep's settings)."""
     rates = d.get("provenance", {}).get("rates", [])
@@ -72,7 +81,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             f"CPU; load {d['load_average_at_start'][0]:.1f} at start", _date(d), "`benchmarks/cli_timings.py`",
         ))
 
-    runs = [d for d in (_load("cpu_cluster_sweep.json"), _load("cpu_cluster_sweep_run2.json")) if d and d.get("summary")]
+    runs = [d for d in (_load(path.name) for path in sweep_files()) if d and d.get("summary")]
     if runs:
         parts = []
         for i, d in enumerate(runs, 1):
@@ -84,9 +93,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
+        times = {1: "one run", 2: "the same code run twice"}.get(len(runs), f"the same code run {len(runs)} times")
         out.append((
             "Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates; "
-            + each + "), " + ("the same code run twice" if len(runs) > 1 else "one run"),
+            + each + "), " + times,
             "; ".join(parts) + "; targets 10% / 25% / 90%. " + _picks_by_rate(runs[0]),
             "CPU, 2 network namespaces, gloo over veth + tc tbf",
             _date(runs[-1]), "`benchmarks/cpu_cluster_sweep.py`",

@@ -26,28 +26,14 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.transformer import LightningTransformer
 
 import lightning_distplan
 from lightning_distplan.costmodel import Hardware, predict
 from lightning_distplan.demos import RandomImageData, RandomTokenData, TorchvisionClassifier
 from lightning_distplan.plan import Plan
-from lightning_distplan.profiling import profile_module
+from lightning_distplan.profiling import StepTimer, profile_module
 from lightning_distplan.strategies import DPGAStrategy
-
-
-class StepTimer(Callback):
-    """Wall time between consecutive optimizer steps (synchronised on CUDA)."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        # called once per optimizer step, right after optimizer.step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
 
 
 class OfflineTransformer(LightningTransformer):
@@ -85,8 +71,7 @@ def _measure(name: str, m: int, s: int, steps: int, warmup: int, accelerator: st
         callbacks=[timer],
     )
     trainer.fit(model, datamodule=dm)
-    deltas = [b - a for a, b in zip(timer.stamps, timer.stamps[1:])][warmup - 1 :]
-    return statistics.median(deltas)
+    return statistics.median(timer.step_times[warmup:])
 
 
 def _unprofiled_sizes(profiled: list[int]) -> list[int]:
