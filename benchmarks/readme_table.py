@@ -91,6 +91,16 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                 f"run {i}: median \\|error\\| {_pct(s.get('median_abs_error'))}, p90 {_pct(s.get('p90_abs_error'))} over {s.get('n_points')} runs, "
                 f"pick within 5% of the measured best in {within}/{s.get('n_settings_done')} settings"
             )
+        if len(runs) > 1:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from cpu_cluster_sweep import summarize_sweep
+
+            pooled, _ = summarize_sweep([x for d in runs for x in d["settings"]], runs[0].get("provenance", {}).get("rates", []))
+            within = round((pooled.get("pick_within_5pct_rate") or 0) * pooled.get("n_settings_done", 0))
+            parts.append(
+                f"all runs pooled: median \\|error\\| {_pct(pooled.get('median_abs_error'))}, p90 {_pct(pooled.get('p90_abs_error'))} "
+                f"over {pooled.get('n_points')} runs, pick within 5% in {within}/{pooled.get('n_settings_done')} settings"
+            )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
         times = {1: "one run", 2: "the same code run twice"}.get(len(runs), f"the same code run {len(runs)} times")
