@@ -81,7 +81,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             f"CPU; load {d['load_average_at_start'][0]:.1f} at start", _date(d), "`benchmarks/cli_timings.py`",
         ))
 
-    runs = [d for d in (_load(path.name) for path in sweep_files()) if d and d.get("summary")]
+    runs = [d for d in (json.loads(path.read_text()) for path in sweep_files()) if d.get("summary")]
     if runs:
         parts = []
         for i, d in enumerate(runs, 1):

@@ -149,7 +149,7 @@ def _versions() -> dict[str, str]:
 
 
 def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoader, m: int, device: torch.device) -> float:
-    """Median forward + backward seconds of one training step at micro-batch ``m``, timed as the profiler times it."""
+    """Mean forward + backward seconds of one training step at micro-batch ``m``, timed as the profiler times it."""
     from lightning_distplan.profiling._profiler import _Profiler
 
     module = make_module().to(device).train()

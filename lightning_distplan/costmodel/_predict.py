@@ -409,10 +409,8 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # Its forward pass waits for the stage slowest *at forward* and its backward pass for the
         # one slowest at backward; when they differ (the first stage heavy in forward, the last,
         # with the loss, heavy in backward) this is longer than n·max_k(F_k + B_k).
-        phases = [
-            [f + x for f, x in zip(stage_fwd, send)],  # F_k: forward work and the activation hand-over
-            [b + x for b, x in zip(stage_bwd, send)],  # B_k: backward work and the gradient hand-over
-        ]
+        # Per pass: (work, hand-over) of each stage, the activation forward, the gradient back.
+        passes = [(stage_fwd, send), (stage_bwd, send)]
     else:
         # 1F1B: seed 000 eq. (1) with St_k = F_k + B_k. Without interleaving its warm-up +
         # cool-down is the same p − 1 slots as GPipe's fill + drain, and in its steady state every
@@ -420,18 +418,16 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # (DESIGN §4). seed 000 eq. (3) (DAPPLE) is not used: it charges the first stage n full
         # micro-batches *plus* (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages,
         # which exceeds the (n + p − 1)·St any non-interleaved 1F1B schedule takes once n > p.
-        phases = [list(stage_time)]
-    # Per phase, seen from its slowest stage *: it is busy n·St*; the rest, Σ_{k≠*} St_k, is bubble.
+        passes = [(stage_compute, stage_p2p)]
+    # Per pass, seen from its slowest stage *: it is busy n·St*; the rest, Σ_{k≠*} St_k, is bubble.
+    # For equal stages both forms are seed 001 eq. 6.1: T_seq·(p + n − 1)/(p·n) per micro-batch of work.
     compute = p2p = bubble = 0.0
-    slowest = []
-    for phase in phases:
-        slow = max(range(p), key=lambda k: phase[k])
-        slowest.append(slow)
-        part = phase[slow] - stage_p2p[slow] / len(phases)
-        compute += n * part
-        p2p += n * (phase[slow] - part)
-        bubble += sum(phase[k] for k in range(p) if k != slow)
-    # for equal stages both forms are seed 001 eq. 6.1: T_seq·(p + n − 1)/(p·n) per micro-batch of work
+    for work, comm in passes:
+        times_k = [w_k + c_k for w_k, c_k in zip(work, comm)]
+        slow = max(range(p), key=lambda k: times_k[k])
+        compute += n * work[slow]
+        p2p += n * comm[slow]
+        bubble += sum(times_k[k] for k in range(p) if k != slow)
     slot_compute = compute / n  # the critical path's compute per micro-batch (sync_wait below)
 
     stage_shares = stage_sums(shares, boundaries)

@@ -807,31 +807,32 @@ def _retime_outliers(prof: _Profiler, samples: list[TimingSample]) -> list[Timin
     really off the line (a step dominated by fixed overhead at m = 1) times the same again, and
     keeps its value. The timings are already the slowest rank's, so every rank decides alike.
     """
+    def total(s: TimingSample) -> float:
+        return s.forward_s + s.backward_s
+
     by_size = {s.micro_batch_size: s for s in samples}
     retimed: set[int] = set()
     for _ in range(_MAX_RETIMES):
-        xs = sorted(m for m in by_size)
+        xs = sorted(by_size)
         if len(xs) < 3:
             break
         worst, where, line = 0.0, 0, 0.0
         for m in xs:
             others = [x for x in xs if x != m]
-            fit = LinearFit.fit(others, [by_size[x].forward_s + by_size[x].backward_s for x in others])
-            expected = fit(m)
-            off = abs((by_size[m].forward_s + by_size[m].backward_s) / expected - 1) if expected > 0 else 0.0
+            expected = LinearFit.fit(others, [total(by_size[x]) for x in others])(m)
+            off = abs(total(by_size[m]) / expected - 1) if expected > 0 else 0.0
             if m not in retimed and off > worst:
                 worst, where, line = off, m, expected
         if worst <= _OUTLIER:
             break
         first = by_size[where]
         f, bw, _ = prof.time_step(where, warmup=1)
-        f, bw = _reduce(f, "max"), _reduce(bw, "max")
+        again = TimingSample(micro_batch_size=where, forward_s=_reduce(f, "max"), backward_s=_reduce(bw, "max"))
         retimed.add(where)
-        keep = first if first.forward_s + first.backward_s <= f + bw else TimingSample(micro_batch_size=where, forward_s=f, backward_s=bw)
-        by_size[where] = keep
+        by_size[where] = keep = min(first, again, key=total)
         prof.say(
-            f"micro-batch {where}: {(first.forward_s + first.backward_s) * 1e3:.1f} ms was {worst:.0%} off the line through the "
-            f"other sizes ({line * 1e3:.1f} ms); timed again: {(f + bw) * 1e3:.1f} ms; kept {(keep.forward_s + keep.backward_s) * 1e3:.1f} ms"
+            f"micro-batch {where}: {total(first) * 1e3:.1f} ms was {worst:.0%} off the line through the "
+            f"other sizes ({line * 1e3:.1f} ms); timed again: {total(again) * 1e3:.1f} ms; kept {total(keep) * 1e3:.1f} ms"
         )
     return [by_size[s.micro_batch_size] for s in samples]
 
