@@ -32,11 +32,15 @@ from cpu_cluster_sweep import summarize_sweep  # noqa: E402
 from lightning_distplan.bench import relative_error, summarize  # noqa: E402
 from lightning_distplan.costmodel import predict  # noqa: E402
 from lightning_distplan.plan import Plan  # noqa: E402
+from lightning_distplan.planner import NEAR_TIE, near_tie_order  # noqa: E402
 from lightning_distplan.profile import Profile  # noqa: E402
 
 
-def replay_setting(setting: dict[str, Any]) -> dict[str, Any]:
-    """The setting with every measured plan predicted again; planner ranks follow the new predictions."""
+def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[str, Any]:
+    """The setting with every measured plan predicted again; planner ranks follow the new predictions.
+
+    ``tie``: the planner's near-tie margin (:func:`~lightning_distplan.planner.near_tie_order`); 0 ranks by predicted time alone.
+    """
     profile = Profile.from_dict(setting["profile"], source=f"{setting.get('model_key')}@{setting.get('rate')}")
     measured = [r for r in setting["plans"] if r.get("measured_step_time_s") is not None]
     records = []
@@ -45,8 +49,15 @@ def replay_setting(setting: dict[str, Any]) -> dict[str, Any]:
         err = relative_error(pred.step_time_s, rec["measured_step_time_s"])
         records.append({**rec, "predicted_step_time_s": pred.step_time_s, "predicted_peak_memory_bytes": pred.peak_memory_bytes,
                         "feasible": pred.feasible, "step_time_error": err, "abs_step_time_error": abs(err)})
-    # the planner ranks feasible plans by predicted step time (ties keep the sweep's order)
+    # the planner ranks feasible plans by predicted step time (ties keep the sweep's order), and
+    # within 2% of the best remaining one the larger micro-batch first (planner.near_tie_order)
     order = sorted(range(len(records)), key=lambda i: (not records[i]["feasible"], records[i]["predicted_step_time_s"]))
+    order = [order[j] for j in near_tie_order(
+        [records[i]["predicted_step_time_s"] for i in order],
+        [records[i]["plan_json"]["micro_batch_size"] for i in order],
+        [records[i]["feasible"] for i in order],
+        tie=tie,
+    )]
     for new_rank, i in enumerate(order, 1):
         records[i]["rank"] = new_rank
     return {**setting, "plans": records, "summary": summarize(records)}
@@ -55,6 +66,8 @@ def replay_setting(setting: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", help="sweep result JSON files (with stored profiles)")
+    parser.add_argument("--tie", type=float, default=NEAR_TIE,
+                        help=f"the planner's near-tie margin (default {NEAR_TIE}); 0 ranks by predicted time alone")
     args = parser.parse_args(argv)
     pooled: list[dict[str, Any]] = []
     rates: list[str] = []
@@ -65,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{path}: no setting with a stored profile and measurements; it cannot be replayed.")
         sweep_rates = doc.get("provenance", {}).get("rates") or list(dict.fromkeys(s["rate"] for s in settings))
         rates += [r for r in sweep_rates if r not in rates]
-        replayed = [replay_setting(s) for s in settings]
+        replayed = [replay_setting(s, tie=args.tie) for s in settings]
         pooled += replayed
         summary, _ = summarize_sweep(replayed, sweep_rates)
         old = doc.get("summary", {})

@@ -70,6 +70,14 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     feasible = [c for c in candidates[1:] if c.prediction.feasible]
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
+    fastest = min(feasible, key=lambda c: c.objective)
+    if fastest.objective < win.objective:  # a near tie that went to the larger micro-batch (near_tie_order)
+        return (
+            f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
+            f"the fastest plan ({fastest.plan.describe()}) and runs larger micro-batches ({win.plan.micro_batch_size} vs "
+            f"{fastest.plan.micro_batch_size}); in a near tie the ranking prefers them, since every micro-batch "
+            "carries loop and pipeline-runtime cost the model does not fully price."
+        )
     # Compare with the best plan of another layout (dp / pp / hybrid) first: "why pipelines over DP"
     # is the question users ask; GPipe vs 1F1B of the same layout differ only in memory.
     other = next(
