@@ -150,7 +150,7 @@ def near_tie_order(
         pool = [i for i in left if feasible[i]] or left
         best = scores[pool[0]]
         near = [i for i in pool if scores[i] <= best + tie * abs(best)]
-        head = max(near, key=lambda i: (micro_batch_sizes[i], -pool.index(i)))
+        head = max(near, key=lambda i: (micro_batch_sizes[i], -i))  # equal sizes: the earlier in the given order
         order.append(head)
         left.remove(head)
     return order

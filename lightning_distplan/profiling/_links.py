@@ -151,12 +151,13 @@ def measure_links(
     p2p_times = p2p_medians(sizes)
     raw_p2p, (lat, inv_bw) = _fit(sizes, p2p_times)
     if lat > allreduce.latency_s:
-        # One message cannot take longer than a step of the all-reduce that just crossed the same
-        # link. On the CPU cluster host the first reading after the link came up sometimes put
-        # every 4 KiB message at ~1.95 ms (p2p L 1.6 ms against ~0.1 ms in its other profiles),
-        # which priced each pipeline hand-over 16x too high. Time the small messages again and
-        # keep the faster median per size. Both numbers are the same on every rank, so every rank
-        # takes this branch or none does.
+        # Over gloo one message should not take longer than a step of the all-reduce that just
+        # crossed the same link. On the CPU cluster host the first reading after the link came up
+        # sometimes put every 4 KiB message at ~1.95 ms (p2p L 1.6 ms against ~0.1 ms in its other
+        # profiles), which priced each pipeline hand-over 16x too high. Time the small messages
+        # again and keep the faster median per size; where the check misfires (NCCL's per-step
+        # latency of a ring model can be below a real send's), it costs one more timing of them.
+        # Both numbers are the same on every rank, so every rank takes this branch or none does.
         small = [n for n in sizes if n <= SMALL_MESSAGE_BYTES] or sizes[:1]
         p2p_times = _keep_faster(sizes, p2p_times, dict(zip(small, p2p_medians(small))))
         first = lat
