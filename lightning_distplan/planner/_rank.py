@@ -129,9 +129,9 @@ def near_tie_order(
     objective is within ``tie`` (2%) of the best remaining objective (feasible plans before
     infeasible ones; otherwise the given order). Why: every micro-batch is one more pass through
     the training loop or the pipeline runtime, and part of that per-pass cost is not in the model.
-    A trivial two-stage ``torch.distributed.pipelining`` schedule over gloo costs ~0.9 ms per
-    micro-batch on the 2-vCPU sweep host, of which the model prices only the two link latencies
-    (~0.2 ms). The errors that leaves are not the same for every model (tiny GPT-2's pipelines
+    A two-stage ``torch.distributed.pipelining`` schedule of two ``Linear(8, 8)`` stages over gloo
+    costs 0.90 ms (1F1B) to 1.46 ms (GPipe) per micro-batch on the 2-vCPU sweep host, of which the
+    model prices only the two link latencies, 0.21 ms (``benchmarks/pipeline_slot_overhead.py``). The errors that leaves are not the same for every model (tiny GPT-2's pipelines
     run 2–3 ms per micro-batch above the model, the MLP's below), so it is not charged as a term;
     it only decides near ties. Replayed on the seven CPU cluster sweeps of
     ``benchmarks/results/earlier/`` (63 settings; ``benchmarks/replay_sweep.py --tie 0`` for the

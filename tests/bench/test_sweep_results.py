@@ -42,3 +42,23 @@ def test_committed_sweep_replays_to_its_recorded_predictions(path: Path) -> None
             assert again[plan] == pytest.approx(seconds, rel=1e-9), f"{setting['model_key']}@{setting['rate']} {plan}"
         # the planner's pick is the plan it ranked first
         assert replayed["summary"]["pick"]["plan"] == setting["summary"]["pick"]["plan"]
+
+
+def test_replay_variants_change_predictions_only_inside_their_block() -> None:
+    from replay_sweep import replay_setting
+    from replay_variants import variant
+
+    setting = next(s for s in json.loads(SWEEPS[0].read_text())["settings"] if "profile" in s and "summary" in s)
+    recorded = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+    with variant("slot", 1e-3):
+        slot = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+    with variant("samples"):
+        samples = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+    after = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+    assert after == recorded
+    for plan, seconds in recorded.items():
+        if plan.startswith("dp_ga"):
+            assert slot[plan] == seconds  # the slot variant charges pipeline stages only
+        else:
+            assert slot[plan] > seconds + 1e-3  # at least one micro-batch slot's worth more
+    assert any(samples[p] != pytest.approx(s, rel=1e-6) for p, s in recorded.items())

@@ -1,0 +1,118 @@
+"""What one micro-batch costs the pipelining runtime itself, next to what the cost model charges for it.
+
+Two gloo ranks on this machine run a two-stage ``torch.distributed.pipelining`` schedule (1F1B and
+GPipe) whose stages are one ``nn.Linear(8, 8)`` each, so the compute is next to nothing and the
+step time is the runtime's own per-micro-batch work (forward/backward bookkeeping, the
+``batch_isend_irecv`` hand-overs and their waits). The per-micro-batch cost is the slope of the
+median step time between n = 2 and n = 16 micro-batches. The cost model charges a hand-over only
+its link latency, once forward and once backward (2·L per micro-batch, L from
+``profiling.measure_links`` on the same ranks); the difference is what the planner's near-tie rule
+(``planner.near_tie_order``) stands in for.
+
+Run:
+    python benchmarks/pipeline_slot_overhead.py [--steps 30]
+Writes benchmarks/results/pipeline_slot_overhead_cpu.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULT = Path(__file__).resolve().parent / "results" / "pipeline_slot_overhead_cpu.json"
+MICRO_BATCHES = (2, 8, 16)
+
+
+def _worker(rank: int, port: int, steps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from lightning_distplan.profiling import measure_links
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        _, p2p = measure_links()
+        step_ms: dict[str, dict[int, float]] = {}
+        for name, schedule in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+            step_ms[name] = {}
+            for n in MICRO_BATCHES:
+                stage = PipelineStage(nn.Linear(8, 8), rank, 2, torch.device("cpu"))
+                sched = schedule(stage, n, loss_fn=lambda out, target: out.square().mean())
+                x, target = torch.zeros(n, 8), torch.zeros(n, 8)
+                times = []
+                for i in range(steps + 3):  # 3 warm-up steps
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    sched.step(x) if rank == 0 else sched.step(target=target)
+                    if i >= 3:
+                        times.append(time.perf_counter() - t0)
+                step_ms[name][n] = statistics.median(times) * 1e3
+        if rank == 0:
+            Path(out).write_text(json.dumps({"step_ms": step_ms, "p2p_latency_ms": p2p.latency_s * 1e3}))
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per schedule and micro-batch count")
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1. HINT: use the default, 30.")
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    raw = args.out.with_suffix(".raw.json")
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    load = os.getloadavg()
+    mp.spawn(_worker, args=(port, args.steps, str(raw)), nprocs=2, join=True)
+    measured = json.loads(raw.read_text())
+    raw.unlink()
+
+    lo, hi = MICRO_BATCHES[0], MICRO_BATCHES[-1]
+    modelled = 2 * measured["p2p_latency_ms"]
+    per_mb = {k: (v[str(hi)] - v[str(lo)]) / (hi - lo) for k, v in measured["step_ms"].items()}
+    result = {
+        "what": "per-micro-batch cost of a trivial two-stage torch.distributed.pipelining schedule vs the model's 2·L",
+        "step_ms": measured["step_ms"],
+        "per_microbatch_ms": per_mb,
+        "modelled_per_microbatch_ms": modelled,
+        "p2p_latency_ms": measured["p2p_latency_ms"],
+        "provenance": {
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "date": started,
+            "device": f"cpu ({platform.machine()}, {os.cpu_count()} logical cores, 2 gloo ranks on loopback, 1 thread each)",
+            "load_average_before": list(load),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__},
+            "steps": args.steps,
+        },
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, v in per_mb.items():
+        steps = ", ".join(f"n={n}: {measured['step_ms'][name][str(n)]:.2f} ms" for n in MICRO_BATCHES)
+        print(f"{name}: {steps}; {v:.2f} ms per micro-batch")
+    print(f"the model charges 2·L = {modelled:.2f} ms per micro-batch (p2p L {measured['p2p_latency_ms'] * 1e3:.0f} us)")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""Replay stored sweeps under cost-model variants that were tried and not kept (README "Limitations").
+
+Each variant swaps one piece of ``lightning_distplan.costmodel._predict`` for the length of the
+replay, then prints the pooled median / p90 |step-time error| and picks next to today's model:
+
+* ``samples``: the whole-step forward and backward time at a profiled micro-batch size is that
+  size's own measured time instead of the line through all sizes (interpolated between sizes).
+* ``slot``: every pipeline stage pays a constant ``--slot-ms`` per micro-batch on top of its work
+  (half in forward, half in backward), the runtime cost ``benchmarks/pipeline_slot_overhead.py``
+  measures beyond the two link latencies the model charges.
+
+Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/*.json
+      python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_cluster_sweep import summarize_sweep  # noqa: E402
+from replay_sweep import replay_setting  # noqa: E402
+
+import lightning_distplan.costmodel._predict as P  # noqa: E402
+
+
+def _whole(profile: Any, which: str, m: int) -> float:
+    """The profiled whole-step forward or backward time at m, interpolated between profiled sizes; the line outside them."""
+    fit = profile.step.forward if which == "forward_s" else profile.step.backward
+    points = sorted((s.micro_batch_size, getattr(s, which)) for s in profile.step.samples)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= m <= x1:
+            return y0 + (y1 - y0) * (m - x0) / (x1 - x0)
+    return P._monotone(fit, m, profile.micro_batch_sizes)
+
+
+class _StageWork(list):
+    """The per-layer forward or backward times of one prediction (so ``stage_sums`` can tell them apart)."""
+
+
+@contextlib.contextmanager
+def variant(name: str, slot_s: float = 0.0) -> Iterator[None]:
+    saved = {k: getattr(P, k) for k in ("_step_compute", "_step_backward", "_layer_times", "stage_sums")}
+    if name == "samples":
+        def layer_times(profile: Any, m: int, scale: float) -> tuple[list[float], list[float]]:
+            def calibrated(fits: list[Any], whole: float) -> list[float]:
+                raw = [P._monotone(f, m, profile.micro_batch_sizes) for f in fits]
+                return [scale * whole * r / sum(raw) for r in raw]
+            return (calibrated([l.forward for l in profile.layers], _whole(profile, "forward_s", m)),
+                    calibrated([l.backward for l in profile.layers], _whole(profile, "backward_s", m)))
+
+        P._step_compute = lambda profile, m, scale: scale * (_whole(profile, "forward_s", m) + _whole(profile, "backward_s", m))
+        P._step_backward = lambda profile, m, scale: scale * _whole(profile, "backward_s", m)
+        P._layer_times = layer_times
+    elif name == "slot":
+        P._layer_times = lambda *a: tuple(_StageWork(x) for x in saved["_layer_times"](*a))
+        P.stage_sums = lambda values, boundaries: (
+            tuple(x + slot_s / 2 for x in saved["stage_sums"](values, boundaries))
+            if isinstance(values, _StageWork) else saved["stage_sums"](values, boundaries)
+        )
+    else:
+        raise SystemExit(f"unknown variant {name!r}. HINT: use samples or slot.")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(P, k, v)
+
+
+def _pooled(docs: list[dict[str, Any]]) -> str:
+    replayed, rates = [], []
+    for doc in docs:
+        settings = [s for s in doc["settings"] if "profile" in s and "summary" in s]
+        rates += [r for r in doc.get("provenance", {}).get("rates", []) if r not in rates]
+        replayed += [replay_setting(s) for s in settings]
+    s, _ = summarize_sweep(replayed, rates)
+    picks = round(s["pick_within_5pct_rate"] * s["n_settings_done"])
+    return f"median |error| {s['median_abs_error']:.1%}, p90 {s['p90_abs_error']:.1%}, pick within 5% in {picks}/{s['n_settings_done']} settings"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variant", choices=("samples", "slot"))
+    parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files (with stored profiles)")
+    parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
+    args = parser.parse_args(argv)
+    docs = [json.loads(p.read_text()) for p in args.sweeps]
+    print(f"today's model: {_pooled(docs)}")
+    with variant(args.variant, args.slot_ms / 1e3):
+        print(f"{args.variant}{f' {args.slot_ms} ms' if args.variant == 'slot' else ''}: {_pooled(docs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
