@@ -29,38 +29,45 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cpu_cluster_sweep import summarize_sweep  # noqa: E402
 
-from lightning_distplan.bench import relative_error, summarize  # noqa: E402
+from lightning_distplan.bench import first_profile_view, relative_error, summarize  # noqa: E402
 from lightning_distplan.costmodel import predict  # noqa: E402
 from lightning_distplan.plan import Plan  # noqa: E402
-from lightning_distplan.planner import NEAR_TIE, near_tie_order  # noqa: E402
-from lightning_distplan.profile import Profile  # noqa: E402
+from lightning_distplan.planner import NEAR_TIE, rank_order  # noqa: E402
+from lightning_distplan.profile import Profile, pool_profiles  # noqa: E402
 
 
 def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[str, Any]:
     """The setting with every measured plan predicted again; planner ranks follow the new predictions.
 
+    Predictions come from the mean of the setting's profiles (``profiles``: taken before the runs
+    and after each pass) or, in sweeps that stored one, from ``profile``; ``first_profile`` and
+    ``summary_first_profile`` hold the first profile's, when there were several.
     ``tie``: the planner's near-tie margin (:func:`~lightning_distplan.planner.near_tie_order`); 0 ranks by predicted time alone.
     """
-    profile = Profile.from_dict(setting["profile"], source=f"{setting.get('model_key')}@{setting.get('rate')}")
+    source = f"{setting.get('model_key')}@{setting.get('rate')}"
+    rounds = [Profile.from_dict(p, source=source) for p in setting.get("profiles", [])] or [Profile.from_dict(setting["profile"], source=source)]
     measured = [r for r in setting["plans"] if r.get("measured_step_time_s") is not None]
-    records = []
-    for rec in measured:
-        pred = predict(profile, Plan.from_dict(rec["plan_json"]))
-        err = relative_error(pred.step_time_s, rec["measured_step_time_s"])
-        records.append({**rec, "predicted_step_time_s": pred.step_time_s, "predicted_peak_memory_bytes": pred.peak_memory_bytes,
+    plans = [Plan.from_dict(r["plan_json"]) for r in measured]
+
+    def grade(profile: Profile) -> list[dict[str, Any]]:
+        preds = [predict(profile, plan) for plan in plans]
+        ranks = [0] * len(plans)
+        for position, i in enumerate(rank_order(plans, preds, tie=tie), 1):
+            ranks[i] = position
+        out = []
+        for rec, pred, rank in zip(measured, preds, ranks):
+            err = relative_error(pred.step_time_s, rec["measured_step_time_s"])
+            out.append({"rank": rank, "predicted_step_time_s": pred.step_time_s, "predicted_peak_memory_bytes": pred.peak_memory_bytes,
                         "feasible": pred.feasible, "step_time_error": err, "abs_step_time_error": abs(err)})
-    # the planner ranks feasible plans by predicted step time (ties keep the sweep's order), and
-    # within 2% of the best remaining one the larger micro-batch first (planner.near_tie_order)
-    order = sorted(range(len(records)), key=lambda i: (not records[i]["feasible"], records[i]["predicted_step_time_s"]))
-    order = [order[j] for j in near_tie_order(
-        [records[i]["predicted_step_time_s"] for i in order],
-        [records[i]["plan_json"]["micro_batch_size"] for i in order],
-        [records[i]["feasible"] for i in order],
-        tie=tie,
-    )]
-    for new_rank, i in enumerate(order, 1):
-        records[i]["rank"] = new_rank
-    return {**setting, "plans": records, "summary": summarize(records)}
+        return out
+
+    records = [{**rec, **new} for rec, new in zip(measured, grade(pool_profiles(rounds)))]
+    replayed = {**setting, "plans": records, "summary": summarize(records)}
+    if len(rounds) > 1:
+        for rec, first in zip(records, grade(rounds[0])):
+            rec["first_profile"] = first
+        replayed["summary_first_profile"] = summarize(first_profile_view(records))
+    return replayed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -50,6 +50,7 @@ __all__ = [
     "FrameworkProfile",
     "SharedParameters",
     "Profile",
+    "pool_profiles",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -342,6 +343,94 @@ class Profile:
                     "bandwidth must be positive and latency non-negative.",
                     hint=hint,
                 )
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _pool_fit(fits: Sequence[LinearFit]) -> LinearFit:
+    # The mean of lines fitted at the same sizes is the least-squares line through all their points.
+    return LinearFit(alpha=_mean([f.alpha for f in fits]), beta=_mean([f.beta for f in fits]), r2=min(f.r2 for f in fits))
+
+
+def _pool_link(links: Sequence[LinkProfile]) -> LinkProfile:
+    # Mean time per message: latency and seconds per byte average, bandwidth is the inverse of the latter.
+    first = links[0]
+    return replace(
+        first,
+        latency_s=_mean([link.latency_s for link in links]),
+        bandwidth_bytes_per_s=1.0 / _mean([1.0 / link.bandwidth_bytes_per_s for link in links]),
+        r2=min(link.r2 for link in links),
+        samples=tuple(x for link in links for x in link.samples),
+    )
+
+
+def pool_profiles(profiles: Sequence[Profile]) -> Profile:
+    """One profile from several of the same model taken at different times: the mean of their timings.
+
+    Every time the cost model reads is averaged: the step and per-layer fits (α and β: the mean of
+    lines fitted at the same sizes is the least-squares line through all their points), the
+    optimizer step, the training loop's overhead, each link's latency and seconds per byte, and
+    the step's run-to-run spread (root mean square). Timing samples are concatenated. Sizes,
+    memory and everything else come from the first profile. On a host whose speed drifts,
+    profiles spread over a window predict that window's mean speed where one profile predicts the
+    moment it was taken (``distplan bench`` profiles again after each pass for this).
+
+    Raises:
+        ValueError: no profiles, or profiles of different models, layers, sizes or links.
+    """
+    if not profiles:
+        raise ValueError("pool_profiles needs at least one profile.")
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    for other in profiles[1:]:
+        same = (
+            other.model == first.model
+            and [layer.name for layer in other.layers] == [layer.name for layer in first.layers]
+            and other.micro_batch_sizes == first.micro_batch_sizes
+            and sorted((link.kind, link.world_size) for link in other.links) == sorted((link.kind, link.world_size) for link in first.links)
+        )
+        if not same:
+            raise ValueError(
+                f"pool_profiles got profiles that differ in model, layers, micro-batch sizes or links ({other.model!r} vs {first.model!r}); "
+                "only profiles of the same model taken the same way can be pooled."
+            )
+    layers = tuple(
+        replace(
+            layer,
+            forward=_pool_fit([p.layers[i].forward for p in profiles]),
+            backward=_pool_fit([p.layers[i].backward for p in profiles]),
+            samples=tuple(x for p in profiles for x in p.layers[i].samples),
+        )
+        for i, layer in enumerate(first.layers)
+    )
+    step = StepProfile(
+        forward=_pool_fit([p.step.forward for p in profiles]),
+        backward=_pool_fit([p.step.backward for p in profiles]),
+        samples=tuple(x for p in profiles for x in p.step.samples),
+        spread=math.sqrt(_mean([p.step.spread**2 for p in profiles])),
+    )
+    links = tuple(
+        _pool_link([next(x for x in p.links if (x.kind, x.world_size) == (link.kind, link.world_size)) for p in profiles])
+        for link in first.links
+    )
+    framework = replace(
+        first.framework,
+        per_batch_s=_mean([p.framework.per_batch_s for p in profiles]),
+        per_step_s=_mean([p.framework.per_step_s for p in profiles]),
+    )
+    optimizer = replace(first.optimizer, step_time_s=_mean([p.optimizer.step_time_s for p in profiles]))
+    return replace(
+        first,
+        step=step,
+        layers=layers,
+        links=links,
+        framework=framework,
+        optimizer=optimizer,
+        profiling_time_s=sum(p.profiling_time_s for p in profiles),
+    )
 
 
 def _build(cls: type, data: Any) -> Any:

@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per plan first (default 2)")
     parser.add_argument("--passes", type=int, default=2,
                         help="run the list of plans this many times, in alternating order, and pool each plan's timed steps (default 2)")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="predict from the one profile taken before the runs (default: profile again after each pass and "
+                        "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
     parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to profile (default: powers of two up to the global batch)")
     parser.add_argument("--profile-repeats", type=int, default=3, help="timed runs per profiled size (default 3)")
@@ -72,8 +75,9 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         value = getattr(args, flag)
         if value is not None:
             out += ["--" + flag.replace("_", "-"), str(value)]
-    if args.quiet:
-        out.append("--quiet")
+    for flag in ("profile_once", "quiet"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
     return out
 
 
@@ -170,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
-            steps=args.steps, warmup=args.warmup, passes=args.passes, device=None if args.device == "auto" else args.device,
+            steps=args.steps, warmup=args.warmup, passes=args.passes, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
             micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, progress=say,
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},
@@ -185,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             if args.plot:
                 plot_result(result, args.plot)
             if args.format == "json":
-                print(json.dumps({k: v for k, v in result.items() if k != "profile"}, indent=1))
+                print(json.dumps({k: v for k, v in result.items() if k not in ("profile", "profiles")}, indent=1))
             else:
                 print(format_table(result))
                 if args.out:

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from lightning_distplan.bench._bench import BENCH_LINK_SIZES, RESULT_SCHEMA, BenchError, parse_plans_spec, run_bench, select_candidates
-from lightning_distplan.bench._compare import WITHIN, percentile, relative_error, summarize
+from lightning_distplan.bench._compare import WITHIN, first_profile_view, percentile, predict_ranked, relative_error, summarize
 from lightning_distplan.bench._report import format_table, plot_result
 
 __all__ = [
@@ -23,6 +23,8 @@ __all__ = [
     "select_candidates",
     "parse_plans_spec",
     "summarize",
+    "predict_ranked",
+    "first_profile_view",
     "relative_error",
     "percentile",
     "format_table",

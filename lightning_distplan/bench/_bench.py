@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_distplan.bench._compare import WITHIN, relative_error, summarize
+from lightning_distplan.bench._compare import WITHIN, first_profile_view, predict_ranked, relative_error, summarize
 from lightning_distplan.bench._runner import combine_passes, combine_ranks, measure_plan, memory_metric
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
@@ -181,6 +181,7 @@ def run_bench(
     steps: int = 5,
     warmup: int = 2,
     passes: int = 2,
+    reprofile: bool = True,
     device: str | torch.device | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     profile_repeats: int = 3,
@@ -207,6 +208,13 @@ def run_bench(
         passes: times the whole list of plans is run, in alternating order (first to last, then
             last to first, ...); each plan's step time is the median of its timed steps from all
             passes, so a slow spell of a shared host weighs on one pass of a plan, not all of it.
+        reprofile: profile again (model and links) after each pass and predict from the mean of
+            all the profiles (:func:`~lightning_distplan.profile.pool_profiles`), so predictions
+            and measurements sample the same stretch of time; a host whose speed drifts then
+            shows the model's error rather than the drift. The first profile's predictions and
+            ranks (what auto_plan, profiling once, would have had) stay in every record under
+            ``first_profile`` and are summarised in ``summary_first_profile``. False: the first
+            profile alone.
         device: ``"cpu"``/``"cuda"``; default CUDA when present.
         micro_batch_sizes: sizes to profile; default powers of two up to the global batch.
         profile_repeats: timed runs per profiled size.
@@ -216,7 +224,9 @@ def run_bench(
 
     Returns:
         The result dict (schema :data:`RESULT_SCHEMA`): ``plans`` (per-plan predicted and measured
-        numbers, errors, breakdown), ``summary`` (see :func:`~lightning_distplan.bench.summarize`),
+        numbers, errors, breakdown, ordered by rank), ``summary`` (see
+        :func:`~lightning_distplan.bench.summarize`), ``summary_first_profile`` (the same from the
+        first profile alone), ``profile`` (the one predictions rest on), ``profiles`` (each one taken),
         ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
         micro-batch timed again, slowest rank: its ratio to the profile's fit there shows roughly,
         to about ±10% on a noisy CPU, how far the host's speed drifted while the plans ran),
@@ -226,7 +236,7 @@ def run_bench(
         BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
     """
     from lightning_distplan.planner import rank_plans
-    from lightning_distplan.profile import Profile
+    from lightning_distplan.profile import Profile, pool_profiles
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
 
@@ -251,17 +261,22 @@ def run_bench(
 
     # -- profile (every rank; rank 0's profile is the one planned on) -----------------------------
     sizes = list(micro_batch_sizes) if micro_batch_sizes else default_bench_micro_batch_sizes(global_batch_size)
-    say(f"profiling on {dev} at micro-batch sizes {sizes} (world size {world})")
-    torch.manual_seed(0)
-    module = make_module()
-    profile = profile_module(module, train_loader, micro_batch_sizes=sizes, device=dev, repeats=profile_repeats, measure_links=False)
-    del module
-    if world > 1:
-        say(f"measuring the links at {[s >> 10 for s in link_sizes]} KiB")
-        profile = dataclasses.replace(profile, links=measure_links(sizes_bytes=link_sizes, repeats=5))
-    profile = Profile.from_dict(_broadcast(profile.to_dict()), source="rank 0's profile")
-    for link in profile.links:
-        say(f"  {link.kind}: latency {link.latency_s * 1e6:.0f} us, bandwidth {link.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s (R² {link.r2:.3f})")
+    def take_profile(when: str) -> Profile:
+        say(f"profiling {when} on {dev} at micro-batch sizes {sizes} (world size {world})")
+        torch.manual_seed(0)
+        module = make_module()
+        taken = profile_module(module, train_loader, micro_batch_sizes=sizes, device=dev, repeats=profile_repeats, measure_links=False)
+        del module
+        if world > 1:
+            say(f"measuring the links at {[s >> 10 for s in link_sizes]} KiB")
+            taken = dataclasses.replace(taken, links=measure_links(sizes_bytes=link_sizes, repeats=5))
+        taken = Profile.from_dict(_broadcast(taken.to_dict()), source="rank 0's profile")
+        for link in taken.links:
+            say(f"  {link.kind}: latency {link.latency_s * 1e6:.0f} us, bandwidth {link.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s (R² {link.r2:.3f})")
+        return taken
+
+    profile = take_profile("before the runs")
+    profiles = [profile]
 
     # -- plan --------------------------------------------------------------------------------------
     candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size)
@@ -332,14 +347,22 @@ def run_bench(
             where = f"pass {p + 1}/{passes} " if passes > 1 else ""
             say(f"[{where}{k + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
         check_host(p + 1)
+        if reprofile:
+            profiles.append(take_profile(f"again after pass {p + 1}"))
+    # predictions from the mean of the profiles, which span the runs' stretch of time (with one: the first)
+    pooled = pool_profiles(profiles)
+    graded = predict_ranked(pooled, [cand.plan for cand in candidates])  # ranks among all candidates, as the first profile's
+    index = {id(cand): i for i, cand in enumerate(candidates)}
+    regraded = [graded[index[id(cand)]] for cand in chosen]
     records = []
     for i, cand in enumerate(chosen):
-        plan, pred = cand.plan, cand.prediction
+        plan, pred = cand.plan, regraded[i][0]
         got = combine_passes(runs[i])
         err = relative_error(pred.step_time_s, got["measured_step_time_s"])
         mem_err = relative_error(pred.peak_memory_bytes, got["measured_peak_memory_bytes"])
+        first_err = relative_error(cand.prediction.step_time_s, got["measured_step_time_s"])
         records.append({
-            "rank": cand.rank,
+            "rank": regraded[i][1],
             "plan": plan.describe(),
             **plan.layout(),
             "predicted_step_time_s": pred.step_time_s,
@@ -353,7 +376,15 @@ def run_bench(
             "memory_error": mem_err,
             "wall_s": walls[i],
             "plan_json": plan.to_dict(),
+            "first_profile": {
+                "rank": cand.rank,
+                "predicted_step_time_s": cand.prediction.step_time_s,
+                "predicted_peak_memory_bytes": cand.prediction.peak_memory_bytes,
+                "step_time_error": first_err,
+                "abs_step_time_error": None if first_err is None else abs(first_err),
+            },
         })
+    records.sort(key=lambda r: r["rank"])
     summary = summarize(records, within=WITHIN)
     result = {
         "schema": RESULT_SCHEMA,
@@ -369,7 +400,7 @@ def run_bench(
         "memory_metric": memory_metric(dev),
         "step_time_metric": "median over timed steps (of all passes) of the slowest rank's wall time between optimizer steps"
         + (" (cuda-synchronised)" if dev.type == "cuda" else ""),
-        "links": [dataclasses.asdict(link) for link in profile.links],
+        "links": [dataclasses.asdict(link) for link in pooled.links],
         "n_candidates": len(candidates),
         "candidates_not_run": [
             {"rank": c.rank, "plan": c.plan.describe(), "feasible": c.prediction.feasible, "predicted_step_time_s": c.prediction.step_time_s}
@@ -378,8 +409,11 @@ def run_bench(
         ],
         "plans": records,
         "summary": summary,
+        "summary_first_profile": summarize(first_profile_view(records), within=WITHIN),
         "host_checks": host_checks,
-        "profile": profile.to_dict(),
+        "profile": pooled.to_dict(),
+        "profiles": [p.to_dict() for p in profiles],
+        "prediction_profile": f"mean of {len(profiles)} profiles (before the runs and after each pass)" if len(profiles) > 1 else "one profile, before the runs",
         "provenance": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(),

@@ -9,9 +9,14 @@ fastest measured plan: ``measured(pick) / measured(best) − 1``.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-__all__ = ["relative_error", "percentile", "summarize", "WITHIN"]
+if TYPE_CHECKING:
+    from lightning_distplan.costmodel import Prediction
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.profile import Profile
+
+__all__ = ["relative_error", "percentile", "summarize", "predict_ranked", "first_profile_view", "WITHIN"]
 
 WITHIN = 0.05
 """The pick counts as good when it ran within 5% of the measured best (issue 6 target)."""
@@ -35,6 +40,27 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def predict_ranked(profile: Profile, plans: Sequence[Plan]) -> list[tuple[Prediction, int]]:
+    """Each plan's prediction from ``profile`` and its planner rank among ``plans`` (1 = the planner's choice).
+
+    Plans are priced as given (their stage boundaries as run) and ordered as
+    :func:`~lightning_distplan.planner.rank_plans` orders them.
+    """
+    from lightning_distplan.costmodel import predict
+    from lightning_distplan.planner import rank_order
+
+    preds = [predict(profile, plan) for plan in plans]
+    ranks = [0] * len(plans)
+    for position, i in enumerate(rank_order(plans, preds), 1):
+        ranks[i] = position
+    return list(zip(preds, ranks))
+
+
+def first_profile_view(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The records with their ``first_profile`` rank and predictions in place of the pooled ones (for :func:`summarize`)."""
+    return [{**r, **r["first_profile"]} for r in records if r.get("first_profile")]
 
 
 def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -> dict[str, Any]:

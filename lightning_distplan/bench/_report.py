@@ -59,6 +59,13 @@ def format_table(result: Mapping[str, Any]) -> str:
         ]
         if s.get("median_abs_memory_error") is not None:
             lines.append(f"memory |error|: median {s['median_abs_memory_error']:.1%}, p90 {s['p90_abs_memory_error']:.1%}")
+        first = result.get("summary_first_profile")
+        if first and first.get("n_measured") and len(result.get("profiles", ())) > 1:
+            lines.append(
+                f"predictions: {result['prediction_profile']}; from the first profile alone (as auto_plan profiles once): "
+                f"median {first['median_abs_error']:.1%}, p90 {first['p90_abs_error']:.1%}, "
+                f"pick rank {first['pick']['rank']} {first['pick']['plan']} within {first['within']:.0%} of the best: {first['pick_within']}"
+            )
     else:
         lines.append("no plan produced a measurement")
     checks = [c for c in result.get("host_checks", []) if c.get("ratio") is not None]

@@ -12,7 +12,7 @@ from lightning_distplan.plan import STRATEGIES, Plan
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
 
-__all__ = ["Candidate", "rank_plans", "near_tie_order", "NEAR_TIE"]
+__all__ = ["Candidate", "rank_plans", "rank_order", "near_tie_order", "NEAR_TIE"]
 
 NEAR_TIE = 0.02
 """Plans whose objective is within this fraction of the best remaining one count as tied (see :func:`near_tie_order`)."""
@@ -97,7 +97,7 @@ def rank_plans(
         profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp, pins=pins
     )
     hw = hardware if hardware is not None else Hardware.from_profile(profile)
-    scored: list[tuple[tuple, Plan, Prediction, float, float | None]] = []
+    priced: list[tuple[Plan, Prediction, float, float | None]] = []
     for plan in plans:
         pred = predict(profile, plan, hw)
         if pred.stage_boundaries != plan.stage_boundaries:
@@ -108,16 +108,31 @@ def rank_plans(
             score = objective(cost, pred.step_time_s, time_weight)
         else:
             score = pred.step_time_s
-        key = (not pred.feasible, score, pred.peak_memory_bytes, plan.pp, plan.describe())
-        scored.append((key, plan, pred, score, cost))
-    scored.sort(key=lambda item: item[0])
-    order = near_tie_order(
-        [item[3] for item in scored], [item[1].micro_batch_size for item in scored], [item[2].feasible for item in scored]
-    )
+        priced.append((plan, pred, score, cost))
+    order = rank_order([p[0] for p in priced], [p[1] for p in priced], [p[2] for p in priced])
     return [
         Candidate(plan=plan, prediction=pred, objective=score, rank=i + 1, cost_per_step=cost)
-        for i, (_, plan, pred, score, cost) in enumerate(scored[j] for j in order)
+        for i, (plan, pred, score, cost) in enumerate(priced[j] for j in order)
     ]
+
+
+def rank_order(
+    plans: Sequence[Plan], predictions: Sequence[Prediction], scores: Sequence[float] | None = None, *, tie: float = NEAR_TIE
+) -> list[int]:
+    """Indices of ``plans`` best first, as :func:`rank_plans` orders them.
+
+    Feasible before infeasible, then by ``scores`` (default: predicted step time), lower peak
+    memory, fewer stages and the plan's description; then near ties go to the larger micro-batch
+    (:func:`near_tie_order`, margin ``tie``; 0 orders by score alone).
+    """
+    if scores is None:
+        scores = [pred.step_time_s for pred in predictions]
+    keys = [(not pred.feasible, score, pred.peak_memory_bytes, plan.pp, plan.describe()) for plan, pred, score in zip(plans, predictions, scores)]
+    by_key = sorted(range(len(keys)), key=keys.__getitem__)
+    near = near_tie_order(
+        [scores[i] for i in by_key], [plans[i].micro_batch_size for i in by_key], [predictions[i].feasible for i in by_key], tie=tie
+    )
+    return [by_key[j] for j in near]
 
 
 def near_tie_order(

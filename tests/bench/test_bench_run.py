@@ -61,12 +61,35 @@ def _check(result: dict, world_size: int) -> None:
     assert [c["after_pass"] for c in checks] == list(range(1, result["passes"] + 1))
     for c in checks:
         assert c["retimed_s"] > 0 and c["ratio"] == pytest.approx(c["retimed_s"] / c["profiled_s"])
+    _check_profiles(result)
+
+
+def _check_profiles(result: dict) -> None:
+    """Predictions come from the mean of the stored profiles; the first profile's stay beside them."""
+    from lightning_distplan.bench import first_profile_view, summarize
+    from lightning_distplan.costmodel import predict
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.profile import Profile, pool_profiles
+
+    rounds = [Profile.from_dict(p) for p in result["profiles"]]
+    pooled = pool_profiles(rounds)
+    assert json.loads(json.dumps(pooled.to_dict())) == result["profile"]
+    for rec in result["plans"]:
+        plan = Plan.from_dict(rec["plan_json"])
+        assert rec["predicted_step_time_s"] == pytest.approx(predict(pooled, plan).step_time_s, rel=1e-12)
+        first = rec["first_profile"]
+        assert first["predicted_step_time_s"] == pytest.approx(predict(rounds[0], plan).step_time_s, rel=1e-12)
+        assert first["step_time_error"] == pytest.approx(first["predicted_step_time_s"] / rec["measured_step_time_s"] - 1)
+    assert [r["rank"] for r in result["plans"]] == sorted(r["rank"] for r in result["plans"])  # listed best first
+    assert result["summary_first_profile"] == summarize(first_profile_view(result["plans"]))
 
 
 def test_bench_world_size_1(tmp_path):
     result = _bench(tmp_path, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--plot", str(tmp_path / "p.png"))
     _check(result, 1)
     assert result["passes"] == 2  # the default
+    assert len(result["profiles"]) == 3  # before the runs and again after each pass
+    assert result["prediction_profile"].startswith("mean of 3 profiles")
     assert [r["rank"] for r in result["plans"]] == [1, 2]
     assert {r["strategy"] for r in result["plans"]} == {"dp_ga"}  # one process: no pipeline
     assert {(r["micro_batch_size"], r["accumulate_grad_batches"]) for r in result["plans"]} <= {(4, 1), (2, 2), (1, 4)}
@@ -75,8 +98,12 @@ def test_bench_world_size_1(tmp_path):
 
 
 def test_bench_world_size_2_torchrun_loopback(tmp_path):
-    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1")
+    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1", "--profile-once")
     _check(result, 2)
+    assert len(result["profiles"]) == 1 and result["prediction_profile"] == "one profile, before the runs"
+    for rec in result["plans"]:  # one profile: its predictions and ranks are the first profile's
+        assert rec["rank"] == rec["first_profile"]["rank"]
+        assert rec["predicted_step_time_s"] == rec["first_profile"]["predicted_step_time_s"]
     strategies = {r["strategy"] for r in result["plans"]}
     assert "dp_ga" in strategies and strategies & {"gpipe", "1f1b"}, strategies  # both kinds ran, one after the other
     assert {link["kind"] for link in result["links"]} == {"allreduce", "p2p"}  # measured over the live group

@@ -62,3 +62,34 @@ def test_replay_variants_change_predictions_only_inside_their_block() -> None:
         else:
             assert slot[plan] > seconds + 1e-3  # at least one micro-batch slot's worth more
     assert any(samples[p] != pytest.approx(s, rel=1e-6) for p, s in recorded.items())
+
+
+def test_settings_with_several_profiles_replay_from_their_mean_and_keep_the_first() -> None:
+    from cpu_cluster_sweep import summarize_sweep
+    from replay_sweep import replay_setting
+
+    from lightning_distplan.costmodel import predict
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.profile import Profile, pool_profiles
+
+    setting = next(s for s in json.loads(SWEEPS[0].read_text())["settings"] if "profile" in s and "summary" in s)
+    first = Profile.from_dict(setting["profile"])
+    slow = json.loads(json.dumps(setting["profile"]))
+    for fit in (slow["step"]["forward"], slow["step"]["backward"]):
+        fit["alpha"] *= 1.5
+        fit["beta"] *= 1.5
+    for layer in slow["layers"]:
+        for fit in (layer["forward"], layer["backward"]):
+            fit["alpha"] *= 1.5
+            fit["beta"] *= 1.5
+    replayed = replay_setting({**setting, "profiles": [setting["profile"], slow]})
+    pooled = pool_profiles([first, Profile.from_dict(slow)])
+    for rec in replayed["plans"]:
+        plan = Plan.from_dict(rec["plan_json"])
+        assert rec["predicted_step_time_s"] == pytest.approx(predict(pooled, plan).step_time_s, rel=1e-12)
+        assert rec["first_profile"]["predicted_step_time_s"] == pytest.approx(predict(first, plan).step_time_s, rel=1e-12)
+        assert rec["predicted_step_time_s"] > rec["first_profile"]["predicted_step_time_s"]  # the slower profile weighs in
+    summary, lines = summarize_sweep([{**replayed, "rate": "unlimited"}], ["unlimited"])
+    assert summary["first_profile"]["median_abs_error"] == pytest.approx(replayed["summary_first_profile"]["median_abs_error"])
+    assert summary["median_abs_error"] == pytest.approx(replayed["summary"]["median_abs_error"])
+    assert any("from its first profile alone" in line for line in lines)

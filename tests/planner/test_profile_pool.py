@@ -1,0 +1,67 @@
+"""``pool_profiles``: profiles taken at different times become one that predicts their mean speed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from lightning_distplan.costmodel import predict
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.plan import Plan
+from lightning_distplan.profile import LinearFit, LinkProfile, StepProfile, pool_profiles
+
+
+def _profile(k: float, *, latency_s: float = 1e-4, bandwidth: float = 1e8, n_layers: int = 4):
+    """A 4-layer model whose every time is ``k`` times the base (a host running 1/k as fast)."""
+    layer = LayerSpec(fwd_alpha=0.002 * k, fwd_beta=0.001 * k, bwd_alpha=0.004 * k, bwd_beta=0.002 * k,
+                      param_bytes=4_000_000, activation_bytes_per_sample=1e5, output_bytes_per_sample=4e4)
+    links = [LinkProfile(kind=kind, backend="gloo", world_size=2, latency_s=latency_s, bandwidth_bytes_per_s=bandwidth) for kind in ("allreduce", "p2p")]
+    return synthetic_profile([layer] * n_layers, optimizer_step_time_s=0.01 * k, links=links)
+
+
+PLANS = [
+    Plan(strategy="dp_ga", dp=2, pp=1, micro_batch_size=4, accumulate_grad_batches=2, global_batch_size=16),
+    Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, accumulate_grad_batches=1, global_batch_size=16, n_microbatches=4),
+    Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, accumulate_grad_batches=1, global_batch_size=16, n_microbatches=8),
+]
+
+
+def test_mean_of_lines_is_the_least_squares_line_through_all_points() -> None:
+    xs = [1, 2, 4, 8]
+    a, b = LinearFit.fit(xs, [1.0, 2.1, 3.9, 8.2]), LinearFit.fit(xs, [1.5, 3.0, 6.2, 11.9])
+    first = replace(_profile(1.0), step=StepProfile(forward=a, backward=a))
+    second = replace(_profile(1.0), step=StepProfile(forward=b, backward=b))
+    pooled = pool_profiles([first, second]).step.forward
+    both = LinearFit.fit(xs + xs, [1.0, 2.1, 3.9, 8.2, 1.5, 3.0, 6.2, 11.9])
+    assert pooled.alpha == pytest.approx(both.alpha) and pooled.beta == pytest.approx(both.beta)
+
+
+def test_pooled_profile_predicts_between_its_profiles_and_at_their_mean_compute() -> None:
+    fast, slow = _profile(1.0, latency_s=1e-4, bandwidth=2e8), _profile(1.6, latency_s=3e-4, bandwidth=1e8)
+    pooled = pool_profiles([fast, slow, fast])
+    for plan in PLANS:
+        lo, hi, mid = (predict(p, plan).step_time_s for p in (fast, slow, pooled))
+        assert lo < mid < hi, plan.describe()
+        assert predict(pooled, plan).peak_memory_bytes == predict(fast, plan).peak_memory_bytes  # memory: the first profile's
+    # every timing is the mean: compute at 1.2x, links at the mean time per message
+    assert pooled.step.forward.alpha == pytest.approx(0.002 * 4 * 1.2)
+    assert pooled.optimizer.step_time_s == pytest.approx(0.012)
+    link = pooled.link("allreduce")
+    for nbytes in (0, 1 << 20, 16 << 20):
+        assert link.time(nbytes) == pytest.approx((2 * fast.link("allreduce").time(nbytes) + slow.link("allreduce").time(nbytes)) / 3)
+
+
+def test_pooling_one_or_equal_profiles_changes_nothing() -> None:
+    one = _profile(1.0)
+    assert pool_profiles([one]) is one
+    twice = pool_profiles([one, _profile(1.0)])
+    for plan in PLANS:
+        assert predict(twice, plan).step_time_s == pytest.approx(predict(one, plan).step_time_s, rel=1e-12)
+
+
+def test_pooling_different_models_or_nothing_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        pool_profiles([])
+    with pytest.raises(ValueError, match="same model taken the same way"):
+        pool_profiles([_profile(1.0), _profile(1.0, n_layers=3)])
