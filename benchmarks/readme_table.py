@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -140,13 +141,18 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         ))
 
     d = _load("auto_plan_overhead_cpu.json")
-    if d:
-        r = d["result"]["printed"]
+    if d and d.get("runs"):
+        runs = d["runs"]
+        pcts = sorted(r["overhead_pct"] for r in runs)
+        secs = sorted(r["overhead_s"] for r in runs)
+        steps = {r["steps"] for r in runs}
         out.append((
-            "auto_plan profiling + planning overhead, one CPU epoch (256 steps)",
-            f"{r['overhead_s']:.1f} s = {r['overhead_pct']:.1f}% of the fit; target ≤ 5%",
-            f"CPU, 2 ranks; load {d['result']['loadavg_start'][0]:.1f} at start",
-            d.get("date_utc", ""), "`examples/auto_plan_overhead.py`",
+            f"auto_plan profiling + planning overhead, one CPU epoch ({'/'.join(str(x) for x in sorted(steps))} steps), {len(runs)} runs",
+            f"median {statistics.median(pcts):.1f}% of the fit ({statistics.median(secs):.1f} s), range {pcts[0]:.1f}–{pcts[-1]:.1f}%; "
+            f"plans chosen: {', '.join(sorted({r['plan'] for r in runs}))}; target ≤ {d.get('target_pct', 5):.0f}%",
+            f"CPU, {runs[0]['config']['devices']} ranks; load {min(r['load_average_start'][0] for r in runs):.1f}–"
+            f"{max(r['load_average_start'][0] for r in runs):.1f} at start",
+            _date(runs[-1]), "`examples/auto_plan_overhead.py`",
         ))
 
     d = _load("seed000_ga.json")

@@ -2,9 +2,12 @@
 
 The run itself reports what planning cost: ``auto_plan`` logs the profiling progress and, at the
 end of ``fit``, "planning overhead X s = Y% of this fit". This script also prints one JSON line
-with those numbers (rank 0), so the overhead claim can be checked::
+with those numbers (rank 0), so the overhead claim can be checked; with ``--out FILE`` it adds the
+run, with its date, load and versions, to FILE's ``runs`` (created when missing), so a few
+runs make one result file (README's overhead row reads ``benchmarks/results/auto_plan_overhead_cpu.json``)::
 
     python examples/auto_plan_overhead.py --devices 2 --samples 8192
+    for i in 1 2 3; do python examples/auto_plan_overhead.py --out benchmarks/results/auto_plan_overhead_cpu.json; done
 
 Lightning's own launcher starts the second process (``strategy="auto_plan"`` is a DDP strategy).
 """
@@ -14,7 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
+import sys
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -23,6 +31,9 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 import lightning_distplan  # noqa: F401  (registers "auto_plan")
 from lightning_distplan.callbacks import StepTimeMonitor
 from lightning_distplan.demos import RandomTokenData
+
+
+SCHEMA = "distplan-auto-plan-overhead/1"
 
 
 class OfflineTransformer(LightningTransformer):
@@ -46,7 +57,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--root", default="runs/auto_plan_overhead")
+    parser.add_argument("--out", default=None, help="add this run to the result JSON file's 'runs' (created when missing)")
     args = parser.parse_args()
+    load_start = os.getloadavg()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
     torch.manual_seed(0)
@@ -62,7 +75,7 @@ def main() -> None:
     if trainer.is_global_zero:
         monitor = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor))
         steps = [h["observed_s"] for h in monitor.history]
-        print(json.dumps({
+        run = {
             "plan": trainer.strategy.plan.describe(),
             "overhead_s": round(monitor.overhead_s, 3),
             "fit_s": round(monitor.run_s, 3),
@@ -71,7 +84,34 @@ def main() -> None:
             "steps": len(steps),
             "predicted_step_s": monitor.predicted_step_time_s,
             "median_observed_step_s": sorted(steps)[len(steps) // 2] if steps else None,
-        }))
+        }
+        print(json.dumps(run))
+        if args.out:
+            _record(Path(args.out), run, args, load_start)
+
+
+def _record(path: Path, run: dict, args: argparse.Namespace, load_start: tuple[float, float, float]) -> None:
+    """Add ``run`` with its provenance to the result file (atomically replaced, so a crash never truncates it)."""
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    if doc.get("schema") != SCHEMA:
+        if path.exists():
+            raise SystemExit(f"{path} is not an auto_plan overhead result file ({SCHEMA}). HINT: give --out a new file name.")
+        doc = {"schema": SCHEMA, "what": "auto_plan's in-fit profiling + planning time as a share of a one-epoch CPU fit "
+               "(Lightning's demo Transformer, gloo ranks on this machine)", "target_pct": 5.0, "runs": []}
+    doc["runs"].append({
+        **run,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__},
+        "config": {k: getattr(args, k) for k in ("devices", "samples", "batch_size", "vocab", "block", "width", "layers")},
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
