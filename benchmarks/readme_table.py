@@ -88,9 +88,12 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         for i, d in enumerate(runs, 1):
             s = d["summary"]
             within = round((s.get("pick_within_5pct_rate") or 0) * s.get("n_settings_done", 0))
+            first = s.get("first_profile")
             parts.append(
                 f"run {i}: median \\|error\\| {_pct(s.get('median_abs_error'))}, p90 {_pct(s.get('p90_abs_error'))} over {s.get('n_points')} runs, "
                 f"pick within 5% of the measured best in {within}/{s.get('n_settings_done')} settings"
+                + (f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, "
+                   f"{round(first['pick_within_5pct_rate'] * first['n_settings_done'])}/{first['n_settings_done']})" if first else "")
             )
         if len(runs) > 1:
             sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -98,12 +101,17 @@ def rows() -> list[tuple[str, str, str, str, str]]:
 
             pooled, _ = summarize_sweep([x for d in runs for x in d["settings"]], runs[0].get("provenance", {}).get("rates", []))
             within = round((pooled.get("pick_within_5pct_rate") or 0) * pooled.get("n_settings_done", 0))
+            first = pooled.get("first_profile")
             parts.append(
                 f"all runs pooled: median \\|error\\| {_pct(pooled.get('median_abs_error'))}, p90 {_pct(pooled.get('p90_abs_error'))} "
                 f"over {pooled.get('n_points')} runs, pick within 5% in {within}/{pooled.get('n_settings_done')} settings"
+                + (f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, "
+                   f"{round(first['pick_within_5pct_rate'] * first['n_settings_done'])}/{first['n_settings_done']})" if first else "")
             )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
+        if any(x.get("profiles") and len(x["profiles"]) > 1 for d in runs for x in d["settings"]):
+            each += "; predicted from the mean of the profiles taken before the runs and after each pass"
         times = {1: "one run", 2: "the same code run twice"}.get(len(runs), f"the same code run {len(runs)} times")
         out.append((
             "Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates; "

@@ -32,7 +32,10 @@ import lightning_distplan.costmodel._predict as P  # noqa: E402
 def _whole(profile: Any, which: str, m: int) -> float:
     """The profiled whole-step forward or backward time at m, interpolated between profiled sizes; the line outside them."""
     fit = profile.step.forward if which == "forward_s" else profile.step.backward
-    points = sorted((s.micro_batch_size, getattr(s, which)) for s in profile.step.samples)
+    by_size: dict[int, list[float]] = {}
+    for s in profile.step.samples:  # a pooled profile holds each size once per profile: their mean
+        by_size.setdefault(s.micro_batch_size, []).append(getattr(s, which))
+    points = sorted((m_, sum(v) / len(v)) for m_, v in by_size.items())
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x0 <= m <= x1:
             return y0 + (y1 - y0) * (m - x0) / (x1 - x0)

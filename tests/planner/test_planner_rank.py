@@ -125,3 +125,16 @@ def test_rank_plans_puts_a_near_tie_on_the_larger_micro_batch_and_says_why():
     why = explain(cands).splitlines()[-1]
     assert why.startswith("Why the winner wins: dp_ga dp=2 m=8 accumulate=1 is predicted within 1.7% of the fastest plan (dp_ga dp=2 m=1")
     assert "larger micro-batches (8 vs 1)" in why
+
+
+def test_rank_order_reorders_any_list_of_plans_as_rank_plans_does():
+    from lightning_distplan.planner import rank_order
+
+    cands = rank_plans(prof(), world_size=4, global_batch_size=32, hardware=hw(memory=120_000_000))
+    shuffled = cands[::-1]
+    order = rank_order([c.plan for c in shuffled], [c.prediction for c in shuffled])
+    assert [shuffled[i].rank for i in order] == [c.rank for c in cands]
+    # tie=0: by predicted time alone (feasible first), peak memory breaking exact ties
+    plain = [shuffled[i] for i in rank_order([c.plan for c in shuffled], [c.prediction for c in shuffled], tie=0.0)]
+    keys = [(not c.prediction.feasible, c.prediction.step_time_s, c.prediction.peak_memory_bytes) for c in plain]
+    assert keys == sorted(keys)
