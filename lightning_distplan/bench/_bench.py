@@ -348,7 +348,12 @@ def run_bench(
             say(f"[{where}{k + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
         check_host(p + 1)
         if reprofile:
-            profiles.append(take_profile(f"again after pass {p + 1}"))
+            again = take_profile(f"again after pass {p + 1}")
+            try:
+                pool_profiles([profile, again])
+                profiles.append(again)
+            except ValueError:  # e.g. a size that fitted before ran out of memory now: keep what was measured alike
+                say(f"the profile after pass {p + 1} timed other sizes or layers than the first; predicting without it")
     # predictions from the mean of the profiles, which span the runs' stretch of time (with one: the first)
     pooled = pool_profiles(profiles)
     graded = predict_ranked(pooled, [cand.plan for cand in candidates])  # ranks among all candidates, as the first profile's
