@@ -60,6 +60,14 @@ def _date(d: dict) -> str:
     return str(raw)[:10]
 
 
+def _first_profile_part(first: dict | None) -> str:
+    """A sweep summary's ``first_profile`` block as a bracketed clause ("" for sweeps that profiled once)."""
+    if not first:
+        return ""
+    picks = round(first["pick_within_5pct_rate"] * first["n_settings_done"])
+    return f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, {picks}/{first['n_settings_done']})"
+
+
 def rows() -> list[tuple[str, str, str, str, str]]:
     out: list[tuple[str, str, str, str, str]] = []
 
@@ -88,12 +96,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         for i, d in enumerate(runs, 1):
             s = d["summary"]
             within = round((s.get("pick_within_5pct_rate") or 0) * s.get("n_settings_done", 0))
-            first = s.get("first_profile")
             parts.append(
                 f"run {i}: median \\|error\\| {_pct(s.get('median_abs_error'))}, p90 {_pct(s.get('p90_abs_error'))} over {s.get('n_points')} runs, "
                 f"pick within 5% of the measured best in {within}/{s.get('n_settings_done')} settings"
-                + (f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, "
-                   f"{round(first['pick_within_5pct_rate'] * first['n_settings_done'])}/{first['n_settings_done']})" if first else "")
+                + _first_profile_part(s.get("first_profile"))
             )
         if len(runs) > 1:
             sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -101,12 +107,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
 
             pooled, _ = summarize_sweep([x for d in runs for x in d["settings"]], runs[0].get("provenance", {}).get("rates", []))
             within = round((pooled.get("pick_within_5pct_rate") or 0) * pooled.get("n_settings_done", 0))
-            first = pooled.get("first_profile")
             parts.append(
                 f"all runs pooled: median \\|error\\| {_pct(pooled.get('median_abs_error'))}, p90 {_pct(pooled.get('p90_abs_error'))} "
                 f"over {pooled.get('n_points')} runs, pick within 5% in {within}/{pooled.get('n_settings_done')} settings"
-                + (f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, "
-                   f"{round(first['pick_within_5pct_rate'] * first['n_settings_done'])}/{first['n_settings_done']})" if first else "")
+                + _first_profile_part(pooled.get("first_profile"))
             )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"

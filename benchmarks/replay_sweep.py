@@ -29,10 +29,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cpu_cluster_sweep import summarize_sweep  # noqa: E402
 
-from lightning_distplan.bench import first_profile_view, relative_error, summarize  # noqa: E402
-from lightning_distplan.costmodel import predict  # noqa: E402
+from lightning_distplan.bench import first_profile_view, predict_ranked, relative_error, summarize  # noqa: E402
 from lightning_distplan.plan import Plan  # noqa: E402
-from lightning_distplan.planner import NEAR_TIE, rank_order  # noqa: E402
+from lightning_distplan.planner import NEAR_TIE  # noqa: E402
 from lightning_distplan.profile import Profile, pool_profiles  # noqa: E402
 
 
@@ -50,12 +49,8 @@ def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[st
     plans = [Plan.from_dict(r["plan_json"]) for r in measured]
 
     def grade(profile: Profile) -> list[dict[str, Any]]:
-        preds = [predict(profile, plan) for plan in plans]
-        ranks = [0] * len(plans)
-        for position, i in enumerate(rank_order(plans, preds, tie=tie), 1):
-            ranks[i] = position
         out = []
-        for rec, pred, rank in zip(measured, preds, ranks):
+        for rec, (pred, rank) in zip(measured, predict_ranked(profile, plans, tie=tie)):
             err = relative_error(pred.step_time_s, rec["measured_step_time_s"])
             out.append({"rank": rank, "predicted_step_time_s": pred.step_time_s, "predicted_peak_memory_bytes": pred.peak_memory_bytes,
                         "feasible": pred.feasible, "step_time_error": err, "abs_step_time_error": abs(err)})

@@ -51,6 +51,7 @@ __all__ = [
     "SharedParameters",
     "Profile",
     "pool_profiles",
+    "poolable",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -366,6 +367,16 @@ def _pool_link(links: Sequence[LinkProfile]) -> LinkProfile:
     )
 
 
+def poolable(a: Profile, b: Profile) -> bool:
+    """Whether two profiles measured the same things (model, layers, micro-batch sizes, links), so :func:`pool_profiles` can average them."""
+    return (
+        a.model == b.model
+        and [layer.name for layer in a.layers] == [layer.name for layer in b.layers]
+        and a.micro_batch_sizes == b.micro_batch_sizes
+        and sorted((link.kind, link.world_size) for link in a.links) == sorted((link.kind, link.world_size) for link in b.links)
+    )
+
+
 def pool_profiles(profiles: Sequence[Profile]) -> Profile:
     """One profile from several of the same model taken at different times: the mean of their timings.
 
@@ -386,13 +397,7 @@ def pool_profiles(profiles: Sequence[Profile]) -> Profile:
     if len(profiles) == 1:
         return first
     for other in profiles[1:]:
-        same = (
-            other.model == first.model
-            and [layer.name for layer in other.layers] == [layer.name for layer in first.layers]
-            and other.micro_batch_sizes == first.micro_batch_sizes
-            and sorted((link.kind, link.world_size) for link in other.links) == sorted((link.kind, link.world_size) for link in first.links)
-        )
-        if not same:
+        if not poolable(first, other):
             raise ValueError(
                 f"pool_profiles got profiles that differ in model, layers, micro-batch sizes or links ({other.model!r} vs {first.model!r}); "
                 "only profiles of the same model taken the same way can be pooled."

@@ -236,7 +236,7 @@ def run_bench(
         BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
     """
     from lightning_distplan.planner import rank_plans
-    from lightning_distplan.profile import Profile, pool_profiles
+    from lightning_distplan.profile import Profile, pool_profiles, poolable
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
 
@@ -349,10 +349,9 @@ def run_bench(
         check_host(p + 1)
         if reprofile:
             again = take_profile(f"again after pass {p + 1}")
-            try:
-                pool_profiles([profile, again])
+            if poolable(profile, again):
                 profiles.append(again)
-            except ValueError:  # e.g. a size that fitted before ran out of memory now: keep what was measured alike
+            else:  # e.g. a size that fitted before ran out of memory now: average only what was measured alike
                 say(f"the profile after pass {p + 1} timed other sizes or layers than the first; predicting without it")
     # predictions from the mean of the profiles, which span the runs' stretch of time (with one: the first)
     pooled = pool_profiles(profiles)

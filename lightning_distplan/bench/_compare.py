@@ -42,18 +42,19 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def predict_ranked(profile: Profile, plans: Sequence[Plan]) -> list[tuple[Prediction, int]]:
+def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None = None) -> list[tuple[Prediction, int]]:
     """Each plan's prediction from ``profile`` and its planner rank among ``plans`` (1 = the planner's choice).
 
     Plans are priced as given (their stage boundaries as run) and ordered as
-    :func:`~lightning_distplan.planner.rank_plans` orders them.
+    :func:`~lightning_distplan.planner.rank_plans` orders them; ``tie`` is the near-tie margin
+    (default the planner's, :data:`~lightning_distplan.planner.NEAR_TIE`; 0 ranks by predicted time alone).
     """
     from lightning_distplan.costmodel import predict
-    from lightning_distplan.planner import rank_order
+    from lightning_distplan.planner import NEAR_TIE, rank_order
 
     preds = [predict(profile, plan) for plan in plans]
     ranks = [0] * len(plans)
-    for position, i in enumerate(rank_order(plans, preds), 1):
+    for position, i in enumerate(rank_order(plans, preds, tie=NEAR_TIE if tie is None else tie), 1):
         ranks[i] = position
     return list(zip(preds, ranks))
 

@@ -9,7 +9,7 @@ import pytest
 from lightning_distplan.costmodel import predict
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.plan import Plan
-from lightning_distplan.profile import LinearFit, LinkProfile, StepProfile, pool_profiles
+from lightning_distplan.profile import LinearFit, LinkProfile, StepProfile, pool_profiles, poolable
 
 
 def _profile(k: float, *, latency_s: float = 1e-4, bandwidth: float = 1e8, n_layers: int = 4):
@@ -65,3 +65,4 @@ def test_pooling_different_models_or_nothing_is_refused() -> None:
         pool_profiles([])
     with pytest.raises(ValueError, match="same model taken the same way"):
         pool_profiles([_profile(1.0), _profile(1.0, n_layers=3)])
+    assert poolable(_profile(1.0), _profile(1.6)) and not poolable(_profile(1.0), _profile(1.0, n_layers=3))
