@@ -8,9 +8,13 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
 * ``slot``: every pipeline stage pays a constant ``--slot-ms`` per micro-batch on top of its work
   (half in forward, half in backward), the runtime cost ``benchmarks/pipeline_slot_overhead.py``
   measures beyond the two link latencies the model charges.
+* ``links``: not a model variant but today's link fit: every stored link profile's latency and
+  bandwidth are fitted again from its stored (bytes, seconds) medians with
+  ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.
 
 Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/*.json
       python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/*.json
+      python benchmarks/replay_variants.py links benchmarks/results/earlier/*.json
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from cpu_cluster_sweep import summarize_sweep  # noqa: E402
 from replay_sweep import replay_setting  # noqa: E402
 
 import lightning_distplan.costmodel._predict as P  # noqa: E402
+from lightning_distplan.profiling._links import _fit  # noqa: E402
 
 
 def _whole(profile: Any, which: str, m: int) -> float:
@@ -75,6 +80,22 @@ def variant(name: str, slot_s: float = 0.0) -> Iterator[None]:
             setattr(P, k, v)
 
 
+def refit_links(doc: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a sweep document whose link profiles are fitted again from their stored medians."""
+    doc = json.loads(json.dumps(doc))
+    for setting in doc["settings"]:
+        for profile in ([setting["profile"]] if "profile" in setting else []) + setting.get("profiles", []):
+            for link in profile.get("links", []):
+                sizes, times = zip(*link["samples"])
+                _, (a, b) = _fit(list(sizes), list(times))
+                if link["kind"] == "allreduce":  # the inversion through the ring model measure_links makes
+                    hops = 2 * (link["world_size"] - 1)
+                    link["latency_s"], link["bandwidth_bytes_per_s"] = a / hops, hops / (link["world_size"] * b)
+                else:
+                    link["latency_s"], link["bandwidth_bytes_per_s"] = a, 1.0 / b
+    return doc
+
+
 def _pooled(docs: list[dict[str, Any]]) -> str:
     replayed, rates = [], []
     for doc in docs:
@@ -88,12 +109,15 @@ def _pooled(docs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variant", choices=("samples", "slot"))
+    parser.add_argument("variant", choices=("samples", "slot", "links"))
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files (with stored profiles)")
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
     args = parser.parse_args(argv)
     docs = [json.loads(p.read_text()) for p in args.sweeps]
     print(f"today's model: {_pooled(docs)}")
+    if args.variant == "links":
+        print(f"links fitted again: {_pooled([refit_links(d) for d in docs])}")
+        return 0
     with variant(args.variant, args.slot_ms / 1e3):
         print(f"{args.variant}{f' {args.slot_ms} ms' if args.variant == 'slot' else ''}: {_pooled(docs)}")
     return 0

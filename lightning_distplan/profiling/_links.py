@@ -214,13 +214,27 @@ def _fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[LinearFit, tuple
     the intercept (the latency, which every pipeline message and per-batch broadcast pays), while
     a shaped link (a token bucket passing small bursts at full speed) bends the curve so no line
     fits both ends. So the bandwidth is the slope over the larger half of the sizes (at least two,
-    where the transfer dominates) and the latency is what the smallest message takes beyond its
-    transfer at that bandwidth. ``r2`` is that line's fit to all the medians.
+    where the transfer dominates), but never flatter than the slope from the smallest to the
+    largest message, so the line reaches the largest message's time; the latency is what the
+    smallest message takes beyond its transfer at that bandwidth. ``r2`` is that line's fit to all
+    the medians.
+
+    Example (a stalled 1 MiB median does not flatten the line below the 4 MiB message's time):
+        >>> line, _ = _fit([4096, 1 << 16, 1 << 20, 1 << 22], [2e-4, 3e-4, 3.6e-3, 4.0e-3])
+        >>> round(line.beta + line.alpha * (1 << 22), 6)
+        0.004
     """
     n = len(sizes)
     top = max(2, n // 2)
     big = LinearFit.fit([float(s) for s in sizes[n - top:]], list(times[n - top:]))
-    slope = big.alpha
+    # The line may not fall short of the largest message, the best-measured point on the bandwidth:
+    # one slow median among the larger sizes (a stall of a round on a busy host) flattens the slope
+    # between two points, and a line from the smallest message along it then put a 4 MiB gloo
+    # all-reduce that took 4.0 ms at 0.74 ms. The slope from the smallest to the largest message is
+    # the floor. A shaped link (burst at full speed, then the rate) has the steeper top-half slope,
+    # which stays.
+    ends = (times[-1] - times[0]) / (sizes[-1] - sizes[0])
+    slope = max(big.alpha, ends)
     if slope <= 0:  # no measurable size dependence: bandwidth from the largest message alone
         slope = max(times[-1], 1e-12) / sizes[-1]
     intercept = times[0] - slope * sizes[0]

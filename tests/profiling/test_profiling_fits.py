@@ -32,3 +32,14 @@ def test_slow_first_small_message_reading_is_replaced_by_the_faster_retiming():
     _, (latency, inv_bw) = _fit(sizes, kept)
     assert 0 < latency < 2e-4
     assert 1 / inv_bw * 8 == pytest.approx(96e6, rel=0.05)  # the bandwidth is untouched
+
+
+def test_one_stalled_large_median_does_not_flatten_the_line_below_the_largest_message():
+    # Like the 2-rank gloo all-reduce on a busy CI host whose fit put a 4 MiB message that took
+    # 4.0 ms at 0.74 ms: the 1 MiB median stalled to 3.6 ms, so the top-half slope alone was ~0.
+    sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 22]
+    times = [2e-4, 3e-4, 3.6e-3, 4.0e-3]
+    line, (latency, inv_bw) = _fit(sizes, times)
+    assert line.beta + line.alpha * sizes[-1] == pytest.approx(times[-1], rel=1e-9)  # the smallest-to-largest slope
+    assert inv_bw == pytest.approx((times[-1] - times[0]) / (sizes[-1] - sizes[0]), rel=1e-9)
+    assert latency == pytest.approx(times[0] - sizes[0] * inv_bw, rel=1e-9) and latency > 0
