@@ -31,7 +31,7 @@ from cpu_cluster_sweep import summarize_sweep  # noqa: E402
 from replay_sweep import replay_setting  # noqa: E402
 
 import lightning_distplan.costmodel._predict as P  # noqa: E402
-from lightning_distplan.profiling._links import _fit  # noqa: E402
+from lightning_distplan.profiling._links import _fit, link_parameters  # noqa: E402
 
 
 def _whole(profile: Any, which: str, m: int) -> float:
@@ -88,11 +88,7 @@ def refit_links(doc: dict[str, Any]) -> dict[str, Any]:
             for link in profile.get("links", []):
                 sizes, times = zip(*link["samples"])
                 _, (a, b) = _fit(list(sizes), list(times))
-                if link["kind"] == "allreduce":  # the inversion through the ring model measure_links makes
-                    hops = 2 * (link["world_size"] - 1)
-                    link["latency_s"], link["bandwidth_bytes_per_s"] = a / hops, hops / (link["world_size"] * b)
-                else:
-                    link["latency_s"], link["bandwidth_bytes_per_s"] = a, 1.0 / b
+                link["latency_s"], link["bandwidth_bytes_per_s"] = link_parameters(link["kind"], link["world_size"], a, b)
     return doc
 
 

@@ -24,7 +24,7 @@ import torch
 from lightning_distplan.profile import LinearFit, LinkProfile
 from lightning_distplan.profiling._errors import ProfilingError
 
-__all__ = ["measure_links", "DEFAULT_LINK_SIZES"]
+__all__ = ["measure_links", "link_parameters", "DEFAULT_LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +109,13 @@ def measure_links(
     dist.all_reduce(med, op=dist.ReduceOp.MAX, group=group)
     ar_times = [float(x) for x in med.tolist()]
     raw, (a, b) = _fit(sizes, ar_times)
-    hops = 2 * (world - 1)
+    ar_latency, ar_bandwidth = link_parameters("allreduce", world, a, b)
     allreduce = LinkProfile(
         kind="allreduce",
         backend=backend,
         world_size=world,
-        latency_s=a / hops,  # ring model, DESIGN §4 / seed 001 eq. 5.1: S_all = 2(W−1)(L + G/(W·BW))
-        bandwidth_bytes_per_s=hops / (world * b),
+        latency_s=ar_latency,
+        bandwidth_bytes_per_s=ar_bandwidth,
         r2=raw.r2,
         samples=tuple(zip(sizes, ar_times)),
     )
@@ -171,7 +171,7 @@ def measure_links(
         backend=backend,
         world_size=world,
         latency_s=lat,
-        bandwidth_bytes_per_s=1.0 / inv_bw,
+        bandwidth_bytes_per_s=1.0 / inv_bw,  # link_parameters("p2p", ...): a message's time is the link's
         r2=raw_p2p.r2,
         samples=tuple(zip(sizes, p2p_times)),
     )
@@ -182,6 +182,23 @@ def measure_links(
         p2p.latency_s * 1e6, p2p.bandwidth_bytes_per_s / 1e9, p2p.r2,
     )
     return allreduce, p2p
+
+
+def link_parameters(kind: str, world: int, a: float, b: float) -> tuple[float, float]:
+    """(latency_s, bandwidth_bytes_per_s) of ONE link from a fitted time a + b·G of the whole operation.
+
+    ``p2p``: a message's time is the link's, L = a and BW = 1/b. ``allreduce``: inverted through the
+    ring model S_all = 2(W−1)·(L + G/(W·BW)) (DESIGN §4; seed 001 eq. 5.1), L = a / (2(W−1)) and
+    BW = 2(W−1) / (W·b).
+
+    Example:
+        >>> link_parameters("allreduce", 2, 4e-4, 2**-30)
+        (0.0002, 1073741824.0)
+    """
+    if kind == "p2p":
+        return a, 1.0 / b
+    hops = 2 * (world - 1)
+    return a / hops, hops / (world * b)
 
 
 def _rounds(sizes: Sequence[int], rounds: int, timed: Callable[[int], float]) -> dict[int, list[float]]:
