@@ -148,10 +148,10 @@ def near_tie_order(
     costs 0.90 ms (1F1B) to 1.46 ms (GPipe) per micro-batch on the 2-vCPU sweep host, of which the
     model prices only the two link latencies, 0.21 ms (``benchmarks/pipeline_slot_overhead.py``). The errors that leaves are not the same for every model (tiny GPT-2's pipelines
     run 2–3 ms per micro-batch above the model, the MLP's below), so it is not charged as a term;
-    it only decides near ties. Replayed on the nine CPU cluster sweeps of
-    ``benchmarks/results/earlier/`` (81 settings; ``benchmarks/replay_sweep.py --tie 0`` for the
-    plain order), the pick ran within 5% of the measured best in 76 settings against 71, and no
-    sweep lost a pick; in the three committed sweeps, 25 of 27 against 24.
+    it only decides near ties. Replayed on the twelve CPU cluster sweeps of
+    ``benchmarks/results/earlier/`` (108 settings; ``benchmarks/replay_sweep.py --tie 0`` for the
+    plain order), the pick ran within 5% of the measured best in 101 settings against 95, and no
+    sweep lost a pick; in the three committed sweeps, 23 of 27 either way.
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])
