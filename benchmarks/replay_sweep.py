@@ -35,6 +35,11 @@ from lightning_distplan.planner import NEAR_TIE  # noqa: E402
 from lightning_distplan.profile import Profile, pool_profiles  # noqa: E402
 
 
+def stored_profiles(setting: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stored profiles a setting's predictions come from: each one taken (``profiles``), or the one ``profile`` of sweeps that stored one."""
+    return setting.get("profiles") or [setting["profile"]]
+
+
 def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[str, Any]:
     """The setting with every measured plan predicted again; planner ranks follow the new predictions.
 
@@ -44,7 +49,7 @@ def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[st
     ``tie``: the planner's near-tie margin (:func:`~lightning_distplan.planner.near_tie_order`); 0 ranks by predicted time alone.
     """
     source = f"{setting.get('model_key')}@{setting.get('rate')}"
-    rounds = [Profile.from_dict(p, source=source) for p in setting.get("profiles", [])] or [Profile.from_dict(setting["profile"], source=source)]
+    rounds = [Profile.from_dict(p, source=source) for p in stored_profiles(setting)]
     measured = [r for r in setting["plans"] if r.get("measured_step_time_s") is not None]
     plans = [Plan.from_dict(r["plan_json"]) for r in measured]
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_cluster_sweep import summarize_sweep  # noqa: E402
-from replay_sweep import replay_setting  # noqa: E402
+from replay_sweep import replay_setting, stored_profiles  # noqa: E402
 
 import lightning_distplan.costmodel._predict as P  # noqa: E402
 from lightning_distplan.profiling._links import _fit, link_parameters  # noqa: E402
@@ -81,10 +81,10 @@ def variant(name: str, slot_s: float = 0.0) -> Iterator[None]:
 
 
 def refit_links(doc: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a sweep document whose link profiles are fitted again from their stored medians."""
+    """A copy of a sweep document whose link profiles, those the replay predicts from, are fitted again from their stored medians."""
     doc = json.loads(json.dumps(doc))
     for setting in doc["settings"]:
-        for profile in ([setting["profile"]] if "profile" in setting else []) + setting.get("profiles", []):
+        for profile in stored_profiles(setting) if "profile" in setting else []:
             for link in profile.get("links", []):
                 sizes, times = zip(*link["samples"])
                 _, (a, b) = _fit(list(sizes), list(times))

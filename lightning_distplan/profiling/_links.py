@@ -166,12 +166,13 @@ def measure_links(
             "p2p latency %.1f us exceeded the all-reduce's %.1f us per step; timed the messages up to %d bytes again: %.1f us",
             first * 1e6, allreduce.latency_s * 1e6, small[-1], lat * 1e6,
         )
+    p2p_latency, p2p_bandwidth = link_parameters("p2p", world, lat, inv_bw)
     p2p = LinkProfile(
         kind="p2p",
         backend=backend,
         world_size=world,
-        latency_s=lat,
-        bandwidth_bytes_per_s=1.0 / inv_bw,  # link_parameters("p2p", ...): a message's time is the link's
+        latency_s=p2p_latency,
+        bandwidth_bytes_per_s=p2p_bandwidth,
         r2=raw_p2p.r2,
         samples=tuple(zip(sizes, p2p_times)),
     )
@@ -256,7 +257,10 @@ def _fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[LinearFit, tuple
         slope = max(times[-1], 1e-12) / sizes[-1]
     intercept = times[0] - slope * sizes[0]
     line = LinearFit(alpha=slope, beta=intercept, r2=_r2(sizes, times, slope, intercept))
-    return line, _positive(line, sizes, times)
+    # the slope is > 0 by now; a latency at or below zero (hidden in noise, or a token bucket's
+    # burst passing the smallest message faster than the rate) is bounded by half that message's time
+    latency = intercept if intercept > 0 else max(times[0] * 0.5, 1e-9)
+    return line, (latency, slope)
 
 
 def _r2(sizes: Sequence[int], times: Sequence[float], slope: float, intercept: float) -> float:
@@ -264,13 +268,3 @@ def _r2(sizes: Sequence[int], times: Sequence[float], slope: float, intercept: f
     ss_tot = sum((t - mean) ** 2 for t in times)
     ss_res = sum((t - (intercept + slope * g)) ** 2 for g, t in zip(sizes, times))
     return 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-
-
-def _positive(fit: LinearFit, sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of the fit, both > 0; noise can push either below zero on a busy host."""
-    a, b = fit.beta, fit.alpha
-    if b <= 0:  # no measurable size dependence: bandwidth from the largest message alone
-        b = max(times[-1], 1e-12) / sizes[-1]
-    if a <= 0:  # latency hidden in noise: bound it by the smallest message's time minus its transfer
-        a = max(times[0] - b * sizes[0], times[0] * 0.5, 1e-9)
-    return a, b
