@@ -7,7 +7,8 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
   size's own measured time instead of the line through all sizes (interpolated between sizes).
 * ``slot``: every pipeline stage pays a constant ``--slot-ms`` per micro-batch on top of its work
   (half in forward, half in backward), the runtime cost ``benchmarks/pipeline_slot_overhead.py``
-  measures beyond the two link latencies the model charges.
+  measures beyond the two link latencies the model charges; ``--gpipe-slot-ms`` gives GPipe plans
+  their own (that script measures GPipe's runtime dearer than 1F1B's).
 * ``links``: not a model variant but today's link fit: every stored link profile's latency and
   bandwidth are fitted again from its stored (bytes, seconds) medians with
   ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.
@@ -52,8 +53,9 @@ class _StageWork(list):
 
 
 @contextlib.contextmanager
-def variant(name: str, slot_s: float = 0.0) -> Iterator[None]:
-    saved = {k: getattr(P, k) for k in ("_step_compute", "_step_backward", "_layer_times", "stage_sums")}
+def variant(name: str, slot_s: float = 0.0, gpipe_slot_s: float | None = None) -> Iterator[None]:
+    """Swap the variant's piece of the cost model in for the ``with`` block (``gpipe_slot_s``: GPipe's slot, default ``slot_s``)."""
+    saved = {k: getattr(P, k) for k in ("_step_compute", "_step_backward", "_layer_times", "stage_sums", "_predict_pipeline")}
     if name == "samples":
         def layer_times(profile: Any, m: int, scale: float) -> tuple[list[float], list[float]]:
             def calibrated(fits: list[Any], whole: float) -> list[float]:
@@ -66,9 +68,17 @@ def variant(name: str, slot_s: float = 0.0) -> Iterator[None]:
         P._step_backward = lambda profile, m, scale: scale * _whole(profile, "backward_s", m)
         P._layer_times = layer_times
     elif name == "slot":
+        per_schedule = {"gpipe": slot_s if gpipe_slot_s is None else gpipe_slot_s}
+        pricing: dict[str, float] = {}
+
+        def pipeline(profile: Any, plan: Any, hw: Any) -> Any:
+            pricing["slot"] = per_schedule.get(plan.schedule, slot_s)
+            return saved["_predict_pipeline"](profile, plan, hw)
+
+        P._predict_pipeline = pipeline
         P._layer_times = lambda *a: tuple(_StageWork(x) for x in saved["_layer_times"](*a))
         P.stage_sums = lambda values, boundaries: (
-            tuple(x + slot_s / 2 for x in saved["stage_sums"](values, boundaries))
+            tuple(x + pricing["slot"] / 2 for x in saved["stage_sums"](values, boundaries))
             if isinstance(values, _StageWork) else saved["stage_sums"](values, boundaries)
         )
     else:
@@ -108,14 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("variant", choices=("samples", "slot", "links"))
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files (with stored profiles)")
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
+    parser.add_argument("--gpipe-slot-ms", type=float, default=None, help="the slot variant's cost for GPipe plans (default: --slot-ms)")
     args = parser.parse_args(argv)
     docs = [json.loads(p.read_text()) for p in args.sweeps]
     print(f"today's model: {_pooled(docs)}")
     if args.variant == "links":
         print(f"links fitted again: {_pooled([refit_links(d) for d in docs])}")
         return 0
-    with variant(args.variant, args.slot_ms / 1e3):
-        print(f"{args.variant}{f' {args.slot_ms} ms' if args.variant == 'slot' else ''}: {_pooled(docs)}")
+    gpipe = None if args.gpipe_slot_ms is None else args.gpipe_slot_ms / 1e3
+    with variant(args.variant, args.slot_ms / 1e3, gpipe):
+        shown = f" {args.slot_ms} ms" + (f" (GPipe {args.gpipe_slot_ms} ms)" if gpipe is not None else "") if args.variant == "slot" else ""
+        print(f"{args.variant}{shown}: {_pooled(docs)}")
     return 0
 
 

@@ -52,6 +52,8 @@ def test_replay_variants_change_predictions_only_inside_their_block() -> None:
     recorded = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
     with variant("slot", 1e-3):
         slot = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+    with variant("slot", 1e-3, 5e-3):
+        per_schedule = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
     with variant("samples"):
         samples = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
     after = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
@@ -61,6 +63,8 @@ def test_replay_variants_change_predictions_only_inside_their_block() -> None:
             assert slot[plan] == seconds  # the slot variant charges pipeline stages only
         else:
             assert slot[plan] > seconds + 1e-3  # at least one micro-batch slot's worth more
+            gpipe = plan.startswith("gpipe")
+            assert (per_schedule[plan] > seconds + 5e-3) if gpipe else (per_schedule[plan] == pytest.approx(slot[plan], rel=1e-12))
     assert any(samples[p] != pytest.approx(s, rel=1e-6) for p, s in recorded.items())
 
 
