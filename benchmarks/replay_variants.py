@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     docs = [json.loads(p.read_text()) for p in args.sweeps]
     print(f"today's model: {_pooled(docs)}")
     if args.variant == "links":
-        print(f"links fitted again: {_pooled([refit_links(d) for d in docs])}")
+        again = [refit_links(d) for d in docs]
+        fitted = lambda ds: [l for d in ds for s in d["settings"] if "profile" in s for p in stored_profiles(s) for l in p.get("links", [])]  # noqa: E731
+        changed = sum(a != b for a, b in zip(fitted(docs), fitted(again)))
+        print(f"links fitted again ({changed} of {len(fitted(docs))} stored link fits change): {_pooled(again)}")
         return 0
     gpipe = None if args.gpipe_slot_ms is None else args.gpipe_slot_ms / 1e3
     with variant(args.variant, args.slot_ms / 1e3, gpipe):
