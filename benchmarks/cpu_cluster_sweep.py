@@ -92,6 +92,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per plan and pass")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--passes", type=int, default=3, help="passes over the plans; each plan's timed steps are pooled")
+    p.add_argument("--confirm", type=int, default=2,
+                   help="confirmation passes of the contenders for the measured best; the pick's confirmed regret is judged on them alone")
     p.add_argument("--plans", default="all")
     p.add_argument("--timeout", type=int, default=420, help="seconds per model x rate job")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_cluster_sweep.json"))
@@ -115,7 +117,7 @@ def _node_cmd(node: int, spec: dict[str, Any], args: argparse.Namespace, out: Pa
         spec["model"], "--init-args", json.dumps(spec["init_args"]), "--datamodule", spec["datamodule"],
         "--datamodule-args", json.dumps(spec["datamodule_args"]), "--world-size", "2",
         "--global-batch-size", str(args.global_batch_size), "--plans", args.plans, "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--passes", str(args.passes), "--threads", "1", "--device", "cpu", "--out", str(out),
+        "--warmup", str(args.warmup), "--passes", str(args.passes), "--confirm", str(args.confirm), "--threads", "1", "--device", "cpu", "--out", str(out),
     ]
     return [
         "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
@@ -218,6 +220,7 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
     errs = [r["abs_step_time_error"] for s in done for r in s["plans"] if r.get("abs_step_time_error") is not None]
     signed = [(s["rate"], r["strategy"], r["step_time_error"]) for s in done for r in s["plans"] if r.get("step_time_error") is not None]
     within = [bool(s["summary"]["pick_within"]) for s in done if s["summary"]["pick_within"] is not None]
+    confirmed = [bool(s["summary"]["confirmed"]["pick_within"]) for s in done if s["summary"].get("confirmed")]
 
     def pct(xs: list[float], q: float) -> float | None:
         xs = sorted(xs)
@@ -243,6 +246,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         "median_abs_error": pct(errs, 50),
         "p90_abs_error": pct(errs, 90),
         "pick_within_5pct_rate": sum(within) / len(within) if within else None,
+        "n_settings_confirmed": len(confirmed),
+        "pick_within_5pct_rate_confirmed": sum(confirmed) / len(confirmed) if confirmed else None,
         "pick_is_best_rate": (sum(bool(s["summary"]["pick_is_best"]) for s in done) / len(done)) if done else None,
         "mean_regret": statistics.mean(s["summary"]["regret"] for s in done) if done else None,
         "max_regret": max((s["summary"]["regret"] for s in done), default=None),
@@ -250,7 +255,7 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         "targets": {"median_abs_error": 0.10, "p90_abs_error": 0.25, "pick_within_5pct_rate": 0.90},
     }
     lines = ["", "=== cpu_cluster_sweep summary ==="]
-    lines.append(f"{'model':18s} {'rate':>10s} {'plans':>5s} {'median|e|':>9s} {'p90|e|':>8s} {'signed':>8s} {'rho':>5s} {'pick<=5%':>8s} {'regret':>7s}  link(all-reduce) Mbit/s  host speed vs profile")
+    lines.append(f"{'model':18s} {'rate':>10s} {'plans':>5s} {'median|e|':>9s} {'p90|e|':>8s} {'signed':>8s} {'rho':>5s} {'pick<=5%':>8s} {'regret':>7s} {'confirm':>7s}  link(all-reduce) Mbit/s  host speed vs profile")
     for s in settings:
         if "summary" not in s:
             lines.append(f"{s['model_key']:18s} {s['rate']:>10s}  FAILED: {s.get('error')}")
@@ -259,7 +264,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         ar = next((l for l in s["links"] if l["kind"] == "allreduce"), None)
         lines.append(
             f"{s['model_key']:18s} {s['rate']:>10s} {m['n_measured']:>5d} {m['median_abs_error']:>9.1%} {m['p90_abs_error']:>8.1%} "
-            f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {m['regret']:>7.1%}  "
+            f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {m['regret']:>7.1%} "
+            f"{(format(m['confirmed']['regret'], '.1%') if m.get('confirmed') else '-'):>7s}  "
             + (f"{ar['bandwidth_bytes_per_s'] * 8 / 1e6:<24.0f}" if ar else f"{'-':<24s}")
             + " ".join(f"{c['ratio']:.2f}x" for c in s.get("host_checks", []) if c.get("ratio") is not None)
         )
@@ -269,6 +275,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
             f"all points: median |error| {summary['median_abs_error']:.1%} (target <= 10%), p90 {summary['p90_abs_error']:.1%} (target <= 25%) over {len(errs)} runs",
             f"pick within 5% of the measured best: {sum(within)}/{len(within)} settings = {summary['pick_within_5pct_rate']:.0%} (target >= 90%); "
             f"pick is the best: {summary['pick_is_best_rate']:.0%}; mean regret {summary['mean_regret']:.1%}, max {summary['max_regret']:.1%}",
+            *([f"judged on the confirmation passes alone (the contenders for the best run again; no winner's curse): pick within 5% in "
+               f"{sum(confirmed)}/{len(confirmed)} settings = {summary['pick_within_5pct_rate_confirmed']:.0%}"] if confirmed else []),
             "",
             "median signed error (predicted − measured)/measured by rate and strategy:",
         ]
@@ -282,13 +290,16 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
     firsts = first_profile_settings(done)
     if firsts:
         first, _ = summarize_sweep(firsts, rates)
-        summary["first_profile"] = {k: first[k] for k in ("n_settings_done", "n_points", "median_abs_error", "p90_abs_error", "pick_within_5pct_rate", "by_rate_and_strategy")}
+        summary["first_profile"] = {k: first[k] for k in ("n_settings_done", "n_points", "median_abs_error", "p90_abs_error", "pick_within_5pct_rate",
+                                                          "n_settings_confirmed", "pick_within_5pct_rate_confirmed", "by_rate_and_strategy")}
         picks = sum(bool(s["summary"]["pick_within"]) for s in firsts)
         lines += [
             "",
             "predicted from the mean of each setting's profiles (before the runs and after each pass); from its first profile alone "
             f"(as auto_plan, profiling once, predicts): median |error| {first['median_abs_error']:.1%}, p90 {first['p90_abs_error']:.1%}, "
-            f"pick within 5% in {picks}/{len(firsts)} settings",
+            f"pick within 5% in {picks}/{len(firsts)} settings"
+            + (f" ({round(first['pick_within_5pct_rate_confirmed'] * first['n_settings_confirmed'])}/{first['n_settings_confirmed']} on the confirmation passes)"
+               if first.get("n_settings_confirmed") else ""),
         ]
     return summary, lines
 
@@ -372,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "passes": args.passes,
+            "confirm_passes": args.confirm,
         },
     }
     out.write_text(json.dumps(doc, indent=1))

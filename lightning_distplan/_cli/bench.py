@@ -49,6 +49,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per plan first (default 2)")
     parser.add_argument("--passes", type=int, default=2,
                         help="run the list of plans this many times, in alternating order, and pool each plan's timed steps (default 2)")
+    parser.add_argument("--confirm", type=int, default=0, metavar="K",
+                        help="after the passes, run the contenders for the measured best (the pick, the fastest plan and those within 10%% "
+                        "of it) K more times and judge the pick's regret on those runs alone (default 0: no confirmation)")
     parser.add_argument("--profile-once", action="store_true",
                         help="predict from the one profile taken before the runs (default: profile again after each pass and "
                         "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
@@ -70,7 +73,7 @@ def _inside_torchrun() -> bool:
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [args.model, "--world-size", str(args.world_size), "--global-batch-size", str(args.global_batch_size)]
-    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "warmup", "passes", "device", "micro_batch_sizes",
+    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "warmup", "passes", "confirm", "device", "micro_batch_sizes",
                  "profile_repeats", "threads", "out", "format", "plot"):
         value = getattr(args, flag)
         if value is not None:
@@ -106,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             hint="Use e.g. --world-size 2 --global-batch-size 32.",
         )
     parse_plans_spec(args.plans)
-    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes)
+    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm)
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}.", hint="Use e.g. --threads 1.")
     init_args = _json_kwargs(args.init_args, "--init-args")
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
-            steps=args.steps, warmup=args.warmup, passes=args.passes, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
+            steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
             micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, progress=say,
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},

@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 from lightning_distplan.bench._bench import BENCH_LINK_SIZES, RESULT_SCHEMA, BenchError, parse_plans_spec, run_bench, select_candidates
-from lightning_distplan.bench._compare import WITHIN, first_profile_view, percentile, predict_ranked, relative_error, summarize
+from lightning_distplan.bench._compare import CONFIRM_BAND, CONFIRM_LIMIT, WITHIN, confirm_candidates, first_profile_view, percentile, predict_ranked, relative_error, summarize
 from lightning_distplan.bench._report import format_table, plot_result
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "summarize",
     "predict_ranked",
     "first_profile_view",
+    "confirm_candidates",
     "relative_error",
     "percentile",
     "format_table",
@@ -33,4 +34,6 @@ __all__ = [
     "RESULT_SCHEMA",
     "BENCH_LINK_SIZES",
     "WITHIN",
+    "CONFIRM_BAND",
+    "CONFIRM_LIMIT",
 ]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_distplan.bench._compare import WITHIN, first_profile_view, predict_ranked, relative_error, summarize
+from lightning_distplan.bench._compare import WITHIN, confirm_candidates, first_profile_view, predict_ranked, relative_error, summarize
 from lightning_distplan.bench._runner import combine_passes, combine_ranks, measure_plan, memory_metric
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
@@ -66,8 +66,10 @@ def parse_plans_spec(spec: str) -> tuple[str, int | list[int] | None]:
     return "ranks", ranks
 
 
-def check_counts(*, steps: int, warmup: int, passes: int) -> None:
-    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup`` >= 0."""
+def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0) -> None:
+    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup`` and ``confirm`` >= 0."""
+    if confirm < 0:
+        raise BenchError(f"--confirm ({confirm}) must be >= 0.", hint="Use e.g. --confirm 2, or 0 for no confirmation passes.")
     if steps < 1 or warmup < 0 or passes < 1:
         raise BenchError(
             f"--steps ({steps}) and --passes ({passes}) must be >= 1 and --warmup ({warmup}) >= 0.",
@@ -181,6 +183,7 @@ def run_bench(
     steps: int = 5,
     warmup: int = 2,
     passes: int = 2,
+    confirm: int = 0,
     reprofile: bool = True,
     device: str | torch.device | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
@@ -208,6 +211,12 @@ def run_bench(
         passes: times the whole list of plans is run, in alternating order (first to last, then
             last to first, ...); each plan's step time is the median of its timed steps from all
             passes, so a slow spell of a shared host weighs on one pass of a plan, not all of it.
+        confirm: confirmation passes after the predictions are final: the contenders for the
+            measured best (:func:`~lightning_distplan.bench.confirm_candidates`: the pick, the first
+            profile's pick, the fastest plan and those measured within 10% of it) run this many more
+            times, alternating, and ``summary["confirmed"]`` judges the pick on those runs alone, free of
+            the winner's curse of taking the fastest of many noisy measurements. Their step times
+            stay out of the per-plan errors. 0: none.
         reprofile: profile again (model and links) after each pass and predict from the mean of
             all the profiles (:func:`~lightning_distplan.profile.pool_profiles`), so predictions
             and measurements sample the same stretch of time; a host whose speed drifts then
@@ -242,7 +251,7 @@ def run_bench(
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
-    check_counts(steps=steps, warmup=warmup, passes=passes)
+    check_counts(steps=steps, warmup=warmup, passes=passes, confirm=confirm)
     rank, world = _dist()
     if world != world_size:
         raise BenchError(
@@ -323,29 +332,33 @@ def run_bench(
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     nodes = max(1, world // local)
-    runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
     walls = [0.0] * len(chosen)
+
+    def run_once(i: int, step_time_s: float, where: str) -> dict[str, Any]:
+        """Train ``chosen[i]`` for warmup + steps optimizer steps on every rank; its slowest-rank numbers."""
+        plan = chosen[i].plan
+        t0 = time.perf_counter()
+        mine = measure_plan(
+            plan, make_module=seeded_module, make_loader=make_loader, steps=steps, warmup=warmup,
+            accelerator=accelerator, devices=local, num_nodes=nodes,
+        )
+        got = combine_ranks(_gather(mine), warmup=warmup)
+        walls[i] += time.perf_counter() - t0
+        shown = "failed: " + str(got["error"]) if got["error"] else (
+            f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {step_time_s * 1e3:.1f} ms "
+            f"({relative_error(step_time_s, got['measured_step_time_s']):+.1%})"
+        )
+        say(f"[{where}] rank {chosen[i].rank} {plan.describe()}: {shown}")
+        return got
+
+    runs: list[list[dict[str, Any]]] = [[] for _ in chosen]
     for p in range(passes):
         order = range(len(chosen)) if p % 2 == 0 else range(len(chosen) - 1, -1, -1)
         for k, i in enumerate(order):
-            cand = chosen[i]
-            plan, pred = cand.plan, cand.prediction
             if runs[i] and runs[i][-1]["error"]:
                 continue  # a plan that failed once is not run again
-            t0 = time.perf_counter()
-            mine = measure_plan(
-                plan, make_module=seeded_module, make_loader=make_loader, steps=steps, warmup=warmup,
-                accelerator=accelerator, devices=local, num_nodes=nodes,
-            )
-            got = combine_ranks(_gather(mine), warmup=warmup)
-            walls[i] += time.perf_counter() - t0
-            runs[i].append(got)
-            shown = "failed: " + str(got["error"]) if got["error"] else (
-                f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {pred.step_time_s * 1e3:.1f} ms "
-                f"({relative_error(pred.step_time_s, got['measured_step_time_s']):+.1%})"
-            )
             where = f"pass {p + 1}/{passes} " if passes > 1 else ""
-            say(f"[{where}{k + 1}/{len(chosen)}] rank {cand.rank} {plan.describe()}: {shown}")
+            runs[i].append(run_once(i, chosen[i].prediction.step_time_s, f"{where}{k + 1}/{len(chosen)}"))
         check_host(p + 1)
         if reprofile:
             again = take_profile(f"again after pass {p + 1}")
@@ -388,6 +401,21 @@ def run_bench(
                 "abs_step_time_error": None if first_err is None else abs(first_err),
             },
         })
+    if confirm:
+        # The predictions (and so the picks) are final; the contenders run again and only these
+        # runs judge the pick's regret (summary["confirmed"]).
+        contenders = confirm_candidates(records)
+        say(f"confirmation: {len(contenders)} contenders for the measured best run {confirm} more pass(es): "
+            + ", ".join(f"rank {records[i]['rank']}" for i in contenders))
+        again: dict[int, list[dict[str, Any]]] = {i: [] for i in contenders}
+        for p in range(confirm):
+            order = contenders if p % 2 == 0 else contenders[::-1]
+            for k, i in enumerate(order):
+                if not (again[i] and again[i][-1]["error"]):
+                    again[i].append(run_once(i, records[i]["predicted_step_time_s"], f"confirm {p + 1}/{confirm} {k + 1}/{len(order)}"))
+        for i, got in ((i, combine_passes(again[i])) for i in contenders):
+            records[i].update(confirm_step_time_s=got["measured_step_time_s"], confirm_step_times_s=got["measured_step_times_s"],
+                              confirm_pass_step_times_s=got["measured_pass_step_times_s"], confirm_error=got["error"], wall_s=walls[i])
     records.sort(key=lambda r: r["rank"])
     summary = summarize(records, within=WITHIN)
     result = {
@@ -398,6 +426,7 @@ def run_bench(
         "steps": steps,
         "warmup": warmup,
         "passes": passes,
+        "confirm_passes": confirm,
         "plans_selection": plans,
         "device": {"type": profile.device.type, "name": profile.device.name},
         "accelerator": accelerator,

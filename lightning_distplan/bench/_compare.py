@@ -16,10 +16,16 @@ if TYPE_CHECKING:
     from lightning_distplan.plan import Plan
     from lightning_distplan.profile import Profile
 
-__all__ = ["relative_error", "percentile", "summarize", "predict_ranked", "first_profile_view", "WITHIN"]
+__all__ = ["relative_error", "percentile", "summarize", "predict_ranked", "first_profile_view", "confirm_candidates", "WITHIN", "CONFIRM_BAND", "CONFIRM_LIMIT"]
 
 WITHIN = 0.05
 """The pick counts as good when it ran within 5% of the measured best (issue 6 target)."""
+
+CONFIRM_BAND = 0.10
+"""Plans measured within this fraction of the fastest are contenders for the measured best (see :func:`confirm_candidates`)."""
+
+CONFIRM_LIMIT = 4
+"""At most this many contenders are run again, besides the picks and the measured best."""
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:
@@ -64,6 +70,30 @@ def first_profile_view(records: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return [{**r, **r["first_profile"]} for r in records if r.get("first_profile")]
 
 
+def confirm_candidates(records: Sequence[Mapping[str, Any]], *, band: float = CONFIRM_BAND, limit: int = CONFIRM_LIMIT) -> list[int]:
+    """Indices of the records to run again in confirmation passes, in order of measured time.
+
+    The fastest of a dozen noisy measurements is, by chance, faster than that plan really runs
+    (the winner's curse), so a regret against it counts noise as the planner's fault. Confirmation
+    passes run the contenders again and judge the pick on those runs alone. The contenders: the
+    pick (best rank), the first profile's pick when records carry ``first_profile``, the measured
+    best, and the other plans measured within ``band`` of it, fastest first, up to ``limit`` plans
+    in all (the picks and the best always go, even past ``limit``). Failed plans are never contenders.
+    """
+    measured = [i for i, r in enumerate(records) if r.get("measured_step_time_s") is not None]
+    if not measured:
+        return []
+    by_time = sorted(measured, key=lambda i: records[i]["measured_step_time_s"])
+    fastest = records[by_time[0]]["measured_step_time_s"]
+    must = {min(measured, key=lambda i: records[i]["rank"]), by_time[0]}
+    firsts = [i for i in measured if records[i].get("first_profile")]
+    if firsts:
+        must.add(min(firsts, key=lambda i: records[i]["first_profile"]["rank"]))
+    extra = [i for i in by_time if i not in must and records[i]["measured_step_time_s"] <= fastest * (1 + band)]
+    chosen = must | set(extra[: max(0, limit - len(must))])
+    return [i for i in by_time if i in chosen]
+
+
 def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -> dict[str, Any]:
     """Summary over per-plan records.
 
@@ -76,6 +106,10 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         of the step time, the same ``*_memory_*`` for memory when measured, ``pick`` and
         ``measured_best`` (rank, plan, predicted, measured), ``pick_is_best``, ``pick_within``
         (``within`` of the best), ``regret`` and ``spearman`` (rank correlation of predicted vs measured).
+        ``confirmed``: when the pick carries ``confirm_step_time_s`` (its median in confirmation
+        passes, :func:`confirm_candidates`), the pick judged against the contenders on those runs
+        alone: ``n_plans``, ``pick``, ``measured_best``, ``pick_is_best``, ``pick_within``, ``regret``;
+        else ``None``.
     """
     measured = [r for r in records if r.get("measured_step_time_s") is not None]
     errors = [relative_error(r["predicted_step_time_s"], r["measured_step_time_s"]) for r in measured]
@@ -101,6 +135,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         "pick_within": None,
         "regret": None,
         "spearman": None,
+        "confirmed": None,
     }
     if not measured:
         return out
@@ -119,6 +154,22 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         regret=regret,
         spearman=_spearman([r["predicted_step_time_s"] for r in measured], [r["measured_step_time_s"] for r in measured]),
     )
+    contenders = [r for r in measured if r.get("confirm_step_time_s") is not None]
+    if any(r is pick for r in contenders):
+        fastest = min(contenders, key=lambda r: r["confirm_step_time_s"])
+        again = pick["confirm_step_time_s"] / fastest["confirm_step_time_s"] - 1.0
+
+        def brief_again(r: Mapping[str, Any]) -> dict[str, Any]:
+            return {**brief(r), "confirm_step_time_s": r["confirm_step_time_s"]}
+
+        out["confirmed"] = {
+            "n_plans": len(contenders),
+            "pick": brief_again(pick),
+            "measured_best": brief_again(fastest),
+            "pick_is_best": fastest is pick,
+            "pick_within": again <= within + 1e-12,
+            "regret": again,
+        }
     return out
 
 

@@ -57,6 +57,13 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"measured best: rank {s['measured_best']['rank']} {s['measured_best']['plan']} {s['measured_best']['measured_step_time_s'] * 1e3:.1f} ms",
             f"pick is measured best: {s['pick_is_best']}; within {s['within']:.0%} of it: {s['pick_within']}; regret {s['regret']:.1%}",
         ]
+        c = s.get("confirmed")
+        if c:
+            lines.append(
+                f"confirmation ({result.get('confirm_passes')} more pass(es) of {c['n_plans']} contenders, judged on those runs alone): "
+                f"pick {c['pick']['confirm_step_time_s'] * 1e3:.1f} ms, fastest rank {c['measured_best']['rank']} "
+                f"{c['measured_best']['confirm_step_time_s'] * 1e3:.1f} ms; within {s['within']:.0%}: {c['pick_within']}; regret {c['regret']:.1%}"
+            )
         if s.get("median_abs_memory_error") is not None:
             lines.append(f"memory |error|: median {s['median_abs_memory_error']:.1%}, p90 {s['p90_abs_memory_error']:.1%}")
         first = result.get("summary_first_profile")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_distplan.bench import BenchError, format_table, percentile, plot_result, relative_error, select_candidates, summarize
+from lightning_distplan.bench import BenchError, confirm_candidates, format_table, percentile, plot_result, relative_error, select_candidates, summarize
 
 
 def _rec(rank, pred, meas, plan=None):
@@ -36,6 +36,33 @@ def test_summary_pick_best_within_and_regret():
     s = summarize([_rec(1, 1.0, 1.2), _rec(2, 1.1, 1.0)])
     assert s["pick_within"] is False and s["regret"] == pytest.approx(0.2)
     assert summarize([_rec(1, 1.0, None)])["pick"] is None  # nothing measured: no verdict
+
+
+def test_confirm_candidates_are_the_picks_and_the_plans_near_the_fastest():
+    # measured: rank 4 fastest (1.00), rank 2 at 1.05 and rank 5 at 1.08 within 10%, rank 3 at 1.2 outside;
+    # the pick (rank 1) ran 1.3 and the first profile's pick (rank 6 there: first_profile rank 1) 1.5
+    recs = [_rec(1, 1.0, 1.3), _rec(2, 1.0, 1.05), _rec(3, 1.0, 1.2), _rec(4, 1.0, 1.0), _rec(5, 1.0, 1.08), _rec(6, 1.0, 1.5), _rec(7, 1.0, None)]
+    for i, r in enumerate(recs):
+        r["first_profile"] = {"rank": 1 if i == 5 else i + 2}
+    picked = confirm_candidates(recs, band=0.10, limit=4)
+    assert [recs[i]["rank"] for i in picked] == [4, 2, 1, 6]  # fastest first; the picks always go, outside the band too
+    assert [recs[i]["rank"] for i in confirm_candidates(recs, band=0.10, limit=6)] == [4, 2, 5, 1, 6]  # rank 3 is outside the band
+    assert [recs[i]["rank"] for i in confirm_candidates([_rec(1, 1.0, 1.0), _rec(2, 1.0, None)])] == [1]  # pick is best; a failed plan never goes
+    assert confirm_candidates([_rec(1, 1.0, None)]) == []
+
+
+def test_confirmed_regret_is_judged_on_the_confirmation_runs_alone():
+    # passes: rank 2 looked 8% faster than the pick; run again, the pick is 2% slower than rank 2
+    recs = [{**_rec(1, 1.0, 1.08), "confirm_step_time_s": 1.02}, {**_rec(2, 1.1, 1.0), "confirm_step_time_s": 1.0}, _rec(3, 1.2, 1.3)]
+    s = summarize(recs)
+    assert s["pick_within"] is False and s["regret"] == pytest.approx(0.08)  # the passes' verdict stays
+    c = s["confirmed"]
+    assert c["n_plans"] == 2 and c["pick"]["rank"] == 1 and c["measured_best"]["rank"] == 2
+    assert c["pick_within"] is True and c["regret"] == pytest.approx(0.02) and c["pick_is_best"] is False
+    recs[1]["confirm_step_time_s"] = 0.9  # ... or 13% slower: a miss on the confirmation too
+    assert summarize(recs)["confirmed"]["pick_within"] is False
+    del recs[0]["confirm_step_time_s"]  # the pick was not run again (e.g. a re-ranked replay): no confirmed verdict
+    assert summarize(recs)["confirmed"] is None
 
 
 class _Pred:

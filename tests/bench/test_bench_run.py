@@ -85,8 +85,20 @@ def _check_profiles(result: dict) -> None:
 
 
 def test_bench_world_size_1(tmp_path):
-    result = _bench(tmp_path, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--plot", str(tmp_path / "p.png"))
+    result = _bench(tmp_path, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--confirm", "1", "--plot", str(tmp_path / "p.png"))
     _check(result, 1)
+    # one confirmation pass of the contenders (the pick, the measured best, plans within 10% of it); the pick judged on it alone
+    from lightning_distplan.bench import confirm_candidates
+
+    again = [result["plans"][i] for i in confirm_candidates(result["plans"])]
+    assert result["confirm_passes"] == 1 and again[0]["rank"] == result["summary"]["measured_best"]["rank"]
+    assert [r["rank"] for r in result["plans"] if "confirm_step_time_s" in r] == sorted(r["rank"] for r in again)
+    for rec in again:
+        assert len(rec["confirm_step_times_s"]) == 2 and rec["confirm_step_time_s"] == pytest.approx(statistics.median(rec["confirm_step_times_s"]))
+    c = result["summary"]["confirmed"]
+    fastest = min(again, key=lambda r: r["confirm_step_time_s"])
+    assert c["n_plans"] == len(again) and c["measured_best"]["rank"] == fastest["rank"] and c["pick"]["rank"] == 1
+    assert c["regret"] == pytest.approx(result["plans"][0]["confirm_step_time_s"] / fastest["confirm_step_time_s"] - 1)
     assert result["passes"] == 2  # the default
     assert len(result["profiles"]) == 3  # before the runs and again after each pass
     assert result["prediction_profile"].startswith("mean of 3 profiles")
@@ -116,7 +128,7 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"),
+    [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"), (["--confirm", "-1"], "--confirm"),
      (["--world-size", "0"], "--world-size")],
 )
 def test_bench_bad_input_one_line_error(capsys, args, message):
