@@ -11,7 +11,9 @@ For every model x rate (100mbit, 1gbit, unlimited) this script
    (the whole list in ``--passes`` alternating passes, default 3 x 2+4 steps, each plan's timed
    steps pooled; the profiled step is timed again after each pass to show host-speed drift, and
    the whole profile is taken again after each pass: predictions come from the mean of the
-   profiles, so they and the measurements sample the same stretch of a drifting host's time),
+   profiles, so they and the measurements sample the same stretch of a drifting host's time; then
+   the contenders for the measured best run ``--confirm`` more passes, default 2, and the pick is
+   judged again on those runs alone),
 3. collects the per-plan predicted and measured step times (and the first profile's predictions,
    which are what auto_plan, profiling once, would have had).
 

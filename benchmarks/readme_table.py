@@ -65,7 +65,17 @@ def _first_profile_part(first: dict | None) -> str:
     if not first:
         return ""
     picks = round(first["pick_within_5pct_rate"] * first["n_settings_done"])
-    return f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, {picks}/{first['n_settings_done']})"
+    n = first.get("n_settings_confirmed")
+    confirmed = f", {round(first['pick_within_5pct_rate_confirmed'] * n)}/{n} confirmed" if n else ""
+    return f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, {picks}/{first['n_settings_done']}{confirmed})"
+
+
+def _confirmed_part(summary: dict) -> str:
+    """A sweep summary's verdict on the confirmation passes ("" for sweeps without them)."""
+    n = summary.get("n_settings_confirmed")
+    if not n:
+        return ""
+    return f" ({round(summary['pick_within_5pct_rate_confirmed'] * n)}/{n} judged on the confirmation passes alone)"
 
 
 def rows() -> list[tuple[str, str, str, str, str]]:
@@ -99,7 +109,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             parts.append(
                 f"run {i}: median \\|error\\| {_pct(s.get('median_abs_error'))}, p90 {_pct(s.get('p90_abs_error'))} over {s.get('n_points')} runs, "
                 f"pick within 5% of the measured best in {within}/{s.get('n_settings_done')} settings"
-                + _first_profile_part(s.get("first_profile"))
+                + _confirmed_part(s) + _first_profile_part(s.get("first_profile"))
             )
         if len(runs) > 1:
             sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -110,13 +120,17 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             parts.append(
                 f"all runs pooled: median \\|error\\| {_pct(pooled.get('median_abs_error'))}, p90 {_pct(pooled.get('p90_abs_error'))} "
                 f"over {pooled.get('n_points')} runs, pick within 5% in {within}/{pooled.get('n_settings_done')} settings"
-                + _first_profile_part(pooled.get("first_profile"))
+                + _confirmed_part(pooled) + _first_profile_part(pooled.get("first_profile"))
             )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
+        confirming = [(i, d["provenance"]["confirm_passes"]) for i, d in enumerate(runs, 1) if d.get("provenance", {}).get("confirm_passes")]
+        if confirming:
+            each += (f"; run{'s' if len(confirming) > 1 else ''} {', '.join(str(i) for i, _ in confirming)} then ran the contenders for the "
+                     f"measured best {'/'.join(sorted({str(k) for _, k in confirming}))} more times (confirmation passes)")
         if any(x.get("profiles") and len(x["profiles"]) > 1 for d in runs for x in d["settings"]):
             each += "; predicted from the mean of the profiles taken before the runs and after each pass"
-        times = {1: "one run", 2: "the same code run twice"}.get(len(runs), f"the same code run {len(runs)} times")
+        times = {1: "one run", 2: "the same model and profiler run twice"}.get(len(runs), f"the same model and profiler run {len(runs)} times")
         out.append((
             "Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates; "
             + each + "), " + times,

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
               f"over {summary['n_points']} runs")
     summary, _ = summarize_sweep(pooled, rates)
     print(f"all: median |error| {summary['median_abs_error']:.1%}, p90 {summary['p90_abs_error']:.1%}, "
-          f"pick within 5% in {round(summary['pick_within_5pct_rate'] * summary['n_settings_done'])}/{summary['n_settings_done']} settings")
+          f"pick within 5% in {round(summary['pick_within_5pct_rate'] * summary['n_settings_done'])}/{summary['n_settings_done']} settings"
+          + (f" ({round(summary['pick_within_5pct_rate_confirmed'] * summary['n_settings_confirmed'])}/{summary['n_settings_confirmed']} "
+             "with a confirmed verdict judged on the confirmation passes)" if summary.get("n_settings_confirmed") else ""))
     for key, row in summary["by_rate_and_strategy"].items():
         print(f"  {key:22s} n={row['n']:3d}  signed {row['median_signed_error']:+.1%}  |e| {row['median_abs_error']:.1%}")
     return 0

@@ -25,7 +25,7 @@ CONFIRM_BAND = 0.10
 """Plans measured within this fraction of the fastest are contenders for the measured best (see :func:`confirm_candidates`)."""
 
 CONFIRM_LIMIT = 4
-"""At most this many contenders are run again, besides the picks and the measured best."""
+"""At most this many contenders are run again (the picks and the measured best always are, even past it)."""
 
 
 def relative_error(predicted: float | None, measured: float | None) -> float | None:

@@ -42,6 +42,12 @@ def test_committed_sweep_replays_to_its_recorded_predictions(path: Path) -> None
             assert again[plan] == pytest.approx(seconds, rel=1e-9), f"{setting['model_key']}@{setting['rate']} {plan}"
         # the planner's pick is the plan it ranked first
         assert replayed["summary"]["pick"]["plan"] == setting["summary"]["pick"]["plan"]
+        confirmed = setting["summary"].get("confirmed")
+        if confirmed:  # the same pick, judged again on the same confirmation runs
+            again_confirmed = replayed["summary"]["confirmed"]
+            assert again_confirmed["measured_best"]["plan"] == confirmed["measured_best"]["plan"]
+            assert again_confirmed["regret"] == pytest.approx(confirmed["regret"], rel=1e-12)
+            assert again_confirmed["pick_within"] == confirmed["pick_within"]
 
 
 def test_replay_variants_change_predictions_only_inside_their_block() -> None:
