@@ -208,6 +208,12 @@ def term_fit(plans: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+def confirmed_picks(summary: dict[str, Any]) -> str:
+    """``"k/n"``: of the n settings judged on their confirmation passes, k whose pick was within 5% there ("" when none were)."""
+    n = summary.get("n_settings_confirmed")
+    return f"{round(summary['pick_within_5pct_rate_confirmed'] * n)}/{n}" if n else ""
+
+
 def first_profile_settings(settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The settings as graded from their first profile alone (those that profiled more than once)."""
     return [
@@ -300,8 +306,7 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
             "predicted from the mean of each setting's profiles (before the runs and after each pass); from its first profile alone "
             f"(as auto_plan, profiling once, predicts): median |error| {first['median_abs_error']:.1%}, p90 {first['p90_abs_error']:.1%}, "
             f"pick within 5% in {picks}/{len(firsts)} settings"
-            + (f" ({round(first['pick_within_5pct_rate_confirmed'] * first['n_settings_confirmed'])}/{first['n_settings_confirmed']} on the confirmation passes)"
-               if first.get("n_settings_confirmed") else ""),
+            + (f" ({confirmed_picks(first)} on the confirmation passes)" if confirmed_picks(first) else ""),
         ]
     return summary, lines
 

@@ -19,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 BEGIN, END = "<!-- accuracy-table:begin -->", "<!-- accuracy-table:end -->"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 
 
 def _load(name: str) -> dict | None:
@@ -65,17 +67,13 @@ def _first_profile_part(first: dict | None) -> str:
     if not first:
         return ""
     picks = round(first["pick_within_5pct_rate"] * first["n_settings_done"])
-    n = first.get("n_settings_confirmed")
-    confirmed = f", {round(first['pick_within_5pct_rate_confirmed'] * n)}/{n} confirmed" if n else ""
+    confirmed = f", {confirmed_picks(first)} confirmed" if confirmed_picks(first) else ""
     return f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, {picks}/{first['n_settings_done']}{confirmed})"
 
 
 def _confirmed_part(summary: dict) -> str:
     """A sweep summary's verdict on the confirmation passes ("" for sweeps without them)."""
-    n = summary.get("n_settings_confirmed")
-    if not n:
-        return ""
-    return f" ({round(summary['pick_within_5pct_rate_confirmed'] * n)}/{n} judged on the confirmation passes alone)"
+    return f" ({confirmed_picks(summary)} judged on the confirmation passes alone)" if confirmed_picks(summary) else ""
 
 
 def rows() -> list[tuple[str, str, str, str, str]]:
@@ -112,9 +110,6 @@ def rows() -> list[tuple[str, str, str, str, str]]:
                 + _confirmed_part(s) + _first_profile_part(s.get("first_profile"))
             )
         if len(runs) > 1:
-            sys.path.insert(0, str(ROOT / "benchmarks"))
-            from cpu_cluster_sweep import summarize_sweep
-
             pooled, _ = summarize_sweep([x for d in runs for x in d["settings"]], runs[0].get("provenance", {}).get("rates", []))
             within = round((pooled.get("pick_within_5pct_rate") or 0) * pooled.get("n_settings_done", 0))
             parts.append(

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cpu_cluster_sweep import summarize_sweep  # noqa: E402
+from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 
 from lightning_distplan.bench import first_profile_view, predict_ranked, relative_error, summarize  # noqa: E402
 from lightning_distplan.plan import Plan  # noqa: E402
@@ -96,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     summary, _ = summarize_sweep(pooled, rates)
     print(f"all: median |error| {summary['median_abs_error']:.1%}, p90 {summary['p90_abs_error']:.1%}, "
           f"pick within 5% in {round(summary['pick_within_5pct_rate'] * summary['n_settings_done'])}/{summary['n_settings_done']} settings"
-          + (f" ({round(summary['pick_within_5pct_rate_confirmed'] * summary['n_settings_confirmed'])}/{summary['n_settings_confirmed']} "
-             "with a confirmed verdict judged on the confirmation passes)" if summary.get("n_settings_confirmed") else ""))
+          + (f" ({confirmed_picks(summary)} with a confirmed verdict judged on the confirmation passes)" if confirmed_picks(summary) else ""))
     for key, row in summary["by_rate_and_strategy"].items():
         print(f"  {key:22s} n={row['n']:3d}  signed {row['median_signed_error']:+.1%}  |e| {row['median_abs_error']:.1%}")
     return 0
