@@ -152,9 +152,14 @@ class MemoryProfile:
     grad_bytes: int
     optimizer_state_bytes: int
     activation: LinearFit
-    """Bytes saved for backward by the whole step vs micro-batch size."""
+    """Bytes one micro-batch adds at its peak vs micro-batch size. On CUDA measured: the step's peak
+    allocated bytes minus those resident before it (saved activations, transients such as logits and
+    their gradients, fresh gradients). On CPU counted: the bytes saved for backward."""
     fixed_overhead_bytes: int = 0
-    """Measured peak minus the modelled parts (workspace, allocator slack); 0 where no peak is measured."""
+    """What the activation line misses at a profiled size, or the optimizer step's own peak beyond
+    weights, gradients and state where that is larger (CUDA); 0 where no peak is measured."""
+    activation_source: str = ""
+    """How ``activation`` was obtained (measured CUDA peaks, or saved tensors counted by hooks)."""
     measured_peak_bytes: dict[int, int] = field(default_factory=dict)
     """Micro-batch size -> measured peak allocated bytes for fwd+bwd+step (CUDA only)."""
     device_total_bytes: int = 0

@@ -158,7 +158,7 @@ def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoad
     # three untimed runs first: a fresh module's first steps allocate (and fault in) its gradient buffers
     prof = _Profiler(module, loader, micro_batch_sizes=[m], device=device, optimizer=None, warmup=3, repeats=3,
                      progress=None, t0=time.perf_counter(), loop_overhead=False)
-    fwd, bwd, _ = prof.time_step(m, warmup=3)
+    fwd, bwd, _, _ = prof.time_step(m, warmup=3)
     prof.clear_grads()
     return fwd + bwd
 

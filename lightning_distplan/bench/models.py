@@ -2,7 +2,10 @@
 
 * :class:`DemoTransformerLM`: Lightning's demo ``Transformer`` (``lightning.pytorch.demos``) with
   its size as constructor arguments (the demo's ``LightningTransformer`` only exposes the vocabulary).
-* :class:`TinyGPT2LM`: a Hugging Face ``GPT2LMHeadModel`` built from a small ``GPT2Config`` (no download).
+* :class:`TinyGPT2LM`: a Hugging Face ``GPT2LMHeadModel`` built from a ``GPT2Config`` (small by
+  default; GPT-2 124M with ``vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024``).
+* :class:`BertMaskedLM`: a Hugging Face ``BertForMaskedLM`` from a ``BertConfig`` (small by default;
+  BERT-Large with ``hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096``).
 * :class:`WideMLP`: an ``nn.Sequential`` MLP, parameter-heavy for its compute, so data-parallel
   all-reduce is expensive on a slow link while its boundary activations are tiny.
 * :class:`RandomVectorData`: ``(features, label)`` batches for :class:`WideMLP`.
@@ -22,7 +25,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["DemoTransformerLM", "TinyGPT2LM", "WideMLP", "RandomVectorData"]
+__all__ = ["DemoTransformerLM", "TinyGPT2LM", "BertMaskedLM", "WideMLP", "RandomVectorData"]
 
 
 class DemoTransformerLM(LightningModule):
@@ -63,6 +66,36 @@ class TinyGPT2LM(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class BertMaskedLM(LightningModule):
+    """A BERT masked-LM (Hugging Face ``BertForMaskedLM`` from a config, no download; AdamW).
+
+    Batches are ``(input_ids, labels)``; every position is a prediction target (the MLM head runs
+    over every position either way, so the cost matches 15% masking).
+    """
+
+    def __init__(
+        self, vocab_size: int = 4096, hidden_size: int = 128, num_hidden_layers: int = 4, num_attention_heads: int = 4,
+        intermediate_size: int = 512, max_position_embeddings: int = 512,
+    ) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        self.save_hyperparameters()
+        config = BertConfig(
+            vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        self.model = BertForMaskedLM(config)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, labels = batch
+        return self.model(input_ids=inputs, labels=labels).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 class WideMLP(LightningModule):

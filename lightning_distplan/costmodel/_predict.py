@@ -60,7 +60,7 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20
 # bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
 
 BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer", "framework", "sync_wait")
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "overhead")
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "ddp_buckets", "overhead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,10 +327,18 @@ def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     step = sum(breakdown.values())
     memory = {
         "params": int(profile.memory.param_bytes),
-        "grads": int(profile.memory.grad_bytes),
+        # With accumulation (s > 1) the gradients summed so far stay resident while the next micro-batch's
+        # backward produces its own: measured on an H100 (benchmarks/results/gpu_validation_*.json), the
+        # s = 4 peak of GPT-2, BERT-Large and ResNet-101 exceeds the s = 1 peak by 0.1-2x the gradient bytes.
+        "grads": int(profile.memory.grad_bytes) * (2 if s > 1 else 1),
         "optimizer": _optimizer_state_bytes(profile),
         # DESIGN §4: DP holds the saved activations of one micro-batch at a time.
         "activations": int(round(max(0.0, profile.memory.activation(m)) or sum(_layer_activations(profile, m)))),
+        # DPGAStrategy is a DDPStrategy, so the model runs inside DistributedDataParallel even on one
+        # device; its reducer keeps gradient buckets as large as the gradients (gradient_as_bucket_view
+        # is off by default). Seen in a CUDA memory snapshot of a dp_ga fit on an H100: one more
+        # weights-sized block set, allocated in the first forward.
+        "ddp_buckets": int(profile.memory.grad_bytes),
         "overhead": int(profile.memory.fixed_overhead_bytes),
     }
     peak = sum(memory.values())
@@ -488,6 +496,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
                 "optimizer": int(round(share * opt_bytes)),
                 # DESIGN §4: GPipe keeps n micro-batches of the stage's activations, 1F1B min(n, p − k).
                 "activations": int(round(in_flight_microbatches(plan.strategy, n, p, k) * stage_act[k])),
+                "ddp_buckets": 0,  # PipelineStrategy all-reduces its stage gradients itself, without DDP
                 "overhead": overhead,
             }
         )

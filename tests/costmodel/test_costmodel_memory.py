@@ -33,9 +33,13 @@ def profile(**kw):
 def test_dp_memory_one_microbatch_of_activations():
     plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=2, accumulate_grad_batches=4, global_batch_size=16)
     pred = predict(profile(), plan, hw())
-    assert pred.memory_breakdown == {"params": 4_000_000, "grads": 4_000_000, "optimizer": 8_000_000, "activations": 20_000_000, "overhead": 1_000_000}
+    # s = 4: the accumulated gradients and the next micro-batch's coexist; DDP's buckets are as large as the gradients
+    assert pred.memory_breakdown == {"params": 4_000_000, "grads": 8_000_000, "optimizer": 8_000_000, "activations": 20_000_000,
+                                     "ddp_buckets": 4_000_000, "overhead": 1_000_000}
     assert tuple(pred.memory_breakdown) == MEMORY_KEYS
-    assert pred.peak_memory_bytes == 37_000_000
+    assert pred.peak_memory_bytes == 45_000_000
+    one = predict(profile(), Plan(strategy="dp_ga", dp=2, micro_batch_size=2, accumulate_grad_batches=1, global_batch_size=4), hw())
+    assert one.memory_breakdown["grads"] == 4_000_000 and one.peak_memory_bytes == 41_000_000
 
 
 def test_gpipe_vs_1f1b_exact_counts():
@@ -48,7 +52,7 @@ def test_gpipe_vs_1f1b_exact_counts():
     assert gpipe.stage_memory_bytes == (12e6 + 4 * 12e6 + 1e6, 4e6 + 4 * 8e6 + 1e6)
     assert onef.stage_memory_bytes == (12e6 + 2 * 12e6 + 1e6, 4e6 + 1 * 8e6 + 1e6)
     assert gpipe.peak_memory_bytes == 61_000_000 and onef.peak_memory_bytes == 37_000_000
-    assert onef.memory_breakdown == {"params": 3_000_000, "grads": 3_000_000, "optimizer": 6_000_000, "activations": 24_000_000, "overhead": 1_000_000}
+    assert onef.memory_breakdown == {"params": 3_000_000, "grads": 3_000_000, "optimizer": 6_000_000, "activations": 24_000_000, "ddp_buckets": 0, "overhead": 1_000_000}
     # the two schedules differ in memory only
     assert gpipe.step_time_s == onef.step_time_s
 

@@ -1,0 +1,92 @@
+"""The single-GPU validation's own logic, and the committed GPU results belong to today's cost model.
+
+The GPU runs themselves need a CUDA device; here the out-of-memory boundary search and the
+predicted-largest-micro-batch helper are checked on known answers, and every prediction in the
+committed result file is recomputed from the profile stored beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_distplan.costmodel import Hardware, predict
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.plan import Plan
+from lightning_distplan.profile import Profile
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_validation import find_boundary, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
+
+GPU_RESULTS = sorted((ROOT / "benchmarks" / "results").glob("gpu_validation_*.json"))
+
+
+@pytest.mark.parametrize("limit", [1, 2, 37, 38, 300])
+@pytest.mark.parametrize("start", [1, 10, 37, 38, 500])
+def test_find_boundary_brackets_the_threshold(limit: int, start: int) -> None:
+    probes: list[int] = []
+
+    def runs(m: int) -> bool:
+        probes.append(m)
+        return m <= limit
+
+    ok, bad = find_boundary(runs, start)
+    assert ok <= limit < bad
+    assert bad - ok <= max(1, int(ok * 0.02))
+    assert len(probes) <= 40
+
+
+def test_find_boundary_when_nothing_runs_or_nothing_fails() -> None:
+    assert find_boundary(lambda m: False, 8) == (0, 1)
+    ok, bad = find_boundary(lambda m: True, 8, limit=100)
+    assert (ok, bad) == (100, None)
+
+
+def test_unprofiled_sizes_are_between_and_past_the_profiled() -> None:
+    assert unprofiled_sizes([4, 8, 16, 32]) == [6, 12, 24, 48]
+    assert not set(unprofiled_sizes([16, 32, 64, 128])) & {16, 32, 64, 128}
+
+
+def test_predicted_largest_micro_batch_matches_a_scan() -> None:
+    layers = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=3e6) for _ in range(4)]
+    profile = synthetic_profile(layers, fixed_overhead_bytes=5_000_000, device_memory_bytes=1 << 30)
+    hw = Hardware.from_profile(profile)
+
+    def peak(m: int) -> int:
+        return predict(profile, Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=1, global_batch_size=m), hw).peak_memory_bytes
+
+    for limit in (hw.usable_memory_bytes, hw.device_memory_bytes, peak(1) - 1, peak(7)):
+        expected = max((m for m in range(1, 200) if peak(m) <= limit), default=0)
+        assert predicted_largest_micro_batch(profile, hw, limit) == expected
+
+
+def test_there_is_a_committed_gpu_result() -> None:
+    assert GPU_RESULTS, "benchmarks/results/gpu_validation_*.json is missing"
+
+
+@pytest.mark.parametrize("path", GPU_RESULTS, ids=lambda p: p.name)
+def test_committed_gpu_result_replays_to_its_recorded_predictions(path: Path) -> None:
+    """Each point's prediction comes back from the stored profile with today's cost model (else re-run the GPU study)."""
+    doc = json.loads(path.read_text())
+    assert doc["device"]["type"] == "cuda" and doc["device"]["name"] and doc["versions"]["torch"] and doc["command"]
+    n = 0
+    for name, rec in doc["models"].items():
+        profile = Profile.from_dict(rec["profile"], source=f"{path.name}:{name}")
+        hw = Hardware.from_profile(profile)
+        for point in rec["points"]:
+            m, s = point["micro_batch_size"], point["accumulate_grad_batches"]
+            pred = predict(profile, Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=s, global_batch_size=m * s), hw)
+            assert pred.step_time_s == pytest.approx(point["predicted_step_time_s"], rel=1e-9), (name, m, s)
+            assert pred.peak_memory_bytes == point["predicted_peak_memory_bytes"], (name, m, s)
+            assert pred.feasible == point["predicted_feasible"], (name, m, s)
+            n += 1
+        if "oom" in rec:
+            o = rec["oom"]
+            assert predicted_largest_micro_batch(profile, hw, hw.usable_memory_bytes) == o["predicted_largest_micro_batch_planner"]
+            # the acceptance: what the planner allows must have run
+            assert o["planner_largest_runs"] and o["predicted_largest_micro_batch_planner"] <= o["measured_largest_micro_batch"]
+    assert n == doc["summary"]["n_points"]
