@@ -89,6 +89,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             _date(d), "`benchmarks/single_device_validation.py`",
         ))
 
+    for path in sorted(RESULTS.glob("gpu_validation_*.json")):
+        out.append(_gpu_row(json.loads(path.read_text())))
+
     d = _load("cli_timings_cpu.json")
     if d:
         out.append((
@@ -188,14 +191,46 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     return out
 
 
+def _gpu_row(d: dict) -> tuple[str, str, str, str, str]:
+    """One device's single-GPU validation: step time, peak memory, OOM boundary, profiling cost."""
+    s, models = d["summary"], d["models"]
+    per_model = ", ".join(
+        f"{name} {_pct(statistics.median(abs(p['step_time_error']) for p in rec['points'] if p['step_time_error'] is not None))}"
+        for name, rec in models.items()
+    )
+    oom = "; ".join(
+        f"{name} {o['predicted_largest_micro_batch_planner']} / {o['predicted_largest_micro_batch_whole_device']} vs {o['measured_largest_micro_batch']} "
+        f"({o['measured_smallest_oom_micro_batch']} ran out)"
+        for name, rec in models.items() if (o := rec.get("oom"))
+    )
+    cost = ", ".join(f"{name} {rec['profiling_time_s']:.1f} s ≈ {rec['profiling_cost_in_steps']:.0f} steps" for name, rec in models.items()
+                     if rec.get("profiling_cost_in_steps"))
+    labels = {"gpt2": "GPT-2 124M, sequence 1024, AdamW", "bert_large": "BERT-Large masked LM, sequence 128, AdamW",
+              "resnet101": "ResNet-101, 224×224, SGD"}  # the full configs are in each model's `what` in the JSON
+    what = "; ".join(labels.get(name, name) for name in models)
+    return (
+        f"1 GPU, dp_ga at unprofiled micro-batch × accumulation {'/'.join(sorted({str(p['accumulate_grad_batches']) for r in models.values() for p in r['points']}))} "
+        f"({what}; float32, matmul precision {d['float32_matmul_precision']})",
+        f"step time median \\|error\\| {_pct(s['median_abs_step_time_error'])}, p90 {_pct(s['p90_abs_step_time_error'])}, max {_pct(s['max_abs_step_time_error'])} "
+        f"over {s['n_timed']} points (per model: {per_model}); peak memory vs `torch.cuda.max_memory_allocated` median \\|error\\| "
+        f"{_pct(s['median_abs_memory_error'])}, max {_pct(s['max_abs_memory_error'])}, {s['n_memory_within_5pct']}/{s['n_timed']} within 5%; "
+        f"plans predicted to fit that ran out of memory: {s['predicted_feasible_that_failed']} ({s['failed_as_predicted']} predicted not to fit ran out); "
+        f"largest micro-batch (s = 1) the planner allows (90% of the device) / predicted for the whole device vs the largest that ran: {oom}; "
+        f"profiling {cost}; targets 10% / 5% / 0",
+        f"{d['device']['name']}, torch {d['versions']['torch']}",
+        _date(d), "`benchmarks/gpu_validation.py`",
+    )
+
+
 def table() -> str:
     lines = [
         "| what | result | where | date | script |",
         "|---|---|---|---|---|",
     ]
     lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows()]
-    lines.append("")
-    lines.append("No GPU figures yet: no GPU was available to this project so far (the harness runs on CUDA when present).")
+    if not any(RESULTS.glob("gpu_validation_*.json")):
+        lines.append("")
+        lines.append("No GPU figures yet: no GPU was available to this project so far (the harness runs on CUDA when present).")
     return "\n".join(lines)
 
 
