@@ -17,6 +17,7 @@ from lightning_distplan.costmodel._partition import partition_layers
 from lightning_distplan.costmodel._predict import (
     BREAKDOWN_KEYS,
     MEMORY_KEYS,
+    PIPELINE_SLOT_S,
     Prediction,
     in_flight_microbatches,
     overlappable_fraction,
@@ -40,6 +41,7 @@ __all__ = [
     "in_flight_microbatches",
     "BREAKDOWN_KEYS",
     "MEMORY_KEYS",
+    "PIPELINE_SLOT_S",
     "DEFAULT_BANDWIDTH_BYTES_PER_S",
     "DEFAULT_LATENCY_S",
 ]

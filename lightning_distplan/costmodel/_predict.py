@@ -8,7 +8,8 @@ Step-time breakdown (always sums exactly to ``step_time_s``; every key is presen
 
 ``compute``       work the critical device does: s·T_calc(m) for DP, n·(compute of the slowest stage)
                   for pipelines
-``p2p``           pipeline boundary sends on the slowest stage, n·(2L + 2m·A/BW)
+``p2p``           pipeline hand-overs the slowest stage waits for, n·(L + m·A/BW) per boundary it receives
+                  from: its input activation from the stage before and its output's gradient from the stage after
 ``bubble``        pipeline fill and drain: Σ_{k≠slowest} St_k, i.e. (p−1)/(n+p−1) of the pipeline time
                   when stages are equal
 ``exposed_comm``  all-reduce time not hidden behind backward computation (pipelines: the stage
@@ -19,7 +20,9 @@ Step-time breakdown (always sums exactly to ``step_time_s``; every key is presen
                   step, as profiled (:class:`~lightning_distplan.profile.FrameworkProfile`); on a device
                   whose host work overlaps it (CUDA) only the part longer than the device's work; plus
                   Lightning's per-batch broadcast in multi-process fits (:func:`loop_sync_time`) and
-                  PipelineStrategy's one-number loss all-reduce per step
+                  PipelineStrategy's one-number loss all-reduce per step; for pipelines on a host whose
+                  work is not hidden behind a device (CPU), the pipelining runtime's own work in each of
+                  the n + p − 1 slots of the schedule (:data:`PIPELINE_SLOT_S`)
 ``sync_wait``     waiting for the slowest of the ranks that synchronise: a micro-batch's time varies
                   from run to run (the profile's ``step.spread``), and where W ranks meet after every
                   batch (dp_ga: Lightning's per-batch broadcast) or every pipeline slot (the p stages),
@@ -51,6 +54,7 @@ __all__ = [
     "overlappable_fraction",
     "in_flight_microbatches",
     "DDP_FIRST_BUCKET_BYTES",
+    "PIPELINE_SLOT_S",
     "BREAKDOWN_KEYS",
     "MEMORY_KEYS",
 ]
@@ -58,6 +62,13 @@ __all__ = [
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 # source: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (= 1 MiB), the size of DDP's first gradient
 # bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
+
+PIPELINE_SLOT_S = 0.8e-3
+# source: benchmarks/results/pipeline_slot_overhead_cpu.json. A two-stage torch.distributed.pipelining
+# 1F1B schedule of two Linear(8, 8) stages over gloo costs 0.90 ms per micro-batch on the 2-vCPU sweep
+# host (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-over
+# prices the link latency, 0.10 ms. Measured on that host only; it is charged where the host's work is
+# not hidden behind a device (Hardware.host_overlap False, i.e. CPU training).
 
 BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer", "framework", "sync_wait")
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "ddp_buckets", "overhead")
@@ -401,15 +412,23 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     stage_fwd, stage_bwd = stage_sums(fwd_times, boundaries), stage_sums(bwd_times, boundaries)
     stage_compute = tuple(f + b for f, b in zip(stage_fwd, stage_bwd))
     # seed 001 eq. 6.2 / DESIGN §4: every stage but the last sends its last layer's output forward
-    # (L + m·A_k/BW) and receives the same-sized gradient back: 2·(L + m·A_k/BW) per micro-batch,
-    # one hand-over in the forward pass and one in the backward pass.
+    # and receives the same-sized gradient back, one hand-over of L + m·A_k/BW in each direction per
+    # micro-batch (the forward pass's and the backward pass's).
     send = tuple(
         hw.p2p_latency_s + m * profile.layers[edges[k + 1] - 1].output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s
         if k < p - 1
         else 0.0
         for k in range(p)
     )
-    stage_p2p = tuple(2 * x for x in send)
+    # A hand-over costs the stage that waits for it, the receiver: torch.distributed.pipelining waits
+    # on each send together with a receive, and a gloo send returns once the kernel has buffered the
+    # message, while the receive returns only when the last byte has crossed the link. So stage k
+    # waits for its input activation (hand-over k − 1) and for its output's gradient (hand-over k).
+    # Charging both directions to the sender instead made the stage before a boundary look slower
+    # than it is: replayed on the six CPU cluster sweeps of ab66d4e, the placement in which the
+    # receiver waits picked within 5% of the measured best in 49 of 54 settings against 44.
+    receive_fwd = tuple(send[k - 1] if k > 0 else 0.0 for k in range(p))
+    stage_p2p = tuple(r + s_k for r, s_k in zip(receive_fwd, send))
     stage_time = tuple(ck + pk for ck, pk in zip(stage_compute, stage_p2p))
     if plan.strategy == "gpipe":
         # GPipe runs all n forwards, then all n backwards: each pass is its own pipeline
@@ -417,8 +436,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # Its forward pass waits for the stage slowest *at forward* and its backward pass for the
         # one slowest at backward; when they differ (the first stage heavy in forward, the last,
         # with the loss, heavy in backward) this is longer than n·max_k(F_k + B_k).
-        # Per pass: (work, hand-over) of each stage, the activation forward, the gradient back.
-        passes = [(stage_fwd, send), (stage_bwd, send)]
+        # Per pass: (work, hand-over waited for) of each stage: the activation from the stage before
+        # in the forward pass, the gradient from the stage after in the backward pass.
+        passes = [(stage_fwd, receive_fwd), (stage_bwd, send)]
     else:
         # 1F1B: seed 000 eq. (1) with St_k = F_k + B_k. Without interleaving its warm-up +
         # cool-down is the same p − 1 slots as GPipe's fill + drain, and in its steady state every
@@ -461,6 +481,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     optimizer = c * profile.optimizer.step_time_s * max(stage_shares)
     busy = compute + bubble + optimizer
+    slot = 0.0 if hw.host_overlap else PIPELINE_SLOT_S
     breakdown = {
         "compute": compute,
         "p2p": p2p,
@@ -469,7 +490,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # each stage steps its own parameters in parallel: the stage with the most parameters waits longest
         "optimizer": optimizer,
         # Lightning sees one training batch per step: the schedule runs the n micro-batches inside it
-        "framework": _loop_time(profile, hw, 1, w * p, busy) + loss_allreduce,
+        # the runtime's own work adds the same to every stage's slot, so it never changes which stage
+        # is slowest: n slots on the slowest stage plus one in each of the p − 1 others (fill and drain)
+        "framework": _loop_time(profile, hw, 1, w * p, busy) + loss_allreduce + (n + p - 1) * slot,
         # each of the n + p − 1 slots ends when the slowest of the p stages hands over
         "sync_wait": (n + p - 1) * expected_max_excess(p) * profile.step.spread * slot_compute,
     }

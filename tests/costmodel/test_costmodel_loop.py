@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from lightning_distplan.costmodel import Hardware, loop_sync_time, predict, ring_allreduce_time
+from lightning_distplan.costmodel import PIPELINE_SLOT_S, Hardware, loop_sync_time, predict, ring_allreduce_time
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.errors import ProfileFormatError
 from lightning_distplan.plan import Plan
@@ -66,7 +66,11 @@ def test_pipeline_sees_one_lightning_batch_per_step_plus_the_loss_allreduce():
     plan = Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=1, n_microbatches=8, global_batch_size=8)
     pred = predict(profile, plan, hw)
     loss = ring_allreduce_time(4, 2, 1e-3, 1e8)
-    assert pred.breakdown["framework"] == pytest.approx(0.01 + 0.02 + 1e-3 + loss, rel=1e-12)
+    # on a CPU the pipelining runtime's own work adds to each of the n + p - 1 = 9 slots of the schedule
+    assert pred.breakdown["framework"] == pytest.approx(0.01 + 0.02 + 1e-3 + loss + 9 * PIPELINE_SLOT_S, rel=1e-12)
+    # on CUDA the host queues work ahead of the device: neither the loop's nor the runtime's host work shows
+    on_gpu = predict(_profile("cuda"), plan, Hardware.from_profile(_profile("cuda")))
+    assert on_gpu.breakdown["framework"] == pytest.approx(1e-3 + loss, rel=1e-12)
 
 
 def test_profile_without_framework_loads_as_zero_and_bad_values_are_rejected():
