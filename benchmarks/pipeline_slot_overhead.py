@@ -4,10 +4,12 @@ Two gloo ranks on this machine run a two-stage ``torch.distributed.pipelining`` 
 GPipe) whose stages are one ``nn.Linear(8, 8)`` each, so the compute is next to nothing and the
 step time is the runtime's own per-micro-batch work (forward/backward bookkeeping, the
 ``batch_isend_irecv`` hand-overs and their waits). The per-micro-batch cost is the slope of the
-median step time between n = 2 and n = 16 micro-batches. The cost model charges a hand-over only
-its link latency, once forward and once backward (2·L per micro-batch, L from
-``profiling.measure_links`` on the same ranks); the difference is what the planner's near-tie rule
-(``planner.near_tie_order``) stands in for.
+median step time between n = 2 and n = 16 micro-batches. ``modelled_per_microbatch_ms`` is what
+the cost model of the day (before 0a60779) charged per micro-batch for the hand-overs of this
+schedule: the link latency once forward and once backward (2·L, L from ``profiling.measure_links``
+on the same ranks). Today's model charges each hand-over to its receiver, one L per micro-batch on
+the slowest of the two stages, and the rest of the measured 1F1B cost, 0.90 − 0.10 ms, as the
+runtime's own work per slot (``costmodel.PIPELINE_SLOT_S``, 0.8 ms).
 
 Run:
     python benchmarks/pipeline_slot_overhead.py [--steps 30]

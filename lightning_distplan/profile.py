@@ -22,7 +22,8 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
 ``shared_parameters``     list of :class:`SharedParameters`: parameters several layers use (tied embeddings);
                           a pipeline that puts those layers on different stages all-reduces their gradient
 ``framework``             :class:`FrameworkProfile`: the training loop's own cost per batch and per optimizer
-                          step (optional; absent in older files, which then count it as zero)
+                          step (optional; absent in older files, which then count it as zero), and the
+                          pipelining runtime's own cost per micro-batch slot when measured over a process group
 ``profiling_time_s``      wall time the profiler spent
 ``versions``, ``created`` provenance
 """
@@ -213,6 +214,12 @@ class FrameworkProfile:
     """Seconds per optimizer step beyond ``optimizer.step()`` itself."""
     source: str = ""
     """How it was measured ("" = not measured: counted as zero)."""
+    pipeline_slot_s: float | None = None
+    """Seconds ``torch.distributed.pipelining`` itself adds per micro-batch slot beyond the hand-over the
+    cost model charges: a two-stage 1F1B schedule of two ``Linear(8, 8)`` stages timed over the
+    profiled process group (see :func:`~lightning_distplan.profiling.measure_pipeline_slot`). None = not
+    measured (one process, or a file from before the field): the cost model takes
+    :data:`~lightning_distplan.costmodel.PIPELINE_SLOT_S`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -338,6 +345,8 @@ class Profile:
                     hint=hint,
                 )
         loop = (self.framework.per_batch_s, self.framework.per_step_s, self.step.spread)
+        if self.framework.pipeline_slot_s is not None:
+            loop += (self.framework.pipeline_slot_s,)
         if any(not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 for x in loop):
             raise ProfileFormatError(f"{source!r} has a negative or non-finite training-loop overhead or step spread {list(loop)}.", hint=hint)
         for link in self.links:
@@ -430,6 +439,7 @@ def pool_profiles(profiles: Sequence[Profile]) -> Profile:
         first.framework,
         per_batch_s=_mean([p.framework.per_batch_s for p in profiles]),
         per_step_s=_mean([p.framework.per_step_s for p in profiles]),
+        pipeline_slot_s=_mean(slots) if (slots := [p.framework.pipeline_slot_s for p in profiles if p.framework.pipeline_slot_s is not None]) else None,
     )
     optimizer = replace(first.optimizer, step_time_s=_mean([p.optimizer.step_time_s for p in profiles]))
     return replace(

@@ -22,7 +22,8 @@ Step-time breakdown (always sums exactly to ``step_time_s``; every key is presen
                   Lightning's per-batch broadcast in multi-process fits (:func:`loop_sync_time`) and
                   PipelineStrategy's one-number loss all-reduce per step; for pipelines on a host whose
                   work is not hidden behind a device (CPU), the pipelining runtime's own work in each of
-                  the n + p − 1 slots of the schedule (:data:`PIPELINE_SLOT_S`)
+                  the n + p − 1 slots of the schedule (``FrameworkProfile.pipeline_slot_s`` as profiled over
+                  the process group, else :data:`PIPELINE_SLOT_S`)
 ``sync_wait``     waiting for the slowest of the ranks that synchronise: a micro-batch's time varies
                   from run to run (the profile's ``step.spread``), and where W ranks meet after every
                   batch (dp_ga: Lightning's per-batch broadcast) or every pipeline slot (the p stages),
@@ -64,11 +65,13 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20
 # bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
 
 PIPELINE_SLOT_S = 0.8e-3
-# source: benchmarks/results/pipeline_slot_overhead_cpu.json. A two-stage torch.distributed.pipelining
-# 1F1B schedule of two Linear(8, 8) stages over gloo costs 0.90 ms per micro-batch on the 2-vCPU sweep
-# host (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-over
-# prices the link latency, 0.10 ms. Measured on that host only; it is charged where the host's work is
-# not hidden behind a device (Hardware.host_overlap False, i.e. CPU training).
+# The pipelining runtime's own work per micro-batch slot where the profile did not measure it
+# (FrameworkProfile.pipeline_slot_s is None: profiled in one process). source:
+# benchmarks/results/pipeline_slot_overhead_cpu.json: a two-stage torch.distributed.pipelining 1F1B
+# schedule of two Linear(8, 8) stages over gloo costs 0.90 ms per micro-batch on the 2-vCPU sweep host
+# (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-over prices
+# the link latency, 0.10 ms. Either value is charged only where the host's work is not hidden behind a
+# device (Hardware.host_overlap False, i.e. CPU training).
 
 BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer", "framework", "sync_wait")
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "ddp_buckets", "overhead")
@@ -425,8 +428,8 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     # message, while the receive returns only when the last byte has crossed the link. So stage k
     # waits for its input activation (hand-over k − 1) and for its output's gradient (hand-over k).
     # Charging both directions to the sender instead made the stage before a boundary look slower
-    # than it is: replayed on the six CPU cluster sweeps of ab66d4e, the placement in which the
-    # receiver waits picked within 5% of the measured best in 49 of 54 settings against 44.
+    # than it is (benchmarks/results/earlier/, sweeps W to C2, replayed: the pick ran within 5% of the
+    # measured best in 49 of 54 settings with the receiver waiting, 44 with the sender).
     receive_fwd = tuple(send[k - 1] if k > 0 else 0.0 for k in range(p))
     stage_p2p = tuple(r + s_k for r, s_k in zip(receive_fwd, send))
     stage_time = tuple(ck + pk for ck, pk in zip(stage_compute, stage_p2p))
@@ -481,7 +484,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     optimizer = c * profile.optimizer.step_time_s * max(stage_shares)
     busy = compute + bubble + optimizer
-    slot = 0.0 if hw.host_overlap else PIPELINE_SLOT_S
+    # measured over the profiled process group where there was one (FrameworkProfile.pipeline_slot_s)
+    measured_slot = profile.framework.pipeline_slot_s
+    slot = 0.0 if hw.host_overlap else (PIPELINE_SLOT_S if measured_slot is None else measured_slot)
     breakdown = {
         "compute": compute,
         "p2p": p2p,

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from lightning_distplan.profiling._device import device_info
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
-from lightning_distplan.profiling._links import measure_links
+from lightning_distplan.profiling._links import measure_links, measure_pipeline_slot
 from lightning_distplan.profiling._overhead import StepTimer
 from lightning_distplan.profiling._profiler import default_micro_batch_sizes, profile_module
 
 __all__ = [
     "profile_module",
     "measure_links",
+    "measure_pipeline_slot",
     "device_info",
     "default_micro_batch_sizes",
     "StepTimer",

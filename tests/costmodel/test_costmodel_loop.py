@@ -10,7 +10,7 @@ from lightning_distplan.costmodel import PIPELINE_SLOT_S, Hardware, loop_sync_ti
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.errors import ProfileFormatError
 from lightning_distplan.plan import Plan
-from lightning_distplan.profile import FrameworkProfile, LinkProfile, Profile
+from lightning_distplan.profile import FrameworkProfile, LinkProfile, Profile, pool_profiles
 
 
 def _profile(device: str = "cpu", per_batch: float = 0.01, per_step: float = 0.02) -> Profile:
@@ -68,6 +68,9 @@ def test_pipeline_sees_one_lightning_batch_per_step_plus_the_loss_allreduce():
     loss = ring_allreduce_time(4, 2, 1e-3, 1e8)
     # on a CPU the pipelining runtime's own work adds to each of the n + p - 1 = 9 slots of the schedule
     assert pred.breakdown["framework"] == pytest.approx(0.01 + 0.02 + 1e-3 + loss + 9 * PIPELINE_SLOT_S, rel=1e-12)
+    # a slot measured over the process group (FrameworkProfile.pipeline_slot_s) replaces the default
+    measured = dataclasses.replace(profile, framework=dataclasses.replace(profile.framework, pipeline_slot_s=2e-3))
+    assert predict(measured, plan, hw).breakdown["framework"] == pytest.approx(0.01 + 0.02 + 1e-3 + loss + 9 * 2e-3, rel=1e-12)
     # on CUDA the host queues work ahead of the device: neither the loop's nor the runtime's host work shows
     on_gpu = predict(_profile("cuda"), plan, Hardware.from_profile(_profile("cuda")))
     assert on_gpu.breakdown["framework"] == pytest.approx(1e-3 + loss, rel=1e-12)
@@ -79,6 +82,19 @@ def test_profile_without_framework_loads_as_zero_and_bad_values_are_rejected():
     old = {k: v for k, v in data.items() if k != "framework"}  # a profile written before the field existed
     assert Profile.from_dict(old).framework == FrameworkProfile()
     data["framework"]["per_batch_s"] = -1.0
+    with pytest.raises(ProfileFormatError, match="training-loop overhead.*HINT"):
+        Profile.from_dict(data)
+
+
+def test_pipeline_slot_round_trips_pools_over_the_profiles_that_measured_it_and_is_checked():
+    base = _profile()
+    assert base.framework.pipeline_slot_s is None  # profiled without a process group
+    slow, fast = (dataclasses.replace(base, framework=dataclasses.replace(base.framework, pipeline_slot_s=x)) for x in (3e-3, 1e-3))
+    assert Profile.from_dict(slow.to_dict()).framework.pipeline_slot_s == 3e-3
+    assert pool_profiles([slow, base, fast]).framework.pipeline_slot_s == pytest.approx(2e-3)
+    assert pool_profiles([base, base]).framework.pipeline_slot_s is None
+    data = slow.to_dict()
+    data["framework"]["pipeline_slot_s"] = float("nan")
     with pytest.raises(ProfileFormatError, match="training-loop overhead.*HINT"):
         Profile.from_dict(data)
 
