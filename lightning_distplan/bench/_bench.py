@@ -248,6 +248,7 @@ def run_bench(
     from lightning_distplan.profile import Profile, pool_profiles, poolable
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
+    from lightning_distplan.profiling._links import pipeline_slot_for
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
@@ -278,10 +279,15 @@ def run_bench(
         del module
         if world > 1:
             say(f"measuring the links at {[s >> 10 for s in link_sizes]} KiB")
-            taken = dataclasses.replace(taken, links=measure_links(sizes_bytes=link_sizes, repeats=5))
+            links = measure_links(sizes_bytes=link_sizes, repeats=5)
+            # the pipelining runtime's own cost per slot, over the same group (CPU; None on CUDA)
+            slot = pipeline_slot_for(links, dev.type)
+            taken = dataclasses.replace(taken, links=links, framework=dataclasses.replace(taken.framework, pipeline_slot_s=slot))
         taken = Profile.from_dict(_broadcast(taken.to_dict()), source="rank 0's profile")
         for link in taken.links:
             say(f"  {link.kind}: latency {link.latency_s * 1e6:.0f} us, bandwidth {link.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s (R² {link.r2:.3f})")
+        if taken.framework.pipeline_slot_s is not None:
+            say(f"  pipelining runtime: {taken.framework.pipeline_slot_s * 1e3:.2f} ms per micro-batch slot beyond the hand-over")
         return taken
 
     profile = take_profile("before the runs")

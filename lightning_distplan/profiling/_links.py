@@ -24,7 +24,7 @@ import torch
 from lightning_distplan.profile import LinearFit, LinkProfile
 from lightning_distplan.profiling._errors import ProfilingError
 
-__all__ = ["measure_links", "measure_pipeline_slot", "link_parameters", "DEFAULT_LINK_SIZES"]
+__all__ = ["measure_links", "measure_pipeline_slot", "pipeline_slot_for", "link_parameters", "DEFAULT_LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,16 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
     if pair is not group:
         dist.destroy_process_group(pair)
     return None if slot[0] is None else float(slot[0])
+
+
+def pipeline_slot_for(links: Sequence[LinkProfile], device_type: str) -> float | None:
+    """:func:`measure_pipeline_slot` over the group whose ``links`` were just measured, for a CPU profile (every rank must call it).
+
+    None on CUDA, where the cost model hides the runtime's host work behind the device, and where
+    no p2p link was measured.
+    """
+    p2p = next((link for link in links if link.kind == "p2p"), None)
+    return measure_pipeline_slot(p2p) if p2p is not None and device_type == "cpu" else None
 
 
 def link_parameters(kind: str, world: int, a: float, b: float) -> tuple[float, float]:

@@ -678,14 +678,11 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
 
         prof.say("measuring all-reduce and p2p links")
         links = _measure_links()
-        p2p = next((link for link in links if link.kind == "p2p"), None)
-        if p2p is not None and not prof.cuda:
-            from lightning_distplan.profiling._links import measure_pipeline_slot
+        from lightning_distplan.profiling._links import pipeline_slot_for
 
-            slot = measure_pipeline_slot(p2p)
-            framework = dataclasses.replace(framework, pipeline_slot_s=slot)
-            if slot is not None:
-                prof.say(f"pipelining runtime: {slot * 1e3:.2f} ms per micro-batch slot beyond the hand-over")
+        framework = dataclasses.replace(framework, pipeline_slot_s=pipeline_slot_for(links, "cuda" if prof.cuda else "cpu"))
+        if framework.pipeline_slot_s is not None:
+            prof.say(f"pipelining runtime: {framework.pipeline_slot_s * 1e3:.2f} ms per micro-batch slot beyond the hand-over")
 
     # -- assemble ----------------------------------------------------------------------------------
     order = _execution_order(counted, len(layer_modules))

@@ -247,6 +247,8 @@ def profile_in_fit(
         if measure_links and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             t0 = time.perf_counter()
             sizes = link_sizes(profile.memory.grad_bytes)
+            # The pipelining runtime's own cost per slot is not measured here (0.16 s over two CPU ranks,
+            # an eighth of the in-fit planning budget); the cost model takes costmodel.PIPELINE_SLOT_S.
             links = _measure_links(sizes_bytes=sizes, repeats=3)
             elapsed = time.perf_counter() - t0
             progress(f"links: all-reduce and p2p at {[f'{s / 2**10:.0f} KiB' for s in sizes]} in {elapsed:.2f} s")

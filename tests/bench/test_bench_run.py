@@ -119,6 +119,8 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
     strategies = {r["strategy"] for r in result["plans"]}
     assert "dp_ga" in strategies and strategies & {"gpipe", "1f1b"}, strategies  # both kinds ran, one after the other
     assert {link["kind"] for link in result["links"]} == {"allreduce", "p2p"}  # measured over the live group
+    slot = result["profile"]["framework"]["pipeline_slot_s"]  # and the pipelining runtime's own cost per slot
+    assert slot is not None and 0.0 <= slot < 0.05, slot
     for rec in result["plans"]:
         assert rec["dp"] * rec["pp"] == 2
     # every plan ran in the same two processes and the same (reused) default process group
