@@ -6,9 +6,9 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
 * ``samples``: the whole-step forward and backward time at a profiled micro-batch size is that
   size's own measured time instead of the line through all sizes (interpolated between sizes).
 * ``slot``: every pipeline stage pays a constant ``--slot-ms`` per micro-batch on top of its work
-  (half in forward, half in backward), the runtime cost ``benchmarks/pipeline_slot_overhead.py``
-  measures beyond the two link latencies the model charges; ``--gpipe-slot-ms`` gives GPipe plans
-  their own (that script measures GPipe's runtime dearer than 1F1B's).
+  (half in forward, half in backward) and of the runtime slot the model already charges (since
+  0a60779; before it, this variant stood in for that term); ``--gpipe-slot-ms`` gives GPipe plans
+  their own (``benchmarks/pipeline_slot_overhead.py`` measures GPipe's runtime dearer than 1F1B's).
 * ``links``: not a model variant but today's link fit: every stored link profile's latency and
   bandwidth are fitted again from its stored (bytes, seconds) medians with
   ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.

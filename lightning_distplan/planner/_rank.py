@@ -143,15 +143,12 @@ def near_tie_order(
     Each next rank goes to the plan with the largest micro-batch among the remaining ones whose
     objective is within ``tie`` (2%) of the best remaining objective (feasible plans before
     infeasible ones; otherwise the given order). Why: every micro-batch is one more pass through
-    the training loop or the pipeline runtime, and part of that per-pass cost is not in the model.
-    A two-stage ``torch.distributed.pipelining`` schedule of two ``Linear(8, 8)`` stages over gloo
-    costs 0.90 ms (1F1B) to 1.46 ms (GPipe) per micro-batch on the 2-vCPU sweep host, of which the
-    model prices only the two link latencies, 0.21 ms (``benchmarks/pipeline_slot_overhead.py``). The errors that leaves are not the same for every model (tiny GPT-2's pipelines
-    run 2–3 ms per micro-batch above the model, the MLP's below), so it is not charged as a term;
-    it only decides near ties. Replayed on the twelve CPU cluster sweeps of
-    ``benchmarks/results/earlier/`` (108 settings; ``benchmarks/replay_sweep.py --tie 0`` for the
-    plain order), the pick ran within 5% of the measured best in 101 settings against 95, and no
-    sweep lost a pick; in the six committed sweeps, 44 of 54 either way.
+    the training loop or the pipeline runtime, and part of that per-pass cost is not in the model
+    (the pipelining runtime's own work is, as profiled, but not what a real stage's bookkeeping adds
+    to it), so a near tie goes to fewer passes. Replayed on the CPU cluster sweeps of
+    ``benchmarks/results/earlier/`` with today's model (``benchmarks/replay_sweep.py --tie 0`` for the
+    plain order): K to V, 108 settings, the pick ran within 5% of the measured best in 101 against 98;
+    W to C2, 54 settings, 48 against 47; the three committed sweeps, 27 of 27 either way.
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])
