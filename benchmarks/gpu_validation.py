@@ -32,6 +32,7 @@ rewritten after every measurement, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import json
@@ -112,6 +113,12 @@ class PoolDataset(Dataset):
     def __getitem__(self, i: int) -> Any:
         return self.samples[i % len(self.samples)]
 
+    def sized(self, length: int) -> PoolDataset:
+        """A pool of its own ``length`` over the same pre-built samples (shared, not copied)."""
+        view = copy.copy(self)
+        view.length = length
+        return view
+
 
 def unprofiled_sizes(profiled: list[int]) -> list[int]:
     """The midpoints between neighbouring profiled sizes, and 1.5x the largest: sizes the fit never saw."""
@@ -182,8 +189,9 @@ def _loader_factory(spec: Spec, device: str, steps: int) -> Callable[[int], Data
     pool = PoolDataset(spec.make_base(64), length=1 << 30)
 
     def make(batch_size: int) -> DataLoader:
-        pool.length = batch_size * (steps + 2)  # enough for the run, no more: the Trainer stops at max_steps anyway
-        return DataLoader(pool, batch_size=batch_size, shuffle=False, num_workers=spec.workers,
+        # enough for the run, no more: the Trainer stops at max_steps anyway; each loader its own length
+        sized = pool.sized(batch_size * (steps + 2))
+        return DataLoader(sized, batch_size=batch_size, shuffle=False, num_workers=spec.workers,
                           pin_memory=device == "cuda", persistent_workers=False)
 
     return make

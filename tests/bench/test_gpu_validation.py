@@ -20,7 +20,7 @@ from lightning_distplan.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_validation import find_boundary, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
+from gpu_validation import PoolDataset, find_boundary, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
 
 GPU_RESULTS = sorted((ROOT / "benchmarks" / "results").glob("gpu_validation_*.json"))
 
@@ -90,3 +90,11 @@ def test_committed_gpu_result_replays_to_its_recorded_predictions(path: Path) ->
             # the acceptance: what the planner allows must have run
             assert o["planner_largest_runs"] and o["predicted_largest_micro_batch_planner"] <= o["measured_largest_micro_batch"]
     assert n == doc["summary"]["n_points"]
+
+
+def test_each_loader_gets_a_pool_of_its_own_length_over_shared_samples():
+    pool = PoolDataset([("x", i) for i in range(3)], length=1 << 30)
+    small, large = pool.sized(4), pool.sized(10)
+    assert (len(small), len(large), len(pool)) == (4, 10, 1 << 30)  # making the second left the first alone
+    assert small.samples is pool.samples and large.samples is pool.samples  # not copied
+    assert [large[i] for i in range(5)] == [("x", 0), ("x", 1), ("x", 2), ("x", 0), ("x", 1)]  # cycles by index
