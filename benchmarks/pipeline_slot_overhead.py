@@ -11,6 +11,12 @@ on the same ranks). Today's model charges each hand-over to its receiver, one L 
 the slowest of the two stages, and the rest of the measured 1F1B cost, 0.90 − 0.10 ms, as the
 runtime's own work per slot (``costmodel.PIPELINE_SLOT_S``, 0.8 ms).
 
+The steps are timed by ``profiling._links.time_trivial_pipeline``, the same code the profiler's
+``measure_pipeline_slot`` uses (alternating counts, one warm-up each). The committed result
+(2026-11-22) predates that: it timed one count after the other (3 warm-up and 30 timed steps each).
+Three runs of this script on the same host on 2026-11-23 gave 1.18, 1.17 and 0.90 ms per 1F1B
+micro-batch and 1.60 to 1.78 ms per GPipe micro-batch: the host's noise is of the size of the gap.
+
 Run:
     python benchmarks/pipeline_slot_overhead.py [--steps 30]
 Writes benchmarks/results/pipeline_slot_overhead_cpu.json and prints a summary.
@@ -27,7 +33,6 @@ import shlex
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 RESULT = Path(__file__).resolve().parent / "results" / "pipeline_slot_overhead_cpu.json"
@@ -37,10 +42,10 @@ MICRO_BATCHES = (2, 8, 16)
 def _worker(rank: int, port: int, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     from lightning_distplan.profiling import measure_links
+    from lightning_distplan.profiling._links import time_trivial_pipeline
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -49,19 +54,8 @@ def _worker(rank: int, port: int, steps: int, out: str) -> None:
         _, p2p = measure_links()
         step_ms: dict[str, dict[int, float]] = {}
         for name, schedule in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
-            step_ms[name] = {}
-            for n in MICRO_BATCHES:
-                stage = PipelineStage(nn.Linear(8, 8), rank, 2, torch.device("cpu"))
-                sched = schedule(stage, n, loss_fn=lambda out, target: out.square().mean())
-                x, target = torch.zeros(n, 8), torch.zeros(n, 8)
-                times = []
-                for i in range(steps + 3):  # 3 warm-up steps
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    sched.step(x) if rank == 0 else sched.step(target=target)
-                    if i >= 3:
-                        times.append(time.perf_counter() - t0)
-                step_ms[name][n] = statistics.median(times) * 1e3
+            times = time_trivial_pipeline(schedule, rank, MICRO_BATCHES, steps)
+            step_ms[name] = {n: statistics.median(t) * 1e3 for n, t in times.items()}
         if rank == 0:
             Path(out).write_text(json.dumps({"step_ms": step_ms, "p2p_latency_ms": p2p.latency_s * 1e3}))
     finally:

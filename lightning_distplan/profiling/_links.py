@@ -24,7 +24,7 @@ import torch
 from lightning_distplan.profile import LinearFit, LinkProfile
 from lightning_distplan.profiling._errors import ProfilingError
 
-__all__ = ["measure_links", "measure_pipeline_slot", "pipeline_slot_for", "link_parameters", "DEFAULT_LINK_SIZES"]
+__all__ = ["measure_links", "measure_pipeline_slot", "pipeline_slot_for", "time_trivial_pipeline", "link_parameters", "DEFAULT_LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +206,7 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
     so 0.90 ms per micro-batch, of which the hand-over is 0.10 ms.
     """
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import Schedule1F1B
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
@@ -219,29 +218,7 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
     me = dist.get_rank()
     slot: list[Any] = [None]
     if me in ranks[:2]:
-        stage_index = ranks.index(me)
-        steps: dict[int, list[float]] = {n: [] for n in SLOT_MICRO_BATCHES}
-        schedules = {}
-        torch.manual_seed(0)
-        for n in SLOT_MICRO_BATCHES:
-            stage = PipelineStage(nn.Linear(8, 8), stage_index, 2, torch.device("cpu"), group=pair)
-            schedules[n] = Schedule1F1B(stage, n, loss_fn=lambda out, target: out.square().mean())
-        x = {n: torch.zeros(n, 8) for n in SLOT_MICRO_BATCHES}
-
-        def step(n: int) -> float:
-            dist.barrier(group=pair)
-            a = time.perf_counter()
-            if stage_index == 0:
-                schedules[n].step(x[n])
-            else:
-                schedules[n].step(target=x[n])
-            return time.perf_counter() - a
-
-        for n in SLOT_MICRO_BATCHES:
-            step(n)  # warm-up: the stage's shape exchange and first buffers
-        for i in range(max(1, rounds)):
-            for n in SLOT_MICRO_BATCHES if i % 2 == 0 else SLOT_MICRO_BATCHES[::-1]:
-                steps[n].append(step(n))
+        steps = time_trivial_pipeline(Schedule1F1B, ranks.index(me), SLOT_MICRO_BATCHES, rounds, group=pair)
         lo, hi = SLOT_MICRO_BATCHES
         per_micro_batch = (statistics.median(steps[hi]) - statistics.median(steps[lo])) / (hi - lo)
         slot = [max(0.0, per_micro_batch - p2p.time(8 * 4))]
@@ -252,6 +229,45 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
     if pair is not group:
         dist.destroy_process_group(pair)
     return None if slot[0] is None else float(slot[0])
+
+
+def time_trivial_pipeline(schedule_cls: Any, stage_index: int, micro_batches: Sequence[int], rounds: int, *, group: Any = None) -> dict[int, list[float]]:
+    """Step times of a two-stage ``schedule_cls`` whose stages are one ``nn.Linear(8, 8)`` each (both ranks of ``group`` call it).
+
+    One schedule per micro-batch count in ``micro_batches``; after one warm-up step each (the
+    stages' shape exchange and first buffers) they run ``rounds`` times in alternating order, each
+    step started together (a barrier), so a slow spell of the host hits every count alike.
+    Returns the timed seconds per count. Used by :func:`measure_pipeline_slot` and
+    ``benchmarks/pipeline_slot_overhead.py``.
+    """
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.manual_seed(0)
+    schedules = {
+        n: schedule_cls(PipelineStage(nn.Linear(8, 8), stage_index, 2, torch.device("cpu"), group=group), n,
+                        loss_fn=lambda out, target: out.square().mean())
+        for n in micro_batches
+    }
+    x = {n: torch.zeros(n, 8) for n in micro_batches}
+
+    def step(n: int) -> float:
+        dist.barrier(group=group)
+        a = time.perf_counter()
+        if stage_index == 0:
+            schedules[n].step(x[n])
+        else:
+            schedules[n].step(target=x[n])
+        return time.perf_counter() - a
+
+    for n in micro_batches:
+        step(n)
+    steps: dict[int, list[float]] = {n: [] for n in micro_batches}
+    for i in range(max(1, rounds)):
+        for n in micro_batches if i % 2 == 0 else list(micro_batches)[::-1]:
+            steps[n].append(step(n))
+    return steps
 
 
 def pipeline_slot_for(links: Sequence[LinkProfile], device_type: str) -> float | None:
