@@ -1,0 +1,85 @@
+"""The pipeline schedule's order and dependency-graph time, and 1F1B's warm-up overlap in predict()."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_distplan.costmodel import in_flight_microbatches, predict
+from lightning_distplan.costmodel._schedule import schedule_time, stage_order
+from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+from lightning_distplan.plan import Plan
+from test_costmodel_time import hw
+
+
+def eq1(stage_work: list[float], n: int) -> float:
+    return n * max(stage_work) + sum(stage_work) - max(stage_work)
+
+
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("n", "p"), [(1, 2), (2, 2), (5, 2), (3, 3), (8, 4), (2, 4)])
+def test_every_stage_runs_each_microbatch_once_forward_before_backward(strategy, n, p):
+    for k in range(p):
+        order = stage_order(strategy, n, p, k)
+        assert sorted(order) == sorted([("F", i) for i in range(n)] + [("B", i) for i in range(n)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(n))
+
+
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("n", "p"), [(1, 2), (4, 2), (3, 3), (8, 4), (2, 4)])
+def test_peak_microbatches_in_flight_match_the_memory_model(strategy, n, p):
+    # the activations a stage holds at once, walking its order, are what the memory model charges
+    for k in range(p):
+        held = peak = 0
+        for kind, _ in stage_order(strategy, n, p, k):
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        assert peak == in_flight_microbatches(strategy, n, p, k)
+
+
+@pytest.mark.parametrize("strategy", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("n", "p"), [(1, 2), (4, 2), (6, 3), (8, 4)])
+def test_equal_stages_take_eq1(strategy, n, p):
+    fwd, bwd = [1.0] * p, [2.0] * p
+    assert schedule_time(fwd, bwd, n, strategy) == pytest.approx(eq1([3.0] * p, n))
+
+
+def test_last_stage_slowest_leaves_nothing_to_overlap():
+    fwd, bwd = [1.0, 2.0], [1.0, 2.0]
+    for n in (1, 2, 4, 8):
+        assert schedule_time(fwd, bwd, n, "1f1b") == pytest.approx(eq1([2.0, 4.0], n))
+        assert schedule_time(fwd, bwd, n, "gpipe") == pytest.approx(eq1([2.0, 4.0], n))
+
+
+def test_first_stage_slowest_1f1b_overlaps_the_fill_by_hand():
+    # stage 0: F 2, B 2; stage 1: F 1, B 1; n = 2.
+    # 1F1B: stage 0 F0 [0,2] F1 [2,4]; stage 1 F0 [2,3] B0 [3,4] (beside stage 0's F1) F1 [4,5] B1 [5,6];
+    # stage 0 B0 [4,6] B1 [6,8]. GPipe: stage 1 F0 [2,3] F1 [4,5] B0 [5,6] B1 [6,7]; stage 0 B0 [6,8] B1 [8,10].
+    assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "1f1b") == pytest.approx(8.0)
+    assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "gpipe") == pytest.approx(10.0) == eq1([4.0, 2.0], 2)
+    # a hand-over in flight delays the receiver: stage 1 runs F0 [2.5,3.5] B0 [3.5,4.5], F1 from 4.5 (activation
+    # at 4.5) to 5.5, B1 to 6.5; stage 0 gets the gradients at 5 and 7: B0 [5,7] B1 [7,9]
+    assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "1f1b", hand_over=[0.5]) == pytest.approx(9.0)
+
+
+def heavy_first_profile():
+    big = LayerSpec(fwd_alpha=0.03, bwd_alpha=0.06, param_bytes=1_000_000, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e6)
+    small = LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e6)
+    return synthetic_profile([big, small], step_forward=(0.04, 0.0), step_backward=(0.08, 0.0), optimizer_step_time_s=0.0)
+
+
+def test_predict_takes_1f1b_warmup_overlap_off_the_bubble_and_leaves_gpipe():
+    # m = 2: stage 0 F 0.06 B 0.12, stage 1 F 0.02 B 0.04 (split forced at 1); n = 2
+    plans = {
+        s: Plan(strategy=s, dp=1, pp=2, micro_batch_size=2, n_microbatches=2, global_batch_size=4, stage_boundaries=(1,))
+        for s in ("gpipe", "1f1b")
+    }
+    free = hw(p2p_latency_s=0.0, p2p_bandwidth_bytes_per_s=1e18)
+    one, gp = predict(heavy_first_profile(), plans["1f1b"], free), predict(heavy_first_profile(), plans["gpipe"], free)
+    # eq. (1): 2·0.18 + 0.06 = 0.42 for both. The 1F1B order: stage 1 runs F0 [0.06,0.08] and B0
+    # [0.08,0.12] beside stage 0's F1 [0.06,0.12], F1 [0.12,0.14] and B1 [0.14,0.18] beside stage 0's
+    # B0 [0.12,0.24]; stage 0's B1 [0.24,0.36]: all of stage 1's work is hidden, 0.36 = n·St_0.
+    assert schedule_time([0.06, 0.02], [0.12, 0.04], 2, "1f1b") == pytest.approx(0.36)
+    assert gp.breakdown["compute"] + gp.breakdown["bubble"] == pytest.approx(0.42)
+    assert one.breakdown["compute"] == pytest.approx(0.36)
+    assert one.breakdown["bubble"] == pytest.approx(0.0, abs=1e-9)  # what is left: the 2e-12 s hand-overs
+    assert gp.step_time_s - one.step_time_s == pytest.approx(0.06)
