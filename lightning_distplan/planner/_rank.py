@@ -147,8 +147,9 @@ def near_tie_order(
     (the pipelining runtime's own work is, as profiled, but not what a real stage's bookkeeping adds
     to it), so a near tie goes to fewer passes. Replayed on the CPU cluster sweeps of
     ``benchmarks/results/earlier/`` with today's model (``benchmarks/replay_sweep.py --tie 0`` for the
-    plain order): K to V, 108 settings, the pick ran within 5% of the measured best in 101 against 98;
-    W to C2, 54 settings, 48 against 47; the three committed sweeps, 27 of 27 either way.
+    plain order): K to V, 108 settings, the pick ran within 5% of the measured best in 103 against 100;
+    W to C2, 54 settings, 49 against 48; D2 to F2, 25 of 27 either way; the three committed sweeps,
+    24 of 27 either way.
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])
