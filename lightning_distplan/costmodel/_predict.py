@@ -468,7 +468,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # take off what eq. (1) charges for the stage work beyond the order's own dependency graph
         # (schedule_time, stage work alone; the hand-overs stay priced as above). 0 where the last
         # stage is the slowest, and for GPipe, whose order eq. (1) per pass follows. Replayed on the
-        # 22 stored CPU sweeps (benchmarks/results/), the 1F1B/GPipe time ratio of the same plan at
+        # 22 CPU sweeps stored before it (benchmarks/results/), the 1F1B/GPipe time ratio of the same plan at
         # 1 Gbit/s and unlimited, 1.00 without this, comes out 0.93-0.99; measured, the demo
         # Transformer's is 0.93-0.97 and GPT-2's 0.93-0.96 with n = 2 (its first stage the slowest).
         eq1 = n * max(stage_compute) + sum(stage_compute) - max(stage_compute)
