@@ -9,12 +9,15 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
   (half in forward, half in backward) and of the runtime slot the model already charges (since
   0a60779; before it, this variant stood in for that term); ``--gpipe-slot-ms`` gives GPipe plans
   their own (``benchmarks/pipeline_slot_overhead.py`` measures GPipe's runtime dearer than 1F1B's).
+* ``warmup``: 1F1B's warm-up overlap (``costmodel._schedule``, since 895bf73) not taken off its
+  bubble, i.e. eq. (1) for 1F1B as before.
 * ``links``: not a model variant but today's link fit: every stored link profile's latency and
   bandwidth are fitted again from its stored (bytes, seconds) medians with
   ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.
 
 Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/*.json
       python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/*.json
+      python benchmarks/replay_variants.py warmup benchmarks/results/*.json benchmarks/results/earlier/*.json
       python benchmarks/replay_variants.py links benchmarks/results/earlier/*.json
 """
 
@@ -23,12 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_cluster_sweep import summarize_sweep  # noqa: E402
+from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 from replay_sweep import replay_setting, stored_profiles  # noqa: E402
 
 import lightning_distplan.costmodel._predict as P  # noqa: E402
@@ -55,7 +59,7 @@ class _StageWork(list):
 @contextlib.contextmanager
 def variant(name: str, slot_s: float = 0.0, gpipe_slot_s: float | None = None) -> Iterator[None]:
     """Swap the variant's piece of the cost model in for the ``with`` block (``gpipe_slot_s``: GPipe's slot, default ``slot_s``)."""
-    saved = {k: getattr(P, k) for k in ("_step_compute", "_step_backward", "_layer_times", "stage_sums", "_predict_pipeline")}
+    saved = {k: getattr(P, k) for k in ("_step_compute", "_step_backward", "_layer_times", "stage_sums", "_predict_pipeline", "schedule_time")}
     if name == "samples":
         def layer_times(profile: Any, m: int, scale: float) -> tuple[list[float], list[float]]:
             def calibrated(fits: list[Any], whole: float) -> list[float]:
@@ -81,8 +85,10 @@ def variant(name: str, slot_s: float = 0.0, gpipe_slot_s: float | None = None) -
             tuple(x + pricing["slot"] / 2 for x in saved["stage_sums"](values, boundaries))
             if isinstance(values, _StageWork) else saved["stage_sums"](values, boundaries)
         )
+    elif name == "warmup":
+        P.schedule_time = lambda *args, **kwargs: math.inf  # no order is shorter than eq. (1): nothing taken off
     else:
-        raise SystemExit(f"unknown variant {name!r}. HINT: use samples or slot.")
+        raise SystemExit(f"unknown variant {name!r}. HINT: use samples, slot or warmup.")
     try:
         yield
     finally:
@@ -110,12 +116,13 @@ def _pooled(docs: list[dict[str, Any]]) -> str:
         replayed += [replay_setting(s) for s in settings]
     s, _ = summarize_sweep(replayed, rates)
     picks = round(s["pick_within_5pct_rate"] * s["n_settings_done"])
-    return f"median |error| {s['median_abs_error']:.1%}, p90 {s['p90_abs_error']:.1%}, pick within 5% in {picks}/{s['n_settings_done']} settings"
+    confirmed = f" ({confirmed_picks(s)} judged on the confirmation passes)" if confirmed_picks(s) else ""
+    return f"median |error| {s['median_abs_error']:.1%}, p90 {s['p90_abs_error']:.1%}, pick within 5% in {picks}/{s['n_settings_done']} settings{confirmed}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variant", choices=("samples", "slot", "links"))
+    parser.add_argument("variant", choices=("samples", "slot", "warmup", "links"))
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files (with stored profiles)")
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
     parser.add_argument("--gpipe-slot-ms", type=float, default=None, help="the slot variant's cost for GPipe plans (default: --slot-ms)")

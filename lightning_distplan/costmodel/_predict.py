@@ -467,10 +467,10 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # runs its warm-up forwards. Where an earlier stage is the slowest, that fill is partly hidden:
         # take off what eq. (1) charges for the stage work beyond the order's own dependency graph
         # (schedule_time, stage work alone; the hand-overs stay priced as above). 0 where the last
-        # stage is the slowest, and for GPipe, whose order eq. (1) per pass follows. Replayed on the
-        # 22 CPU sweeps stored before it (benchmarks/results/), the 1F1B/GPipe time ratio of the same plan at
-        # 1 Gbit/s and unlimited, 1.00 without this, comes out 0.93-0.99; measured, the demo
-        # Transformer's is 0.93-0.97 and GPT-2's 0.93-0.96 with n = 2 (its first stage the slowest).
+        # stage is the slowest, and for GPipe, whose order eq. (1) per pass follows. The case that showed
+        # it: tiny GPT-2 at 1 Gbit/s split after layer 4, m = 8, n = 2 (stage 0 the slowest), where eq. (1)
+        # priced 1F1B and GPipe alike and 1F1B ran 8.8%, 9.5% and 20.9% faster on the passes of
+        # benchmarks/results/earlier/ D2 to F2. benchmarks/replay_variants.py warmup replays without it.
         eq1 = n * max(stage_compute) + sum(stage_compute) - max(stage_compute)
         bubble -= max(0.0, eq1 - schedule_time(stage_fwd, stage_bwd, n, "1f1b"))
     slot_compute = compute / n  # the critical path's compute per micro-batch (sync_wait below)
