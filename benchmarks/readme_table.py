@@ -90,7 +90,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         ))
 
     for path in sorted(RESULTS.glob("gpu_validation_*.json")):
-        out.append(_gpu_row(json.loads(path.read_text())))
+        out.append(_gpu_row(json.loads(path.read_text()), path.stem))
 
     d = _load("cli_timings_cpu.json")
     if d:
@@ -191,8 +191,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-def _gpu_row(d: dict) -> tuple[str, str, str, str, str]:
-    """One device's single-GPU validation: step time, peak memory, OOM boundary, profiling cost."""
+def _gpu_row(d: dict, stem: str = "") -> tuple[str, str, str, str, str]:
+    """One single-GPU validation run: step time, peak memory, OOM boundary, profiling cost (``stem``: the
+    file's name, whose ``_runN`` ending names a repeat run)."""
+    run = f"run {stem.rsplit('_run', 1)[1]}" if "_run" in stem else "run 1"
     s, models = d["summary"], d["models"]
     per_model = ", ".join(
         f"{name} {_pct(statistics.median(abs(p['step_time_error']) for p in rec['points'] if p['step_time_error'] is not None))}"
@@ -209,14 +211,15 @@ def _gpu_row(d: dict) -> tuple[str, str, str, str, str]:
               "resnet101": "ResNet-101, 224×224, SGD"}  # the full configs are in each model's `what` in the JSON
     what = "; ".join(labels.get(name, name) for name in models)
     return (
-        f"1 GPU, dp_ga at unprofiled micro-batch × accumulation {'/'.join(sorted({str(p['accumulate_grad_batches']) for r in models.values() for p in r['points']}))} "
+        f"1 GPU, {run}: dp_ga at unprofiled micro-batch × accumulation {'/'.join(sorted({str(p['accumulate_grad_batches']) for r in models.values() for p in r['points']}))} "
         f"({what}; float32, matmul precision {d['float32_matmul_precision']})",
         f"step time median \\|error\\| {_pct(s['median_abs_step_time_error'])}, p90 {_pct(s['p90_abs_step_time_error'])}, max {_pct(s['max_abs_step_time_error'])} "
-        f"over {s['n_timed']} points (per model: {per_model}); peak memory vs `torch.cuda.max_memory_allocated` median \\|error\\| "
+        f"over {s['n_timed']} points (per model: {per_model}); peak memory vs `torch.cuda.max_memory_allocated` (less what was allocated before the run; one process group per plan) median \\|error\\| "
         f"{_pct(s['median_abs_memory_error'])}, max {_pct(s['max_abs_memory_error'])}, {s['n_memory_within_5pct']}/{s['n_timed']} within 5%; "
         f"plans predicted to fit that ran out of memory: {s['predicted_feasible_that_failed']} ({s['failed_as_predicted']} predicted not to fit ran out); "
-        f"largest micro-batch (s = 1) the planner allows (90% of the device) / predicted for the whole device vs the largest that ran: {oom}; "
-        f"profiling {cost}; targets 10% / 5% / 0",
+        + (f"largest micro-batch (s = 1) the planner allows (90% of the device) / predicted for the whole device vs the largest that ran: {oom}; "
+           if oom else "no out-of-memory boundary search in this run (`--no-oom-search`); ")
+        + f"profiling {cost}; targets 10% / 5% / 0",
         f"{d['device']['name']}, torch {d['versions']['torch']}",
         _date(d), "`benchmarks/gpu_validation.py`",
     )

@@ -13,7 +13,8 @@ What is measured:
   last rank's collective ends), and the plan's time is the median over the ``steps`` steps after
   ``warmup``. With several passes (``run_bench(passes=...)``) the timed steps of every pass are
   pooled and the median is taken over all of them (:func:`combine_passes`).
-* peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before the model is built);
+* peak memory: on CUDA ``torch.cuda.max_memory_allocated`` (reset before the model is built) less
+  what was allocated then, after :func:`settle_cuda_memory` let an earlier plan's leftovers go;
   on CPU the growth of the resident set (``VmHWM`` after the run minus ``VmRSS`` before the model
   was built, after ``malloc_trim`` and a reset of the high-water mark through
   ``/proc/self/clear_refs``). The CPU number therefore also counts allocator slack, Lightning and
@@ -29,6 +30,7 @@ import gc
 import logging
 import os
 import statistics
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -74,6 +76,33 @@ def _reset_cpu_peak() -> int | None:
     return None if rss is None else rss * 1024
 
 
+def settle_cuda_memory(device: torch.device, *, timeout_s: float = 5.0, quiet_s: float = 0.5) -> int:
+    """Bytes allocated on ``device`` once an earlier run's leftovers are gone: after a barrier on the
+    default process group (when there is one), polled until unchanged for ``quiet_s`` (at most ``timeout_s``).
+
+    A fit's last gradient all-reduces keep their DDP bucket tensors allocated after ``fit`` returns,
+    until the process group runs another collective. Seen on an H100 (NCCL, one device): the whole
+    gradient size (1.34 GB for BERT-Large) stayed allocated through 2 s of waiting and was freed
+    during the next plan's run (so the bytes allocated when that run began are no baseline to
+    subtract), and a barrier freed all of it at once.
+    """
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # a collective of its own: the group may let go of the last one's tensors
+    torch.cuda.synchronize(device)
+    last = torch.cuda.memory_allocated(device)
+    start = quiet = time.monotonic()
+    while time.monotonic() - start < timeout_s and time.monotonic() - quiet < quiet_s:
+        time.sleep(0.05)
+        gc.collect()
+        now = torch.cuda.memory_allocated(device)
+        if now != last:
+            last, quiet = now, time.monotonic()
+    return int(last)
+
+
 def build_strategy(plan: Plan) -> Any:
     """This package's Lightning strategy for ``plan`` (dp_ga, or gpipe / 1f1b incl. hybrid dp×pp)."""
     if plan.strategy == "dp_ga":
@@ -109,8 +138,9 @@ def measure_plan(
         num_nodes: nodes.
 
     Returns:
-        This rank's raw numbers: ``step_times_s`` (all steps, warm-up included), ``peak_memory_bytes``
-        and ``error`` (``None`` when the run worked).
+        This rank's raw numbers: ``step_times_s`` (all steps, warm-up included), ``peak_memory_bytes``,
+        ``baseline_memory_bytes`` (CUDA: bytes allocated when the run began, not in the peak; CPU:
+        the resident set then) and ``error`` (``None`` when the run worked).
     """
     import lightning.pytorch as pl_
 
@@ -118,9 +148,9 @@ def measure_plan(
 
     device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "cuda" else torch.device("cpu")
     if device.type == "cuda":
+        base = settle_cuda_memory(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        base = None
     else:
         base = _reset_cpu_peak()
     timer = StepTimer()
@@ -144,13 +174,14 @@ def measure_plan(
         error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         log.warning("plan %s failed: %s", plan.describe(), error)
     if device.type == "cuda":
-        peak = int(torch.cuda.max_memory_allocated(device))
+        peak = max(0, int(torch.cuda.max_memory_allocated(device)) - base)
     else:
         hwm = _proc_kib("VmHWM")
         peak = None if base is None or hwm is None else max(0, hwm * 1024 - base)
     module = trainer = None  # noqa: F841 — free this plan's model before the next one
     gc.collect()
-    return {"step_times_s": timer.step_times, "peak_memory_bytes": peak, "error": error, "pid": os.getpid(), "group": _group_id()}
+    return {"step_times_s": timer.step_times, "peak_memory_bytes": peak, "baseline_memory_bytes": base, "error": error,
+            "pid": os.getpid(), "group": _group_id()}
 
 
 def _group_id() -> str | None:

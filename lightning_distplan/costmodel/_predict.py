@@ -344,8 +344,10 @@ def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     memory = {
         "params": int(profile.memory.param_bytes),
         # With accumulation (s > 1) the gradients summed so far stay resident while the next micro-batch's
-        # backward produces its own: measured on an H100 (benchmarks/results/gpu_validation_*.json), the
-        # s = 4 peak of GPT-2, BERT-Large and ResNet-101 exceeds the s = 1 peak by 0.1-2x the gradient bytes.
+        # backward produces its own. Measured on an H100 (benchmarks/results/gpu_validation_*.json, one
+        # process group per plan), the s = 4 peak of GPT-2, BERT-Large and ResNet-101 sat -0.9 to 1.6
+        # gradient sizes above the s = 1 peak; the same plan's peak swings by one gradient size from run
+        # to run (DDP's first bucket set released before the peak or not), which no fixed term follows.
         "grads": int(profile.memory.grad_bytes) * (2 if s > 1 else 1),
         "optimizer": _optimizer_state_bytes(profile),
         # DESIGN §4: DP holds the saved activations of one micro-batch at a time.

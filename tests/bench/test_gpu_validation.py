@@ -20,7 +20,8 @@ from lightning_distplan.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_validation import PoolDataset, find_boundary, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
+from gpu_validation import PoolDataset, _release_process_group, find_boundary, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
+from readme_table import _gpu_row  # noqa: E402
 
 GPU_RESULTS = sorted((ROOT / "benchmarks" / "results").glob("gpu_validation_*.json"))
 
@@ -98,3 +99,34 @@ def test_each_loader_gets_a_pool_of_its_own_length_over_shared_samples():
     assert (len(small), len(large), len(pool)) == (4, 10, 1 << 30)  # making the second left the first alone
     assert small.samples is pool.samples and large.samples is pool.samples  # not copied
     assert [large[i] for i in range(5)] == [("x", 0), ("x", 1), ("x", 2), ("x", 0), ("x", 1)]  # cycles by index
+
+
+@pytest.mark.parametrize("path", GPU_RESULTS, ids=lambda p: p.name)
+def test_each_committed_gpu_point_started_from_a_clean_device(path: Path) -> None:
+    """No point's peak holds an earlier plan's leftovers: next to nothing was allocated when each run began."""
+    doc = json.loads(path.read_text())
+    before = [p["allocated_before_run_bytes"] for rec in doc["models"].values() for p in rec["points"]]
+    assert before and all(b is not None and b < (1 << 20) for b in before)
+
+
+def test_gpu_rows_name_the_run_and_say_when_the_oom_search_was_skipped() -> None:
+    rows = {p.stem: _gpu_row(json.loads(p.read_text()), p.stem) for p in GPU_RESULTS}
+    for stem, (what, result, where, _date, _script) in rows.items():
+        doc = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
+        assert what.startswith("1 GPU, run 2:" if stem.endswith("_run2") else "1 GPU, run 1:")
+        searched = any("oom" in rec for rec in doc["models"].values())
+        assert ("largest micro-batch (s = 1)" in result) == searched
+        assert ("--no-oom-search" in result) == (not searched) == ("--no-oom-search" in doc["command"])
+        assert doc["device"]["name"] in where
+
+
+def test_release_process_group_ends_a_group_of_one(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        _release_process_group()
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
