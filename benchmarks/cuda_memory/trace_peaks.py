@@ -9,7 +9,8 @@ there grouped by the allocating source line, and the bytes left allocated after 
 Run on an NVIDIA H100 on 2026-11-23 from the repository root:
 ``PYTHONPATH=$PWD python3 benchmarks/cuda_memory/trace_peaks.py``; its output (written to $OUT,
 else /tmp) is ``benchmarks/results/cuda_memory_trace_peaks_h100.json``. At that time
-``settle_cuda_memory`` had no barrier yet. See ``benchmarks/cuda_memory/README.md``.
+``settle_cuda_memory`` had no barrier yet and polled the allocated bytes until they were
+unchanged for 0.5 s (at most 5 s); today it is the barrier alone. See ``benchmarks/cuda_memory/README.md``.
 """
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ import gc
 import logging
 import os
 import statistics
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -76,31 +75,23 @@ def _reset_cpu_peak() -> int | None:
     return None if rss is None else rss * 1024
 
 
-def settle_cuda_memory(device: torch.device, *, timeout_s: float = 5.0, quiet_s: float = 0.5) -> int:
-    """Bytes allocated on ``device`` once an earlier run's leftovers are gone: after a barrier on the
-    default process group (when there is one), polled until unchanged for ``quiet_s`` (at most ``timeout_s``).
+def settle_cuda_memory(device: torch.device) -> int:
+    """Bytes allocated on ``device`` once an earlier run's leftovers are gone (after a barrier on the
+    default process group, when there is one).
 
     A fit's last gradient all-reduces keep their DDP bucket tensors allocated after ``fit`` returns,
     until the process group runs another collective. Seen on an H100 (NCCL, one device): the whole
     gradient size (1.34 GB for BERT-Large) stayed allocated through 2 s of waiting and was freed
     during the next plan's run (so the bytes allocated when that run began are no baseline to
-    subtract), and a barrier freed all of it at once.
+    subtract), and a barrier freed all of it at once (``benchmarks/cuda_memory/``).
     """
     import torch.distributed as dist
 
     gc.collect()
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # a collective of its own: the group may let go of the last one's tensors
+        dist.barrier()
     torch.cuda.synchronize(device)
-    last = torch.cuda.memory_allocated(device)
-    start = quiet = time.monotonic()
-    while time.monotonic() - start < timeout_s and time.monotonic() - quiet < quiet_s:
-        time.sleep(0.05)
-        gc.collect()
-        now = torch.cuda.memory_allocated(device)
-        if now != last:
-            last, quiet = now, time.monotonic()
-    return int(last)
+    return int(torch.cuda.memory_allocated(device))
 
 
 def build_strategy(plan: Plan) -> Any:
