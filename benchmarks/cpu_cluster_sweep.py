@@ -8,8 +8,8 @@ For every model x rate (100mbit, 1gbit, unlimited) this script
    10.77.0.1, gloo over the veth via ``GLOO_SOCKET_IFNAME``), running ``distplan bench`` with
    ``--plans all``: the job profiles the model, measures the real link, ranks every plan for world
    size 2 and trains each one for a few optimizer steps with lightning_distplan's strategies
-   (the whole list in ``--passes`` alternating passes, default 3 x 2+4 steps, each plan's timed
-   steps pooled; the profiled step is timed again after each pass to show host-speed drift, and
+   (the whole list in ``--passes`` alternating passes, default 3 x 2+4 steps or more: each plan is
+   timed for at least ``--min-time``, default 1 s, per pass; each plan's timed steps pooled; the profiled step is timed again after each pass to show host-speed drift, and
    the whole profile is taken again after each pass: predictions come from the mean of the
    profiles, so they and the measurements sample the same stretch of a drifting host's time; then
    the contenders for the measured best run ``--confirm`` more passes, default 2, and the pick is
@@ -92,6 +92,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", default=",".join(RATES), help="comma-separated subset of 100mbit,1gbit,unlimited")
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per plan and pass")
+    p.add_argument("--min-time", type=float, default=1.0,
+                   help="seconds each plan is timed for per pass, at least (distplan bench --min-time); 0: exactly --steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--passes", type=int, default=3, help="passes over the plans; each plan's timed steps are pooled")
     p.add_argument("--confirm", type=int, default=2,
@@ -119,7 +121,7 @@ def _node_cmd(node: int, spec: dict[str, Any], args: argparse.Namespace, out: Pa
         spec["model"], "--init-args", json.dumps(spec["init_args"]), "--datamodule", spec["datamodule"],
         "--datamodule-args", json.dumps(spec["datamodule_args"]), "--world-size", "2",
         "--global-batch-size", str(args.global_batch_size), "--plans", args.plans, "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--passes", str(args.passes), "--confirm", str(args.confirm), "--threads", "1", "--device", "cpu", "--out", str(out),
+        "--min-time", str(args.min_time), "--warmup", str(args.warmup), "--passes", str(args.passes), "--confirm", str(args.confirm), "--threads", "1", "--device", "cpu", "--out", str(out),
     ]
     return [
         "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1",
@@ -388,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": {n: catalog[n] for n in names},
             "global_batch_size": args.global_batch_size,
             "steps": args.steps,
+            "min_time_s": args.min_time,
             "warmup": args.warmup,
             "passes": args.passes,
             "confirm_passes": args.confirm,

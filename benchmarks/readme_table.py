@@ -122,6 +122,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
+        if prov.get("min_time_s"):
+            counts = [r["timed_steps_per_pass"] for d in runs for x in d["settings"] for r in x.get("plans", []) if r.get("timed_steps_per_pass")]
+            each += f", or more: each plan timed for at least ~{prov['min_time_s']:g} s per pass ({min(counts)}–{max(counts)} timed steps)"
         confirming = [(i, d["provenance"]["confirm_passes"]) for i, d in enumerate(runs, 1) if d.get("provenance", {}).get("confirm_passes")]
         if confirming:
             each += (f"; run{'s' if len(confirming) > 1 else ''} {', '.join(str(i) for i, _ in confirming)} then ran the contenders for the "

@@ -45,7 +45,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--world-size", type=int, required=True, help="processes in the job (torchrun is started for N > 1)")
     parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (the same for every plan)")
     parser.add_argument("--plans", default="all", help="'all' feasible plans (default), 'top:K', or planner ranks 'N,M,...'")
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per plan; the median is reported (default 5)")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per plan and pass; the median is reported (default 5)")
+    parser.add_argument("--min-time", type=float, default=0.0, metavar="SECONDS",
+                        help="time each plan for at least about this long per pass: a plan predicted at t s a step runs "
+                        "max(--steps, SECONDS / t) timed steps, at most 200 (default 0: exactly --steps; fast plans on a noisy host want ~1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per plan first (default 2)")
     parser.add_argument("--passes", type=int, default=2,
                         help="run the list of plans this many times, in alternating order, and pool each plan's timed steps (default 2)")
@@ -73,7 +76,7 @@ def _inside_torchrun() -> bool:
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [args.model, "--world-size", str(args.world_size), "--global-batch-size", str(args.global_batch_size)]
-    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "warmup", "passes", "confirm", "device", "micro_batch_sizes",
+    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "min_time", "warmup", "passes", "confirm", "device", "micro_batch_sizes",
                  "profile_repeats", "threads", "out", "format", "plot"):
         value = getattr(args, flag)
         if value is not None:
@@ -109,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
             hint="Use e.g. --world-size 2 --global-batch-size 32.",
         )
     parse_plans_spec(args.plans)
-    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm)
+    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time)
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}.", hint="Use e.g. --threads 1.")
     init_args = _json_kwargs(args.init_args, "--init-args")
@@ -177,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
-            steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
+            steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
             micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, progress=say,
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import platform
 import socket
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
-__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES"]
+__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "timed_steps", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES", "MAX_TIMED_STEPS"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,10 @@ RESULT_SCHEMA = "distplan-bench/1"
 # 4 KiB .. 4 MiB: latency- to bandwidth-bound, yet a whole link measurement stays ~5 s even at
 # 100 Mbit/s (the profiler's default goes to 16 MiB).
 BENCH_LINK_SIZES: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+
+# The most timed steps ``min_time_s`` may ask of one plan in one pass: a prediction far too fast
+# (a mis-profiled size) must not turn one run into minutes.
+MAX_TIMED_STEPS = 200
 
 
 class BenchError(DistPlanError, ValueError):
@@ -66,8 +71,10 @@ def parse_plans_spec(spec: str) -> tuple[str, int | list[int] | None]:
     return "ranks", ranks
 
 
-def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0) -> None:
-    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup`` and ``confirm`` >= 0."""
+def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0, min_time_s: float = 0.0) -> None:
+    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup``, ``confirm`` and ``min_time_s`` >= 0."""
+    if not min_time_s >= 0:  # also NaN
+        raise BenchError(f"--min-time ({min_time_s}) must be >= 0 seconds.", hint="Use e.g. --min-time 1, or 0 for exactly --steps timed steps.")
     if confirm < 0:
         raise BenchError(f"--confirm ({confirm}) must be >= 0.", hint="Use e.g. --confirm 2, or 0 for no confirmation passes.")
     if steps < 1 or warmup < 0 or passes < 1:
@@ -75,6 +82,17 @@ def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0) -> N
             f"--steps ({steps}) and --passes ({passes}) must be >= 1 and --warmup ({warmup}) >= 0.",
             hint="Use e.g. --steps 5 --warmup 2 --passes 2.",
         )
+
+
+def timed_steps(steps: int, min_time_s: float, predicted_step_time_s: float) -> int:
+    """Timed steps for one plan and pass: ``steps``, or more so that they last about ``min_time_s``.
+
+    Sized from the plan's predicted step time, which every rank shares, so all ranks run the same
+    count; at most :data:`MAX_TIMED_STEPS` (or ``steps``, when that is more).
+    """
+    if min_time_s <= 0 or not predicted_step_time_s > 0:
+        return steps
+    return max(steps, min(MAX_TIMED_STEPS, math.ceil(min_time_s / predicted_step_time_s)))
 
 
 def select_candidates(candidates: Sequence[Candidate], spec: str) -> list[Candidate]:
@@ -184,6 +202,7 @@ def run_bench(
     warmup: int = 2,
     passes: int = 2,
     confirm: int = 0,
+    min_time_s: float = 0.0,
     reprofile: bool = True,
     device: str | torch.device | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
@@ -206,7 +225,7 @@ def run_bench(
         world_size: processes in the job (must equal the process group's size).
         global_batch_size: samples per optimizer step, the same for every plan.
         plans: ``"all"`` (every feasible plan), ``"top:K"`` or planner ranks ``"1,3,5"``.
-        steps: timed optimizer steps per plan and pass.
+        steps: timed optimizer steps per plan and pass (at least; see ``min_time_s``).
         warmup: untimed optimizer steps per plan and pass first.
         passes: times the whole list of plans is run, in alternating order (first to last, then
             last to first, ...); each plan's step time is the median of its timed steps from all
@@ -217,6 +236,11 @@ def run_bench(
             times, alternating, and ``summary["confirmed"]`` judges the pick on those runs alone, free of
             the winner's curse of taking the fastest of many noisy measurements. Their step times
             stay out of the per-plan errors. 0: none.
+        min_time_s: time each plan for at least about this long per pass: a plan predicted to take
+            t seconds a step runs ``max(steps, ceil(min_time_s / t))`` timed steps (at most
+            :data:`MAX_TIMED_STEPS`; the first profile's prediction, fixed before the first pass, so
+            every pass and confirmation pass of a plan times the same count). A fast plan's few
+            steps otherwise sample a fraction of a second of a noisy host. 0: exactly ``steps``.
         reprofile: profile again (model and links) after each pass and predict from the mean of
             all the profiles (:func:`~lightning_distplan.profile.pool_profiles`), so predictions
             and measurements sample the same stretch of time; a host whose speed drifts then
@@ -252,7 +276,7 @@ def run_bench(
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
-    check_counts(steps=steps, warmup=warmup, passes=passes, confirm=confirm)
+    check_counts(steps=steps, warmup=warmup, passes=passes, confirm=confirm, min_time_s=min_time_s)
     rank, world = _dist()
     if world != world_size:
         raise BenchError(
@@ -301,11 +325,13 @@ def run_bench(
             f"None of the {len(candidates)} plans for world size {world_size} and global batch {global_batch_size} is predicted to fit in memory.",
             hint="Lower --global-batch-size or use a bigger device.",
         )
-    say(f"{len(candidates)} candidate plans, running {len(chosen)} for {warmup}+{steps} optimizer steps each" + (f", in {passes} passes" if passes > 1 else ""))
+    counts = [timed_steps(steps, min_time_s, c.prediction.step_time_s) for c in chosen]
+    timed = f"{steps}" if max(counts) == steps else f"{min(counts)}-{max(counts)} (at least {steps}, about {min_time_s:g} s)"
+    say(f"{len(candidates)} candidate plans, running {len(chosen)} for {warmup}+{timed} optimizer steps each" + (f", in {passes} passes" if passes > 1 else ""))
 
     # -- run --------------------------------------------------------------------------------------
     per_replica_max = global_batch_size // min(c.plan.dp for c in chosen)
-    needed = min(len(dataset), (warmup + steps) * global_batch_size)
+    needed = min(len(dataset), (warmup + max(counts)) * global_batch_size)
     if needed < per_replica_max:
         raise BenchError(
             f"The dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size}).",
@@ -341,11 +367,11 @@ def run_bench(
     walls = [0.0] * len(chosen)
 
     def run_once(i: int, step_time_s: float, where: str) -> dict[str, Any]:
-        """Train ``chosen[i]`` for warmup + steps optimizer steps on every rank; its slowest-rank numbers."""
+        """Train ``chosen[i]`` for warmup + its timed steps on every rank; its slowest-rank numbers."""
         plan = chosen[i].plan
         t0 = time.perf_counter()
         mine = measure_plan(
-            plan, make_module=seeded_module, make_loader=make_loader, steps=steps, warmup=warmup,
+            plan, make_module=seeded_module, make_loader=make_loader, steps=counts[i], warmup=warmup,
             accelerator=accelerator, devices=local, num_nodes=nodes,
         )
         got = combine_ranks(_gather(mine), warmup=warmup)
@@ -398,6 +424,7 @@ def run_bench(
             "abs_step_time_error": None if err is None else abs(err),
             "memory_error": mem_err,
             "wall_s": walls[i],
+            "timed_steps_per_pass": counts[i],
             "plan_json": plan.to_dict(),
             "first_profile": {
                 "rank": cand.rank,
@@ -430,6 +457,7 @@ def run_bench(
         "world_size": world_size,
         "global_batch_size": global_batch_size,
         "steps": steps,
+        "min_time_s": min_time_s,
         "warmup": warmup,
         "passes": passes,
         "confirm_passes": confirm,

@@ -20,12 +20,20 @@ def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**20:8.1f}"
 
 
+def _min_time(result: Mapping[str, Any]) -> str:
+    """`` (timed: at least ~T s, 4-40 steps)`` when ``min_time_s`` lengthened some plan's timing, else ""."""
+    counts = [r["timed_steps_per_pass"] for r in result["plans"] if r.get("timed_steps_per_pass")]
+    if not result.get("min_time_s") or not counts or max(counts) <= result["steps"]:
+        return ""
+    return f" (timed: at least ~{result['min_time_s']:g} s, {min(counts)}-{max(counts)} steps)"
+
+
 def format_table(result: Mapping[str, Any]) -> str:
     """Per-plan predicted vs measured step time and memory, then the summary lines."""
     lines = [
         f"distplan bench: {result['model']} on {result['world_size']} x {result['device']['type']} "
         f"({result['device']['name']}), global batch {result['global_batch_size']}, "
-        f"{result['warmup']}+{result['steps']} steps per plan" + (f" x {result['passes']} passes" if result.get('passes', 1) > 1 else ""),
+        f"{result['warmup']}+{result['steps']} steps per plan" + _min_time(result) + (f" x {result['passes']} passes" if result.get('passes', 1) > 1 else ""),
     ]
     for link in result.get("links", []):
         lines.append(

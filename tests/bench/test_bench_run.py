@@ -37,13 +37,18 @@ def _bench(tmp_path, *extra: str) -> dict:
 
 
 def _check(result: dict, world_size: int) -> None:
+    from lightning_distplan.bench._bench import timed_steps
+
     assert result["schema"] == "distplan-bench/1" and result["world_size"] == world_size
     assert result["plans"], "no plan was run"
     for rec in result["plans"]:
         assert PLAN_KEYS <= rec.keys()
         assert rec["error"] is None, rec["error"]
+        # each plan's timed steps per pass follow from --steps and --min-time and its first prediction
+        count = timed_steps(result["steps"], result["min_time_s"], rec["first_profile"]["predicted_step_time_s"])
+        assert rec["timed_steps_per_pass"] == count >= result["steps"]
         # the timed steps of every pass are pooled; the plan's time is their median
-        assert len(rec["measured_step_times_s"]) == 2 * result["passes"] and all(t > 0 for t in rec["measured_step_times_s"])
+        assert len(rec["measured_step_times_s"]) == count * result["passes"] and all(t > 0 for t in rec["measured_step_times_s"])
         assert rec["measured_step_time_s"] == pytest.approx(statistics.median(rec["measured_step_times_s"]))
         assert rec["passes"] == result["passes"] and len(rec["measured_pass_step_times_s"]) == result["passes"]
         assert rec["step_time_error"] == pytest.approx(rec["predicted_step_time_s"] / rec["measured_step_time_s"] - 1)
@@ -110,8 +115,11 @@ def test_bench_world_size_1(tmp_path):
 
 
 def test_bench_world_size_2_torchrun_loopback(tmp_path):
-    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1", "--profile-once")
+    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1", "--profile-once", "--min-time", "0.05")
     _check(result, 2)
+    # --min-time reached the torchrun workers: the tiny model's plans (a few ms a step) ran more than --steps 2
+    assert result["min_time_s"] == 0.05 and max(r["timed_steps_per_pass"] for r in result["plans"]) > 2
+    assert "--min-time 0.05" in result["provenance"]["command"]
     assert len(result["profiles"]) == 1 and result["prediction_profile"] == "one profile, before the runs"
     for rec in result["plans"]:  # one profile: its predictions and ranks are the first profile's
         assert rec["rank"] == rec["first_profile"]["rank"]
@@ -131,6 +139,7 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"), (["--confirm", "-1"], "--confirm"),
+     (["--min-time", "-1"], "--min-time"), (["--min-time", "nan"], "--min-time"),
      (["--world-size", "0"], "--world-size")],
 )
 def test_bench_bad_input_one_line_error(capsys, args, message):
@@ -153,3 +162,14 @@ def test_print_launch_names_torchrun(capsys, monkeypatch):
     assert main(["bench", *MODEL, "--world-size", "4", "--global-batch-size", "8", "--print-launch"]) == 0
     out = capsys.readouterr().out
     assert "-m torch.distributed.run --standalone --nproc-per-node 4 -m lightning_distplan.cli bench" in out
+
+
+def test_timed_steps_lasts_min_time_within_bounds():
+    from lightning_distplan.bench._bench import MAX_TIMED_STEPS, timed_steps
+
+    assert timed_steps(4, 0.0, 0.01) == 4  # no --min-time: exactly --steps
+    assert timed_steps(4, 1.0, 0.025) == 40  # a 25 ms plan: 40 steps make the second
+    assert timed_steps(4, 1.0, 0.3) == 4  # a slow plan: --steps already last longer
+    assert timed_steps(4, 1.0, 1e-6) == MAX_TIMED_STEPS  # a prediction far too fast cannot make a run take minutes
+    assert timed_steps(500, 1.0, 1e-6) == 500  # --steps above the cap still holds
+    assert timed_steps(4, 1.0, 0.0) == 4 and timed_steps(4, 1.0, float("nan")) == 4  # no usable prediction
