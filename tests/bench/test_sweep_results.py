@@ -134,3 +134,21 @@ def test_links_replay_refits_only_the_links_and_every_line_reaches_its_largest_m
     assert changed > 0
     for s_old, s_new in zip(doc["settings"], again["settings"]):
         assert s_old["plans"] == s_new["plans"]
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_committed_sweep_timed_each_plan_for_min_time(path: Path) -> None:
+    """Each plan ran the timed steps --steps and --min-time ask for, in every pass and confirmation pass."""
+    from lightning_distplan.bench._bench import timed_steps
+
+    doc = json.loads(path.read_text())
+    assert doc["provenance"]["min_time_s"] == 1.0  # the sweep's default since 155c235
+    for setting in doc["settings"]:
+        for rec in setting["plans"]:
+            count = timed_steps(setting["steps"], setting["min_time_s"], rec["first_profile"]["predicted_step_time_s"])
+            assert rec["timed_steps_per_pass"] == count
+            assert len(rec["measured_step_times_s"]) == count * setting["passes"]
+            if rec.get("confirm_step_times_s"):
+                assert len(rec["confirm_step_times_s"]) == count * setting["confirm_passes"]
+            # about a second of steps per pass, as predicted: fast plans ran more than --steps
+            assert count == setting["steps"] or count * rec["first_profile"]["predicted_step_time_s"] >= 1.0
