@@ -133,3 +133,28 @@ def test_skip_message_without_privileges():
         )
     assert res.returncode == 77, (res.returncode, res.stderr)
     assert "skipped" in res.stderr and "HINT" in res.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_gloo_hand_over_crosses_the_link_only_once_the_receiver_posts(tmp_path):
+    """benchmarks/gloo_rendezvous.py at 100 Mbit/s: a recv posted late still waits the message's whole link time.
+
+    The cost model's pipeline hand-overs rest on this (a stage cannot receive in the background).
+    """
+    import json
+
+    out = tmp_path / "rdv.json"
+    res = subprocess.run([sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "gloo_rendezvous.py"), "--delay", "0.2", "--port", "29519", "--out", str(out)],
+                         env=ENV, capture_output=True, text=True, timeout=240)
+    if res.returncode == 77:
+        pytest.skip(res.stderr.strip())
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {(r["bytes"], r["recv_posted_after_s"] > 0): r for r in json.loads(out.read_text())["exchanges"]}
+    for nbytes in (256 << 10, 1 << 20):
+        link_s = nbytes * 8 / 100e6  # 21 ms and 84 ms at 100 Mbit/s
+        prompt, late = rows[(nbytes, False)], rows[(nbytes, True)]
+        assert prompt["recv_after_posting_s"] > 0.7 * link_s
+        # posted 0.2 s after the send, the recv still takes the transfer time: nothing crossed before
+        assert late["recv_after_posting_s"] > 0.7 * link_s
+        assert late["sender_wait_s"] >= 0.2  # and the sender's wait ended only once the recv was posted
+    assert not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(PREFIX)  # torn down

@@ -429,7 +429,12 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     )
     # A hand-over costs the stage that waits for it, the receiver: torch.distributed.pipelining waits
     # on each send together with a receive, and a gloo send returns once the kernel has buffered the
-    # message, while the receive returns only when the last byte has crossed the link. So stage k
+    # message, while the receive returns only when the last byte has crossed the link. No byte
+    # crosses before the receiver posts its recv (benchmarks/gloo_rendezvous.py, 100 Mbit/s: a recv
+    # posted 0.3 s late still took the message's whole link time), so a stage busy with other
+    # micro-batches does not receive in the background; 1F1B's two directions crossing side by
+    # side below is the model's assumption, and over a slow link it runs about as slow as GPipe
+    # (README, "How accurate is it": the demo Transformer at 100 Mbit/s). So stage k
     # waits for its input activation (hand-over k − 1) and for its output's gradient (hand-over k).
     # Charging both directions to the sender instead made the stage before a boundary look slower
     # than it is (benchmarks/results/earlier/, sweeps W to C2, replayed: the pick ran within 5% of the
