@@ -9,9 +9,10 @@ For every model x rate (100mbit, 1gbit, unlimited) this script
    ``--plans all``: the job profiles the model, measures the real link, ranks every plan for world
    size 2 and trains each one for a few optimizer steps with lightning_distplan's strategies
    (the whole list in ``--passes`` alternating passes, default 3 x 2+4 steps or more: each plan is
-   timed for at least ``--min-time``, default 1 s, per pass; each plan's timed steps pooled; the profiled step is timed again after each pass to show host-speed drift, and
-   the whole profile is taken again after each pass: predictions come from the mean of the
-   profiles, so they and the measurements sample the same stretch of a drifting host's time; then
+   timed for at least ``--min-time``, default 1 s, per pass; each plan's timed steps pooled; the
+   profiled step is timed again after each pass to show host-speed drift, and the whole profile
+   is taken again after each pass: predictions come from the mean of the profiles, so they and
+   the measurements sample the same stretch of a drifting host's time; then
    the contenders for the measured best run ``--confirm`` more passes, default 2, and the pick is
    judged again on those runs alone),
 3. collects the per-plan predicted and measured step times (and the first profile's predictions,
