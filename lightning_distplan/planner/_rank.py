@@ -148,8 +148,9 @@ def near_tie_order(
     to it), so a near tie goes to fewer passes. Replayed on the CPU cluster sweeps of
     ``benchmarks/results/earlier/`` with today's model (``benchmarks/replay_sweep.py --tie 0`` for the
     plain order): K to V, 108 settings, the pick ran within 5% of the measured best in 103 against 100;
-    W to C2, 54 settings, 49 against 48; D2 to F2, 25 of 27 either way; the three committed sweeps,
-    24 of 27 either way.
+    W to C2, 54 settings, 49 against 48; D2 to F2, 25 of 27 either way; G2 to I2, 24 of 27 either
+    way; the three committed sweeps (``benchmarks/results/``), 26 of 27 either way (24 against 23 of
+    27 judged on their confirmation passes).
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])

@@ -139,6 +139,7 @@ def test_links_replay_refits_only_the_links_and_every_line_reaches_its_largest_m
 @pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
 def test_committed_sweep_timed_each_plan_for_min_time(path: Path) -> None:
     """Each plan ran the timed steps --steps and --min-time ask for, in every pass and confirmation pass."""
+    from lightning_distplan.bench import format_table
     from lightning_distplan.bench._bench import timed_steps
 
     doc = json.loads(path.read_text())
@@ -153,7 +154,5 @@ def test_committed_sweep_timed_each_plan_for_min_time(path: Path) -> None:
             # about a second of steps per pass, as predicted: fast plans ran more than --steps
             assert count == setting["steps"] or count * rec["first_profile"]["predicted_step_time_s"] >= 1.0
         # the readable table says how long each plan was timed
-        from lightning_distplan.bench import format_table
-
         counts = [r["timed_steps_per_pass"] for r in setting["plans"]]
         assert f"(timed: at least ~1 s, {min(counts)}-{max(counts)} steps)" in format_table(setting).splitlines()[0]
