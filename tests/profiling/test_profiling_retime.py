@@ -64,13 +64,22 @@ class Heavy(BoringModel):
         self.layer = nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 2))
 
 
-def test_steady_sizes_are_not_timed_again() -> None:
+def _profile_heavy() -> tuple[dict[int, float], list[str]]:
     model = Heavy()
     lines: list[str] = []
     profile = profile_module(
         model, model.train_dataloader(), micro_batch_sizes=[16, 32, 64, 128], repeats=3, loop_overhead=False, progress=lines.append
     )
-    step = {s.micro_batch_size: s.forward_s + s.backward_s for s in profile.step.samples}
+    return {s.micro_batch_size: s.forward_s + s.backward_s for s in profile.step.samples}, lines
+
+
+def test_steady_sizes_are_not_timed_again() -> None:
+    step, lines = _profile_heavy()
     assert step[16] > 1e-3, step  # the premise: milliseconds of work even at the smallest size
-    # its step is linear in m to well within 50%, so no size is off the line through the others by that much
+    # Its step is linear in m to well within 50%, so no size is off the line through the others by
+    # that much. A loaded CI host once put m = 16 at 3.1 ms against 1.4 ms on the line through the
+    # others (6.8 and 15.1 ms at 64 and 128, twice their idle times): one profile more, then the
+    # rule must stay quiet. A rule that fired on steady sizes would fire in both.
+    if [line for line in lines if "timed again" in line]:
+        step, lines = _profile_heavy()
     assert not [line for line in lines if "timed again" in line], lines
