@@ -7,9 +7,11 @@ step time is the runtime's own per-micro-batch work (forward/backward bookkeepin
 median step time between n = 2 and n = 16 micro-batches. ``modelled_per_microbatch_ms`` is what
 the cost model of the day (before 0a60779) charged per micro-batch for the hand-overs of this
 schedule: the link latency once forward and once backward (2·L, L from ``profiling.measure_links``
-on the same ranks). Today's model charges each hand-over to its receiver, one L per micro-batch on
-the slowest of the two stages, and the rest of the measured 1F1B cost, 0.90 − 0.10 ms, as the
-runtime's own work per slot (``costmodel.PIPELINE_SLOT_S``, 0.8 ms).
+on the same ranks). Today's model runs the schedule's own posts and waits
+(``costmodel._schedule.schedule_time``), where over gloo the activation and the gradient the two
+stages exchange cross one after the other: two L per micro-batch
+(``profiling._links.trivial_pipeline_links``), and the rest of the measured 1F1B cost, 0.90 − 0.20
+ms, as the runtime's own work per slot (``costmodel.PIPELINE_SLOT_S``, 0.7 ms).
 
 The steps are timed by ``profiling._links.time_trivial_pipeline``, the same code the profiler's
 ``measure_pipeline_slot`` uses (alternating counts, one warm-up each). The committed result

@@ -9,15 +9,18 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
   (half in forward, half in backward) and of the runtime slot the model already charges (since
   0a60779; before it, this variant stood in for that term); ``--gpipe-slot-ms`` gives GPipe plans
   their own (``benchmarks/pipeline_slot_overhead.py`` measures GPipe's runtime dearer than 1F1B's).
-* ``warmup``: 1F1B's warm-up overlap (``costmodel._schedule``, since 895bf73) not taken off its
-  bubble, i.e. eq. (1) for 1F1B as before.
+* ``side-by-side``: pipeline hand-overs priced as over NCCL, the two directions of an exchange
+  crossing side by side, instead of one after the other as over gloo's one TCP stream
+  (``Hardware.p2p_one_stream``), i.e. the model before the stage programs (it then took 1F1B
+  from eq. (1) less the warm-up overlap; the ``warmup`` variant that replayed without that
+  overlap is at commit 4738953).
 * ``links``: not a model variant but today's link fit: every stored link profile's latency and
   bandwidth are fitted again from its stored (bytes, seconds) medians with
   ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.
 
 Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/*.json
       python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/*.json
-      python benchmarks/replay_variants.py warmup benchmarks/results/*.json benchmarks/results/earlier/*.json
+      python benchmarks/replay_variants.py side-by-side benchmarks/results/cpu_cluster_sweep*.json benchmarks/results/earlier/cpu_cluster_sweep*.json
       python benchmarks/replay_variants.py links benchmarks/results/earlier/*.json
 """
 
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any, Iterator
@@ -85,10 +87,10 @@ def variant(name: str, slot_s: float = 0.0, gpipe_slot_s: float | None = None) -
             tuple(x + pricing["slot"] / 2 for x in saved["stage_sums"](values, boundaries))
             if isinstance(values, _StageWork) else saved["stage_sums"](values, boundaries)
         )
-    elif name == "warmup":
-        P.schedule_time = lambda *args, **kwargs: math.inf  # no order is shorter than eq. (1): nothing taken off
+    elif name == "side-by-side":
+        P.schedule_time = lambda *args, **kwargs: saved["schedule_time"](*args, **{**kwargs, "shared_stream": False})
     else:
-        raise SystemExit(f"unknown variant {name!r}. HINT: use samples, slot or warmup.")
+        raise SystemExit(f"unknown variant {name!r}. HINT: use samples, slot or side-by-side.")
     try:
         yield
     finally:
@@ -122,7 +124,7 @@ def _pooled(docs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variant", choices=("samples", "slot", "warmup", "links"))
+    parser.add_argument("variant", choices=("samples", "slot", "side-by-side", "links"))
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files (with stored profiles)")
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
     parser.add_argument("--gpipe-slot-ms", type=float, default=None, help="the slot variant's cost for GPipe plans (default: --slot-ms)")

@@ -137,9 +137,11 @@ def test_skip_message_without_privileges():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
 def test_gloo_hand_over_crosses_the_link_only_once_the_receiver_posts(tmp_path):
-    """benchmarks/gloo_rendezvous.py at 100 Mbit/s: a recv posted late still waits the message's whole link time.
+    """benchmarks/gloo_rendezvous.py at 100 Mbit/s: a recv posted late still waits the message's whole link time,
+    and a batched exchange crosses one direction after the other.
 
-    The cost model's pipeline hand-overs rest on this (a stage cannot receive in the background).
+    The cost model's stage programs rest on this (a stage cannot receive in the background; over gloo
+    1F1B's exchanges take two hand-overs).
     """
     import json
 
@@ -157,4 +159,11 @@ def test_gloo_hand_over_crosses_the_link_only_once_the_receiver_posts(tmp_path):
         # posted 0.2 s after the send, the recv still takes the transfer time: nothing crossed before
         assert late["recv_after_posting_s"] > 0.7 * link_s
         assert late["sender_wait_s"] >= 0.2  # and the sender's wait ended only once the recv was posted
+    # batched [send, recv] as Schedule1F1B posts them: the rank posting second waits for both messages in turn
+    # (its recv's "ready" notice travels behind its own data), one message time when its recv is listed first
+    batched = {(r["bytes"], r["first"], r["rank"]): r["wait_s"] for r in json.loads(out.read_text())["batched"]}
+    for nbytes in (256 << 10, 1 << 20):
+        link_s = nbytes * 8 / 100e6
+        assert batched[(nbytes, "send", 1)] > 1.6 * link_s
+        assert batched[(nbytes, "recv", 1)] < 0.8 * batched[(nbytes, "send", 1)]
     assert not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(PREFIX)  # torn down

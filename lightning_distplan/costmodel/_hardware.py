@@ -64,6 +64,13 @@ class Hardware:
     """Whether the training loop's host work (Lightning's per-batch cost) runs while the device
     computes (asynchronous CUDA launches): then only the part longer than the device's work shows.
     False for CPUs, where the host is the device and every loop millisecond adds up."""
+    p2p_one_stream: bool = False
+    """Whether a receiver's "ready" notice travels behind the data going the other way, as over
+    gloo's one TCP stream per pair of ranks: then a pipeline's exchange of an activation and a
+    gradient between two stages crosses one direction after the other
+    (:func:`~lightning_distplan.costmodel._schedule.schedule_time`). False for NCCL, whose two
+    directions are independent; True where the profile's p2p link was measured over gloo, or, with
+    no measured link, on a CPU."""
 
     def __post_init__(self) -> None:
         hint = "Pass positive, finite hardware numbers."
@@ -140,6 +147,7 @@ class Hardware:
             )
         source = "default" if "default" in used else ("measured" if "measured" in used else "given")
         cpu = profile.device.type == "cpu"
+        p2p = profile.link("p2p")
         return cls(
             name=profile.device.name or "profiled",
             device_memory_bytes=int(memory),
@@ -150,4 +158,5 @@ class Hardware:
             link_source=source,
             comm_overlap=not cpu,
             host_overlap=not cpu,
+            p2p_one_stream="gloo" in p2p.backend if p2p is not None and p2p.backend else cpu,
         )

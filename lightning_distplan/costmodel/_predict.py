@@ -8,11 +8,12 @@ Step-time breakdown (always sums exactly to ``step_time_s``; every key is presen
 
 ``compute``       work the critical device does: s·T_calc(m) for DP, n·(compute of the slowest stage)
                   for pipelines
-``p2p``           pipeline hand-overs the slowest stage waits for, n·(L + m·A/BW) per boundary it receives
-                  from: its input activation from the stage before and its output's gradient from the stage after
-``bubble``        pipeline fill and drain: Σ_{k≠slowest} St_k, i.e. (p−1)/(n+p−1) of the pipeline time
-                  when stages are equal; for 1F1B less the fill its order overlaps where an earlier stage
-                  is the slowest (:func:`~lightning_distplan.costmodel._schedule.schedule_time`)
+``p2p``           what the pipeline hand-overs (L + m·A/BW each) add to the step, as torch's stage programs
+                  run them (:func:`~lightning_distplan.costmodel._schedule.schedule_time`): each starts once its
+                  receiver has posted the recv, and over gloo an exchange's two directions cross in turn
+``bubble``        pipeline fill and drain with free hand-overs: Σ_{k≠slowest} St_k, i.e. (p−1)/(n+p−1) of the
+                  pipeline time when stages are equal; for 1F1B less the fill its order overlaps where an
+                  earlier stage is the slowest
 ``exposed_comm``  all-reduce time not hidden behind backward computation (pipelines: the stage
                   gradients' all-reduce of hybrid dp×pp)
 ``optimizer``     ``optimizer.step()`` on the device with the most parameters
@@ -66,13 +67,14 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20
 # source: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (= 1 MiB), the size of DDP's first gradient
 # bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
 
-PIPELINE_SLOT_S = 0.8e-3
+PIPELINE_SLOT_S = 0.7e-3
 # The pipelining runtime's own work per micro-batch slot where the profile did not measure it
 # (FrameworkProfile.pipeline_slot_s is None: profiled in one process). source:
 # benchmarks/results/pipeline_slot_overhead_cpu.json: a two-stage torch.distributed.pipelining 1F1B
 # schedule of two Linear(8, 8) stages over gloo costs 0.90 ms per micro-batch on the 2-vCPU sweep host
-# (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-over prices
-# the link latency, 0.10 ms. Either value is charged only where the host's work is not hidden behind a
+# (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-overs price
+# twice the link latency, 0.20 ms (profiling._links.trivial_pipeline_links: over gloo the activation and
+# the gradient the stages exchange cross one after the other). Either value is charged only where the host's work is not hidden behind a
 # device (Hardware.host_overlap False, i.e. CPU training).
 
 BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer", "framework", "sync_wait")
@@ -427,59 +429,40 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         else 0.0
         for k in range(p)
     )
-    # A hand-over costs the stage that waits for it, the receiver: torch.distributed.pipelining waits
-    # on each send together with a receive, and a gloo send returns once the kernel has buffered the
-    # message, while the receive returns only when the last byte has crossed the link. No byte
-    # crosses before the receiver posts its recv (benchmarks/gloo_rendezvous.py, 100 Mbit/s: a recv
-    # posted 0.3 s late still took the message's whole link time), so a stage busy with other
-    # micro-batches does not receive in the background; 1F1B's two directions crossing side by
-    # side below is the model's assumption, and over a slow link it runs about as slow as GPipe
-    # (README, "How accurate is it": the demo Transformer at 100 Mbit/s). So stage k
-    # waits for its input activation (hand-over k − 1) and for its output's gradient (hand-over k).
-    # Charging both directions to the sender instead made the stage before a boundary look slower
-    # than it is (benchmarks/results/earlier/, sweeps W to C2, replayed: the pick ran within 5% of the
-    # measured best in 49 of 54 settings with the receiver waiting, 44 with the sender).
+    # A hand-over costs the stage that waits for it, the receiver: stage k waits for its input
+    # activation (hand-over k − 1) and for its output's gradient (hand-over k); stage_times_s reports
+    # that sum. Charging both directions to the sender instead made the stage before a boundary look
+    # slower than it is (benchmarks/results/earlier/, sweeps W to C2, replayed: the pick ran within 5%
+    # of the measured best in 49 of 54 settings with the receiver waiting, 44 with the sender).
     receive_fwd = tuple(send[k - 1] if k > 0 else 0.0 for k in range(p))
     stage_p2p = tuple(r + s_k for r, s_k in zip(receive_fwd, send))
     stage_time = tuple(ck + pk for ck, pk in zip(stage_compute, stage_p2p))
+    # The pipeline's length is that of torch's own programs (schedule_time over stage_program): each
+    # stage's computations with the runtime's posts and waits between them, and every hand-over a
+    # rendezvous that starts once its receiver has posted the recv. Over gloo (Hardware.p2p_one_stream) the
+    # receiver's "ready" notice waits behind data going the other way on the pair's one TCP stream,
+    # so 1F1B's activation and gradient exchanges cross one after the other
+    # (benchmarks/gloo_rendezvous.py): over a slow link 1F1B runs about as slow as GPipe, as the
+    # demo Transformer at 100 Mbit/s did in the sweeps (README, "How accurate is it"), where the
+    # model that let them cross side by side priced 1F1B 9-23% under and picked it over GPipe.
+    #   compute: the busiest stage's work, n·max_k(F_k + B_k) for 1F1B; for GPipe, whose passes are
+    #            pipelines of their own, n·max_k F_k + n·max_k B_k (the first stage is often the
+    #            slowest at forward and the last, with the loss, at backward);
+    #   bubble:  the order's length with free hand-overs, less compute: seed 000 eq. (1) per pass for
+    #            GPipe, Σ_{k≠slowest} St_k; for 1F1B less the fill its order overlaps where an earlier
+    #            stage is the slowest (tiny GPT-2 at 1 Gbit/s split after layer 4, m = 8, n = 2: eq. (1)
+    #            priced 1F1B and GPipe alike and 1F1B ran 9-21% faster in benchmarks/results/earlier/ D2
+    #            to F2; benchmarks/replay_variants.py warmup replays eq. (1));
+    #   p2p:     what the hand-overs add to that length.
+    hand_over = send[: p - 1]
+    free_links = schedule_time(stage_fwd, stage_bwd, n, plan.strategy)
+    length = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, hand_over, shared_stream=hw.p2p_one_stream)
     if plan.strategy == "gpipe":
-        # GPipe runs all n forwards, then all n backwards: each pass is its own pipeline
-        # (seed 000 eq. (1) per pass), T = Σ_k F_k + (n − 1)·max_k F_k + Σ_k B_k + (n − 1)·max_k B_k.
-        # Its forward pass waits for the stage slowest *at forward* and its backward pass for the
-        # one slowest at backward; when they differ (the first stage heavy in forward, the last,
-        # with the loss, heavy in backward) this is longer than n·max_k(F_k + B_k).
-        # Per pass: (work, hand-over waited for) of each stage: the activation from the stage before
-        # in the forward pass, the gradient from the stage after in the backward pass.
-        passes = [(stage_fwd, receive_fwd), (stage_bwd, send)]
+        compute = n * (max(stage_fwd) + max(stage_bwd))
     else:
-        # 1F1B: seed 000 eq. (1) with St_k = F_k + B_k. Without interleaving its warm-up +
-        # cool-down is the same p − 1 slots as GPipe's fill + drain, and in its steady state every
-        # stage alternates one forward and one backward, so the slowest St_k sets the pace
-        # (DESIGN §4). seed 000 eq. (3) (DAPPLE) is not used: it charges the first stage n full
-        # micro-batches *plus* (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages,
-        # which exceeds the (n + p − 1)·St any non-interleaved 1F1B schedule takes once n > p.
-        passes = [(stage_compute, stage_p2p)]
-    # Per pass, seen from its slowest stage *: it is busy n·St*; the rest, Σ_{k≠*} St_k, is bubble.
-    # For equal stages both forms are seed 001 eq. 6.1: T_seq·(p + n − 1)/(p·n) per micro-batch of work.
-    compute = p2p = bubble = 0.0
-    for work, comm in passes:
-        times_k = [w_k + c_k for w_k, c_k in zip(work, comm)]
-        slow = max(range(p), key=lambda k: times_k[k])
-        compute += n * work[slow]
-        p2p += n * comm[slow]
-        bubble += sum(times_k[k] for k in range(p) if k != slow)
-    if plan.strategy == "1f1b":
-        # Warm-up overlap: eq. (1) has every stage wait for the slowest from the first micro-batch on,
-        # but in 1F1B's order the last stage runs micro-batch 0's backward while an earlier stage still
-        # runs its warm-up forwards. Where an earlier stage is the slowest, that fill is partly hidden:
-        # take off what eq. (1) charges for the stage work beyond the order's own dependency graph
-        # (schedule_time, stage work alone; the hand-overs stay priced as above). 0 where the last
-        # stage is the slowest, and for GPipe, whose order eq. (1) per pass follows. The case that showed
-        # it: tiny GPT-2 at 1 Gbit/s split after layer 4, m = 8, n = 2 (stage 0 the slowest), where eq. (1)
-        # priced 1F1B and GPipe alike and 1F1B ran 8.8%, 9.5% and 20.9% faster on the passes of
-        # benchmarks/results/earlier/ D2 to F2. benchmarks/replay_variants.py warmup replays without it.
-        eq1 = n * max(stage_compute) + sum(stage_compute) - max(stage_compute)
-        bubble -= max(0.0, eq1 - schedule_time(stage_fwd, stage_bwd, n, "1f1b"))
+        compute = n * max(stage_compute)
+    bubble = free_links - compute
+    p2p = length - free_links
     slot_compute = compute / n  # the critical path's compute per micro-batch (sync_wait below)
 
     stage_shares = stage_sums(shares, boundaries)

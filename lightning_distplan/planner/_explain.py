@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
-from lightning_distplan.planner._rank import Candidate
+from lightning_distplan.planner._rank import Candidate, comparable
 
 __all__ = ["explain", "why_winner"]
 
@@ -71,7 +71,7 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
     fastest = min(feasible, key=lambda c: c.objective)
-    if fastest.objective < win.objective:  # a near tie that went to the larger micro-batch (near_tie_order)
+    if comparable(fastest.objective) < comparable(win.objective):  # a near tie that went to the larger micro-batch (near_tie_order)
         return (
             f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
             f"the fastest plan ({fastest.plan.describe()}) and runs larger micro-batches ({win.plan.micro_batch_size} vs "
@@ -91,7 +91,7 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     else:
         what = "the runner-up"
     wt, ot = win.prediction.step_time_s, other.prediction.step_time_s
-    if ot > wt:
+    if comparable(ot) > comparable(wt):
         diffs = {k: other.prediction.breakdown.get(k, 0.0) - win.prediction.breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS}
         key = max(diffs, key=lambda k: diffs[k])
         because = f", mostly {_SHORT[key]} ({_s(win.prediction.breakdown[key])} s vs {_s(other.prediction.breakdown[key])} s)"
@@ -99,7 +99,7 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"Why the winner wins: {win.plan.describe()} takes {_s(wt)} s/step, {ot / wt:.2f}x less than {what} "
             f"({other.plan.describe()}: {_s(ot)} s){because}."
         )
-    if win.objective < other.objective:
+    if comparable(win.objective) < comparable(other.objective):
         return (
             f"Why the winner wins: {win.plan.describe()} has the lower objective C + w·T ({_s(win.objective)} vs "
             f"{_s(other.objective)} for {what}, {other.plan.describe()})."

@@ -116,18 +116,31 @@ def rank_plans(
     ]
 
 
+def comparable(score: float) -> float:
+    """``score`` to 12 significant digits: two predictions that differ only in the order their terms were summed compare equal.
+
+    Example:
+        >>> comparable(0.1 + 0.2) == comparable(0.3)
+        True
+    """
+    return float(f"{score:.12g}")
+
+
 def rank_order(
     plans: Sequence[Plan], predictions: Sequence[Prediction], scores: Sequence[float] | None = None, *, tie: float = NEAR_TIE
 ) -> list[int]:
     """Indices of ``plans`` best first, as :func:`rank_plans` orders them.
 
-    Feasible before infeasible, then by ``scores`` (default: predicted step time), lower peak
-    memory, fewer stages and the plan's description; then near ties go to the larger micro-batch
-    (:func:`near_tie_order`, margin ``tie``; 0 orders by score alone).
+    Feasible before infeasible, then by ``scores`` (default: predicted step time; :func:`comparable`,
+    so the order in which a prediction summed its terms cannot break a tie), lower peak memory, fewer stages and the plan's description; then near ties go to the
+    larger micro-batch (:func:`near_tie_order`, margin ``tie``; 0 orders by score alone).
     """
     if scores is None:
         scores = [pred.step_time_s for pred in predictions]
-    keys = [(not pred.feasible, score, pred.peak_memory_bytes, plan.pp, plan.describe()) for plan, pred, score in zip(plans, predictions, scores)]
+    keys = [
+        (not pred.feasible, comparable(score), pred.peak_memory_bytes, plan.pp, plan.describe())
+        for plan, pred, score in zip(plans, predictions, scores)
+    ]
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
     near = near_tie_order(
         [scores[i] for i in by_key], [plans[i].micro_batch_size for i in by_key], [predictions[i].feasible for i in by_key], tie=tie

@@ -21,10 +21,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from lightning_distplan.costmodel._schedule import schedule_time
 from lightning_distplan.profile import LinearFit, LinkProfile
 from lightning_distplan.profiling._errors import ProfilingError
 
-__all__ = ["measure_links", "measure_pipeline_slot", "pipeline_slot_for", "time_trivial_pipeline", "link_parameters", "DEFAULT_LINK_SIZES"]
+__all__ = ["measure_links", "measure_pipeline_slot", "pipeline_slot_for", "time_trivial_pipeline", "trivial_pipeline_links", "link_parameters", "DEFAULT_LINK_SIZES"]
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +198,13 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
     each, so the compute is next to nothing, at 2 and at 16 micro-batches, alternating, ``rounds``
     times after one warm-up each. The slope of the median step time is what one more micro-batch
     costs: the runtime's own work (forward/backward bookkeeping, ``batch_isend_irecv`` and its waits)
-    plus the one hand-over per micro-batch that the cost model already charges the slowest of two
-    stages (``p2p.time`` of one 8-float sample). The rest, never below zero, is returned, identical on
+    plus the hand-overs that the cost model already charges for it (:func:`trivial_pipeline_links`:
+    two ``p2p.time`` of one 8-float sample). The rest, never below zero, is returned, identical on
     every rank. None where it cannot be measured: not distributed, one rank, or a group whose backend
     is not gloo (the cost model hides host work behind a CUDA device anyway).
 
     Example of the numbers (the 2-vCPU sweep host, loopback): 2.08 ms at n = 2, 14.72 ms at n = 16,
-    so 0.90 ms per micro-batch, of which the hand-over is 0.10 ms.
+    so 0.90 ms per micro-batch, of which the hand-overs are 0.20 ms.
     """
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B
@@ -221,7 +222,7 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
         steps = time_trivial_pipeline(Schedule1F1B, ranks.index(me), SLOT_MICRO_BATCHES, rounds, group=pair)
         lo, hi = SLOT_MICRO_BATCHES
         per_micro_batch = (statistics.median(steps[hi]) - statistics.median(steps[lo])) / (hi - lo)
-        slot = [max(0.0, per_micro_batch - p2p.time(8 * 4))]
+        slot = [max(0.0, per_micro_batch - trivial_pipeline_links(p2p.time(8 * 4)))]
         if me == ranks[0]:
             log.info("pipelining runtime: %.2f ms per micro-batch over %s, %.2f ms of it beyond the hand-over", per_micro_batch * 1e3,
                      dist.get_backend(group), slot[0] * 1e3)
@@ -229,6 +230,28 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
     if pair is not group:
         dist.destroy_process_group(pair)
     return None if slot[0] is None else float(slot[0])
+
+
+def trivial_pipeline_links(hand_over_s: float) -> float:
+    """What the cost model charges the hand-overs per micro-batch of :func:`measure_pipeline_slot`'s schedule.
+
+    The slope between :data:`SLOT_MICRO_BATCHES` of a two-stage gloo 1F1B whose stages cost
+    nothing and whose messages take ``hand_over_s`` each
+    (:func:`~lightning_distplan.costmodel._schedule.schedule_time`): two hand-overs, since over
+    gloo the activation and the gradient exchanged between the stages cross one after the other.
+    Taking exactly this off the measured slope leaves the runtime's own work, so the model
+    predicts the trivial schedule as measured.
+
+    Example:
+        >>> round(trivial_pipeline_links(1e-4) * 1e6, 1)
+        200.0
+    """
+    lo, hi = SLOT_MICRO_BATCHES
+
+    def length(n: int) -> float:
+        return schedule_time([0.0, 0.0], [0.0, 0.0], n, "1f1b", [hand_over_s], shared_stream=True)
+
+    return (length(hi) - length(lo)) / (hi - lo)
 
 
 def time_trivial_pipeline(schedule_cls: Any, stage_index: int, micro_batches: Sequence[int], rounds: int, *, group: Any = None) -> dict[int, list[float]]:

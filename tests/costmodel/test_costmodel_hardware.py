@@ -29,6 +29,18 @@ def test_from_profile_uses_measured_links_and_memory():
     assert hw.link_source == "measured" and hw.compute_scale == 1.0 and hw.memory_margin == 0.9
 
 
+def test_one_stream_hand_overs_follow_the_measured_p2p_backend():
+    # gloo sends a recv's "ready" notice behind the data going the other way; NCCL's directions are independent
+    gloo = tuple(replace(link, backend="gloo") for link in LINKS)
+    assert Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=gloo)).p2p_one_stream
+    assert not Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS)).p2p_one_stream
+    # no measured link: a CPU profile trains over gloo, a CUDA one over NCCL
+    assert not Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)])).p2p_one_stream
+    cpu = synthetic_profile([LayerSpec(fwd_alpha=1.0)])
+    cpu = replace(cpu, device=replace(cpu.device, type="cpu"))
+    assert Hardware.from_profile(cpu).p2p_one_stream
+
+
 def test_given_numbers_win_and_defaults_are_explicit(caplog):
     prof = synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS)
     given = Hardware.from_profile(prof, device_memory_bytes=8 << 30, bandwidth_bytes_per_s=1.25e9, latency_s=1e-4)

@@ -56,9 +56,13 @@ def test_first_stage_slowest_1f1b_overlaps_the_fill_by_hand():
     # stage 0 B0 [4,6] B1 [6,8]. GPipe: stage 1 F0 [2,3] F1 [4,5] B0 [5,6] B1 [6,7]; stage 0 B0 [6,8] B1 [8,10].
     assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "1f1b") == pytest.approx(8.0)
     assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "gpipe") == pytest.approx(10.0) == eq1([4.0, 2.0], 2)
-    # a hand-over in flight delays the receiver: stage 1 runs F0 [2.5,3.5] B0 [3.5,4.5], F1 from 4.5 (activation
-    # at 4.5) to 5.5, B1 to 6.5; stage 0 gets the gradients at 5 and 7: B0 [5,7] B1 [7,9]
-    assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "1f1b", hand_over=[0.5]) == pytest.approx(9.0)
+    # a hand-over in flight delays the receiver, and starts only once the receiver has posted its recv:
+    # stage 1 runs F0 [2.5,3.5] B0 [3.5,4.5], then posts gradient 0 with its recv of activation 1, sent at 4:
+    # both cross [4.5,5]; F1 [5,6] B1 [6,7]; stage 0 B0 [5,7], gradient 1 crosses [7,7.5], B1 [7.5,9.5]
+    assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "1f1b", hand_over=[0.5]) == pytest.approx(9.5)
+    # over one stream the exchange at 4.5 takes two hand-overs: stage 1 sends gradient 0 first (stage 0's
+    # recv is waiting), and its "ready" for activation 1 follows it: activation 1 crosses [5,5.5]
+    assert schedule_time([2.0, 1.0], [2.0, 1.0], 2, "1f1b", hand_over=[0.5], shared_stream=True) == pytest.approx(10.0)
 
 
 def heavy_first_profile():

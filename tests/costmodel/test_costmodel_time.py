@@ -107,9 +107,12 @@ def test_pipeline_seed000_eq1(strategy):
     b = pred.breakdown
     assert b["compute"] == pytest.approx(4 * 0.18)
     if strategy == "1f1b":
-        # eq. (1) with St_k = F_k + B_k + its waits: Σ St_k + (n−1)·max St_k = 0.366 + 3·0.183 = 0.915
-        assert b["p2p"] == pytest.approx(4 * 0.003)
-        assert b["bubble"] == pytest.approx(0.183)
+        # F = 0.06, B = 0.12 on both stages. Stage 1 gets activation 0 at 0.063 and runs F0 B0 to 0.243; then
+        # the stages exchange gradient 0 and activation 1 side by side (0.003), and again after each of the
+        # next two micro-batches, and gradient 3 crosses alone at the end: 5 hand-overs on the critical path,
+        # 0.72 + 0.18 + 0.015 = 0.915, eq. (1) with St_k = F_k + B_k + its waits (0.366 + 3·0.183) here
+        assert b["p2p"] == pytest.approx(5 * 0.003)
+        assert b["bubble"] == pytest.approx(0.18)
         pipeline = 0.915
     else:
         # eq. (1) per pass: forward 0.06 + (0.06 + 0.003) + 3·0.063, backward (0.12 + 0.003) + 0.12 + 3·0.123:
@@ -122,6 +125,18 @@ def test_pipeline_seed000_eq1(strategy):
     # framework: Lightning's per-batch broadcast (1 batch, 2 ranks: 1e-4) + the loss all-reduce 2·(1e-4 + 4/(2·1e9))
     assert b["framework"] == pytest.approx(1e-4 + 2 * (1e-4 + 2e-9), rel=1e-12)
     assert pred.step_time_s - b["framework"] == pytest.approx(pipeline + 0.075, rel=1e-12)
+
+
+def test_pipeline_exchanges_cross_one_after_the_other_over_one_stream():
+    # test_pipeline_seed000_eq1's 1F1B over gloo: the three exchanges of a gradient and an activation
+    # each take two hand-overs instead of one, 0.915 + 3·0.003, and 1F1B costs what GPipe does
+    kw = dict(dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    one_stream = hw(p2p_one_stream=True)
+    onef = predict(pipe_profile(), Plan(strategy="1f1b", **kw), one_stream)
+    gpipe = predict(pipe_profile(), Plan(strategy="gpipe", **kw), one_stream)
+    assert onef.breakdown["p2p"] == pytest.approx(8 * 0.003)
+    assert onef.step_time_s == pytest.approx(gpipe.step_time_s, rel=1e-12)
+    assert onef.step_time_s == pytest.approx(predict(pipe_profile(), Plan(strategy="1f1b", **kw), hw()).step_time_s + 3 * 0.003)
 
 
 def test_gpipe_forward_and_backward_passes_each_wait_for_their_own_slowest_stage():
