@@ -158,12 +158,12 @@ def near_tie_order(
     infeasible ones; otherwise the given order). Why: every micro-batch is one more pass through
     the training loop or the pipeline runtime, and part of that per-pass cost is not in the model
     (the pipelining runtime's own work is, as profiled, but not what a real stage's bookkeeping adds
-    to it), so a near tie goes to fewer passes. Replayed on the CPU cluster sweeps of
-    ``benchmarks/results/earlier/`` with today's model (``benchmarks/replay_sweep.py --tie 0`` for the
-    plain order): K to V, 108 settings, the pick ran within 5% of the measured best in 103 against 100;
-    W to C2, 54 settings, 49 against 48; D2 to F2, 25 of 27 either way; G2 to I2, 24 of 27 either
-    way; the three committed sweeps (``benchmarks/results/``), 26 of 27 either way (24 against 23 of
-    27 judged on their confirmation passes).
+    to it), so a near tie goes to fewer passes. Replayed with today's cost model on the CPU cluster
+    sweeps (``benchmarks/replay_sweep.py [--tie 0]``, the plain order without the rule): K to V in
+    ``benchmarks/results/earlier/``, 108 settings, the pick ran within 5% of the measured best in 103
+    against 101; W to C2, 54 settings, 49 either way; D2 to F2 25 of 27 either way (25 against 24
+    judged on their confirmation passes); G2 to I2 26 of 27 either way; J2 to L2 27 against 26; the
+    three committed sweeps (``benchmarks/results/``) 23 of 27 either way (24 of 27 on confirmation).
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])

@@ -153,6 +153,10 @@ def test_committed_sweep_timed_each_plan_for_min_time(path: Path) -> None:
                 assert len(rec["confirm_step_times_s"]) == count * setting["confirm_passes"]
             # about a second of steps per pass, as predicted: fast plans ran more than --steps
             assert count == setting["steps"] or count * rec["first_profile"]["predicted_step_time_s"] >= 1.0
-        # the readable table says how long each plan was timed
+        # the readable table says how long each plan was timed, where --min-time lengthened any plan's timing
         counts = [r["timed_steps_per_pass"] for r in setting["plans"]]
-        assert f"(timed: at least ~1 s, {min(counts)}-{max(counts)} steps)" in format_table(setting).splitlines()[0]
+        header = format_table(setting).splitlines()[0]
+        if max(counts) > setting["steps"]:
+            assert f"(timed: at least ~1 s, {min(counts)}-{max(counts)} steps)" in header
+        else:  # every plan slow enough that --steps already took a second (tiny GPT-2 at 100 Mbit/s)
+            assert "(timed:" not in header
