@@ -148,7 +148,7 @@ def schedule_time(
     message at a time per direction). A recv is done when its message has crossed; a send when
     its message starts to cross (the kernel buffers the rest). ``shared_stream``: the recv's
     "ready" notice reaches the sender only after the data already queued the other way on the
-    same connection, as over gloo's one TCP stream per pair; without it (NCCL) the two
+    same connection, as over gloo's one TCP stream per pair; without it (NCCL, assumed) the two
     directions are independent.
 
     Example:
