@@ -73,9 +73,9 @@ PIPELINE_SLOT_S = 0.7e-3
 # benchmarks/results/pipeline_slot_overhead_cpu.json: a two-stage torch.distributed.pipelining 1F1B
 # schedule of two Linear(8, 8) stages over gloo costs 0.90 ms per micro-batch on the 2-vCPU sweep host
 # (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-overs price
-# twice the link latency, 0.20 ms (profiling._links.trivial_pipeline_links: over gloo the activation and
-# the gradient the stages exchange cross one after the other). Either value is charged only where the host's work is not hidden behind a
-# device (Hardware.host_overlap False, i.e. CPU training).
+# twice the link latency, 0.20 ms (profiling._links.trivial_pipeline_links: over gloo the activation
+# and the gradient the stages exchange cross one after the other). Either value is charged only where
+# the host's work is not hidden behind a device (Hardware.host_overlap False, i.e. CPU training).
 
 BREAKDOWN_KEYS = ("compute", "p2p", "bubble", "exposed_comm", "optimizer", "framework", "sync_wait")
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "ddp_buckets", "overhead")
@@ -439,8 +439,8 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     stage_time = tuple(ck + pk for ck, pk in zip(stage_compute, stage_p2p))
     # The pipeline's length is that of torch's own programs (schedule_time over stage_program): each
     # stage's computations with the runtime's posts and waits between them, and every hand-over a
-    # rendezvous that starts once its receiver has posted the recv. Over gloo (Hardware.p2p_one_stream) the
-    # receiver's "ready" notice waits behind data going the other way on the pair's one TCP stream,
+    # rendezvous that starts once its receiver has posted the recv. Over gloo (Hardware.p2p_one_stream)
+    # the receiver's "ready" notice waits behind data going the other way on the pair's one TCP stream,
     # so 1F1B's activation and gradient exchanges cross one after the other
     # (benchmarks/gloo_rendezvous.py): over a slow link 1F1B runs about as slow as GPipe, as the
     # demo Transformer at 100 Mbit/s did in the sweeps (README, "How accurate is it"), where the
@@ -452,8 +452,11 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     #            GPipe, Σ_{k≠slowest} St_k; for 1F1B less the fill its order overlaps where an earlier
     #            stage is the slowest (tiny GPT-2 at 1 Gbit/s split after layer 4, m = 8, n = 2: eq. (1)
     #            priced 1F1B and GPipe alike and 1F1B ran 9-21% faster in benchmarks/results/earlier/ D2
-    #            to F2; benchmarks/replay_variants.py warmup replays eq. (1));
+    #            to F2; the replay with eq. (1), replay_variants.py warmup, is at 4738953);
     #   p2p:     what the hand-overs add to that length.
+    # Seed 000 eq. (3) (DAPPLE) is not used: it charges the first stage n full micro-batches *plus*
+    # (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages, which exceeds the (n + p − 1)·St
+    # any non-interleaved 1F1B schedule takes once n > p (schedule_time of equal stages gives the latter).
     hand_over = send[: p - 1]
     free_links = schedule_time(stage_fwd, stage_bwd, n, plan.strategy)
     length = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, hand_over, shared_stream=hw.p2p_one_stream)

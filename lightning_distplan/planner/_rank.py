@@ -131,9 +131,10 @@ def rank_order(
 ) -> list[int]:
     """Indices of ``plans`` best first, as :func:`rank_plans` orders them.
 
-    Feasible before infeasible, then by ``scores`` (default: predicted step time; :func:`comparable`,
-    so the order in which a prediction summed its terms cannot break a tie), lower peak memory, fewer stages and the plan's description; then near ties go to the
-    larger micro-batch (:func:`near_tie_order`, margin ``tie``; 0 orders by score alone).
+    Feasible before infeasible, then by ``scores`` (default: predicted step time; compared through
+    :func:`comparable`, so the order in which a prediction summed its terms cannot break a tie),
+    lower peak memory, fewer stages and the plan's description; then near ties go to the larger
+    micro-batch (:func:`near_tie_order`, margin ``tie``; 0 orders by score alone).
     """
     if scores is None:
         scores = [pred.step_time_s for pred in predictions]

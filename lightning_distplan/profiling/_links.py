@@ -224,7 +224,7 @@ def measure_pipeline_slot(p2p: LinkProfile, *, group: Any = None, rounds: int = 
         per_micro_batch = (statistics.median(steps[hi]) - statistics.median(steps[lo])) / (hi - lo)
         slot = [max(0.0, per_micro_batch - trivial_pipeline_links(p2p.time(8 * 4)))]
         if me == ranks[0]:
-            log.info("pipelining runtime: %.2f ms per micro-batch over %s, %.2f ms of it beyond the hand-over", per_micro_batch * 1e3,
+            log.info("pipelining runtime: %.2f ms per micro-batch over %s, %.2f ms of it beyond the hand-overs", per_micro_batch * 1e3,
                      dist.get_backend(group), slot[0] * 1e3)
     dist.broadcast_object_list(slot, src=ranks[0], group=group)
     if pair is not group:
