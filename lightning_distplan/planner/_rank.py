@@ -134,7 +134,8 @@ def rank_order(
     Feasible before infeasible, then by ``scores`` (default: predicted step time; compared through
     :func:`comparable`, so the order in which a prediction summed its terms cannot break a tie),
     lower peak memory, fewer stages and the plan's description; then near ties go to the larger
-    micro-batch (:func:`near_tie_order`, margin ``tie``; 0 orders by score alone).
+    micro-batch, and at equal micro-batches to 1F1B over GPipe (:func:`near_tie_order`, margin
+    ``tie``; 0 orders by score alone).
     """
     if scores is None:
         scores = [pred.step_time_s for pred in predictions]
@@ -144,27 +145,42 @@ def rank_order(
     ]
     by_key = sorted(range(len(keys)), key=keys.__getitem__)
     near = near_tie_order(
-        [scores[i] for i in by_key], [plans[i].micro_batch_size for i in by_key], [predictions[i].feasible for i in by_key], tie=tie
+        [scores[i] for i in by_key],
+        [plans[i].micro_batch_size for i in by_key],
+        [predictions[i].feasible for i in by_key],
+        tie=tie,
+        preferred=[plans[i].strategy == "1f1b" for i in by_key],
     )
     return [by_key[j] for j in near]
 
 
 def near_tie_order(
-    scores: Sequence[float], micro_batch_sizes: Sequence[int], feasible: Sequence[bool], *, tie: float = NEAR_TIE
+    scores: Sequence[float],
+    micro_batch_sizes: Sequence[int],
+    feasible: Sequence[bool],
+    *,
+    tie: float = NEAR_TIE,
+    preferred: Sequence[bool] | None = None,
 ) -> list[int]:
-    """Ranking order of plans already sorted best first: near ties go to the larger micro-batch.
+    """Ranking order of plans already sorted best first: near ties go to the larger micro-batch, then to 1F1B.
 
     Each next rank goes to the plan with the largest micro-batch among the remaining ones whose
     objective is within ``tie`` (2%) of the best remaining objective (feasible plans before
-    infeasible ones; otherwise the given order). Why: every micro-batch is one more pass through
-    the training loop or the pipeline runtime, and part of that per-pass cost is not in the model
-    (the pipelining runtime's own work is, as profiled, but not what a real stage's bookkeeping adds
-    to it), so a near tie goes to fewer passes. Replayed with today's cost model on the CPU cluster
-    sweeps (``benchmarks/replay_sweep.py [--tie 0]``, the plain order without the rule): K to V in
-    ``benchmarks/results/earlier/``, 108 settings, the pick ran within 5% of the measured best in 103
-    against 101; W to C2, 54 settings, 49 either way; D2 to F2 25 of 27 either way (25 against 24
-    judged on their confirmation passes); G2 to I2 26 of 27 either way; J2 to L2 27 against 26; the
-    three committed sweeps (``benchmarks/results/``) 23 of 27 either way (24 of 27 on confirmation).
+    infeasible ones); among those of that micro-batch, to a ``preferred`` one (:func:`rank_order`
+    marks 1F1B); otherwise the given order. Why the micro-batch: every micro-batch is one more pass
+    through the training loop or the pipeline runtime, and part of that per-pass cost is not in the
+    model (the pipelining runtime's own work is, as profiled, but not what a real stage's
+    bookkeeping adds to it), so a near tie goes to fewer passes. Why 1F1B over GPipe of the same
+    micro-batch: it holds fewer activations, and its runtime measured cheaper per micro-batch
+    (``benchmarks/pipeline_slot_overhead.py``: 0.90 against 1.46 ms over gloo) than the one slot
+    the model charges both.
+
+    Replayed with today's cost model on the CPU cluster sweeps in ``benchmarks/results/earlier/``
+    (``benchmarks/replay_sweep.py [--tie 0]``), settings whose pick ran within 5% of the measured
+    best, with this rule / without its 1F1B preference / in the plain order (``--tie 0``): K to V
+    (108 settings) 104 / 103 / 101; W to C2 (63) 58 each; D2 to F2 (27) 25 each, and 26 / 25 / 24
+    judged on their confirmation passes; G2 to I2 (27) 26 each; J2 to L2 (27) 27 / 27 / 26, and
+    23 / 24 / 24 on confirmation; M2 to O2 (27) 24 / 23 / 23, and 25 / 24 / 24 on confirmation.
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])
@@ -178,7 +194,8 @@ def near_tie_order(
         pool = [i for i in left if feasible[i]] or left
         best = scores[pool[0]]
         near = [i for i in pool if scores[i] <= best + tie * abs(best)]
-        head = max(near, key=lambda i: (micro_batch_sizes[i], -i))  # equal sizes: the earlier in the given order
+        # equal sizes: a preferred plan (1F1B), then the earlier in the given order
+        head = max(near, key=lambda i: (micro_batch_sizes[i], bool(preferred and preferred[i]), -i))
         order.append(head)
         left.remove(head)
     return order

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_distplan.costmodel import Hardware, cost_per_step, predict
@@ -113,6 +115,32 @@ def test_near_ties_go_to_the_larger_micro_batch():
     # equal micro-batches keep the given order; a fast infeasible plan never jumps ahead of a feasible one
     assert near_tie_order([1.00, 1.01], [8, 8], [True, True]) == [0, 1]
     assert near_tie_order([1.00, 1.01, 0.99], [4, 4, 16], [True, True, False]) == [0, 1, 2]
+
+
+def test_near_ties_of_one_micro_batch_go_to_the_preferred_plan():
+    # m=8 twice (the second preferred, i.e. 1F1B), m=4 fastest: the larger micro-batch first, the preferred one of it first
+    assert near_tie_order([1.00, 1.005, 1.01], [4, 8, 8], [True, True, True], preferred=[False, False, True]) == [2, 1, 0]
+    # the micro-batch still comes first: a preferred m=4 does not jump a near-tied m=8
+    assert near_tie_order([1.00, 1.01], [4, 8], [True, True], preferred=[True, False]) == [1, 0]
+    # beyond the margin the order is by score, preferred or not
+    assert near_tie_order([1.00, 1.05], [8, 8], [True, True], preferred=[False, True]) == [0, 1]
+
+
+def test_rank_plans_puts_a_near_tie_between_gpipe_and_1f1b_on_1f1b_and_says_why():
+    from lightning_distplan.planner import rank_order
+
+    free = hw(p2p_latency=0.0, p2p_bw=1e30)
+    tied = rank_plans(prof(), world_size=2, global_batch_size=16, strategies=("gpipe", "1f1b"), hardware=free, pins={"micro_batch_size": 2})
+    one, gpipe = tied  # 1F1B first on memory (the test above)
+    # GPipe predicted 1% faster: still a near tie of the same micro-batch, so 1F1B ranks first; plainly (tie 0) GPipe does
+    faster = replace(gpipe.prediction, step_time_s=0.99 * one.prediction.step_time_s)
+    plans, preds = [gpipe.plan, one.plan], [faster, one.prediction]
+    assert rank_order(plans, preds) == [1, 0]
+    assert rank_order(plans, preds, tie=0.0) == [0, 1]
+    ranked = [replace(one, rank=1), replace(gpipe, prediction=faster, objective=faster.step_time_s, rank=2)]
+    why = explain(ranked).splitlines()[-1]
+    assert why.startswith(f"Why the winner wins: {one.plan.describe()} is predicted within 1.0% of the fastest plan ({gpipe.plan.describe()})")
+    assert "prefers 1F1B, which holds fewer activations" in why
 
 
 def test_rank_plans_puts_a_near_tie_on_the_larger_micro_batch_and_says_why():
