@@ -14,6 +14,8 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
   (``Hardware.p2p_one_stream``), i.e. the model before the stage programs (it then took 1F1B
   from eq. (1) less the warm-up overlap; the ``warmup`` variant that replayed without that
   overlap is at commit 4738953).
+* ``no-1f1b-preference``: not a cost-model variant but the ranking before a41b298: near ties of
+  one micro-batch keep the order of their predicted times instead of going to 1F1B over GPipe.
 * ``links``: not a model variant but today's link fit: every stored link profile's latency and
   bandwidth are fitted again from its stored (bytes, seconds) medians with
   ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.
@@ -21,6 +23,7 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
 Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/*.json
       python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/*.json
       python benchmarks/replay_variants.py side-by-side benchmarks/results/cpu_cluster_sweep*.json benchmarks/results/earlier/cpu_cluster_sweep*.json
+      python benchmarks/replay_variants.py no-1f1b-preference benchmarks/results/cpu_cluster_sweep*.json
       python benchmarks/replay_variants.py links benchmarks/results/earlier/*.json
 """
 
@@ -38,6 +41,7 @@ from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 from replay_sweep import replay_setting, stored_profiles  # noqa: E402
 
 import lightning_distplan.costmodel._predict as P  # noqa: E402
+import lightning_distplan.planner._rank as ranking  # noqa: E402
 from lightning_distplan.profiling._links import _fit, link_parameters  # noqa: E402
 
 
@@ -62,6 +66,7 @@ class _StageWork(list):
 def variant(name: str, slot_s: float = 0.0, gpipe_slot_s: float | None = None) -> Iterator[None]:
     """Swap the variant's piece of the cost model in for the ``with`` block (``gpipe_slot_s``: GPipe's slot, default ``slot_s``)."""
     saved = {k: getattr(P, k) for k in ("_step_compute", "_step_backward", "_layer_times", "stage_sums", "_predict_pipeline", "schedule_time")}
+    near_tie_order = ranking.near_tie_order
     if name == "samples":
         def layer_times(profile: Any, m: int, scale: float) -> tuple[list[float], list[float]]:
             def calibrated(fits: list[Any], whole: float) -> list[float]:
@@ -89,13 +94,16 @@ def variant(name: str, slot_s: float = 0.0, gpipe_slot_s: float | None = None) -
         )
     elif name == "side-by-side":
         P.schedule_time = lambda *args, **kwargs: saved["schedule_time"](*args, **{**kwargs, "shared_stream": False})
+    elif name == "no-1f1b-preference":
+        ranking.near_tie_order = lambda *args, preferred=None, **kwargs: near_tie_order(*args, **kwargs)
     else:
-        raise SystemExit(f"unknown variant {name!r}. HINT: use samples, slot or side-by-side.")
+        raise SystemExit(f"unknown variant {name!r}. HINT: use samples, slot, side-by-side or no-1f1b-preference.")
     try:
         yield
     finally:
         for k, v in saved.items():
             setattr(P, k, v)
+        ranking.near_tie_order = near_tie_order
 
 
 def refit_links(doc: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +132,7 @@ def _pooled(docs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variant", choices=("samples", "slot", "side-by-side", "links"))
+    parser.add_argument("variant", choices=("samples", "slot", "side-by-side", "no-1f1b-preference", "links"))
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files (with stored profiles)")
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
     parser.add_argument("--gpipe-slot-ms", type=float, default=None, help="the slot variant's cost for GPipe plans (default: --slot-ms)")

@@ -175,12 +175,15 @@ def near_tie_order(
     (``benchmarks/pipeline_slot_overhead.py``: 0.90 against 1.46 ms over gloo) than the one slot
     the model charges both.
 
-    Replayed with today's cost model on the CPU cluster sweeps in ``benchmarks/results/earlier/``
-    (``benchmarks/replay_sweep.py [--tie 0]``), settings whose pick ran within 5% of the measured
-    best, with this rule / without its 1F1B preference / in the plain order (``--tie 0``): K to V
-    (108 settings) 104 / 103 / 101; W to C2 (63) 58 each; D2 to F2 (27) 25 each, and 26 / 25 / 24
-    judged on their confirmation passes; G2 to I2 (27) 26 each; J2 to L2 (27) 27 / 27 / 26, and
-    23 / 24 / 24 on confirmation; M2 to O2 (27) 24 / 23 / 23, and 25 / 24 / 24 on confirmation.
+    Replayed with today's cost model on the CPU cluster sweeps (``benchmarks/replay_sweep.py [--tie
+    0]`` and ``benchmarks/replay_variants.py no-1f1b-preference``), the settings whose pick ran within
+    5% of the measured best, with this rule / without its 1F1B preference / in the plain order
+    (``--tie 0``): in ``benchmarks/results/earlier/``, K to V (108 settings) 104 / 103 / 101; W to C2
+    and Z (63) 58 each; D2 to F2 (27) 25 each, and 26 / 25 / 24 judged on their confirmation passes;
+    G2 to I2 (27) 26 each; J2 to L2 (27) 27 / 27 / 26, and 23 / 24 / 24 on confirmation; M2 to O2
+    (27) 24 / 23 / 23, and 25 / 24 / 24 on confirmation; the three committed sweeps
+    (``benchmarks/results/``, made with this rule) 25 / 25 / 24, and on confirmation 24 / 24 of 27
+    and 22 of the 26 whose plain-order pick was confirmed.
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])

@@ -54,6 +54,8 @@ def test_replay_variants_change_predictions_only_inside_their_block() -> None:
     from replay_sweep import replay_setting
     from replay_variants import variant
 
+    import lightning_distplan.planner._rank as ranking
+
     setting = next(s for s in json.loads(SWEEPS[0].read_text())["settings"] if "profile" in s and "summary" in s)
     recorded = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
     with variant("slot", 1e-3):
@@ -64,6 +66,11 @@ def test_replay_variants_change_predictions_only_inside_their_block() -> None:
         samples = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
     with variant("side-by-side"):
         side_by_side = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+    with variant("no-1f1b-preference"):  # the ranking only: near ties of one micro-batch stay in predicted order
+        unpreferred = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
+        assert ranking.near_tie_order([1.0, 1.005], [8, 8], [True, True], preferred=[False, True]) == [0, 1]
+    assert unpreferred == recorded
+    assert ranking.near_tie_order([1.0, 1.005], [8, 8], [True, True], preferred=[False, True]) == [1, 0]
     after = {r["plan"]: r["predicted_step_time_s"] for r in replay_setting(setting)["plans"]}
     assert after == recorded
     for plan, seconds in recorded.items():
