@@ -72,9 +72,9 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
     fastest = min(feasible, key=lambda c: c.objective)
     if comparable(fastest.objective) < comparable(win.objective) and win.plan.micro_batch_size == fastest.plan.micro_batch_size:
-        return (  # a near tie between the schedules of one micro-batch, gone to 1F1B (near_tie_order)
+        return (  # a near tie between GPipe and 1F1B of one dp, pp and micro-batch, gone to 1F1B (near_tie_order)
             f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
-            f"the fastest plan ({fastest.plan.describe()}) at the same micro-batch; in a near tie the ranking prefers "
+            f"the fastest plan ({fastest.plan.describe()}), with the same dp, pp and micro-batch; in a near tie the ranking prefers "
             f"1F1B, which holds fewer activations ({_gib(win.prediction.peak_memory_bytes)} vs "
             f"{_gib(fastest.prediction.peak_memory_bytes)} GiB peak) and whose runtime measured cheaper per micro-batch than GPipe's."
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 from lightning_distplan.costmodel import Hardware, Prediction, cost_per_step, objective, predict
 from lightning_distplan.planner._enumerate import enumerate_plans
@@ -150,6 +150,7 @@ def rank_order(
         [predictions[i].feasible for i in by_key],
         tie=tie,
         preferred=[plans[i].strategy == "1f1b" for i in by_key],
+        layouts=[(plans[i].dp, plans[i].pp, plans[i].micro_batch_size) for i in by_key],
     )
     return [by_key[j] for j in near]
 
@@ -161,29 +162,34 @@ def near_tie_order(
     *,
     tie: float = NEAR_TIE,
     preferred: Sequence[bool] | None = None,
+    layouts: Sequence[Hashable] | None = None,
 ) -> list[int]:
     """Ranking order of plans already sorted best first: near ties go to the larger micro-batch, then to 1F1B.
 
     Each next rank goes to the plan with the largest micro-batch among the remaining ones whose
     objective is within ``tie`` (2%) of the best remaining objective (feasible plans before
-    infeasible ones); among those of that micro-batch, to a ``preferred`` one (:func:`rank_order`
-    marks 1F1B); otherwise the given order. Why the micro-batch: every micro-batch is one more pass
+    infeasible ones), the earlier in the given order among equal sizes; but a near-tied
+    ``preferred`` plan of the same layout (``layouts``; default: the micro-batch) goes before it
+    (:func:`rank_order` marks 1F1B, and a layout is dp, pp and micro-batch: 1F1B before the GPipe
+    of the same split). Why the micro-batch: every micro-batch is one more pass
     through the training loop or the pipeline runtime, and part of that per-pass cost is not in the
     model (the pipelining runtime's own work is, as profiled, but not what a real stage's
     bookkeeping adds to it), so a near tie goes to fewer passes. Why 1F1B over GPipe of the same
-    micro-batch: it holds fewer activations, and its runtime measured cheaper per micro-batch
-    (``benchmarks/pipeline_slot_overhead.py``: 0.90 against 1.46 ms over gloo) than the one slot
-    the model charges both.
+    split: it holds fewer activations, and its runtime measured cheaper per micro-batch than
+    GPipe's (``benchmarks/pipeline_slot_overhead.py``: 0.90 against 1.46 ms over gloo), while the
+    model charges both schedules the one profiled slot.
 
     Replayed with today's cost model on the CPU cluster sweeps (``benchmarks/replay_sweep.py [--tie
     0]`` and ``benchmarks/replay_variants.py no-1f1b-preference``), the settings whose pick ran within
     5% of the measured best, with this rule / without its 1F1B preference / in the plain order
-    (``--tie 0``): in ``benchmarks/results/earlier/``, K to V (108 settings) 104 / 103 / 101; W to C2
-    and Z (63) 58 each; D2 to F2 (27) 25 each, and 26 / 25 / 24 judged on their confirmation passes;
-    G2 to I2 (27) 26 each; J2 to L2 (27) 27 / 27 / 26, and 23 / 24 / 24 on confirmation; M2 to O2
+    (``--tie 0``): in ``benchmarks/results/earlier/``, K to V (108 settings) 103 / 103 / 101; W to C2
+    and Z (63) 58 each; D2 to F2 (27) 26 / 25 / 25, and 24 / 25 / 24 judged on their confirmation
+    passes; G2 to I2 (27) 26 each; J2 to L2 (27) 27 / 27 / 26, and 24 each on confirmation; M2 to O2
     (27) 24 / 23 / 23, and 25 / 24 / 24 on confirmation; the three committed sweeps
-    (``benchmarks/results/``, made with this rule) 25 / 25 / 24, and on confirmation 24 / 24 of 27
-    and 22 of the 26 whose plain-order pick was confirmed.
+    (``benchmarks/results/``) 25 / 25 / 24, and on confirmation 24 / 24 of 27 and 22 of the 26 whose
+    plain-order pick was confirmed. They were made at a41b298, whose rule put 1F1B before any plan of
+    its micro-batch, not only before the GPipe of its split; both forms pick the same in them, and
+    over all 34 runs 289 of 306 settings (157 against 158 of 171 on confirmation).
 
     Example:
         >>> near_tie_order([1.00, 1.01, 1.10], [4, 8, 16], [True, True, True])
@@ -197,8 +203,11 @@ def near_tie_order(
         pool = [i for i in left if feasible[i]] or left
         best = scores[pool[0]]
         near = [i for i in pool if scores[i] <= best + tie * abs(best)]
-        # equal sizes: a preferred plan (1F1B), then the earlier in the given order
-        head = max(near, key=lambda i: (micro_batch_sizes[i], bool(preferred and preferred[i]), -i))
+        head = max(near, key=lambda i: (micro_batch_sizes[i], -i))  # equal sizes: the earlier in the given order
+        if preferred is not None and not preferred[head]:  # a near-tied preferred twin of the same layout first
+            layout = micro_batch_sizes if layouts is None else layouts
+            twins = [i for i in near if preferred[i] and layout[i] == layout[head]]
+            head = min(twins, default=head)
         order.append(head)
         left.remove(head)
     return order

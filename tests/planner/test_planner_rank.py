@@ -117,13 +117,16 @@ def test_near_ties_go_to_the_larger_micro_batch():
     assert near_tie_order([1.00, 1.01, 0.99], [4, 4, 16], [True, True, False]) == [0, 1, 2]
 
 
-def test_near_ties_of_one_micro_batch_go_to_the_preferred_plan():
+def test_near_ties_of_one_layout_go_to_the_preferred_plan():
     # m=8 twice (the second preferred, i.e. 1F1B), m=4 fastest: the larger micro-batch first, the preferred one of it first
     assert near_tie_order([1.00, 1.005, 1.01], [4, 8, 8], [True, True, True], preferred=[False, False, True]) == [2, 1, 0]
     # the micro-batch still comes first: a preferred m=4 does not jump a near-tied m=8
     assert near_tie_order([1.00, 1.01], [4, 8], [True, True], preferred=[True, False]) == [1, 0]
     # beyond the margin the order is by score, preferred or not
     assert near_tie_order([1.00, 1.05], [8, 8], [True, True], preferred=[False, True]) == [0, 1]
+    # only a twin of the same layout: a preferred plan of another layout with the same micro-batch keeps its place
+    layouts = [("dp", 8), ("pp", 8), ("pp", 8)]
+    assert near_tie_order([1.00, 1.005, 1.01], [8, 8, 8], [True] * 3, preferred=[False, False, True], layouts=layouts) == [0, 2, 1]
 
 
 def test_rank_plans_puts_a_near_tie_between_gpipe_and_1f1b_on_1f1b_and_says_why():
@@ -139,7 +142,7 @@ def test_rank_plans_puts_a_near_tie_between_gpipe_and_1f1b_on_1f1b_and_says_why(
     assert rank_order(plans, preds, tie=0.0) == [0, 1]
     ranked = [replace(one, rank=1), replace(gpipe, prediction=faster, objective=faster.step_time_s, rank=2)]
     why = explain(ranked).splitlines()[-1]
-    assert why.startswith(f"Why the winner wins: {one.plan.describe()} is predicted within 1.0% of the fastest plan ({gpipe.plan.describe()})")
+    assert why.startswith(f"Why the winner wins: {one.plan.describe()} is predicted within 1.0% of the fastest plan ({gpipe.plan.describe()}), with the same dp")
     assert "prefers 1F1B, which holds fewer activations" in why
 
 
