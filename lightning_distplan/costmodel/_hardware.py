@@ -69,8 +69,8 @@ class Hardware:
     gloo's one TCP stream per pair of ranks: then a pipeline's exchange of an activation and a
     gradient between two stages crosses one direction after the other
     (:func:`~lightning_distplan.costmodel._schedule.schedule_time`). False for NCCL, whose two
-    directions the model takes as independent (assumed: no pipeline has run on a GPU yet); True where the profile's p2p link was measured over gloo, or, with
-    no measured link, on a CPU."""
+    directions the model takes as independent (assumed: no pipeline has run on a GPU yet); True
+    where the profile's p2p link was measured over gloo, or, with no measured link, on a CPU."""
 
     def __post_init__(self) -> None:
         hint = "Pass positive, finite hardware numbers."

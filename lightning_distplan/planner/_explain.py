@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
-from lightning_distplan.planner._rank import Candidate, comparable
+from lightning_distplan.planner._rank import Candidate, comparable, twin_key
 
 __all__ = ["explain", "why_winner"]
 
@@ -71,8 +71,8 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
     fastest = min(feasible, key=lambda c: c.objective)
-    if comparable(fastest.objective) < comparable(win.objective) and win.plan.micro_batch_size == fastest.plan.micro_batch_size:
-        return (  # a near tie between GPipe and 1F1B of one dp, pp and micro-batch, gone to 1F1B (near_tie_order)
+    if comparable(fastest.objective) < comparable(win.objective) and twin_key(win.plan) == twin_key(fastest.plan):
+        return (  # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order)
             f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
             f"the fastest plan ({fastest.plan.describe()}), with the same dp, pp and micro-batch; in a near tie the ranking prefers "
             f"1F1B, which holds fewer activations ({_gib(win.prediction.peak_memory_bytes)} vs "

@@ -126,6 +126,11 @@ def comparable(score: float) -> float:
     return float(f"{score:.12g}")
 
 
+def twin_key(plan: Plan) -> tuple[int, int, int]:
+    """dp, pp and micro-batch: plans with equal keys differ at most in their schedule (:func:`near_tie_order`'s ``layouts``)."""
+    return plan.dp, plan.pp, plan.micro_batch_size
+
+
 def rank_order(
     plans: Sequence[Plan], predictions: Sequence[Prediction], scores: Sequence[float] | None = None, *, tie: float = NEAR_TIE
 ) -> list[int]:
@@ -150,7 +155,7 @@ def rank_order(
         [predictions[i].feasible for i in by_key],
         tie=tie,
         preferred=[plans[i].strategy == "1f1b" for i in by_key],
-        layouts=[(plans[i].dp, plans[i].pp, plans[i].micro_batch_size) for i in by_key],
+        layouts=[twin_key(plans[i]) for i in by_key],
     )
     return [by_key[j] for j in near]
 
@@ -197,6 +202,7 @@ def near_tie_order(
         >>> near_tie_order([1.00, 1.05], [4, 8], [True, True])  # 5% apart: not a tie
         [0, 1]
     """
+    same = micro_batch_sizes if layouts is None else layouts
     left = list(range(len(scores)))
     order: list[int] = []
     while left:
@@ -205,8 +211,7 @@ def near_tie_order(
         near = [i for i in pool if scores[i] <= best + tie * abs(best)]
         head = max(near, key=lambda i: (micro_batch_sizes[i], -i))  # equal sizes: the earlier in the given order
         if preferred is not None and not preferred[head]:  # a near-tied preferred twin of the same layout first
-            layout = micro_batch_sizes if layouts is None else layouts
-            twins = [i for i in near if preferred[i] and layout[i] == layout[head]]
+            twins = [i for i in near if preferred[i] and same[i] == same[head]]
             head = min(twins, default=head)
         order.append(head)
         left.remove(head)
