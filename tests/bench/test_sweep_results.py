@@ -167,3 +167,15 @@ def test_committed_sweep_timed_each_plan_for_min_time(path: Path) -> None:
             assert f"(timed: at least ~1 s, {min(counts)}-{max(counts)} steps)" in header
         else:  # every plan slow enough that --steps already took a second (tiny GPT-2 at 100 Mbit/s)
             assert "(timed:" not in header
+
+
+def test_readme_noise_and_slot_figures_are_those_of_the_committed_sweeps() -> None:
+    from sweep_stats import sweep_stats
+
+    s = sweep_stats([json.loads(p.read_text()) for p in SWEEPS])
+    readme = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+    lo, mid, hi, n = s["slot_s"]
+    assert f"({lo * 1e3:.2f}–{hi * 1e3:.2f} ms, median {mid * 1e3:.2f} ms, over the {n} profiles of the three sweeps" in readme
+    assert f"took {s['host_checks'][0]:.2f}× to {s['host_checks'][1]:.2f}× its" in readme
+    assert f"up to {s['spread_max'][0]:.2f}× apart" in readme
+    assert f"{s['spread_median']:.2f}× the smallest at the median and {s['spread_p90']:.2f}× at the p90" in readme
