@@ -38,7 +38,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies.dp_ga import DPGAStrategy, _MicroBatchLoader, loader_batch_size
+from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, loader_batch_size
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -217,18 +217,20 @@ class AppliedPlan:
     """What :func:`apply_dp_ga_plan` changed, so that :meth:`restore` can put it back."""
 
     strategy: Any
-    had_own_process_dataloader: bool
-    own_process_dataloader: Callable[..., Any] | None
+    own_methods: dict[str, Callable[..., Any] | None]  # the instance's own attributes that were replaced (None: there was none)
     accumulate_grad_batches: int
+    rechunk: Rechunking
 
     def restore(self, trainer: pl.Trainer) -> None:
         try:
-            if self.had_own_process_dataloader:
-                self.strategy.process_dataloader = self.own_process_dataloader
-            else:
-                self.strategy.__dict__.pop("process_dataloader", None)
+            for name, own in self.own_methods.items():
+                if own is not None:
+                    setattr(self.strategy, name, own)
+                else:
+                    self.strategy.__dict__.pop(name, None)
         finally:
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
+            self.rechunk.restore(trainer)
 
 
 def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
@@ -237,22 +239,39 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
     The strategy's ``process_dataloader`` (called by Lightning after it injected the distributed
     sampler) is wrapped on this instance so train loaders are re-chunked into ``plan.micro_batch_size``
     samples by ``dp_ga``'s loader wrapper; ``trainer.accumulate_grad_batches`` becomes the plan's.
+    ``on_train_batch_start`` and ``training_step`` are wrapped too, to weigh a short last loader
+    batch as the user's run does (:class:`~lightning_distplan.strategies.dp_ga.Rechunking`).
     """
     strategy = trainer.strategy
+    names = ("process_dataloader", "on_train_batch_start", "training_step")
+    rechunk = Rechunking()
+    rechunk.remember(trainer)
     applied = AppliedPlan(
         strategy=strategy,
-        had_own_process_dataloader="process_dataloader" in strategy.__dict__,
-        own_process_dataloader=strategy.__dict__.get("process_dataloader"),
+        own_methods={name: strategy.__dict__.get(name) for name in names},
         accumulate_grad_batches=trainer.accumulate_grad_batches,
+        rechunk=rechunk,
     )
     original = strategy.process_dataloader
+    original_batch_start = strategy.on_train_batch_start
+    original_step = strategy.training_step
+    weight = plan.accumulate_grad_batches / applied.accumulate_grad_batches
 
     def process_dataloader(dataloader: object) -> object:
         dataloader = original(dataloader)
-        if trainer.state.stage != RunningStage.TRAINING or loader_batch_size(dataloader) == plan.micro_batch_size:
+        if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        return _MicroBatchLoader(dataloader, plan.micro_batch_size)
+        return rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)
 
+    def on_train_batch_start(batch: Any, batch_idx: int) -> None:
+        original_batch_start(batch, batch_idx)
+        rechunk.start_batch()
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        return rechunk.weigh(original_step(*args, **kwargs))
+
+    strategy.on_train_batch_start = on_train_batch_start
+    strategy.training_step = training_step
     strategy.process_dataloader = process_dataloader
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
     if plan.accumulate_grad_batches != applied.accumulate_grad_batches or plan.micro_batch_size:

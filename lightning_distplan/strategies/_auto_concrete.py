@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import itertools
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -21,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.plan import Plan
-from lightning_distplan.strategies.dp_ga import DPGAStrategy, _MicroBatchLoader, _rebatch, _samples_per_epoch, loader_batch_size
+from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, _MicroBatchLoader, _rebatch, _samples_per_epoch, loader_batch_size
 from lightning_distplan.strategies.pipeline import PipelineStrategy
 
 if TYPE_CHECKING:
@@ -49,10 +51,12 @@ class _AutoDPGAStrategy(DPGAStrategy):
         if trainer.state.stage == RunningStage.TRAINING and plan is not None:
             b = loader_batch_size(dataloader)
             per_replica = plan.global_batch_size // plan.dp
-            if b is not None and per_replica % b == 0:
+            if b is not None:
                 # DPGAStrategy reads the user's global batch as loader batch x world x accumulation; a
-                # plan for an explicitly given global batch is presented through the accumulation.
-                self._user_accumulate = per_replica // b
+                # plan for an explicitly given global batch is presented through the accumulation,
+                # a fraction where the loader batch does not divide the per-replica batch (the
+                # micro-batches are cut from the stream of samples, whatever the loader's batches).
+                self._user_accumulate = per_replica // b if per_replica % b == 0 else Fraction(per_replica, b)
         return super().process_dataloader(dataloader)
 
     @override
@@ -65,26 +69,28 @@ class _AutoDPGAStrategy(DPGAStrategy):
 
 class _FullBatchLoader(_MicroBatchLoader):
     """Yields exactly ``micro_batch_size`` samples per batch; a trailing short batch is dropped (a
-    pipeline schedule needs ``n`` equal micro-batches), with one warning."""
+    pipeline schedule needs ``n`` equal micro-batches), with one warning when an epoch starts."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def _iterate(self) -> Iterator[Any]:
         from lightning_distplan.strategies.dp_ga import _split_leaves
 
-        warned = False
-        for batch in _rebatch(self._loader, self.micro_batch_size):
+        n = _samples_per_epoch(self._loader)
+        if n is not None and self._limit_batches is None and n % self.micro_batch_size:
+            rank_zero_warn(
+                f"auto_plan: the epoch's last {n % self.micro_batch_size} samples per replica do not fill a pipeline step of "
+                f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
+            )
+        batches = self._loader if self._limit_batches is None else itertools.islice(self._loader, self._limit_batches)
+        for batch in _rebatch(batches, self.micro_batch_size):
             if _split_leaves(batch)[2] == self.micro_batch_size:
                 yield batch
-            elif not warned:
-                warned = True
-                rank_zero_warn(
-                    f"auto_plan: the epoch's last {_split_leaves(batch)[2]} samples per replica do not fill a pipeline step of "
-                    f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
-                )
 
     def __len__(self) -> int:
         n = _samples_per_epoch(self._loader)
         if n is None:
             raise TypeError("the number of samples per epoch is unknown")
+        if self._limit_batches is not None:
+            n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
         return n // self.micro_batch_size
 
 
@@ -95,11 +101,13 @@ class _AutoPipelineStrategy(PipelineStrategy):
         super().__init__(plan=plan, **kwargs)
         self._auto_plan = plan
         self._auto_user_accumulate = user_accumulate
+        self._rechunk = Rechunking()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         # One schedule (n micro-batches) is one optimizer step; the accumulation is in the schedule.
         trainer.accumulate_grad_batches = 1
+        self._rechunk.remember(trainer)
         super().setup(trainer)
 
     @override
@@ -110,9 +118,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
             return dataloader
         trainer.accumulate_grad_batches = 1
         per_replica = self._auto_plan.micro_batch_size * self._auto_plan.n_microbatches
-        if loader_batch_size(dataloader) == per_replica:
-            return dataloader
-        return _FullBatchLoader(dataloader, per_replica)
+        return self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader)
 
     @override
     def teardown(self) -> None:
@@ -120,6 +126,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         super().teardown()
         if module is not None and module._trainer is not None:
             module.trainer.accumulate_grad_batches = self._auto_user_accumulate
+            self._rechunk.restore(module.trainer)
 
 
 def build_concrete(

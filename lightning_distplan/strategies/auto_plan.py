@@ -32,7 +32,8 @@ the two depart.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -53,7 +54,7 @@ from lightning_distplan.strategies._auto_planning import (
     write_artifacts,
 )
 from lightning_distplan.strategies._checkpoint import stored_plan
-from lightning_distplan.strategies.dp_ga import loader_batch_size
+from lightning_distplan.strategies.dp_ga import check_ddp_kwargs, loader_batch_size
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -140,6 +141,24 @@ class AutoPlanStrategy(DDPStrategy):
                 raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=2 or leave it 'auto'.")
         if device_memory_bytes is not None and (not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0):
             raise InfeasiblePlanError(f"`device_memory_bytes` must be a positive integer, got {device_memory_bytes!r}.", hint="Pass e.g. 8 * 2**30.")
+        if strategy != "auto" and schedule != "auto" and schedule != ("none" if strategy == "dp_ga" else strategy):
+            raise InfeasiblePlanError(
+                f"strategy={strategy!r} contradicts schedule={schedule!r}.",
+                hint="Pin one of them: strategy='dp_ga' is schedule='none', strategy='gpipe' / '1f1b' the schedule of that name.",
+            )
+        if stage_boundaries != "auto" and (
+            isinstance(stage_boundaries, (str, bytes))
+            or not isinstance(stage_boundaries, Sequence)
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in stage_boundaries)
+            or list(stage_boundaries) != sorted(set(stage_boundaries))
+        ):
+            raise InfeasiblePlanError(
+                f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {stage_boundaries!r}.",
+                hint="Pass e.g. stage_boundaries=[6] for two stages split before profiled layer 6.",
+            )
+        if not isinstance(deferred_batchnorm, bool):
+            raise InfeasiblePlanError(f"`deferred_batchnorm` must be True or False, got {deferred_batchnorm!r}.", hint="Pass deferred_batchnorm=True.")
+        check_ddp_kwargs(ddp_kwargs, "AutoPlanStrategy")
         if replan not in ("off", "auto"):
             raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' to re-plan when step times drift.")
         self._pins = pins_from(
@@ -241,6 +260,7 @@ class AutoPlanStrategy(DDPStrategy):
                 f"auto_plan: the checkpoint's plan ({stored.describe()}, global batch {stored.global_batch_size}) does not fit "
                 f"this run ({world} devices, global batch {global_batch}); profiling and planning again."
             )
+        strategies = self._strategies_for_monitors(trainer)
         t0 = time.perf_counter()
         profile, loader = profile_in_fit(
             trainer, module, device=self.root_device, micro_batch_sizes=self._profile_sizes, repeats=self._profile_repeats,
@@ -259,7 +279,7 @@ class AutoPlanStrategy(DDPStrategy):
             try:
                 candidates, hardware = choose_plan(
                     profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
-                    device_memory_bytes=self._device_memory_bytes,
+                    device_memory_bytes=self._device_memory_bytes, strategies=strategies,
                 )
                 decision = ("ok", candidates, hardware)
             except Exception as err:  # every rank must raise, not only rank 0
@@ -277,6 +297,34 @@ class AutoPlanStrategy(DDPStrategy):
         log_outcome(outcome, prefix="auto_plan")
         return outcome
 
+    def _strategies_for_monitors(self, trainer: pl.Trainer) -> tuple[str, ...]:
+        """The strategies to plan over: data parallel only where a callback monitors a metric a pipeline does not log.
+
+        A pipeline runs ``PipelineSpec.loss`` in place of the module's ``training_step`` /
+        ``validation_step``, so it logs ``train_loss`` / ``val_loss`` / ``test_loss`` and nothing the
+        module logs itself; a ``ModelCheckpoint(monitor="val_acc")`` would fail after the first epoch.
+        """
+        unlogged = sorted(
+            {
+                m for cb in trainer.callbacks
+                if isinstance(m := getattr(cb, "monitor", None), str) and m not in _PIPELINE_METRICS and not m.startswith("distplan/")
+            }
+        )
+        if not unlogged:
+            return STRATEGIES
+        names = ", ".join(map(repr, unlogged))
+        if self._pins.get("strategy", "dp_ga") != "dp_ga" or self._pins.get("schedule", "none") != "none" or self._pins.get("pp", 1) > 1:
+            raise InfeasiblePlanError(
+                f"A pipeline plan is pinned, but callbacks monitor {names}, which a pipeline does not log: it runs "
+                "PipelineSpec.loss in place of the module's training_step/validation_step and logs only train_loss/val_loss/test_loss.",
+                hint="Monitor 'val_loss' or 'train_loss', or drop the pipeline pin to let auto_plan plan data parallel only.",
+            )
+        rank_zero_info(
+            f"auto_plan: planning data parallel only: callbacks monitor {names}, which a pipeline would not log "
+            "(it runs PipelineSpec.loss in place of your training_step/validation_step)."
+        )
+        return ("dp_ga",)
+
     def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome) -> None:
         from lightning_distplan.callbacks.monitor import StepTimeMonitor
 
@@ -290,6 +338,9 @@ class AutoPlanStrategy(DDPStrategy):
         )
         self._monitor = monitor
 
+
+# What a pipeline logs (PipelineStrategy), besides Lightning's own epoch/step.
+_PIPELINE_METRICS = frozenset({"train_loss", "val_loss", "test_loss", "epoch", "step"})
 
 _DDP_BASE_ARGS = (
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",

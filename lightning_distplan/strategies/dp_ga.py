@@ -21,13 +21,29 @@ consecutive loader batches are concatenated.
 
 The user's global batch is ``loader batch size × world size × Trainer(accumulate_grad_batches)``;
 a plan must factor that same number.
+
+What Lightning counts in batches keeps the user's meaning. Lightning sees micro-batches, so an
+integer ``Trainer(limit_train_batches=k)`` becomes the micro-batches of the first ``k`` loader
+batches (the wrapper stops there), and an integer ``val_check_interval`` is converted the same way
+(both are restored after ``fit``). A loader batch shorter than the others (the end of an epoch
+without ``drop_last``) gets the weight it has in the user's run: Lightning divides every
+micro-batch loss by ``s``, and a plain run weighs each loader batch's mean loss by
+``1 / accumulate_grad_batches`` whatever its size, so each micro-batch's loss is multiplied by
+``s / accumulate · Σ (its samples from loader batch b) / (size of b)``, which is 1 for every
+micro-batch cut from full loader batches. The weights are exact where a micro-batch's samples come
+from loader batches of one size; a micro-batch that joins the short batch to a full one (only when
+``m`` does not divide the loader batch) gets the right total weight spread evenly over its samples.
+The ``batch_idx`` that hooks receive counts micro-batches.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
 import math
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -51,7 +67,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.utilities.types import _PATH
 
-__all__ = ["DPGAStrategy", "resolve_dp_ga_plan", "loader_batch_size"]
+__all__ = ["DPGAStrategy", "Rechunking", "check_ddp_kwargs", "resolve_dp_ga_plan", "loader_batch_size"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +101,7 @@ class DPGAStrategy(DDPStrategy):
         accumulate_grad_batches: int | Auto = "auto",
         **ddp_kwargs: Any,
     ) -> None:
+        check_ddp_kwargs(ddp_kwargs, type(self).__name__)
         super().__init__(**ddp_kwargs)
         for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -100,6 +117,7 @@ class DPGAStrategy(DDPStrategy):
         self._plan: Plan | None = plan
         self._checkpoint_plan: Plan | None = None
         self._user_accumulate: int | None = None
+        self._rechunk = Rechunking()
 
     @property
     def plan(self) -> Plan | None:
@@ -121,6 +139,7 @@ class DPGAStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         # Remember the user's accumulation: it defines their global batch, and teardown restores it.
         self._user_accumulate = trainer.accumulate_grad_batches
+        self._rechunk.remember(trainer)
         super().setup(trainer)
 
     @override
@@ -152,9 +171,18 @@ class DPGAStrategy(DDPStrategy):
             rank_zero_info(f"dp_ga: running {plan.describe()} (global batch {plan.global_batch_size}).")
         self._plan = plan
         trainer.accumulate_grad_batches = plan.accumulate_grad_batches
-        if loader_batch_size(dataloader) == plan.micro_batch_size:
-            return dataloader
-        return _MicroBatchLoader(dataloader, plan.micro_batch_size)
+        user_accumulate = self._user_accumulate if self._user_accumulate is not None else 1
+        weight = plan.accumulate_grad_batches / user_accumulate
+        return self._rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._rechunk.start_batch()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._rechunk.weigh(super().training_step(*args, **kwargs))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -187,6 +215,7 @@ class DPGAStrategy(DDPStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None and self._user_accumulate is not None:
             module.trainer.accumulate_grad_batches = self._user_accumulate
+            self._rechunk.restore(module.trainer)
         super().teardown()
 
 
@@ -294,6 +323,99 @@ def _check_plan(plan: Plan, world_size: int) -> Plan:
     return plan
 
 
+class Rechunking:
+    """Runs a plan's micro-batches in place of the user's loader batches, keeping what the user's
+    Trainer settings mean (the module docstring says how); shared by :class:`DPGAStrategy` and
+    :class:`~lightning_distplan.PlanningCallback`.
+
+    Call :meth:`remember` in ``setup``, :meth:`wrap` on the train loader, :meth:`start_batch` at
+    each ``on_train_batch_start``, :meth:`weigh` on ``training_step``'s output and :meth:`restore`
+    at teardown.
+    """
+
+    def __init__(self) -> None:
+        self._user: tuple[Any, Any] | None = None  # (limit_train_batches, val_check_interval) as the user set them
+        self._loader: _MicroBatchLoader | None = None
+        self._weight = 1.0
+
+    def remember(self, trainer: pl.Trainer) -> None:
+        self._user = (trainer.limit_train_batches, trainer.val_check_interval)
+
+    def wrap(self, trainer: pl.Trainer, dataloader: object, m: int, *, weight: float = 1.0, cls: type[_MicroBatchLoader] | None = None) -> object:
+        """``dataloader`` re-chunked into batches of ``m`` samples by ``cls`` (itself when its batches already are).
+
+        ``weight``: a micro-batch cut from full loader batches gets loss weight ``weight`` · its
+        share of a loader batch, i.e. ``s / the user's accumulate_grad_batches`` for dp_ga.
+        """
+        self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
+        self._loader = None
+        loader_batch = loader_batch_size(dataloader)
+        if loader_batch == m:
+            return dataloader
+        limit = trainer.limit_train_batches if _is_count(trainer.limit_train_batches) else None
+        self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
+        if loader_batch is not None:
+            _count_in_micro_batches(trainer, loader_batch, m)
+        return self._loader
+
+    def start_batch(self) -> None:
+        self._weight = self._loader.next_weight() if self._loader is not None else 1.0
+
+    def weigh(self, output: Any) -> Any:
+        """``training_step``'s output, its loss weighted as the user's run weighs those samples."""
+        return _scale_loss(output, self._weight) if self._weight != 1.0 else output
+
+    def restore(self, trainer: pl.Trainer) -> None:
+        if self._user is not None:
+            trainer.limit_train_batches, trainer.val_check_interval = self._user
+
+
+def check_ddp_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
+    """Refuse keyword arguments that neither Lightning's ``DDPStrategy`` nor ``DistributedDataParallel`` takes.
+
+    Lightning hands unknown ones to ``DistributedDataParallel`` when it wraps the model, which fails
+    deep inside ``fit`` (after profiling, for ``auto_plan``); this says so when the strategy is built.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    known = set(inspect.signature(DDPStrategy.__init__).parameters) | set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    unknown = sorted(set(kwargs) - (known - {"self", "kwargs", "module"}))
+    if unknown:
+        raise InfeasiblePlanError(
+            f"{owner} got keyword argument(s) {', '.join(map(repr, unknown))} that neither it nor DDPStrategy / DistributedDataParallel takes.",
+            hint=f"Check the spelling; {owner} passes other keywords on to DDPStrategy, e.g. find_unused_parameters=True or bucket_cap_mb=50.",
+        )
+
+
+def _is_count(value: Any) -> bool:
+    """Lightning reads an int limit or interval as a number of batches, a float as a fraction."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int) -> None:
+    """Turn the user's integer ``limit_train_batches`` / ``val_check_interval`` (loader batches) into micro-batches."""
+    if _is_count(trainer.limit_train_batches):
+        trainer.limit_train_batches = math.ceil(trainer.limit_train_batches * loader_batch / m)
+    interval = trainer.val_check_interval
+    if _is_count(interval):
+        micro = max(1, round(interval * loader_batch / m))
+        if micro * m != interval * loader_batch:
+            rank_zero_info(
+                f"dp_ga: val_check_interval={interval} loader batches of {loader_batch} is not a whole number of "
+                f"micro-batches of {m}; validating every {micro} micro-batches ({micro * m} samples) instead."
+            )
+        trainer.val_check_interval = micro
+
+
+def _scale_loss(output: Any, weight: float) -> Any:
+    """``training_step``'s output with its loss multiplied by ``weight`` (a tensor, or a mapping with ``"loss"``)."""
+    if isinstance(output, torch.Tensor):
+        return output * weight
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return {**output, "loss": output["loss"] * weight}
+    return output  # None (a skipped batch) or anything Lightning will reject itself
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -323,29 +445,53 @@ class _MicroBatchLoader:
     """The train loader, yielding micro-batches of ``micro_batch_size`` samples.
 
     Everything else (``sampler`` for ``set_epoch``, ``dataset``, ``worker_init_fn``...) is the
-    wrapped loader's, so Lightning's loops treat it like the original.
+    wrapped loader's, so Lightning's loops treat it like the original. ``limit_batches`` stops after
+    that many loader batches. For each micro-batch it yields, the loss weight that keeps the user's
+    weighting (``weight`` · its share of loader batches, see the module docstring) is queued, and
+    :meth:`next_weight` hands them out in the same order as the loop consumes the micro-batches.
     """
 
-    def __init__(self, loader: Iterable, micro_batch_size: int) -> None:
+    def __init__(self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None) -> None:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
+        self._weight = weight
+        self._limit_batches = limit_batches
+        self._weights: deque[float] = deque()
 
     def __iter__(self) -> Iterator[Any]:
-        return _rebatch(self._loader, self.micro_batch_size)
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
+        batches: Iterable[Any] = self._loader
+        if self._limit_batches is not None:
+            batches = itertools.islice(batches, self._limit_batches)
+        for batch, share in _rebatch_with_shares(batches, self.micro_batch_size):
+            self._weights.append(self._weight * share)
+            yield batch
+
+    def next_weight(self) -> float:
+        """The loss weight of the next micro-batch the loop trains on (1 for one cut from full loader batches)."""
+        weight = self._weights.popleft() if self._weights else 1.0
+        return 1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight
 
     def __len__(self) -> int:
         n = _samples_per_epoch(self._loader)
         if n is None:
             raise TypeError("the number of samples per epoch is unknown")  # Lightning's sized_len -> iterable
+        if self._limit_batches is not None:
+            n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
         return math.ceil(n / self.micro_batch_size)
 
+    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights"})
+
     def __getattr__(self, name: str) -> Any:
-        if name == "_loader":  # during unpickling
+        if name in _MicroBatchLoader._OWN:  # during unpickling, before __init__ ran
             raise AttributeError(name)
         return getattr(self._loader, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_loader", "micro_batch_size"):
+        if name in _MicroBatchLoader._OWN:
             object.__setattr__(self, name, value)
         else:  # e.g. Lightning's worker_init_fn injection belongs to the real loader
             setattr(self._loader, name, value)
@@ -379,28 +525,36 @@ def _concat(pieces: list[Any]) -> Any:
 
 def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
     """Yield the samples of ``batches`` in order, ``m`` at a time (the last one may be shorter)."""
+    for batch, _ in _rebatch_with_shares(batches, m):
+        yield batch
+
+
+def _rebatch_with_shares(batches: Iterable[Any], m: int) -> Iterator[tuple[Any, float]]:
+    """:func:`_rebatch`, with each micro-batch's share of loader batches: Σ (its samples from batch b) / (size of b)."""
     pending: list[Any] = []
     pending_n = 0
+    pending_share = 0.0
     for batch in batches:
         flat = _split_leaves(batch)
         n = flat[2]
         if not pending_n and n == m:
-            yield batch  # the common case: nothing to do
+            yield batch, 1.0  # the common case: nothing to do
             continue
         offset = 0
         if pending_n:
             take = min(m - pending_n, n)
             pending.append(_slice(flat, 0, take))
             pending_n += take
+            pending_share += take / n
             offset = take
             if pending_n < m:
                 continue
-            yield _concat(pending)
-            pending, pending_n = [], 0
+            yield _concat(pending), pending_share
+            pending, pending_n, pending_share = [], 0, 0.0
         while n - offset >= m:
-            yield _slice(flat, offset, offset + m)  # a view, no copy
+            yield _slice(flat, offset, offset + m), m / n  # a view, no copy
             offset += m
         if offset < n:
-            pending, pending_n = [_slice(flat, offset, n)], n - offset
+            pending, pending_n, pending_share = [_slice(flat, offset, n)], n - offset, (n - offset) / n
     if pending_n:
-        yield _concat(pending)
+        yield _concat(pending), pending_share

@@ -91,6 +91,35 @@ def test_callback_applies_plan_same_math_and_restores(tmp_path: Path) -> None:
     assert (tmp_path / "distplan" / "profile.json").is_file()
 
 
+class TailNet(Net):
+    """120 samples in batches of 16 (the last holds 8), no dropout."""
+
+    def __init__(self, loader_batch: int = 16) -> None:
+        super().__init__(loader_batch)
+        self.net[2] = nn.Identity()
+
+    def train_dataloader(self) -> DataLoader:
+        loader = super().train_dataloader()
+        return DataLoader(TensorDataset(*loader.dataset[:120]), batch_size=self.loader_batch, shuffle=True)
+
+
+def test_callback_keeps_the_short_last_batch_and_batch_limits(tmp_path: Path) -> None:
+    """Micro-batches of 4 from a loader of 16 whose last batch holds 8 give the plain run's weights;
+    limit_train_batches=3 still means three loader batches."""
+    for extra in ({"max_epochs": 2}, {"max_epochs": 1, "limit_train_batches": 3}):
+        model, sizes = TailNet(), Sizes()
+        trainer = L.Trainer(**_kwargs(tmp_path, callbacks=[PlanningCallback(micro_batch_size=4), sizes], **extra))
+        trainer.fit(model)
+        reference = TailNet()
+        ref_trainer = L.Trainer(**_kwargs(tmp_path / "ref", **extra))
+        ref_trainer.fit(reference)
+        assert trainer.global_step == ref_trainer.global_step == (16 if "limit_train_batches" not in extra else 3)
+        assert sum(sizes.sizes) == 120 * 2 if "limit_train_batches" not in extra else 3 * 16
+        torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=1e-5, atol=1e-6)
+        assert trainer.limit_train_batches == extra.get("limit_train_batches", 1.0)  # restored at teardown
+        assert not {"process_dataloader", "training_step", "on_train_batch_start"} & set(trainer.strategy.__dict__)
+
+
 def test_callback_apply_false_only_reports(tmp_path: Path) -> None:
     model = Net(loader_batch=16)
     callback, sizes = PlanningCallback(micro_batch_size=2, apply=False), Sizes()

@@ -73,6 +73,23 @@ def test_given_global_batch_size(tmp_path: Path) -> None:
     assert trainer.accumulate_grad_batches == 1
 
 
+def test_given_global_batch_size_not_a_multiple_of_the_loader_batch(tmp_path: Path) -> None:
+    """global_batch_size=12 with a loader of 8: micro-batches are cut from the stream of samples."""
+    seen: list[int] = []
+
+    class Sizes(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+            seen.append(batch[0].shape[0])
+
+    strategy = AutoPlanStrategy(global_batch_size=12, micro_batch_size=4)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=2, callbacks=[Sizes()]))
+    trainer.fit(_small(n_samples=128))
+    plan = trainer.strategy.plan
+    assert (plan.global_batch_size, plan.micro_batch_size, plan.accumulate_grad_batches) == (12, 4, 3)
+    assert seen == [4] * 6 and trainer.global_step == 2
+    assert trainer.accumulate_grad_batches == 1
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin pp=2 is impossible: pp must divide world_size 1.*HINT"):
@@ -90,6 +107,11 @@ def test_memory_cap_no_plan_fits_is_explained(tmp_path: Path) -> None:
     [
         ({"stages": 0}, "`stages` must be a positive integer"), ({"strategy": "zero3"}, "Unknown strategy 'zero3'"),
         ({"replan": "yes"}, "`replan`"), ({"start_method": "spawn"}, "start_method='popen'.*HINT"),
+        ({"strategy": "1f1b", "schedule": "gpipe"}, "strategy='1f1b' contradicts schedule='gpipe'.*HINT"),
+        ({"stage_boundaries": "x"}, "`stage_boundaries` must be increasing positive layer indices.*HINT"),
+        ({"stage_boundaries": [4, 2]}, "`stage_boundaries`.*got \\[4, 2\\].*HINT"),
+        ({"deferred_batchnorm": "yes"}, "`deferred_batchnorm` must be True or False.*HINT"),
+        ({"bucket_capmb": 25}, "keyword argument\\(s\\) 'bucket_capmb' that neither.*HINT"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -175,3 +197,20 @@ def test_helpers() -> None:
     )
     # compute + optimizer (0.8 s) scale, the exposed all-reduce (0.2 s) does not: 0.2 + 0.8 k = 2.6 -> k = 3
     assert refit_compute_scale(pred, 2.6, 1.0) == pytest.approx(3.0)
+
+
+def test_monitored_metrics_a_pipeline_does_not_log(tmp_path: Path) -> None:
+    """A callback monitoring the module's own metric keeps auto_plan to data parallel, and a pinned pipeline is refused before profiling."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    own = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(monitor="val_acc"), EarlyStopping(monitor="val_loss")]))
+    assert AutoPlanStrategy()._strategies_for_monitors(own) == ("dp_ga",)
+    loss_only = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, callbacks=[EarlyStopping(monitor="val_loss")]))
+    assert AutoPlanStrategy()._strategies_for_monitors(loss_only) == ("dp_ga", "gpipe", "1f1b")
+
+    trainer = L.Trainer(
+        **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="1f1b"), devices=1, max_steps=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(monitor="val_acc")])
+    )
+    with pytest.raises(InfeasiblePlanError, match=r"callbacks monitor 'val_acc', which a pipeline does not log.*HINT: Monitor 'val_loss'"):
+        trainer.fit(_small())
+    assert not (tmp_path / "distplan" / "profile.json").exists()  # refused before profiling

@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 from _dist_utils import run_on_ranks
-from _tiny_lm import TinyLM, cpu_state, trainer_kwargs
+from _tiny_lm import TinyLM, cpu_state, token_dataset, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_distplan import InfeasiblePlanError, Plan
@@ -177,3 +177,59 @@ class _Iterable:
 
     def __iter__(self) -> Any:
         return iter(self.loader)
+
+
+class _Validated(TinyLM):
+    """TinyLM with a validation loop that counts its runs."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validations = 0
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def on_validation_start(self) -> None:
+        self.validations += 1
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(token_dataset(8), batch_size=8)
+
+
+def _fit_single(strategy: Any, epochs: int, **kwargs: Any) -> tuple[L.Trainer, _Validated]:
+    model_kwargs = {k: kwargs.pop(k) for k in ("n_samples", "loader_batch", "reference_sampler") if k in kwargs}
+    model = _Validated(**model_kwargs)
+    extra = {"strategy": strategy} if strategy is not None else {}
+    trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=epochs, **extra, **kwargs))
+    trainer.fit(model)
+    return trainer, model
+
+
+def test_short_last_batch_and_batch_counts_keep_the_users_meaning() -> None:
+    """One process: dp_ga's micro-batches give the weights of the plain run with the user's loader,
+    where the epoch ends in a short batch, and integer limit_train_batches / val_check_interval
+    still count the user's loader batches."""
+    environ = dict(os.environ)
+    try:
+        cases = [
+            # (loader batch, Trainer accumulate, micro-batch, extra Trainer arguments)
+            (8, 1, 2, {}),  # 20 samples: 8, 8, 4 -> micro-batches 2 x 10; the last loader batch counts as much as a full one
+            (4, 2, 8, {}),  # 4, 4 | 4, 4 | 4: the last step holds one loader batch, weighed 1/2 as Lightning does
+            (8, 1, 2, {"limit_train_batches": 2, "val_check_interval": 1}),
+        ]
+        for loader_batch, accumulate, m, extra in cases:
+            common = dict(n_samples=20, loader_batch=loader_batch, accumulate_grad_batches=accumulate, **extra)
+            ref_trainer, reference = _fit_single(None, 2, reference_sampler=True, **common)
+            trainer, model = _fit_single(DPGAStrategy(micro_batch_size=m), 2, **common)
+            assert trainer.global_step == ref_trainer.global_step, (loader_batch, m, extra)
+            assert model.validations == reference.validations, (loader_batch, m, extra)
+            assert sum(model.micro_batch_sizes) == sum(reference.micro_batch_sizes)  # the same samples were trained on
+            assert max(model.micro_batch_sizes) == m  # the planned micro-batch (the epoch's last may be shorter)
+            torch.testing.assert_close(cpu_state(model), cpu_state(reference), rtol=1e-5, atol=1e-6)
+            assert (trainer.limit_train_batches, trainer.val_check_interval) == (extra.get("limit_train_batches", 1.0), extra.get("val_check_interval", 1.0))
+        assert ref_trainer.global_step == 4 and reference.validations == 2 * 2  # the limit case: 2 steps and 2 validations per epoch
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
