@@ -18,6 +18,7 @@ from lightning_distplan.errors import (
     DistPlanError,
     InfeasiblePlanError,
     ModelSplitError,
+    OutputPathError,
     ProfileFormatError,
 )
 from lightning_distplan.plan import Plan
@@ -39,6 +40,7 @@ __all__ = [
     "BatchFormatError",
     "CheckpointMismatchError",
     "DemoArgumentError",
+    "OutputPathError",
     "PlanningCallback",
 ]
 

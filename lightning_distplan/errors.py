@@ -18,6 +18,7 @@ __all__ = [
     "BatchFormatError",
     "CheckpointMismatchError",
     "DemoArgumentError",
+    "OutputPathError",
 ]
 
 
@@ -71,3 +72,7 @@ class CheckpointMismatchError(_UnquotedKeyError, ValueError):
 
 class DemoArgumentError(DistPlanError, ValueError):
     """An argument of a :mod:`lightning_distplan.demos` data module or model is out of range or unknown."""
+
+
+class OutputPathError(DistPlanError, ValueError):
+    """A file this package was asked to write cannot be written there (a folder, under a file, not writable)."""

@@ -277,12 +277,10 @@ class Profile:
         return d
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)  # atomic: a crash never leaves a half-written profile
-        return path
+        from lightning_distplan._files import check_output_path, write_text_atomic
+
+        # atomic: a crash never leaves a half-written profile
+        return write_text_atomic(check_output_path(path, "the profile path"), json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -305,7 +303,7 @@ class Profile:
         if not isinstance(data, dict):
             raise ProfileFormatError(f"{source!r} holds a JSON {type(data).__name__}, not a profile object.", hint=hint)
         version = data.get("schema_version")
-        if version != PROFILE_SCHEMA_VERSION:
+        if type(version) is not int or version != PROFILE_SCHEMA_VERSION:  # True == 1 == 1.0 in Python
             raise ProfileFormatError(
                 f"{source!r} has profile schema version {version!r}; this lightning_distplan reads version {PROFILE_SCHEMA_VERSION}.",
                 hint=hint,
@@ -337,6 +335,20 @@ class Profile:
             raise ProfileFormatError(f"{source!r} holds a negative or non-finite memory size.", hint=hint)
         if self.device.type not in ("cuda", "cpu"):
             raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
+        for m in self.micro_batch_sizes:  # a fit may have a negative intercept, not a time <= 0 where it was measured
+            fwd, bwd = self.step.forward.alpha * m + self.step.forward.beta, self.step.backward.alpha * m + self.step.backward.beta
+            if not (fwd > 0 and bwd >= 0):
+                raise ProfileFormatError(
+                    f"{source!r} predicts a step forward of {fwd:.3g} s and backward of {bwd:.3g} s at its profiled micro-batch {m}; "
+                    "a measured time is positive.",
+                    hint=hint,
+                )
+        if self.memory.activation.alpha < 0:
+            raise ProfileFormatError(f"{source!r} has activation memory falling with the micro-batch ({self.memory.activation.alpha:.3g} B per sample).", hint=hint)
+        if not (isinstance(self.device.count, int) and self.device.count >= 1 and self.device.total_memory_bytes > 0):
+            raise ProfileFormatError(
+                f"{source!r} describes {self.device.count!r} device(s) of {self.device.total_memory_bytes!r} bytes; both must be positive.", hint=hint
+            )
         for group in self.shared_parameters:
             if len(group.layers) < 2 or any(not 0 <= i < len(self.layers) for i in group.layers) or group.param_bytes < 0:
                 raise ProfileFormatError(

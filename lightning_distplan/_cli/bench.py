@@ -103,7 +103,8 @@ def _quiet_lightning() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes
+    from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes, train_loader
+    from lightning_distplan._files import check_output_path, write_text_atomic
     from lightning_distplan.bench._bench import BenchError, check_counts, parse_plans_spec
 
     if args.world_size < 1 or args.global_batch_size < 1:
@@ -118,6 +119,9 @@ def run(args: argparse.Namespace) -> int:
     init_args = _json_kwargs(args.init_args, "--init-args")
     dm_args = _json_kwargs(args.datamodule_args, "--datamodule-args")
     sizes = _sizes(args.micro_batch_sizes)
+    for option, value in (("--out", args.out), ("--plot", args.plot)):
+        if value is not None:
+            check_output_path(value, option)  # before the runs, which take minutes
     if args.world_size > 1 and not _inside_torchrun():
         cmd = torchrun_command(args)
         if args.print_launch:
@@ -161,15 +165,9 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         datamodule = _build(dm_cls, dm_args, "datamodule", args.datamodule, "--datamodule-args") if dm_cls else None
-        if datamodule is not None:
-            datamodule.prepare_data()
-            datamodule.setup("fit")
-            loader = datamodule.train_dataloader()
-        else:
-            probe = _build(cls, init_args, "model", args.model, "--init-args")
-            probe.prepare_data()
-            probe.setup("fit")
-            loader = probe.train_dataloader()
+        probe = _build(cls, init_args, "model", args.model, "--init-args")
+        loader = train_loader(probe, datamodule, model_path=args.model, datamodule_path=args.datamodule)
+        del probe
 
         def make_module() -> LightningModule:
             module = _build(cls, init_args, "model", args.model, "--init-args")
@@ -186,20 +184,18 @@ def run(args: argparse.Namespace) -> int:
                   "datamodule": args.datamodule, "datamodule_args": dm_args},
         )
         if rank == 0:
+            # The report first: a file that fails to write must not take the measurements with it.
+            if args.format == "json":
+                print(json.dumps({k: v for k, v in result.items() if k not in ("profile", "profiles")}, indent=1), flush=True)
+            else:
+                print(format_table(result), flush=True)
             if args.out:
-                from pathlib import Path
-
-                path = Path(args.out)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(result, indent=1))
+                write_text_atomic(args.out, json.dumps(result, indent=1))
             if args.plot:
                 plot_result(result, args.plot)
-            if args.format == "json":
-                print(json.dumps({k: v for k, v in result.items() if k not in ("profile", "profiles")}, indent=1))
-            else:
-                print(format_table(result))
-                if args.out:
-                    print(f"result written to {args.out}" + (f", plot to {args.plot}" if args.plot else ""))
+            if args.format == "table" and (args.out or args.plot):
+                written = [f"result written to {args.out}"] if args.out else []
+                print(", ".join(written + ([f"plot to {args.plot}"] if args.plot else [])))
     finally:
         if created_group and dist.is_initialized():
             dist.destroy_process_group()

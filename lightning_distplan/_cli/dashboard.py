@@ -31,10 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_distplan.tuner._dashboard import LOOPBACK_HOSTS, DashboardServer
+    from lightning_distplan.tuner._dashboard import LOOPBACK_HOSTS, DashboardBindError, DashboardServer
 
     if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {args.port}. HINT: use e.g. --port 8080, or 0 for a free port.")
+        raise DashboardBindError(f"--port must be in 0..65535, got {args.port}.", hint="Use e.g. --port 8080, or 0 for a free port.")
     server = DashboardServer(args.storage, host=args.host, port=args.port, artifact_dir=args.artifact_dir)
     if args.host not in LOOPBACK_HOSTS:
         print(f"distplan dashboard: warning: listening on {args.host}, reachable from other machines; optuna-dashboard has no authentication.", file=sys.stderr)

@@ -15,23 +15,23 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
-        help="Rank data-parallel and pipeline plans for a saved profile.",
+        help="rank data-parallel and pipeline plans for a saved profile",
         description="Rank every plan that factors the global batch over the world size, with predicted step time and memory.",
     )
-    parser.add_argument("--profile", required=True, help="Profile JSON written by `distplan profile`.")
-    parser.add_argument("--world-size", type=int, required=True, help="Number of devices.")
-    parser.add_argument("--global-batch-size", type=int, required=True, help="Samples per optimizer step (kept exactly).")
-    parser.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or a JSON list of candidates.")
-    parser.add_argument("--top", type=int, default=None, help="Show only the best K candidates (table default: 10; json default: all).")
-    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="Strategies to consider.")
-    parser.add_argument("--max-pp", type=int, default=None, help="Most pipeline stages to consider.")
-    parser.add_argument("--device-memory-gb", type=float, default=None, help="Device memory in GiB (default: the profiled device's).")
-    parser.add_argument("--bandwidth-gbps", type=float, default=None, help="Interconnect bandwidth in Gbit/s (default: measured, else 4).")
-    parser.add_argument("--latency-us", type=float, default=None, help="Interconnect latency in microseconds (default: measured, else 50).")
-    parser.add_argument("--compute-scale", type=float, default=1.0, help="Multiply profiled compute times (e.g. 0.5 for a 2x faster device).")
-    parser.add_argument("--memory-margin", type=float, default=0.9, help="Usable fraction of device memory (default 0.9).")
-    parser.add_argument("--price-per-hour", type=float, default=None, help="Price of one device per hour: rank by C + w*T.")
-    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (with --price-per-hour).")
+    parser.add_argument("--profile", required=True, help="profile JSON written by `distplan profile`")
+    parser.add_argument("--world-size", type=int, required=True, help="number of devices")
+    parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (kept exactly)")
+    parser.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or a JSON list of candidates")
+    parser.add_argument("--top", type=int, default=None, help="show only the best K candidates (table default: 10; json default: all)")
+    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="strategies to consider")
+    parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
+    parser.add_argument("--device-memory-gb", type=float, default=None, help="device memory in GiB (default: the profiled device's)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=None, help="interconnect bandwidth in Gbit/s (default: measured, else 4)")
+    parser.add_argument("--latency-us", type=float, default=None, help="interconnect latency in microseconds (default: measured, else 50)")
+    parser.add_argument("--compute-scale", type=float, default=1.0, help="multiply profiled compute times (e.g. 0.5 for a 2x faster device)")
+    parser.add_argument("--memory-margin", type=float, default=0.9, help="usable fraction of device memory (default 0.9)")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="price of one device per hour: rank by C + w*T")
+    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (with --price-per-hour; default 0)")
     parser.set_defaults(run=run)
 
 
@@ -53,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
     )
     for flag in ("device_memory_gb", "bandwidth_gbps", "latency_us"):
         value = getattr(args, flag)
-        if value is not None and not value > 0 and not (flag == "latency_us" and value == 0):
-            raise InfeasiblePlanError(f"--{flag.replace('_', '-')} must be positive, got {value}.", hint="Pass a positive number.")
+        if value is not None and not (math.isfinite(value) and (value > 0 or (flag == "latency_us" and value == 0))):
+            at_least = "zero or more" if flag == "latency_us" else "positive"
+            raise InfeasiblePlanError(f"--{flag.replace('_', '-')} must be a finite number, {at_least}, got {value}.", hint="Pass e.g. 16 for --device-memory-gb, 10 for --bandwidth-gbps, 20 for --latency-us.")
     if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
         raise InfeasiblePlanError(f"--compute-scale must be positive, got {args.compute_scale}.", hint="Pass e.g. 0.5 for a device twice as fast.")
     if not 0 < args.memory_margin <= 1:

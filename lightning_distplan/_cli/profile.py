@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any
 
+from lightning_distplan._files import check_output_path
 from lightning_distplan.errors import DistPlanError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_distplan.profiling._device import resolve_device
 
     device = resolve_device(args.device)  # fail fast on --device cuda without a GPU
+    check_output_path(args.out, "--out")  # before profiling, not after
     sizes = _sizes(args.micro_batch_sizes)
     if args.repeats < 1 or args.warmup < 0:
         raise ProfilingError(f"--repeats ({args.repeats}) must be >= 1 and --warmup ({args.warmup}) >= 0.", hint="Use e.g. --repeats 3 --warmup 1.")
@@ -141,6 +143,23 @@ def run(args: argparse.Namespace) -> int:
     model = _build(cls, init_args, "model", args.model, "--init-args")
     say = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
 
+    loader = train_loader(model, datamodule, model_path=args.model, datamodule_path=args.datamodule)
+    try:
+        profile = profile_module(
+            model, loader, micro_batch_sizes=sizes, device=device, warmup=args.warmup, repeats=args.repeats,
+            measure_links=False, progress=say,
+        )
+    except DataLoadingError as err:
+        raise DataLoadingError(str(err).split(" HINT:")[0], hint=("The dataset may need a download, which is blocked here. " + _DEMO_HINT)) from None
+    profile = dataclasses.replace(profile, model=args.model if ":" in args.model else profile.model)
+    path = profile.save(args.out)
+    total = time.perf_counter() - start
+    _summary(profile, path, total)
+    return 0
+
+
+def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_path: str | None) -> Any:
+    """The train loader of ``datamodule`` (or of ``model``), in Lightning's order; a failure is one :class:`DataLoadingError`."""
     # Lightning's order in fit(): prepare_data, setup("fit") (datamodule, then model), configure_model.
     # The model's own prepare_data is skipped when a datamodule supplies the data: it usually downloads
     # the very dataset the datamodule replaces (the demo Transformer's WikiText2).
@@ -156,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     except DistPlanError:
         raise
     except Exception as err:
-        source = args.datamodule or f"{args.model}.train_dataloader()"
+        source = datamodule_path or f"{model_path}.train_dataloader()"
         first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
         first = first.split(" HINT:")[0]  # one HINT per error: ours, which names the way around the download
         raise DataLoadingError(
@@ -164,19 +183,8 @@ def run(args: argparse.Namespace) -> int:
             hint=("It may need a download, which is blocked here. " if datamodule is None else "") + _DEMO_HINT,
         ) from None
     if loader is None:
-        raise DataLoadingError(f"{args.datamodule or args.model} returned no train_dataloader().", hint=_DEMO_HINT)
-    try:
-        profile = profile_module(
-            model, loader, micro_batch_sizes=sizes, device=device, warmup=args.warmup, repeats=args.repeats,
-            measure_links=False, progress=say,
-        )
-    except DataLoadingError as err:
-        raise DataLoadingError(str(err).split(" HINT:")[0], hint=("The dataset may need a download, which is blocked here. " + _DEMO_HINT)) from None
-    profile = dataclasses.replace(profile, model=args.model if ":" in args.model else profile.model)
-    path = profile.save(args.out)
-    total = time.perf_counter() - start
-    _summary(profile, path, total)
-    return 0
+        raise DataLoadingError(f"{datamodule_path or model_path} returned no train_dataloader().", hint=_DEMO_HINT)
+    return loader
 
 
 def _summary(profile: Any, path: Any, total: float) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
+from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES
 
 __all__ = ["add_parser", "run"]
@@ -14,29 +16,29 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tune",
-        help="Search cloud instance type, count and plan for the lowest cost + w*time per step.",
+        help="search cloud instance type, count and plan for the lowest cost + w*time per step",
         description=(
             "Project the profile to every GPU of a catalog, search instance type, count, strategy, stages and "
             "micro-batch size with Optuna (objective C + w*T per step, seed 000 §IV-D), print the best configuration "
             "and the (cost, time) Pareto front, and leave the study (per-trial breakdowns as user attributes) in the storage."
         ),
     )
-    parser.add_argument("--profile", required=True, help="Profile JSON written by `distplan profile`.")
-    parser.add_argument("--catalog", default="alicloud-2023", help="Built-in catalog (alicloud-2023, aws-2026) or a SkyPilot-style CSV path.")
-    parser.add_argument("--global-batch-size", type=int, required=True, help="Samples per optimizer step (kept exactly).")
-    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (seed 000 uses 0, 256, 4096, 65536).")
-    parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300).")
-    parser.add_argument("--storage", default="sqlite:///distplan.db", help="Optuna RDB URL (default sqlite:///distplan.db).")
-    parser.add_argument("--study-name", default=None, help="Study name (default distplan-<catalog>-B<batch>-w<weight>); an existing one with the same settings is extended.")
-    parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or a readable table.")
-    parser.add_argument("--seed", type=int, default=0, help="Sampler seed (default 0).")
-    parser.add_argument("--max-instances", type=int, default=8, help="Most instances of one type (default 8).")
-    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="Strategies to consider.")
-    parser.add_argument("--max-pp", type=int, default=None, help="Most pipeline stages to consider.")
-    parser.add_argument("--bandwidth", type=float, default=None, help="Network Gbit/s for every instance (required for a CSV without NetworkGbps).")
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="Math assumed on the target GPUs (auto: the profile's dtype).")
-    parser.add_argument("--multi-objective", action="store_true", help="Optimise (cost, time) with NSGA-II instead of C + w*T with TPE.")
-    parser.add_argument("--no-progress", action="store_true", help="Hide the progress bar.")
+    parser.add_argument("--profile", required=True, help="profile JSON written by `distplan profile`")
+    parser.add_argument("--catalog", default="alicloud-2023", help="built-in catalog (alicloud-2023, the default, or aws-2026) or a SkyPilot-style CSV path")
+    parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (kept exactly)")
+    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (default 0; seed 000 uses 0, 256, 4096, 65536)")
+    parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300)")
+    parser.add_argument("--storage", default="sqlite:///distplan.db", help="Optuna RDB URL (default sqlite:///distplan.db)")
+    parser.add_argument("--study-name", default=None, help="study name (default distplan-<catalog>-B<batch>-w<weight>); an existing one with the same settings is extended")
+    parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or a readable table")
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    parser.add_argument("--max-instances", type=int, default=8, help="most instances of one type (default 8)")
+    parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="strategies to consider")
+    parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
+    parser.add_argument("--bandwidth", type=float, default=None, help="network Gbit/s for every instance (required for a CSV without NetworkGbps)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="math assumed on the target GPUs (auto: the profile's dtype)")
+    parser.add_argument("--multi-objective", action="store_true", help="optimise (cost, time) with NSGA-II instead of C + w*T with TPE")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(run=run)
 
 
@@ -71,6 +73,14 @@ def run(args: argparse.Namespace) -> int:
     from lightning_distplan.profile import Profile
     from lightning_distplan.tuner import load_catalog, tune
 
+    for flag, value, low, example in (
+        ("--global-batch-size", args.global_batch_size, 1, 256), ("--trials", args.trials, 1, 300),
+        ("--max-instances", args.max_instances, 1, 8), ("--seed", args.seed, 0, 0),
+    ):
+        if value < low:
+            raise InfeasiblePlanError(f"{flag} must be an integer >= {low}, got {value}.", hint=f"Use e.g. {flag} {example}.")
+    if not (math.isfinite(args.time_weight) and args.time_weight >= 0):
+        raise InfeasiblePlanError(f"--time-weight must be a finite number >= 0, got {args.time_weight}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
     profile = Profile.load(args.profile)
     catalog = load_catalog(args.catalog, bandwidth_gbps=args.bandwidth)
     result = tune(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -26,8 +28,13 @@ PIN_KEYS = (
 _SCHEDULE_TO_STRATEGY = {"none": "dp_ga", "gpipe": "gpipe", "1f1b": "1f1b"}
 
 
+# The largest global batch planned for: 16.7M samples, beyond any published training setup.
+MAX_GLOBAL_BATCH = 1 << 24
+
+
 def _divisors(x: int) -> list[int]:
-    return [d for d in range(1, x + 1) if x % d == 0]
+    small = [d for d in range(1, math.isqrt(x) + 1) if x % d == 0]
+    return sorted({*small, *(x // d for d in small)})
 
 
 def _check_sizes(world_size: Any, global_batch_size: Any) -> None:
@@ -36,6 +43,12 @@ def _check_sizes(world_size: Any, global_batch_size: Any) -> None:
             raise InfeasiblePlanError(
                 f"`{name}` must be a positive integer, got {value!r}.",
                 hint="Pass the number of devices (--world-size) and the samples per optimizer step (--global-batch-size), both >= 1.",
+            )
+    for name, value, limit in (("world_size", world_size, 1 << 16), ("global_batch_size", global_batch_size, MAX_GLOBAL_BATCH)):
+        if value > limit:
+            raise InfeasiblePlanError(
+                f"`{name}` {value} is above the {limit} this planner handles.",
+                hint="Check the number: it counts devices (--world-size) and samples per optimizer step (--global-batch-size).",
             )
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_distplan._files import write_text_atomic
 from lightning_distplan.costmodel import Hardware
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
@@ -409,11 +410,7 @@ def write_artifacts(
     directory.mkdir(parents=True, exist_ok=True)
     if profile is not None:
         profile.save(directory / "profile.json")
-    path = directory / "plan.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(plan_record(outcome, extra=extra), indent=2, default=str))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(directory / "plan.json", json.dumps(plan_record(outcome, extra=extra), indent=2, default=str))
 
 
 def log_outcome(outcome: PlanningOutcome, *, prefix: str = "distplan", top: int = 5) -> None:

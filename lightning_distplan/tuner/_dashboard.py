@@ -12,6 +12,8 @@ loading the SPA opens several connections at once, and tests must shut the serve
 
 from __future__ import annotations
 
+import errno
+
 import importlib
 import logging
 import socket
@@ -165,10 +167,14 @@ class DashboardServer:
         if artifact_dir is None:
             guess = default_artifact_dir(storage_url)
             artifact_dir = guess if guess is not None and guess.is_dir() else None
+        elif not Path(artifact_dir).is_dir():
+            raise DashboardBindError(
+                f"--artifact-dir {str(artifact_dir)!r} is not an existing directory.",
+                hint="Name the folder of the study's plot artifacts (`distplan tune` writes <db stem>-artifacts next to the SQLite file), or leave the flag out.",
+            )
         if artifact_dir is not None:
             from optuna.artifacts import FileSystemArtifactStore
 
-            Path(artifact_dir).mkdir(parents=True, exist_ok=True)
             artifact_store = FileSystemArtifactStore(str(artifact_dir))
         self.artifact_dir = Path(artifact_dir) if artifact_dir is not None else None
         app = optuna_dashboard.wsgi(storage, artifact_store=artifact_store)
@@ -176,9 +182,12 @@ class DashboardServer:
         try:
             self._httpd = make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
         except OSError as err:
+            in_use = err.errno == errno.EADDRINUSE
             raise DashboardBindError(
                 f"Cannot listen on {host}:{port} ({err.strerror or err}).",
-                hint="Pick another port with --port (0 picks a free one), or stop the process that holds it.",
+                hint="Pick another port with --port (0 picks a free one), or stop the process that holds it."
+                if in_use
+                else "Check --host: it must be an address of this machine (default 127.0.0.1; 0.0.0.0 for all).",
             ) from None
         self.host = host
         self.port = int(self._httpd.server_address[1])

@@ -148,7 +148,7 @@ def _validate(profile: Profile, global_batch_size: Any, time_weight: Any, n_tria
         raise InfeasiblePlanError(f"`profile` must be a Profile, got {type(profile).__name__}.", hint="Load one with Profile.load(path).")
     for name, value, low in (("global_batch_size", global_batch_size, 1), ("n_trials", n_trials, 1), ("max_instances", max_instances, 1), ("seed", seed, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise InfeasiblePlanError(f"`{name}` must be an integer >= {low}, got {value!r}.", hint=f"Pass a valid {name.replace('_', '-')}.")
+            raise InfeasiblePlanError(f"`{name}` must be an integer >= {low}, got {value!r}.", hint=f"Pass {name}= as an integer >= {low}, e.g. {name}={max(low, 1)}.")
     if not isinstance(time_weight, (int, float)) or not math.isfinite(time_weight) or time_weight < 0:
         raise InfeasiblePlanError(f"`time_weight` must be a non-negative number, got {time_weight!r}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -115,3 +116,18 @@ def test_cuda_without_gpu_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[
     rc, _, err = _run(["lightning.pytorch.demos.transformer:LightningTransformer", *_TINY, "--device", "cuda", "--out", str(tmp_path / "p.json")], capsys)
     assert rc == 2
     assert "no CUDA GPU" in err and "HINT:" in err
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """profile --out and bench --out / --plot naming a folder (or a path under a file) fail at once, with nothing written."""
+    (tmp_path / "file").write_text("mine")
+    for argv, pattern in (
+        (["profile", "no_such_pkg.models:Net", "--out", str(tmp_path)], r"--out '.*' is a directory\. HINT:"),
+        (["bench", "no_such_pkg.models:Net", "--world-size", "1", "--global-batch-size", "4", "--out", str(tmp_path)], r"--out '.*' is a directory\. HINT:"),
+        (["bench", "no_such_pkg.models:Net", "--world-size", "1", "--global-batch-size", "4", "--plot", str(tmp_path / "file" / "p.png")],
+         r"--plot '.*' lies under '.*file', which is a file\. HINT:"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert re.search(pattern, err) and "Cannot import" not in err, err  # refused before the model was even imported
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "mine"

@@ -98,6 +98,12 @@ def test_bad_sizes(W, B):
         enumerate_plans(prof(), world_size=W, global_batch_size=B)
 
 
+def test_absurd_sizes_are_refused_not_enumerated():
+    with pytest.raises(InfeasiblePlanError, match=r"`global_batch_size` 100000000000000000000 is above the 16777216 this planner handles.*HINT"):
+        enumerate_plans(prof(), world_size=4, global_batch_size=10**20)
+    assert len(enumerate_plans(prof(), world_size=2, global_batch_size=1 << 24, strategies=("dp_ga",))) == 24  # m = 2^0 .. 2^23
+
+
 def test_pins_select():
     plans = enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "1f1b", "micro_batch_size": 2})
     assert plans and all(p.strategy == "1f1b" and p.micro_batch_size == 2 for p in plans)

@@ -93,6 +93,10 @@ def test_cli_port_in_use_and_out_of_range(tmp_path: Path, capsys: pytest.Capture
     assert f"Cannot listen on 127.0.0.1:{port}" in err and "--port" in err
     assert main(["dashboard", f"sqlite:///{db}", "--port", "70000"]) == 2
     assert "--port must be in 0..65535, got 70000" in capsys.readouterr().err
+    missing = tmp_path / "no" / "such"
+    assert main(["dashboard", f"sqlite:///{db}", "--port", "0", "--artifact-dir", str(missing)]) == 2
+    assert "is not an existing directory. HINT:" in capsys.readouterr().err
+    assert not missing.parent.exists()  # a reading command creates nothing
 
 
 def test_missing_optuna_dashboard_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:

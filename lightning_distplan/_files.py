@@ -1,0 +1,48 @@
+"""Output files: refuse a path that cannot be written before the work that fills it, and write
+atomically (a temporary file next to the target, then a rename), so a failure never leaves a
+half-written file and never replaces the user's own one."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from lightning_distplan.errors import OutputPathError
+
+__all__ = ["check_output_path", "write_text_atomic"]
+
+
+def check_output_path(path: str | Path, option: str) -> Path:
+    """``path`` when a file can be written there (its missing parent folders included); else :class:`OutputPathError`.
+
+    Example:
+        >>> check_output_path("runs/x/profile.json", "--out").name
+        'profile.json'
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise OutputPathError(f"{option} {str(path)!r} is a directory.", hint=f"Name a file, e.g. {option} {path / 'out.json'}.")
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputPathError(f"{option} {str(path)!r} lies under {str(ancestor)!r}, which is a file.", hint=f"Pick another path for {option}.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable.", hint=f"Pick a writable path for {option}.")
+    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a uniquely named temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
