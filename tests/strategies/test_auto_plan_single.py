@@ -56,37 +56,24 @@ def test_pins_fix_the_plan_and_auto_fills_the_rest(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "distplan" / "plan.json").read_text())["pins"] == {"micro_batch_size": 2}
 
 
-def test_given_global_batch_size(tmp_path: Path) -> None:
-    """global_batch_size=32 with a loader of 8 on one device: 32 samples per optimizer step."""
+@pytest.mark.parametrize(
+    ("global_batch", "m", "s"),
+    [(32, 8, 4), (12, 4, 3)],  # 12 is no multiple of the loader's 8: micro-batches are cut from the stream of samples
+)
+def test_given_global_batch_size(tmp_path: Path, global_batch: int, m: int, s: int) -> None:
+    """global_batch_size with a loader of 8 on one device: that many samples per optimizer step."""
     seen: list[int] = []
 
     class Sizes(L.Callback):
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
             seen.append(batch[0].shape[0])
 
-    strategy = AutoPlanStrategy(global_batch_size=32, micro_batch_size=8)
+    strategy = AutoPlanStrategy(global_batch_size=global_batch, micro_batch_size=m)
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=2, callbacks=[Sizes()]))
     trainer.fit(_small(n_samples=128))
     plan = trainer.strategy.plan
-    assert (plan.global_batch_size, plan.micro_batch_size, plan.accumulate_grad_batches) == (32, 8, 4)
-    assert seen == [8] * 8 and trainer.global_step == 2
-    assert trainer.accumulate_grad_batches == 1
-
-
-def test_given_global_batch_size_not_a_multiple_of_the_loader_batch(tmp_path: Path) -> None:
-    """global_batch_size=12 with a loader of 8: micro-batches are cut from the stream of samples."""
-    seen: list[int] = []
-
-    class Sizes(L.Callback):
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-            seen.append(batch[0].shape[0])
-
-    strategy = AutoPlanStrategy(global_batch_size=12, micro_batch_size=4)
-    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=2, callbacks=[Sizes()]))
-    trainer.fit(_small(n_samples=128))
-    plan = trainer.strategy.plan
-    assert (plan.global_batch_size, plan.micro_batch_size, plan.accumulate_grad_batches) == (12, 4, 3)
-    assert seen == [4] * 6 and trainer.global_step == 2
+    assert (plan.global_batch_size, plan.micro_batch_size, plan.accumulate_grad_batches) == (global_batch, m, s)
+    assert seen == [m] * (2 * s) and trainer.global_step == 2
     assert trainer.accumulate_grad_batches == 1
 
 
