@@ -100,12 +100,14 @@ class Hardware:
         device_memory_bytes: int | None = None,
         bandwidth_bytes_per_s: float | None = None,
         latency_s: float | None = None,
+        warn_default_links: bool = True,
     ) -> Hardware:
         """The profiled device, with its measured links.
 
         Given numbers win over measured ones (the user describes the target cluster); links the
         profile did not measure and the user did not give fall back to
-        :data:`DEFAULT_BANDWIDTH_BYTES_PER_S` / :data:`DEFAULT_LATENCY_S`, with a logged warning.
+        :data:`DEFAULT_BANDWIDTH_BYTES_PER_S` / :data:`DEFAULT_LATENCY_S`, with a logged warning
+        (``warn_default_links=False``: none, for a plan on one device that crosses no link).
 
         Args:
             profile: the measured profile.
@@ -136,7 +138,7 @@ class Hardware:
             links[kind] = (float(lat), float(bw))
             if measured is None and (latency_s is None or bandwidth_bytes_per_s is None):
                 defaulted.append("p2p" if kind == "p2p" else "all-reduce")
-        if "default" in used:
+        if "default" in used and warn_default_links:
             # Name the link kinds that defaulted: a profile with a measured all-reduce but no p2p is common.
             log.warning(
                 "The profile measured no %s link; assuming %.3g Gbit/s and %.0f µs for it (seed 000 Table III, gn6i). "
@@ -160,3 +162,16 @@ class Hardware:
             host_overlap=not cpu,
             p2p_one_stream="gloo" in p2p.backend if p2p is not None and p2p.backend else cpu,
         )
+
+
+def format_bytes(nbytes: float) -> str:
+    """A memory size in the largest binary unit that keeps it at 1 or more.
+
+    Example:
+        >>> format_bytes(1000), format_bytes(3 << 19), format_bytes(5 << 30)
+        ('1000 B', '1.5 MiB', '5.00 GiB')
+    """
+    for unit, shift, digits in (("GiB", 30, 2), ("MiB", 20, 1), ("KiB", 10, 1)):
+        if abs(nbytes) >= 1 << shift:
+            return f"{nbytes / (1 << shift):.{digits}f} {unit}"
+    return f"{nbytes:.0f} B"

@@ -163,10 +163,11 @@ def measure_links(
         p2p_times = _keep_faster(sizes, p2p_times, dict(zip(small, p2p_medians(small))))
         first = lat
         raw_p2p, (lat, inv_bw) = _fit(sizes, p2p_times)
-        log.warning(
-            "p2p latency %.1f us exceeded the all-reduce's %.1f us per step; timed the messages up to %d bytes again: %.1f us",
-            first * 1e6, allreduce.latency_s * 1e6, small[-1], lat * 1e6,
-        )
+        if dist.get_rank() == 0:  # every rank measured the same and took this branch: say it once
+            log.warning(
+                "p2p latency %.1f us exceeded the all-reduce's %.1f us per step; timed the messages up to %d bytes again: %.1f us",
+                first * 1e6, allreduce.latency_s * 1e6, small[-1], lat * 1e6,
+            )
     p2p_latency, p2p_bandwidth = link_parameters("p2p", world, lat, inv_bw)
     p2p = LinkProfile(
         kind="p2p",

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_distplan._files import write_text_atomic
 from lightning_distplan.costmodel import Hardware
+from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import Candidate, explain, rank_plans
@@ -330,7 +331,7 @@ def choose_plan(
         BatchNotFactorableError: the global batch cannot be factored over the devices.
     """
     if hardware is None:
-        hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes)
+        hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1)
     if compute_scale != hardware.compute_scale:
         hardware = replace(hardware, compute_scale=compute_scale)
     candidates = rank_plans(
@@ -338,9 +339,9 @@ def choose_plan(
     )
     if not candidates or not candidates[0].prediction.feasible:
         best = candidates[0] if candidates else None
-        cap = f"{hardware.device_memory_bytes / 2**20:.1f} MiB per device"
+        cap = f"{format_bytes(hardware.device_memory_bytes)} per device"
         closest = (
-            f" the closest, {best.plan.describe()}, needs {best.prediction.peak_memory_bytes / 2**20:.1f} MiB"
+            f" the closest, {best.plan.describe()}, needs {format_bytes(best.prediction.peak_memory_bytes)}"
             if best is not None
             else ""
         )
@@ -418,7 +419,7 @@ def log_outcome(outcome: PlanningOutcome, *, prefix: str = "distplan", top: int 
     lines = [f"{prefix}: chose {outcome.plan.describe()} (global batch {outcome.plan.global_batch_size}, {outcome.source})"]
     pred = outcome.prediction
     if pred is not None:
-        lines[0] += f", predicted {pred.step_time_s * 1e3:.2f} ms/step, peak {pred.peak_memory_bytes / 2**20:.1f} MiB/device"
+        lines[0] += f", predicted {pred.step_time_s * 1e3:.2f} ms/step, peak {format_bytes(pred.peak_memory_bytes)}/device"
     if outcome.candidates:
         lines.append(explain(outcome.candidates, top=top))
     if outcome.source == "profiled":

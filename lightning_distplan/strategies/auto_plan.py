@@ -268,6 +268,8 @@ class AutoPlanStrategy(DDPStrategy):
         )
         profiling_s = time.perf_counter() - t0
         self._profile = profile
+        if world > 1 and not profile.splittable and not self._pipeline_pinned():  # a pinned one gets the planner's error
+            rank_zero_info(f"auto_plan: planning data parallel only: the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'}).")
         global_batch = user_global_batch(
             loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
             given=self._global_batch_arg,
@@ -297,6 +299,10 @@ class AutoPlanStrategy(DDPStrategy):
         log_outcome(outcome, prefix="auto_plan")
         return outcome
 
+    def _pipeline_pinned(self) -> bool:
+        pins = self._pins
+        return pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("pp", 1) > 1
+
     def _strategies_for_monitors(self, trainer: pl.Trainer) -> tuple[str, ...]:
         """The strategies to plan over: data parallel only where a callback monitors a metric a pipeline does not log.
 
@@ -313,7 +319,7 @@ class AutoPlanStrategy(DDPStrategy):
         if not unlogged:
             return STRATEGIES
         names = ", ".join(map(repr, unlogged))
-        if self._pins.get("strategy", "dp_ga") != "dp_ga" or self._pins.get("schedule", "none") != "none" or self._pins.get("pp", 1) > 1:
+        if self._pipeline_pinned():
             raise InfeasiblePlanError(
                 f"A pipeline plan is pinned, but callbacks monitor {names}, which a pipeline does not log: it runs "
                 "PipelineSpec.loss in place of the module's training_step/validation_step and logs only train_loss/val_loss/test_loss.",

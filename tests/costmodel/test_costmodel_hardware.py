@@ -59,6 +59,16 @@ def test_given_numbers_win_and_defaults_are_explicit(caplog):
         half = Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS[:1]))
     assert half.allreduce_bandwidth_bytes_per_s == 5e10 and half.p2p_bandwidth_bytes_per_s == DEFAULT_BANDWIDTH_BYTES_PER_S
     assert "measured no p2p link" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # a plan on one device crosses no link: nothing to warn about
+        quiet = Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), warn_default_links=False)
+    assert quiet == default and caplog.text == ""
+
+
+def test_format_bytes_picks_the_unit():
+    from lightning_distplan.costmodel._hardware import format_bytes
+
+    assert [format_bytes(n) for n in (1000, 2048, 3 << 19, 5 << 30)] == ["1000 B", "2.0 KiB", "1.5 MiB", "5.00 GiB"]
 
 
 def test_hardware_validation_is_a_one_sentence_error():
