@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         datamodule = _build(dm_cls, dm_args, "datamodule", args.datamodule, "--datamodule-args") if dm_cls else None
-        probe = _build(cls, init_args, "model", args.model, "--init-args")
+        probe = None if datamodule is not None else _build(cls, init_args, "model", args.model, "--init-args")
         loader = train_loader(probe, datamodule, model_path=args.model, datamodule_path=args.datamodule)
         del probe
 

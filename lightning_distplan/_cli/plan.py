@@ -51,11 +51,12 @@ def run(args: argparse.Namespace) -> int:
     enumerate_plans(
         profile, world_size=args.world_size, global_batch_size=args.global_batch_size, strategies=tuple(args.strategy), max_pp=args.max_pp
     )
-    for flag in ("device_memory_gb", "bandwidth_gbps", "latency_us"):
+    for flag, example in (("device_memory_gb", 16), ("bandwidth_gbps", 10), ("latency_us", 20)):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and (value > 0 or (flag == "latency_us" and value == 0))):
             at_least = "zero or more" if flag == "latency_us" else "positive"
-            raise InfeasiblePlanError(f"--{flag.replace('_', '-')} must be a finite number, {at_least}, got {value}.", hint="Pass e.g. 16 for --device-memory-gb, 10 for --bandwidth-gbps, 20 for --latency-us.")
+            option = "--" + flag.replace("_", "-")
+            raise InfeasiblePlanError(f"{option} must be a finite number, {at_least}, got {value}.", hint=f"Pass e.g. {option} {example}.")
     if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
         raise InfeasiblePlanError(f"--compute-scale must be positive, got {args.compute_scale}.", hint="Pass e.g. 0.5 for a device twice as fast.")
     if not 0 < args.memory_margin <= 1:

@@ -159,7 +159,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_path: str | None) -> Any:
-    """The train loader of ``datamodule`` (or of ``model``), in Lightning's order; a failure is one :class:`DataLoadingError`."""
+    """The train loader of ``datamodule`` (or of ``model``), in Lightning's order; a failure is one :class:`DataLoadingError`.
+
+    ``model`` may be None with a datamodule: its hooks are then not run (``distplan bench`` builds
+    a fresh module per plan).
+    """
     # Lightning's order in fit(): prepare_data, setup("fit") (datamodule, then model), configure_model.
     # The model's own prepare_data is skipped when a datamodule supplies the data: it usually downloads
     # the very dataset the datamodule replaces (the demo Transformer's WikiText2).
@@ -169,8 +173,9 @@ def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_pat
             datamodule.setup("fit")
         else:
             model.prepare_data()
-        model.setup("fit")
-        model.configure_model()
+        if model is not None:
+            model.setup("fit")
+            model.configure_model()
         loader = datamodule.train_dataloader() if datamodule is not None else model.train_dataloader()
     except DistPlanError:
         raise

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import itertools
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -23,7 +22,15 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.plan import Plan
-from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, _MicroBatchLoader, _rebatch, _samples_per_epoch, loader_batch_size
+from lightning_distplan.strategies.dp_ga import (
+    DPGAStrategy,
+    Rechunking,
+    _MicroBatchLoader,
+    _rebatch,
+    _samples_per_epoch,
+    _split_leaves,
+    loader_batch_size,
+)
 from lightning_distplan.strategies.pipeline import PipelineStrategy
 
 if TYPE_CHECKING:
@@ -72,26 +79,18 @@ class _FullBatchLoader(_MicroBatchLoader):
     pipeline schedule needs ``n`` equal micro-batches), with one warning when an epoch starts."""
 
     def _iterate(self) -> Iterator[Any]:
-        from lightning_distplan.strategies.dp_ga import _split_leaves
-
         n = _samples_per_epoch(self._loader)
         if n is not None and self._limit_batches is None and n % self.micro_batch_size:
             rank_zero_warn(
                 f"auto_plan: the epoch's last {n % self.micro_batch_size} samples per replica do not fill a pipeline step of "
                 f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
             )
-        batches = self._loader if self._limit_batches is None else itertools.islice(self._loader, self._limit_batches)
-        for batch in _rebatch(batches, self.micro_batch_size):
+        for batch in _rebatch(self._batches(), self.micro_batch_size):
             if _split_leaves(batch)[2] == self.micro_batch_size:
                 yield batch
 
     def __len__(self) -> int:
-        n = _samples_per_epoch(self._loader)
-        if n is None:
-            raise TypeError("the number of samples per epoch is unknown")
-        if self._limit_batches is not None:
-            n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
-        return n // self.micro_batch_size
+        return self._samples() // self.micro_batch_size
 
 
 class _AutoPipelineStrategy(PipelineStrategy):

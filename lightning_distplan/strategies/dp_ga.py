@@ -463,12 +463,22 @@ class _MicroBatchLoader:
 
     def _iterate(self) -> Iterator[Any]:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
-        batches: Iterable[Any] = self._loader
-        if self._limit_batches is not None:
-            batches = itertools.islice(batches, self._limit_batches)
-        for batch, share in _rebatch_with_shares(batches, self.micro_batch_size):
+        for batch, share in _rebatch_with_shares(self._batches(), self.micro_batch_size):
             self._weights.append(self._weight * share)
             yield batch
+
+    def _batches(self) -> Iterable[Any]:
+        """The loader's batches, the first ``limit_batches`` of them when limited."""
+        return self._loader if self._limit_batches is None else itertools.islice(self._loader, self._limit_batches)
+
+    def _samples(self) -> int:
+        """Samples per epoch through :meth:`_batches`; TypeError (Lightning: not sized) when unknown."""
+        n = _samples_per_epoch(self._loader)
+        if n is None:
+            raise TypeError("the number of samples per epoch is unknown")  # Lightning's sized_len -> iterable
+        if self._limit_batches is not None:
+            n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
+        return n
 
     def next_weight(self) -> float:
         """The loss weight of the next micro-batch the loop trains on (1 for one cut from full loader batches)."""
@@ -476,12 +486,7 @@ class _MicroBatchLoader:
         return 1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight
 
     def __len__(self) -> int:
-        n = _samples_per_epoch(self._loader)
-        if n is None:
-            raise TypeError("the number of samples per epoch is unknown")  # Lightning's sized_len -> iterable
-        if self._limit_batches is not None:
-            n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
-        return math.ceil(n / self.micro_batch_size)
+        return math.ceil(self._samples() / self.micro_batch_size)
 
     _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights"})
 
