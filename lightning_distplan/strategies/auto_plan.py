@@ -213,6 +213,16 @@ class AutoPlanStrategy(DDPStrategy):
         return checkpoint
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Added here, before Lightning restores callback states from `ckpt_path`, so that a resumed
+            # fit gets the monitor's state back (not a warning asking the user to add a callback we own).
+            self._monitor_for(trainer)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
             # Nothing to plan for evaluation/prediction without a fit: behave like DDP.
@@ -331,13 +341,19 @@ class AutoPlanStrategy(DDPStrategy):
         )
         return ("dp_ga",)
 
-    def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome) -> None:
+    def _monitor_for(self, trainer: pl.Trainer) -> Any:
+        """The trainer's StepTimeMonitor: the user's own if given, else one added now."""
         from lightning_distplan.callbacks.monitor import StepTimeMonitor
 
         existing = [cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)]
-        monitor = existing[0] if existing else StepTimeMonitor(replan=self._replan)
-        if not existing:
-            trainer.callbacks.append(monitor)
+        if existing:
+            return existing[0]
+        monitor = StepTimeMonitor(replan=self._replan)
+        trainer.callbacks.append(monitor)
+        return monitor
+
+    def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome) -> None:
+        monitor = self._monitor_for(trainer)
         monitor.attach(
             outcome=outcome, profile=self._profile, pins=self._pins, device_memory_bytes=self._device_memory_bytes,
             fit_start=self._fit_start,

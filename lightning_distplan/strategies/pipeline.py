@@ -483,7 +483,10 @@ class PipelineStrategy(DDPStrategy):
         losses: list[Tensor] = []
         schedule.eval(**mb_kwargs, losses=losses)
         loss = self._global_mean(losses)
-        self.lightning_module.log(name, loss, prog_bar=True, batch_size=size, sync_dist=False)
+        # Every rank already holds the same global mean; sync_dist only averages equal values once per
+        # epoch (evaluation logs on epoch), and spares the user Lightning's advice to add it to a log
+        # call that is ours.
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=size, sync_dist=True)
         return loss
 
     @override

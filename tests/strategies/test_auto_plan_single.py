@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -142,6 +143,33 @@ def test_replan_after_a_sustained_slowdown(tmp_path: Path) -> None:
     assert 0.5 < ratios[len(ratios) // 2] < 2.0  # refitted: the prediction tracks the slowed device
     assert json.loads((tmp_path / "distplan" / "plan.json").read_text())["replans"][0]["compute_scale"] == pytest.approx(replan["compute_scale"])
     assert monitor.overhead_s is not None and monitor.run_s is not None and monitor.overhead_s < monitor.run_s
+
+
+def test_resume_restores_the_monitor_it_added_without_a_callback_warning(tmp_path: Path) -> None:
+    """auto_plan adds its StepTimeMonitor before Lightning restores callback states, so a resumed fit
+    gets the monitor's state back instead of Lightning asking the user to add a callback they never made."""
+
+    class MarkReplan(L.Callback):  # stands in for a re-plan done in the first run
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            monitor = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor))
+            monitor.replans.append({"step": 1, "compute_scale": 2.5})
+            monitor._scale = 2.5
+
+    first = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1), devices=1, max_steps=2, callbacks=[MarkReplan()]))
+    first.fit(_small())
+    ckpt = str(tmp_path / "step2.ckpt")
+    first.save_checkpoint(ckpt)
+    torch.distributed.destroy_process_group()
+
+    resumed = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1), devices=1, max_steps=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(_small(), ckpt_path=ckpt)
+    assert not [w for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
+    monitors = [cb for cb in resumed.callbacks if isinstance(cb, StepTimeMonitor)]
+    assert len(monitors) == 1 and monitors[0].replans == [{"step": 1, "compute_scale": 2.5}]
+    assert monitors[0].state_dict()["compute_scale"] == 2.5 and len(monitors[0].history) == 2
+    assert resumed.strategy.plan is not None and resumed.global_step == 4
 
 
 def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
