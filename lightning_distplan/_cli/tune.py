@@ -35,10 +35,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-instances", type=int, default=8, help="most instances of one type (default 8)")
     parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="strategies to consider")
     parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
-    parser.add_argument("--bandwidth", type=float, default=None, help="network Gbit/s for every instance (required for a CSV without NetworkGbps)")
+    parser.add_argument(
+        "--bandwidth-gbps", "--bandwidth", dest="bandwidth", type=float, default=None,
+        help="network Gbit/s for every instance (required for a CSV without NetworkGbps); the same flag as plan's",
+    )
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="math assumed on the target GPUs (auto: the profile's dtype)")
     parser.add_argument("--multi-objective", action="store_true", help="optimise (cost, time) with NSGA-II instead of C + w*T with TPE")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--quiet", "--no-progress", dest="no_progress", action="store_true", help="hide the progress bar (as profile's and bench's --quiet)")
     parser.set_defaults(run=run)
 
 

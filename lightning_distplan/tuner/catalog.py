@@ -247,7 +247,7 @@ def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = Non
         _check_bandwidth(bandwidth_gbps)
         from dataclasses import replace
 
-        return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth)") for i in catalog.instances))
+        return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth-gbps)") for i in catalog.instances))
     path = Path(key)
     if path.suffix.lower() == ".csv" or path.exists():
         return parse_catalog_csv(path, bandwidth_gbps=bandwidth_gbps)
@@ -259,7 +259,7 @@ def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = Non
 
 def _check_bandwidth(bandwidth_gbps: float) -> None:
     if not isinstance(bandwidth_gbps, (int, float)) or not math.isfinite(bandwidth_gbps) or bandwidth_gbps <= 0:
-        raise CatalogError(f"The network bandwidth must be a positive number of Gbit/s, got {bandwidth_gbps!r}.", hint="Pass e.g. --bandwidth 25.")
+        raise CatalogError(f"The network bandwidth must be a positive number of Gbit/s, got {bandwidth_gbps!r}.", hint="Pass e.g. --bandwidth-gbps 25.")
 
 
 def _number(value: str, *, column: str, where: str, allow_fraction: bool = False, allow_zero: bool = False) -> float:
@@ -309,7 +309,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     if missing:
         hint = f"Add the column(s) {', '.join(missing)} to the header (line 1)"
         if "NetworkGbps" in missing:
-            hint += "; or state the network bandwidth for all instances with --bandwidth GBPS (bandwidth_gbps=)"
+            hint += "; or state the network bandwidth for all instances with --bandwidth-gbps GBPS (bandwidth_gbps=)"
         raise CatalogError(f"Catalog file {str(path)!r} line 1: missing column(s) {missing}; found {header}.", hint=hint + ".")
 
     def cell(row: list[str], column: str) -> str:
@@ -338,7 +338,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         spot_text = cell(row, "SpotPrice")
         spot = _number(spot_text, column="SpotPrice", where=where) if spot_text else None
         if bandwidth_gbps is not None:
-            gbps, net_source = float(bandwidth_gbps), "given (--bandwidth)"
+            gbps, net_source = float(bandwidth_gbps), "given (--bandwidth-gbps)"
         else:
             gbps, net_source = _number(cell(row, "NetworkGbps"), column="NetworkGbps", where=where), f"{path.name} NetworkGbps"
         mem_text = cell(row, "GpuMemoryGiB")

@@ -40,9 +40,25 @@ def test_tune_json_contract_and_study(tmp_path, profile_path, capsys):
 
 def test_tune_table_format(tmp_path, profile_path, capsys):
     rc = main(["tune", "--profile", profile_path, "--catalog", "alicloud-2023", "--global-batch-size", "32", "--trials", "10",
-               "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table", "--max-instances", "2", "--no-progress"])
+               "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table", "--max-instances", "2", "--quiet"])
     text = capsys.readouterr().out
     assert rc == 0 and "best:" in text and "Pareto front" in text and "RMB" in text
+
+
+def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, profile_path, capsys):
+    """--bandwidth-gbps (as in plan) and --quiet (as in profile, bench); --bandwidth and --no-progress remain."""
+    outs = []
+    for flags in (["--bandwidth-gbps", "3", "--quiet"], ["--bandwidth", "3", "--no-progress"]):
+        rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "6", "--max-instances", "2",
+                   "--storage", f"sqlite:///{tmp_path / 'f.db'}", "--study-name", f"flags{len(outs)}", *flags])
+        captured = capsys.readouterr()
+        assert rc == 0 and "Trial" not in captured.err and "%" not in captured.err  # no progress bar
+        outs.append(json.loads(captured.out))
+    assert outs[0]["best"] == outs[1]["best"]
+    for name in ("flags0", "flags1"):
+        trials = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 'f.db'}").trials
+        links = {t.user_attrs["hardware"]["allreduce_bandwidth_bytes_per_s"] for t in trials if "hardware" in t.user_attrs}
+        assert links == {3e9 / 8}  # every evaluated trial priced with the given network
 
 
 @pytest.mark.parametrize(
