@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from lightning_distplan.errors import DistPlanError
+from lightning_distplan.tuner._storage import folder_problem, sqlite_path
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -88,20 +89,10 @@ def default_artifact_dir(storage_url: str) -> Path | None:
     so plots attached after ``distplan tune`` are served without any flag. Other storages have no
     natural place next to them and return None (pass ``--artifact-dir``).
     """
-    path = _sqlite_path(storage_url)
+    path = sqlite_path(storage_url)
     if path is None:
         return None
     return path.with_name(path.stem + "-artifacts")
-
-
-def _sqlite_path(storage_url: str) -> Path | None:
-    prefix = "sqlite:///"
-    if not storage_url.startswith(prefix):
-        return None
-    rest = storage_url[len(prefix) :].split("?", 1)[0]
-    if not rest or rest == ":memory:":
-        return None
-    return Path(rest)
 
 
 def open_storage(storage_url: str) -> BaseStorage:
@@ -116,7 +107,10 @@ def open_storage(storage_url: str) -> BaseStorage:
     """
     import optuna
 
-    path = _sqlite_path(storage_url)
+    path = sqlite_path(storage_url)
+    folder = folder_problem(storage_url)
+    if folder is not None:
+        raise StorageUnreachableError(folder[0], hint=folder[1])
     if path is not None and not path.is_file():
         raise StorageUnreachableError(
             f"The SQLite file {str(path)!r} named by the storage URL {storage_url!r} does not exist.",

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_distplan.errors import DistPlanError
 
-__all__ = ["StudyStorageError", "open_storage", "write_trials"]
+__all__ = ["StudyStorageError", "folder_problem", "open_storage", "sqlite_path", "write_trials"]
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +32,37 @@ _HINT = (
 )
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The file a ``sqlite:///`` URL names (relative after three slashes, absolute after four), else None."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        return None
+    rest = url[len(prefix) :].split("?", 1)[0]
+    if not rest or rest == ":memory:":
+        return None
+    return Path(rest)
+
+
+def folder_problem(url: str) -> tuple[str, str] | None:
+    """(message, hint) when a SQLite URL names a folder: SQLite only says "unable to open database file"."""
+    path = sqlite_path(url)
+    if path is None or not path.is_dir():
+        return None
+    return (
+        f"The storage URL {url!r} names the folder {str(path)!r}, not an SQLite file.",
+        f"Name the database file in it, e.g. sqlite:///{path / 'distplan.db'}.",
+    )
+
+
 def open_storage(url: Any) -> Any:
     """An ``optuna.storages.RDBStorage`` for ``url``, or :class:`StudyStorageError` naming what is wrong."""
     import optuna
 
     if not isinstance(url, str) or "://" not in url:
         raise StudyStorageError(f"Storage {url!r} is not a database URL.", hint=_HINT)
+    folder = folder_problem(url)
+    if folder is not None:
+        raise StudyStorageError(folder[0], hint=folder[1])
     try:
         storage = optuna.storages.RDBStorage(url)
         storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema

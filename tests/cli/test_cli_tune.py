@@ -66,11 +66,12 @@ def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, pr
     [
         (["--catalog", "nope"], "Unknown catalog 'nope'.*alicloud-2023, aws-2026"),
         (["--storage", "not-a-url"], "not a database URL.*HINT"),
+        (["--storage", "sqlite:///{tmp}"], "names the folder .*, not an SQLite file.*HINT: Name the database file in it, e.g. sqlite:///.*distplan.db"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, match):
     args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "5", "--no-progress",
-            "--storage", f"sqlite:///{tmp_path / 'e.db'}", *extra]
+            "--storage", f"sqlite:///{tmp_path / 'e.db'}", *[e.format(tmp=tmp_path) for e in extra]]
     rc = main(args)
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1

@@ -61,6 +61,9 @@ def test_cli_missing_sqlite_file_is_one_line_with_hint(tmp_path: Path, capsys: p
     err = capsys.readouterr().err
     assert "does not exist" in err and "HINT:" in err and len(err.strip().splitlines()) == 1
     assert not missing.exists()  # not silently created
+    assert main(["dashboard", f"sqlite:///{tmp_path}", "--port", "0"]) == 2  # a folder, not a file
+    err = capsys.readouterr().err
+    assert "names the folder" in err and f"sqlite:///{tmp_path / 'distplan.db'}" in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_unreachable_and_empty_storage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
