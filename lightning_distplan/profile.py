@@ -183,6 +183,20 @@ class LinkProfile:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
+# Bytes per value of the math a profile was measured in: a weight dtype, or a Lightning precision
+# whose weights stay float32 while the math is 16-bit ("bf16-mixed").
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "fp32": 4, "32": 4, "32-true": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "16": 2, "16-mixed": 2, "bf16-mixed": 2,
+    "float64": 8, "double": 8, "64-true": 8,
+}
+
+
+def dtype_bytes(dtype: str) -> int | None:
+    """Bytes per value for a profile's ``device.dtype`` (``"torch."`` prefix and case ignored), None if unknown."""
+    return DTYPE_BYTES.get(str(dtype).replace("torch.", "").lower())
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceProfile:
     type: Literal["cuda", "cpu"]
@@ -335,6 +349,10 @@ class Profile:
             raise ProfileFormatError(f"{source!r} holds a negative or non-finite memory size.", hint=hint)
         if self.device.type not in ("cuda", "cpu"):
             raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
+        if dtype_bytes(self.device.dtype) is None:
+            raise ProfileFormatError(
+                f"{source!r} has dtype {self.device.dtype!r}; expected one of {', '.join(sorted(DTYPE_BYTES))}.", hint=hint
+            )
         for m in self.micro_batch_sizes:  # a fit may have a negative intercept, not a time <= 0 where it was measured
             fwd, bwd = self.step.forward.alpha * m + self.step.forward.beta, self.step.backward.alpha * m + self.step.backward.beta
             if not (fwd > 0 and bwd >= 0):

@@ -40,6 +40,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to time (default: b/2, b, 2b, 4b of the loader's batch size b)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per size; the whole step keeps their mean (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per size before the timed ones (default 1)")
+    parser.add_argument(
+        "--precision", default="32-true", choices=PRECISIONS,
+        help="the Trainer precision the steps run in, as Trainer(precision=...) (default 32-true)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.set_defaults(run=run)
 
@@ -103,6 +107,20 @@ def _sizes(text: str | None) -> list[int] | None:
     return sizes
 
 
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def _precision_plugin(name: str, device: Any) -> Any:
+    """Lightning's precision plugin for ``Trainer(precision=name)`` on ``device``."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+    if name.endswith("-mixed"):
+        return MixedPrecision(name, device=device.type)  # type: ignore[arg-type]
+    if name in ("bf16-true", "16-true"):
+        return HalfPrecision(name)  # type: ignore[arg-type]
+    return DoublePrecision() if name == "64-true" else Precision()
+
+
 def _build(cls: type, kwargs: dict[str, Any], what: str, path: str, option: str) -> Any:
     try:
         return cls(**kwargs)
@@ -144,10 +162,12 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
 
     loader = train_loader(model, datamodule, model_path=args.model, datamodule_path=args.datamodule)
+    precision = _precision_plugin(args.precision, device)
+    model = precision.convert_module(model)  # the weights' dtype for the '*-true' precisions, as the Trainer converts them
     try:
         profile = profile_module(
             model, loader, micro_batch_sizes=sizes, device=device, warmup=args.warmup, repeats=args.repeats,
-            measure_links=False, progress=say,
+            measure_links=False, progress=say, precision_plugin=precision,
         )
     except DataLoadingError as err:
         raise DataLoadingError(str(err).split(" HINT:")[0], hint=("The dataset may need a download, which is blocked here. " + _DEMO_HINT)) from None

@@ -29,14 +29,11 @@ from typing import Any, Literal
 
 from lightning_distplan.costmodel.gpus import GpuSpec, source_spec
 from lightning_distplan.errors import CatalogError
-from lightning_distplan.profile import DeviceProfile, LayerProfile, LinearFit, MemoryProfile, OptimizerProfile, Profile, StepProfile
+from lightning_distplan.profile import DeviceProfile, LayerProfile, LinearFit, MemoryProfile, OptimizerProfile, Profile, StepProfile, dtype_bytes
 
 __all__ = ["ProjectionInfo", "project_profile", "roofline_ratio", "layer_bytes"]
 
 Precision = Literal["fp32", "bf16"]
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "16": 2, "16-mixed": 2, "bf16-mixed": 2}
-
 
 @dataclass(frozen=True, kw_only=True)
 class ProjectionInfo:
@@ -75,11 +72,6 @@ class ProjectionInfo:
         d["layer_bounds"] = list(self.layer_bounds)
         d["band"] = list(self.band)
         return d
-
-
-def _dtype_bytes(dtype: str) -> int:
-    key = str(dtype).replace("torch.", "").lower()
-    return _DTYPE_BYTES.get(key, 4)
 
 
 def layer_bytes(layer: LayerProfile, m: float, *, input_bytes_per_sample: float = 0.0, activation_scale: float = 1.0) -> tuple[float, float]:
@@ -143,7 +135,12 @@ def project_profile(
         source, basis = source_spec(profile)
     else:
         basis = f"given: {source.source or source.name}"
-    profile_bytes = _dtype_bytes(profile.device.dtype)
+    profile_bytes = dtype_bytes(profile.device.dtype) or 4
+    if profile_bytes not in (2, 4):
+        raise CatalogError(
+            f"The profile was measured in {profile.device.dtype}; projecting to catalog GPUs assumes float32 or 16-bit math.",
+            hint="Profile the model in float32 or with bf16 (e.g. Trainer(precision='bf16-mixed') or distplan profile --precision bf16-mixed).",
+        )
     source_precision: Precision = "bf16" if profile_bytes == 2 else "fp32"
     if precision == "auto":
         precision = source_precision

@@ -185,9 +185,11 @@ class _Profiler:
         flop_sizes: int = 2,
         loop_overhead: bool = True,
         min_timed_s: float = 0.25,
+        precision_plugin: Any = None,
     ) -> None:
         self.module = module
         self.bank = SampleBank(batches)
+        self.precision_plugin = precision_plugin
         self.explicit_sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
         self.device = device
         self.user_optimizer = optimizer
@@ -223,12 +225,20 @@ class _Profiler:
 
     def batch(self, m: int) -> Any:
         if m not in self._batch_cache:
-            self._batch_cache = {m: move_to(self.bank.micro_batch(m), self.device)}  # keep one on the device
+            batch = move_to(self.bank.micro_batch(m), self.device)
+            if self.precision_plugin is not None:  # as Lightning's training loop does (e.g. floats to bf16 for 'bf16-true')
+                batch = self.precision_plugin.convert_input(batch)
+            self._batch_cache = {m: batch}  # keep one on the device
         return self._batch_cache[m]
+
+    def step_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What Lightning runs ``training_step`` in: the precision plugin's (autocast for '*-mixed')."""
+        return contextlib.nullcontext() if self.precision_plugin is None else self.precision_plugin.train_step_context()
 
     def loss(self, m: int) -> Tensor:
         batch = self.batch(m)
-        out = self.module.training_step(batch, 0) if self.pass_batch_idx else self.module.training_step(batch)
+        with self.step_context():
+            out = self.module.training_step(batch, 0) if self.pass_batch_idx else self.module.training_step(batch)
         return _extract_loss(out, self.name)
 
     def chain_loss(self, m: int) -> Tensor:
@@ -238,10 +248,12 @@ class _Profiler:
         ``training_step`` never calls; the whole-step timing always uses ``training_step``.
         """
         batch = self.batch(m)
-        x = self.spec.inputs(batch)
-        for layer in self.spec.layers:
-            x = layer(*x) if isinstance(x, tuple) else layer(x)
-        return _extract_loss(self.spec.loss(x, batch), f"{self.name} (pipeline_spec)")
+        with self.step_context():
+            x = self.spec.inputs(batch)
+            for layer in self.spec.layers:
+                x = layer(*x) if isinstance(x, tuple) else layer(x)
+            out = self.spec.loss(x, batch)
+        return _extract_loss(out, f"{self.name} (pipeline_spec)")
 
     def layer_loss(self, m: int) -> Tensor:
         return self.chain_loss(m) if self.spec is not None else self.loss(m)
@@ -387,6 +399,7 @@ def profile_module(
     flop_sizes: int = 2,
     loop_overhead: bool = True,
     min_timed_s: float = 0.25,
+    precision_plugin: Any = None,
 ) -> Profile:
     """Measure ``module`` on the real device and return its :class:`~lightning_distplan.profile.Profile`.
 
@@ -429,6 +442,11 @@ def profile_module(
         loop_overhead: also measure what the training loop itself costs per batch and per optimizer
             step (a tiny real ``Trainer.fit``, ~0.3 s; see
             :func:`~lightning_distplan.profiling._overhead.measure_framework_overhead`).
+        precision_plugin: a Lightning precision plugin (``trainer.precision_plugin``): every step runs
+            in its ``train_step_context()`` (autocast for ``"bf16-mixed"`` / ``"16-mixed"``) on batches
+            passed through its ``convert_input``, as the Trainer runs them. The module is not converted
+            here (for ``"bf16-true"`` etc. pass it converted, as ``trainer.strategy`` leaves it). The
+            profile's ``device.dtype`` then names the mixed precision instead of the weights' dtype.
 
     Returns:
         The Profile (save it with ``profile.save(path)``).
@@ -485,7 +503,7 @@ def profile_module(
     prof = _Profiler(
         module, batches, micro_batch_sizes=micro_batch_sizes, device=dev, optimizer=optimizer,
         warmup=warmup, repeats=repeats, progress=progress, t0=t0,
-        flop_sizes=flop_sizes, loop_overhead=loop_overhead, min_timed_s=min_timed_s,
+        flop_sizes=flop_sizes, loop_overhead=loop_overhead, min_timed_s=min_timed_s, precision_plugin=precision_plugin,
     )
     try:
         with _quiet_logging(module):
@@ -770,6 +788,9 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     info = device_info(dev)
     dtypes = [p.dtype for p in all_params]
     dtype = str(max(set(dtypes), key=dtypes.count)).replace("torch.", "") if dtypes else "float32"
+    mixed = getattr(prof.precision_plugin, "precision", None)
+    if mixed in ("bf16-mixed", "16-mixed"):
+        dtype = mixed  # float32 weights, 16-bit math: what the tuner's projection needs to know
     memory = MemoryProfile(
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,

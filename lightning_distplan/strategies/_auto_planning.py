@@ -210,6 +210,8 @@ def profile_in_fit(
     which assumes no batch-independent FLOPs; they only feed the tuner's projection to other
     devices, not this run's plan), and links measured at three sizes up to the gradient size
     (:func:`link_sizes`). Times, bytes and fits are all measured, none is copied from elsewhere.
+    The steps run in the fit's precision (``trainer.precision_plugin``: autocast for the mixed
+    precisions, the weights and inputs converted for ``"bf16-true"`` and the like), as the fit will.
 
     Returns:
         (the profile, the fresh loader it drew from — its ``batch_size`` is the user's loader batch)
@@ -231,6 +233,9 @@ def profile_in_fit(
     was_training = module.training
     try:
         loader = fresh_train_loader(trainer)
+        # The weights in the dtype the fit trains them in ('bf16-true', '64-true', ...): the strategy's
+        # setup converts them the same way anyway (a no-op for 32-true and the mixed precisions).
+        trainer.precision_plugin.convert_module(module)
         if micro_batch_sizes is None:
             from lightning_distplan.strategies.dp_ga import loader_batch_size
 
@@ -245,6 +250,7 @@ def profile_in_fit(
             progress=progress,
             flop_sizes=1,  # FLOPs per sample from one size (an estimate: see profile_module); saves a slow counting run
             min_timed_s=IN_FIT_MIN_TIMED_S,
+            precision_plugin=trainer.precision_plugin,  # the fit's precision: autocast, converted inputs
         )
         if measure_links and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             t0 = time.perf_counter()

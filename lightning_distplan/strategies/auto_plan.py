@@ -270,7 +270,7 @@ class AutoPlanStrategy(DDPStrategy):
                 f"auto_plan: the checkpoint's plan ({stored.describe()}, global batch {stored.global_batch_size}) does not fit "
                 f"this run ({world} devices, global batch {global_batch}); profiling and planning again."
             )
-        strategies = self._strategies_for_monitors(trainer)
+        strategies = self._strategies_allowed(trainer)
         t0 = time.perf_counter()
         profile, loader = profile_in_fit(
             trainer, module, device=self.root_device, micro_batch_sizes=self._profile_sizes, repeats=self._profile_repeats,
@@ -313,32 +313,41 @@ class AutoPlanStrategy(DDPStrategy):
         pins = self._pins
         return pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("pp", 1) > 1
 
-    def _strategies_for_monitors(self, trainer: pl.Trainer) -> tuple[str, ...]:
-        """The strategies to plan over: data parallel only where a callback monitors a metric a pipeline does not log.
+    def _strategies_allowed(self, trainer: pl.Trainer) -> tuple[str, ...]:
+        """The strategies to plan over: data parallel only where this fit rules pipelines out.
 
-        A pipeline runs ``PipelineSpec.loss`` in place of the module's ``training_step`` /
-        ``validation_step``, so it logs ``train_loss`` / ``val_loss`` / ``test_loss`` and nothing the
-        module logs itself; a ``ModelCheckpoint(monitor="val_acc")`` would fail after the first epoch.
+        - The precision: PipelineStrategy runs ``"32-true"`` only.
+        - Monitored metrics: a pipeline runs ``PipelineSpec.loss`` in place of the module's
+          ``training_step`` / ``validation_step``, so it logs ``train_loss`` / ``val_loss`` /
+          ``test_loss`` and nothing the module logs itself; a ``ModelCheckpoint(monitor="val_acc")``
+          would fail after the first epoch.
+
+        A pinned pipeline that is ruled out is an error before profiling, not after.
         """
+        reasons: list[tuple[str, str]] = []  # (why, what to do instead)
+        if str(trainer.precision) not in ("32-true", "32"):
+            reasons.append((f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' only", "Use Trainer(precision='32-true')"))
         unlogged = sorted(
             {
                 m for cb in trainer.callbacks
                 if isinstance(m := getattr(cb, "monitor", None), str) and m not in _PIPELINE_METRICS and not m.startswith("distplan/")
             }
         )
-        if not unlogged:
+        if unlogged:
+            names = ", ".join(map(repr, unlogged))
+            reasons.append(
+                (f"callbacks monitor {names}, which a pipeline does not log: it runs PipelineSpec.loss in place of the module's "
+                 "training_step/validation_step and logs only train_loss/val_loss/test_loss", "Monitor 'val_loss' or 'train_loss'")
+            )
+        if not reasons:
             return STRATEGIES
-        names = ", ".join(map(repr, unlogged))
+        why = "; ".join(r for r, _ in reasons)
         if self._pipeline_pinned():
             raise InfeasiblePlanError(
-                f"A pipeline plan is pinned, but callbacks monitor {names}, which a pipeline does not log: it runs "
-                "PipelineSpec.loss in place of the module's training_step/validation_step and logs only train_loss/val_loss/test_loss.",
-                hint="Monitor 'val_loss' or 'train_loss', or drop the pipeline pin to let auto_plan plan data parallel only.",
+                f"A pipeline plan is pinned, but {why}.",
+                hint=f"{' and '.join(h for _, h in reasons)}, or drop the pipeline pin to let auto_plan plan data parallel only.",
             )
-        rank_zero_info(
-            f"auto_plan: planning data parallel only: callbacks monitor {names}, which a pipeline would not log "
-            "(it runs PipelineSpec.loss in place of your training_step/validation_step)."
-        )
+        rank_zero_info(f"auto_plan: planning data parallel only: {why}.")
         return ("dp_ga",)
 
     def _monitor_for(self, trainer: pl.Trainer) -> Any:

@@ -121,6 +121,8 @@ def test_table_output_and_options(profile_path, capsys):
         # semantically corrupt profiles are refused on load, not planned with
         ({"micro_batch_sizes": [0, 2]}, ["--world-size", "2", "--global-batch-size", "8"], "each must be a positive integer"),
         ({"layers": [_layer(0, param_bytes=-4)]}, ["--world-size", "2", "--global-batch-size", "8"], "negative or non-finite memory size"),
+        ({"device": {"type": "cuda", "name": "T4", "total_memory_bytes": 16 << 30, "memory_source": "nvml", "dtype": "int8"}},
+         ["--world-size", "2", "--global-batch-size", "8"], "has dtype 'int8'; expected one of"),
         ({"links": [{"kind": "allreduce", "backend": "gloo", "world_size": 2, "latency_s": 1e-5, "bandwidth_bytes_per_s": 0}]},
          ["--world-size", "2", "--global-batch-size", "8"], "bandwidth must be positive"),
         ({"links": [{"kind": "bogus", "backend": "gloo", "world_size": 2, "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}]},

@@ -45,6 +45,30 @@ def test_profile_demo_transformer_writes_profile(tmp_path: Path, capsys: pytest.
     assert "written to" in out and "R²" in out and "time: profiling" in out
 
 
+@pytest.mark.parametrize(("precision", "dtype", "projects"), [("bf16-mixed", "bf16-mixed", True), ("bf16-true", "bfloat16", True), ("64-true", "float64", False)])
+def test_profile_precision_is_recorded_and_tune_projects_only_32_or_16_bit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], precision: str, dtype: str, projects: bool
+) -> None:
+    out_file = tmp_path / "p.json"
+    rc, _, err = _run(
+        [
+            "lightning.pytorch.demos.transformer:LightningTransformer", "--init-args", json.dumps({"vocab_size": 32}),
+            *_TINY, "--datamodule-args", json.dumps({"vocab_size": 32, "block_size": 4, "batch_size": 2, "num_samples": 8}),
+            "--micro-batch-sizes", "1,2", "--repeats", "1", "--device", "cpu", "--precision", precision, "--out", str(out_file),
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    assert Profile.load(out_file).device.dtype == dtype
+    rc = main(["tune", "--profile", str(out_file), "--global-batch-size", "8", "--trials", "3", "--quiet", "--max-instances", "2",
+               "--storage", f"sqlite:///{tmp_path / 't.db'}"])
+    err = capsys.readouterr().err
+    if projects:
+        assert rc == 0, err
+    else:
+        assert rc == 2 and "measured in float64; projecting to catalog GPUs assumes float32 or 16-bit math" in err and "HINT:" in err
+
+
 def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "cli_profile_fixtures.py").write_text(
         textwrap.dedent(

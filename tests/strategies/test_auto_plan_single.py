@@ -214,14 +214,44 @@ def test_helpers() -> None:
     assert refit_compute_scale(pred, 2.6, 1.0) == pytest.approx(3.0)
 
 
+@pytest.mark.parametrize(
+    ("precision", "autocast", "dtype", "label"),
+    [("bf16-mixed", True, torch.float32, "bf16-mixed"), ("bf16-true", False, torch.bfloat16, "bfloat16"), ("32-true", False, torch.float32, "float32")],
+)
+def test_profiling_runs_in_the_fits_precision(tmp_path: Path, precision: str, autocast: bool, dtype: torch.dtype, label: str) -> None:
+    """The profiled steps run as the fit's steps do (autocast, converted weights and inputs), and the profile says which."""
+    seen: list[tuple[bool, torch.dtype, torch.dtype]] = []  # (autocast on, input dtype, weight dtype) per training_step call
+
+    class Recording(ChainMLP):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append((torch.is_autocast_enabled("cpu"), batch[0].dtype, self.blocks[0][0].weight.dtype))
+            return super().training_step(batch, batch_idx)
+
+    strategy = AutoPlanStrategy(profile_repeats=1, micro_batch_size=8, accumulate_grad_batches=1)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=2, precision=precision))
+    trainer.fit(Recording(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0))
+    profiling, training = seen[:-2], seen[-2:]  # the pinned plan runs one micro-batch per step
+    assert len(profiling) > 4 and set(profiling) == set(training) == {(autocast, dtype if precision.endswith("-true") else torch.float32, dtype)}
+    assert json.loads((tmp_path / "distplan" / "profile.json").read_text())["device"]["dtype"] == label
+    expected = ("dp_ga", "gpipe", "1f1b") if precision == "32-true" else ("dp_ga",)  # pipelines run 32-true only
+    assert AutoPlanStrategy()._strategies_allowed(L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, precision=precision))) == expected
+
+
+def test_pinned_pipeline_with_mixed_precision_is_refused_before_profiling(tmp_path: Path) -> None:
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="gpipe"), devices=1, max_steps=1, precision="bf16-mixed"))
+    with pytest.raises(InfeasiblePlanError, match=r"pinned, but the fit runs precision='bf16-mixed' and pipelines run '32-true' only.*HINT: Use Trainer\(precision='32-true'\)"):
+        trainer.fit(_small())
+    assert not (tmp_path / "distplan" / "profile.json").exists()
+
+
 def test_monitored_metrics_a_pipeline_does_not_log(tmp_path: Path) -> None:
     """A callback monitoring the module's own metric keeps auto_plan to data parallel, and a pinned pipeline is refused before profiling."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
     own = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(monitor="val_acc"), EarlyStopping(monitor="val_loss")]))
-    assert AutoPlanStrategy()._strategies_for_monitors(own) == ("dp_ga",)
+    assert AutoPlanStrategy()._strategies_allowed(own) == ("dp_ga",)
     loss_only = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, callbacks=[EarlyStopping(monitor="val_loss")]))
-    assert AutoPlanStrategy()._strategies_for_monitors(loss_only) == ("dp_ga", "gpipe", "1f1b")
+    assert AutoPlanStrategy()._strategies_allowed(loss_only) == ("dp_ga", "gpipe", "1f1b")
 
     trainer = L.Trainer(
         **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="1f1b"), devices=1, max_steps=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(monitor="val_acc")])
