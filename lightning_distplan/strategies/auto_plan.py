@@ -317,6 +317,7 @@ class AutoPlanStrategy(DDPStrategy):
         """The strategies to plan over: data parallel only where this fit rules pipelines out.
 
         - The precision: PipelineStrategy runs ``"32-true"`` only.
+        - Gradient clipping by norm: each pipeline stage sees only its own gradients.
         - Monitored metrics: a pipeline runs ``PipelineSpec.loss`` in place of the module's
           ``training_step`` / ``validation_step``, so it logs ``train_loss`` / ``val_loss`` /
           ``test_loss`` and nothing the module logs itself; a ``ModelCheckpoint(monitor="val_acc")``
@@ -326,7 +327,11 @@ class AutoPlanStrategy(DDPStrategy):
         """
         reasons: list[tuple[str, str]] = []  # (why, what to do instead)
         if str(trainer.precision) not in ("32-true", "32"):
-            reasons.append((f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' only", "Use Trainer(precision='32-true')"))
+            reasons.append((f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' only", "use Trainer(precision='32-true')"))
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
+            reasons.append(
+                ("the fit clips gradients by norm and a pipeline stage sees only its own gradients", "use gradient_clip_algorithm='value'")
+            )
         unlogged = sorted(
             {
                 m for cb in trainer.callbacks
@@ -337,15 +342,16 @@ class AutoPlanStrategy(DDPStrategy):
             names = ", ".join(map(repr, unlogged))
             reasons.append(
                 (f"callbacks monitor {names}, which a pipeline does not log: it runs PipelineSpec.loss in place of the module's "
-                 "training_step/validation_step and logs only train_loss/val_loss/test_loss", "Monitor 'val_loss' or 'train_loss'")
+                 "training_step/validation_step and logs only train_loss/val_loss/test_loss", "monitor 'val_loss' or 'train_loss'")
             )
         if not reasons:
             return STRATEGIES
         why = "; ".join(r for r, _ in reasons)
         if self._pipeline_pinned():
+            fixes = " and ".join(h for _, h in reasons)
             raise InfeasiblePlanError(
                 f"A pipeline plan is pinned, but {why}.",
-                hint=f"{' and '.join(h for _, h in reasons)}, or drop the pipeline pin to let auto_plan plan data parallel only.",
+                hint=f"{fixes[0].upper()}{fixes[1:]}, or drop the pipeline pin to let auto_plan plan data parallel only.",
             )
         rank_zero_info(f"auto_plan: planning data parallel only: {why}.")
         return ("dp_ga",)
