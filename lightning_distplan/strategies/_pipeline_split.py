@@ -5,8 +5,9 @@ Nothing here talks to a process group, so everything tests in milliseconds on on
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -53,12 +54,15 @@ class StageModule(nn.Module):
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(layers)
+        self.forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+        """What the blocks run in: the precision plugin's forward context (autocast for 'bf16-mixed')."""
 
     def forward(self, *args: Any) -> Any:
         # p2p send/recv need contiguous buffers: make boundary activations and their gradients contiguous.
         x: Any = tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
-        for block in self.blocks:
-            x = block(*x) if isinstance(x, tuple) else block(x)
+        with self.forward_context():
+            for block in self.blocks:
+                x = block(*x) if isinstance(x, tuple) else block(x)
         if isinstance(x, tuple):
             return tuple(t.contiguous() if isinstance(t, Tensor) else t for t in x)
         return x.contiguous() if isinstance(x, Tensor) else x

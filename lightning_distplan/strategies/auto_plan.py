@@ -55,6 +55,7 @@ from lightning_distplan.strategies._auto_planning import (
 )
 from lightning_distplan.strategies._checkpoint import stored_plan
 from lightning_distplan.strategies.dp_ga import check_ddp_kwargs, loader_batch_size
+from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -316,7 +317,7 @@ class AutoPlanStrategy(DDPStrategy):
     def _strategies_allowed(self, trainer: pl.Trainer) -> tuple[str, ...]:
         """The strategies to plan over: data parallel only where this fit rules pipelines out.
 
-        - The precision: PipelineStrategy runs ``"32-true"`` only.
+        - The precision: PipelineStrategy runs ``"32-true"`` and ``"bf16-mixed"`` only.
         - Gradient clipping by norm: each pipeline stage sees only its own gradients.
         - Monitored metrics: a pipeline runs ``PipelineSpec.loss`` in place of the module's
           ``training_step`` / ``validation_step``, so it logs ``train_loss`` / ``val_loss`` /
@@ -326,8 +327,10 @@ class AutoPlanStrategy(DDPStrategy):
         A pinned pipeline that is ruled out is an error before profiling, not after.
         """
         reasons: list[tuple[str, str]] = []  # (why, what to do instead)
-        if str(trainer.precision) not in ("32-true", "32"):
-            reasons.append((f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' only", "use Trainer(precision='32-true')"))
+        if str(trainer.precision) not in PIPELINE_PRECISIONS:
+            reasons.append(
+                (f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' or 'bf16-mixed' only", "use Trainer(precision='bf16-mixed')")
+            )
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
             reasons.append(
                 ("the fit clips gradients by norm and a pipeline stage sees only its own gradients", "use gradient_clip_algorithm='value'")

@@ -102,6 +102,9 @@ __all__ = ["PipelineStrategy"]
 
 ScheduleName = Literal["auto", "gpipe", "1f1b"]
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# Trainer precisions a pipeline runs: float32, or float32 weights with bf16 autocast (no gradient
+# scaler: the schedule runs backward itself, so a GradScaler would never scale the loss).
+PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed")
 
 
 class PipelineStrategy(DDPStrategy):
@@ -247,10 +250,10 @@ class PipelineStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if trainer.precision not in ("32-true", "32"):
+        if str(trainer.precision) not in PIPELINE_PRECISIONS:
             raise InfeasiblePlanError(
-                f"PipelineStrategy supports precision '32-true' only, got {trainer.precision!r}.",
-                hint="Use Trainer(precision='32-true') or strategy='dp_ga'.",
+                f"PipelineStrategy supports precision '32-true' and 'bf16-mixed', got {trainer.precision!r}.",
+                hint="Use Trainer(precision='bf16-mixed') or '32-true', or strategy='dp_ga'.",
             )
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
             raise InfeasiblePlanError(
@@ -263,6 +266,8 @@ class PipelineStrategy(DDPStrategy):
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
             self._build_pipeline()
         self.model_to_device()
+        # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning.
+        self._stage_module.forward_context = self.precision_plugin.forward_context
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -379,7 +384,8 @@ class PipelineStrategy(DDPStrategy):
     def _loss_fn(self, output: Any, index: Tensor) -> Tensor:
         # The schedule only carries tensors as targets; it gets the micro-batch index and we look the
         # micro-batch's targets (any structure) up here.
-        return self._spec.loss(output, self._targets[int(index.reshape(-1)[0])])
+        with self.precision_plugin.forward_context():
+            return self._spec.loss(output, self._targets[int(index.reshape(-1)[0])])
 
     def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
         shapes = tuple(tuple(t.shape) for t in _tensors(batch))

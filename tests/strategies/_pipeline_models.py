@@ -80,8 +80,9 @@ def build(name: str) -> L.LightningModule:
 
 
 @functools.lru_cache(maxsize=None)
-def reference_weights(name: str, steps: int = N_STEPS) -> dict[str, torch.Tensor]:
-    """Plain single-process loop: the LightningModule's own training_step on the global batch."""
+def reference_weights(name: str, steps: int = N_STEPS, autocast_bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Plain single-process loop: the LightningModule's own training_step on the global batch
+    (in CPU bf16 autocast, as Lightning's 'bf16-mixed' runs it, with ``autocast_bf16``)."""
     model = build(name)
     opt = model.configure_optimizers()
     data = token_data()
@@ -93,7 +94,9 @@ def reference_weights(name: str, steps: int = N_STEPS) -> dict[str, torch.Tensor
         if i == steps:
             break
         opt.zero_grad()
-        model.training_step(batch, i).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            loss = model.training_step(batch, i)
+        loss.backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -233,24 +233,24 @@ def test_profiling_runs_in_the_fits_precision(tmp_path: Path, precision: str, au
     profiling, training = seen[:-2], seen[-2:]  # the pinned plan runs one micro-batch per step
     assert len(profiling) > 4 and set(profiling) == set(training) == {(autocast, dtype if precision.endswith("-true") else torch.float32, dtype)}
     assert json.loads((tmp_path / "distplan" / "profile.json").read_text())["device"]["dtype"] == label
-    expected = ("dp_ga", "gpipe", "1f1b") if precision == "32-true" else ("dp_ga",)  # pipelines run 32-true only
+    expected = ("dp_ga", "gpipe", "1f1b") if precision in ("32-true", "bf16-mixed") else ("dp_ga",)  # what pipelines run
     assert AutoPlanStrategy()._strategies_allowed(L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, precision=precision))) == expected
 
 
 def test_pipelines_ruled_out_by_precision_or_norm_clipping(tmp_path: Path) -> None:
-    """Pipelines run 32-true and cannot clip by norm: auto_plan plans data parallel only, and a pinned pipeline is refused before profiling."""
+    """Pipelines run 32-true or bf16-mixed and cannot clip by norm: auto_plan plans data parallel only, and a pinned pipeline is refused before profiling."""
     norm = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, gradient_clip_val=1.0))
     assert AutoPlanStrategy()._strategies_allowed(norm) == ("dp_ga",)
     value = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, gradient_clip_val=1.0, gradient_clip_algorithm="value"))
     assert AutoPlanStrategy()._strategies_allowed(value) == ("dp_ga", "gpipe", "1f1b")
 
     trainer = L.Trainer(
-        **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="gpipe"), devices=1, max_steps=1, precision="bf16-mixed", gradient_clip_val=1.0)
+        **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="gpipe"), devices=1, max_steps=1, precision="bf16-true", gradient_clip_val=1.0)
     )
     with pytest.raises(
         InfeasiblePlanError,
-        match=r"pinned, but the fit runs precision='bf16-mixed' and pipelines run '32-true' only; the fit clips gradients by norm.*"
-        r"HINT: Use Trainer\(precision='32-true'\) and use gradient_clip_algorithm='value', or drop the pipeline pin",
+        match=r"pinned, but the fit runs precision='bf16-true' and pipelines run '32-true' or 'bf16-mixed' only; the fit clips gradients by norm.*"
+        r"HINT: Use Trainer\(precision='bf16-mixed'\) and use gradient_clip_algorithm='value', or drop the pipeline pin",
     ):
         trainer.fit(_small())
     assert not (tmp_path / "distplan" / "profile.json").exists()
