@@ -163,20 +163,22 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
-def _initial_design(types: Sequence[str], max_instances: int, global_batch_size: int) -> list[dict[str, Any]]:
+def _initial_design(types: Sequence[str], max_instances: int, global_batch_size: int, strategies: Sequence[str]) -> list[dict[str, Any]]:
     """Two corners per instance type, tried first: one instance with the whole batch in one micro-batch, and
-    the most instances with micro-batch 1 (the sampler's own draws follow).
+    the most instances with micro-batch 1 (the sampler's own draws follow). Data parallel where it is
+    searched, else the first pipeline strategy with 2 stages.
 
     Why: the cost surface is deceptive at its edges - C + w·T is often lowest for a single instance
     (no all-reduce at all) or for the most instances, and an instance type whose average trial is poor
     is rarely revisited by TPE - so the search starts from those edges for every type
     (a deterministic initial design; the seed still drives everything after it).
     """
+    plan: dict[str, Any] = {"strategy": "dp_ga"} if "dp_ga" in strategies else {"strategy": strategies[0], "pp": 2}
     points: list[dict[str, Any]] = []
     for t in types:
-        points.append({"instance_type": t, "n_instances": 1, "strategy": "dp_ga", "micro_batch_size": global_batch_size})
+        points.append({"instance_type": t, "n_instances": 1, **plan, "micro_batch_size": global_batch_size})
     for t in types:
-        points.append({"instance_type": t, "n_instances": max_instances, "strategy": "dp_ga", "micro_batch_size": 1})
+        points.append({"instance_type": t, "n_instances": max_instances, **plan, "micro_batch_size": 1})
     return points
 
 
@@ -362,16 +364,26 @@ def _tune(
         return (config.cost_per_step, config.step_time_s) if multi_objective else config.objective
 
     if existing is None and initial_design:
-        for point in _initial_design(types, max_instances, global_batch_size)[: max(0, n_trials // 4)]:
+        for point in _initial_design(types, max_instances, global_batch_size, strategy_choices)[: max(0, n_trials // 4)]:
             memory_study.enqueue_trial(point)
     memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
     new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
 
-    # Write the finished run in one pass; a failure while writing a *new* study removes it again.
-    created = existing is None
+    # Write the finished run in one pass; a failure while writing a study this call created removes it
+    # again (never one another run created meanwhile under the same name).
+    created = False
     try:
-        target = existing or optuna.create_study(storage=store, study_name=name, directions=directions)
-        if created:
+        target = existing
+        if target is None:
+            try:
+                target = optuna.create_study(storage=store, study_name=name, directions=directions)
+            except optuna.exceptions.DuplicatedStudyError:
+                raise StudyConflictError(
+                    f"Study {name!r} was created in {storage!r} by another run while this one searched; "
+                    f"it was left untouched and this run's {len(new_trials)} trials were not written.",
+                    hint="Re-run the same command to extend that study (same settings), or pass another --study-name.",
+                ) from None
+            created = True
             target.set_user_attr(SETTINGS_ATTR, settings)
             target.set_user_attr("objective", "C + w*T per optimizer step (seed 000 §IV-D)" if not multi_objective else "(C, T) per optimizer step")
             target.set_user_attr("currency", catalog.currency)

@@ -143,6 +143,31 @@ def test_failed_run_writes_nothing(tmp_path, profile, monkeypatch):
     assert optuna.get_all_study_names(url) == []
 
 
+def test_a_study_another_run_created_meanwhile_is_never_deleted(tmp_path, profile):
+    """Two tunes of one new study name: the one that writes second is refused and leaves the first's study whole."""
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+
+    class OtherRunFinishesFirst(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):  # while this run searches, another one with the same name writes its study
+            if trial.number == 0:
+                tune(profile, n_trials=6, **kw)
+            super().before_trial(study, trial)
+
+    with pytest.raises(StudyConflictError, match=r"Study 's' was created in .* by another run while this one searched; it was left untouched and this run's 5 trials were not written.*HINT: Re-run"):
+        tune(profile, n_trials=5, sampler=OtherRunFinishesFirst(seed=0), **kw)
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == 6
+
+
+@pytest.mark.parametrize("strategies", [("1f1b",), ("gpipe", "1f1b")])
+def test_pipeline_only_search_starts_from_pipeline_corners(tmp_path, profile, strategies):
+    result = tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=_url(tmp_path), study_name="p",
+                  max_instances=4, strategies=strategies, progress=False)
+    trials = optuna.load_study(study_name="p", storage=_url(tmp_path)).trials
+    assert trials[0].params["strategy"] == strategies[0] and trials[0].params["pp"] == 2  # the initial design, in the searched strategies
+    assert {t.params["strategy"] for t in trials} <= set(strategies) and result.best.plan.strategy in strategies
+
+
 def test_same_settings_resume_the_study(tmp_path, profile):
     url = _url(tmp_path)
     kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=url, study_name="s", max_instances=2, progress=False)
