@@ -41,6 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="math assumed on the target GPUs (auto: the profile's dtype)")
     parser.add_argument("--multi-objective", action="store_true", help="optimise (cost, time) with NSGA-II instead of C + w*T with TPE")
+    parser.add_argument(
+        "--plots", action="store_true",
+        help="attach the Pareto-front and time-breakdown plots and a summary note to the study for optuna-dashboard "
+        "(PNG artifacts in <db stem>-artifacts next to a SQLite file; needs the [dashboard] extra)",
+    )
     parser.add_argument("--quiet", "--no-progress", dest="no_progress", action="store_true", help="hide the progress bar (as profile's and bench's --quiet)")
     parser.set_defaults(run=run)
 
@@ -86,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         raise InfeasiblePlanError(f"--time-weight must be a finite number >= 0, got {args.time_weight}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
     profile = Profile.load(args.profile)
     catalog = load_catalog(args.catalog, bandwidth_gbps=args.bandwidth)
+    if args.plots:
+        from lightning_distplan.tuner._dashboard import require
+
+        for module in ("optuna_dashboard", "plotly", "matplotlib"):
+            require(module)  # before the search, not after
     result = tune(
         profile,
         catalog=catalog,
@@ -103,6 +113,13 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     data = result.to_dict()
+    if args.plots:
+        import optuna
+
+        from lightning_distplan.tuner.plots import attach_to_study
+
+        study = optuna.load_study(study_name=result.study_name, storage=args.storage)
+        data["plots"] = attach_to_study(study, time_weight=args.time_weight)
     if args.format == "json":
         print(json.dumps(data, indent=1))
     else:

@@ -164,7 +164,7 @@ class DashboardServer:
         elif not Path(artifact_dir).is_dir():
             raise DashboardBindError(
                 f"--artifact-dir {str(artifact_dir)!r} is not an existing directory.",
-                hint="Name the folder of the study's plot artifacts (`distplan tune` writes <db stem>-artifacts next to the SQLite file), or leave the flag out.",
+                hint="Name the folder of the study's plot artifacts (`distplan tune --plots` writes <db stem>-artifacts next to the SQLite file), or leave the flag out.",
             )
         if artifact_dir is not None:
             from optuna.artifacts import FileSystemArtifactStore

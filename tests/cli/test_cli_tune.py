@@ -80,6 +80,17 @@ def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, mat
     assert re.search(match, err), err
 
 
+def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, capsys):
+    url = f"sqlite:///{tmp_path / 'plots.db'}"
+    rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "12", "--max-instances", "2",
+               "--storage", url, "--study-name", "pl", "--quiet", "--plots"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["plots"]["note"] and len(out["plots"]["graph_ids"]) == 2
+    pngs = sorted(p.name for p in (tmp_path / "plots-artifacts").rglob("*") if p.is_file())
+    assert len(pngs) == len(out["plots"]["artifact_ids"]) == 2  # the PNGs the dashboard serves without a flag
+    assert len(optuna.load_study(study_name="pl", storage=url).user_attrs) > 0
+
+
 def test_real_command_line(tmp_path, profile_path):
     # the installed console script, as a user runs it
     exe = Path(sys.executable).with_name("distplan")
