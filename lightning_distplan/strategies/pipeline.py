@@ -255,6 +255,13 @@ class PipelineStrategy(DDPStrategy):
                 f"PipelineStrategy supports precision '32-true' and 'bf16-mixed', got {trainer.precision!r}.",
                 hint="Use Trainer(precision='bf16-mixed') or '32-true', or strategy='dp_ga'.",
             )
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
+            raise InfeasiblePlanError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization=False), but PipelineStrategy runs "
+                "the pipeline schedule in place of training_step, so your manual backward and optimizer steps would never run.",
+                hint="Use automatic optimization (return the loss from training_step), or strategy='dp_ga' / 'ddp'.",
+            )
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
             raise InfeasiblePlanError(
                 "Gradient clipping by norm is not supported by PipelineStrategy (each stage sees only its own gradients).",

@@ -182,3 +182,18 @@ def test_hf_batch_without_labels_is_a_batch_format_error() -> None:
     with pytest.raises(TypeError):
         _hf_labels(ids, default_to_inputs=False)
     assert _hf_labels({"input_ids": ids}, default_to_inputs=True) is ids
+
+
+def test_pipeline_refuses_manual_optimization(tmp_path) -> None:
+    """The schedule replaces training_step, so manual backward/step would never run (and max_steps never reached)."""
+    import lightning as L
+    from _auto_plan_models import ChainMLP, trainer_kwargs
+
+    class Manual(ChainMLP):
+        def __init__(self) -> None:
+            super().__init__(width=8, depth=3, n_samples=16, loader_batch=4)
+            self.automatic_optimization = False
+
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=PipelineStrategy(stages=2, n_microbatches=2), devices=1, max_steps=2))
+    with pytest.raises(InfeasiblePlanError, match=r"Manual uses manual optimization .* would never run.*HINT: Use automatic optimization"):
+        trainer.fit(Manual())
