@@ -116,8 +116,9 @@ class _AutoPipelineStrategy(PipelineStrategy):
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         trainer.accumulate_grad_batches = 1
-        per_replica = self._auto_plan.micro_batch_size * self._auto_plan.n_microbatches
-        return self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader)
+        plan = self._auto_plan
+        per_replica = plan.micro_batch_size * plan.n_microbatches
+        return self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp)
 
     @override
     def teardown(self) -> None:

@@ -341,21 +341,28 @@ class Rechunking:
     def remember(self, trainer: pl.Trainer) -> None:
         self._user = (trainer.limit_train_batches, trainer.val_check_interval)
 
-    def wrap(self, trainer: pl.Trainer, dataloader: object, m: int, *, weight: float = 1.0, cls: type[_MicroBatchLoader] | None = None) -> object:
+    def wrap(
+        self, trainer: pl.Trainer, dataloader: object, m: int, *, weight: float = 1.0, cls: type[_MicroBatchLoader] | None = None,
+        replica_share: int = 1,
+    ) -> object:
         """``dataloader`` re-chunked into batches of ``m`` samples by ``cls`` (itself when its batches already are).
 
         ``weight``: a micro-batch cut from full loader batches gets loss weight ``weight`` · its
         share of a loader batch, i.e. ``s / the user's accumulate_grad_batches`` for dp_ga.
+        ``replica_share``: processes per data-parallel replica (a pipeline's stages). The data is
+        sharded over replicas, not processes, so one of the user's loader batches per process (what
+        an integer ``limit_train_batches`` / ``val_check_interval`` counts under DDP) is this many
+        loader batches of a replica.
         """
         self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
         self._loader = None
         loader_batch = loader_batch_size(dataloader)
         if loader_batch == m:
             return dataloader
-        limit = trainer.limit_train_batches if _is_count(trainer.limit_train_batches) else None
+        limit = trainer.limit_train_batches * replica_share if _is_count(trainer.limit_train_batches) else None
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
         if loader_batch is not None:
-            _count_in_micro_batches(trainer, loader_batch, m)
+            _count_in_micro_batches(trainer, loader_batch * replica_share, m)
         return self._loader
 
     def start_batch(self) -> None:

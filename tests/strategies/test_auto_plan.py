@@ -89,6 +89,12 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     direct, rec_d = _fit(direct_model, os.path.join(root, "pp_direct"), PipelineStrategy(plan=plan), world, max_steps=STEPS)
     out["pp_direct_losses"] = rec_d.losses
     out["pp_direct_state"] = full_state(direct)
+    # An integer limit_train_batches counts loader batches per process, as under DDP: 3 of them are
+    # 3 optimizer steps here too, though the pipeline's replica (both processes) reads the whole data.
+    pins = dict(strategy=plan.strategy, stages=plan.pp, profile_repeats=1)
+    limited, _ = _fit(ChainMLP(**PP_MODEL), os.path.join(root, "pp_limit"), lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins),
+                      world, max_epochs=1, limit_train_batches=3)
+    out["pp_limit"] = (limited.global_step, limited.limit_train_batches, isinstance(limited.strategy, PipelineStrategy))
     return out
 
 
@@ -159,3 +165,4 @@ def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(result
     assert len(r0["pp_losses"]) == STEPS
     assert r0["pp_losses"] == pytest.approx(r0["pp_direct_losses"], rel=1e-6, abs=1e-7)
     torch.testing.assert_close(r0["pp_state"], r0["pp_direct_state"], rtol=1e-6, atol=1e-7)
+    assert r0["pp_limit"] == r1["pp_limit"] == (3, 3, True)  # 3 steps, as ddp; the user's setting restored after fit
