@@ -318,7 +318,6 @@ class AutoPlanStrategy(DDPStrategy):
         """The strategies to plan over: data parallel only where this fit rules pipelines out.
 
         - The precision: PipelineStrategy runs ``"32-true"`` and ``"bf16-mixed"`` only.
-        - Gradient clipping by norm: each pipeline stage sees only its own gradients.
         - Monitored metrics: a pipeline runs ``PipelineSpec.loss`` in place of the module's
           ``training_step`` / ``validation_step``, so it logs ``train_loss`` / ``val_loss`` /
           ``test_loss`` and nothing the module logs itself; a ``ModelCheckpoint(monitor="val_acc")``
@@ -330,10 +329,6 @@ class AutoPlanStrategy(DDPStrategy):
         if str(trainer.precision) not in PIPELINE_PRECISIONS:
             reasons.append(
                 (f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' or 'bf16-mixed' only", "use Trainer(precision='bf16-mixed')")
-            )
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            reasons.append(
-                ("the fit clips gradients by norm and a pipeline stage sees only its own gradients", "use gradient_clip_algorithm='value'")
             )
         unlogged = sorted(
             {

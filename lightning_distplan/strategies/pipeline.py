@@ -34,6 +34,10 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   running statistics are committed once per step from all micro-batches (fairscale commits the
   *biased* batch variance, torch's BatchNorm the unbiased one). torch's first-step
   shape-inference forward is kept out of the statistics (``_pipeline_batchnorm``).
+* ``teardown``: after a fit / validate / test / predict that ended normally, every rank's module
+  gets the other stages' tensors back (over gloo, on the CPU, where Lightning's teardown moves the
+  module), so the user's model is whole after ``fit`` as after DDP: its ``state_dict``, inference,
+  or another Trainer on it. The next run of this strategy frees them again.
 * ``start_method``: ``"popen"`` re-runs the script like ``ddp``; ``"spawn"`` (tested) or ``"fork"`` use
   Lightning's multiprocessing launcher, and the full weights (gathered from all stages) are loaded
   back into the caller's module after ``fit``.
@@ -79,6 +83,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     local_optimizer_state,
     optimizer_state_names,
     prune_module,
+    restore_full_module,
 )
 from lightning_distplan.strategies._pipeline_split import (
     PipelineLayout,
@@ -196,6 +201,10 @@ class PipelineStrategy(DDPStrategy):
         if self._schedule_name == "1f1b" and isinstance(n_microbatches, int) and isinstance(stages, int):
             _check_1f1b(n_microbatches, stages)
         self._built = False
+        self._pruned = False  # this rank's module holds only its own stage's tensors
+        self._finished = False  # the last fit/validate/test/predict ended normally (not by an exception)
+        self._object_group: Any = None
+        self._norm_skip: set[int] = set()
         self._n: int | None = n_microbatches if isinstance(n_microbatches, int) else None
         self._per_replica_batch: int | None = None
         self._schedules: dict[tuple, Any] = {}
@@ -262,19 +271,21 @@ class PipelineStrategy(DDPStrategy):
                 "the pipeline schedule in place of training_step, so your manual backward and optimizer steps would never run.",
                 hint="Use automatic optimization (return the loss from training_step), or strategy='dp_ga' / 'ddp'.",
             )
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":
-            raise InfeasiblePlanError(
-                "Gradient clipping by norm is not supported by PipelineStrategy (each stage sees only its own gradients).",
-                hint="Use gradient_clip_algorithm='value' or no clipping.",
-            )
         assert self.model is not None
         if not self._built:
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
             self._build_pipeline()
+        elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
+            prune_module(self.model, self._keep)
+            self._pruned = True
+        self._finished = False
         self.model_to_device()
         # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning.
         self._stage_module.forward_context = self.precision_plugin.forward_context
+        # Clipping by norm (Trainer(gradient_clip_val=...) or the module's own clip_gradients) uses the norm of
+        # ALL the model's gradients, which no stage holds alone: the precision plugin's norm clipping is ours.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -323,6 +334,7 @@ class PipelineStrategy(DDPStrategy):
             id(t) for t in module.parameters() if id(t) not in in_layers and k == 0
         }
         freed = prune_module(module, keep)
+        self._pruned = True
         a, b = ranges[k]
         self._stage_module = StageModule(layers[a:b])
         self._spec = spec
@@ -346,7 +358,11 @@ class PipelineStrategy(DDPStrategy):
             if k in s_tuple:
                 self._shared.append((by_stages[s_tuple], group))
         shared_ids = {id(p) for params, _ in self._shared for p in params}
+        # a tied parameter counts once in the global gradient norm: on the first stage that has it
+        self._norm_skip = {id(p) for s_tuple, params in by_stages.items() if k in s_tuple and k != min(s_tuple) for p in params}
         self._stage_params = [p for p in self._stage_module.parameters() if id(p) not in shared_ids]
+        # The whole module goes back to every rank after a run as pickled CPU objects: over gloo, never the GPUs.
+        self._object_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self._built = True
         rank_zero_info(
             f"PipelineStrategy: {self._schedule_name} dp={layout.dp} pp={layout.pp}, {len(layers)} layers, "
@@ -385,6 +401,51 @@ class PipelineStrategy(DDPStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the stages' squared norms summed over
+        the replica's pipeline group (the replicas hold equal gradients after the all-reduce)."""
+        grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        counted = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None and id(p) not in self._norm_skip]
+        square = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for g in counted:
+            square += torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) ** 2
+        if self.layout.pp > 1:
+            dist.all_reduce(square, group=self._pipe_group)
+        coef = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+
+    # ------------------------------------------------------------------ after a run
+
+    @override
+    def on_train_end(self) -> None:
+        self._finished = True
+
+    @override
+    def on_validation_end(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.VALIDATING:
+            self._finished = True  # not a validation inside fit
+
+    @override
+    def on_test_end(self) -> None:
+        self._finished = True
+
+    @override
+    def on_predict_end(self) -> None:
+        self._finished = True
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()  # the module goes to the CPU first: the whole module never lands on a GPU
+        if self._finished and self._pruned and _distributed_is_initialized():
+            # The user's module is whole again on every rank (its state_dict, a second Trainer on it, inference),
+            # as after a DDP run. Not after an exception: a collective then could wait for a rank that is gone.
+            layout = self.layout
+            restore_full_module(self.lightning_module, self._ownership, stage=layout.stage, replica=layout.replica, group=self._object_group)
+            self._pruned = False
+        self._finished = False
 
     # ------------------------------------------------------------------ steps
 

@@ -80,9 +80,10 @@ def build(name: str) -> L.LightningModule:
 
 
 @functools.lru_cache(maxsize=None)
-def reference_weights(name: str, steps: int = N_STEPS, autocast_bf16: bool = False) -> dict[str, torch.Tensor]:
+def reference_weights(name: str, steps: int = N_STEPS, autocast_bf16: bool = False, clip_norm: float = 0.0) -> dict[str, torch.Tensor]:
     """Plain single-process loop: the LightningModule's own training_step on the global batch
-    (in CPU bf16 autocast, as Lightning's 'bf16-mixed' runs it, with ``autocast_bf16``)."""
+    (in CPU bf16 autocast, as Lightning's 'bf16-mixed' runs it, with ``autocast_bf16``; gradients
+    clipped to the norm ``clip_norm`` when it is > 0, as Trainer(gradient_clip_val=...))."""
     model = build(name)
     opt = model.configure_optimizers()
     data = token_data()
@@ -97,6 +98,8 @@ def reference_weights(name: str, steps: int = N_STEPS, autocast_bf16: bool = Fal
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
             loss = model.training_step(batch, i)
         loss.backward()
+        if clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -237,20 +237,14 @@ def test_profiling_runs_in_the_fits_precision(tmp_path: Path, precision: str, au
     assert AutoPlanStrategy()._strategies_allowed(L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, precision=precision))) == expected
 
 
-def test_pipelines_ruled_out_by_precision_or_norm_clipping(tmp_path: Path) -> None:
-    """Pipelines run 32-true or bf16-mixed and cannot clip by norm: auto_plan plans data parallel only, and a pinned pipeline is refused before profiling."""
-    norm = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, gradient_clip_val=1.0))
-    assert AutoPlanStrategy()._strategies_allowed(norm) == ("dp_ga",)
-    value = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, gradient_clip_val=1.0, gradient_clip_algorithm="value"))
-    assert AutoPlanStrategy()._strategies_allowed(value) == ("dp_ga", "gpipe", "1f1b")
-
-    trainer = L.Trainer(
-        **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="gpipe"), devices=1, max_steps=1, precision="bf16-true", gradient_clip_val=1.0)
-    )
+def test_pinned_pipeline_with_a_precision_pipelines_do_not_run_is_refused_before_profiling(tmp_path: Path) -> None:
+    clipped = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, gradient_clip_val=1.0))  # pipelines clip by the global norm
+    assert AutoPlanStrategy()._strategies_allowed(clipped) == ("dp_ga", "gpipe", "1f1b")
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="gpipe"), devices=1, max_steps=1, precision="bf16-true"))
     with pytest.raises(
         InfeasiblePlanError,
-        match=r"pinned, but the fit runs precision='bf16-true' and pipelines run '32-true' or 'bf16-mixed' only; the fit clips gradients by norm.*"
-        r"HINT: Use Trainer\(precision='bf16-mixed'\) and use gradient_clip_algorithm='value', or drop the pipeline pin",
+        match=r"pinned, but the fit runs precision='bf16-true' and pipelines run '32-true' or 'bf16-mixed' only\..*"
+        r"HINT: Use Trainer\(precision='bf16-mixed'\), or drop the pipeline pin",
     ):
         trainer.fit(_small())
     assert not (tmp_path / "distplan" / "profile.json").exists()

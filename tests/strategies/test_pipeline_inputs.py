@@ -195,5 +195,9 @@ def test_pipeline_refuses_manual_optimization(tmp_path) -> None:
             self.automatic_optimization = False
 
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=PipelineStrategy(stages=2, n_microbatches=2), devices=1, max_steps=2))
-    with pytest.raises(InfeasiblePlanError, match=r"Manual uses manual optimization .* would never run.*HINT: Use automatic optimization"):
-        trainer.fit(Manual())
+    try:
+        with pytest.raises(InfeasiblePlanError, match=r"Manual uses manual optimization .* would never run.*HINT: Use automatic optimization"):
+            trainer.fit(Manual())
+    finally:  # the 1-process group the fit started (and its port) must not outlive this test
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

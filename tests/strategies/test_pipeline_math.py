@@ -147,8 +147,37 @@ def _bf16_mixed(world: int, out: str) -> dict[str, Any]:
     return {"autocast": autocast, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
+def _whole_after_fit(world: int, out: str) -> dict[str, Any]:
+    """The user's module after a pipeline fit, on every rank; then a second Trainer with a new strategy on it."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("transformer")
+    first = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2})
+    first.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    after_first = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    second = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2})
+    second.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    return {"after_first": after_first, "second_steps": second.global_step, "after_second": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+CLIP = 0.05  # below the model's gradient norm in every step, so every step is clipped
+
+
+def _clipped(world: int, out: str, schedule: str) -> dict[str, torch.Tensor]:
+    """A pipeline fit with Trainer(gradient_clip_val=CLIP) (by norm, Lightning's default algorithm)."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("gpt2")  # tied embeddings: a parameter on both stages counts once in the norm
+    strategy = PipelineStrategy(schedule=schedule, stages=2, n_microbatches=N_MICRO)
+    trainer = L.Trainer(**trainer_kwargs(world, strategy, out, gradient_clip_val=CLIP))
+    trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    results["clipped"] = _clipped(world, out, "1f1b")
+    results["whole"] = _whole_after_fit(world, out)
     results["bf16_mixed"] = _bf16_mixed(world, out)
     for run in MATH_RUNS:
         results[run[:2]] = _fit(rank, world, run, out, with_eval=run[:2] == ("transformer", "gpipe"))
@@ -211,6 +240,27 @@ def test_pipeline_bf16_mixed_runs_in_autocast_and_matches_a_single_process_bf16_
     near = max((state[k] - bf16[k]).abs().max().item() for k in bf16)
     far = max((state[k] - fp32[k]).abs().max().item() for k in fp32)
     assert near < 0.01 and near < 0.75 * far, (near, far)  # the autocast changed the math the way a bf16 run does
+
+
+def test_pipeline_clips_by_the_norm_of_all_the_models_gradients(two_rank_run) -> None:
+    _, results = two_rank_run
+    expected = reference_weights("gpt2", clip_norm=CLIP)
+    torch.testing.assert_close(results[0]["clipped"], expected, rtol=1e-5, atol=2e-6)
+    unclipped = reference_weights("gpt2")
+    assert max((expected[k] - unclipped[k]).abs().max().item() for k in expected) > 1e-3  # the clipping mattered
+
+
+def test_module_is_whole_on_every_rank_after_fit_and_fits_again(two_rank_run) -> None:
+    """After fit every rank's module holds all the weights again (as after DDP), and a second Trainer on it works."""
+    _, results = two_rank_run
+    expected = reference_weights("transformer", steps=2)
+    for rank, res in enumerate(results):
+        whole = res["whole"]
+        torch.testing.assert_close(whole["after_first"], expected, rtol=1e-5, atol=2e-6, msg=lambda m: f"rank {rank}: {m}")
+        assert whole["second_steps"] == 2
+    torch.testing.assert_close(results[0]["whole"]["after_second"], results[1]["whole"]["after_second"], rtol=0, atol=0)
+    moved = max((results[0]["whole"]["after_second"][k] - expected[k]).abs().max().item() for k in expected)
+    assert moved > 1e-4  # the second fit trained the whole module further
 
 
 def test_pipeline_validate_test_predict_match_single_process(two_rank_run) -> None:
