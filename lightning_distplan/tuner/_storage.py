@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_distplan.errors import DistPlanError
 
-__all__ = ["StudyStorageError", "folder_problem", "open_storage", "sqlite_path", "write_trials"]
+__all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "write_trials"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ def sqlite_path(url: str) -> Path | None:
     prefix = "sqlite:///"
     if not url.startswith(prefix):
         return None
-    rest = url[len(prefix) :].split("?", 1)[0]
+    rest, _, query = url[len(prefix) :].partition("?")
+    if "uri=true" in query.split("&") and rest.startswith("file:"):  # a URI filename: the path follows "file:"
+        rest = rest[len("file:") :]
     if not rest or rest == ":memory:":
         return None
     return Path(rest)
@@ -54,6 +57,25 @@ def folder_problem(url: str) -> tuple[str, str] | None:
     )
 
 
+def read_only_problem(url: str) -> str | None:
+    """Why a SQLite URL cannot take writes (checked before a search, so it fails in a second, not after it), or None.
+
+    SQLite writes a journal next to the database, so the folder must be writable as well as the file.
+    """
+    path = sqlite_path(url)
+    if path is None:
+        return None
+    query = url.split("?", 1)[1] if "?" in url else ""
+    if "mode=ro" in query.split("&") or "immutable=1" in query.split("&"):
+        return f"The storage URL {url!r} opens the database read-only, and a search writes its trials."
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"The SQLite file {str(path)!r} of --storage {url!r} is read-only for this user."
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        return f"The folder {str(folder)!r} of --storage {url!r} is read-only for this user, and SQLite writes its journal there."
+    return None
+
+
 def open_storage(url: Any) -> Any:
     """An ``optuna.storages.RDBStorage`` for ``url``, or :class:`StudyStorageError` naming what is wrong."""
     import optuna
@@ -63,6 +85,9 @@ def open_storage(url: Any) -> Any:
     folder = folder_problem(url)
     if folder is not None:
         raise StudyStorageError(folder[0], hint=folder[1])
+    read_only = read_only_problem(url)
+    if read_only is not None:
+        raise StudyStorageError(read_only, hint="Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")
     try:
         storage = optuna.storages.RDBStorage(url)
         storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema

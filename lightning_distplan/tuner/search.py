@@ -392,12 +392,20 @@ def _tune(
             target.set_user_attr("global_batch_size", global_batch_size)
             target.set_user_attr("time_weight", float(time_weight))
         write_trials(target, new_trials)
-    except BaseException:
+    except BaseException as err:
         if created:
             try:
                 optuna.delete_study(study_name=name, storage=store)
             except Exception:  # the original error matters more
                 pass
+        if isinstance(err, optuna.exceptions.StorageInternalError):
+            cause = err.__cause__ or err.__context__ or err
+            first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            raise StudyStorageError(
+                f"Writing this run's {len(new_trials)} trials to {storage!r} failed ({type(cause).__name__}: {first[:200]}); "
+                f"{'the study was not created' if created else 'the study was left as it was'}.",
+                hint="Check that the database is writable and reachable, then re-run the same command.",
+            ) from None
         raise
 
     all_trials = memory_study.get_trials(deepcopy=False)

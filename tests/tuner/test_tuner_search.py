@@ -168,6 +168,32 @@ def test_pipeline_only_search_starts_from_pipeline_corners(tmp_path, profile, st
     assert {t.params["strategy"] for t in trials} <= set(strategies) and result.best.plan.strategy in strategies
 
 
+def test_read_only_storage_is_refused_before_the_search(tmp_path, profile):
+    url = _url(tmp_path)
+    tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=4, storage=url, study_name="s", max_instances=2, progress=False)
+    before = _snapshot(tmp_path / "study.db")
+    read_only = f"sqlite:///file:{tmp_path / 'study.db'}?mode=ro&uri=true"
+    with pytest.raises(StudyStorageError, match=r"opens the database read-only, and a search writes its trials.*HINT"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=4, storage=read_only, study_name="s", max_instances=2, progress=False)
+    assert _snapshot(tmp_path / "study.db") == before
+
+
+def test_a_failed_write_is_one_storage_error_naming_the_cause(tmp_path, profile, monkeypatch):
+    """What a database that refuses writes mid-run gives (root ignores file modes, so the failure is injected)."""
+    import lightning_distplan.tuner.search as search
+
+    def refuse(study, trials):
+        try:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        except sqlite3.OperationalError as err:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from err
+
+    monkeypatch.setattr(search, "write_trials", refuse)
+    with pytest.raises(StudyStorageError, match=r"Writing this run's 4 trials to .* failed \(OperationalError: attempt to write a readonly database\); the study was not created.*HINT"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=4, storage=_url(tmp_path), study_name="s", max_instances=2, progress=False)
+    assert optuna.get_all_study_names(_url(tmp_path)) == []
+
+
 def test_same_settings_resume_the_study(tmp_path, profile):
     url = _url(tmp_path)
     kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=url, study_name="s", max_instances=2, progress=False)
