@@ -153,6 +153,7 @@ class ConfigSpace:
         self.max_pp = max_pp
         self.precision = precision
         self._plans: dict[int, list[Plan]] = {}
+        self._batch_divisors: list[int] | None = None
         self._projected: dict[str, tuple[Profile, ProjectionInfo]] = {}
         self._cache: dict[tuple[Any, ...], TunedConfig] = {}
         self.evaluations = 0
@@ -160,6 +161,8 @@ class ConfigSpace:
     # -- the space ----------------------------------------------------------------------------
     def plans(self, world_size: int) -> list[Plan]:
         """Every plan for ``world_size`` devices (empty when none factors the global batch)."""
+        if world_size not in self._plans and not self._may_factor(world_size):
+            self._plans[world_size] = []  # skip the planner, whose refusal would spend O(world) on nearest sizes
         if world_size not in self._plans:
             try:
                 plans = enumerate_plans(
@@ -170,6 +173,24 @@ class ConfigSpace:
                 plans = []
             self._plans[world_size] = [p for p in plans if p.strategy in self.strategies]
         return self._plans[world_size]
+
+    def _may_factor(self, world_size: int) -> bool:
+        """Whether some dp · pp = ``world_size`` has dp dividing the global batch and an allowed pp (a cheap
+        necessary condition; the planner decides the rest)."""
+        if self._batch_divisors is None:
+            b = self.global_batch_size
+            small = [d for d in range(1, math.isqrt(b) + 1) if b % d == 0]
+            self._batch_divisors = sorted({*small, *(b // d for d in small)})
+        pp_max = min(len(self.profile.layers), self.max_pp or world_size)
+        pipelines = any(s != "dp_ga" for s in self.strategies)
+        for dp in self._batch_divisors:
+            if dp > world_size:
+                break
+            if world_size % dp == 0:
+                pp = world_size // dp
+                if (pp == 1 and "dp_ga" in self.strategies) or (pipelines and 2 <= pp <= pp_max):
+                    return True
+        return False
 
     def configurations(self) -> list[tuple[Instance, int, Plan]]:
         """The whole space, in a fixed order."""

@@ -85,6 +85,11 @@ def open_storage(url: Any) -> Any:
     folder = folder_problem(url)
     if folder is not None:
         raise StudyStorageError(folder[0], hint=folder[1])
+    if url.startswith("sqlite:") and sqlite_path(url) is None:
+        raise StudyStorageError(
+            f"The storage URL {url!r} is an in-memory SQLite database, which vanishes with this process, study and all.",
+            hint="Name a file, e.g. --storage sqlite:///distplan.db.",
+        )
     read_only = read_only_problem(url)
     if read_only is not None:
         raise StudyStorageError(read_only, hint="Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")

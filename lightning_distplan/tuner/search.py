@@ -288,6 +288,13 @@ def _tune(
         strategies=strategies, max_pp=max_pp, precision=precision,
     )
     space_size = space.size
+    if space_size == 0 and "dp_ga" not in space.strategies and space.max_pp_value < 2:
+        raise InfeasiblePlanError(
+            f"Only pipelines ({', '.join(space.strategies)}) are searched, but no pipeline fits the limits: a pipeline needs 2 or more "
+            f"stages, and at most {space.max_pp_value} are allowed (--max-pp, the profile's {len(profile.layers)} layers, "
+            f"{max_instances} instances).",
+            hint="Raise --max-pp (or --max-instances), or add dp_ga to --strategy.",
+        )
     if space_size == 0:
         raise InfeasiblePlanError(
             f"No configuration of up to {max_instances} instances factors the global batch size {global_batch_size}.",

@@ -91,6 +91,8 @@ def test_infeasible_configurations_are_pruned_with_the_reason(tmp_path):
         ("distplan.db", r"Storage 'distplan.db' is not a database URL.*HINT"),
         ("sqlite:////nonexistent-dir/x/study.db", r"Cannot open the study storage 'sqlite:////nonexistent-dir/x/study.db'.*HINT"),
         ("nosuchdialect://host/db", r"Cannot open the study storage 'nosuchdialect://host/db'.*HINT"),
+        ("sqlite://", r"in-memory SQLite database, which vanishes with this process.*HINT: Name a file"),
+        ("sqlite:///:memory:", r"in-memory SQLite database.*HINT"),
     ],
 )
 def test_bad_storage_fails_before_any_trial(profile, url, match, monkeypatch):
@@ -224,6 +226,27 @@ def test_exhaustive_covers_exactly_the_enumerated_space(profile):
     assert ex.pareto == pareto_front(feasible)
     with pytest.raises(InfeasiblePlanError, match="max_configurations"):
         exhaustive(profile, catalog, global_batch_size=B, max_instances=3, max_configurations=10)
+
+
+@pytest.mark.parametrize(("batch", "strategies", "max_pp"), [(64, ("dp_ga", "gpipe", "1f1b"), None), (96, ("1f1b",), 3), (7, ("dp_ga",), None)])
+def test_the_quick_factor_check_never_drops_a_world_the_planner_has_plans_for(profile, batch, strategies, max_pp):
+    """The space skips the planner for world sizes with no dp dividing the batch (what made --max-instances 2000 take 30 s)."""
+    from lightning_distplan.errors import BatchNotFactorableError
+
+    space = ConfigSpace(profile, load_catalog("alicloud-2023"), global_batch_size=batch, time_weight=0.0, max_instances=2,
+                        strategies=strategies, max_pp=max_pp)
+    for world in range(1, 130):
+        try:
+            n = len(enumerate_plans(profile, world_size=world, global_batch_size=batch, strategies=strategies, max_pp=max_pp))
+        except (BatchNotFactorableError, ModelSplitError):
+            n = 0
+        assert (n > 0) <= space._may_factor(world), world  # never skips a world with plans
+        assert len(space.plans(world)) == n
+
+
+def test_pipelines_only_with_max_pp_1_says_a_pipeline_needs_2_stages(tmp_path, profile):
+    with pytest.raises(InfeasiblePlanError, match=r"Only pipelines \(gpipe\) are searched, but .* a pipeline needs 2 or more stages, and at most 1 are allowed.*HINT: Raise --max-pp"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=4, storage=_url(tmp_path), strategies=("gpipe",), max_pp=1, progress=False)
 
 
 def test_pipeline_only_on_an_unsplittable_profile_names_the_split_not_the_batch(tmp_path):
