@@ -55,7 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return 2
     except KeyboardInterrupt:
-        print(f"distplan {args.command}: interrupted", file=sys.stderr)
+        what = {
+            "tune": "; the study was left as it was (a search writes its trials only when it ends)",
+            "profile": "; no profile was written",
+            "bench": "; no result file was written",
+        }.get(args.command, "")
+        print(f"distplan {args.command}: interrupted{what}", file=sys.stderr)
         return 130
 
 

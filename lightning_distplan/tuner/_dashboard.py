@@ -12,6 +12,7 @@ loading the SPA opens several connections at once, and tests must shut the serve
 
 from __future__ import annotations
 
+import contextlib
 import errno
 
 import importlib
@@ -116,6 +117,12 @@ def open_storage(storage_url: str) -> BaseStorage:
             f"The SQLite file {str(path)!r} named by the storage URL {storage_url!r} does not exist.",
             hint="Check the path (sqlite:/// + a relative path, sqlite://// + an absolute one), or create a study with `distplan tune --storage URL`.",
         )
+    if path is not None and not _has_optuna_tables(path):
+        # RDBStorage would create Optuna's tables in it: never write into a database that is not a study's
+        raise StorageUnreachableError(
+            f"The SQLite file {str(path)!r} named by {storage_url!r} holds no Optuna study (it was left unchanged).",
+            hint="Name the database `distplan tune --storage` wrote, e.g. sqlite:///distplan.db.",
+        )
     try:
         storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=False)
         summaries = storage.get_all_studies()
@@ -131,6 +138,17 @@ def open_storage(storage_url: str) -> BaseStorage:
             hint="Run `distplan tune ... --storage URL --study-name NAME` first.",
         )
     return storage
+
+
+def _has_optuna_tables(path: Path) -> bool:
+    """Whether the SQLite file has Optuna's ``studies`` table, read without writing (False if it is no database)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='studies'").fetchone() is not None
+    except sqlite3.DatabaseError:
+        return False
 
 
 class _QuietHandler(WSGIRequestHandler):

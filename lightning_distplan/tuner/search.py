@@ -373,7 +373,13 @@ def _tune(
     if existing is None and initial_design:
         for point in _initial_design(types, max_instances, global_batch_size, strategy_choices)[: max(0, n_trials // 4)]:
             memory_study.enqueue_trial(point)
-    memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
+    # Optuna logs a failed trial (a Ctrl-C too) with its traceback at WARNING before re-raising: the error
+    # itself is what the caller gets, once.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    try:
+        memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
+    finally:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
     new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
 
     # Write the finished run in one pass; a failure while writing a study this call created removes it

@@ -91,6 +91,28 @@ def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, cap
     assert len(optuna.load_study(study_name="pl", storage=url).user_attrs) > 0
 
 
+def test_ctrl_c_is_one_line_and_leaves_the_study(tmp_path, profile_path, capfd, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'i.db'}"
+    args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "8", "--max-instances", "2",
+            "--storage", url, "--study-name", "i", "--quiet"]
+    assert main(args) == 0
+    capfd.readouterr()
+    sample = optuna.samplers.TPESampler.sample_relative
+    calls = []
+
+    def ctrl_c_on_the_third(self, *a, **k):  # as if the user pressed Ctrl-C in the sampler (where a real one lands)
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return sample(self, *a, **k)
+
+    monkeypatch.setattr(optuna.samplers.TPESampler, "sample_relative", ctrl_c_on_the_third)
+    assert main(args) == 130
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["distplan tune: interrupted; the study was left as it was (a search writes its trials only when it ends)"]
+    assert len(optuna.load_study(study_name="i", storage=url).trials) == 8
+
+
 def test_real_command_line(tmp_path, profile_path):
     # the installed console script, as a user runs it
     exe = Path(sys.executable).with_name("distplan")

@@ -71,7 +71,17 @@ def test_cli_unreachable_and_empty_storage(tmp_path: Path, capsys: pytest.Captur
     bad.write_text("not a database")
     assert main(["dashboard", f"sqlite:///{bad}", "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert "Cannot open the Optuna storage" in err and "HINT:" in err
+    assert "holds no Optuna study (it was left unchanged)" in err and "HINT:" in err
+    assert bad.read_text() == "not a database"
+    import sqlite3
+
+    other = tmp_path / "myapp.db"  # someone's own database: not one byte of Optuna's schema goes into it
+    with sqlite3.connect(other) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    db.close()
+    before = other.read_bytes()
+    assert main(["dashboard", f"sqlite:///{other}", "--port", "0"]) == 2
+    assert "holds no Optuna study" in capsys.readouterr().err and other.read_bytes() == before
     assert main(["dashboard", "nosuchdialect://host/db", "--port", "0"]) == 2
     assert "Cannot open the Optuna storage" in capsys.readouterr().err
     import optuna
