@@ -53,8 +53,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--passes", type=int, default=2,
                         help="run the list of plans this many times, in alternating order, and pool each plan's timed steps (default 2)")
     parser.add_argument("--confirm", type=int, default=0, metavar="K",
-                        help="after the passes, run the contenders for the measured best (the pick, the fastest plan and those within 10%% "
-                        "of it) K more times and judge the pick's regret on those runs alone (default 0: no confirmation)")
+                        help="after the passes, run the contenders for the measured best (the pick, the first profile's pick, the fastest plan "
+                        "and those within 10%% of it, four in all unless the picks make more) K more times and judge the pick's regret "
+                        "on those runs alone (default 0: no confirmation)")
     parser.add_argument("--profile-once", action="store_true",
                         help="predict from the one profile taken before the runs (default: profile again after each pass and "
                         "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
