@@ -53,6 +53,7 @@ the last stage the targets).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
@@ -72,7 +73,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
-from lightning_distplan.errors import CheckpointMismatchError, InfeasiblePlanError
+from lightning_distplan.errors import BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -415,6 +416,33 @@ class PipelineStrategy(DDPStrategy):
         coef = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
         for g in grads:
             g.detach().mul_(coef.to(g.dtype))
+
+    # ------------------------------------------------------------------ before and after a run
+
+    @override
+    def on_train_start(self) -> None:
+        self._check_last_batch()
+
+    def _check_last_batch(self) -> None:
+        """Refuse, before the first step, an epoch whose short last batch cannot be split into the micro-batches
+        (it used to fail when the epoch reached it). Only a plain DataLoader that reaches its end is checked."""
+        trainer = self.lightning_module.trainer
+        loader = trainer.train_dataloader
+        batch = getattr(loader, "batch_size", None)
+        sampler = getattr(loader, "sampler", None)
+        limit = trainer.limit_train_batches
+        if not isinstance(batch, int) or getattr(loader, "drop_last", True) or sampler is None or not hasattr(sampler, "__len__"):
+            return
+        if not (limit == 1.0 or (isinstance(limit, int) and limit >= math.ceil(len(sampler) / batch))):
+            return  # the epoch stops before its last batch
+        last = len(sampler) % batch
+        n = self._n or auto_n_microbatches(batch, self.layout.pp)
+        if last and last % n:
+            raise BatchNotFactorableError(
+                f"Each epoch ends with a batch of {last} samples per replica ({len(sampler)} samples in batches of {batch}), "
+                f"which does not split into `n_microbatches` ({n}) equal micro-batches.",
+                hint=f"Pass drop_last=True to the DataLoader, or give each replica a multiple of {n} samples.",
+            )
 
     # ------------------------------------------------------------------ after a run
 

@@ -174,8 +174,22 @@ def _clipped(world: int, out: str, schedule: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
 
 
+def _short_last_batch(world: int, out: str) -> tuple[str, int]:
+    """70 samples in batches of 16: the epoch's last batch (6) does not split into 4 micro-batches."""
+    from lightning_distplan.errors import BatchNotFactorableError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out))
+    try:
+        trainer.fit(build("transformer"), DataLoader(token_data(70), batch_size=16))
+    except BatchNotFactorableError as err:
+        return str(err), trainer.global_step
+    return "", trainer.global_step
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    results["short_last"] = _short_last_batch(world, out)
     results["clipped"] = _clipped(world, out, "1f1b")
     results["whole"] = _whole_after_fit(world, out)
     results["bf16_mixed"] = _bf16_mixed(world, out)
@@ -248,6 +262,14 @@ def test_pipeline_clips_by_the_norm_of_all_the_models_gradients(two_rank_run) ->
     torch.testing.assert_close(results[0]["clipped"], expected, rtol=1e-5, atol=2e-6)
     unclipped = reference_weights("gpt2")
     assert max((expected[k] - unclipped[k]).abs().max().item() for k in expected) > 1e-3  # the clipping mattered
+
+
+def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
+    _, results = two_rank_run
+    for res in results:
+        message, steps = res["short_last"]
+        assert "ends with a batch of 6 samples per replica (70 samples in batches of 16)" in message and "HINT: Pass drop_last=True" in message
+        assert steps == 0
 
 
 def test_module_is_whole_on_every_rank_after_fit_and_fits_again(two_rank_run) -> None:
