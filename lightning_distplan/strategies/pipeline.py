@@ -73,7 +73,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
-from lightning_distplan.errors import BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError
+from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -481,7 +481,14 @@ class PipelineStrategy(DDPStrategy):
         # The schedule only carries tensors as targets; it gets the micro-batch index and we look the
         # micro-batch's targets (any structure) up here.
         with self.precision_plugin.forward_context():
-            return self._spec.loss(output, self._targets[int(index.reshape(-1)[0])])
+            loss = self._spec.loss(output, self._targets[int(index.reshape(-1)[0])])
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else f"a {type(loss).__name__}"
+            raise BatchFormatError(
+                f"PipelineSpec.loss returned {what}; it must return the micro-batch's mean loss as a scalar tensor.",
+                hint="Reduce the loss in PipelineSpec.loss, e.g. F.cross_entropy(..., reduction='mean') or loss.mean().",
+            )
+        return loss
 
     def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
         shapes = tuple(tuple(t.shape) for t in _tensors(batch))

@@ -201,3 +201,24 @@ def test_pipeline_refuses_manual_optimization(tmp_path) -> None:
     finally:  # the 1-process group the fit started (and its port) must not outlive this test
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_pipeline_spec_contract_breaks_are_named() -> None:
+    """A layer returning a dict, or a loss that is not a scalar: one sentence naming the spec, not torch's internals."""
+    from lightning_distplan._layers import PipelineSpec
+    from lightning_distplan.errors import BatchFormatError
+
+    class DictOut(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"hidden": x}
+
+    with pytest.raises(ModelSplitError, match=r"layer DictOut returned a dict; a PipelineSpec layer must return a tensor or a tuple.*HINT"):
+        StageModule([nn.Linear(2, 2), DictOut()])(torch.zeros(3, 2))
+
+    strategy = PipelineStrategy(stages=2)
+    strategy._spec = PipelineSpec(layers=[nn.Identity()], inputs=lambda b: b[0], loss=lambda out, batch: (out - batch[1]) ** 2)
+    strategy._targets = [(torch.zeros(3, 2), torch.ones(3, 2))]
+    with pytest.raises(BatchFormatError, match=r"PipelineSpec.loss returned a tensor of shape \(3, 2\); it must return .* scalar.*HINT"):
+        strategy._loss_fn(torch.zeros(3, 2), torch.tensor([0]))
+    strategy._spec = PipelineSpec(layers=[nn.Identity()], inputs=lambda b: b[0], loss=lambda out, batch: ((out - batch[1]) ** 2).mean())
+    assert strategy._loss_fn(torch.zeros(3, 2), torch.tensor([0])).item() == 1.0
