@@ -5,7 +5,7 @@ half-written file and never replaces the user's own one."""
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 from lightning_distplan.errors import OutputPathError
@@ -37,13 +37,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a uniquely named temporary file in the same folder and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # A unique name made with mode 0666 less the umask, as open() would (mkstemp's 0600 left the results
+    # unreadable to the group on a shared cluster).
+    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
-        # mkstemp makes the file 0600; give it the mode open() would (0666 less the umask), as readable
-        # by the group as any other file the user writes
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

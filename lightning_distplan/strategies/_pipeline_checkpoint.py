@@ -192,14 +192,17 @@ def local_optimizer_state(full: dict[str, Any], index: OptimizerIndex) -> dict[s
 
 
 def prune_module(module: nn.Module, keep: set[int]) -> int:
-    """Free the storage of every parameter and buffer whose ``id`` is not in ``keep``; returns bytes freed.
+    """Free the storage of every parameter and persistent buffer whose ``id`` is not in ``keep``; returns bytes freed.
 
     The tensor objects stay (with an empty storage) so that optimizer param groups and user references
     do not break; ``state_dict`` keys stay, and the full values are gathered at save time.
     """
     freed = 0
     for sub in module.modules():
-        for name, t in list(sub._parameters.items()) + list(sub._buffers.items()):
+        # Non-persistent buffers (attention masks, rotary tables) stay: no state_dict carries them back
+        # after the run, and they are small.
+        buffers = [(n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set]
+        for name, t in list(sub._parameters.items()) + buffers:
             if t is None or id(t) in keep or t.numel() == 0:
                 continue
             freed += t.numel() * t.element_size()

@@ -63,10 +63,10 @@ class StageModule(nn.Module):
         with self.forward_context():
             for block in self.blocks:
                 x = block(*x) if isinstance(x, tuple) else block(x)
-                if not isinstance(x, (Tensor, tuple)):
+                if not isinstance(x, (Tensor, tuple, list)):
                     raise ModelSplitError(
                         f"The pipeline layer {type(block).__name__} returned a {type(x).__name__}; a PipelineSpec layer must return a "
-                        "tensor or a tuple of tensors (what crosses to the next stage).",
+                        "tensor or a tuple (or list) of tensors (what crosses to the next stage).",
                         hint="Wrap the layer so it returns the tensor(s) the next layer takes, e.g. out['hidden_states'] or out[0].",
                     )
         if isinstance(x, tuple):

@@ -65,7 +65,7 @@ from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -203,7 +203,7 @@ class PipelineStrategy(DDPStrategy):
             _check_1f1b(n_microbatches, stages)
         self._built = False
         self._pruned = False  # this rank's module holds only its own stage's tensors
-        self._finished = False  # the last fit/validate/test/predict ended normally (not by an exception)
+        self._keep_names: set[str] = set()  # names of this rank's tensors (ids change when buffers move devices)
         self._object_group: Any = None
         self._norm_skip: set[int] = set()
         self._n: int | None = n_microbatches if isinstance(n_microbatches, int) else None
@@ -278,9 +278,10 @@ class PipelineStrategy(DDPStrategy):
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
             self._build_pipeline()
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
+            named = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
+            self._keep = {id(t) for name, t in named if name in self._keep_names}
             prune_module(self.model, self._keep)
             self._pruned = True
-        self._finished = False
         self.model_to_device()
         # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning.
         self._stage_module.forward_context = self.precision_plugin.forward_context
@@ -334,6 +335,8 @@ class PipelineStrategy(DDPStrategy):
         self._provide = {i for i, s in tensor_stages.items() if min(s) == k} | {
             id(t) for t in module.parameters() if id(t) not in in_layers and k == 0
         }
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        self._keep_names = {name for name, t in named if id(t) in keep}
         freed = prune_module(module, keep)
         self._pruned = True
         a, b = ranges[k]
@@ -428,13 +431,17 @@ class PipelineStrategy(DDPStrategy):
         (it used to fail when the epoch reached it). Only a plain DataLoader that reaches its end is checked."""
         trainer = self.lightning_module.trainer
         loader = trainer.train_dataloader
-        batch = getattr(loader, "batch_size", None)
-        sampler = getattr(loader, "sampler", None)
-        limit = trainer.limit_train_batches
-        if not isinstance(batch, int) or getattr(loader, "drop_last", True) or sampler is None or not hasattr(sampler, "__len__"):
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            return  # auto_plan's loader (it drops a short tail itself), or a loader of the user's own kind
+        batch, sampler = loader.batch_size, loader.sampler
+        if not isinstance(batch, int) or loader.drop_last or not hasattr(sampler, "__len__"):
             return
-        if not (limit == 1.0 or (isinstance(limit, int) and limit >= math.ceil(len(sampler) / batch))):
+        batches = math.ceil(len(sampler) / batch)
+        limit = trainer.limit_train_batches
+        if not ((isinstance(limit, float) and limit == 1.0) or (isinstance(limit, int) and limit >= batches)):
             return  # the epoch stops before its last batch
+        if trainer.max_steps >= 0 and trainer.max_steps * trainer.accumulate_grad_batches < batches:
+            return  # so does the run
         last = len(sampler) % batch
         n = self._n or auto_n_microbatches(batch, self.layout.pp)
         if last and last % n:
@@ -447,33 +454,16 @@ class PipelineStrategy(DDPStrategy):
     # ------------------------------------------------------------------ after a run
 
     @override
-    def on_train_end(self) -> None:
-        self._finished = True
-
-    @override
-    def on_validation_end(self) -> None:
-        module = self.lightning_module
-        if module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.VALIDATING:
-            self._finished = True  # not a validation inside fit
-
-    @override
-    def on_test_end(self) -> None:
-        self._finished = True
-
-    @override
-    def on_predict_end(self) -> None:
-        self._finished = True
-
-    @override
     def teardown(self) -> None:
+        module = self.lightning_module
+        interrupted = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
         super().teardown()  # the module goes to the CPU first: the whole module never lands on a GPU
-        if self._finished and self._pruned and _distributed_is_initialized():
+        if self._pruned and not interrupted and _distributed_is_initialized():
             # The user's module is whole again on every rank (its state_dict, a second Trainer on it, inference),
             # as after a DDP run. Not after an exception: a collective then could wait for a rank that is gone.
             layout = self.layout
-            restore_full_module(self.lightning_module, self._ownership, stage=layout.stage, replica=layout.replica, group=self._object_group)
+            restore_full_module(module, self._ownership, stage=layout.stage, replica=layout.replica, group=self._object_group)
             self._pruned = False
-        self._finished = False
 
     # ------------------------------------------------------------------ steps
 

@@ -375,11 +375,12 @@ def _tune(
             memory_study.enqueue_trial(point)
     # Optuna logs a failed trial (a Ctrl-C too) with its traceback at WARNING before re-raising: the error
     # itself is what the caller gets, once.
+    verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     try:
         memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
     finally:
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna.logging.set_verbosity(verbosity)
     new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
 
     # Write the finished run in one pass; a failure while writing a study this call created removes it

@@ -95,6 +95,10 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     limited, _ = _fit(ChainMLP(**PP_MODEL), os.path.join(root, "pp_limit"), lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins),
                       world, max_epochs=1, limit_train_batches=3)
     out["pp_limit"] = (limited.global_step, limited.limit_train_batches, isinstance(limited.strategy, PipelineStrategy))
+    # A short tail (70 = 8 pipeline steps of 8 + 6): auto_plan's loader drops it (with a warning); nothing refuses the epoch.
+    tail, _ = _fit(ChainMLP(**{**PP_MODEL, "n_samples": 70}), os.path.join(root, "pp_tail"),
+                   lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins), world, max_epochs=1)
+    out["pp_tail_steps"] = tail.global_step
     return out
 
 
@@ -166,3 +170,4 @@ def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(result
     assert r0["pp_losses"] == pytest.approx(r0["pp_direct_losses"], rel=1e-6, abs=1e-7)
     torch.testing.assert_close(r0["pp_state"], r0["pp_direct_state"], rtol=1e-6, atol=1e-7)
     assert r0["pp_limit"] == r1["pp_limit"] == (3, 3, True)  # 3 steps, as ddp; the user's setting restored after fit
+    assert r0["pp_tail_steps"] == r1["pp_tail_steps"] == 8

@@ -152,12 +152,16 @@ def _whole_after_fit(world: int, out: str) -> dict[str, Any]:
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     model = build("transformer")
+    # buffers on the last stage's layer: a persistent one (in the state_dict) and a non-persistent one (not)
+    model.model.decoder.register_buffer("scale", torch.full((3,), 2.0))
+    model.model.decoder.register_buffer("mask", torch.ones(4), persistent=False)
     first = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2})
     first.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     after_first = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
     second = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2})
     second.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
-    return {"after_first": after_first, "second_steps": second.global_step, "after_second": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"after_first": after_first, "buffers": buffers, "second_steps": second.global_step, "after_second": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 CLIP = 0.05  # below the model's gradient norm in every step, so every step is clipped
@@ -179,6 +183,10 @@ def _short_last_batch(world: int, out: str) -> tuple[str, int]:
     from lightning_distplan.errors import BatchNotFactorableError
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
+    # limit_train_batches=1 (one batch, as fast_dev_run) never reaches the short batch: it runs
+    one = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out), "limit_train_batches": 1, "max_epochs": 1})
+    one.fit(build("transformer"), DataLoader(token_data(70), batch_size=16))
+    assert one.global_step == 1
     trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out))
     try:
         trainer.fit(build("transformer"), DataLoader(token_data(70), batch_size=16))
@@ -278,9 +286,11 @@ def test_module_is_whole_on_every_rank_after_fit_and_fits_again(two_rank_run) ->
     expected = reference_weights("transformer", steps=2)
     for rank, res in enumerate(results):
         whole = res["whole"]
-        torch.testing.assert_close(whole["after_first"], expected, rtol=1e-5, atol=2e-6, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close({k: whole["after_first"][k] for k in expected}, expected, rtol=1e-5, atol=2e-6, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(whole["buffers"], {"model.decoder.scale": torch.full((3,), 2.0), "model.decoder.mask": torch.ones(4)})
         assert whole["second_steps"] == 2
     torch.testing.assert_close(results[0]["whole"]["after_second"], results[1]["whole"]["after_second"], rtol=0, atol=0)
+    assert set(results[0]["whole"]["after_first"]) == {*expected, "model.decoder.scale"}
     moved = max((results[0]["whole"]["after_second"][k] - expected[k]).abs().max().item() for k in expected)
     assert moved > 1e-4  # the second fit trained the whole module further
 
