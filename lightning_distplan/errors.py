@@ -76,3 +76,9 @@ class DemoArgumentError(DistPlanError, ValueError):
 
 class OutputPathError(DistPlanError, ValueError):
     """A file this package was asked to write cannot be written there (a folder, under a file, not writable)."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message, or its type's name when it has none (for one-line reports)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -24,7 +24,6 @@ import sys
 import warnings
 from typing import Any
 
-from lightning_distplan.errors import DistPlanError
 
 __all__ = ["add_parser", "run", "torchrun_command"]
 

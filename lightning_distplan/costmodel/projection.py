@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from lightning_distplan.costmodel.gpus import GpuSpec, source_spec
 from lightning_distplan.errors import CatalogError
-from lightning_distplan.profile import DeviceProfile, LayerProfile, LinearFit, MemoryProfile, OptimizerProfile, Profile, StepProfile, dtype_bytes
+from lightning_distplan.profile import DeviceProfile, LayerProfile, LinearFit, OptimizerProfile, Profile, StepProfile, dtype_bytes
 
 __all__ = ["ProjectionInfo", "project_profile", "roofline_ratio", "layer_bytes"]
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_distplan._layers import discover_layers
-from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
+from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.profile import (
     FrameworkProfile,
     LayerProfile,
@@ -84,11 +84,6 @@ def _is_oom(err: BaseException) -> bool:
 def _is_size_error(err: BaseException) -> bool:
     """The model rejects this micro-batch size itself (BatchNorm in training needs > 1 sample per channel)."""
     return isinstance(err, ValueError) and "Expected more than 1 value per channel" in str(err)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _dist_group_size() -> int:
@@ -512,7 +507,7 @@ def profile_module(
         raise
     except Exception as err:  # the user's training_step / loss failed: say where, keep the chain
         raise ProfilingError(
-            f"Profiling {name} failed in its training step with {type(err).__name__}: {_first_line(err)}",
+            f"Profiling {name} failed in its training step with {type(err).__name__}: {first_line(err)}",
             hint="Check that training_step runs on a batch of the loader outside a Trainer (e.g. it must not need self.trainer); "
             "the original traceback is chained to this error.",
         ) from err
@@ -578,7 +573,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             del loss
         except Exception as err:
             if _is_size_error(err):
-                prof.say(f"micro-batch {m0}: skipped ({_first_line(err)})")
+                prof.say(f"micro-batch {m0}: skipped ({first_line(err)})")
                 skipped.append(m0)
                 queue = [m for m in queue if m != m0] or [2 * m0]
                 m0 = queue[0]
@@ -639,7 +634,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 t = prof.time_layers(recorder, m)
             except Exception as err:
                 if _is_size_error(err):
-                    prof.say(f"micro-batch {m}: skipped ({_first_line(err)})")
+                    prof.say(f"micro-batch {m}: skipped ({first_line(err)})")
                     skipped.append(m)
                     if not explicit and not queue and len(done) < _MIN_SIZES:
                         queue = [2 * max(done + [m])]

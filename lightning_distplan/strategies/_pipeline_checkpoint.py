@@ -77,12 +77,12 @@ def gather_full_state_dict(module: nn.Module, ownership: StateOwnership, *, stag
     return OrderedDict((k, merged[k]) for k in ownership.keys if k in merged)
 
 
-def restore_full_module(module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, group: Any = None) -> int:
+def restore_full_module(module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, group: Any = None) -> None:
     """Collective: give every tensor :func:`prune_module` emptied its full value again, on every rank.
 
     Each entry comes from its provider (the first stage using it, replica 0), as when saving; the
     values travel as pickled CPU objects over ``group`` (a gloo group, so that nothing lands on the
-    GPUs). Returns the bytes restored on this rank.
+    GPUs).
     """
     local = module.state_dict(keep_vars=True)
     mine = {}
@@ -90,14 +90,11 @@ def restore_full_module(module: nn.Module, ownership: StateOwnership, *, stage: 
         mine = {k: _to_cpu(local[k]) for k in ownership.keys if ownership.provider[k] == stage and k in local}
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
-    restored = 0
     for part in parts:
         for key, value in part.items():
             tensor = local.get(key)
             if tensor is not None and tensor.numel() == 0 and value.numel() > 0:
                 tensor.data = value.to(device=tensor.device, dtype=tensor.dtype)
-                restored += value.numel() * value.element_size()
-    return restored
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -278,8 +278,7 @@ class PipelineStrategy(DDPStrategy):
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
             self._build_pipeline()
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
-            named = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]
-            self._keep = {id(t) for name, t in named if name in self._keep_names}
+            self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
             prune_module(self.model, self._keep)
             self._pruned = True
         self.model_to_device()
@@ -335,8 +334,7 @@ class PipelineStrategy(DDPStrategy):
         self._provide = {i for i, s in tensor_stages.items() if min(s) == k} | {
             id(t) for t in module.parameters() if id(t) not in in_layers and k == 0
         }
-        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
-        self._keep_names = {name for name, t in named if id(t) in keep}
+        self._keep_names = {name for name, t in _named_tensors(module) if id(t) in keep}
         freed = prune_module(module, keep)
         self._pruned = True
         a, b = ranges[k]
@@ -409,16 +407,16 @@ class PipelineStrategy(DDPStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model: the stages' squared norms summed over
         the replica's pipeline group (the replicas hold equal gradients after the all-reduce)."""
-        grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        counted = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None and id(p) not in self._norm_skip]
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
         square = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for g in counted:
-            square += torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32) ** 2
+        for p in params:
+            if id(p) not in self._norm_skip:
+                square += torch.linalg.vector_norm(p.grad.detach(), 2.0, dtype=torch.float32) ** 2
         if self.layout.pp > 1:
             dist.all_reduce(square, group=self._pipe_group)
         coef = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
 
     # ------------------------------------------------------------------ before and after a run
 
@@ -450,8 +448,6 @@ class PipelineStrategy(DDPStrategy):
                 f"which does not split into `n_microbatches` ({n}) equal micro-batches.",
                 hint=f"Pass drop_last=True to the DataLoader, or give each replica a multiple of {n} samples.",
             )
-
-    # ------------------------------------------------------------------ after a run
 
     @override
     def teardown(self) -> None:
@@ -743,3 +739,8 @@ def _all_reduce_mean(params: list[nn.Parameter], group: Any, *, divide_by: int) 
         n = p.numel()
         p.grad = flat[offset : offset + n].view_as(p).clone()
         offset += n
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has (tied ones more than once)."""
+    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-
 import importlib
 import logging
 import socket
@@ -24,7 +23,7 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from lightning_distplan.errors import DistPlanError
+from lightning_distplan.errors import DistPlanError, first_line
 from lightning_distplan.tuner._storage import folder_problem, sqlite_path
 
 if TYPE_CHECKING:
@@ -127,9 +126,8 @@ def open_storage(storage_url: str) -> BaseStorage:
         storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=False)
         summaries = storage.get_all_studies()
     except Exception as err:  # sqlalchemy raises many kinds (ArgumentError, OperationalError, ...)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StorageUnreachableError(
-            f"Cannot open the Optuna storage {storage_url!r} ({type(err).__name__}: {first}).",
+            f"Cannot open the Optuna storage {storage_url!r} ({type(err).__name__}: {first_line(err)}).",
             hint="Pass an RDB URL such as sqlite:///distplan.db that `distplan tune --storage` wrote, and check the database server is reachable.",
         ) from None
     if not summaries:

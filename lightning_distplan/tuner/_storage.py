@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from lightning_distplan.errors import DistPlanError
+from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "write_trials"]
 
@@ -65,10 +65,10 @@ def read_only_problem(url: str) -> str | None:
     path = sqlite_path(url)
     if path is None:
         return None
-    query = url.split("?", 1)[1] if "?" in url else ""
-    if "mode=ro" in query.split("&") or "immutable=1" in query.split("&"):
+    options = url.partition("?")[2].split("&")
+    if "mode=ro" in options or "immutable=1" in options:
         return f"The storage URL {url!r} opens the database read-only, and a search writes its trials."
-    folder = path.parent if str(path.parent) else Path(".")
+    folder = path.parent
     if path.exists() and not os.access(path, os.W_OK):
         return f"The SQLite file {str(path)!r} of --storage {url!r} is read-only for this user."
     if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
@@ -97,8 +97,7 @@ def open_storage(url: Any) -> Any:
         storage = optuna.storages.RDBStorage(url)
         storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise StudyStorageError(f"Cannot open the study storage {url!r} ({type(err).__name__}: {first[:200]}).", hint=_HINT) from None
+        raise StudyStorageError(f"Cannot open the study storage {url!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=_HINT) from None
     return storage
 
 

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
+from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.plan import STRATEGIES
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
@@ -414,9 +414,8 @@ def _tune(
                 pass
         if isinstance(err, optuna.exceptions.StorageInternalError):
             cause = err.__cause__ or err.__context__ or err
-            first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
             raise StudyStorageError(
-                f"Writing this run's {len(new_trials)} trials to {storage!r} failed ({type(cause).__name__}: {first[:200]}); "
+                f"Writing this run's {len(new_trials)} trials to {storage!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
                 f"{'the study was not created' if created else 'the study was left as it was'}.",
                 hint="Check that the database is writable and reachable, then re-run the same command.",
             ) from None
