@@ -59,6 +59,11 @@ def add_parser(subparsers: Any) -> None:
                         help="predict from the one profile taken before the runs (default: profile again after each pass and "
                         "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    from lightning_distplan.profiling._precision import PRECISIONS
+
+    parser.add_argument("--precision", default="32-true", choices=PRECISIONS,
+                        help="Trainer(precision=...) of every run and of the profiling (default 32-true); pipelines train "
+                        "in 32-true and bf16-mixed only, so another precision runs dp_ga plans only")
     parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to profile (default: powers of two up to the global batch)")
     parser.add_argument("--profile-repeats", type=int, default=3, help="timed runs per profiled size (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: torch's)")
@@ -76,7 +81,7 @@ def _inside_torchrun() -> bool:
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [args.model, "--world-size", str(args.world_size), "--global-batch-size", str(args.global_batch_size)]
-    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "min_time", "warmup", "passes", "confirm", "device", "micro_batch_sizes",
+    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "min_time", "warmup", "passes", "confirm", "device", "precision", "micro_batch_sizes",
                  "profile_repeats", "threads", "out", "format", "plot"):
         value = getattr(args, flag)
         if value is not None:
@@ -179,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
             steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
-            micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, progress=say,
+            micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, precision=args.precision, progress=say,
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},
         )

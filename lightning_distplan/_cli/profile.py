@@ -13,6 +13,7 @@ from typing import Any
 from lightning_distplan._files import check_output_path
 from lightning_distplan.errors import DistPlanError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
+from lightning_distplan.profiling._precision import PRECISIONS, precision_plugin
 
 __all__ = ["add_parser", "run"]
 
@@ -107,20 +108,6 @@ def _sizes(text: str | None) -> list[int] | None:
     return sizes
 
 
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
-
-
-def _precision_plugin(name: str, device: Any) -> Any:
-    """Lightning's precision plugin for ``Trainer(precision=name)`` on ``device``."""
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-
-    if name.endswith("-mixed"):
-        return MixedPrecision(name, device=device.type)  # type: ignore[arg-type]
-    if name in ("bf16-true", "16-true"):
-        return HalfPrecision(name)  # type: ignore[arg-type]
-    return DoublePrecision() if name == "64-true" else Precision()
-
-
 def _build(cls: type, kwargs: dict[str, Any], what: str, path: str, option: str) -> Any:
     try:
         return cls(**kwargs)
@@ -162,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
 
     loader = train_loader(model, datamodule, model_path=args.model, datamodule_path=args.datamodule)
-    precision = _precision_plugin(args.precision, device)
+    precision = precision_plugin(args.precision, device)
     model = precision.convert_module(model)  # the weights' dtype for the '*-true' precisions, as the Trainer converts them
     try:
         profile = profile_module(

@@ -168,14 +168,18 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoader, m: int, device: torch.device) -> float:
+def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoader, m: int, device: torch.device,
+                 precision: Any = None) -> float:
     """Mean forward + backward seconds of one training step at micro-batch ``m``, timed as the profiler times it."""
     from lightning_distplan.profiling._profiler import _Profiler
 
-    module = make_module().to(device).train()
+    module = make_module()
+    if precision is not None:
+        module = precision.convert_module(module)
+    module = module.to(device).train()
     # three untimed runs first: a fresh module's first steps allocate (and fault in) its gradient buffers
     prof = _Profiler(module, loader, micro_batch_sizes=[m], device=device, optimizer=None, warmup=3, repeats=3,
-                     progress=None, t0=time.perf_counter(), loop_overhead=False)
+                     progress=None, t0=time.perf_counter(), loop_overhead=False, precision_plugin=precision)
     fwd, bwd, _, _ = prof.time_step(m, warmup=3)
     prof.clear_grads()
     return fwd + bwd
@@ -207,6 +211,7 @@ def run_bench(
     device: str | torch.device | None = None,
     micro_batch_sizes: Sequence[int] | None = None,
     profile_repeats: int = 3,
+    precision: str = "32-true",
     link_sizes: Sequence[int] = BENCH_LINK_SIZES,
     progress: Callable[[str], None] | None = None,
     meta: dict[str, Any] | None = None,
@@ -251,6 +256,10 @@ def run_bench(
         device: ``"cpu"``/``"cuda"``; default CUDA when present.
         micro_batch_sizes: sizes to profile; default powers of two up to the global batch.
         profile_repeats: timed runs per profiled size.
+        precision: ``Trainer(precision=...)`` of every run, and of the profiling (autocast for the
+            mixed precisions, converted weights and inputs for ``"bf16-true"`` and the like).
+            Pipelines train only in :data:`~lightning_distplan.strategies.pipeline.PIPELINE_PRECISIONS`;
+            in another precision only ``dp_ga`` plans are ranked.
         link_sizes: message sizes for the link measurement (when distributed).
         progress: called with one line per phase.
         meta: extra provenance (e.g. the command line), stored under ``provenance``.
@@ -268,11 +277,14 @@ def run_bench(
     Raises:
         BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
     """
+    from lightning_distplan.plan import STRATEGIES
     from lightning_distplan.planner import rank_plans
     from lightning_distplan.profile import Profile, pool_profiles, poolable
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
     from lightning_distplan.profiling._links import pipeline_slot_for
+    from lightning_distplan.profiling._precision import PRECISIONS, precision_plugin
+    from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
@@ -290,16 +302,22 @@ def run_bench(
             f"The train DataLoader's dataset ({type(dataset).__name__}) is not a map-style dataset with __len__/__getitem__.",
             hint="Give the benchmark a DataLoader over a map-style Dataset (e.g. --datamodule lightning_distplan.demos:RandomTokenData).",
         )
+    if precision not in PRECISIONS:
+        raise BenchError(f"Unknown precision {precision!r}.", hint=f"Use one of {', '.join(PRECISIONS)}.")
     dev = resolve_device(device)
     accelerator = "cuda" if dev.type == "cuda" else "cpu"
+    plugin = precision_plugin(precision, dev)
+    # pipelines train only in some precisions (PipelineStrategy refuses the others at setup)
+    strategies = STRATEGIES if precision in PIPELINE_PRECISIONS else ("dp_ga",)
 
     # -- profile (every rank; rank 0's profile is the one planned on) -----------------------------
     sizes = list(micro_batch_sizes) if micro_batch_sizes else default_bench_micro_batch_sizes(global_batch_size)
     def take_profile(when: str) -> Profile:
         say(f"profiling {when} on {dev} at micro-batch sizes {sizes} (world size {world})")
         torch.manual_seed(0)
-        module = make_module()
-        taken = profile_module(module, train_loader, micro_batch_sizes=sizes, device=dev, repeats=profile_repeats, measure_links=False)
+        module = plugin.convert_module(make_module())  # the weights' dtype for the '*-true' precisions, as the Trainer converts them
+        taken = profile_module(module, train_loader, micro_batch_sizes=sizes, device=dev, repeats=profile_repeats, measure_links=False,
+                               precision_plugin=plugin)
         del module
         if world > 1:
             say(f"measuring the links at {[s >> 10 for s in link_sizes]} KiB")
@@ -318,7 +336,7 @@ def run_bench(
     profiles = [profile]
 
     # -- plan --------------------------------------------------------------------------------------
-    candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size)
+    candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies)
     chosen = select_candidates(candidates, plans)
     if not chosen:
         raise InfeasiblePlanError(
@@ -356,7 +374,7 @@ def run_bench(
         # The same whole-step timing as the profile, again: roughly how much faster or slower the host runs
         # now than while it was profiled (a shared machine drifts; every prediction inherits the profile's
         # speed). One timing of ~0.25 s: on a noisy CPU host it is itself good to about ±10%.
-        seconds = max(_gather(_retime_step(seeded_module, train_loader, check_m, dev)))
+        seconds = max(_gather(_retime_step(seeded_module, train_loader, check_m, dev, plugin)))
         host_checks.append({"after_pass": after_pass, "micro_batch_size": check_m, "profiled_s": profiled_check,
                             "retimed_s": seconds, "ratio": seconds / profiled_check if profiled_check > 0 else None})
         say(f"host check after pass {after_pass}: the m={check_m} step took {seconds * 1e3:.1f} ms, "
@@ -372,7 +390,7 @@ def run_bench(
         t0 = time.perf_counter()
         mine = measure_plan(
             plan, make_module=seeded_module, make_loader=make_loader, steps=counts[i], warmup=warmup,
-            accelerator=accelerator, devices=local, num_nodes=nodes,
+            accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision,
         )
         got = combine_ranks(_gather(mine), warmup=warmup)
         walls[i] += time.perf_counter() - t0
@@ -487,6 +505,7 @@ def run_bench(
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
+            "precision": precision,
             "versions": _versions(),
             "wall_s": time.perf_counter() - started,
             **(meta or {}),

@@ -115,6 +115,7 @@ def measure_plan(
     accelerator: str,
     devices: int,
     num_nodes: int,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
     """Train ``plan`` for ``warmup + steps`` optimizer steps with a fresh module and Trainer on this rank.
 
@@ -127,6 +128,7 @@ def measure_plan(
         accelerator: ``"cpu"`` or ``"cuda"``.
         devices: processes per node.
         num_nodes: nodes.
+        precision: ``Trainer(precision=...)``.
 
     Returns:
         This rank's raw numbers: ``step_times_s`` (all steps, warm-up included), ``peak_memory_bytes``,
@@ -152,6 +154,7 @@ def measure_plan(
             accelerator=accelerator,
             devices=devices,
             num_nodes=num_nodes,
+            precision=precision,
             strategy=build_strategy(plan),
             max_steps=warmup + steps,
             max_epochs=-1,

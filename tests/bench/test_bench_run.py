@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 MODEL = ["lightning_distplan.bench.models:WideMLP", "--init-args", '{"in_features": 16, "hidden": 32, "depth": 2}',
          "--datamodule", "lightning_distplan.bench.models:RandomVectorData", "--datamodule-args", '{"in_features": 16, "batch_size": 4}']
@@ -159,9 +160,10 @@ def test_print_launch_names_torchrun(capsys, monkeypatch):
 
     for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    assert main(["bench", *MODEL, "--world-size", "4", "--global-batch-size", "8", "--print-launch"]) == 0
+    assert main(["bench", *MODEL, "--world-size", "4", "--global-batch-size", "8", "--precision", "bf16-mixed", "--print-launch"]) == 0
     out = capsys.readouterr().out
     assert "-m torch.distributed.run --standalone --nproc-per-node 4 -m lightning_distplan.cli bench" in out
+    assert "--precision bf16-mixed" in out  # every worker runs in it
 
 
 def test_timed_steps_lasts_min_time_within_bounds():
@@ -173,3 +175,52 @@ def test_timed_steps_lasts_min_time_within_bounds():
     assert timed_steps(4, 1.0, 1e-6) == MAX_TIMED_STEPS  # a prediction far too fast cannot make a run take minutes
     assert timed_steps(500, 1.0, 1e-6) == 500  # --steps above the cap still holds
     assert timed_steps(4, 1.0, 0.0) == 4 and timed_steps(4, 1.0, float("nan")) == 4  # no usable prediction
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bench_profiles_and_trains_in_the_given_precision(precision):
+    """``--precision``: the profile and every plan's Trainer run in it (autocast, or converted weights)."""
+    from lightning_distplan.bench import run_bench
+    from lightning_distplan.bench.models import RandomVectorData, WideMLP
+
+    seen: list[tuple[bool, torch.dtype]] = []  # (autocast on, weight dtype) in every training_step
+
+    class Recording(WideMLP):
+        def training_step(self, batch, batch_idx):
+            seen.append((torch.is_autocast_enabled("cpu"), next(self.parameters()).dtype))
+            return super().training_step(batch, batch_idx)
+
+    dm = RandomVectorData(in_features=16, batch_size=4)
+    dm.setup("fit")
+    result = run_bench(lambda: Recording(in_features=16, hidden=32, depth=2), dm.train_dataloader(), world_size=1,
+                       global_batch_size=4, plans="top:1", steps=1, warmup=1, passes=1, profile_repeats=1,
+                       micro_batch_sizes=[1, 2, 4], precision=precision, device="cpu")
+    expected = (True, torch.float32) if precision == "bf16-mixed" else (False, torch.bfloat16)
+    assert seen and set(seen) == {expected}, set(seen)  # profiling, host check and the plan's fit alike
+    assert result["profile"]["device"]["dtype"] == ("bf16-mixed" if precision == "bf16-mixed" else "bfloat16")
+    assert result["provenance"]["precision"] == precision and result["plans"][0]["error"] is None
+
+
+def test_bench_pipelines_only_in_their_precisions(monkeypatch):
+    """A precision pipelines do not train in ranks dp_ga plans only (a pipeline would fail at setup)."""
+    import lightning_distplan.planner as planner
+    from lightning_distplan.bench import run_bench
+    from lightning_distplan.bench.models import RandomVectorData, WideMLP
+
+    asked: list[tuple[str, ...]] = []
+    real = planner.rank_plans
+
+    def spy(*args, **kwargs):
+        asked.append(tuple(kwargs["strategies"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "rank_plans", spy)
+    dm = RandomVectorData(in_features=16, batch_size=4)
+    dm.setup("fit")
+    for precision in ("bf16-true", "bf16-mixed"):
+        run_bench(lambda: WideMLP(in_features=16, hidden=32, depth=2), dm.train_dataloader(), world_size=1,
+                  global_batch_size=4, plans="top:1", steps=1, warmup=1, passes=1, profile_repeats=1,
+                  micro_batch_sizes=[2, 4], precision=precision, device="cpu")
+    assert asked == [("dp_ga",), ("dp_ga", "gpipe", "1f1b")]
+    with pytest.raises(ValueError, match="Unknown precision 'fp8'.*HINT"):
+        run_bench(lambda: WideMLP(in_features=16), dm.train_dataloader(), world_size=1, global_batch_size=4, precision="fp8")

@@ -1,0 +1,28 @@
+"""Lightning's precision plugin for a ``Trainer(precision=...)`` name, for profiling outside a fit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+__all__ = ["PRECISIONS", "precision_plugin"]
+
+#: the ``Trainer(precision=...)`` names ``distplan profile`` and ``distplan bench`` accept
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def precision_plugin(name: str, device: torch.device) -> Any:
+    """The precision plugin ``Trainer(precision=name)`` would use on ``device``.
+
+    Profiling runs each step in its ``train_step_context()`` on ``convert_input``-ed batches, with
+    the module converted by ``convert_module`` first, as a fit in that precision runs them.
+    """
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+
+    if name.endswith("-mixed"):
+        return MixedPrecision(name, device=device.type)  # type: ignore[arg-type]
+    if name in ("bf16-true", "16-true"):
+        return HalfPrecision(name)  # type: ignore[arg-type]
+    return DoublePrecision() if name == "64-true" else Precision()
