@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
+    try:
+        parser = _parser()  # imports torch and lightning: seconds on a cold start, where a Ctrl-C often lands
+    except KeyboardInterrupt:
+        print("distplan: interrupted while starting; nothing was run", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     from lightning_distplan.errors import DistPlanError
 

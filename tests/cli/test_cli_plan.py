@@ -168,3 +168,19 @@ def test_no_feasible_plan_prints_the_ranking_and_exits_1(profile_path, capsys):
     assert err[0].startswith("distplan plan: error: no plan is feasible; the closest, dp_ga dp=4") and "exceeds" in err[0] and "HINT:" in err[0]
     # the same request on the profiled 16 GiB device has feasible plans and exits 0
     assert main([a for a in args if a not in ("--device-memory-gb", "0.01")]) == 0
+
+
+def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
+    """A Ctrl-C during the seconds of importing torch and lightning prints one line, not Python's traceback."""
+    import lightning_distplan.cli as cli
+
+    real = cli.importlib.import_module
+
+    def ctrl_c_on_bench(name, *args):  # as if the key landed while the bench subcommand's imports ran
+        if name.endswith("bench"):
+            raise KeyboardInterrupt
+        return real(name, *args)
+
+    monkeypatch.setattr(cli.importlib, "import_module", ctrl_c_on_bench)
+    assert main(["plan", "--help"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"]
