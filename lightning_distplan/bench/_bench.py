@@ -283,7 +283,7 @@ def run_bench(
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
     from lightning_distplan.profiling._links import pipeline_slot_for
-    from lightning_distplan.profiling._precision import PRECISIONS, precision_plugin
+    from lightning_distplan.profiling._precision import PRECISIONS, precision_plugin, trainer_precision
     from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS
 
     started = time.perf_counter()
@@ -306,6 +306,9 @@ def run_bench(
         raise BenchError(f"Unknown precision {precision!r}.", hint=f"Use one of {', '.join(PRECISIONS)}.")
     dev = resolve_device(device)
     accelerator = "cuda" if dev.type == "cuda" else "cpu"
+    if trainer_precision(precision, dev) != precision:
+        say(f"precision {precision} runs as {trainer_precision(precision, dev)} on {dev.type}, as Lightning runs it")
+        precision = trainer_precision(precision, dev)
     plugin = precision_plugin(precision, dev)
     # pipelines train only in some precisions (PipelineStrategy refuses the others at setup)
     strategies = STRATEGIES if precision in PIPELINE_PRECISIONS else ("dp_ga",)

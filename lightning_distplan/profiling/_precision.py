@@ -7,10 +7,15 @@ from typing import Any
 import torch
 
 
-__all__ = ["PRECISIONS", "precision_plugin"]
+__all__ = ["PRECISIONS", "precision_plugin", "trainer_precision"]
 
 #: the ``Trainer(precision=...)`` names ``distplan profile`` and ``distplan bench`` accept
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def trainer_precision(name: str, device: torch.device) -> str:
+    """The precision ``Trainer(precision=name)`` runs on ``device``: Lightning runs ``"16-mixed"`` as ``"bf16-mixed"`` on a CPU."""
+    return "bf16-mixed" if name == "16-mixed" and device.type == "cpu" else name
 
 
 def precision_plugin(name: str, device: torch.device) -> Any:
@@ -21,6 +26,7 @@ def precision_plugin(name: str, device: torch.device) -> Any:
     """
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
+    name = trainer_precision(name, device)
     if name.endswith("-mixed"):
         return MixedPrecision(name, device=device.type)  # type: ignore[arg-type]
     if name in ("bf16-true", "16-true"):

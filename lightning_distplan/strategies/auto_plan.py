@@ -317,7 +317,7 @@ class AutoPlanStrategy(DDPStrategy):
     def _strategies_allowed(self, trainer: pl.Trainer) -> tuple[str, ...]:
         """The strategies to plan over: data parallel only where this fit rules pipelines out.
 
-        - The precision: PipelineStrategy runs ``"32-true"`` and ``"bf16-mixed"`` only.
+        - The precision: PipelineStrategy runs ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"`` only.
         - Monitored metrics: a pipeline runs ``PipelineSpec.loss`` in place of the module's
           ``training_step`` / ``validation_step``, so it logs ``train_loss`` / ``val_loss`` /
           ``test_loss`` and nothing the module logs itself; a ``ModelCheckpoint(monitor="val_acc")``
@@ -328,7 +328,7 @@ class AutoPlanStrategy(DDPStrategy):
         reasons: list[tuple[str, str]] = []  # (why, what to do instead)
         if str(trainer.precision) not in PIPELINE_PRECISIONS:
             reasons.append(
-                (f"the fit runs precision={trainer.precision!r} and pipelines run '32-true' or 'bf16-mixed' only", "use Trainer(precision='bf16-mixed')")
+                (f"the fit runs precision={trainer.precision!r} and pipelines run '32-true', 'bf16-mixed' or 'bf16-true' only", "use Trainer(precision='bf16-mixed')")
             )
         unlogged = sorted(
             {

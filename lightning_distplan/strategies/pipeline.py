@@ -108,9 +108,10 @@ __all__ = ["PipelineStrategy"]
 
 ScheduleName = Literal["auto", "gpipe", "1f1b"]
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-# Trainer precisions a pipeline runs: float32, or float32 weights with bf16 autocast (no gradient
-# scaler: the schedule runs backward itself, so a GradScaler would never scale the loss).
-PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed")
+# Trainer precisions a pipeline runs: float32, float32 weights with bf16 autocast, or bf16 weights
+# (no gradient scaler, so no '16-mixed': the schedule runs backward itself, so a GradScaler would
+# never scale the loss).
+PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 
 
 class PipelineStrategy(DDPStrategy):
@@ -262,8 +263,8 @@ class PipelineStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         if str(trainer.precision) not in PIPELINE_PRECISIONS:
             raise InfeasiblePlanError(
-                f"PipelineStrategy supports precision '32-true' and 'bf16-mixed', got {trainer.precision!r}.",
-                hint="Use Trainer(precision='bf16-mixed') or '32-true', or strategy='dp_ga'.",
+                f"PipelineStrategy supports precision '32-true', 'bf16-mixed' and 'bf16-true', got {trainer.precision!r}.",
+                hint="Use Trainer(precision='bf16-mixed') (or '32-true' / 'bf16-true'), or strategy='dp_ga'.",
             )
         module = self.lightning_module
         if module is not None and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
@@ -273,6 +274,7 @@ class PipelineStrategy(DDPStrategy):
                 hint="Use automatic optimization (return the loss from training_step), or strategy='dp_ga' / 'ddp'.",
             )
         assert self.model is not None
+        self.precision_plugin.convert_module(self.model)  # 'bf16-true': bf16 weights, as DDP converts them
         if not self._built:
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
@@ -282,7 +284,8 @@ class PipelineStrategy(DDPStrategy):
             prune_module(self.model, self._keep)
             self._pruned = True
         self.model_to_device()
-        # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning.
+        # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning;
+        # 'bf16-true': with bf16 as the default dtype.
         self._stage_module.forward_context = self.precision_plugin.forward_context
         # Clipping by norm (Trainer(gradient_clip_val=...) or the module's own clip_gradients) uses the norm of
         # ALL the model's gradients, which no stage holds alone: the precision plugin's norm clipping is ours.

@@ -155,3 +155,17 @@ def test_output_paths_are_checked_before_the_work(tmp_path: Path, capsys: pytest
         err = capsys.readouterr().err
         assert re.search(pattern, err) and "Cannot import" not in err, err  # refused before the model was even imported
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", ["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true"])
+def test_profile_precision_plugin_is_the_trainers(name):
+    """``--precision`` profiles in the plugin a CPU Trainer runs ('16-mixed' becomes 'bf16-mixed' there, as Lightning does)."""
+    import lightning as L
+    import torch
+
+    from lightning_distplan.profiling._precision import precision_plugin
+
+    trainer = L.Trainer(accelerator="cpu", precision=name, logger=False, enable_progress_bar=False)
+    ours = precision_plugin(name, torch.device("cpu"))
+    assert type(ours) is type(trainer.precision_plugin)
+    assert getattr(ours, "precision", None) == getattr(trainer.precision_plugin, "precision", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -80,11 +81,19 @@ def build(name: str) -> L.LightningModule:
 
 
 @functools.lru_cache(maxsize=None)
-def reference_weights(name: str, steps: int = N_STEPS, autocast_bf16: bool = False, clip_norm: float = 0.0) -> dict[str, torch.Tensor]:
+def reference_weights(
+    name: str, steps: int = N_STEPS, autocast_bf16: bool = False, clip_norm: float = 0.0, bf16_true: bool = False
+) -> dict[str, torch.Tensor]:
     """Plain single-process loop: the LightningModule's own training_step on the global batch
-    (in CPU bf16 autocast, as Lightning's 'bf16-mixed' runs it, with ``autocast_bf16``; gradients
+    (in CPU bf16 autocast, as Lightning's 'bf16-mixed' runs it, with ``autocast_bf16``; with bf16
+    weights and bf16 as the default dtype, as 'bf16-true' runs it, with ``bf16_true``; gradients
     clipped to the norm ``clip_norm`` when it is > 0, as Trainer(gradient_clip_val=...))."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
     model = build(name)
+    if bf16_true:
+        model = model.to(torch.bfloat16)
+    context = HalfPrecision("bf16-true").forward_context if bf16_true else contextlib.nullcontext
     opt = model.configure_optimizers()
     data = token_data()
     # Lightning shards training data with DistributedSampler(shuffle=True, seed=0) over the dp replicas;
@@ -95,7 +104,7 @@ def reference_weights(name: str, steps: int = N_STEPS, autocast_bf16: bool = Fal
         if i == steps:
             break
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16), context():
             loss = model.training_step(batch, i)
         loss.backward()
         if clip_norm > 0:

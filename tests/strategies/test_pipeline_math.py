@@ -147,6 +147,17 @@ def _bf16_mixed(world: int, out: str) -> dict[str, Any]:
     return {"autocast": autocast, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
+def _bf16_true(world: int, out: str) -> dict[str, torch.Tensor]:
+    """1F1B under Trainer(precision='bf16-true', gradient_clip_val=CLIP): the whole module after the fit."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("transformer")
+    strategy = PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO)
+    trainer = L.Trainer(**trainer_kwargs(world, strategy, out, precision="bf16-true", gradient_clip_val=CLIP))
+    trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}  # whole again on every rank after the fit
+
+
 def _whole_after_fit(world: int, out: str) -> dict[str, Any]:
     """The user's module after a pipeline fit, on every rank; then a second Trainer with a new strategy on it."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
@@ -201,6 +212,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["clipped"] = _clipped(world, out, "1f1b")
     results["whole"] = _whole_after_fit(world, out)
     results["bf16_mixed"] = _bf16_mixed(world, out)
+    results["bf16_true"] = _bf16_true(world, out)
     for run in MATH_RUNS:
         results[run[:2]] = _fit(rank, world, run, out, with_eval=run[:2] == ("transformer", "gpipe"))
     for schedule in ("gpipe", "1f1b"):
@@ -262,6 +274,20 @@ def test_pipeline_bf16_mixed_runs_in_autocast_and_matches_a_single_process_bf16_
     near = max((state[k] - bf16[k]).abs().max().item() for k in bf16)
     far = max((state[k] - fp32[k]).abs().max().item() for k in fp32)
     assert near < 0.01 and near < 0.75 * far, (near, far)  # the autocast changed the math the way a bf16 run does
+
+
+def test_pipeline_bf16_true_matches_a_single_process_bf16_true_run(two_rank_run) -> None:
+    _, results = two_rank_run
+    fp32 = reference_weights("transformer", clip_norm=CLIP)
+    bf16 = reference_weights("transformer", clip_norm=CLIP, bf16_true=True)
+    for res in results:
+        state = res["bf16_true"]
+        assert list(state) == list(fp32) and {v.dtype for v in state.values()} == {torch.bfloat16}  # bf16 weights, as 'bf16-true' makes them
+        # each micro-batch's gradients are bf16 sums (the single-process run has the batch's at once): the weights
+        # sat about 1e-3 (a bf16 step at their size) from the bf16 run's and 8e-3 from the float32 run's
+        near = max((state[k].float() - bf16[k].float()).abs().max().item() for k in bf16)
+        far = max((state[k].float() - fp32[k]).abs().max().item() for k in fp32)
+        assert near < 0.003 and near < 0.5 * far, (near, far)
 
 
 def test_pipeline_clips_by_the_norm_of_all_the_models_gradients(two_rank_run) -> None:
