@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from lightning_distplan.costmodel._cost import cost_per_step, objective
 from lightning_distplan.costmodel._hardware import DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_LATENCY_S, Hardware
-from lightning_distplan.costmodel._partition import partition_layers
+from lightning_distplan.costmodel._partition import partition_layers, partition_pipeline
 from lightning_distplan.costmodel._predict import (
     BREAKDOWN_KEYS,
     MEMORY_KEYS,
@@ -32,6 +32,7 @@ __all__ = [
     "Prediction",
     "predict",
     "partition_layers",
+    "partition_pipeline",
     "cost_per_step",
     "objective",
     "ring_allreduce_time",

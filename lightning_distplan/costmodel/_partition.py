@@ -19,7 +19,7 @@ from typing import Sequence
 
 from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
-__all__ = ["partition_layers", "stage_sums"]
+__all__ = ["partition_layers", "partition_pipeline", "stage_sums"]
 
 
 def partition_layers(
@@ -121,6 +121,99 @@ def partition_layers(
     starts = greedy(candidates[lo], pp)
     assert starts is not None and len(starts) == pp  # internal invariant, not user input
     return tuple(starts[1:])
+
+
+def partition_pipeline(
+    layer_times: Sequence[float],
+    pp: int,
+    *,
+    cut_times: Sequence[float],
+    static_memory: Sequence[float],
+    activation_memory: Sequence[float],
+    cut_memory: Sequence[float],
+    in_flight: Sequence[int],
+    memory_cap: float | None,
+) -> tuple[int, ...]:
+    """Split layers into ``pp`` pipeline stages minimising the slowest stage, hand-overs and memory included.
+
+    What :func:`~lightning_distplan.costmodel.predict` charges a stage (DESIGN §4): stage ``k`` over
+    layers ``[a, b)`` takes ``Σ layer_times[a:b]`` plus the hand-over it receives
+    (``cut_times[a - 1]``, k > 0) plus the one it sends (``cut_times[b - 1]``, k < pp − 1), and holds
+    ``Σ static_memory[a:b] + in_flight[k] · (Σ activation_memory[a:b] + cut_memory[a - 1])`` bytes
+    (the received tensor, saved by its first layer, is a second copy on the receiving device).
+    Hand-overs make cutting after a layer with a large output cost both stages time, and 1F1B's
+    stages hold different numbers of micro-batches, which the compute-only
+    :func:`partition_layers` does not see.
+
+    Exact dynamic programme over (stages, first layer not yet covered), O(pp · L²); among splits
+    with the same slowest stage, the one with the cheapest hand-overs (then the first found).
+
+    Args:
+        layer_times: seconds of each layer (forward + backward at the plan's micro-batch).
+        pp: number of stages.
+        cut_times: seconds of the hand-over after each layer (the last entry is never used).
+        static_memory: bytes of parameters, gradients and optimizer state each layer brings.
+        activation_memory: bytes of activations each layer saves per in-flight micro-batch.
+        cut_memory: bytes of each layer's output (the received copy on the next stage).
+        in_flight: micro-batches stage k holds at its peak (length ``pp``).
+        memory_cap: the most bytes one stage may hold (None: no cap).
+
+    Raises:
+        ModelSplitError: ``pp`` below 1 or above the number of layers, or malformed lists.
+        InfeasiblePlanError: no split keeps every stage under ``memory_cap``.
+    """
+    n_layers = len(layer_times)
+    partition_layers(layer_times, pp)  # the same checks of pp and the times
+    lists = {"cut_times": cut_times, "static_memory": static_memory, "activation_memory": activation_memory, "cut_memory": cut_memory}
+    for what, values in lists.items():
+        if len(values) != n_layers or any(not math.isfinite(float(v)) or float(v) < 0 for v in values):
+            raise ModelSplitError(f"`{what}` must hold {n_layers} finite non-negative numbers, one per layer.", hint="Pass one value per layer, in layer order.")
+    if len(in_flight) != pp:
+        raise ModelSplitError(f"`in_flight` has {len(in_flight)} entries for {pp} stages.", hint="Give one micro-batch count per stage.")
+    cap = math.inf if memory_cap is None else float(memory_cap)
+    pt = [0.0, *accumulate(float(t) for t in layer_times)]
+    ps = [0.0, *accumulate(float(x) for x in static_memory)]
+    pa = [0.0, *accumulate(float(x) for x in activation_memory)]
+    cuts = [float(x) for x in cut_times]
+    held = [float(x) for x in cut_memory]
+    inf = math.inf
+    # best[j]: (slowest stage, hand-over seconds) of the best split of layers [0, j) into the stages so far
+    best: list[tuple[float, float]] = [(inf, inf)] * (n_layers + 1)
+    best[0] = (0.0, 0.0)
+    choice: list[list[int]] = []
+    for k in range(pp):
+        last = k == pp - 1
+        nxt: list[tuple[float, float]] = [(inf, inf)] * (n_layers + 1)
+        arg = [-1] * (n_layers + 1)
+        # stage k covers [i, j): at least one layer, and one layer left for each later stage
+        for j in range(k + 1, n_layers - (pp - 1 - k) + 1):
+            if last and j != n_layers:
+                continue
+            send = 0.0 if last else cuts[j - 1]
+            for i in range(k, j):
+                before = best[i]
+                if before[0] == inf:
+                    continue
+                receive = cuts[i - 1] if k > 0 else 0.0
+                memory = ps[j] - ps[i] + in_flight[k] * (pa[j] - pa[i] + (held[i - 1] if k > 0 else 0.0))
+                if memory > cap:
+                    continue
+                stage = pt[j] - pt[i] + receive + send
+                cand = (max(before[0], stage), before[1] + send)
+                if cand < nxt[j]:
+                    nxt[j], arg[j] = cand, i
+        best = nxt
+        choice.append(arg)
+    if best[n_layers][0] == inf:
+        raise InfeasiblePlanError(
+            f"No split of {n_layers} layers into {pp} stages keeps every stage under {cap:.4g} bytes.",
+            hint="Use more pipeline stages, a smaller micro-batch or devices with more memory.",
+        )
+    starts, j = [], n_layers
+    for k in range(pp - 1, 0, -1):
+        j = choice[k][j]
+        starts.append(j)
+    return tuple(reversed(starts))
 
 
 def stage_sums(values: Sequence[float], boundaries: Sequence[int]) -> tuple[float, ...]:

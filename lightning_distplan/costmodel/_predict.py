@@ -41,7 +41,7 @@ from statistics import NormalDist
 from typing import TYPE_CHECKING
 
 from lightning_distplan.costmodel._hardware import Hardware
-from lightning_distplan.costmodel._partition import partition_layers, stage_sums
+from lightning_distplan.costmodel._partition import partition_pipeline, stage_sums
 from lightning_distplan.costmodel._schedule import schedule_time
 from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
@@ -163,7 +163,8 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
     Args:
         profile: the measured profile.
         plan: the plan to price; a pipeline plan without ``stage_boundaries`` is split with
-            :func:`~lightning_distplan.costmodel.partition_layers` (time balanced, memory capped).
+            :func:`~lightning_distplan.costmodel.partition_pipeline` (slowest stage, hand-overs
+            included, as short as it can be with every stage in memory).
         hardware: target devices and links; default :meth:`Hardware.from_profile`.
 
     Raises:
@@ -407,14 +408,21 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
                 hint=f"Use boundaries below {n_layers} and at most {n_layers} stages.",
             )
     else:
-        # Memory per layer for the split: the worst stage's in-flight count (stage 0) times that
-        # layer's activations, plus its share of params/grads/optimizer state.
-        worst = in_flight_microbatches(plan.strategy, n, p, 0)
-        layer_mem = [sh * static_total + worst * a for sh, a in zip(shares, acts)]
+        # The split prices each stage as below: its layers' compute plus the hand-overs it receives and
+        # sends (a cut after a layer with a large output costs both stages), and its memory with the
+        # micro-batches that stage holds (1F1B: fewer on later stages) and the copy of its input.
+        outputs = [m * layer.output_bytes_per_sample for layer in profile.layers]
+        split = dict(
+            cut_times=[hw.p2p_latency_s + o / hw.p2p_bandwidth_bytes_per_s for o in outputs],
+            static_memory=[sh * static_total for sh in shares],
+            activation_memory=acts,
+            cut_memory=outputs,
+            in_flight=[in_flight_microbatches(plan.strategy, n, p, k) for k in range(p)],
+        )
         try:
-            boundaries = partition_layers(times, p, layer_memory=layer_mem, memory_cap=hw.usable_memory_bytes - overhead)
+            boundaries = partition_pipeline(times, p, memory_cap=hw.usable_memory_bytes - overhead, **split)
         except InfeasiblePlanError:
-            boundaries = partition_layers(times, p)  # best time split; the memory check below reports it
+            boundaries = partition_pipeline(times, p, memory_cap=None, **split)  # best time split; the memory check below reports it
             notes.append(f"no split into {p} stages fits every stage in memory")
 
     edges = [0, *boundaries, n_layers]

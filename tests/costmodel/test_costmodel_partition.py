@@ -80,3 +80,84 @@ def test_scales_to_hundreds_of_layers():
     got = partition_layers(times, 8)
     stages = _stages(times, got)
     assert max(stages) <= sum(times) / 8 + 1.5  # within one layer of perfect balance
+
+
+def _pipeline_cost(times, cuts, static, acts, held, in_flight, boundaries):
+    """Slowest stage (compute + hand-overs received and sent) and every stage's memory, as predict() prices them."""
+    edges = [0, *boundaries, len(times)]
+    slowest, memory = 0.0, []
+    for k, (a, b) in enumerate(zip(edges, edges[1:])):
+        receive = cuts[a - 1] if a > 0 else 0.0
+        send = cuts[b - 1] if b < len(times) else 0.0
+        slowest = max(slowest, sum(times[a:b]) + receive + send)
+        memory.append(sum(static[a:b]) + in_flight[k] * (sum(acts[a:b]) + (held[a - 1] if a > 0 else 0.0)))
+    return slowest, memory
+
+
+def test_pipeline_partition_matches_brute_force_with_hand_overs_and_per_stage_memory():
+    from lightning_distplan.costmodel import partition_pipeline
+
+    rng = random.Random(7)
+    for trial in range(400):
+        n = rng.randint(1, 8)
+        p = rng.randint(1, n)
+        times = [rng.uniform(0, 5) for _ in range(n)]
+        cuts = [rng.choice([0.0, rng.uniform(0, 4)]) for _ in range(n)]
+        static, acts, held = ([rng.uniform(0, 6) for _ in range(n)] for _ in range(3))
+        in_flight = [rng.randint(1, 4) for _ in range(p)]
+        cap = rng.uniform(10, 60) if trial % 4 else None
+        feasible = []
+        for cut in itertools.combinations(range(1, n), p - 1):
+            slowest, memory = _pipeline_cost(times, cuts, static, acts, held, in_flight, cut)
+            if cap is None or max(memory) <= cap:
+                feasible.append(slowest)
+        kwargs = dict(cut_times=cuts, static_memory=static, activation_memory=acts, cut_memory=held, in_flight=in_flight, memory_cap=cap)
+        if not feasible:
+            with pytest.raises(InfeasiblePlanError, match="HINT"):
+                partition_pipeline(times, p, **kwargs)
+            continue
+        got = partition_pipeline(times, p, **kwargs)
+        assert len(got) == p - 1 and list(got) == sorted(set(got)) and all(0 < b < n for b in got)
+        slowest, memory = _pipeline_cost(times, cuts, static, acts, held, in_flight, got)
+        assert slowest == pytest.approx(min(feasible), rel=1e-12, abs=1e-12), (trial, got)
+        assert cap is None or max(memory) <= cap * (1 + 1e-12)
+
+
+def _three_layers(output_2=1e6, activation_2=1e6):
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+
+    layer = dict(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=10 << 20, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e6)
+    return synthetic_profile([
+        LayerSpec(**layer),
+        LayerSpec(**{**layer, "output_bytes_per_sample": output_2, "activation_bytes_per_sample": activation_2}),
+        LayerSpec(**{**layer, "fwd_alpha": 1.1e-3, "bwd_alpha": 2.2e-3}),
+    ])
+
+
+def test_the_split_avoids_cutting_after_a_large_output_on_a_slow_link():
+    """Compute alone splits after layer 2 (2 : 1.1); its 50 MB/sample output would then cross a 10 Gbit/s link."""
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.plan import Plan
+
+    profile = _three_layers(output_2=50e6)
+    hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=5e-5, allreduce_bandwidth_bytes_per_s=1.25e9,
+                  p2p_latency_s=5e-5, p2p_bandwidth_bytes_per_s=1.25e9)
+    plans = {b: Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=8, global_batch_size=32, stage_boundaries=b) for b in ((1,), (2,))}
+    priced = {b: predict(profile, plan, hw).step_time_s for b, plan in plans.items()}
+    assert priced[(1,)] < priced[(2,)] / 5  # 0.24 s against 1.64 s a step
+    auto = predict(profile, Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=8, global_batch_size=32), hw)
+    assert auto.stage_boundaries == (1,) and auto.step_time_s == pytest.approx(priced[(1,)])
+
+
+def test_1f1b_split_counts_each_stages_own_micro_batches():
+    """1F1B's last stage holds one micro-batch, not the first stage's two: layer 2's 1.5 GB fits there only."""
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.plan import Plan
+
+    profile = _three_layers(activation_2=1.5e9 / 4)
+    hw = Hardware(device_memory_bytes=2 << 30, allreduce_latency_s=0.0, allreduce_bandwidth_bytes_per_s=1e12,
+                  p2p_latency_s=0.0, p2p_bandwidth_bytes_per_s=1e12)
+    auto = predict(profile, Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=4, global_batch_size=16), hw)
+    assert auto.stage_boundaries == (1,) and auto.feasible, auto.reason
+    cut_later = predict(profile, Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=4, global_batch_size=16, stage_boundaries=(2,)), hw)
+    assert not cut_later.feasible  # stage 0 would hold two micro-batches of it
