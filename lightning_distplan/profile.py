@@ -331,22 +331,33 @@ class Profile:
 
     def validate(self, source: str = "profile") -> None:
         hint = "Re-create it with `distplan profile`."
+        bad = _first_non_finite(self, "")
+        if bad is not None:
+            raise ProfileFormatError(f"{source!r} holds a non-finite number at {bad}.", hint=hint)
         if not self.layers:
             raise ProfileFormatError(f"{source!r} has no layers.", hint=hint)
         if not self.micro_batch_sizes:
             raise ProfileFormatError(f"{source!r} has no profiled micro-batch sizes.", hint=hint)
-        numbers = [self.step.forward.alpha, self.step.forward.beta, self.step.backward.alpha, self.step.backward.beta]
-        for layer in self.layers:
-            numbers += [layer.forward.alpha, layer.forward.beta, layer.backward.alpha, layer.backward.beta, layer.activation_bytes_per_sample]
-        if any(not isinstance(x, (int, float)) or not math.isfinite(x) for x in numbers):
-            raise ProfileFormatError(f"{source!r} holds a non-finite time or size.", hint=hint)
         if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.micro_batch_sizes):
             raise ProfileFormatError(f"{source!r} lists micro-batch sizes {list(self.micro_batch_sizes)}; each must be a positive integer.", hint=hint)
-        sizes = [self.memory.param_bytes, self.memory.grad_bytes, self.memory.optimizer_state_bytes, self.optimizer.state_bytes]
-        for layer in self.layers:
-            sizes += [layer.param_bytes, layer.activation_bytes_per_sample, layer.output_bytes_per_sample]
-        if any(not math.isfinite(x) or x < 0 for x in sizes):
-            raise ProfileFormatError(f"{source!r} holds a negative or non-finite memory size.", hint=hint)
+        if any(not isinstance(m, int) or m < 1 for m in (*self.infeasible_micro_batch_sizes, *self.rejected_micro_batch_sizes)):
+            raise ProfileFormatError(
+                f"{source!r} lists out-of-memory sizes {list(self.infeasible_micro_batch_sizes)} and refused sizes "
+                f"{list(self.rejected_micro_batch_sizes)}; each must be a positive integer.",
+                hint=hint,
+            )
+        sizes = {
+            "memory.param_bytes": self.memory.param_bytes, "memory.grad_bytes": self.memory.grad_bytes,
+            "memory.optimizer_state_bytes": self.memory.optimizer_state_bytes, "memory.fixed_overhead_bytes": self.memory.fixed_overhead_bytes,
+            "optimizer.state_bytes": self.optimizer.state_bytes, "optimizer.step_time_s": self.optimizer.step_time_s,
+        }
+        for i, layer in enumerate(self.layers):
+            for name in ("param_bytes", "activation_bytes_per_sample", "activation_bytes_fixed", "output_bytes_per_sample",
+                         "flops_forward_per_sample", "flops_backward_per_sample"):
+                sizes[f"layers[{i}].{name}"] = getattr(layer, name)
+        negative = next((name for name, x in sizes.items() if x < 0), None)
+        if negative is not None:
+            raise ProfileFormatError(f"{source!r} has a negative {negative} ({sizes[negative]!r}); sizes, FLOPs and times are never negative.", hint=hint)
         if self.device.type not in ("cuda", "cpu"):
             raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
         if dtype_bytes(self.device.dtype) is None:
@@ -388,6 +399,28 @@ class Profile:
                     "bandwidth must be positive and latency non-negative.",
                     hint=hint,
                 )
+
+
+def _first_non_finite(value: Any, path: str) -> str | None:
+    """The path of the first NaN or infinite number in a profile's fields (``"layers[2].forward.alpha"``), None if all are finite."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if hasattr(value, "__dataclass_fields__"):
+        for f in fields(value):
+            found = _first_non_finite(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
+            if found is not None:
+                return found
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            found = _first_non_finite(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_non_finite(item, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _mean(xs: Sequence[float]) -> float:
@@ -518,6 +551,8 @@ def _convert(tp: Any, value: Any) -> Any:
         kt, vt = args
         return {_convert(kt, k): _convert(vt, v) for k, v in value.items()}
     if tp is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value!r} is not a whole number")  # never truncate 1.7 to 1 silently
         return int(value)
     if tp is float:
         return float(value)

@@ -95,7 +95,7 @@ def test_pipeline_slot_round_trips_pools_over_the_profiles_that_measured_it_and_
     assert pool_profiles([base, base]).framework.pipeline_slot_s is None
     data = slow.to_dict()
     data["framework"]["pipeline_slot_s"] = float("nan")
-    with pytest.raises(ProfileFormatError, match="training-loop overhead.*HINT"):
+    with pytest.raises(ProfileFormatError, match="non-finite number at framework.pipeline_slot_s.*HINT"):
         Profile.from_dict(data)
 
 
