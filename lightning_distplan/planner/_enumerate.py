@@ -127,15 +127,26 @@ def nearest_valid_batch_sizes(
         None,
     )
     above = global_batch_size + 1
-    # world_size · k always factors with dp_ga; pipelines alone may need more, so the search is bounded generously.
+    # world_size · need · k always factors with dp_ga (need: the smallest micro-batch the model takes);
+    # pipelines alone may need more, so the search is bounded generously.
+    need = profile.min_micro_batch_size
+    step = world_size * need
+    dp_above = (global_batch_size // step + 1) * step if "dp_ga" in strategies else None
     while not _raw_plans(profile, world_size, above, strategies, max_pp):
         above += 1
         if above > 64 * world_size * max(global_batch_size, 1):
+            if dp_above is not None:
+                return below, dp_above
+            refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled" if need > 1 else ""
             raise BatchNotFactorableError(
-                f"No global batch size near {global_batch_size} can be factored for the strategies {list(strategies)} on {world_size} devices.",
+                f"No global batch size near {global_batch_size} can be factored for the strategies {list(strategies)} on {world_size} devices{refused}.",
                 hint="Allow strategy 'dp_ga', or check that the profile is splittable for pipelines.",
             )
     return below, above
+
+
+def _samples(n: int) -> str:
+    return "1 sample" if n == 1 else f"{n} samples or fewer"
 
 
 def _plan_value(plan: Plan, key: str) -> Any:
@@ -255,9 +266,12 @@ def enumerate_plans(
             profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp
         )
         nearest = (f"{below} or " if below else "") + str(above)
-        pipelines = "" if profile.splittable and any(s != "dp_ga" for s in strategies) else " (data parallel only: B must be a multiple of the world size)"
+        need = profile.min_micro_batch_size
+        per_device = f" with at least {need} samples per device" if need > 1 else ""
+        pipelines = "" if profile.splittable and any(s != "dp_ga" for s in strategies) else f" (data parallel only: B must be a multiple of the world size{per_device})"
+        refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled (e.g. BatchNorm), so every micro-batch needs {need} or more" if need > 1 else ""
         raise BatchNotFactorableError(
-            f"Global batch size {global_batch_size} cannot be factored over {world_size} devices{pipelines}.",
+            f"Global batch size {global_batch_size} cannot be factored over {world_size} devices{pipelines}{refused}.",
             hint=f"Use the nearest valid global batch size, {nearest}, or a world size that divides it.",
         )
     for key, value in pins.items():

@@ -154,3 +154,13 @@ def test_micro_batches_the_model_rejected_are_never_planned():
     assert plans and min(p.micro_batch_size for p in plans) == 2
     assert {p.strategy for p in plans} >= {"dp_ga", "gpipe", "1f1b"}
     assert min(p.micro_batch_size for p in enumerate_plans(synthetic_profile(layers), world_size=2, global_batch_size=8)) == 1
+    # a batch the refused size alone rules out names that cause, not the world size
+    from lightning_distplan.errors import BatchNotFactorableError
+
+    single = dataclasses.replace(prof, splittable=False)
+    with pytest.raises(BatchNotFactorableError, match=r"with at least 2 samples per device\); the model refused micro-batches of 1 sample .*HINT: Use the nearest valid global batch size, 4,"):
+        enumerate_plans(single, world_size=2, global_batch_size=2)
+    # a refused size far above any batch near the asked one: the nearest data-parallel batch, not a give-up
+    huge = dataclasses.replace(single, rejected_micro_batch_sizes=(999,))
+    with pytest.raises(BatchNotFactorableError, match=r"refused micro-batches of 999 samples or fewer .*nearest valid global batch size, 2000,"):
+        enumerate_plans(huge, world_size=2, global_batch_size=8)
