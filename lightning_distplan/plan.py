@@ -61,8 +61,19 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InfeasiblePlanError(f"`{name}` must be a positive integer, got {value!r}.", hint="Check the plan.")
-        object.__setattr__(self, "stage_boundaries", tuple(int(b) for b in self.stage_boundaries))
-        object.__setattr__(self, "layer_names", tuple(self.layer_names))
+        boundaries = self.stage_boundaries
+        if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__iter__") or any(
+            not isinstance(b, int) or isinstance(b, bool) for b in boundaries
+        ):
+            raise InfeasiblePlanError(
+                f"`stage_boundaries` must be a list of whole layer indices, got {boundaries!r}.",
+                hint="Give the index of the first layer of every stage after the first, e.g. [6, 12, 18].",
+            )
+        names = self.layer_names
+        if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__") or any(not isinstance(n, str) for n in names):
+            raise InfeasiblePlanError(f"`layer_names` must be a list of layer names, got {names!r}.", hint="Check the plan.")
+        object.__setattr__(self, "stage_boundaries", tuple(boundaries))
+        object.__setattr__(self, "layer_names", tuple(names))
         if self.strategy == "dp_ga":
             if self.pp != 1 or self.n_microbatches != 1:
                 raise InfeasiblePlanError(
@@ -170,9 +181,6 @@ class Plan:
             )
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
-        for key in ("stage_boundaries", "layer_names"):
-            if key in kwargs:
-                kwargs[key] = tuple(kwargs[key])
         try:
             return cls(**kwargs)
         except TypeError as err:
@@ -192,7 +200,7 @@ class Plan:
             ProfileFormatError: the file is missing or unreadable, not JSON, or not a valid plan.
         """
         text = str(path_or_text)
-        looks_like_path = isinstance(path_or_text, Path) or not text.lstrip().startswith("{")
+        looks_like_path = isinstance(path_or_text, Path) or not text.lstrip().startswith(("{", "[", '"'))
         if looks_like_path:
             path = Path(path_or_text)
             if not path.is_file():

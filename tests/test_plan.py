@@ -72,3 +72,19 @@ def test_bad_plan_files_are_format_errors(tmp_path: Path, source: str, match: st
     arg = str(tmp_path / "nope.json") if source == "missing" else str(tmp_path) if source == "dir" else source
     with pytest.raises(ProfileFormatError, match=match + r".*HINT: "):
         Plan.from_json(arg)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("stage_boundaries", "ab", "must be a list of whole layer indices, got 'ab'"), ("stage_boundaries", 5, "got 5"),
+     ("stage_boundaries", [1.9], r"got \[1.9\]"), ("layer_names", 5, "`layer_names` must be a list of layer names")],
+)
+def test_a_plan_with_malformed_boundaries_or_names_is_refused_not_truncated(field, value, message):
+    base = dict(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    with pytest.raises(InfeasiblePlanError, match=message + ".*HINT"):
+        Plan.from_dict({**base, field: value})
+
+
+def test_plan_json_text_that_is_not_an_object_is_not_taken_for_a_path():
+    with pytest.raises(ProfileFormatError, match="must be a JSON object, got list"):
+        Plan.from_json("[1]")
