@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise InfeasiblePlanError(f"--time-weight {args.time_weight} was given without --price-per-hour.", hint="Add --price-per-hour, or leave --time-weight out to rank by step time.")
     hardware = Hardware.from_profile(
         profile,
-        device_memory_bytes=None if args.device_memory_gb is None else int(args.device_memory_gb * 2**30),
+        device_memory_bytes=None if args.device_memory_gb is None else max(1, int(args.device_memory_gb * 2**30)),
         bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9 / 8,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
     )

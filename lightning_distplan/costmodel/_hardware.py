@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lightning_distplan.errors import CatalogError, ProfileFormatError
+from lightning_distplan.errors import CatalogError, InfeasiblePlanError, ProfileFormatError
 
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
@@ -115,6 +115,11 @@ class Hardware:
             bandwidth_bytes_per_s: interconnect bandwidth for both all-reduce and p2p sends.
             latency_s: interconnect latency for both all-reduce and p2p sends.
         """
+        if device_memory_bytes is not None and device_memory_bytes <= 0:
+            raise InfeasiblePlanError(
+                f"The device memory must be positive, got {device_memory_bytes!r} bytes.",
+                hint="Pass the device's memory, e.g. --device-memory-gb 16 (GiB).",
+            )
         memory = device_memory_bytes or profile.memory.device_total_bytes or profile.device.total_memory_bytes
         if not memory:
             raise ProfileFormatError(
@@ -140,12 +145,15 @@ class Hardware:
                 defaulted.append("p2p" if kind == "p2p" else "all-reduce")
         if "default" in used and warn_default_links:
             # Name the link kinds that defaulted: a profile with a measured all-reduce but no p2p is common.
+            given_bw, given_lat = bandwidth_bytes_per_s is not None, latency_s is not None
             log.warning(
-                "The profile measured no %s link; assuming %.3g Gbit/s and %.0f µs for it (seed 000 Table III, gn6i). "
+                "The profile measured no %s link; assuming %.3g Gbit/s%s and %.0f µs%s for it. "
                 "State your cluster's numbers (CLI: --bandwidth-gbps, --latency-us).",
                 " or ".join(defaulted),
-                DEFAULT_BANDWIDTH_BYTES_PER_S * 8 / 1e9,
-                DEFAULT_LATENCY_S * 1e6,
+                (bandwidth_bytes_per_s if given_bw else DEFAULT_BANDWIDTH_BYTES_PER_S) * 8 / 1e9,
+                " (given)" if given_bw else " (seed 000 Table III, gn6i)",
+                latency_s * 1e6 if given_lat else DEFAULT_LATENCY_S * 1e6,
+                " (given)" if given_lat else " (seed 000 Table III, gn6i)",
             )
         source = "default" if "default" in used else ("measured" if "measured" in used else "given")
         cpu = profile.device.type == "cpu"

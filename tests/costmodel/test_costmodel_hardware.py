@@ -63,6 +63,16 @@ def test_given_numbers_win_and_defaults_are_explicit(caplog):
     with caplog.at_level(logging.WARNING):  # a plan on one device crosses no link: nothing to warn about
         quiet = Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), warn_default_links=False)
     assert quiet == default and caplog.text == ""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the warning states the numbers used, given or defaulted
+        Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), latency_s=1e-5)
+    assert "assuming 4 Gbit/s (seed 000 Table III, gn6i) and 10 µs (given)" in caplog.text
+
+
+def test_device_memory_must_be_positive_not_silently_the_profiled_one():
+    prof = synthetic_profile([LayerSpec(fwd_alpha=1.0)], links=LINKS)
+    with pytest.raises(DistPlanError, match="device memory must be positive, got 0 bytes.*HINT"):
+        Hardware.from_profile(prof, device_memory_bytes=0)
 
 
 def test_format_bytes_picks_the_unit():
