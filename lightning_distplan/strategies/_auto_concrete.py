@@ -121,6 +121,11 @@ class _AutoPipelineStrategy(PipelineStrategy):
         return self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp)
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self._rechunk.progress_to_user_units(checkpoint)  # a mid-epoch checkpoint resumes any plan or strategy at its place
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
     def teardown(self) -> None:
         module = self.lightning_module
         super().teardown()

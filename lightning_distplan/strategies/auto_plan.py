@@ -175,6 +175,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._extra_ddp_kwargs = ddp_kwargs
         self._pipeline_kwargs = {"deferred_batchnorm": deferred_batchnorm}
         self._checkpoint_plan: Plan | None = None
+        self._resuming = False  # the fit restores a checkpoint (its epoch progress counts the user's loader batches)
         self._outcome: PlanningOutcome | None = None
         self._profile: Profile | None = None
         self._concrete: Strategy | None = None
@@ -211,6 +212,7 @@ class AutoPlanStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._checkpoint_plan = stored_plan(checkpoint)
+        self._resuming = True
         return checkpoint
 
     @override
@@ -244,6 +246,8 @@ class AutoPlanStrategy(DDPStrategy):
             pipeline_kwargs=self._pipeline_kwargs,
         )
         self._concrete = concrete
+        if self._resuming:
+            concrete._rechunk.resumed()  # type: ignore[union-attr]  # both concrete kinds re-chunk the loader
         self._attach_monitor(trainer, outcome)
         trainer._accelerator_connector.strategy = concrete
         concrete.setup(trainer)

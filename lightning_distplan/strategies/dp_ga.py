@@ -42,6 +42,7 @@ import inspect
 import itertools
 import logging
 import math
+from fractions import Fraction
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -193,12 +194,14 @@ class DPGAStrategy(DDPStrategy):
                 optimizer_state_by_name(opt, named, state_dict=sd) for opt, sd in zip(self.optimizers, checkpoint["optimizer_states"])
             ]
         add_portable_state(checkpoint, plan=self._plan, optimizer_states_by_name=by_name)
+        self._rechunk.progress_to_user_units(checkpoint)  # a mid-epoch checkpoint resumes any plan or strategy at its place
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._checkpoint_plan = stored_plan(checkpoint)
+        self._rechunk.resumed()
         return checkpoint
 
     @override
@@ -330,13 +333,20 @@ class Rechunking:
 
     Call :meth:`remember` in ``setup``, :meth:`wrap` on the train loader, :meth:`start_batch` at
     each ``on_train_batch_start``, :meth:`weigh` on ``training_step``'s output and :meth:`restore`
-    at teardown.
+    at teardown; :meth:`progress_to_user_units` on every checkpoint saved and :meth:`resumed` when
+    a fit resumes from one.
+
+    Checkpoints count the epoch's progress in the user's loader batches, as a plain DDP run does:
+    Lightning counts the batches it ran, here micro-batches, and a mid-epoch checkpoint in those
+    units would resume any other plan or strategy at the wrong place in the epoch.
     """
 
     def __init__(self) -> None:
         self._user: tuple[Any, Any] | None = None  # (limit_train_batches, val_check_interval) as the user set them
         self._loader: _MicroBatchLoader | None = None
         self._weight = 1.0
+        self._per_user_batch: Fraction | None = None  # user's loader batches per batch Lightning runs (None: not known)
+        self._resumed = False
 
     def remember(self, trainer: pl.Trainer) -> None:
         self._user = (trainer.limit_train_batches, trainer.val_check_interval)
@@ -357,6 +367,12 @@ class Rechunking:
         self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
         self._loader = None
         loader_batch = loader_batch_size(dataloader)
+        self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
+        if self._resumed:
+            self._resumed = False
+            if self._per_user_batch is not None and self._per_user_batch != 1:
+                _scale_progress(trainer.fit_loop.epoch_loop.batch_progress.state_dict(), 1 / self._per_user_batch,
+                                into=trainer.fit_loop.epoch_loop.batch_progress)
         if loader_batch == m:
             return dataloader
         limit = trainer.limit_train_batches * replica_share if _is_count(trainer.limit_train_batches) else None
@@ -375,6 +391,39 @@ class Rechunking:
     def restore(self, trainer: pl.Trainer) -> None:
         if self._user is not None:
             trainer.limit_train_batches, trainer.val_check_interval = self._user
+
+    def resumed(self) -> None:
+        """The fit restores a checkpoint (progress in the user's loader batches): convert it when the loader is wrapped."""
+        self._resumed = True
+
+    def progress_to_user_units(self, checkpoint: dict[str, Any]) -> None:
+        """Count ``checkpoint``'s epoch progress in the user's loader batches instead of the batches Lightning ran."""
+        if self._per_user_batch is None or self._per_user_batch == 1:
+            return
+        loops = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = loops.get("epoch_loop.batch_progress")
+        if isinstance(progress, dict):
+            loops["epoch_loop.batch_progress"] = _scale_progress(progress, self._per_user_batch)
+
+
+def _scale_progress(progress: dict[str, Any], factor: Fraction, into: Any = None) -> dict[str, Any]:
+    """Lightning's batch-progress counters times ``factor`` (rounded down: a partly accumulated step runs again).
+
+    A checkpoint saved at a batch's end (ModelCheckpoint) has ``completed = processed − 1``, which
+    tells Lightning to count that batch as done on resume; the scaled counters keep that relation.
+    With ``into`` (a live ``_BatchProgress``) the result is loaded into it as well.
+    """
+
+    def scale(counts: dict[str, int]) -> dict[str, int]:
+        out = {k: int(v * factor) for k, v in counts.items()}
+        if "completed" in counts and "processed" in counts and counts["processed"] - counts["completed"] == 1:
+            out["completed"] = out["processed"] - 1
+        return out
+
+    scaled = {key: scale(value) if key in ("total", "current") and isinstance(value, dict) else value for key, value in progress.items()}
+    if into is not None:
+        into.load_state_dict(scaled)
+    return scaled
 
 
 def check_ddp_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any
 
@@ -122,7 +123,29 @@ def _phases(rank: int, world_size: int, path: str) -> dict[str, Any]:
     strategy = DPGAStrategy()
     L.Trainer(**kw, strategy=strategy, max_epochs=2).fit(model, ckpt_path=path)
     out["auto_plan"], out["auto_state"], out["auto_micro"] = strategy.plan, cpu_state(model), model.micro_batch_sizes
+
+    # a mid-epoch checkpoint (ModelCheckpoint at step 2 of 5) resumed under the same plan, another plan and plain DDP
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    mid_dir = os.path.join(os.path.dirname(path), "mid")
+    every = ModelCheckpoint(dirpath=mid_dir, every_n_train_steps=2, save_top_k=-1, filename="mid")
+    model = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd")
+    L.Trainer(**{**kw, "enable_checkpointing": True}, strategy=DPGAStrategy(micro_batch_size=4), max_steps=2, callbacks=[every]).fit(model)
+    for name, resumed_under in (("same", DPGAStrategy(micro_batch_size=4)), ("other", DPGAStrategy(micro_batch_size=8)), ("ddp", "ddp")):
+        model = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd")
+        epochs = _EpochSteps()
+        trainer = L.Trainer(**kw, strategy=resumed_under, max_epochs=2, callbacks=[epochs])
+        trainer.fit(model, ckpt_path=os.path.join(mid_dir, "mid.ckpt"))
+        out[f"mid_{name}"] = {"state": cpu_state(model), "epoch_end_steps": epochs.steps}
     return out
+
+
+class _EpochSteps(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.steps.append(trainer.global_step)
 
 
 def _resume_plain_ddp(rank: int, world_size: int, path: str) -> dict[str, Any]:
@@ -159,4 +182,12 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
     torch.testing.assert_close(r0["auto_state"], expected, rtol=1e-5, atol=1e-6)
     assert ddp1["steps"] == 10
     torch.testing.assert_close(ddp1["state"], expected, rtol=1e-5, atol=1e-6)
+    # Mid-epoch: the checkpoint counts the epoch's progress in the user's loader batches (2 steps = 2 of them per
+    # rank, not dp_ga's 8 micro-batches), so every plan and plain DDP resume at the same place in the epoch: epoch 0
+    # ends at step 5, and the weights match the same-plan resume (another plan or DDP ran 8 or 4 steps per epoch).
+    mid = torch.load(os.path.join(str(tmp_path), "mid", "mid.ckpt"), weights_only=False)
+    assert mid["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == {"ready": 2, "started": 2, "processed": 2, "completed": 1}
+    for name in ("same", "other", "ddp"):
+        assert r0[f"mid_{name}"]["epoch_end_steps"] == [5, 10], name
+        torch.testing.assert_close(r0[f"mid_{name}"]["state"], r0["mid_same"]["state"], rtol=1e-5, atol=1e-6)
     print(f"checkpoint resume test {time.perf_counter() - t0:.1f}s")
