@@ -122,6 +122,16 @@ class PlanningCallback(Callback):
             self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
 
     @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._applied is not None:  # the epoch's progress in the user's loader batches, not our micro-batches
+            self._applied.rechunk.progress_to_user_units(checkpoint)
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._applied is not None:
+            self._applied.rechunk.resumed()
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._fit_start is None or self.outcome is None:
             return

@@ -120,6 +120,24 @@ def test_callback_keeps_the_short_last_batch_and_batch_limits(tmp_path: Path) ->
         assert not {"process_dataloader", "training_step", "on_train_batch_start"} & set(trainer.strategy.__dict__)
 
 
+def test_callback_mid_epoch_checkpoint_resumes_at_the_same_place_with_or_without_it(tmp_path: Path) -> None:
+    """A checkpoint at step 3 of 8 counts 3 loader batches (not 12 micro-batches): both resumes end epoch 0 at step 8."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, filename="mid")
+    L.Trainer(**{**_kwargs(tmp_path, max_steps=3, callbacks=[PlanningCallback(micro_batch_size=4), every]), "enable_checkpointing": True}).fit(Net())
+    mid = str(tmp_path / "ck" / "mid.ckpt")
+    assert torch.load(mid, weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 3
+    states = []
+    for callbacks in ([PlanningCallback(micro_batch_size=4)], []):
+        model = Net()
+        trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=1, callbacks=callbacks))
+        trainer.fit(model, ckpt_path=mid)
+        assert trainer.global_step == 8, callbacks
+        states.append(model.state_dict())
+    torch.testing.assert_close(states[0], states[1], rtol=1e-5, atol=1e-6)
+
+
 def test_callback_apply_false_only_reports(tmp_path: Path) -> None:
     model = Net(loader_batch=16)
     callback, sizes = PlanningCallback(micro_batch_size=2, apply=False), Sizes()
