@@ -10,15 +10,22 @@ from torch import nn
 
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
-__all__ = ["DeferredBatchNormUnsupportedError", "convert_deferred_batchnorm", "skip_metadata_inference_tracking"]
+__all__ = [
+    "DeferredBatchNormUnsupportedError", "convert_deferred_batchnorm", "restore_batchnorm", "skip_metadata_inference_tracking",
+]
+
+Swapped = list[tuple[nn.Module, str, nn.Module]]
+"""(parent, attribute name, the user's original BatchNorm) of every layer replaced."""
 
 
-def convert_deferred_batchnorm(layer: nn.Module, *, chunks: int) -> None:
+def convert_deferred_batchnorm(layer: nn.Module, *, chunks: int) -> Swapped:
     """Replace, in place, every BatchNorm below ``layer`` (the LightningModule, before the pipeline split) by ``DeferredBatchNorm(chunks=chunks)``.
 
     Running statistics then accumulate over the ``chunks`` micro-batches and are committed once per
-    step, as a single full-batch forward would do. The running buffers are shared with the original
-    layer, so ``state_dict`` keys keep their meaning (DeferredBatchNorm adds ``sum``/``sum_squares``).
+    step, as a single full-batch forward would do. The parameters and running buffers are the
+    original layer's, and DeferredBatchNorm's accumulators (``sum``/``sum_squares``) are not
+    persistent, so ``state_dict`` has exactly the plain module's keys: its checkpoints load into the
+    plain module and resume anywhere. :func:`restore_batchnorm` puts the originals back.
     """
     try:
         from fairscale.nn.pipe.batchnorm import DeferredBatchNorm
@@ -26,11 +33,34 @@ def convert_deferred_batchnorm(layer: nn.Module, *, chunks: int) -> None:
         raise InfeasiblePlanError(
             f"`deferred_batchnorm=True` needs fairscale ({err}).", hint="pip install fairscale"
         ) from None
+    swapped: Swapped = []
     for name, child in list(layer.named_children()):
-        if isinstance(child, nn.modules.batchnorm._BatchNorm):
-            setattr(layer, name, DeferredBatchNorm.convert_deferred_batch_norm(child, chunks))
+        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(child, DeferredBatchNorm):
+            deferred = DeferredBatchNorm.convert_deferred_batch_norm(child, chunks)
+            if deferred is not child:  # (a BatchNorm without running statistics stays as it is)
+                for accumulator in ("sum", "sum_squares"):
+                    deferred.register_buffer(accumulator, deferred._buffers[accumulator], persistent=False)
+                setattr(layer, name, deferred)
+                swapped.append((layer, name, child))
         else:
-            convert_deferred_batchnorm(child, chunks=chunks)
+            swapped += convert_deferred_batchnorm(child, chunks=chunks)
+    return swapped
+
+
+def restore_batchnorm(swapped: Swapped) -> None:
+    """Put the user's BatchNorm layers back, holding the deferred layers' current parameters and buffers.
+
+    Moving the module between devices gave the deferred layers new buffer tensors, so the
+    originals take whatever the deferred layers hold now.
+    """
+    for parent, name, original in swapped:
+        deferred = getattr(parent, name)
+        for key in original._parameters:
+            original._parameters[key] = deferred._parameters[key]
+        for key in original._buffers:
+            original._buffers[key] = deferred._buffers[key]
+        original.train(deferred.training)
+        setattr(parent, name, original)
 
 
 def skip_metadata_inference_tracking(stage: Any) -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_distplan.errors import CheckpointMismatchError
+from lightning_distplan.errors import CheckpointMismatchError, InfeasiblePlanError
 
 __all__ = [
     "StateOwnership",
@@ -205,3 +205,31 @@ def prune_module(module: nn.Module, keep: set[int]) -> int:
             freed += t.numel() * t.element_size()
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return freed
+
+
+_PARTIAL = "_distplan_pipeline_stage"  # on a module that holds one pipeline stage's tensors only
+
+
+def mark_partial(module: nn.Module | None, stage: int | None) -> None:
+    """Record on ``module`` that it holds only ``stage``'s tensors (``None``: it is whole again)."""
+    if module is None:
+        return
+    if stage is None:
+        module.__dict__.pop(_PARTIAL, None)
+    else:
+        module.__dict__[_PARTIAL] = stage
+
+
+def refuse_partial_module(module: nn.Module | None) -> None:
+    """Refuse to train a module a failed pipeline run left holding one stage's tensors (the rest are empty).
+
+    Raises:
+        InfeasiblePlanError: the module is partial (on every rank alike, so no rank waits on a collective).
+    """
+    stage = None if module is None else module.__dict__.get(_PARTIAL)
+    if stage is not None:
+        raise InfeasiblePlanError(
+            f"{type(module).__name__} holds only pipeline stage {stage}'s weights on this rank: an earlier pipeline fit stopped "
+            "before it could hand the other stages' tensors back, so they are empty here.",
+            hint=f"Load the whole model from the last checkpoint ({type(module).__name__}.load_from_checkpoint(path)) and fit that.",
+        )

@@ -54,6 +54,7 @@ from lightning_distplan.strategies._auto_planning import (
     write_artifacts,
 )
 from lightning_distplan.strategies._checkpoint import stored_plan
+from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import check_ddp_kwargs, loader_batch_size
 from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS
 
@@ -234,6 +235,7 @@ class AutoPlanStrategy(DDPStrategy):
             return
         self._fit_start = time.perf_counter()
         assert self.accelerator is not None and self.lightning_module is not None
+        refuse_partial_module(self.lightning_module)  # what a failed pipeline fit left holds one stage's weights; never profile it
         self.accelerator.setup(trainer)
         self.model_to_device()
         outcome = self._decide(trainer)

@@ -42,9 +42,9 @@ import inspect
 import itertools
 import logging
 import math
-from fractions import Fraction
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -138,6 +138,9 @@ class DPGAStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
+
+        refuse_partial_module(self.lightning_module)  # what a failed pipeline fit left holds one stage's weights
         # Remember the user's accumulation: it defines their global batch, and teardown restores it.
         self._user_accumulate = trainer.accumulate_grad_batches
         self._rechunk.remember(trainer)

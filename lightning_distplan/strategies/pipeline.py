@@ -82,8 +82,10 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     gather_full_optimizer_state,
     gather_full_state_dict,
     local_optimizer_state,
+    mark_partial,
     optimizer_state_names,
     prune_module,
+    refuse_partial_module,
     restore_full_module,
 )
 from lightning_distplan.strategies._pipeline_split import (
@@ -200,6 +202,7 @@ class PipelineStrategy(DDPStrategy):
         self._boundaries_arg = stage_boundaries
         self._plan_arg = plan
         self._deferred_batchnorm = deferred_batchnorm
+        self._swapped_batchnorm: list[Any] = []  # (parent, name, the user's BatchNorm) replaced by DeferredBatchNorm
         if self._schedule_name == "1f1b" and isinstance(n_microbatches, int) and isinstance(stages, int):
             _check_1f1b(n_microbatches, stages)
         self._built = False
@@ -267,6 +270,8 @@ class PipelineStrategy(DDPStrategy):
                 hint="Use Trainer(precision='bf16-mixed') (or '32-true' / 'bf16-true'), or strategy='dp_ga'.",
             )
         module = self.lightning_module
+        if not self._built:
+            refuse_partial_module(module)
         if module is not None and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
             raise InfeasiblePlanError(
                 f"{type(module).__name__} uses manual optimization (automatic_optimization=False), but PipelineStrategy runs "
@@ -283,6 +288,7 @@ class PipelineStrategy(DDPStrategy):
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
             prune_module(self.model, self._keep)
             self._pruned = True
+            mark_partial(self.lightning_module, self.layout.stage)
         self.model_to_device()
         # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning;
         # 'bf16-true': with bf16 as the default dtype.
@@ -340,6 +346,7 @@ class PipelineStrategy(DDPStrategy):
         self._keep_names = {name for name, t in _named_tensors(module) if id(t) in keep}
         freed = prune_module(module, keep)
         self._pruned = True
+        mark_partial(module, k)
         a, b = ranges[k]
         self._stage_module = StageModule(layers[a:b])
         self._spec = spec
@@ -392,7 +399,7 @@ class PipelineStrategy(DDPStrategy):
             )
         from lightning_distplan.strategies._pipeline_batchnorm import convert_deferred_batchnorm
 
-        convert_deferred_batchnorm(module, chunks=self._n)
+        self._swapped_batchnorm = convert_deferred_batchnorm(module, chunks=self._n)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -463,6 +470,21 @@ class PipelineStrategy(DDPStrategy):
             layout = self.layout
             restore_full_module(module, self._ownership, stage=layout.stage, replica=layout.replica, group=self._object_group)
             self._pruned = False
+            mark_partial(module, None)
+        elif self._pruned and module is not None:
+            rank_zero_warn(
+                f"PipelineStrategy: the run stopped early, so the model on each rank still holds only its own pipeline stage's "
+                f"weights (the others are empty tensors): do not save its state_dict. The whole model is in the last checkpoint "
+                f"({type(module).__name__}.load_from_checkpoint), or call trainer.save_checkpoint(path) on every rank now."
+            )
+        if self._swapped_batchnorm:
+            from lightning_distplan.strategies._pipeline_batchnorm import restore_batchnorm
+
+            # the user's BatchNorm layers again (a DeferredBatchNorm under another strategy would commit its statistics
+            # every n batches); a later fit of this strategy builds the pipeline, and converts them, again
+            restore_batchnorm(self._swapped_batchnorm)
+            self._swapped_batchnorm = []
+            self._built = False
 
     # ------------------------------------------------------------------ steps
 

@@ -120,15 +120,50 @@ class _FirstBatchNormStats(L.Callback):
         self.stats.append({k: v.detach().clone() for k, v in bn.state_dict().items() if k.startswith(("running", "num"))})
 
 
-def _deferred_batchnorm(world: int, out: str) -> list[dict[str, torch.Tensor]]:
+def _deferred_batchnorm(world: int, out: str) -> dict[str, Any]:
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
+    def strategy() -> PipelineStrategy:
+        return PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4, stage_boundaries=[3], deferred_batchnorm=True)
+
     stats = _FirstBatchNormStats()
-    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4, stage_boundaries=[3], deferred_batchnorm=True)
-    kwargs = trainer_kwargs(world, strategy, out, callbacks=[stats])
+    kwargs = trainer_kwargs(world, strategy(), out, callbacks=[stats])
     kwargs["max_steps"] = 2
-    L.Trainer(**kwargs).fit(TinyConvBN(), DataLoader(image_data(), batch_size=GLOBAL_BATCH))
-    return stats.stats
+    model = TinyConvBN()
+    trainer = L.Trainer(**kwargs)
+    trainer.fit(model, DataLoader(image_data(), batch_size=GLOBAL_BATCH))
+    path = os.path.join(out, "deferred_bn.ckpt")
+    trainer.save_checkpoint(path)
+    after = {"classes": [type(m).__name__ for m in model.model], "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    # the same strategy resumes its own checkpoint
+    resumed = L.Trainer(**{**trainer_kwargs(world, strategy(), out), "max_steps": 3})
+    resumed.fit(TinyConvBN(), DataLoader(image_data(), batch_size=GLOBAL_BATCH), ckpt_path=path)
+    return {"stats": stats.stats, "after": after, "path": path, "resumed_steps": resumed.global_step}
+
+
+class _FailAt(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            raise RuntimeError("failing on purpose at step 2")
+
+
+def _failed_fit_then_retry(world: int, out: str) -> dict[str, Any]:
+    """A fit that raises on every rank leaves each rank's module with its stage only; training it again is refused."""
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("transformer")
+    trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out, callbacks=[_FailAt()]))
+    with pytest.raises(RuntimeError, match="on purpose"):
+        trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    empty = sorted(k for k, v in model.state_dict().items() if v.numel() == 0)
+    retry = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=4), out))
+    try:
+        retry.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+        refused = ""
+    except InfeasiblePlanError as err:
+        refused = str(err)
+    return {"empty": empty, "refused": refused}
 
 
 def _bf16_mixed(world: int, out: str) -> dict[str, Any]:
@@ -218,6 +253,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     for schedule in ("gpipe", "1f1b"):
         results[("memory", schedule)] = _memory(world, schedule, out)
     results["deferred_bn"] = _deferred_batchnorm(world, out)
+    results["failed"] = _failed_fit_then_retry(world, out)
     return results
 
 
@@ -422,7 +458,7 @@ def test_pipeline_costmodel_counts_received_boundary_activation(two_rank_run) ->
 
 def test_pipeline_deferred_batchnorm_keeps_full_batch_statistics(two_rank_run) -> None:
     _, results = two_rank_run
-    stats = results[0]["deferred_bn"]  # rank 0 = stage 0, which holds the first BatchNorm
+    stats = results[0]["deferred_bn"]["stats"]  # rank 0 = stage 0, which holds the first BatchNorm
     # One commit per optimizer step, not one per micro-batch (plain BatchNorm would count 4 per step).
     assert [int(s["num_batches_tracked"]) for s in stats] == [1, 2]
     # The first BatchNorm sees the same inputs as a single-process step on the whole batch, so after
@@ -440,6 +476,30 @@ def test_pipeline_deferred_batchnorm_keeps_full_batch_statistics(two_rank_run) -
     # 1/(N-1) = 5e-4 relative difference here); E[x²] - E[x]² in float32 needs rtol 1e-4.
     expected_var = (1 - momentum) + momentum * x.var(dim=(0, 2, 3), unbiased=False)
     torch.testing.assert_close(stats[0]["running_var"], expected_var, rtol=1e-4, atol=1e-6)
+
+
+def test_deferred_batchnorm_leaves_the_users_module_and_checkpoints_plain(two_rank_run) -> None:
+    """No DeferredBatchNorm key or layer outlives the fit: the checkpoint loads into the plain module (and resumes)."""
+    _, results = two_rank_run
+    plain = TinyConvBN()
+    for res in results:
+        after = res["deferred_bn"]["after"]
+        assert after["classes"] == [type(m).__name__ for m in plain.model]  # BatchNorm2d again, not DeferredBatchNorm
+        assert list(after["state"]) == list(plain.state_dict())
+        assert int(after["state"]["model.1.num_batches_tracked"]) == 2  # the committed statistics stayed with the layer
+        assert res["deferred_bn"]["resumed_steps"] == 3
+    ckpt = torch.load(results[0]["deferred_bn"]["path"], weights_only=True)
+    assert list(ckpt["state_dict"]) == list(plain.state_dict())
+    plain.load_state_dict(ckpt["state_dict"])  # strict
+    torch.testing.assert_close(plain.state_dict(), results[0]["deferred_bn"]["after"]["state"], rtol=0, atol=0)
+
+
+def test_a_failed_pipeline_fit_leaves_a_partial_module_that_is_not_trained_again(two_rank_run) -> None:
+    _, results = two_rank_run
+    for rank, res in enumerate(results):
+        assert res["failed"]["empty"], rank  # the other stage's tensors are empty on this rank
+        assert f"holds only pipeline stage {rank}'s weights on this rank" in res["failed"]["refused"]
+        assert "HINT: Load the whole model from the last checkpoint" in res["failed"]["refused"]
 
 
 def test_pipeline_spawn_start_method_returns_full_weights(tmp_path) -> None:
