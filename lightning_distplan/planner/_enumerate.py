@@ -12,7 +12,7 @@ from lightning_distplan.plan import STRATEGIES, Plan
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
 
-__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "PIN_KEYS"]
+__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS"]
 
 PIN_KEYS = (
     "strategy",
@@ -217,6 +217,14 @@ def _matches(plan: Plan, key: str, value: Any) -> bool:
     if key == "schedule":
         return plan.schedule == value
     return _plan_value(plan, key) == value
+
+
+def satisfies_pins(plan: Plan, pins: dict[str, Any] | None) -> bool:
+    """Whether a finished plan (e.g. one stored in a checkpoint) has every pinned value, stage boundaries included."""
+    pins = _normalise_pins(pins)
+    return all(
+        plan.stage_boundaries == value if key == "stage_boundaries" else _matches(plan, key, value) for key, value in pins.items()
+    )
 
 
 def enumerate_plans(

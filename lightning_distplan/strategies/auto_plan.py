@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.planner import satisfies_pins
 from lightning_distplan.strategies._auto_concrete import build_concrete
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
@@ -262,6 +263,11 @@ class AutoPlanStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         stored = self._checkpoint_plan
+        strategies = self._strategies_allowed(trainer)
+        if stored is not None and (stored.strategy not in strategies or not satisfies_pins(stored, self._pins)):
+            why = f"this fit allows {', '.join(strategies)} only" if stored.strategy not in strategies else f"it does not match the pins {self._pins}"
+            rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
+            stored = None
         if stored is not None:
             # Resume keeps the stored plan when it still fits: no profiling (DESIGN §3.5).
             loader = fresh_train_loader(trainer)
@@ -277,7 +283,6 @@ class AutoPlanStrategy(DDPStrategy):
                 f"auto_plan: the checkpoint's plan ({stored.describe()}, global batch {stored.global_batch_size}) does not fit "
                 f"this run ({world} devices, global batch {global_batch}); profiling and planning again."
             )
-        strategies = self._strategies_allowed(trainer)
         t0 = time.perf_counter()
         profile, loader = profile_in_fit(
             trainer, module, device=self.root_device, micro_batch_sizes=self._profile_sizes, repeats=self._profile_repeats,

@@ -265,3 +265,20 @@ def test_monitored_metrics_a_pipeline_does_not_log(tmp_path: Path) -> None:
     with pytest.raises(InfeasiblePlanError, match=r"callbacks monitor 'val_acc', which a pipeline does not log.*HINT: Monitor 'val_loss'"):
         trainer.fit(_small())
     assert not (tmp_path / "distplan" / "profile.json").exists()  # refused before profiling
+
+
+def test_resume_plans_again_when_the_checkpoints_plan_breaks_a_pin(tmp_path: Path) -> None:
+    """The stored plan is reused only when it satisfies this fit's pins (and strategies); otherwise auto_plan plans again."""
+    first = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1, micro_batch_size=8), devices=1, max_steps=2))
+    first.fit(_small())
+    ckpt = str(tmp_path / "step2.ckpt")
+    first.save_checkpoint(ckpt)
+    torch.distributed.destroy_process_group()
+    for pinned, source in ((8, "checkpoint"), (4, "planned")):
+        auto = AutoPlanStrategy(profile_repeats=1, micro_batch_size=pinned)
+        resumed = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=auto, devices=1, max_steps=3))
+        resumed.fit(_small(), ckpt_path=ckpt)
+        assert auto.plan is not None and auto.plan.micro_batch_size == pinned
+        assert (auto._outcome.source == "checkpoint") == (source == "checkpoint"), auto._outcome.source
+        assert resumed.global_step == 3
+        torch.distributed.destroy_process_group()
