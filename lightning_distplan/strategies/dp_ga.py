@@ -51,13 +51,14 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import (
+    CheckpointFormatError,
     add_portable_state,
     load_portable_optimizer_states,
     optimizer_state_by_name,
@@ -119,6 +120,7 @@ class DPGAStrategy(DDPStrategy):
         self._checkpoint_plan: Plan | None = None
         self._user_accumulate: int | None = None
         self._rechunk = Rechunking()
+        self._warned_unnamed = False
 
     @property
     def plan(self) -> Plan | None:
@@ -193,9 +195,19 @@ class DPGAStrategy(DDPStrategy):
         by_name = None
         if "optimizer_states" in checkpoint and self.lightning_module is not None:
             named = dict(self.lightning_module.named_parameters())
-            by_name = [
-                optimizer_state_by_name(opt, named, state_dict=sd) for opt, sd in zip(self.optimizers, checkpoint["optimizer_states"])
-            ]
+            try:
+                by_name = [
+                    optimizer_state_by_name(opt, named, state_dict=sd) for opt, sd in zip(self.optimizers, checkpoint["optimizer_states"])
+                ]
+            except CheckpointFormatError:
+                # The optimizer holds a tensor that is not one of the module's parameters: no name to store its state
+                # under. Lightning's own (ordered) optimizer state is still saved, as DDP saves it.
+                if not self._warned_unnamed:
+                    rank_zero_warn(
+                        "dp_ga: the optimizer holds a tensor that is not a parameter of the LightningModule, so checkpoints keep "
+                        "its state in torch's order only (as DDP does): they resume under dp_ga or DDP, not under a pipeline."
+                    )
+                    self._warned_unnamed = True
         add_portable_state(checkpoint, plan=self._plan, optimizer_states_by_name=by_name)
         self._rechunk.progress_to_user_units(checkpoint)  # a mid-epoch checkpoint resumes any plan or strategy at its place
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

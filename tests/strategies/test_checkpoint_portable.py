@@ -191,3 +191,35 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
         assert r0[f"mid_{name}"]["epoch_end_steps"] == [5, 10], name
         torch.testing.assert_close(r0[f"mid_{name}"]["state"], r0["mid_same"]["state"], rtol=1e-5, atol=1e-6)
     print(f"checkpoint resume test {time.perf_counter() - t0:.1f}s")
+
+
+class _ExtraTensorLM(TinyLM):
+    """An optimizer over the module's parameters plus a tensor that is not one of them (a learned temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_samples=64, loader_batch=16, optimizer="sgd")
+        self.temperature = torch.ones((), requires_grad=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * self.temperature
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.1, momentum=0.9)
+
+
+def test_dp_ga_checkpoints_an_optimizer_holding_a_tensor_outside_the_module(tmp_path: Any) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    kw = {**trainer_kwargs(devices=1), "enable_checkpointing": True}
+    model = _ExtraTensorLM()
+    with pytest.warns(UserWarning, match="not a parameter of the LightningModule.*resume under dp_ga or DDP"):
+        L.Trainer(**kw, strategy=DPGAStrategy(micro_batch_size=4), max_steps=2, callbacks=[every]).fit(model)
+    torch.distributed.destroy_process_group()
+    ckpt = torch.load(str(tmp_path / "step=2.ckpt"), weights_only=False)
+    assert OPTIMIZER_STATES_KEY not in ckpt and len(ckpt["optimizer_states"][0]["state"]) == len(list(model.parameters())) + 1
+    resumed = _ExtraTensorLM()
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(micro_batch_size=4), max_steps=3)
+    trainer.fit(resumed, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    torch.distributed.destroy_process_group()
+    assert trainer.global_step == 3
