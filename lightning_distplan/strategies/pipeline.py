@@ -337,6 +337,7 @@ class PipelineStrategy(DDPStrategy):
         self._ownership = StateOwnership.of(module, tensor_stages)
         k = layout.stage
         in_layers = set(tensor_stages)
+        self._in_layers = in_layers
         keep = {i for i, s in tensor_stages.items() if k in s}
         keep |= {id(t) for t in [*module.parameters(), *module.buffers()] if id(t) not in in_layers}
         self._keep = keep
@@ -405,6 +406,18 @@ class PipelineStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
         # The optimizers were built over the whole module; keep only this stage's parameters (no state exists yet).
+        held = {id(p) for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
+        outside = [
+            name for name, p in self.lightning_module.named_parameters()
+            if p.requires_grad and id(p) in held and id(p) not in self._in_layers
+        ]
+        if outside:
+            rank_zero_warn(
+                f"PipelineStrategy: the optimizer holds {len(outside)} parameter(s) that belong to no pipeline layer "
+                f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}); the pipeline runs only its layers and "
+                "PipelineSpec.loss, whose own parameters get no gradient, so these are never trained. Move them into a "
+                "layer of the PipelineSpec, or train this model with strategy='dp_ga'."
+            )
         self._opt_index: dict[int, OptimizerIndex] = {}
         for opt in self.optimizers:
             self._opt_index[id(opt)] = OptimizerIndex.prune(opt, self._keep, self._provide, self.lightning_module)

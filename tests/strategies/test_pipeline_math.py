@@ -147,6 +147,27 @@ class _FailAt(L.Callback):
             raise RuntimeError("failing on purpose at step 2")
 
 
+class _LossScaleMLP(TinyMLP):
+    """A learned loss scale used only in the loss: no pipeline layer holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = torch.nn.Parameter(torch.zeros(()))
+
+    def pipeline_loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
+        return super().pipeline_loss(out, batch) * self.log_scale.exp()
+
+
+def _loss_only_parameter(world: int, out: str) -> list[str]:
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out), "max_steps": 1})
+        trainer.fit(_LossScaleMLP(), DataLoader(mlp_data(), batch_size=GLOBAL_BATCH))
+    return [str(w.message) for w in caught if "belong to no pipeline layer" in str(w.message)]
+
+
 def _failed_fit_then_retry(world: int, out: str) -> dict[str, Any]:
     """A fit that raises on every rank leaves each rank's module with its stage only; training it again is refused."""
     from lightning_distplan.errors import InfeasiblePlanError
@@ -254,6 +275,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
         results[("memory", schedule)] = _memory(world, schedule, out)
     results["deferred_bn"] = _deferred_batchnorm(world, out)
     results["failed"] = _failed_fit_then_retry(world, out)
+    results["loss_only"] = _loss_only_parameter(world, out)
     return results
 
 
@@ -492,6 +514,11 @@ def test_deferred_batchnorm_leaves_the_users_module_and_checkpoints_plain(two_ra
     assert list(ckpt["state_dict"]) == list(plain.state_dict())
     plain.load_state_dict(ckpt["state_dict"])  # strict
     torch.testing.assert_close(plain.state_dict(), results[0]["deferred_bn"]["after"]["state"], rtol=0, atol=0)
+
+
+def test_a_parameter_only_the_loss_uses_is_named_as_untrained(two_rank_run) -> None:
+    _, results = two_rank_run
+    assert len(results[0]["loss_only"]) == 1 and "holds 1 parameter(s) that belong to no pipeline layer (log_scale)" in results[0]["loss_only"][0]
 
 
 def test_a_failed_pipeline_fit_leaves_a_partial_module_that_is_not_trained_again(two_rank_run) -> None:
