@@ -100,6 +100,42 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     ]
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _run_torchrun(cmd: list[str]) -> int:
+    """Run the torchrun job, passing its output on; a user error is one line, a Ctrl-C stops the workers.
+
+    Every worker reports the same user error (bad ``--plans`` found after profiling, say): it is
+    shown once, with exit status 2, and what torchrun prints about the failed worker after it (its
+    own traceback) is dropped. ``subprocess.run`` would SIGKILL torchrun on an interrupt and leave
+    its workers running (and writing ``--out`` later); torchrun passes a SIGINT on to its workers.
+    """
+    import signal
+
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+    assert proc.stderr is not None
+    errors: list[str] = []
+    try:
+        for line in proc.stderr:
+            if line.startswith("distplan bench: error:") or line.startswith("distplan bench: interrupted"):
+                if line not in errors:
+                    errors.append(line)
+                    sys.stderr.write(line)
+            elif not errors:  # after a worker's own error line, the rest is torchrun's report of that failure
+                sys.stderr.write(line)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+    return 2 if code != 0 and errors else code
+
+
 def _quiet_lightning() -> None:
     # One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report.
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
@@ -127,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
     for option, value in (("--out", args.out), ("--plot", args.plot)):
         if value is not None:
             check_output_path(value, option)  # before the runs, which take minutes
+    if args.plot is not None:
+        from pathlib import Path
+
+        if args.out is not None and Path(args.plot).resolve() == Path(args.out).resolve():
+            raise BenchError(f"--out and --plot name the same file {args.plot!r}.", hint="Give the plot its own name, e.g. --plot bench.png.")
+        if Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+            raise BenchError(
+                f"--plot {args.plot!r} has no image suffix matplotlib writes ({', '.join(PLOT_SUFFIXES)}).", hint="Use e.g. --plot bench.png."
+            )
     if args.world_size > 1 and not _inside_torchrun():
         cmd = torchrun_command(args)
         if args.print_launch:
@@ -134,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.quiet:
             print(f"distplan bench: launching {args.world_size} processes with torchrun: {shlex.join(cmd)}", flush=True)
-        return subprocess.run(cmd, check=False).returncode
+        return _run_torchrun(cmd)
 
     from lightning.pytorch import LightningDataModule, LightningModule
 

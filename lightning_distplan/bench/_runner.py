@@ -165,6 +165,8 @@ def measure_plan(
         if trainer.global_step != warmup + steps:
             error = f"ran {trainer.global_step} optimizer steps, expected {warmup + steps} (the dataset is too small?)"
     except Exception as err:  # a failed plan is data for the report, not the end of the benchmark
+        if isinstance(err, torch.distributed.DistError):
+            raise  # a broken process group (a rank gone, a link down) ends the job: no later plan could run or be compared
         error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         log.warning("plan %s failed: %s", plan.describe(), error)
     if device.type == "cuda":

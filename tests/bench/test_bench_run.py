@@ -141,7 +141,8 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
     ("args", "message"),
     [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"), (["--confirm", "-1"], "--confirm"),
      (["--min-time", "-1"], "--min-time"), (["--min-time", "nan"], "--min-time"),
-     (["--world-size", "0"], "--world-size")],
+     (["--world-size", "0"], "--world-size"), (["--plot", "bench.json", "--out", "bench.json"], "name the same file"),
+     (["--plot", "bench.txt"], "no image suffix")],
 )
 def test_bench_bad_input_one_line_error(capsys, args, message):
     from lightning_distplan.cli import main
@@ -153,6 +154,16 @@ def test_bench_bad_input_one_line_error(capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "HINT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path):
+    """--plans 99 is known wrong only once the plans are ranked, inside every worker: one line, not torchrun's traceback."""
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "4",
+           "--plans", "99", "--profile-repeats", "1", "--threads", "1", "--quiet"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
+    assert errors[0].startswith("distplan bench: error: --plans names rank(s) [99]") and "HINT" in errors[0]
 
 
 def test_print_launch_names_torchrun(capsys, monkeypatch):
