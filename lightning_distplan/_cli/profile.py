@@ -105,6 +105,11 @@ def _sizes(text: str | None) -> list[int] | None:
         sizes = []
     if not sizes or any(m < 1 for m in sizes):
         raise ProfilingError(f"--micro-batch-sizes {text!r} must be comma-separated positive integers.", hint="Use e.g. --micro-batch-sizes 2,4,8,16.")
+    if len(set(sizes)) < 2:
+        raise ProfilingError(
+            f"--micro-batch-sizes {text!r} names one size; the time and memory lines need two or more (three to check they are lines).",
+            hint="Use e.g. --micro-batch-sizes 2,4,8.",
+        )
     return sizes
 
 

@@ -751,6 +751,14 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     )
     total = LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s + s.backward_s for s in step_samples])
     worst = max(abs(total(s.micro_batch_size) - (s.forward_s + s.backward_s)) / (s.forward_s + s.backward_s) for s in step_samples)
+    if len(step_samples) < 3:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"The step time of {prof.name} was measured at {len(step_samples)} micro-batch size(s) only ({list(feasible)}): "
+            + ("one point fixes no line, so it is drawn through zero, " if len(step_samples) == 1 else "two points fit any line, ")
+            + "and its R² of 1 shows nothing. Profile three or more sizes (e.g. --micro-batch-sizes 2,4,8) for predictions at other sizes."
+        )
     # flat, overhead-bound steps have a low R² but predict fine: warn only when the line misses a point by > 15%
     if len(step_samples) >= 3 and total.r2 < _MIN_R2 and worst > 0.15:
         from lightning.pytorch.utilities import rank_zero_warn

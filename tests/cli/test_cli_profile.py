@@ -117,6 +117,7 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["cli_profile_fixtures:NoParams", "--init-args", "{bad json"], r"--init-args .* is not valid JSON"),
         (["cli_profile_fixtures:NoParams", "--init-args", "[1, 2]"], r"must be a JSON object"),
         (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "2,x"], r"--micro-batch-sizes"),
+        (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "4,4"], r"names one size; the time and memory lines need two or more"),
         (["cli_profile_fixtures:NoParams", "--datamodule", "cli_profile_fixtures:NotAModule"], r"is not a LightningDataModule"),
     ],
 )

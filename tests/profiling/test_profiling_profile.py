@@ -89,6 +89,9 @@ def test_oom_is_recorded_not_raised() -> None:
     assert p.infeasible_micro_batch_sizes == (8,) and p.micro_batch_sizes == (1, 2, 4)
     with pytest.raises(InfeasiblePlanError, match="HINT"):
         profile_module(OOMAbove(limit=0), data, micro_batch_sizes=[2], repeats=1)
+    # the user's sizes where only two fit: the line through them is said to show nothing
+    with pytest.warns(UserWarning, match=r"measured at 2 micro-batch size\(s\) only \(\[1, 2\]\): two points fit any line"):
+        profile_module(OOMAbove(limit=2), data, micro_batch_sizes=[1, 2, 4], repeats=1)
 
 
 def test_default_sizes() -> None:
