@@ -64,7 +64,7 @@ def _table(result: dict[str, Any]) -> str:
     header = f"{'n':>3}   {'instance':<20} {'plan':<38} {'time/step':>10} {'band':<13} {'cost/step':>11}"
     lines = [
         f"study {result['study_name']!r} in {result['storage']}: {result['n_trials']} trials, {result['n_evaluations']} configurations priced "
-        f"of {result['space_size']}, {result['n_feasible']} feasible; objective C + w*T, w={result['time_weight']:g}",
+        f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); objective C + w*T, w={result['time_weight']:g}",
         "",
         "best:",
         header,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
-from lightning_distplan.plan import STRATEGIES
+from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
 from lightning_distplan.tuner._storage import StudyStorageError, open_storage, write_trials
@@ -80,6 +80,7 @@ class TuneResult:
     n_evaluations: int
     """Distinct configurations this call priced with the cost model (repeated draws are cached)."""
     n_feasible: int
+    """Distinct feasible configurations the whole study has priced (this run's and earlier runs')."""
     """Feasible trials in the study."""
     space_size: int
     """Configurations in the whole space (instances × counts × valid plans)."""
@@ -422,7 +423,12 @@ def _tune(
         raise
 
     all_trials = memory_study.get_trials(deepcopy=False)
-    configs = [c for c in (_config_from_trial(t) for t in all_trials) if c is not None]
+    # one entry per configuration: a sampler may try one configuration in several trials
+    distinct: dict[tuple[str, int, Plan], TunedConfig] = {}
+    for c in (_config_from_trial(t) for t in all_trials):
+        if c is not None:
+            distinct.setdefault((c.instance_type, c.count, c.plan), c)
+    configs = list(distinct.values())
     if not configs:
         raise InfeasiblePlanError(
             f"None of the {len(all_trials)} configurations tried fits in memory (study {name!r} keeps them with their reasons).",

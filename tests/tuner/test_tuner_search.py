@@ -206,6 +206,20 @@ def test_same_settings_resume_the_study(tmp_path, profile):
     assert second.best.objective <= first.best.objective
 
 
+def test_feasible_configurations_are_counted_once_however_many_trials_priced_them(tmp_path):
+    """A space of a few configurations searched with more trials: n_feasible counted trials (more than the space)."""
+    from lightning_distplan.tuner.catalog import parse_catalog_csv
+
+    csv = tmp_path / "one.csv"
+    csv.write_text("InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\ng.one,A10,1,1.0,10\n")
+    result = tune(make_profile(), catalog=parse_catalog_csv(csv), global_batch_size=4, n_trials=12, storage=_url(tmp_path), study_name="few",
+                  max_instances=1, strategies=("dp_ga",), progress=False)
+    study = optuna.load_study(study_name="few", storage=_url(tmp_path))
+    feasible = [frozenset(t.params.items()) for t in study.trials if t.user_attrs.get("feasible")]
+    assert len(feasible) > len(set(feasible))  # 12 trials over m in {1, 2, 4}: the same configuration priced again
+    assert result.n_feasible == len(set(feasible)) <= result.space_size
+
+
 def test_multi_objective_nsga2(tmp_path, profile):
     result = tune(profile, catalog="aws-2026", global_batch_size=B, n_trials=20, storage=_url(tmp_path), study_name="mo",
                   max_instances=2, multi_objective=True, progress=False)
