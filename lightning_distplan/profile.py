@@ -301,6 +301,8 @@ class Profile:
         path = Path(path)
         if path.is_dir():
             raise ProfileFormatError(f"Profile path {str(path)!r} is a directory, not a file.", hint="Pass the profile JSON file itself, e.g. runs/distplan/profile.json.")
+        if path.exists() and not path.is_file():
+            raise ProfileFormatError(f"Profile path {str(path)!r} is not a regular file.", hint="Pass the profile JSON file itself, e.g. runs/distplan/profile.json.")
         if not path.is_file():
             raise ProfileFormatError(f"Profile file {str(path)!r} does not exist.", hint="Create one with `distplan profile package.module:ClassName --out FILE`.")
         try:

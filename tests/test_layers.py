@@ -47,3 +47,20 @@ def test_the_hook_defines_the_layers_and_their_names():
 def test_a_hook_returning_something_else_is_named():
     with pytest.raises(TypeError, match=r"_BadSpec.pipeline_spec\(\) returned list, not a PipelineSpec\. HINT: return lightning_distplan.PipelineSpec"):
         find_pipeline_spec(_BadSpec())
+
+
+def test_a_sequential_without_pipeline_loss_is_told_what_is_missing():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+
+    found = discover_layers(Net())
+    assert found.spec is None
+    assert "holds an nn.Sequential (`net`) but defines no `pipeline_loss(output, batch)`" in found.split_reason
+
+    class WithLoss(Net):
+        def pipeline_loss(self, output, batch):
+            return output.mean()
+
+    assert discover_layers(WithLoss()).spec is not None

@@ -74,7 +74,10 @@ def _no_pipeline_reason(profile: Profile, world_size: int, max_pp: int | None) -
     limit = n_layers if max_pp is None else min(n_layers, max_pp)
     stage_counts = [pp for pp in _divisors(world_size) if pp >= 2]
     if not any(pp <= limit for pp in stage_counts):
-        bound = f"the profile has only {n_layers} layer{'' if n_layers == 1 else 's'}" + (f" and max_pp is {max_pp}" if max_pp is not None and max_pp < n_layers else "")
+        if max_pp is not None and max_pp < n_layers:
+            bound = f"max_pp is {max_pp}"
+        else:
+            bound = f"the profile has only {n_layers} layer{'' if n_layers == 1 else 's'}"
         return f"every pipeline on {world_size} devices needs {stage_counts[0]} or more stages, but {bound}"
     return None
 

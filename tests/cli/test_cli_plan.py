@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -109,6 +110,7 @@ def test_table_output_and_options(profile_path, capsys):
         ("corrupt", ["--world-size", "2", "--global-batch-size", "8"], "is not valid JSON"),
         ("missing", ["--world-size", "2", "--global-batch-size", "8"], "does not exist"),
         ("dir", ["--world-size", "2", "--global-batch-size", "8"], "is a directory, not a file"),
+        ("devnull", ["--world-size", "2", "--global-batch-size", "8"], "'/dev/null' is not a regular file"),
         # DESIGN §5: a model that cannot be split / more stages than layers, named as such
         ({"splittable": False, "split_reason": "no PipelineSpec"}, ["--world-size", "4", "--global-batch-size", "32", "--strategy", "gpipe"],
          "No gpipe plan exists on 4 devices: the model cannot be split into pipeline stages (no PipelineSpec)"),
@@ -146,6 +148,8 @@ def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, 
         path.write_text('{"schema_version": 1, "model": ')
     elif mutate == "dir":
         path.mkdir()
+    elif mutate == "devnull":
+        path = Path("/dev/null")
     elif mutate != "missing":
         path.write_text(json.dumps(profile_json(**(mutate or {}))))
     assert main(["plan", "--profile", str(path), *args]) == 2
