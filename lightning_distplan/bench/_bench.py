@@ -490,9 +490,10 @@ def run_bench(
         + (" (cuda-synchronised)" if dev.type == "cuda" else ""),
         "links": [dataclasses.asdict(link) for link in pooled.links],
         "n_candidates": len(candidates),
-        "candidates_not_run": [
-            {"rank": c.rank, "plan": c.plan.describe(), "feasible": c.prediction.feasible, "predicted_step_time_s": c.prediction.step_time_s}
-            for c in candidates
+        "candidates_not_run": [  # ranked as the run plans are (from the profile the predictions rest on)
+            {"rank": graded[i][1], "plan": c.plan.describe(), "feasible": graded[i][0].feasible, "predicted_step_time_s": graded[i][0].step_time_s,
+             "first_profile_rank": c.rank}
+            for i, c in enumerate(candidates)
             if c not in chosen
         ],
         "plans": records,

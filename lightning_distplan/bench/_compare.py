@@ -104,7 +104,9 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
     Returns:
         ``n_plans``, ``n_measured``, ``median_abs_error`` / ``p90_abs_error`` / ``mean_signed_error``
         of the step time, the same ``*_memory_*`` for memory when measured, ``pick`` and
-        ``measured_best`` (rank, plan, predicted, measured), ``pick_is_best``, ``pick_within``
+        ``measured_best`` (rank, plan, predicted, measured), ``pick_ran`` (whether the best-ranked plan
+        that ran is rank 1, the planner's choice; with ``--plans top:K`` it may not be once the
+        predictions are final), ``pick_is_best``, ``pick_within``
         (``within`` of the best), ``regret`` and ``spearman`` (rank correlation of predicted vs measured).
         ``confirmed``: when the pick carries ``confirm_step_time_s`` (its median in confirmation
         passes, :func:`confirm_candidates`), the pick judged against the contenders on those runs
@@ -130,6 +132,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         "p90_abs_memory_error": percentile(mem_err, 90),
         "within": within,
         "pick": None,
+        "pick_ran": None,
         "measured_best": None,
         "pick_is_best": None,
         "pick_within": None,
@@ -148,6 +151,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
     regret = pick["measured_step_time_s"] / best["measured_step_time_s"] - 1.0
     out.update(
         pick=brief(pick),
+        pick_ran=pick["rank"] == 1,
         measured_best=brief(best),
         pick_is_best=pick is best,
         pick_within=regret <= within + 1e-12,

@@ -65,6 +65,11 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"measured best: rank {s['measured_best']['rank']} {s['measured_best']['plan']} {s['measured_best']['measured_step_time_s'] * 1e3:.1f} ms",
             f"pick is measured best: {s['pick_is_best']}; within {s['within']:.0%} of it: {s['pick_within']}; regret {s['regret']:.1%}",
         ]
+        if s.get("pick_ran") is False:
+            lines.append(
+                f"note: the planner's choice (rank 1 by the final predictions) was not among the plans run, so 'pick' is the "
+                f"best-ranked plan that ran (rank {s['pick']['rank']}); the verdict covers the plans run only"
+            )
         c = s.get("confirmed")
         if c:
             lines.append(

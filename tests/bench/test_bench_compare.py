@@ -36,6 +36,10 @@ def test_summary_pick_best_within_and_regret():
     s = summarize([_rec(1, 1.0, 1.2), _rec(2, 1.1, 1.0)])
     assert s["pick_within"] is False and s["regret"] == pytest.approx(0.2)
     assert summarize([_rec(1, 1.0, None)])["pick"] is None  # nothing measured: no verdict
+    assert s["pick_ran"] is True
+    # --plans top:K chose by the first profile; the final predictions rank other plans first: the verdict says so
+    late = summarize([_rec(4, 1.0, 1.0), _rec(9, 1.1, 1.2)])
+    assert late["pick_ran"] is False and late["pick"]["rank"] == 4
 
 
 def test_confirm_candidates_are_the_picks_and_the_plans_near_the_fastest():
@@ -98,7 +102,10 @@ def test_table_and_plot(tmp_path):
     result = {"model": "m", "world_size": 2, "device": {"type": "cpu", "name": "x"}, "global_batch_size": 8,
               "warmup": 1, "steps": 2, "links": [], "plans": plans, "summary": summarize(plans), "memory_metric": "cpu_rss_high_water_growth"}
     text = format_table(result)
-    assert "regret 10.0%" in text and "1*" in text and "2 !" in text
+    assert "regret 10.0%" in text and "1*" in text and "2 !" in text and "was not among the plans run" not in text
+    late = [{**p, "rank": p["rank"] + 3} for p in plans]  # the final predictions rank two plans that did not run first
+    assert "the planner's choice (rank 1 by the final predictions) was not among the plans run" in format_table(
+        {**result, "plans": late, "summary": summarize(late)})
     png = plot_result(result, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

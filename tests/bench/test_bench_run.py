@@ -188,8 +188,16 @@ def test_timed_steps_lasts_min_time_within_bounds():
     assert timed_steps(4, 1.0, 0.0) == 4 and timed_steps(4, 1.0, float("nan")) == 4  # no usable prediction
 
 
+@pytest.fixture
+def no_group_left():
+    """run_bench in this process: each plan's Trainer starts a process group of one, which must not outlive the test."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
-def test_bench_profiles_and_trains_in_the_given_precision(precision):
+def test_bench_profiles_and_trains_in_the_given_precision(precision, no_group_left):
     """``--precision``: the profile and every plan's Trainer run in it (autocast, or converted weights)."""
     from lightning_distplan.bench import run_bench
     from lightning_distplan.bench.models import RandomVectorData, WideMLP
@@ -212,7 +220,7 @@ def test_bench_profiles_and_trains_in_the_given_precision(precision):
     assert result["provenance"]["precision"] == precision and result["plans"][0]["error"] is None
 
 
-def test_bench_pipelines_only_in_their_precisions(monkeypatch):
+def test_bench_pipelines_only_in_their_precisions(monkeypatch, no_group_left):
     """A precision pipelines do not train in ranks dp_ga plans only (a pipeline would fail at setup)."""
     import lightning_distplan.planner as planner
     from lightning_distplan.bench import run_bench
