@@ -58,12 +58,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("DISTPLAN_DEBUG"):
             raise
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         what = {
-            "tune": "; the study was left as it was (a search writes its trials only when it ends)",
+            "tune": "; the study was left as it was",
             "profile": "; no profile was written",
             "bench": "; no result file was written",
         }.get(args.command, "")
+        if err.args and isinstance(err.args[0], str):  # the command says what it kept
+            what = "; " + err.args[0]
         print(f"distplan {args.command}: interrupted{what}", file=sys.stderr)
         return 130
 

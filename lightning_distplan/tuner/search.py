@@ -242,6 +242,8 @@ def tune(
         StudyConflictError: the study exists with other settings (it is left untouched).
         InfeasiblePlanError: bad arguments, or no evaluated configuration fits in memory.
         ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
+        KeyboardInterrupt: a Ctrl-C during the search, after the trials finished before it were written to
+            the study (its message says how many; a new study is created only when one had finished).
     """
     import optuna
 
@@ -378,11 +380,19 @@ def _tune(
     # itself is what the caller gets, once.
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
+    interrupted = False
     try:
         memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
+    except KeyboardInterrupt:
+        # Keep what was searched: the trials finished before the Ctrl-C are written as a finished run's are.
+        interrupted = True
     finally:
         optuna.logging.set_verbosity(verbosity)
     new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
+    if interrupted:
+        new_trials = [t for t in new_trials if t.state.is_finished() and t.state != optuna.trial.TrialState.FAIL]
+        if existing is None and not new_trials:
+            raise KeyboardInterrupt("no trial had finished, so no study was created")
 
     # Write the finished run in one pass; a failure while writing a study this call created removes it
     # again (never one another run created meanwhile under the same name).
@@ -421,6 +431,10 @@ def _tune(
                 hint="Check that the database is writable and reachable, then re-run the same command.",
             ) from None
         raise
+    if interrupted:
+        raise KeyboardInterrupt(
+            f"the {len(new_trials)} trial(s) finished before it were written to study {name!r}; re-run the same command to search on"
+        )
 
     all_trials = memory_study.get_trials(deepcopy=False)
     # one entry per configuration: a sampler may try one configuration in several trials

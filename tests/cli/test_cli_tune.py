@@ -91,7 +91,7 @@ def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, cap
     assert len(optuna.load_study(study_name="pl", storage=url).user_attrs) > 0
 
 
-def test_ctrl_c_is_one_line_and_leaves_the_study(tmp_path, profile_path, capfd, monkeypatch):
+def test_ctrl_c_is_one_line_and_keeps_the_finished_trials(tmp_path, profile_path, capfd, monkeypatch):
     url = f"sqlite:///{tmp_path / 'i.db'}"
     args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "8", "--max-instances", "2",
             "--storage", url, "--study-name", "i", "--quiet"]
@@ -109,8 +109,17 @@ def test_ctrl_c_is_one_line_and_leaves_the_study(tmp_path, profile_path, capfd, 
     monkeypatch.setattr(optuna.samplers.TPESampler, "sample_relative", ctrl_c_on_the_third)
     assert main(args) == 130
     err = capfd.readouterr().err.strip().splitlines()
-    assert err == ["distplan tune: interrupted; the study was left as it was (a search writes its trials only when it ends)"]
-    assert len(optuna.load_study(study_name="i", storage=url).trials) == 8
+    assert err == ["distplan tune: interrupted; the 2 trial(s) finished before it were written to study 'i'; re-run the same command to search on"]
+    trials = optuna.load_study(study_name="i", storage=url).trials
+    assert len(trials) == 10 and all(t.state.is_finished() and t.state != optuna.trial.TrialState.FAIL for t in trials)
+    # a new study interrupted after two trials exists with them (3000 finished trials were thrown away before)
+    calls.clear()
+    assert main([*args[:-3], "--study-name", "fresh", "--quiet"]) == 130
+    kept = len(optuna.load_study(study_name="fresh", storage=url).trials)  # the initial design's, and two sampled
+    assert kept >= 2 and f"the {kept} trial(s) finished before it were written to study 'fresh'" in capfd.readouterr().err
+    calls.append(1)  # no more Ctrl-C
+    assert main([*args[:-3], "--study-name", "fresh", "--quiet"]) == 0  # and the same command searches on
+    assert len(optuna.load_study(study_name="fresh", storage=url).trials) == kept + 8
 
 
 def test_real_command_line(tmp_path, profile_path):
