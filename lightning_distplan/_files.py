@@ -4,13 +4,15 @@ half-written file and never replaces the user's own one."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
+from typing import Any, Callable
 
 from lightning_distplan.errors import OutputPathError
 
-__all__ = ["check_output_path", "write_text_atomic"]
+__all__ = ["check_output_path", "check_replaceable", "write_text_atomic"]
 
 
 def check_output_path(path: str | Path, option: str) -> Path:
@@ -31,6 +33,25 @@ def check_output_path(path: str | Path, option: str) -> Path:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputPathError(f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable.", hint=f"Pick a writable path for {option}.")
     return path
+
+
+def check_replaceable(path: str | Path, option: str, *, what: str, is_ours: Callable[[Any], bool]) -> None:
+    """Refuse to replace an existing file at ``path`` that is not one of ours (``is_ours`` of its JSON).
+
+    ``--out victim.py`` would otherwise replace the user's file with our JSON.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        ours = is_ours(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError):
+        ours = False
+    if not ours:
+        raise OutputPathError(
+            f"{option} {str(path)!r} exists and is not a {what}; it is left as it is.",
+            hint=f"Name a new file for {option} (or delete that one first if you mean to replace it).",
+        )
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -20,3 +20,15 @@ def test_written_file_follows_the_umask(tmp_path: Path, umask: int, mode: int) -
         os.umask(old)
     assert path.read_text() == "{}" and stat.S_IMODE(path.stat().st_mode) == mode
     assert [p.name for p in path.parent.iterdir()] == ["plan.json"]  # no temporary file left behind
+
+
+def test_profile_out_never_replaces_a_file_that_is_not_a_profile(tmp_path, capsys):
+    """`distplan profile --out victim.py` replaced the user's source file with JSON."""
+    from lightning_distplan.cli import main
+
+    victim = tmp_path / "victim.py"
+    victim.write_text("print('mine')\n")
+    rc = main(["profile", "lightning.pytorch.demos.boring_classes:BoringModel", "--out", str(victim), "--repeats", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "exists and is not a profile JSON; it is left as it is" in err[0] and "HINT" in err[0]
+    assert victim.read_text() == "print('mine')\n"

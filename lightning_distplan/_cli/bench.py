@@ -145,7 +145,7 @@ def _quiet_lightning() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes, train_loader
-    from lightning_distplan._files import check_output_path, write_text_atomic
+    from lightning_distplan._files import check_output_path, check_replaceable, write_text_atomic
     from lightning_distplan.bench._bench import BenchError, check_counts, parse_plans_spec
 
     if args.world_size < 1 or args.global_batch_size < 1:
@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
     for option, value in (("--out", args.out), ("--plot", args.plot)):
         if value is not None:
             check_output_path(value, option)  # before the runs, which take minutes
+    if args.out is not None:
+        check_replaceable(args.out, "--out", what="distplan bench result",
+                          is_ours=lambda d: isinstance(d, dict) and str(d.get("schema", "")).startswith("distplan-bench"))
     if args.plot is not None:
         from pathlib import Path
 

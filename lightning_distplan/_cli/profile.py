@@ -10,7 +10,7 @@ import json
 import time
 from typing import Any
 
-from lightning_distplan._files import check_output_path
+from lightning_distplan._files import check_output_path, check_replaceable
 from lightning_distplan.errors import DistPlanError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 from lightning_distplan.profiling._precision import PRECISIONS, precision_plugin
@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)  # fail fast on --device cuda without a GPU
     check_output_path(args.out, "--out")  # before profiling, not after
+    check_replaceable(args.out, "--out", what="profile JSON", is_ours=lambda d: isinstance(d, dict) and "schema_version" in d and "layers" in d)
     sizes = _sizes(args.micro_batch_sizes)
     if args.repeats < 1 or args.warmup < 0:
         raise ProfilingError(f"--repeats ({args.repeats}) must be >= 1 and --warmup ({args.warmup}) >= 0.", hint="Use e.g. --repeats 3 --warmup 1.")
