@@ -498,6 +498,7 @@ class PipelineStrategy(DDPStrategy):
             restore_batchnorm(self._swapped_batchnorm)
             self._swapped_batchnorm = []
             self._built = False
+            self._schedules = {}  # they hold the old stage (its DeferredBatchNorm layers): the rebuild makes new ones
 
     # ------------------------------------------------------------------ steps
 

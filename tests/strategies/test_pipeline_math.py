@@ -128,13 +128,20 @@ def _deferred_batchnorm(world: int, out: str) -> dict[str, Any]:
 
     stats = _FirstBatchNormStats()
     kwargs = trainer_kwargs(world, strategy(), out, callbacks=[stats])
-    kwargs["max_steps"] = 2
-    model = TinyConvBN()
+    kwargs.update(max_steps=2, limit_val_batches=1, val_check_interval=1)  # validation inside the fit: an eval schedule is built
+    class Validated(TinyConvBN):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:  # (the pipeline runs its loss in its place)
+            pass
+
+    model = Validated()
     trainer = L.Trainer(**kwargs)
-    trainer.fit(model, DataLoader(image_data(), batch_size=GLOBAL_BATCH))
+    val = DataLoader(image_data(), batch_size=GLOBAL_BATCH)
+    trainer.fit(model, DataLoader(image_data(), batch_size=GLOBAL_BATCH), val)
     path = os.path.join(out, "deferred_bn.ckpt")
     trainer.save_checkpoint(path)
     after = {"classes": [type(m).__name__ for m in model.model], "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    trainer.validate(model, val)  # the same strategy again, after the user's BatchNorms came back: eval mode, statistics untouched
+    after["after_validate"] = {k: v.clone() for k, v in model.state_dict().items()}
     # the same strategy resumes its own checkpoint
     resumed = L.Trainer(**{**trainer_kwargs(world, strategy(), out), "max_steps": 3})
     resumed.fit(TinyConvBN(), DataLoader(image_data(), batch_size=GLOBAL_BATCH), ckpt_path=path)
@@ -509,6 +516,7 @@ def test_deferred_batchnorm_leaves_the_users_module_and_checkpoints_plain(two_ra
         assert after["classes"] == [type(m).__name__ for m in plain.model]  # BatchNorm2d again, not DeferredBatchNorm
         assert list(after["state"]) == list(plain.state_dict())
         assert int(after["state"]["model.1.num_batches_tracked"]) == 2  # the committed statistics stayed with the layer
+        torch.testing.assert_close(after["after_validate"], after["state"], rtol=0, atol=0)
         assert res["deferred_bn"]["resumed_steps"] == 3
     ckpt = torch.load(results[0]["deferred_bn"]["path"], weights_only=True)
     assert list(ckpt["state_dict"]) == list(plain.state_dict())
