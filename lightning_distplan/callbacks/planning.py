@@ -129,7 +129,7 @@ class PlanningCallback(Callback):
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._applied is not None:
-            self._applied.rechunk.resumed()
+            self._applied.rechunk.resumed(checkpoint)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -54,9 +54,9 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies._checkpoint import stored_plan
+from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
-from lightning_distplan.strategies.dp_ga import check_ddp_kwargs, loader_batch_size
+from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, check_ddp_kwargs, loader_batch_size
 from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._extra_ddp_kwargs = ddp_kwargs
         self._pipeline_kwargs = {"deferred_batchnorm": deferred_batchnorm}
         self._checkpoint_plan: Plan | None = None
-        self._resuming = False  # the fit restores a checkpoint (its epoch progress counts the user's loader batches)
+        self._resuming: dict[str, Any] | None = None  # what Rechunking.resumed reads of the checkpoint the fit restores
         self._outcome: PlanningOutcome | None = None
         self._profile: Profile | None = None
         self._concrete: Strategy | None = None
@@ -214,7 +214,7 @@ class AutoPlanStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._checkpoint_plan = stored_plan(checkpoint)
-        self._resuming = True
+        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY) if k in checkpoint}  # not the weights
         return checkpoint
 
     @override
@@ -249,8 +249,8 @@ class AutoPlanStrategy(DDPStrategy):
             pipeline_kwargs=self._pipeline_kwargs,
         )
         self._concrete = concrete
-        if self._resuming:
-            concrete._rechunk.resumed()  # type: ignore[union-attr]  # both concrete kinds re-chunk the loader
+        if self._resuming is not None:
+            concrete._rechunk.resumed(self._resuming)  # type: ignore[union-attr]  # both concrete kinds re-chunk the loader
         self._attach_monitor(trainer, outcome)
         trainer._accelerator_connector.strategy = concrete
         concrete.setup(trainer)

@@ -216,7 +216,7 @@ class DPGAStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._checkpoint_plan = stored_plan(checkpoint)
-        self._rechunk.resumed()
+        self._rechunk.resumed(checkpoint)
         return checkpoint
 
     @override
@@ -362,6 +362,7 @@ class Rechunking:
         self._weight = 1.0
         self._per_user_batch: Fraction | None = None  # user's loader batches per batch Lightning runs (None: not known)
         self._resumed = False
+        self._resumed_from_micro: int | None = None  # an older checkpoint counted micro-batches of this many samples
 
     def remember(self, trainer: pl.Trainer) -> None:
         self._user = (trainer.limit_train_batches, trainer.val_check_interval)
@@ -385,8 +386,10 @@ class Rechunking:
         self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
         if self._resumed:
             self._resumed = False
-            if self._per_user_batch is not None and self._per_user_batch != 1:
-                _scale_progress(trainer.fit_loop.epoch_loop.batch_progress.state_dict(), 1 / self._per_user_batch,
+            # the checkpoint's units: loader batches, or (written before the marker) micro-batches of a dp_ga plan
+            saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
+            if self._per_user_batch is not None and saved != self._per_user_batch:
+                _scale_progress(trainer.fit_loop.epoch_loop.batch_progress.state_dict(), saved / self._per_user_batch,
                                 into=trainer.fit_loop.epoch_loop.batch_progress)
         if loader_batch == m:
             return dataloader
@@ -407,18 +410,33 @@ class Rechunking:
         if self._user is not None:
             trainer.limit_train_batches, trainer.val_check_interval = self._user
 
-    def resumed(self) -> None:
-        """The fit restores a checkpoint (progress in the user's loader batches): convert it when the loader is wrapped."""
+    def resumed(self, checkpoint: Mapping[str, Any]) -> None:
+        """The fit restores ``checkpoint``: convert its progress to this plan's batches when the loader is wrapped.
+
+        It counts loader batches when it says so (:data:`PROGRESS_KEY`) or holds no plan of ours (plain
+        Lightning); one a dp_ga plan wrote before the key existed counts that plan's micro-batches.
+        """
         self._resumed = True
+        self._resumed_from_micro = None
+        plan = None if checkpoint.get(PROGRESS_KEY) == "loader_batches" else stored_plan(checkpoint)
+        if plan is not None and plan.strategy == "dp_ga":
+            self._resumed_from_micro = plan.micro_batch_size
 
     def progress_to_user_units(self, checkpoint: dict[str, Any]) -> None:
         """Count ``checkpoint``'s epoch progress in the user's loader batches instead of the batches Lightning ran."""
-        if self._per_user_batch is None or self._per_user_batch == 1:
+        if self._per_user_batch is None:
+            return  # the loader's batch size is unknown: the progress stays in the batches run (no mark says otherwise)
+        checkpoint[PROGRESS_KEY] = "loader_batches"
+        if self._per_user_batch == 1:
             return
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
         progress = loops.get("epoch_loop.batch_progress")
         if isinstance(progress, dict):
             loops["epoch_loop.batch_progress"] = _scale_progress(progress, self._per_user_batch)
+
+
+PROGRESS_KEY = "distplan_progress_units"
+"""Checkpoint key: ``"loader_batches"`` when the epoch's progress counts the user's loader batches."""
 
 
 def _scale_progress(progress: dict[str, Any], factor: Fraction, into: Any = None) -> dict[str, Any]:

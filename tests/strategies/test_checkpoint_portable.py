@@ -24,6 +24,7 @@ from lightning_distplan.strategies import (
     stored_plan,
 )
 from lightning_distplan.strategies._checkpoint import OPTIMIZER_STATES_KEY, PLAN_KEY, to_torch_optimizer_state
+from lightning_distplan.strategies.dp_ga import PROGRESS_KEY
 
 
 def _trained_adam() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -131,11 +132,24 @@ def _phases(rank: int, world_size: int, path: str) -> dict[str, Any]:
     every = ModelCheckpoint(dirpath=mid_dir, every_n_train_steps=2, save_top_k=-1, filename="mid")
     model = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd")
     L.Trainer(**{**kw, "enable_checkpointing": True}, strategy=DPGAStrategy(micro_batch_size=4), max_steps=2, callbacks=[every]).fit(model)
-    for name, resumed_under in (("same", DPGAStrategy(micro_batch_size=4)), ("other", DPGAStrategy(micro_batch_size=8)), ("ddp", "ddp")):
+    # a checkpoint as dp_ga wrote them before the progress was kept in loader batches: micro-batches, no mark
+    old = torch.load(os.path.join(mid_dir, "mid.ckpt"), weights_only=False)
+    del old[PROGRESS_KEY]
+    progress = old["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for part in ("total", "current"):
+        counts = {k: v * 4 for k, v in progress[part].items()}
+        counts["completed"] = counts["processed"] - 1  # saved at the batch's end, as ModelCheckpoint does
+        progress[part] = counts
+    old_path = os.path.join(mid_dir, f"old-{rank}.ckpt")
+    torch.save(old, old_path)
+    for name, resumed_under, path in (
+        ("same", DPGAStrategy(micro_batch_size=4), "mid.ckpt"), ("other", DPGAStrategy(micro_batch_size=8), "mid.ckpt"),
+        ("ddp", "ddp", "mid.ckpt"), ("old", DPGAStrategy(micro_batch_size=4), os.path.basename(old_path)),
+    ):
         model = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd")
         epochs = _EpochSteps()
         trainer = L.Trainer(**kw, strategy=resumed_under, max_epochs=2, callbacks=[epochs])
-        trainer.fit(model, ckpt_path=os.path.join(mid_dir, "mid.ckpt"))
+        trainer.fit(model, ckpt_path=os.path.join(mid_dir, path))
         out[f"mid_{name}"] = {"state": cpu_state(model), "epoch_end_steps": epochs.steps}
     return out
 
@@ -187,7 +201,7 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
     # ends at step 5, and the weights match the same-plan resume (another plan or DDP ran 8 or 4 steps per epoch).
     mid = torch.load(os.path.join(str(tmp_path), "mid", "mid.ckpt"), weights_only=False)
     assert mid["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"] == {"ready": 2, "started": 2, "processed": 2, "completed": 1}
-    for name in ("same", "other", "ddp"):
+    for name in ("same", "other", "ddp", "old"):  # "old": an unmarked checkpoint dp_ga wrote in micro-batches before
         assert r0[f"mid_{name}"]["epoch_end_steps"] == [5, 10], name
         torch.testing.assert_close(r0[f"mid_{name}"]["state"], r0["mid_same"]["state"], rtol=1e-5, atol=1e-6)
     print(f"checkpoint resume test {time.perf_counter() - t0:.1f}s")
