@@ -199,3 +199,20 @@ def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib, "import_module", ctrl_c_on_bench)
     assert main(["plan", "--help"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"]
+
+
+def test_ctrl_c_while_the_real_command_imports_is_one_line():
+    """The console script: a SIGINT during the seconds of importing torch and lightning (before any of our code
+    could catch it inside the package) prints one line and exits 130."""
+    import os
+    import signal
+    import time
+
+    script = os.path.join(os.path.dirname(sys.executable), "distplan")
+    if not os.path.exists(script):
+        pytest.skip("the distplan console script is not installed next to this interpreter")
+    proc = subprocess.Popen([script, "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.7)  # importing torch alone takes longer
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"], err[-1500:]
