@@ -101,8 +101,8 @@ def find_pipeline_spec(module: nn.Module) -> tuple[PipelineSpec | None, str]:
         where = f"`{sequential}`" if sequential else "the module itself"
         return None, (
             f"{type(module).__name__} holds an nn.Sequential ({where}) but defines no `pipeline_loss(output, batch)`, which a "
-            "pipeline needs to compute the loss on its last stage (a Sequential says nothing about its loss), so it can run "
-            "data parallel but not as a pipeline"
+            "pipeline needs to compute the loss on its last stage (a Sequential says nothing about its loss), nor a "
+            "`pipeline_spec()`, so it can run data parallel but not as a pipeline"
         )
     return None, (
         f"{type(module).__name__} defines no `pipeline_spec()` and no built-in adapter recognises it, "
