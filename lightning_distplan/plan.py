@@ -10,6 +10,7 @@ store it. Every plan factors the user's global batch exactly (DESIGN §3.1):
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,18 @@ __all__ = ["Plan", "STRATEGIES", "PLAN_SCHEMA_VERSION"]
 PLAN_SCHEMA_VERSION = 1
 STRATEGIES = ("dp_ga", "gpipe", "1f1b")
 StrategyName = Literal["dp_ga", "gpipe", "1f1b"]
+
+
+def _whole(value: object) -> int | None:
+    """``value`` as an int when it is a whole number (an int, numpy integer or integral float), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,9 +75,8 @@ class Plan:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InfeasiblePlanError(f"`{name}` must be a positive integer, got {value!r}.", hint="Check the plan.")
         boundaries = self.stage_boundaries
-        if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__iter__") or any(
-            not isinstance(b, int) or isinstance(b, bool) for b in boundaries
-        ):
+        whole = None if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__iter__") else [_whole(b) for b in boundaries]
+        if whole is None or None in whole:
             raise InfeasiblePlanError(
                 f"`stage_boundaries` must be a list of whole layer indices, got {boundaries!r}.",
                 hint="Give the index of the first layer of every stage after the first, e.g. [6, 12, 18].",
@@ -72,7 +84,7 @@ class Plan:
         names = self.layer_names
         if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__") or any(not isinstance(n, str) for n in names):
             raise InfeasiblePlanError(f"`layer_names` must be a list of layer names, got {names!r}.", hint="Check the plan.")
-        object.__setattr__(self, "stage_boundaries", tuple(boundaries))
+        object.__setattr__(self, "stage_boundaries", tuple(whole))
         object.__setattr__(self, "layer_names", tuple(names))
         if self.strategy == "dp_ga":
             if self.pp != 1 or self.n_microbatches != 1:
@@ -197,7 +209,8 @@ class Plan:
         """A plan from a ``plan.json`` path or from JSON text.
 
         Raises:
-            ProfileFormatError: the file is missing or unreadable, not JSON, or not a valid plan.
+            ProfileFormatError: the file is missing or unreadable, not JSON, or not a plan object.
+            InfeasiblePlanError: the plan's values are inconsistent (factors, boundaries, strategy).
         """
         text = str(path_or_text)
         looks_like_path = isinstance(path_or_text, Path) or not text.lstrip().startswith(("{", "[", '"'))

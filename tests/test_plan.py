@@ -85,6 +85,13 @@ def test_a_plan_with_malformed_boundaries_or_names_is_refused_not_truncated(fiel
         Plan.from_dict({**base, field: value})
 
 
+def test_whole_numbers_of_any_integer_type_are_boundaries():
+    import numpy as np
+
+    base = dict(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    assert Plan(**base, stage_boundaries=[np.int64(3)]).stage_boundaries == (3,) == Plan(**base, stage_boundaries=(3.0,)).stage_boundaries
+
+
 def test_plan_json_text_that_is_not_an_object_is_not_taken_for_a_path():
     with pytest.raises(ProfileFormatError, match="must be a JSON object, got list"):
         Plan.from_json("[1]")

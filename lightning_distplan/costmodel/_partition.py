@@ -146,7 +146,9 @@ def partition_pipeline(
     :func:`partition_layers` does not see.
 
     Exact dynamic programme over (stages, first layer not yet covered), O(pp · L²); among splits
-    with the same slowest stage, the one with the cheapest hand-overs (then the first found).
+    with the same slowest stage, the one with the cheapest hand-overs (then the first found). The
+    slowest stage is a proxy: the step time ``predict()`` prices depends on every stage (the
+    schedule's fill and bubble), so another split can occasionally price a few percent lower.
 
     Args:
         layer_times: seconds of each layer (forward + backward at the plan's micro-batch).
