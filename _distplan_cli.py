@@ -7,15 +7,29 @@ catch it. This module imports nothing heavy itself, so it can turn that Ctrl-C i
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
 def main() -> int:
+    interrupted: list[int] = []
+
+    def on_sigint(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    # A library being imported may turn the KeyboardInterrupt into an error of its own (matplotlib builds its
+    # colormaps under a broad except): the flag says the user stopped it either way.
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         from lightning_distplan.cli import main as run
-    except KeyboardInterrupt:
-        print("distplan: interrupted while starting; nothing was run", file=sys.stderr)
-        return 130
+    except BaseException:
+        if interrupted:
+            print("distplan: interrupted while starting; nothing was run", file=sys.stderr)
+            return 130
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return run()
 
 
