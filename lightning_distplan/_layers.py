@@ -83,27 +83,16 @@ def find_pipeline_spec(module: nn.Module) -> tuple[PipelineSpec | None, str]:
             )
         return spec, f"{type(module).__name__}.pipeline_spec()"
     try:  # the adapters live with the strategies; import lazily so profiling works without them
-        import lightning_distplan.strategies._adapters  # noqa: F401
+        from lightning_distplan.strategies._adapters import missing_loss_reason
     except ImportError:
-        pass
+        missing_loss_reason = None
     for adapter in _ADAPTERS:
         spec = adapter(module)
         if spec is not None:
             return spec, f"built-in adapter {adapter.__name__}"
-    from torch import nn as torch_nn  # (nn is a typing-only import here)
-
-    sequential = next(
-        (name for name in ("", "model", "net", "network", "backbone", "module")
-         if type(getattr(module, name, None) if name else module) is torch_nn.Sequential),
-        None,
-    )
-    if sequential is not None and getattr(module, "pipeline_loss", None) is None:
-        where = f"`{sequential}`" if sequential else "the module itself"
-        return None, (
-            f"{type(module).__name__} holds an nn.Sequential ({where}) but defines no `pipeline_loss(output, batch)`, which a "
-            "pipeline needs to compute the loss on its last stage (a Sequential says nothing about its loss), nor a "
-            "`pipeline_spec()`, so it can run data parallel but not as a pipeline"
-        )
+    reason = missing_loss_reason(module) if missing_loss_reason is not None else None
+    if reason is not None:
+        return None, reason
     return None, (
         f"{type(module).__name__} defines no `pipeline_spec()` and no built-in adapter recognises it, "
         "so it can run data parallel but not as a pipeline"

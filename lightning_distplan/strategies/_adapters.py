@@ -95,9 +95,28 @@ def sequential_adapter(module: nn.Module) -> PipelineSpec | None:
     if loss is None:
         return None  # a Sequential says nothing about its loss
     for net in _candidates(module):
-        if type(net) is nn.Sequential and len(net) >= 2:
+        if _splittable_sequential(net):
             return PipelineSpec(layers=list(net), inputs=_xy_inputs, loss=loss)
     return None
+
+
+def _splittable_sequential(net: nn.Module) -> bool:
+    return type(net) is nn.Sequential and len(net) >= 2
+
+
+def missing_loss_reason(module: nn.Module) -> str | None:
+    """Why :func:`sequential_adapter` could not split ``module`` when it holds a Sequential but no loss; else None."""
+    if _user_loss(module) is not None:
+        return None
+    named = [("the module itself", module)] + [(f"`{name}`", getattr(module, name, None)) for name in _NET_ATTRS]
+    where = next((label for label, net in named if isinstance(net, nn.Module) and _splittable_sequential(net)), None)
+    if where is None:
+        return None
+    return (
+        f"{type(module).__name__} holds an nn.Sequential ({where}) but defines no `pipeline_loss(output, batch)`, which a "
+        "pipeline needs to compute the loss on its last stage (a Sequential says nothing about its loss), nor a "
+        "`pipeline_spec()`, so it can run data parallel but not as a pipeline"
+    )
 
 
 # ---------------------------------------------------------------------------- torchvision

@@ -64,6 +64,7 @@ from lightning_distplan.strategies._checkpoint import (
     optimizer_state_by_name,
     stored_plan,
 )
+from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -140,8 +141,6 @@ class DPGAStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
-
         refuse_partial_module(self.lightning_module)  # what a failed pipeline fit left holds one stage's weights
         # Remember the user's accumulation: it defines their global batch, and teardown restores it.
         self._user_accumulate = trainer.accumulate_grad_batches
