@@ -12,7 +12,7 @@ from lightning_distplan.plan import STRATEGIES, Plan
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
 
-__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS"]
+__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS", "PIN_ALIASES"]
 
 PIN_KEYS = (
     "strategy",
@@ -25,6 +25,8 @@ PIN_KEYS = (
     "stage_boundaries",
 )
 _SCHEDULE_TO_STRATEGY = {"none": "dp_ga", "gpipe": "gpipe", "1f1b": "1f1b"}
+# Other names a pin may be given by: ``AutoPlanStrategy(stages=2)`` pins ``pp``; messages use the name given.
+PIN_ALIASES = {"stages": "pp"}
 
 
 # The largest global batch planned for: 16.7M samples, beyond any published training setup.
@@ -158,13 +160,21 @@ def _plan_value(plan: Plan, key: str) -> Any:
     return getattr(plan, key)
 
 
+def _pin_names(pins: dict[str, Any] | None) -> dict[str, str]:
+    """The name each pin was given by, keyed by its canonical name (``{"pp": "stages"}``)."""
+    return {PIN_ALIASES.get(key, key): key for key in pins or {}}
+
+
 def _normalise_pins(pins: dict[str, Any] | None) -> dict[str, Any]:
     if not pins:
         return {}
-    unknown = sorted(set(pins) - set(PIN_KEYS))
+    unknown = sorted(set(pins) - set(PIN_KEYS) - set(PIN_ALIASES))
     if unknown:
         raise InfeasiblePlanError(f"Unknown pins {unknown}.", hint=f"Pin any of {', '.join(PIN_KEYS)}.")
-    out = dict(pins)
+    both = [f"{alias}/{key}" for alias, key in PIN_ALIASES.items() if alias in pins and key in pins]
+    if both:
+        raise InfeasiblePlanError(f"The pins {', '.join(both)} name the same thing twice.", hint="Pin it once.")
+    out = {PIN_ALIASES.get(key, key): value for key, value in pins.items()}
     if "schedule" in out:
         if out["schedule"] not in _SCHEDULE_TO_STRATEGY:
             raise InfeasiblePlanError(f"Pinned schedule {out['schedule']!r} is unknown.", hint="Use 'none' (dp_ga), 'gpipe' or '1f1b'.")
@@ -175,8 +185,11 @@ def _normalise_pins(pins: dict[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def _pin_reason(key: str, value: Any, profile: Profile, world_size: int, global_batch_size: int, strategies: Sequence[str]) -> str:
-    """Why a pin that matches no plan is impossible on its own (best effort, one clause)."""
+def _pin_reason(
+    key: str, value: Any, profile: Profile, world_size: int, global_batch_size: int, strategies: Sequence[str], name: str | None = None
+) -> str:
+    """Why a pin that matches no plan is impossible on its own (best effort, one clause); ``name`` is what the user called it."""
+    name = name or key
     n_layers = len(profile.layers)
     if key in ("strategy", "schedule"):
         strategy = value if key == "strategy" else _SCHEDULE_TO_STRATEGY[value]
@@ -190,7 +203,7 @@ def _pin_reason(key: str, value: Any, profile: Profile, world_size: int, global_
         return f"dp must divide world_size {world_size}"
     if key == "pp":
         if not isinstance(value, int) or value < 1 or world_size % value:
-            return f"pp must divide world_size {world_size}"
+            return f"{name} must divide world_size {world_size}"
         if value > 1 and not profile.splittable:
             return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
         if value > n_layers:
@@ -251,7 +264,8 @@ def enumerate_plans(
         global_batch_size: samples per optimizer step (the user's, never changed).
         strategies: which of ``dp_ga``, ``gpipe``, ``1f1b`` to consider.
         max_pp: the most pipeline stages to consider.
-        pins: fix any of :data:`PIN_KEYS`, e.g. ``{"strategy": "1f1b", "micro_batch_size": 4}``.
+        pins: fix any of :data:`PIN_KEYS`, e.g. ``{"strategy": "1f1b", "micro_batch_size": 4}``
+            (``stages`` may stand for ``pp``; messages name a pin as given).
 
     Raises:
         InfeasiblePlanError: bad sizes or ``max_pp``, an unknown strategy or pin, or a pin no plan satisfies (named, with why).
@@ -262,6 +276,7 @@ def enumerate_plans(
     _check_sizes(world_size, global_batch_size)
     strategies = _check_strategies(strategies)
     _check_max_pp(max_pp)
+    names = _pin_names(pins)
     pins = _normalise_pins(pins)
     plans = _raw_plans(profile, world_size, global_batch_size, strategies, max_pp)
     if not plans and "dp_ga" not in strategies:
@@ -286,15 +301,16 @@ def enumerate_plans(
             hint=f"Use the nearest valid global batch size, {nearest}, or a world size that divides it.",
         )
     for key, value in pins.items():
+        name = names[key]
         if key == "stage_boundaries" and not _valid_boundaries(value, len(profile.layers)):
-            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies)
-            raise InfeasiblePlanError(f"The pin {key}={list(value)!r} is impossible: {reason}.", hint="Drop or change that pin.")
+            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies, name)
+            raise InfeasiblePlanError(f"The pin {name}={list(value)!r} is impossible: {reason}.", hint="Drop or change that pin.")
         if not any(_matches(plan, key, value) for plan in plans):
-            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies)
-            raise InfeasiblePlanError(f"The pin {key}={value!r} is impossible: {reason}.", hint="Drop or change that pin.")
+            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies, name)
+            raise InfeasiblePlanError(f"The pin {name}={value!r} is impossible: {reason}.", hint="Drop or change that pin.")
     chosen = [plan for plan in plans if all(_matches(plan, k, v) for k, v in pins.items())]
     if not chosen:
-        pinned = ", ".join(f"{k}={v!r}" for k, v in pins.items())
+        pinned = ", ".join(f"{names[k]}={v!r}" for k, v in pins.items())
         raise InfeasiblePlanError(
             f"The pins {pinned} are each possible but no plan with B={global_batch_size} on {world_size} devices satisfies all of them together.",
             hint="Drop one of the pins; dp·pp must equal the world size and dp·m·(s or n) the global batch.",

@@ -305,14 +305,13 @@ def link_sizes(grad_bytes: int) -> tuple[int, ...]:
 def pins_from(**values: Any) -> dict[str, Any]:
     """Planner pins from keyword arguments: ``"auto"`` / ``None`` mean "let the planner choose".
 
-    ``stages`` becomes the ``pp`` pin; ``schedule="none"`` means data parallel.
+    ``stages`` stays the user's word for the ``pp`` pin (the planner reads it, and names it so in
+    its messages); ``schedule="none"`` means data parallel.
     """
     pins: dict[str, Any] = {}
     for key, value in values.items():
         if value is None or (isinstance(value, str) and value == "auto"):
             continue
-        if key == "stages":
-            key = "pp"
         if key == "stage_boundaries":
             value = tuple(value)
         pins[key] = value

@@ -323,7 +323,7 @@ class AutoPlanStrategy(DDPStrategy):
 
     def _pipeline_pinned(self) -> bool:
         pins = self._pins
-        return pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("pp", 1) > 1
+        return pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("stages", pins.get("pp", 1)) > 1
 
     def _strategies_allowed(self, trainer: pl.Trainer) -> tuple[str, ...]:
         """The strategies to plan over: data parallel only where this fit rules pipelines out.

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
-from lightning_distplan.planner import enumerate_plans, nearest_valid_batch_sizes
+from lightning_distplan.planner import enumerate_plans, nearest_valid_batch_sizes, satisfies_pins
 
 LAYER = LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1000, activation_bytes_per_sample=100)
 
@@ -119,6 +119,8 @@ def test_pins_select():
     [
         ({"dp": 3}, r"pin dp=3 is impossible: dp must divide world_size 4"),
         ({"pp": 8}, r"pin pp=8 is impossible: pp must divide world_size 4"),
+        ({"stages": 8}, r"pin stages=8 is impossible: stages must divide world_size 4"),
+        ({"stages": 2, "pp": 2}, r"pins stages/pp name the same thing twice"),
         ({"micro_batch_size": 5}, r"pin micro_batch_size=5 is impossible: it must be a positive divisor of the global batch size 32"),
         ({"strategy": "gpipe"}, r"pin strategy='gpipe' is impossible: the model cannot be split"),
         ({"bogus": 1}, r"Unknown pins \['bogus'\]"),
@@ -137,6 +139,12 @@ def test_pp_pin_beyond_layers_and_conflicting_pins():
         enumerate_plans(prof(2), world_size=4, global_batch_size=32, pins={"pp": 4})
     with pytest.raises(InfeasiblePlanError, match=r"each possible but no plan .* satisfies all of them together.*HINT"):
         enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "dp_ga", "pp": 2})
+    with pytest.raises(InfeasiblePlanError, match=r"pins strategy='dp_ga', stages=2 are each possible"):
+        enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "dp_ga", "stages": 2})
+    # `stages` is `pp` under another name: the same plans, and a finished plan satisfies either.
+    plans = enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"stages": 2})
+    assert plans == enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"pp": 2})
+    assert plans and all(p.pp == 2 for p in plans) and satisfies_pins(plans[0], {"stages": 2}) and not satisfies_pins(plans[0], {"stages": 4})
 
 
 def test_micro_batches_the_model_rejected_are_never_planned():

@@ -80,7 +80,7 @@ def test_given_global_batch_size(tmp_path: Path, global_batch: int, m: int, s: i
 
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
-    with pytest.raises(InfeasiblePlanError, match=r"pin pp=2 is impossible: pp must divide world_size 1.*HINT"):
+    with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
         trainer.fit(_small())
 
 
@@ -200,7 +200,7 @@ def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
 
 
 def test_helpers() -> None:
-    assert pins_from(strategy="auto", stages=2, micro_batch_size="auto", stage_boundaries=[1]) == {"pp": 2, "stage_boundaries": (1,)}
+    assert pins_from(strategy="auto", stages=2, micro_batch_size="auto", stage_boundaries=[1]) == {"stages": 2, "stage_boundaries": (1,)}
     assert link_sizes(10) == (4096, 32768, 131072) and link_sizes(1 << 30)[-1] == 1 << 24
     assert departure(1.0, [2.0, 2.1, 1.9], threshold=1.5, window=3) == pytest.approx(2.0)
     assert departure(1.0, [2.0, 1.2, 1.9], threshold=1.5, window=3) is None  # one normal step: not sustained
