@@ -10,8 +10,14 @@ from __future__ import annotations
 import signal
 import sys
 
+#: True while :func:`main` imports the package: ``lightning_distplan/__init__.py`` then leaves the
+#: strategies unregistered (that imports torch and lightning), and ``lightning_distplan.cli.main``
+#: registers them for the commands that run Lightning.
+starting = False
+
 
 def main() -> int:
+    global starting
     interrupted: list[int] = []
 
     def on_sigint(signum: int, frame: object) -> None:
@@ -21,6 +27,7 @@ def main() -> int:
     # A library being imported may turn the KeyboardInterrupt into an error of its own (matplotlib builds its
     # colormaps under a broad except): the flag says the user stopped it either way.
     previous = signal.signal(signal.SIGINT, on_sigint)
+    starting = True
     try:
         from lightning_distplan.cli import main as run
     except BaseException:
@@ -29,6 +36,7 @@ def main() -> int:
             return 130
         raise
     finally:
+        starting = False
         signal.signal(signal.SIGINT, previous)
     return run()
 

@@ -7,6 +7,8 @@ Importing the package registers the strategy names ``auto_plan``, ``dp_ga``, ``g
 
 from __future__ import annotations
 
+import sys
+
 from lightning_distplan._layers import PipelineSpec
 from lightning_distplan.errors import (
     BatchFormatError,
@@ -46,6 +48,10 @@ __all__ = [
 
 
 def _register_strategies() -> None:
+    if getattr(sys.modules.get("_distplan_cli"), "starting", False):
+        # The ``distplan`` console script is importing us: ``plan``, ``tune`` and ``dashboard`` need
+        # neither torch nor lightning (seconds to import), and it registers them for the others.
+        return
     try:
         from lightning_distplan.strategies import register_strategies
     except ImportError as err:  # strategies need lightning; the pure core does not

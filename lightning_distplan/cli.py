@@ -15,6 +15,8 @@ from typing import Sequence
 __all__ = ["main"]
 
 _COMMANDS = ("profile", "plan", "tune", "dashboard", "bench")
+# The commands that import torch and lightning; the others start in a fraction of the time.
+_LIGHTNING_COMMANDS = ("profile", "bench")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,12 +36,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        parser = _parser()  # imports torch and lightning: seconds on a cold start, where a Ctrl-C often lands
+        parser = _parser()  # imports the package (torch and lightning too, unless the console script defers them): seconds on a cold start
     except KeyboardInterrupt:
         print("distplan: interrupted while starting; nothing was run", file=sys.stderr)
         return 130
     args = parser.parse_args(argv)
+    from lightning_distplan import _register_strategies
     from lightning_distplan.errors import DistPlanError
+
+    if args.command in _LIGHTNING_COMMANDS:
+        _register_strategies()  # the console script imported the package without (see _distplan_cli.starting)
 
     try:
         return int(args.run(args) or 0)

@@ -19,6 +19,8 @@ __all__ = [
     "CheckpointMismatchError",
     "DemoArgumentError",
     "OutputPathError",
+    "ProfilingError",
+    "DataLoadingError",
 ]
 
 
@@ -76,6 +78,14 @@ class DemoArgumentError(DistPlanError, ValueError):
 
 class OutputPathError(DistPlanError, ValueError):
     """A file this package was asked to write cannot be written there (a folder, under a file, not writable)."""
+
+
+class ProfilingError(DistPlanError, ValueError):
+    """The module or its data cannot be profiled as given (no parameters, no batches, ...)."""
+
+
+class DataLoadingError(ProfilingError):
+    """Reading batches from the user's data loader failed (missing download, broken dataset, ...)."""
 
 
 def first_line(err: BaseException) -> str:

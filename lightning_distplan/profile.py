@@ -38,7 +38,11 @@ from typing import Any, Literal, Sequence
 
 from lightning_distplan.errors import ProfileFormatError
 
+#: the ``Trainer(precision=...)`` names ``distplan profile`` and ``distplan bench`` accept
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
+
 __all__ = [
+    "PRECISIONS",
     "PROFILE_SCHEMA_VERSION",
     "LinearFit",
     "TimingSample",

@@ -59,7 +59,7 @@ def add_parser(subparsers: Any) -> None:
                         help="predict from the one profile taken before the runs (default: profile again after each pass and "
                         "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
-    from lightning_distplan.profiling._precision import PRECISIONS
+    from lightning_distplan.profile import PRECISIONS
 
     parser.add_argument("--precision", default="32-true", choices=PRECISIONS,
                         help="Trainer(precision=...) of every run and of the profiling (default 32-true); pipelines train "

@@ -11,9 +11,8 @@ import time
 from typing import Any
 
 from lightning_distplan._files import check_output_path, check_replaceable
-from lightning_distplan.errors import DistPlanError
-from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
-from lightning_distplan.profiling._precision import PRECISIONS, precision_plugin
+from lightning_distplan.errors import DataLoadingError, DistPlanError, ProfilingError
+from lightning_distplan.profile import PRECISIONS
 
 __all__ = ["add_parser", "run"]
 
@@ -132,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lightning_distplan.profiling import profile_module
     from lightning_distplan.profiling._device import resolve_device
+    from lightning_distplan.profiling._precision import precision_plugin
 
     device = resolve_device(args.device)  # fail fast on --device cuda without a GPU
     check_output_path(args.out, "--out")  # before profiling, not after

@@ -1,15 +1,11 @@
-"""Errors the profiler raises on bad input (all ``ValueError`` subclasses with a HINT)."""
+"""Errors the profiler raises on bad input (all ``ValueError`` subclasses with a HINT).
+
+They live in :mod:`lightning_distplan.errors`, which imports neither torch nor lightning, so the
+command line can name them without loading the profiler.
+"""
 
 from __future__ import annotations
 
-from lightning_distplan.errors import DistPlanError
+from lightning_distplan.errors import DataLoadingError, ProfilingError
 
 __all__ = ["ProfilingError", "DataLoadingError"]
-
-
-class ProfilingError(DistPlanError, ValueError):
-    """The module or its data cannot be profiled as given (no parameters, no batches, ...)."""
-
-
-class DataLoadingError(ProfilingError):
-    """Reading batches from the user's data loader failed (missing download, broken dataset, ...)."""

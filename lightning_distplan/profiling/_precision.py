@@ -6,11 +6,9 @@ from typing import Any
 
 import torch
 
+from lightning_distplan.profile import PRECISIONS
 
 __all__ = ["PRECISIONS", "precision_plugin", "trainer_precision"]
-
-#: the ``Trainer(precision=...)`` names ``distplan profile`` and ``distplan bench`` accept
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
 
 def trainer_precision(name: str, device: torch.device) -> str:

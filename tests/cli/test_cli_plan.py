@@ -220,3 +220,36 @@ def test_ctrl_c_while_the_real_command_imports_is_one_line():
     )
     res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert res.returncode == 130 and res.stderr.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"], res.stderr[-1500:]
+
+
+def test_the_console_script_plans_without_torch_or_lightning(tmp_path):
+    """`plan` (like `tune` and `dashboard`) reads a profile and runs the pure core: through the console script it
+    imports neither torch nor lightning (seconds on a cold start), and prints what `main` prints in-process.
+    `profile` and `bench` still find the strategies registered (bench runs plans by name)."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_json()))
+    child = (
+        "import sys\n"
+        "import _distplan_cli\n"
+        f"sys.argv = ['distplan', 'plan', '--profile', {str(path)!r}, '--world-size', '4', '--global-batch-size', '32', '--format', 'json']\n"
+        "rc = _distplan_cli.main()\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'lightning.pytorch') if m in sys.modules)\n"
+        "print('HEAVY', heavy, rc, file=sys.stderr)\n"
+        "from lightning_distplan.cli import main\n"
+        f"rc = main(['profile', 'no_such_module:Model', '--out', {str(tmp_path / 'p.json')!r}])\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print('REGISTERED', rc, all(n in StrategyRegistry for n in ('auto_plan', 'dp_ga', 'gpipe', '1f1b')), file=sys.stderr)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert "HEAVY [] 0" in res.stderr and "REGISTERED 2 True" in res.stderr, res.stderr[-1500:]
+    assert json.loads(res.stdout) == _plan_json(path)
+
+
+def _plan_json(path):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--profile", str(path), "--world-size", "4", "--global-batch-size", "32", "--format", "json"]) == 0
+    return json.loads(out.getvalue())
