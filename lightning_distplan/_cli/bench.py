@@ -175,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError(
                 f"--plot {args.plot!r} has no image suffix matplotlib writes ({', '.join(PLOT_SUFFIXES)}).", hint="Use e.g. --plot bench.png."
             )
+    if args.print_launch and args.world_size == 1:
+        raise BenchError(
+            "--print-launch prints the torchrun command of a multi-process bench, but --world-size 1 runs in this process without one.",
+            hint="Drop --print-launch to run it, or pass --world-size 2 or more.",
+        )
     if args.world_size > 1 and not _inside_torchrun():
         cmd = torchrun_command(args)
         if args.print_launch:

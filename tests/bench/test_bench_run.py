@@ -175,6 +175,10 @@ def test_print_launch_names_torchrun(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "-m torch.distributed.run --standalone --nproc-per-node 4 -m lightning_distplan.cli bench" in out
     assert "--precision bf16-mixed" in out  # every worker runs in it
+    # One process has no torchrun command: said, instead of running the bench in this process.
+    assert main(["bench", *MODEL, "--world-size", "1", "--global-batch-size", "8", "--print-launch"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--world-size 1 runs in this process without one. HINT" in captured.err
 
 
 def test_timed_steps_lasts_min_time_within_bounds():
