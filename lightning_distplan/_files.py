@@ -32,6 +32,16 @@ def check_output_path(path: str | Path, option: str) -> Path:
         raise OutputPathError(f"{option} {str(path)!r} lies under {str(ancestor)!r}, which is a file.", hint=f"Pick another path for {option}.")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise OutputPathError(f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable.", hint=f"Pick a writable path for {option}.")
+    # Permissions do not tell a read-only mount or /proc: create (and remove) a file where ours will go.
+    probe = ancestor / f".distplan-probe.{secrets.token_hex(8)}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError as err:
+        raise OutputPathError(
+            f"{option} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed ({err.strerror or err}).",
+            hint=f"Pick a path on a writable file system for {option}.",
+        ) from None
+    probe.unlink(missing_ok=True)
     return path
 
 

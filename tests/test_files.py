@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_distplan._files import write_text_atomic
+from lightning_distplan._files import check_output_path, write_text_atomic
+from lightning_distplan.errors import OutputPathError
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
@@ -32,3 +33,14 @@ def test_profile_out_never_replaces_a_file_that_is_not_a_profile(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "exists and is not a profile JSON; it is left as it is" in err[0] and "HINT" in err[0]
     assert victim.read_text() == "print('mine')\n"
+
+
+def test_an_output_path_where_no_file_can_be_made_is_refused_up_front(tmp_path):
+    """/proc lets root "write" by permission bits, but no file can be created there: said before any work,
+    not as a FileNotFoundError about our temporary file after it."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc on this system")
+    with pytest.raises(OutputPathError, match=r"--out '/proc/x.json' cannot be written: .*'/proc'.*HINT"):
+        check_output_path("/proc/x.json", "--out")
+    assert check_output_path(tmp_path / "new" / "p.json", "--out") == tmp_path / "new" / "p.json"
+    assert list(tmp_path.iterdir()) == []  # the probe left nothing behind, and made no folder
