@@ -34,6 +34,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _short_warnings(command: str) -> None:
+    """Our own warnings print as ``distplan <command>: warning: ...``, not with this package's source path and line
+    (Lightning's format claims any path with "lightning" in it, ours included)."""
+    import os
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    default = getattr(warnings.formatwarning, "distplan_fallback", warnings.formatwarning)  # main() may run again in-process
+
+    def formatwarning(message, category, filename, lineno, line=None):  # type: ignore[no-untyped-def]
+        if os.path.abspath(filename).startswith(package):
+            return f"distplan {command}: warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    formatwarning.distplan_fallback = default  # type: ignore[attr-defined]
+    warnings.formatwarning = formatwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = _parser()  # imports the package (torch and lightning too, unless the console script defers them): seconds on a cold start
@@ -46,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command in _LIGHTNING_COMMANDS:
         _register_strategies()  # the console script imported the package without (see _distplan_cli.starting)
+    _short_warnings(args.command)  # after lightning's import, which installs a format of its own
 
     try:
         return int(args.run(args) or 0)

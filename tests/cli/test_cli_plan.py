@@ -253,3 +253,19 @@ def _plan_json(path):
     with contextlib.redirect_stdout(out):
         assert main(["plan", "--profile", str(path), "--world-size", "4", "--global-batch-size", "32", "--format", "json"]) == 0
     return json.loads(out.getvalue())
+
+
+def test_our_warnings_print_as_one_line_naming_the_command(monkeypatch):
+    """A warning from this package prints as `distplan <command>: warning: ...`, not with our source path and
+    line (Lightning's format claims every path with "lightning" in it); others keep their usual format."""
+    import warnings
+
+    import lightning_distplan
+    from lightning_distplan import cli
+
+    ours = str(Path(lightning_distplan.__file__).parent / "profiling" / "_profiler.py")
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    for command in ("plan", "profile"):  # installed again by a second main() in one process: no chain of wrappers
+        cli._short_warnings(command)
+        assert warnings.formatwarning("slow step", UserWarning, ours, 766) == f"distplan {command}: warning: slow step\n"
+    assert warnings.formatwarning("x", UserWarning, "/elsewhere/mod.py", 3) == "/elsewhere/mod.py:3: UserWarning: x\n"
