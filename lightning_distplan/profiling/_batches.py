@@ -154,6 +154,17 @@ class SampleBank:
             )
         return self.loader_batch_size
 
+    def prefetch(self, n: int) -> None:
+        """Pull ``n`` samples (or all the loader has) now, then let the loader's workers shut down.
+
+        Workers left running prefetch batches while the steps are timed: on a CPU they take the cores
+        the step runs on (a reviewer measured 3-5x slower steps with ``num_workers=2``).
+        """
+        self.first_batch_size()
+        while self._count < n and self._pull():
+            pass
+        self.close()
+
     def micro_batch(self, m: int) -> Any:
         """A batch of exactly ``m`` samples (on the loader's device)."""
         self.first_batch_size()

@@ -558,6 +558,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     # -- sizes -----------------------------------------------------------------------------------
     queue = list(prof.explicit_sizes) if prof.explicit_sizes is not None else default_micro_batch_sizes(b)
     explicit = prof.explicit_sizes is not None
+    prof.bank.prefetch(max(queue))  # every sample the timed steps use, read before any is timed
     infeasible: list[int] = []
     skipped: list[int] = []  # sizes the model itself rejects (BatchNorm with one sample): not memory
 
