@@ -319,7 +319,9 @@ class _Profiler:
             return recorder.run(lambda: self.layer_loss(m), count_saved=True, synchronize=self.sync)
         from torch.utils.flop_counter import FlopCounterMode
 
-        with FlopCounterMode(display=False) as counter:
+        from lightning_distplan.profiling._flops import flop_formulas
+
+        with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
             return recorder.run(lambda: self.layer_loss(m), count_saved=True, flop_counter=counter, synchronize=self.sync)
 
     def time_layers(self, recorder: LayerRecorder, m: int) -> list[RunRecord]:

@@ -154,3 +154,43 @@ def test_flops_from_one_size_match_the_exact_slope(mlp_profile: Profile) -> None
     with pytest.raises(ProfilingError, match="flop_sizes") as info:
         profile_module(MLP(), xy_batches(), micro_batch_sizes=[2, 4], flop_sizes=3)
     assert "HINT" in str(info.value)
+
+
+def test_flops_of_grouped_convolutions_and_cpu_attention_match_hand_counts() -> None:
+    """torch's FlopCounterMode counts a grouped convolution's weight gradient `groups` times over and does not
+    count the attention kernel F.scaled_dot_product_attention takes on a CPU without a mask at all."""
+    import torch.nn.functional as F
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    T, d, heads = 16, 32, 4
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(d, 3 * d)
+
+        def forward(self, x):
+            q, k, v = (t.view(x.shape[0], T, heads, d // heads).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape[0], T, d)
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(T, T, 3, padding=1)
+            self.grouped = nn.Conv1d(T, T, 3, padding=1, groups=4)
+            self.attn = Attention()
+
+        def training_step(self, batch, batch_idx=0):
+            return self.attn(self.grouped(self.conv(batch[0]))).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batches = [(torch.randn(4, T, d),) for _ in range(4)]
+    layers = {layer.name: layer for layer in profile_module(Net(), batches, micro_batch_sizes=[2, 4, 8], repeats=1).layers}
+    grouped_forward = 2 * d * T * (T // 4) * 3
+    assert layers["grouped"].flops_forward_per_sample == pytest.approx(grouped_forward)
+    assert layers["grouped"].flops_backward_per_sample == pytest.approx(2 * grouped_forward)  # input and weight gradients
+    attention = 2 * 2 * heads * T * T * (d // heads)  # Q·Kᵀ and P·V
+    assert layers["attn"].flops_forward_per_sample == pytest.approx(2 * T * d * 3 * d + attention)
