@@ -114,6 +114,10 @@ class LayerProfile:
     param_bytes: int
     activation_bytes_per_sample: float
     """Bytes saved for backward per sample (counted with saved_tensors_hooks, parameters excluded)."""
+    trainable_param_bytes: int | None = None
+    """Bytes of this layer's parameters with ``requires_grad``: their gradients and optimizer state are
+    what a pipeline stage holding the layer adds (a frozen layer has none). None: every parameter
+    trains (profiles written before the field)."""
     activation_bytes_fixed: float = 0.0
     """Saved-for-backward bytes that do not grow with the micro-batch (the fit's intercept)."""
     output_bytes_per_sample: float = 0.0
@@ -124,6 +128,11 @@ class LayerProfile:
 
     def time(self, m: float) -> float:
         return self.forward(m) + self.backward(m)
+
+    @property
+    def trainable_bytes(self) -> int:
+        """:attr:`trainable_param_bytes`, or all of :attr:`param_bytes` where it was not recorded."""
+        return self.param_bytes if self.trainable_param_bytes is None else self.trainable_param_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,6 +370,14 @@ class Profile:
             for name in ("param_bytes", "activation_bytes_per_sample", "activation_bytes_fixed", "output_bytes_per_sample",
                          "flops_forward_per_sample", "flops_backward_per_sample"):
                 sizes[f"layers[{i}].{name}"] = getattr(layer, name)
+            if layer.trainable_param_bytes is not None:
+                if not isinstance(layer.trainable_param_bytes, int) or isinstance(layer.trainable_param_bytes, bool) or layer.trainable_param_bytes > layer.param_bytes:
+                    raise ProfileFormatError(
+                        f"{source!r} has layers[{i}].trainable_param_bytes {layer.trainable_param_bytes!r}; it must be a whole number of bytes "
+                        f"no larger than that layer's param_bytes ({layer.param_bytes}).",
+                        hint=hint,
+                    )
+                sizes[f"layers[{i}].trainable_param_bytes"] = layer.trainable_param_bytes
         negative = next((name for name, x in sizes.items() if x < 0), None)
         if negative is not None:
             raise ProfileFormatError(f"{source!r} has a negative {negative} ({sizes[negative]!r}); sizes, FLOPs and times are never negative.", hint=hint)

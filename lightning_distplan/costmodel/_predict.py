@@ -151,7 +151,7 @@ def overlappable_fraction(profile: Profile, micro_batch_size: int) -> float:
         return 0.0
     filled = 0
     for i in range(len(layers) - 1, -1, -1):  # backward visits layers last to first
-        filled += layers[i].param_bytes
+        filled += layers[i].trainable_bytes  # frozen parameters have no gradient to bucket
         if filled >= DDP_FIRST_BUCKET_BYTES:
             return sum(bwd[:i]) / total  # backward still to run after layer i's gradients are ready
     return 0.0
@@ -279,8 +279,9 @@ def _layer_activations(profile: Profile, m: int) -> list[float]:
     return [whole * r / total for r in raw]
 
 
-def _param_shares(profile: Profile) -> list[float]:
-    raw = [max(0, layer.param_bytes) for layer in profile.layers]
+def _param_shares(profile: Profile, *, trainable: bool = False) -> list[float]:
+    """Each layer's share of the parameter bytes (``trainable``: of those with gradients and optimizer state)."""
+    raw = [max(0, layer.trainable_bytes if trainable else layer.param_bytes) for layer in profile.layers]
     total = sum(raw)
     if total <= 0:
         return [1.0 / len(raw)] * len(raw)
@@ -395,8 +396,10 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     fwd_times, bwd_times = _layer_times(profile, m, c)
     times = [f + b for f, b in zip(fwd_times, bwd_times)]
     acts = _layer_activations(profile, m)
-    shares = _param_shares(profile)
-    static_total = profile.memory.param_bytes + profile.memory.grad_bytes + _optimizer_state_bytes(profile)
+    # Parameters spread by each layer's parameter bytes; gradients, optimizer state, its step time and the
+    # dp all-reduce by its trainable bytes (a frozen backbone's stage has none of them).
+    shares, train_shares = _param_shares(profile), _param_shares(profile, trainable=True)
+    trained_total = profile.memory.grad_bytes + _optimizer_state_bytes(profile)
     overhead = int(profile.memory.fixed_overhead_bytes)
     notes: list[str] = []
 
@@ -414,7 +417,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         outputs = [m * layer.output_bytes_per_sample for layer in profile.layers]
         split = dict(
             cut_times=[hw.p2p_latency_s + o / hw.p2p_bandwidth_bytes_per_s for o in outputs],
-            static_memory=[sh * static_total for sh in shares],
+            static_memory=[sh * profile.memory.param_bytes + tr * trained_total for sh, tr in zip(shares, train_shares)],
             activation_memory=acts,
             cut_memory=outputs,
             in_flight=[in_flight_microbatches(plan.strategy, n, p, k) for k in range(p)],
@@ -476,7 +479,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     p2p = length - free_links
     slot_compute = compute / n  # the critical path's compute per micro-batch (sync_wait below)
 
-    stage_shares = stage_sums(shares, boundaries)
+    stage_shares, stage_train = stage_sums(shares, boundaries), stage_sums(train_shares, boundaries)
     stage_of = [k for k in range(p) for _ in range(edges[k], edges[k + 1])]
     # Parameters used on several stages (tied embeddings): each of those stages holds a copy, and
     # PipelineStrategy sums their gradient over the stages (× dp replicas) after the flush.
@@ -492,12 +495,12 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
             for stages, nbytes in tied
             if k in stages
         )
-        for k, sh in enumerate(stage_shares)
+        for k, sh in enumerate(stage_train)
     )
     # PipelineStrategy averages the last stage's loss over all ranks once per step (one number:
     # latency-bound), so every rank reports the same train_loss.
     loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
-    optimizer = c * profile.optimizer.step_time_s * max(stage_shares)
+    optimizer = c * profile.optimizer.step_time_s * max(stage_train)
     busy = compute + bubble + optimizer
     # measured over the profiled process group where there was one (FrameworkProfile.pipeline_slot_s)
     measured_slot = profile.framework.pipeline_slot_s
@@ -526,17 +529,19 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         stage_act[k] += m * profile.layers[edges[k] - 1].output_bytes_per_sample
     opt_bytes = _optimizer_state_bytes(profile)
     total_params = max(1, profile.memory.param_bytes)
+    total_trained = max(1, sum(layer.trainable_bytes for layer in profile.layers))
     per_stage: list[dict[str, int]] = []
     for k in range(p):
         # the layer-by-layer shares count a tied parameter once, on the stage of its first user;
         # every other stage that uses it holds a full copy too (with its gradient and optimizer state)
         copies = sum(nbytes for stages, nbytes in tied if k in stages and k != stages[0])
         share = stage_shares[k] + copies / total_params
+        trained = stage_train[k] + copies / total_trained
         per_stage.append(
             {
                 "params": int(round(share * profile.memory.param_bytes)),
-                "grads": int(round(share * profile.memory.grad_bytes)),
-                "optimizer": int(round(share * opt_bytes)),
+                "grads": int(round(trained * profile.memory.grad_bytes)),
+                "optimizer": int(round(trained * opt_bytes)),
                 # DESIGN §4: GPipe keeps n micro-batches of the stage's activations, 1F1B min(n, p − k).
                 "activations": int(round(in_flight_microbatches(plan.strategy, n, p, k) * stage_act[k])),
                 "ddp_buckets": 0,  # PipelineStrategy all-reduces its stage gradients itself, without DDP

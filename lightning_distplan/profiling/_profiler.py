@@ -727,6 +727,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 backward=LinearFit.fit(feasible, bwd),
                 param_count=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
+                trainable_param_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
                 activation_bytes_per_sample=max(0.0, act.alpha),
                 activation_bytes_fixed=max(0.0, act.beta),
                 output_bytes_per_sample=max(0.0, out_fit.alpha),

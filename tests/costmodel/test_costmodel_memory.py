@@ -144,3 +144,24 @@ def test_receiving_stage_keeps_a_copy_of_the_boundary_activation():
     # stage 1 activations per micro-batch: 2·4e6 + 2·0.5e6 (received) = 9e6; stage 0 unchanged (12e6)
     assert gpipe.stage_memory_bytes == (12e6 + 4 * 12e6 + 1e6, 4e6 + 4 * 9e6 + 1e6)
     assert onef.stage_memory_bytes == (12e6 + 2 * 12e6 + 1e6, 4e6 + 1 * 9e6 + 1e6)
+
+
+def test_a_frozen_stage_holds_no_gradients_or_optimizer_state():
+    """Fine-tuning with a frozen backbone: gradients, optimizer state, the optimizer step and the dp all-reduce
+    follow the trainable bytes of each stage, not its share of all parameters (a reviewer's Adam run: the
+    frozen stage was charged 2.6 MB it never holds, the trainable one 2.5 MB too little)."""
+    import dataclasses
+
+    base = profile(grad_bytes=2_000_000, optimizer_state_bytes=4_000_000, optimizer_step_time_s=0.01)
+    layers = tuple(dataclasses.replace(layer, trainable_param_bytes=0 if i < 2 else layer.param_bytes) for i, layer in enumerate(base.layers))
+    frozen = dataclasses.replace(base, layers=layers)
+    plan = Plan(strategy="gpipe", dp=2, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=16, stage_boundaries=(2,))
+    pred = predict(frozen, plan, hw())
+    # stage 0: its params 2e6, no grads or Adam state, 4 in-flight micro-batches of (1e6 + 2e6)·2 activations, overhead 1e6
+    # stage 1: params 2e6 + every gradient 2e6 + all Adam state 4e6, 4 × (3e6 + 4e6)·2 activations, overhead 1e6
+    assert pred.stage_memory_bytes == (2e6 + 24e6 + 1e6, 2e6 + 2e6 + 4e6 + 56e6 + 1e6)
+    assert pred.memory_breakdown["grads"] == 2_000_000 and pred.memory_breakdown["optimizer"] == 4_000_000
+    assert pred.breakdown["optimizer"] == pytest.approx(0.01)  # stage 1 steps every trainable parameter
+    full = predict(base, plan, hw())  # the same model all trainable: the step is split over both stages
+    assert full.breakdown["optimizer"] == pytest.approx(0.005)
+    assert full.breakdown["exposed_comm"] > 0 and pred.breakdown["exposed_comm"] > full.breakdown["exposed_comm"]
