@@ -101,6 +101,12 @@ class TrainerCounters:
     accumulate_grad_batches: int = 1
     batches_that_stepped: int = 0
     callback_metrics: dict[str, Any] = field(default_factory=dict)
+    loader_state: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    # The fit loop's train-loader state: ``configure_optimizers`` reading ``trainer.estimated_stepping_batches``
+    # (Lightning's way to size OneCycleLR) makes the fit loop build and cache the loader while we profile,
+    # before the plan re-chunks it; restored, the loop builds it again afterwards, through the plan.
+    _LOADER_FIELDS = ("_combined_loader", "_data_fetcher", "max_batches", "_last_train_dl_reload_epoch", "_combined_loader_states_to_load")
 
     @classmethod
     def take(cls, trainer: pl.Trainer) -> TrainerCounters:
@@ -113,11 +119,14 @@ class TrainerCounters:
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             batches_that_stepped=trainer.fit_loop.epoch_loop._batches_that_stepped,
             callback_metrics=dict(trainer.callback_metrics),
+            loader_state={k: getattr(trainer.fit_loop, k) for k in cls._LOADER_FIELDS if hasattr(trainer.fit_loop, k)},
         )
 
     def restore(self, trainer: pl.Trainer) -> None:
         for name, obj in self.objects.items():
             obj.load_state_dict(self.progress[name])
+        for key, value in self.loader_state.items():
+            setattr(trainer.fit_loop, key, value)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
         trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
 

@@ -91,6 +91,30 @@ def test_callback_applies_plan_same_math_and_restores(tmp_path: Path) -> None:
     assert (tmp_path / "distplan" / "profile.json").is_file()
 
 
+class OneCycleNet(Net):
+    """Sizes OneCycleLR with trainer.estimated_stepping_batches, as Lightning's docs show."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        total = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=total), "interval": "step"}}
+
+
+def test_callback_plan_holds_when_configure_optimizers_reads_estimated_stepping_batches(tmp_path: Path) -> None:
+    """That property makes the fit loop build (and cache) the train loader while the profiler calls
+    configure_optimizers, before the plan re-chunks it: the plan must still run, micro-batches and all."""
+    model = OneCycleNet(loader_batch=16)
+    callback, sizes = PlanningCallback(micro_batch_size=4), Sizes()
+    trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=1, callbacks=[callback, sizes]))
+    trainer.fit(model)
+    assert callback.plan.accumulate_grad_batches == 4
+    assert sizes.sizes == [4] * 32 and trainer.global_step == 8  # 128 samples, 16 per optimizer step
+
+    reference = OneCycleNet(loader_batch=4)
+    L.Trainer(**_kwargs(tmp_path / "ref", max_epochs=1, accumulate_grad_batches=4)).fit(reference)
+    torch.testing.assert_close(model.state_dict(), reference.state_dict())
+
+
 class TailNet(Net):
     """120 samples in batches of 16 (the last holds 8), no dropout."""
 
