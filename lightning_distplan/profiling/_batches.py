@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
-__all__ = ["SampleBank", "batch_size_of", "move_to"]
+__all__ = ["SampleBank", "batch_size_of", "concat_samples", "move_to", "slice_samples"]
 
 
 def _tensors(batch: Any) -> Iterator[Tensor]:
@@ -49,45 +49,77 @@ def _rebuild_dict(like: dict, items: dict) -> dict:
         return items
 
 
-def _is_structural(seq: list | tuple) -> bool:
-    """A list/tuple of tensors or containers is structure; a list of scalars/strings is per-sample data."""
-    return any(isinstance(v, (Tensor, dict, list, tuple)) for v in seq)
+def _carries(x: Any, n: int) -> bool:
+    """Whether ``x`` holds per-sample data of a batch of ``n``: a tensor with ``n`` rows, or a container with one."""
+    if isinstance(x, Tensor):
+        return x.dim() > 0 and x.shape[0] == n
+    if isinstance(x, dict):
+        return any(_carries(v, n) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return _per_sample(x, n) or any(_carries(v, n) for v in x)
+    return False
+
+
+def _per_sample(seq: list | tuple, n: int) -> bool:
+    """Whether a list / tuple of ``n`` items holds one item per sample rather than the batch's structure.
+
+    Per sample: file names or texts (``default_collate`` makes a list of strings), detection targets
+    (one dict per image, with a varying number of boxes), variable-length tensors. Structure:
+    ``[inputs, targets]`` (every item has the batch's ``n`` rows), a namedtuple, or items of mixed kinds.
+    """
+    if hasattr(seq, "_fields") or len(seq) != n or n == 0:
+        return False
+    carrying = [_carries(v, n) for v in seq]
+    if not any(carrying):
+        return True
+    if all(carrying):
+        return False
+    first = seq[0]
+    alike = all(type(v) is type(first) for v in seq) and (not isinstance(first, dict) or all(v.keys() == first.keys() for v in seq))
+    return alike and isinstance(first, (Tensor, dict, list, tuple))  # e.g. one target dict per image, some with n boxes by chance
+
+
+def _rebuild_seq(like: list | tuple, items: list[Any]) -> Any:
+    if hasattr(like, "_fields"):  # namedtuple
+        return type(like)(*items)
+    return type(like)(items) if isinstance(like, tuple) else items
+
+
+def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
+    """Samples ``start:stop`` of a batch of ``n``: tensors with ``n`` rows and per-sample lists are cut, the rest kept."""
+    if isinstance(batch, Tensor):
+        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == n else batch
+    if isinstance(batch, dict):
+        return _rebuild_dict(batch, {k: slice_samples(v, start, stop, n) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        if _per_sample(batch, n):
+            return _rebuild_seq(batch, list(batch[start:stop]))
+        return _rebuild_seq(batch, [slice_samples(v, start, stop, n) for v in batch])
+    return batch  # a constant (a string tag, an int, an object): kept as is
+
+
+def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
+    """The samples of ``pieces`` (batches of ``sizes[i]`` samples each, alike in structure) in order, as one batch."""
+    first, n = pieces[0], sizes[0]
+    if len(pieces) == 1:
+        return first
+    if isinstance(first, Tensor):
+        return torch.cat(pieces, dim=0) if first.dim() > 0 and first.shape[0] == n else first
+    if isinstance(first, dict):
+        return _rebuild_dict(first, {k: concat_samples([p[k] for p in pieces], sizes) for k in first})
+    if isinstance(first, (list, tuple)):
+        if _per_sample(first, n):
+            return _rebuild_seq(first, [item for p in pieces for item in p])
+        return _rebuild_seq(first, [concat_samples([p[i] for p in pieces], sizes) for i in range(len(first))])
+    return first
 
 
 def _cat(parts: list[Any]) -> Any:
-    first = parts[0]
-    if isinstance(first, Tensor):
-        if first.dim() == 0:
-            return first  # a scalar in the batch (e.g. a temperature) is not per-sample
-        return torch.cat(parts, dim=0)
-    if isinstance(first, dict):
-        return _rebuild_dict(first, {k: _cat([p[k] for p in parts]) for k in first})
-    if isinstance(first, (list, tuple)) and _is_structural(first):
-        items = [_cat([p[i] for p in parts]) for i in range(len(first))]
-        if hasattr(first, "_fields"):  # namedtuple
-            return type(first)(*items)
-        return type(first)(items) if isinstance(first, tuple) else items
-    if isinstance(first, (list, tuple)):
-        out: list[Any] = []
-        for p in parts:
-            out.extend(p)
-        return type(first)(out) if isinstance(first, tuple) else out
-    return first  # a non-tensor constant (a string tag, an int): kept as is
+    return concat_samples(parts, [batch_size_of(p) for p in parts])
 
 
 def _slice(batch: Any, m: int) -> Any:
-    if isinstance(batch, Tensor):
-        return batch if batch.dim() == 0 else batch[:m]
-    if isinstance(batch, dict):
-        return _rebuild_dict(batch, {k: _slice(v, m) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)) and _is_structural(batch):
-        items = [_slice(v, m) for v in batch]
-        if hasattr(batch, "_fields"):
-            return type(batch)(*items)
-        return type(batch)(items) if isinstance(batch, tuple) else items
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(batch[:m]) if isinstance(batch, tuple) else list(batch[:m])
-    return batch
+    return slice_samples(batch, 0, m, batch_size_of(batch))
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
@@ -96,11 +128,8 @@ def move_to(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=False)
     if isinstance(batch, dict):
         return _rebuild_dict(batch, {k: move_to(v, device) for k, v in batch.items()})
-    if isinstance(batch, (list, tuple)) and _is_structural(batch):
-        items = [move_to(v, device) for v in batch]
-        if hasattr(batch, "_fields"):
-            return type(batch)(*items)
-        return type(batch)(items) if isinstance(batch, tuple) else items
+    if isinstance(batch, (list, tuple)):
+        return _rebuild_seq(batch, [move_to(v, device) for v in batch])
     return batch
 
 

@@ -25,10 +25,10 @@ from lightning_distplan.plan import Plan
 from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
+    _batch_n,
     _MicroBatchLoader,
     _rebatch,
     _samples_per_epoch,
-    _split_leaves,
     loader_batch_size,
 )
 from lightning_distplan.strategies.pipeline import PipelineStrategy
@@ -86,7 +86,7 @@ class _FullBatchLoader(_MicroBatchLoader):
                 f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
             )
         for batch in _rebatch(self._batches(), self.micro_batch_size):
-            if _split_leaves(batch)[2] == self.micro_batch_size:
+            if _batch_n(batch) == self.micro_batch_size:
                 yield batch
 
     def __len__(self) -> int:

@@ -52,11 +52,12 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
+from lightning_distplan.profiling._batches import concat_samples, slice_samples
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
     add_portable_state,
@@ -590,30 +591,15 @@ class _MicroBatchLoader:
             setattr(self._loader, name, value)
 
 
-def _split_leaves(batch: Any) -> tuple[list[Any], Any, int, list[bool]]:
-    leaves, spec = tree_flatten(batch)
-    n = next((leaf.shape[0] for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.ndim > 0), None)
+def _batch_n(batch: Any) -> int:
+    """Samples in a training batch (rows of its first tensor with a batch dimension)."""
+    n = next((t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.ndim > 0), None)
     if n is None:
         raise InfeasiblePlanError(
             f"A training batch of type {type(batch).__name__} holds no tensor with a batch dimension to split into micro-batches.",
             hint="Return tensors (or dicts/lists/tuples of tensors) from the train dataloader, or use micro_batch_size='auto'.",
         )
-    is_batch = [isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == n for leaf in leaves]
-    return leaves, spec, n, is_batch
-
-
-def _slice(flat: tuple[list[Any], Any, int, list[bool]], start: int, stop: int) -> Any:
-    leaves, spec, _, is_batch = flat
-    return tree_unflatten([leaf[start:stop] if b else leaf for leaf, b in zip(leaves, is_batch)], spec)
-
-
-def _concat(pieces: list[Any]) -> Any:
-    if len(pieces) == 1:
-        return pieces[0]
-    flats = [_split_leaves(p) for p in pieces]
-    leaves0, spec, _, is_batch = flats[0]
-    out = [torch.cat([f[0][i] for f in flats]) if b else leaf for i, (leaf, b) in enumerate(zip(leaves0, is_batch))]
-    return tree_unflatten(out, spec)
+    return int(n)
 
 
 def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
@@ -625,29 +611,30 @@ def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
 def _rebatch_with_shares(batches: Iterable[Any], m: int) -> Iterator[tuple[Any, float]]:
     """:func:`_rebatch`, with each micro-batch's share of loader batches: Σ (its samples from batch b) / (size of b)."""
     pending: list[Any] = []
+    sizes: list[int] = []
     pending_n = 0
     pending_share = 0.0
     for batch in batches:
-        flat = _split_leaves(batch)
-        n = flat[2]
+        n = _batch_n(batch)
         if not pending_n and n == m:
             yield batch, 1.0  # the common case: nothing to do
             continue
         offset = 0
         if pending_n:
             take = min(m - pending_n, n)
-            pending.append(_slice(flat, 0, take))
+            pending.append(slice_samples(batch, 0, take, n))
+            sizes.append(take)
             pending_n += take
             pending_share += take / n
             offset = take
             if pending_n < m:
                 continue
-            yield _concat(pending), pending_share
-            pending, pending_n, pending_share = [], 0, 0.0
+            yield concat_samples(pending, sizes), pending_share
+            pending, sizes, pending_n, pending_share = [], [], 0, 0.0
         while n - offset >= m:
-            yield _slice(flat, offset, offset + m), m / n  # a view, no copy
+            yield slice_samples(batch, offset, offset + m, n), m / n  # a view, no copy
             offset += m
         if offset < n:
-            pending, pending_n, pending_share = [_slice(flat, offset, n)], n - offset, (n - offset) / n
+            pending, sizes, pending_n, pending_share = [slice_samples(batch, offset, n, n)], [n - offset], n - offset, (n - offset) / n
     if pending_n:
-        yield _concat(pending), pending_share
+        yield concat_samples(pending, sizes), pending_share

@@ -103,3 +103,32 @@ def test_loader_workers_read_nothing_while_steps_are_timed(tmp_path) -> None:
     profile_module(Stamped(), loader, micro_batch_sizes=[2, 4, 8], repeats=1)
     reads = [float(line) for line in stamps.read_text().split()]
     assert first_step and reads and max(reads) < first_step[0], (len(reads), max(reads) - first_step[0])
+
+
+def _detection_batch(first: int, boxes: list[int]):
+    """What default_collate and a detection collate_fn give: images, file names, one target dict per image."""
+    n = len(boxes)
+    images = torch.arange(first, first + n).float().view(n, 1, 1, 1).expand(n, 3, 2, 2)
+    targets = [{"boxes": torch.full((k, 4), float(first + i)), "labels": torch.zeros(k, dtype=torch.long)} for i, k in enumerate(boxes)]
+    return {"images": images, "names": [f"img_{first + i}.png" for i in range(n)], "targets": targets, "tag": ("train", "v2")}
+
+
+def test_per_sample_lists_are_cut_with_their_samples() -> None:
+    """File names and per-image target dicts go with their images, a target whose number of boxes equals the
+    batch size is not cut row-wise, and a constant pair of tags (2 items, batch of 4) stays whole. dp_ga's
+    re-chunking and the profiler's micro-batches use the same rules."""
+    from lightning_distplan.strategies.dp_ga import _rebatch
+
+    batches = [_detection_batch(0, [2, 3, 4, 5]), _detection_batch(4, [1, 4, 1, 2])]
+    for micro, firsts in ((list(_rebatch(batches, 2)), [0, 2, 4, 6]), (list(_rebatch(batches, 3)), [0, 3, 6])):
+        assert [mb["names"][0] for mb in micro] == [f"img_{f}.png" for f in firsts]
+        for mb in micro:
+            ids = mb["images"][:, 0, 0, 0].long().tolist()
+            assert mb["names"] == [f"img_{i}.png" for i in ids]
+            assert [int(t["boxes"][0, 0]) for t in mb["targets"]] == ids  # each image keeps its own target
+            assert mb["tag"] == ("train", "v2")
+        assert [t["boxes"].shape[0] for mb in micro for t in mb["targets"]] == [2, 3, 4, 5, 1, 4, 1, 2]
+    bank = SampleBank(iter(batches))
+    mb = bank.micro_batch(6)
+    assert mb["names"] == [f"img_{i}.png" for i in range(6)] and [t["boxes"].shape[0] for t in mb["targets"]] == [2, 3, 4, 5, 1, 4]
+    assert mb["tag"] == ("train", "v2") and batch_size_of(mb) == 6
