@@ -94,7 +94,10 @@ def open_storage(url: Any) -> Any:
     if read_only is not None:
         raise StudyStorageError(read_only, hint="Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")
     try:
-        storage = optuna.storages.RDBStorage(url)
+        # SQLite lets one writer in at a time: a second `tune` extending the same study waits for the first's
+        # trials (a bulk insert of thousands takes seconds) instead of failing after pysqlite's 5 s.
+        engine = {"connect_args": {"timeout": 300}} if url.startswith("sqlite:") else None
+        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
         storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
         raise StudyStorageError(f"Cannot open the study storage {url!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=_HINT) from None
@@ -120,12 +123,12 @@ def _bulk_insert(rdb: Any, study_id: int, trials: Sequence[Any]) -> None:
 
     session = rdb.scoped_session()
     try:
-        models.StudyModel.find_or_raise_by_id(study_id, session, for_update=True)
-        first = session.query(models.TrialModel).filter(models.TrialModel.study_id == study_id).count()
+        models.StudyModel.find_or_raise_by_id(study_id, session, for_update=True)  # locks the study row (not on SQLite)
+        first: int | None = None
         for i, t in enumerate(trials):
             row = models.TrialModel(
                 study_id=study_id,
-                number=first + i,
+                number=0 if first is None else first + i,
                 state=t.state,
                 datetime_start=t.datetime_start,
                 datetime_complete=t.datetime_complete,
@@ -133,6 +136,14 @@ def _bulk_insert(rdb: Any, study_id: int, trials: Sequence[Any]) -> None:
             session.add(row)
             session.flush()  # assigns row.trial_id
             tid = row.trial_id
+            if first is None:
+                # Numbered after our first insert, as Optuna numbers its trials: on SQLite that insert waits for
+                # another run's write to commit, so its trials are counted (counted before, two runs extending one
+                # study at once both numbered from the same count, and Optuna then showed half the trials).
+                first = session.query(models.TrialModel).filter(
+                    models.TrialModel.study_id == study_id, models.TrialModel.trial_id < tid
+                ).count()
+                row.number = first
             values = t.values if t.values is not None else []
             for objective, value in enumerate(values):
                 stored, kind = models.TrialValueModel.value_to_stored_repr(value)

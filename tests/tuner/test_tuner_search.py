@@ -273,3 +273,38 @@ def test_pipeline_only_on_an_unsplittable_profile_names_the_split_not_the_batch(
     # dp_ga among the strategies: the pipelines are dropped and the search runs
     ex = exhaustive(flat, load_catalog("alicloud-2023"), global_batch_size=B, strategies=("dp_ga", "gpipe"), max_instances=2)
     assert ex.configs and {c.plan.strategy for c in ex.configs} == {"dp_ga"}
+
+
+_APPEND = """
+import sys, time
+import optuna
+from lightning_distplan.tuner._storage import open_storage, write_trials
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+url, start = sys.argv[1], float(sys.argv[2])
+study = optuna.load_study(study_name="s", storage=open_storage(url))
+memory = optuna.create_study()
+def objective(trial):
+    for k in range(25):
+        trial.set_user_attr(f"a{k}", k)
+    return trial.suggest_float("x", 0, 1)
+memory.optimize(objective, n_trials=300)
+while time.time() < start:
+    time.sleep(0.001)
+write_trials(study, memory.get_trials())
+"""
+
+
+def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
+    """Two `tune` runs extending the same study write their trials at the same moment: every trial keeps its
+    own number, so Optuna (and the dashboard) sees all of them (numbered from one count, it saw half)."""
+    import subprocess
+    import sys
+    import time
+
+    url = f"sqlite:///{tmp_path / 'race.db'}"
+    optuna.create_study(study_name="s", storage=url).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)
+    start = time.time() + 12  # both children import and run their 300 trials first
+    children = [subprocess.Popen([sys.executable, "-c", _APPEND, url, str(start)]) for _ in range(2)]
+    assert [child.wait(timeout=240) for child in children] == [0, 0]
+    numbers = [t.number for t in optuna.load_study(study_name="s", storage=url).trials]
+    assert sorted(numbers) == list(range(603))
