@@ -51,6 +51,8 @@ class GpuSpec:
     kind: Literal["gpu", "cpu"] = "gpu"
     fraction: float = 1.0
     """Share of the physical device (time-sliced / vGPU instances sell 1/12 .. 1/2 of an A10)."""
+    bf16: bool = True
+    """Whether the tensor cores take BF16 (T4 and V100 take FP16 only: BF16 runs at the FP32 rate there)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_flops", "fp32_flops", "memory_bandwidth_bytes_per_s", "interconnect_bytes_per_s"):
@@ -65,9 +67,12 @@ class GpuSpec:
                 hint="Use the share of one card the instance sells, e.g. 0.5 for half a GPU, or 1 for a whole one.",
             )
 
-    def peak_flops(self, precision: Literal["fp32", "bf16"]) -> float:
-        """Peak FLOP/s for the given math precision (``"bf16"`` = tensor cores, fp16 included)."""
-        return self.tensor_flops if precision == "bf16" else self.fp32_flops
+    def peak_flops(self, precision: Literal["fp32", "bf16", "fp16"]) -> float:
+        """Peak FLOP/s for the given math: ``"fp16"`` on tensor cores, ``"bf16"`` too where they take BF16
+        (else the FP32 rate: an assumption, bf16 has no faster path there), ``"fp32"`` without them."""
+        if precision == "fp16" or (precision == "bf16" and self.bf16):
+            return self.tensor_flops
+        return self.fp32_flops
 
     def share(self, fraction: float, *, memory_bytes: int | None = None) -> GpuSpec:
         """This GPU sliced to ``fraction`` of its compute and memory bandwidth.
@@ -90,7 +95,9 @@ class GpuSpec:
         )
 
 
-def _row(name: str, tensor_tf: float, fp32_tf: float, bw_gbs: float, mem_gb: float, ic_gbs: float, source: str, *, estimate: bool = False) -> GpuSpec:
+def _row(
+    name: str, tensor_tf: float, fp32_tf: float, bw_gbs: float, mem_gb: float, ic_gbs: float, source: str, *, estimate: bool = False, bf16: bool = True
+) -> GpuSpec:
     return GpuSpec(
         name=name,
         tensor_flops=tensor_tf * _TB,
@@ -101,6 +108,7 @@ def _row(name: str, tensor_tf: float, fp32_tf: float, bw_gbs: float, mem_gb: flo
         interconnect_bytes_per_s=ic_gbs * _GB,
         source=source,
         estimate=estimate,
+        bf16=bf16,
     )
 
 
@@ -108,7 +116,7 @@ def _row(name: str, tensor_tf: float, fp32_tf: float, bw_gbs: float, mem_gb: flo
 # Gen4 x16 ≈ 32 GB/s, Gen5 x16 ≈ 64 GB/s per direction; source: PCI-SIG link rates).
 GPUS: dict[str, GpuSpec] = {
     # source: NVIDIA T4 datasheet (65 FP16 tensor TFLOPS mixed precision, 8.1 FP32, 320 GB/s, 16 GB, PCIe Gen3 x16); no BF16.
-    "T4": _row("T4", 65, 8.1, 320, 16, 16, "NVIDIA T4 datasheet"),
+    "T4": _row("T4", 65, 8.1, 320, 16, 16, "NVIDIA T4 datasheet", bf16=False),
     # source: NVIDIA A10 datasheet (125 BF16 dense / 250 sparse, 31.2 FP32, 600 GB/s, 24 GB, PCIe Gen4 x16).
     "A10": _row("A10", 125, 31.2, 600, 24, 32, "NVIDIA A10 datasheet"),
     # source: ESTIMATE - AWS publishes no A10G datasheet; ~70 tensor TFLOPS from vendor tables (FACTS.md, unconfirmed),
@@ -117,7 +125,7 @@ GPUS: dict[str, GpuSpec] = {
     # source: NVIDIA L4 datasheet (242 FP16/BF16 with sparsity -> 121 dense, 30.3 FP32, 300 GB/s, 24 GB, PCIe Gen4 x16).
     "L4": _row("L4", 121, 30.3, 300, 24, 32, "NVIDIA L4 datasheet"),
     # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16.
-    "V100": _row("V100", 125, 15.7, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)"),
+    "V100": _row("V100", 125, 15.7, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)", bf16=False),
     # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
     "A100-40GB": _row("A100-40GB", 312, 19.5, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
     # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
@@ -180,13 +188,20 @@ def match_gpu_name(name: str) -> str | None:
             return canonical
     if key in _ALIASES:
         return _ALIASES[key]
-    # Device strings carry extra words ("NVIDIA A100-SXM4-80GB"): take the longest alias contained in it.
-    hits = [alias for alias in _ALIASES if alias in key]
-    hits += [_key(c) for c in GPUS if _key(c) in key]
+    # Device strings carry extra words ("NVIDIA A100-SXM4-80GB"): take the longest known name made of whole
+    # consecutive words of it. Whole words: "L40" is not an L4, nor "GH200" an H200.
+    words = [w for w in re.split(r"[^A-Z0-9]+", name.upper()) if w and w != "NVIDIA"]
+    runs = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+    known = {**_ALIASES, **{_key(c): c for c in GPUS}}
+    hits = [run for run in runs if run in known]
     if not hits:
         return None
-    best = max(hits, key=len)
-    return _ALIASES.get(best) or next(c for c in GPUS if _key(c) == best)
+    canonical = known[max(hits, key=len)]
+    # A memory size in the name that the row does not have ("V100-32GB" against the 16 GB row) is another part.
+    sizes = {int(m) for w in words for m in re.findall(r"^(\d+)GB$", w)}
+    if sizes and round(GPUS[canonical].memory_bytes / _GIB) not in sizes:
+        return None
+    return canonical
 
 
 def gpu_spec(name: str) -> GpuSpec:

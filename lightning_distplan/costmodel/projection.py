@@ -142,10 +142,15 @@ def project_profile(
             hint="Profile the model in float32 or with bf16 (e.g. Trainer(precision='bf16-mixed') or distplan profile --precision bf16-mixed).",
         )
     source_precision: Precision = "bf16" if profile_bytes == 2 else "fp32"
-    if precision == "auto":
+    # A float16 profile's math is fp16, which T4 / V100 tensor cores take and bf16 they do not (GpuSpec.bf16).
+    float16 = str(profile.device.dtype).lower() in ("float16", "fp16", "half", "16", "16-mixed", "16-true")
+    auto = precision == "auto"
+    if auto:
         precision = source_precision
     if precision not in ("fp32", "bf16"):
         raise CatalogError(f"Unknown projection precision {precision!r}.", hint="Use 'auto', 'fp32' or 'bf16'.")
+    source_math: Any = "fp16" if float16 else source_precision
+    math_on_target: Any = "fp16" if float16 and auto else precision
     act_scale = (2 if precision == "bf16" else 4) / profile_bytes
 
     sizes = sorted(set(profile.micro_batch_sizes))
@@ -161,8 +166,8 @@ def project_profile(
         for m in sizes:
             fb, bb = layer_bytes(layer, m, input_bytes_per_sample=prev_out)
             fb_t, bb_t = layer_bytes(layer, m, input_bytes_per_sample=prev_out, activation_scale=act_scale)
-            rf, bound_f = roofline_ratio(layer.flops_forward_per_sample * m, fb, source, target, source_precision=source_precision, precision=precision, target_bytes=fb_t)
-            rb, _ = roofline_ratio(layer.flops_backward_per_sample * m, bb, source, target, source_precision=source_precision, precision=precision, target_bytes=bb_t)
+            rf, bound_f = roofline_ratio(layer.flops_forward_per_sample * m, fb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=fb_t)
+            rb, _ = roofline_ratio(layer.flops_backward_per_sample * m, bb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=bb_t)
             fwd_pts.append(max(layer.forward(m), 0.0) * rf)
             bwd_pts.append(max(layer.backward(m), 0.0) * rb)
             if m == m_ref:
@@ -185,7 +190,7 @@ def project_profile(
         for part in ("forward", "backward"):
             before = layer_sum(profile.layers, m, part)
             after = layer_sum(new_layers, m, part)
-            r = after / before if before > 0 else source.peak_flops(source_precision) / target.peak_flops(precision)
+            r = after / before if before > 0 else source.peak_flops(source_math) / target.peak_flops(math_on_target)
             step_pts[part].append(max(getattr(profile.step, part)(m), 0.0) * r)
     new_step = StepProfile(forward=_refit(profile.step.forward, sizes, step_pts["forward"]), backward=_refit(profile.step.backward, sizes, step_pts["backward"]))
     step_before = profile.step.time(m_ref)

@@ -28,6 +28,10 @@ def test_gpu_names_match_catalog_and_torch_spellings():
     assert match_gpu_name("NVIDIA A10") == "A10"
     assert match_gpu_name("NVIDIA L40S") == "L40S"
     assert match_gpu_name("Radeon 7900") is None
+    assert match_gpu_name("Tesla V100-SXM2-16GB") == "V100" and match_gpu_name("NVIDIA H200 141GB HBM3e") == "H200"
+    # Whole words only, and a memory size the row does not have is another part: refused, not taken for a neighbour.
+    for other in ("NVIDIA L40", "L40", "GH200", "NVIDIA GH200 480GB", "V100-32GB"):
+        assert match_gpu_name(other) is None, other
     with pytest.raises(CatalogError, match=r"Unknown GPU 'MI300X'.*T4, A10, A10G.*HINT:"):
         gpu_spec("MI300X")
 
@@ -115,6 +119,21 @@ def test_bf16_projection_uses_tensor_peak():
     _, bf16 = project_profile(profile, GPUS["H100-SXM"], precision="bf16")
     assert fp32.compute_scale == pytest.approx(8.1 / 67)
     assert bf16.compute_scale == pytest.approx(8.1 / 989)
+
+
+def test_bf16_on_parts_without_bf16_tensor_cores_runs_at_the_fp32_rate():
+    """T4 and V100 tensor cores take FP16, not BF16: a bf16 model gets their FP32 peak there, an fp16 one the tensor peak."""
+    from dataclasses import replace as change
+
+    h100 = make_profile(param_bytes_per_layer=1_000_000, device_name="NVIDIA H100 80GB HBM3")
+    for dtype, t4_peak in (("bf16-mixed", 8.1), ("bfloat16", 8.1), ("16-mixed", 65), ("float16", 65)):
+        profile = change(h100, device=change(h100.device, dtype=dtype))
+        _, info = project_profile(profile, GPUS["T4"])
+        assert info.compute_scale == pytest.approx(989 / t4_peak, rel=1e-6), dtype
+    _, explicit = project_profile(change(h100, device=change(h100.device, dtype="16-mixed")), GPUS["V100"], precision="bf16")
+    assert explicit.compute_scale == pytest.approx(989 / 15.7, rel=1e-6)  # --precision bf16 is bf16, whatever was profiled
+    _, a100 = project_profile(change(h100, device=change(h100.device, dtype="bf16-mixed")), GPUS["A100-80GB"])
+    assert a100.compute_scale == pytest.approx(989 / 312, rel=1e-6)
 
 
 def test_cpu_profile_estimates_host_peak_from_the_profile_and_says_it_is_coarse():
