@@ -119,7 +119,13 @@ def run(args: argparse.Namespace) -> int:
         from lightning_distplan.tuner.plots import attach_to_study
 
         study = optuna.load_study(study_name=result.study_name, storage=args.storage)
-        data["plots"] = attach_to_study(study, time_weight=args.time_weight)
+        try:
+            data["plots"] = attach_to_study(study, time_weight=args.time_weight)
+        except KeyboardInterrupt:  # the search's trials are already in the study: say so, not "left as it was"
+            raise KeyboardInterrupt(
+                f"the {result.n_trials} trials were written to study {result.study_name!r}; its plots were not all attached "
+                "(run the same command again: it extends the study and attaches them)"
+            ) from None
     if args.format == "json":
         print(json.dumps(data, indent=1))
     else:

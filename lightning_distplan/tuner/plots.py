@@ -562,15 +562,22 @@ def attach_to_study(
     artifact_dir = Path(artifact_dir)
     artifact_dir.mkdir(parents=True, exist_ok=True)
     store = optuna.artifacts.FileSystemArtifactStore(str(artifact_dir))
-    staging = artifact_dir / "_staging"
-    # upload_artifact names the artifact after the file, so write to readable names first.
-    pngs = [staging / f"{study.study_name}-pareto_front.png", staging / f"{study.study_name}-time_breakdown.png"]
-    plot_pareto_front(study, path_png=pngs[0])
-    plot_time_breakdown(study, top_k=top_k, time_weight=time_weight, path_png=pngs[1])
-    for png in pngs:
-        stored["artifact_ids"].append(optuna.artifacts.upload_artifact(artifact_store=store, file_path=str(png), study_or_trial=study, mimetype="image/png"))
-        png.unlink()
-    staging.rmdir()
+    # upload_artifact names the artifact after the file, so write to readable names first: the study's name made
+    # safe for a file name ("resnet/run1" is one name, not a folder), in a folder of this run's own.
+    import re
+    import shutil
+    import tempfile
+
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", study.study_name).strip("._") or "study"
+    staging = Path(tempfile.mkdtemp(prefix="_staging-", dir=artifact_dir))
+    pngs = [staging / f"{stem}-pareto_front.png", staging / f"{stem}-time_breakdown.png"]
+    try:
+        plot_pareto_front(study, path_png=pngs[0])
+        plot_time_breakdown(study, top_k=top_k, time_weight=time_weight, path_png=pngs[1])
+        for png in pngs:
+            stored["artifact_ids"].append(optuna.artifacts.upload_artifact(artifact_store=store, file_path=str(png), study_or_trial=study, mimetype="image/png"))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     stored["artifact_dir"] = str(artifact_dir)
     stored["png"] = [p.name for p in pngs]
     return stored

@@ -22,10 +22,11 @@ Storage and atomicity: the storage URL is opened and checked (a real round trip)
 study of that name is compared with this run's settings *before* any trial. Trials then run against
 an in-memory study and are written to the storage in one transaction at the end
 (:func:`lightning_distplan.tuner._storage.write_trials`), because per-trial SQLite commits cost
-far more than the cost model itself. So a failed or interrupted run writes nothing, and an
-existing study is only ever extended by a complete run with identical settings; different
-settings are refused (:class:`StudyConflictError`) and the study is left as it was. The price of
-this: optuna-dashboard sees the trials when the run ends, not while it runs.
+far more than the cost model itself. So a failed run writes nothing; a run stopped with Ctrl-C
+writes the trials that finished before it (all or none of them, as one transaction), and says how
+many. An existing study is only extended by a run with identical settings; different settings are
+refused (:class:`StudyConflictError`) and the study is left as it was. The price of this:
+optuna-dashboard sees the trials when the run ends, not while it runs.
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class TuneResult:
     """Distinct configurations this call priced with the cost model (repeated draws are cached)."""
     n_feasible: int
     """Distinct feasible configurations the whole study has priced (this run's and earlier runs')."""
-    """Feasible trials in the study."""
     space_size: int
     """Configurations in the whole space (instances × counts × valid plans)."""
     elapsed_s: float

@@ -91,6 +91,23 @@ def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, cap
     assert len(optuna.load_study(study_name="pl", storage=url).user_attrs) > 0
 
 
+def test_ctrl_c_while_plots_attach_says_the_trials_were_written(tmp_path, profile_path, capsys, monkeypatch):
+    import optuna
+
+    from lightning_distplan.tuner import plots
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "attach_to_study", interrupted)
+    url = f"sqlite:///{tmp_path / 'plots.db'}"
+    rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "12", "--max-instances", "2",
+               "--storage", url, "--study-name", "pl", "--quiet", "--plots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 130 and len(err) == 1 and "the 12 trials were written to study 'pl'; its plots were not all attached" in err[0], err
+    assert len(optuna.load_study(study_name="pl", storage=url).trials) == 12
+
+
 def test_ctrl_c_is_one_line_and_keeps_the_finished_trials(tmp_path, profile_path, capfd, monkeypatch):
     url = f"sqlite:///{tmp_path / 'i.db'}"
     args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "8", "--max-instances", "2",

@@ -151,4 +151,11 @@ def test_attach_to_study_stores_note_plots_and_png_artifacts(tmp_path: Path) -> 
     assert stored["artifact_dir"] == str(art_dir)
     for meta in metas:
         assert (art_dir / meta.artifact_id).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (art_dir / "_staging").exists()
+    assert not [p for p in art_dir.iterdir() if p.name.startswith("_staging")]
+
+    # A name with a slash is one study, not a folder: its PNGs get a file-safe name (this raised OSError after the search).
+    other = make_study(f"sqlite:///{db}", study_name="resnet/run 1", instances=("gn6i.xlarge",), counts=(1, 2), micro_batch_sizes=(4, 8))
+    attach_to_study(other)
+    names = sorted(m.filename for m in optuna.artifacts.get_all_artifact_meta(other))
+    assert names == ["resnet_run_1-pareto_front.png", "resnet_run_1-time_breakdown.png"]
+    assert not [p for p in art_dir.iterdir() if p.name.startswith("_staging")]
