@@ -314,7 +314,7 @@ def _tune(
         "global_batch_size": global_batch_size,
         "time_weight": float(time_weight),
         "max_instances": max_instances,
-        "strategies": list(space.strategies),
+        "strategies": [s for s in STRATEGIES if s in space.strategies],  # the set, in one order however typed
         "max_pp": max_pp,
         "multi_objective": bool(multi_objective),
         "precision": precision,

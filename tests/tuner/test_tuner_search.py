@@ -308,3 +308,17 @@ def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
     assert [child.wait(timeout=240) for child in children] == [0, 0]
     numbers = [t.number for t in optuna.load_study(study_name="s", storage=url).trials]
     assert sorted(numbers) == list(range(603))
+
+
+def test_the_same_settings_typed_differently_extend_the_study(tmp_path, profile, monkeypatch):
+    """One CSV catalog named by a relative and then an absolute path, and the same strategies in another
+    order, are the same settings: the second run extends the study instead of being refused."""
+    from lightning_distplan.tuner import parse_catalog_csv
+
+    (tmp_path / "cat.csv").write_text("InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\ng4dn.xlarge,T4,1,0.526,25\n")
+    monkeypatch.chdir(tmp_path)
+    url = _url(tmp_path)
+    common = dict(global_batch_size=B, n_trials=5, storage=url, study_name="csv", max_instances=2, progress=False)
+    tune(profile, catalog=parse_catalog_csv("cat.csv"), strategies=("1f1b", "dp_ga"), **common)
+    again = tune(profile, catalog=parse_catalog_csv(str(tmp_path / "cat.csv")), strategies=("dp_ga", "1f1b"), **common)
+    assert again.resumed and again.n_study_trials == 10
