@@ -24,7 +24,8 @@ a plan must factor that same number.
 
 What Lightning counts in batches keeps the user's meaning. Lightning sees micro-batches, so an
 integer ``Trainer(limit_train_batches=k)`` becomes the micro-batches of the first ``k`` loader
-batches (the wrapper stops there), and an integer ``val_check_interval`` is converted the same way
+batches (the wrapper stops there; a fraction is first turned into loader batches as Lightning does),
+and ``val_check_interval`` is converted the same way
 (both are restored after ``fit``). A loader batch shorter than the others (the end of an epoch
 without ``drop_last``) gets the weight it has in the user's run: Lightning divides every
 micro-batch loss by ``s``, and a plain run weighs each loader batch's mean loss by
@@ -393,10 +394,10 @@ class Rechunking:
                                 into=trainer.fit_loop.epoch_loop.batch_progress)
         if loader_batch == m:
             return dataloader
-        limit = trainer.limit_train_batches * replica_share if _is_count(trainer.limit_train_batches) else None
+        limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
         if loader_batch is not None:
-            _count_in_micro_batches(trainer, loader_batch * replica_share, m)
+            _count_in_micro_batches(trainer, loader_batch, m, limit=limit, interval=interval)
         return self._loader
 
     def start_batch(self) -> None:
@@ -481,16 +482,41 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int) -> None:
-    """Turn the user's integer ``limit_train_batches`` / ``val_check_interval`` (loader batches) into micro-batches."""
-    if _is_count(trainer.limit_train_batches):
-        trainer.limit_train_batches = math.ceil(trainer.limit_train_batches * loader_batch / m)
+def _in_loader_batches(trainer: pl.Trainer, dataloader: object, replica_share: int) -> tuple[int | None, int | None]:
+    """The user's ``limit_train_batches`` and ``val_check_interval`` as counts of this replica's loader batches.
+
+    An integer counts one process's loader batches under DDP (``replica_share`` of them per replica);
+    a fraction below 1 is of the epoch, as Lightning reads it: ``int(len(loader) · f)`` batches, and
+    validation every ``int(limited batches · f)``. None: nothing to convert (no limit, a fraction of an
+    unsized loader, or one Lightning would turn into zero batches and refuse itself).
+    """
+    try:
+        n: int | None = len(dataloader)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    value = trainer.limit_train_batches
+    limit = None
+    if _is_count(value):
+        limit = value * replica_share
+    elif isinstance(value, float) and 0 < value < 1 and n and int(n * value) > 0:
+        limit = int(n * value)
     interval = trainer.val_check_interval
     if _is_count(interval):
+        return limit, interval * replica_share
+    if isinstance(interval, float) and 0 < interval < 1 and n:
+        return limit, max(1, int(min(n, limit or n) * interval))
+    return limit, None
+
+
+def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, limit: int | None, interval: int | None) -> None:
+    """Set ``limit_train_batches`` / ``val_check_interval`` to the micro-batches of ``limit`` / ``interval`` loader batches."""
+    if limit is not None:
+        trainer.limit_train_batches = math.ceil(limit * loader_batch / m)
+    if interval is not None:
         micro = max(1, round(interval * loader_batch / m))
         if micro * m != interval * loader_batch:
             rank_zero_info(
-                f"dp_ga: val_check_interval={interval} loader batches of {loader_batch} is not a whole number of "
+                f"dp_ga: validating every {interval} loader batches of {loader_batch} is not a whole number of "
                 f"micro-batches of {m}; validating every {micro} micro-batches ({micro * m} samples) instead."
             )
         trainer.val_check_interval = micro

@@ -115,6 +115,34 @@ def test_callback_plan_holds_when_configure_optimizers_reads_estimated_stepping_
     torch.testing.assert_close(model.state_dict(), reference.state_dict())
 
 
+def test_fractional_batch_limits_count_the_users_loader_batches(tmp_path: Path) -> None:
+    """limit_train_batches=0.5 is half of the user's loader batches (4 of 8 = 4 steps), not half of the
+    micro-batches Lightning sees (16 of 32 = 4 steps only by luck of m; with 0.3: 2 vs 2.4 loader batches)."""
+    from types import SimpleNamespace
+
+    from lightning_distplan.strategies.dp_ga import _in_loader_batches
+
+    model = Net(loader_batch=16)
+    callback, sizes = PlanningCallback(micro_batch_size=4), Sizes()
+    trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=1, limit_train_batches=0.3, callbacks=[callback, sizes]))
+    trainer.fit(model)
+    assert sizes.sizes == [4] * 8 and trainer.global_step == 2  # int(8 * 0.3) = 2 loader batches of 16
+    assert trainer.limit_train_batches == 0.3  # restored
+    reference = Net(loader_batch=4)
+    L.Trainer(**_kwargs(tmp_path / "ref", max_epochs=1, limit_train_batches=8, accumulate_grad_batches=4)).fit(reference)
+    torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=0, atol=0)
+
+    # validation every half epoch of 3 loader batches: every int(3 * 0.5) = 1 loader batch, as under DDP
+    def fake(limit, interval):
+        return SimpleNamespace(limit_train_batches=limit, val_check_interval=interval)
+
+    assert _in_loader_batches(fake(1.0, 0.5), range(3), 1) == (None, 1)
+    assert _in_loader_batches(fake(0.5, 0.5), range(8), 1) == (4, 2)
+    assert _in_loader_batches(fake(2, 1), range(8), 2) == (4, 2)  # counts per process, two processes per replica
+    assert _in_loader_batches(fake(0.1, 1.0), range(8), 1) == (None, None)  # zero batches: Lightning refuses it itself
+    assert _in_loader_batches(fake(0.5, 0.5), iter(()), 1) == (None, None)  # no length: nothing to convert
+
+
 class TailNet(Net):
     """120 samples in batches of 16 (the last holds 8), no dropout."""
 
