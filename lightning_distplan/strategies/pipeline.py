@@ -597,15 +597,18 @@ class PipelineStrategy(DDPStrategy):
         assert module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
-        for p, grad in self._parked.items():
-            grad = grad / accumulate if accumulate > 1 else grad
-            p.grad = grad if p.grad is None else p.grad + grad
+        # This step's gradients are reduced over the replicas and the stages sharing a parameter before they
+        # join what earlier accumulation steps left in .grad: reduced after, a tied parameter's earlier
+        # gradients were summed over its stages once more at every step.
+        fresh = {p: (grad / accumulate if accumulate > 1 else grad) for p, grad in self._parked.items()}
         self._parked.clear()
         layout = self.layout
         if self._dp_group is not None:
-            _all_reduce_mean(self._stage_params, self._dp_group, divide_by=layout.dp)
+            _all_reduce_mean(self._stage_params, fresh, self._dp_group, divide_by=layout.dp)
         for params, group in self._shared:
-            _all_reduce_mean(params, group, divide_by=layout.dp)
+            _all_reduce_mean(params, fresh, group, divide_by=layout.dp)
+        for p, grad in fresh.items():
+            p.grad = grad if p.grad is None else p.grad + grad
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 
@@ -765,18 +768,22 @@ def _cpu(obj: Any) -> Any:
     return obj
 
 
-def _all_reduce_mean(params: list[nn.Parameter], group: Any, *, divide_by: int) -> None:
-    """Sum the gradients over ``group`` in one flat buffer and divide by ``divide_by``."""
+def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], group: Any, *, divide_by: int) -> None:
+    """Sum ``grads`` of the trainable ``params`` over ``group`` in one flat buffer and divide by ``divide_by``, in place.
+
+    A trainable parameter without a gradient here takes part with zeros (another rank may have one); a frozen
+    one (``requires_grad=False``) takes no part and gets no gradient, so no optimizer moves it (weight decay would).
+    """
+    params = [p for p in params if p.requires_grad]
     if not params:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([(grads[p] if p in grads else torch.zeros_like(p)).reshape(-1) for p in params])
     dist.all_reduce(flat, group=group)
     flat /= divide_by
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
+        grads[p] = flat[offset : offset + n].view_as(p).clone()
         offset += n
 
 

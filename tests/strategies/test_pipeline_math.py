@@ -269,8 +269,51 @@ def _short_last_batch(world: int, out: str) -> tuple[str, int]:
     return "", trainer.global_step
 
 
+STEPS_ACC = 3  # optimizer steps of the accumulation run (2 loader batches each)
+
+
+def _frozen_tied_gpt2() -> L.LightningModule:
+    """TinyGPT2 with its tied embedding (wte = lm_head) frozen, under weight decay, which moves any parameter
+    that gets a gradient, zeros included."""
+    model = build("gpt2")
+    model.model.transformer.wte.requires_grad_(False)
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)  # type: ignore[method-assign]
+    return model
+
+
+def _tied_and_frozen(world: int, out: str) -> dict[str, Any]:
+    """GPT-2's tied embedding across the two stages under Trainer(accumulate_grad_batches=2), and frozen."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("gpt2")
+    kwargs = {**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO), out), "max_steps": STEPS_ACC}
+    L.Trainer(**kwargs, accumulate_grad_batches=2).fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    frozen = _frozen_tied_gpt2()
+    L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2}).fit(
+        frozen, DataLoader(token_data(), batch_size=GLOBAL_BATCH)
+    )
+    state = lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()}  # noqa: E731
+    return {"accumulated": state(model), "frozen": state(frozen)}
+
+
+def _reference_accumulated(model: L.LightningModule, steps: int, accumulate: int) -> dict[str, torch.Tensor]:
+    """The LightningModule's own training_step, ``accumulate`` loader batches per optimizer step (Lightning
+    divides each loss by ``accumulate``), over the batches DistributedSampler(shuffle, seed 0) gives one replica."""
+    opt = model.configure_optimizers()
+    data = token_data()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = iter(DataLoader(data, batch_size=GLOBAL_BATCH, sampler=order))
+    for _ in range(steps):
+        opt.zero_grad()
+        for i in range(accumulate):
+            (model.training_step(next(batches), i) / accumulate).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    results["tied_frozen"] = _tied_and_frozen(world, out)
     results["short_last"] = _short_last_batch(world, out)
     results["clipped"] = _clipped(world, out, "1f1b")
     results["whole"] = _whole_after_fit(world, out)
@@ -361,6 +404,19 @@ def test_pipeline_clips_by_the_norm_of_all_the_models_gradients(two_rank_run) ->
     torch.testing.assert_close(results[0]["clipped"], expected, rtol=1e-5, atol=2e-6)
     unclipped = reference_weights("gpt2")
     assert max((expected[k] - unclipped[k]).abs().max().item() for k in expected) > 1e-3  # the clipping mattered
+
+
+def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_process(two_rank_run) -> None:
+    """A parameter on both stages (GPT-2's tied wte / lm_head) gets each accumulation step's gradient summed over
+    the stages once (summed again at every step, its weights ended 0.05 off); a frozen one gets no gradient at
+    all, so weight decay leaves it where a single process leaves it (a zero gradient let it decay)."""
+    _, results = two_rank_run
+    got = results[0]["tied_frozen"]
+    torch.testing.assert_close(got["accumulated"], _reference_accumulated(build("gpt2"), STEPS_ACC, 2), rtol=1e-5, atol=2e-6)
+    frozen_init = _frozen_tied_gpt2().state_dict()["model.transformer.wte.weight"]
+    expected = _reference_accumulated(_frozen_tied_gpt2(), 2, 1)
+    torch.testing.assert_close(got["frozen"], expected, rtol=1e-5, atol=2e-6)
+    assert torch.equal(got["frozen"]["model.transformer.wte.weight"], frozen_init)
 
 
 def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
