@@ -54,9 +54,10 @@ the last stage the targets).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -206,6 +207,7 @@ class PipelineStrategy(DDPStrategy):
         if self._schedule_name == "1f1b" and isinstance(n_microbatches, int) and isinstance(stages, int):
             _check_1f1b(n_microbatches, stages)
         self._built = False
+        self._built_for: Callable[[], Any] = lambda: None  # the LightningModule the pipeline was built from (a weak reference)
         self._pruned = False  # this rank's module holds only its own stage's tensors
         self._keep_names: set[str] = set()  # names of this rank's tensors (ids change when buffers move devices)
         self._object_group: Any = None
@@ -270,6 +272,11 @@ class PipelineStrategy(DDPStrategy):
                 hint="Use Trainer(precision='bf16-mixed') (or '32-true' / 'bf16-true'), or strategy='dp_ga'.",
             )
         module = self.lightning_module
+        if self._built and module is not self._built_for():
+            # Another LightningModule than the pipeline was built from (trainer.test(best) after fit): its own
+            # stages, not the first module's (they ran silently before).
+            self._built = False
+            self._schedules = {}
         if not self._built:
             refuse_partial_module(module)
         if module is not None and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
@@ -377,6 +384,7 @@ class PipelineStrategy(DDPStrategy):
         # The whole module goes back to every rank after a run as pickled CPU objects: over gloo, never the GPUs.
         self._object_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
         self._built = True
+        self._built_for = weakref.ref(module)
         rank_zero_info(
             f"PipelineStrategy: {self._schedule_name} dp={layout.dp} pp={layout.pp}, {len(layers)} layers, "
             f"stage boundaries {list(self._boundaries)}; rank 0 freed {freed / 2**20:.1f} MiB of other stages' tensors."

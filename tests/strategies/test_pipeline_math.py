@@ -29,6 +29,7 @@ from _pipeline_models import (  # noqa: E402
     MLP_BOUNDARY,
     SavedBytesCounter,
     TinyConvBN,
+    TinyGPT2,
     TinyMLP,
     build,
     image_data,
@@ -272,10 +273,16 @@ def _short_last_batch(world: int, out: str) -> tuple[str, int]:
 STEPS_ACC = 3  # optimizer steps of the accumulation run (2 loader batches each)
 
 
+class _ValidatedGPT2(TinyGPT2):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+
 def _frozen_tied_gpt2() -> L.LightningModule:
-    """TinyGPT2 with its tied embedding (wte = lm_head) frozen, under weight decay, which moves any parameter
-    that gets a gradient, zeros included."""
-    model = build("gpt2")
+    """TinyGPT2 (built as build("gpt2") builds it) with its tied embedding (wte = lm_head) frozen, under weight
+    decay, which moves any parameter that gets a gradient, zeros included."""
+    torch.manual_seed(1234)
+    model = _ValidatedGPT2()
     model.model.transformer.wte.requires_grad_(False)
     model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)  # type: ignore[method-assign]
     return model
@@ -289,11 +296,14 @@ def _tied_and_frozen(world: int, out: str) -> dict[str, Any]:
     kwargs = {**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO), out), "max_steps": STEPS_ACC}
     L.Trainer(**kwargs, accumulate_grad_batches=2).fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     frozen = _frozen_tied_gpt2()
-    L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2}).fit(
-        frozen, DataLoader(token_data(), batch_size=GLOBAL_BATCH)
-    )
+    trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2})
+    trainer.fit(frozen, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     state = lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()}  # noqa: E731
-    return {"accumulated": state(model), "frozen": state(frozen)}
+    # The same Trainer validating another module (trainer.test(best) after fit) runs that module, not the fitted one.
+    other = _frozen_tied_gpt2()
+    trainer.limit_val_batches = 1.0  # the fit ran without validation
+    val = trainer.validate(other, DataLoader(token_data(GLOBAL_BATCH, seed=5), batch_size=GLOBAL_BATCH), verbose=False)[0]["val_loss"]
+    return {"accumulated": state(model), "frozen": state(frozen), "other_val_loss": val}
 
 
 def _reference_accumulated(model: L.LightningModule, steps: int, accumulate: int) -> dict[str, torch.Tensor]:
@@ -407,7 +417,8 @@ def test_pipeline_clips_by_the_norm_of_all_the_models_gradients(two_rank_run) ->
 
 
 def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_process(two_rank_run) -> None:
-    """A parameter on both stages (GPT-2's tied wte / lm_head) gets each accumulation step's gradient summed over
+    """A later trainer.validate(other_module) on the same Trainer runs that module's weights (it ran the fitted one's).
+    A parameter on both stages (GPT-2's tied wte / lm_head) gets each accumulation step's gradient summed over
     the stages once (summed again at every step, its weights ended 0.05 off); a frozen one gets no gradient at
     all, so weight decay leaves it where a single process leaves it (a zero gradient let it decay)."""
     _, results = two_rank_run
@@ -417,6 +428,10 @@ def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_p
     expected = _reference_accumulated(_frozen_tied_gpt2(), 2, 1)
     torch.testing.assert_close(got["frozen"], expected, rtol=1e-5, atol=2e-6)
     assert torch.equal(got["frozen"]["model.transformer.wte.weight"], frozen_init)
+    other = _frozen_tied_gpt2().eval()
+    with torch.no_grad():
+        expected_val = other.training_step(next(iter(DataLoader(token_data(GLOBAL_BATCH, seed=5), batch_size=GLOBAL_BATCH))), 0).item()
+    assert got["other_val_loss"] == pytest.approx(expected_val, rel=1e-5)
 
 
 def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
