@@ -207,7 +207,7 @@ class PipelineStrategy(DDPStrategy):
         if self._schedule_name == "1f1b" and isinstance(n_microbatches, int) and isinstance(stages, int):
             _check_1f1b(n_microbatches, stages)
         self._built = False
-        self._built_for: Callable[[], Any] = lambda: None  # the LightningModule the pipeline was built from (a weak reference)
+        self._built_for: Callable[[], Any] = _no_module  # the LightningModule the pipeline was built from (a weak reference)
         self._pruned = False  # this rank's module holds only its own stage's tensors
         self._keep_names: set[str] = set()  # names of this rank's tensors (ids change when buffers move devices)
         self._object_group: Any = None
@@ -742,6 +742,11 @@ class _PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _no_module() -> None:
+    """What ``PipelineStrategy._built_for`` returns before a build (a module-level function: the strategy is pickled by spawn)."""
+    return None
 
 
 def _check_1f1b(n: int, pp: int) -> None:
