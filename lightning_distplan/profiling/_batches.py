@@ -7,6 +7,7 @@ so a micro-batch of 32 from a loader of batch size 8 holds the loader's first 32
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -20,7 +21,7 @@ __all__ = ["SampleBank", "batch_size_of", "concat_samples", "move_to", "slice_sa
 def _tensors(batch: Any) -> Iterator[Tensor]:
     if isinstance(batch, Tensor):
         yield batch
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for value in batch.values():
             yield from _tensors(value)
     elif isinstance(batch, (list, tuple)):
@@ -40,7 +41,7 @@ def batch_size_of(batch: Any) -> int:
     )
 
 
-def _rebuild_dict(like: dict, items: dict) -> dict:
+def _rebuild_dict(like: Mapping, items: dict) -> Any:
     if type(like) is dict:
         return items
     try:  # OrderedDict, transformers' BatchEncoding, ...
@@ -53,7 +54,7 @@ def _carries(x: Any, n: int) -> bool:
     """Whether ``x`` holds per-sample data of a batch of ``n``: a tensor with ``n`` rows, or a container with one."""
     if isinstance(x, Tensor):
         return x.dim() > 0 and x.shape[0] == n
-    if isinstance(x, dict):
+    if isinstance(x, Mapping):
         return any(_carries(v, n) for v in x.values())
     if isinstance(x, (list, tuple)):
         return _per_sample(x, n) or any(_carries(v, n) for v in x)
@@ -75,8 +76,8 @@ def _per_sample(seq: list | tuple, n: int) -> bool:
     if all(carrying):
         return False
     first = seq[0]
-    alike = all(type(v) is type(first) for v in seq) and (not isinstance(first, dict) or all(v.keys() == first.keys() for v in seq))
-    return alike and isinstance(first, (Tensor, dict, list, tuple))  # e.g. one target dict per image, some with n boxes by chance
+    alike = all(type(v) is type(first) for v in seq) and (not isinstance(first, Mapping) or all(v.keys() == first.keys() for v in seq))
+    return alike and isinstance(first, (Tensor, Mapping, list, tuple))  # e.g. one target dict per image, some with n boxes by chance
 
 
 def _rebuild_seq(like: list | tuple, items: list[Any]) -> Any:
@@ -89,7 +90,7 @@ def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
     """Samples ``start:stop`` of a batch of ``n``: tensors with ``n`` rows and per-sample lists are cut, the rest kept."""
     if isinstance(batch, Tensor):
         return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == n else batch
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dict, OrderedDict, transformers' BatchEncoding (a UserDict)
         return _rebuild_dict(batch, {k: slice_samples(v, start, stop, n) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)):
         if _per_sample(batch, n):
@@ -105,7 +106,7 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
         return first
     if isinstance(first, Tensor):
         return torch.cat(pieces, dim=0) if first.dim() > 0 and first.shape[0] == n else first
-    if isinstance(first, dict):
+    if isinstance(first, Mapping):
         return _rebuild_dict(first, {k: concat_samples([p[k] for p in pieces], sizes) for k in first})
     if isinstance(first, (list, tuple)):
         if _per_sample(first, n):
@@ -126,7 +127,7 @@ def move_to(batch: Any, device: torch.device) -> Any:
     """Copy every tensor of ``batch`` to ``device`` (structure kept)."""
     if isinstance(batch, Tensor):
         return batch.to(device, non_blocking=False)
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return _rebuild_dict(batch, {k: move_to(v, device) for k, v in batch.items()})
     if isinstance(batch, (list, tuple)):
         return _rebuild_seq(batch, [move_to(v, device) for v in batch])

@@ -5,6 +5,7 @@ Nothing here talks to a process group, so everything tests in milliseconds on on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
+from lightning_distplan.profiling._batches import slice_samples
 
 __all__ = [
     "StageModule",
@@ -149,37 +151,30 @@ def auto_n_microbatches(per_replica_batch: int, stages: int) -> int:
 
 
 def split_structure(obj: Any, n: int) -> list[Any]:
-    """Split every tensor in a (nested) tuple/list/dict along dim 0 into ``n`` equal chunks."""
-    if isinstance(obj, Tensor):
-        return list(torch.tensor_split(obj, n, dim=0))
-    if isinstance(obj, (tuple, list)):
-        parts = [split_structure(x, n) for x in obj]
-        rows = [[p[i] for p in parts] for i in range(n)]
-        if isinstance(obj, list):
-            return rows
-        if hasattr(obj, "_fields"):  # namedtuple
-            return [type(obj)(*row) for row in rows]
-        return [tuple(row) for row in rows]
-    if isinstance(obj, dict):
-        parts_d = {k: split_structure(v, n) for k, v in obj.items()}
-        return [{k: v[i] for k, v in parts_d.items()} for i in range(n)]
-    return [obj] * n
+    """``obj`` (a batch or part of one) cut into ``n`` consecutive chunks of its samples.
+
+    Tensors with the batch's rows and per-sample lists (file names, detection targets) are cut; the
+    rest (a 0-d temperature, a constant tag) goes whole to every chunk. Mappings keep their type
+    (transformers' ``BatchEncoding``). The rules are the profiler's and dp_ga's
+    (:func:`~lightning_distplan.profiling._batches.slice_samples`).
+    """
+    size = batch_size_of(obj)
+    if size is None:
+        return [obj] * n
+    bounds = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), n)]  # torch.tensor_split's chunk sizes
+    starts = [sum(bounds[:i]) for i in range(n + 1)]
+    return [slice_samples(obj, starts[i], starts[i + 1], size) for i in range(n)]
 
 
 def batch_size_of(obj: Any) -> int | None:
-    """Size of dim 0 of the first tensor found in a (nested) batch."""
+    """Size of dim 0 of the first tensor (not 0-d) found in a (nested) batch, None when it holds none."""
     if isinstance(obj, Tensor):
         return obj.shape[0] if obj.dim() > 0 else None
-    if isinstance(obj, (tuple, list)):
-        for x in obj:
-            size = batch_size_of(x)
-            if size is not None:
-                return size
-    if isinstance(obj, dict):
-        for x in obj.values():
-            size = batch_size_of(x)
-            if size is not None:
-                return size
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (tuple, list)) else ()
+    for x in values:
+        size = batch_size_of(x)
+        if size is not None:
+            return size
     return None
 
 

@@ -132,3 +132,24 @@ def test_per_sample_lists_are_cut_with_their_samples() -> None:
     mb = bank.micro_batch(6)
     assert mb["names"] == [f"img_{i}.png" for i in range(6)] and [t["boxes"].shape[0] for t in mb["targets"]] == [2, 3, 4, 5, 1, 4]
     assert mb["tag"] == ("train", "v2") and batch_size_of(mb) == 6
+
+
+def test_pipeline_micro_batches_follow_the_same_rules() -> None:
+    """The pipeline's split into n micro-batches: per-image targets go with their images (each micro-batch got all
+    of them), a UserDict such as transformers' BatchEncoding is split and keeps its type (it was passed whole),
+    and a 0-d field goes whole to every micro-batch (tensor_split raised on it)."""
+    from collections import UserDict
+
+    from lightning_distplan.strategies._pipeline_split import split_structure
+
+    class Encoding(UserDict):
+        pass
+
+    batch = _detection_batch(0, [2, 3, 4, 5])
+    batch["text"] = Encoding(input_ids=torch.arange(8).view(4, 2), attention_mask=torch.ones(4, 2))
+    batch["temperature"] = torch.tensor(2.0)
+    chunks = split_structure(batch, 2)
+    assert [c["names"] for c in chunks] == [["img_0.png", "img_1.png"], ["img_2.png", "img_3.png"]]
+    assert [[t["boxes"].shape[0] for t in c["targets"]] for c in chunks] == [[2, 3], [4, 5]]
+    assert all(isinstance(c["text"], Encoding) for c in chunks) and chunks[1]["text"]["input_ids"].tolist() == [[4, 5], [6, 7]]
+    assert all(c["temperature"].item() == 2.0 for c in chunks) and chunks[1]["tag"] == ("train", "v2")
