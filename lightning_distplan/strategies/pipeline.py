@@ -217,6 +217,7 @@ class PipelineStrategy(DDPStrategy):
         self._schedules: dict[tuple, Any] = {}
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
+        self._checked_batch = False  # whether this fit checked that the stages read the same batch
 
     # ------------------------------------------------------------------ layout
 
@@ -453,6 +454,7 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
+        self._checked_batch = False
         self._check_last_batch()
 
     def _check_last_batch(self) -> None:
@@ -567,10 +569,31 @@ class PipelineStrategy(DDPStrategy):
                 "test_step are not called; the loss is `PipelineSpec.loss`, logged as train_loss/val_loss/test_loss."
             )
 
+    def _check_same_batch(self, batch: Any) -> None:
+        """The stages of one replica must read the same batch (stage 0 its inputs, the last its targets): a user's
+        own DistributedSampler or an IterableDataset sharded by ``dist.get_rank()`` gives each stage another one,
+        and the pipeline would pair one batch's inputs with another's targets. Checked once per fit, on every rank."""
+        if self._checked_batch or self.layout.pp < 2 or not _distributed_is_initialized():
+            return
+        self._checked_batch = True
+        sums = [t.detach().double().sum() for t in _tensors(batch) if not t.is_complex()]
+        mine = torch.stack([torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64), torch.tensor(float(len(sums)), dtype=torch.float64)])
+        mine = mine.to(self.root_device)
+        every = [torch.zeros_like(mine) for _ in range(self.layout.pp)]
+        dist.all_gather(every, mine, group=self._pipe_group)
+        if any(not torch.allclose(other, every[0], rtol=1e-9, atol=0) for other in every[1:]):
+            raise BatchFormatError(
+                "The pipeline's stages read different training batches (each rank of a pipeline replica must get the same "
+                "batch: the first stage feeds its inputs, the last computes the loss on its targets).",
+                hint="Let Lightning shard the data (no DistributedSampler of your own; an IterableDataset must shard by "
+                "trainer.strategy.distributed_sampler_kwargs['rank'] / ['num_replicas'], the data-parallel replica, not the global rank).",
+            )
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch = args[0] if args else kwargs["batch"]
         self._warn_bypass()
+        self._check_same_batch(batch)
         size = batch_size_of(self._spec.inputs(batch))
         if self._n is None:
             self._n = auto_n_microbatches(size or 1, self.layout.pp)
@@ -766,7 +789,7 @@ def _tensors(obj: Any) -> list[Tensor]:
         return [obj]
     if isinstance(obj, (tuple, list)):
         return [t for x in obj for t in _tensors(x)]
-    if isinstance(obj, dict):
+    if isinstance(obj, Mapping):
         return [t for x in obj.values() for t in _tensors(x)]
     return []
 

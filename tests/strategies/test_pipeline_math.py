@@ -321,8 +321,26 @@ def _reference_accumulated(model: L.LightningModule, steps: int, accumulate: int
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _sharded_by_rank(rank: int, world: int, out: str) -> str:
+    """The user's own DistributedSampler shards by the global rank: each stage of the one replica reads other samples."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from lightning_distplan.errors import BatchFormatError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    data = token_data()
+    loader = DataLoader(data, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(data, num_replicas=world, rank=rank, seed=3))
+    trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), use_distributed_sampler=False)
+    try:
+        trainer.fit(build("gpt2"), loader)
+    except BatchFormatError as err:
+        return f"{trainer.global_step}: {err}"
+    return f"{trainer.global_step}: trained"
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    results["sharded"] = _sharded_by_rank(rank, world, out)
     results["tied_frozen"] = _tied_and_frozen(world, out)
     results["short_last"] = _short_last_batch(world, out)
     results["clipped"] = _clipped(world, out, "1f1b")
@@ -432,6 +450,14 @@ def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_p
     with torch.no_grad():
         expected_val = other.training_step(next(iter(DataLoader(token_data(GLOBAL_BATCH, seed=5), batch_size=GLOBAL_BATCH))), 0).item()
     assert got["other_val_loss"] == pytest.approx(expected_val, rel=1e-5)
+
+
+def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank_run) -> None:
+    """Sharded by the global rank, stage 0 fed one batch's inputs and stage 1 took another's targets, silently."""
+    _, results = two_rank_run
+    for r in (0, 1):
+        assert results[r]["sharded"].startswith("0: The pipeline's stages read different training batches"), results[r]["sharded"]
+        assert "HINT" in results[r]["sharded"]
 
 
 def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
