@@ -112,13 +112,16 @@ class PlanningCallback(Callback):
                 "PlanningCallback sets accumulate_grad_batches, which a GradientAccumulationScheduler callback also changes.",
                 hint="Use one of the two.",
             )
+        if not pl_module.automatic_optimization:
+            rank_zero_warn(
+                f"PlanningCallback: {type(pl_module).__name__} uses manual optimization (automatic_optimization=False), so there is "
+                "nothing to plan (micro-batches and accumulation need it): the callback does nothing in this fit."
+            )
+            return
         self.outcome, self.alternative = plan_micro_batching(
             trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats
         )
         if self._apply:
-            if not pl_module.automatic_optimization and self.outcome.plan.accumulate_grad_batches > 1:
-                rank_zero_warn("PlanningCallback: the module uses manual optimization, so the plan is reported but not applied.")
-                return
             self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
 
     @override

@@ -234,8 +234,22 @@ class AutoPlanStrategy(DDPStrategy):
             rank_zero_info("auto_plan: not fitting, running as plain DDP (plans are made at the start of fit).")
             super().setup(trainer)
             return
-        self._fit_start = time.perf_counter()
         assert self.accelerator is not None and self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:
+            # Micro-batches, accumulation and pipelines all need Lightning to run backward and the optimizer.
+            if self._pinned_anything():
+                raise InfeasiblePlanError(
+                    f"{type(self.lightning_module).__name__} uses manual optimization (automatic_optimization=False), so there is "
+                    f"no micro-batch, accumulation or pipeline to plan, but AutoPlanStrategy was given pins {self._pins}.",
+                    hint="Drop the pins (auto_plan then runs plain DDP), or use automatic optimization.",
+                )
+            rank_zero_warn(
+                f"auto_plan: {type(self.lightning_module).__name__} uses manual optimization (automatic_optimization=False), "
+                "so there is nothing to plan: running as plain DDP, your batches as they are."
+            )
+            super().setup(trainer)
+            return
+        self._fit_start = time.perf_counter()
         refuse_partial_module(self.lightning_module)  # what a failed pipeline fit left holds one stage's weights; never profile it
         self.accelerator.setup(trainer)
         self.model_to_device()
@@ -320,6 +334,9 @@ class AutoPlanStrategy(DDPStrategy):
             write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra={"pins": _jsonable(self._pins)})
         log_outcome(outcome, prefix="auto_plan")
         return outcome
+
+    def _pinned_anything(self) -> bool:
+        return bool(self._pins) or self._global_batch_arg is not None or self._device_memory_bytes is not None
 
     def _pipeline_pinned(self) -> bool:
         pins = self._pins

@@ -282,3 +282,33 @@ def test_resume_plans_again_when_the_checkpoints_plan_breaks_a_pin(tmp_path: Pat
         assert (auto._outcome.source == "checkpoint") == (source == "checkpoint"), auto._outcome.source
         assert resumed.global_step == 3
         torch.distributed.destroy_process_group()
+
+
+class _ManualBoring(BoringModel):
+    """Manual optimization: training_step runs backward and the optimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.step(batch))
+        opt.step()
+
+
+def test_manual_optimization_runs_as_plain_ddp_with_a_warning_and_pins_are_refused(tmp_path: Path) -> None:
+    """Nothing to plan without automatic optimization: auto_plan and PlanningCallback say so and let the fit run
+    (the profiler refused the module before, with advice about profiling)."""
+    from lightning_distplan import PlanningCallback
+
+    for strategy, callbacks, what in ((AutoPlanStrategy(), [], "auto_plan"), ("auto", [PlanningCallback()], "PlanningCallback")):
+        model = _ManualBoring()
+        trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=3, callbacks=callbacks))
+        with pytest.warns(UserWarning, match=rf"{what}: _ManualBoring uses manual optimization .* nothing to plan"):
+            trainer.fit(model)
+        assert trainer.global_step == 3
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=2), devices=1, max_steps=1))
+    with pytest.raises(InfeasiblePlanError, match=r"manual optimization .* pins \{'micro_batch_size': 2\}.*HINT"):
+        trainer.fit(_ManualBoring())
