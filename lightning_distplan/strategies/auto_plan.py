@@ -235,18 +235,22 @@ class AutoPlanStrategy(DDPStrategy):
             super().setup(trainer)
             return
         assert self.accelerator is not None and self.lightning_module is not None
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        name = type(self.lightning_module).__name__
+        why = None
         if not self.lightning_module.automatic_optimization:
             # Micro-batches, accumulation and pipelines all need Lightning to run backward and the optimizer.
+            why = f"{name} uses manual optimization (automatic_optimization=False)"
+        elif any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            why = "a GradientAccumulationScheduler changes the accumulation (the global batch) during the fit"
+        if why is not None:
             if self._pinned_anything():
                 raise InfeasiblePlanError(
-                    f"{type(self.lightning_module).__name__} uses manual optimization (automatic_optimization=False), so there is "
-                    f"no micro-batch, accumulation or pipeline to plan, but AutoPlanStrategy was given pins {self._pins}.",
-                    hint="Drop the pins (auto_plan then runs plain DDP), or use automatic optimization.",
+                    f"{why}, so there is no micro-batch, accumulation or pipeline to plan, but AutoPlanStrategy was given pins {self._pins}.",
+                    hint="Drop the pins (auto_plan then runs plain DDP), or drop what stops the planning.",
                 )
-            rank_zero_warn(
-                f"auto_plan: {type(self.lightning_module).__name__} uses manual optimization (automatic_optimization=False), "
-                "so there is nothing to plan: running as plain DDP, your batches as they are."
-            )
+            rank_zero_warn(f"auto_plan: {why}, so there is nothing to plan: running as plain DDP, your batches as they are.")
             super().setup(trainer)
             return
         self._fit_start = time.perf_counter()

@@ -169,6 +169,15 @@ class DPGAStrategy(DDPStrategy):
             accumulate_grad_batches=self._accumulate_grad_batches,
             checkpoint_plan=self._checkpoint_plan,
         )
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+        rechunks = plan.accumulate_grad_batches > 1 or plan.micro_batch_size != loader_batch_size(dataloader)
+        if rechunks and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise InfeasiblePlanError(
+                f"dp_ga runs {plan.describe()}, setting accumulate_grad_batches itself, which a GradientAccumulationScheduler "
+                "callback also changes during the fit.",
+                hint="Use one of the two: drop the callback, or strategy='ddp' with it.",
+            )
         if plan.accumulate_grad_batches > 1 and not self.lightning_module.automatic_optimization:
             raise InfeasiblePlanError(
                 f"The plan accumulates {plan.accumulate_grad_batches} micro-batches but the LightningModule uses manual optimization.",

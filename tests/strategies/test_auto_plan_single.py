@@ -303,12 +303,28 @@ def test_manual_optimization_runs_as_plain_ddp_with_a_warning_and_pins_are_refus
     (the profiler refused the module before, with advice about profiling)."""
     from lightning_distplan import PlanningCallback
 
-    for strategy, callbacks, what in ((AutoPlanStrategy(), [], "auto_plan"), ("auto", [PlanningCallback()], "PlanningCallback")):
+    for strategy, callbacks, what in ((AutoPlanStrategy(), [], "auto_plan: _ManualBoring"), ("auto", [PlanningCallback()], "PlanningCallback: _ManualBoring")):
         model = _ManualBoring()
         trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=3, callbacks=callbacks))
-        with pytest.warns(UserWarning, match=rf"{what}: _ManualBoring uses manual optimization .* nothing to plan"):
+        with pytest.warns(UserWarning, match=rf"{what} uses manual optimization .* nothing to plan"):
             trainer.fit(model)
         assert trainer.global_step == 3
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=2), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"manual optimization .* pins \{'micro_batch_size': 2\}.*HINT"):
         trainer.fit(_ManualBoring())
+
+
+def test_a_gradient_accumulation_scheduler_runs_auto_plan_as_ddp_and_is_refused_by_a_rechunking_dp_ga(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_distplan.strategies.dp_ga import DPGAStrategy
+
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(), devices=1, max_steps=2,
+                                         callbacks=[GradientAccumulationScheduler({0: 2})]))
+    with pytest.warns(UserWarning, match=r"auto_plan: a GradientAccumulationScheduler changes the accumulation .* plain DDP"):
+        trainer.fit(BoringModel())
+    assert trainer.global_step == 2
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=DPGAStrategy(micro_batch_size=4), devices=1, max_steps=2,
+                                         callbacks=[GradientAccumulationScheduler({0: 2})]))
+    with pytest.raises(InfeasiblePlanError, match=r"dp_ga runs .* GradientAccumulationScheduler.*HINT: Use one of the two"):
+        trainer.fit(_small())  # loader batches of 8 cut into micro-batches of 4
