@@ -92,6 +92,7 @@ class PlanningCallback(Callback):
         self.run_s: float | None = None
         self._applied: AppliedPlan | None = None
         self._fit_start: float | None = None
+        self._resuming: dict[str, Any] | None = None
 
     @property
     def plan(self) -> Plan | None:
@@ -118,11 +119,27 @@ class PlanningCallback(Callback):
                 "nothing to plan (micro-batches and accumulation need it): the callback does nothing in this fit."
             )
             return
+        # Lightning calls this hook before the LightningModule's own setup() and configure_model() (where datasets
+        # and layers are often built): plan when the strategy sets up, after both, as auto_plan does.
+        strategy = trainer.strategy
+        original = strategy.setup
+
+        def plan_then_setup(trainer: pl.Trainer) -> None:
+            strategy.__dict__.pop("setup", None)
+            self._plan(trainer, pl_module)
+            original(trainer)
+
+        strategy.setup = plan_then_setup  # type: ignore[method-assign]
+
+    def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.outcome, self.alternative = plan_micro_batching(
             trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats
         )
         if self._apply:
             self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
+            if self._resuming is not None:  # the checkpoint was restored before the plan existed
+                self._applied.rechunk.resumed(self._resuming)
+        self._resuming = None
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -133,6 +150,8 @@ class PlanningCallback(Callback):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._applied is not None:
             self._applied.rechunk.resumed(checkpoint)
+        else:
+            self._resuming = checkpoint  # restored before the strategy's setup, where the plan is made
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,6 +166,8 @@ class PlanningCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        trainer.strategy.__dict__.pop("setup", None)  # a fit that failed before the strategy's setup
+        self._resuming = None
         if self._applied is not None:
             self._applied.restore(trainer)
             self._applied = None

@@ -234,3 +234,36 @@ def test_report_names_a_faster_pipeline_without_forcing_it() -> None:
 def test_monitor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(InfeasiblePlanError, match=match):
         StepTimeMonitor(**kwargs)
+
+
+class LateNet(L.LightningModule):
+    """Builds its layers in configure_model() and its data in setup(), as Lightning allows (both run after the
+    callbacks' setup hook)."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            torch.manual_seed(7)
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 8, generator=g)
+        self.train_set = TensorDataset(x, x.sum(1, keepdim=True))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=16)
+
+
+def test_callback_plans_after_the_modules_setup_and_configure_model(tmp_path: Path) -> None:
+    callback, sizes = PlanningCallback(micro_batch_size=4), Sizes()
+    trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=1, callbacks=[callback, sizes]))
+    trainer.fit(LateNet())
+    assert callback.plan.micro_batch_size == 4 and sizes.sizes == [4] * 16 and trainer.global_step == 4
+    assert "setup" not in trainer.strategy.__dict__  # the strategy's own setup again
