@@ -57,7 +57,7 @@ from lightning_distplan.strategies._auto_planning import (
 from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, check_ddp_kwargs, loader_batch_size
-from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS
+from lightning_distplan.strategies.pipeline import PIPELINE_METRICS, PIPELINE_PRECISIONS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -365,7 +365,7 @@ class AutoPlanStrategy(DDPStrategy):
         unlogged = sorted(
             {
                 m for cb in trainer.callbacks
-                if isinstance(m := getattr(cb, "monitor", None), str) and m not in _PIPELINE_METRICS and not m.startswith("distplan/")
+                if isinstance(m := getattr(cb, "monitor", None), str) and m not in PIPELINE_METRICS and not m.startswith("distplan/")
             }
         )
         if unlogged:
@@ -405,9 +405,6 @@ class AutoPlanStrategy(DDPStrategy):
         )
         self._monitor = monitor
 
-
-# What a pipeline logs (PipelineStrategy), besides Lightning's own epoch/step.
-_PIPELINE_METRICS = frozenset({"train_loss", "val_loss", "test_loss", "epoch", "step"})
 
 _DDP_BASE_ARGS = (
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",

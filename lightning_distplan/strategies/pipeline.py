@@ -115,6 +115,8 @@ _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # (no gradient scaler, so no '16-mixed': the schedule runs backward itself, so a GradScaler would
 # never scale the loss).
 PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
+#: what a pipeline logs (it runs PipelineSpec.loss in place of the module's steps), and Lightning's own counters
+PIPELINE_METRICS = frozenset({"train_loss", "val_loss", "test_loss", "epoch", "step"})
 
 
 class PipelineStrategy(DDPStrategy):
@@ -414,6 +416,13 @@ class PipelineStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
+        unlogged = sorted({c.monitor for c in self.lr_scheduler_configs if c.monitor and c.monitor not in PIPELINE_METRICS})
+        if unlogged:  # Lightning would fail at the end of the first epoch, after all that training
+            raise InfeasiblePlanError(
+                f"A learning-rate scheduler monitors {', '.join(map(repr, unlogged))}, which a pipeline does not log: it runs "
+                "PipelineSpec.loss in place of the module's training_step/validation_step and logs only train_loss/val_loss/test_loss.",
+                hint="Monitor 'val_loss' or 'train_loss' in configure_optimizers, or train with strategy='dp_ga'.",
+            )
         # The optimizers were built over the whole module; keep only this stage's parameters (no state exists yet).
         held = {id(p) for opt in self.optimizers for group in opt.param_groups for p in group["params"]}
         outside = [

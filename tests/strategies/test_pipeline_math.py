@@ -338,8 +338,29 @@ def _sharded_by_rank(rank: int, world: int, out: str) -> str:
     return f"{trainer.global_step}: trained"
 
 
+def _plateau_on_unlogged(world: int, out: str) -> str:
+    """ReduceLROnPlateau on a metric the module logs but a pipeline does not: refused before the first step."""
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = build("gpt2")
+
+    def configure_optimizers() -> Any:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt), "monitor": "val_acc"}}
+
+    model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out))
+    try:
+        trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    except InfeasiblePlanError as err:
+        return f"{trainer.global_step}: {err}"
+    return f"{trainer.global_step}: trained"
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    results["plateau"] = _plateau_on_unlogged(world, out)
     results["sharded"] = _sharded_by_rank(rank, world, out)
     results["tied_frozen"] = _tied_and_frozen(world, out)
     results["short_last"] = _short_last_batch(world, out)
@@ -450,6 +471,12 @@ def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_p
     with torch.no_grad():
         expected_val = other.training_step(next(iter(DataLoader(token_data(GLOBAL_BATCH, seed=5), batch_size=GLOBAL_BATCH))), 0).item()
     assert got["other_val_loss"] == pytest.approx(expected_val, rel=1e-5)
+
+
+def test_a_scheduler_monitoring_what_a_pipeline_does_not_log_is_refused_before_training(two_rank_run) -> None:
+    _, results = two_rank_run
+    assert results[0]["plateau"].startswith("0: A learning-rate scheduler monitors 'val_acc', which a pipeline does not log")
+    assert "HINT: Monitor 'val_loss'" in results[0]["plateau"]
 
 
 def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank_run) -> None:
