@@ -240,6 +240,7 @@ def profile_in_fit(
     # The loader's sampler may draw its seed from the global RNG when iterated: snapshot first.
     rng = RNGSnapshot.take(include_cuda=device.type == "cuda")
     was_training = module.training
+    attached = False
     try:
         loader = fresh_train_loader(trainer)
         # The weights in the dtype the fit trains them in ('bf16-true', '64-true', ...): the strategy's
@@ -249,6 +250,8 @@ def profile_in_fit(
             from lightning_distplan.strategies.dp_ga import loader_batch_size
 
             micro_batch_sizes = in_fit_micro_batch_sizes(loader_batch_size(loader) or 1)
+        attached = not trainer.strategy.optimizers  # before the fit's own exist (mid-fit, training_step has those)
+        optimizer = _attach_optimizers(trainer, module) if attached else None
         profile = profile_module(
             module,
             loader,
@@ -260,6 +263,7 @@ def profile_in_fit(
             flop_sizes=1,  # FLOPs per sample from one size (an estimate: see profile_module); saves a slow counting run
             min_timed_s=IN_FIT_MIN_TIMED_S,
             precision_plugin=trainer.precision_plugin,  # the fit's precision: autocast, converted inputs
+            optimizer=optimizer,
         )
         if measure_links and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             t0 = time.perf_counter()
@@ -274,7 +278,20 @@ def profile_in_fit(
         rng.restore()
         counters.restore(trainer)
         module.train(was_training)
+        if attached:
+            trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = [], []  # the fit's own come with its setup
     return profile, loader
+
+
+def _attach_optimizers(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
+    """The module's optimizer as Lightning builds it, attached to the strategy while we profile, so a training_step
+    that calls ``self.optimizers()`` or ``self.lr_schedulers()`` (to log the learning rate) runs as in the fit.
+    None when configure_optimizers returns none (the profiler then refuses the module with its own message)."""
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+    trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = optimizers, schedulers
+    return optimizers[0] if len(optimizers) == 1 else None
 
 
 IN_FIT_MIN_TIMED_S = 0.1

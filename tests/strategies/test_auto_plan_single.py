@@ -328,3 +328,24 @@ def test_a_gradient_accumulation_scheduler_runs_auto_plan_as_ddp_and_is_refused_
                                          callbacks=[GradientAccumulationScheduler({0: 2})]))
     with pytest.raises(InfeasiblePlanError, match=r"dp_ga runs .* GradientAccumulationScheduler.*HINT: Use one of the two"):
         trainer.fit(_small())  # loader batches of 8 cut into micro-batches of 4
+
+
+def test_a_training_step_that_reads_its_optimizer_and_scheduler_is_profiled(tmp_path: Path) -> None:
+    """Logging the learning rate from training_step (self.optimizers(), self.lr_schedulers()) works under ddp; the
+    in-fit profiler called training_step with no optimizer attached and refused the module."""
+
+    class LogsLR(ChainMLP):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.log("lr", self.optimizers().param_groups[0]["lr"])
+            self.log("sched_lr", self.lr_schedulers().get_last_lr()[0])
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.SGD(self.parameters(), lr=0.1)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5), "interval": "step"}}
+
+    model = LogsLR(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=4), devices=1, max_steps=3))
+    trainer.fit(model)
+    assert trainer.global_step == 3 and trainer.callback_metrics["sched_lr"].item() == pytest.approx(0.1 * 0.5**2)
+    assert trainer.strategy.plan.micro_batch_size == 4
