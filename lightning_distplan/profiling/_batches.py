@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from lightning_distplan.errors import BatchFormatError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
 __all__ = ["SampleBank", "batch_size_of", "concat_samples", "move_to", "slice_samples"]
@@ -105,7 +106,17 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
     if len(pieces) == 1:
         return first
     if isinstance(first, Tensor):
-        return torch.cat(pieces, dim=0) if first.dim() > 0 and first.shape[0] == n else first
+        if not (first.dim() > 0 and first.shape[0] == n):
+            return first
+        shapes = {tuple(p.shape[1:]) for p in pieces}
+        if len(shapes) > 1:
+            raise BatchFormatError(
+                f"Samples of different loader batches have different shapes ({' vs '.join(str(list(x)) for x in sorted(shapes))}), "
+                "so a micro-batch cannot join them (a collate that pads each batch to its own longest sequence does this).",
+                hint="Use micro-batches no larger than the loader's batch (distplan profile --micro-batch-sizes, "
+                "AutoPlanStrategy(profile_micro_batch_sizes=...), a micro_batch_size that divides the loader batch), or pad to a fixed length.",
+            )
+        return torch.cat(pieces, dim=0)
     if isinstance(first, Mapping):
         return _rebuild_dict(first, {k: concat_samples([p[k] for p in pieces], sizes) for k in first})
     if isinstance(first, (list, tuple)):

@@ -153,3 +153,12 @@ def test_pipeline_micro_batches_follow_the_same_rules() -> None:
     assert [[t["boxes"].shape[0] for t in c["targets"]] for c in chunks] == [[2, 3], [4, 5]]
     assert all(isinstance(c["text"], Encoding) for c in chunks) and chunks[1]["text"]["input_ids"].tolist() == [[4, 5], [6, 7]]
     assert all(c["temperature"].item() == 2.0 for c in chunks) and chunks[1]["tag"] == ("train", "v2")
+
+
+def test_batches_padded_to_their_own_length_are_not_joined_silently_or_with_a_torch_error() -> None:
+    from lightning_distplan.errors import BatchFormatError
+
+    bank = SampleBank(iter([(torch.ones(4, 5), torch.ones(4)), (torch.ones(4, 7), torch.ones(4))]))
+    assert batch_size_of(bank.micro_batch(4)) == 4  # within one loader batch: fine
+    with pytest.raises(BatchFormatError, match=r"different shapes \(\[5\] vs \[7\]\).*HINT: Use micro-batches no larger than the loader's batch"):
+        bank.micro_batch(8)
