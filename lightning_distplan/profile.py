@@ -378,6 +378,21 @@ class Profile:
                         hint=hint,
                     )
                 sizes[f"layers[{i}].trainable_param_bytes"] = layer.trainable_param_bytes
+        huge = next((name for name, x in sizes.items() if x > 1e18), None)  # an exabyte, or a billion years: edited by hand
+        if huge is not None:
+            raise ProfileFormatError(f"{source!r} has {huge} = {sizes[huge]!r}, beyond any device.", hint=hint)
+        if self.memory.grad_bytes > self.memory.param_bytes:
+            raise ProfileFormatError(
+                f"{source!r} has more gradient bytes ({self.memory.grad_bytes}) than parameter bytes ({self.memory.param_bytes}); "
+                "gradients exist only for trainable parameters.",
+                hint=hint,
+            )
+        if self.infeasible_micro_batch_sizes and min(self.infeasible_micro_batch_sizes) <= max(self.micro_batch_sizes):
+            raise ProfileFormatError(
+                f"{source!r} lists micro-batch {min(self.infeasible_micro_batch_sizes)} as out of memory but profiled "
+                f"{max(self.micro_batch_sizes)}; an out-of-memory size is larger than every profiled one.",
+                hint=hint,
+            )
         negative = next((name for name, x in sizes.items() if x < 0), None)
         if negative is not None:
             raise ProfileFormatError(f"{source!r} has a negative {negative} ({sizes[negative]!r}); sizes, FLOPs and times are never negative.", hint=hint)

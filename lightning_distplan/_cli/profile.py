@@ -39,7 +39,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device to profile on (default: cuda when present)")
     parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to time (default: b/2, b, 2b, 4b of the loader's batch size b, each only while its step is predicted under "
         "1.5 s, then smaller ones (b/4, b/8, ...) until three sizes are timed)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per size; the whole step keeps their mean (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per size at least; a short whole step is repeated until its runs add up to 0.25 s "
+                        "(at most 100 runs), and keeps their mean (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per size before the timed ones (default 1)")
     parser.add_argument(
         "--precision", default="32-true", choices=PRECISIONS,

@@ -194,3 +194,18 @@ def test_flops_of_grouped_convolutions_and_cpu_attention_match_hand_counts() -> 
     assert layers["grouped"].flops_backward_per_sample == pytest.approx(2 * grouped_forward)  # input and weight gradients
     attention = 2 * 2 * heads * T * T * (d // heads)  # Q·Kᵀ and P·V
     assert layers["attn"].flops_forward_per_sample == pytest.approx(2 * T * d * 3 * d + attention)
+
+
+def test_hand_edited_profiles_that_cannot_be_are_refused(mlp_profile: Profile) -> None:
+    import dataclasses
+
+    from lightning_distplan.errors import ProfileFormatError
+
+    memory = mlp_profile.memory
+    for broken, match in (
+        (dataclasses.replace(mlp_profile, memory=dataclasses.replace(memory, param_bytes=10**19)), r"memory.param_bytes = 10000000000000000000, beyond any device"),
+        (dataclasses.replace(mlp_profile, memory=dataclasses.replace(memory, grad_bytes=memory.param_bytes + 4)), r"more gradient bytes .* than parameter bytes"),
+        (dataclasses.replace(mlp_profile, infeasible_micro_batch_sizes=(3,)), r"lists micro-batch 3 as out of memory but profiled 8"),
+    ):
+        with pytest.raises(ProfileFormatError, match=match + ".*HINT"):
+            Profile.from_dict(broken.to_dict())
