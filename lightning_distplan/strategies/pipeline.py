@@ -575,7 +575,8 @@ class PipelineStrategy(DDPStrategy):
             self._warned_bypass = True
             rank_zero_warn(
                 "PipelineStrategy runs the pipeline itself: the LightningModule's training_step/validation_step/"
-                "test_step are not called; the loss is `PipelineSpec.loss`, logged as train_loss/val_loss/test_loss."
+                "test_step/predict_step are not called; the loss is `PipelineSpec.loss`, logged as train_loss/val_loss/test_loss, "
+                "and predict returns the last layer's output."
             )
 
     def _check_same_batch(self, batch: Any) -> None:
@@ -679,6 +680,7 @@ class PipelineStrategy(DDPStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs["batch"]
+        self._warn_bypass()
         layout = self.layout
         size = batch_size_of(self._spec.inputs(batch)) or 1
         n = _largest_divisor_at_most(size, self._n or 4 * layout.pp)
