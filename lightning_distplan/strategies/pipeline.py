@@ -582,22 +582,35 @@ class PipelineStrategy(DDPStrategy):
     def _check_same_batch(self, batch: Any) -> None:
         """The stages of one replica must read the same batch (stage 0 its inputs, the last its targets): a user's
         own DistributedSampler or an IterableDataset sharded by ``dist.get_rank()`` gives each stage another one,
-        and the pipeline would pair one batch's inputs with another's targets. Checked once per fit, on every rank."""
+        and the pipeline would pair one batch's inputs with another's targets. Checked once per fit, on every rank, by
+        the batch's integer tensors (refused); a batch of floats only is compared too, but only warned about."""
         if self._checked_batch or self.layout.pp < 2 or not _distributed_is_initialized():
             return
         self._checked_batch = True
-        sums = [t.detach().double().sum() for t in _tensors(batch) if not t.is_complex()]
-        mine = torch.stack([torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64), torch.tensor(float(len(sums)), dtype=torch.float64)])
+        # Integer tensors (labels, token ids, indices) tell which samples a rank read; float data may differ between
+        # ranks by a random augmentation that leaves the pairing of inputs and targets intact: only warned about.
+        tensors = [t for t in _tensors(batch) if not t.is_complex()]
+        ids = [t for t in tensors if not t.is_floating_point()]
+        checked = ids or tensors
+        if not checked:
+            return
+        mine = torch.stack([torch.stack([t.detach().double().sum() for t in checked]).sum(), torch.tensor(float(len(checked)), dtype=torch.float64)])
         mine = mine.to(self.root_device)
         every = [torch.zeros_like(mine) for _ in range(self.layout.pp)]
         dist.all_gather(every, mine, group=self._pipe_group)
-        if any(not torch.allclose(other, every[0], rtol=1e-9, atol=0) for other in every[1:]):
-            raise BatchFormatError(
-                "The pipeline's stages read different training batches (each rank of a pipeline replica must get the same "
-                "batch: the first stage feeds its inputs, the last computes the loss on its targets).",
-                hint="Let Lightning shard the data (no DistributedSampler of your own; an IterableDataset must shard by "
-                "trainer.strategy.distributed_sampler_kwargs['rank'] / ['num_replicas'], the data-parallel replica, not the global rank).",
-            )
+        if all(torch.allclose(other, every[0], rtol=1e-9, atol=0) for other in every[1:]):
+            return
+        why = (
+            "The pipeline's stages read different training batches (each rank of a pipeline replica must get the same "
+            "batch: the first stage feeds its inputs, the last computes the loss on its targets)"
+        )
+        hint = (
+            "Let Lightning shard the data (no DistributedSampler of your own; an IterableDataset must shard by "
+            "trainer.strategy.distributed_sampler_kwargs['rank'] / ['num_replicas'], the data-parallel replica, not the global rank)."
+        )
+        if ids:
+            raise BatchFormatError(f"{why}.", hint=hint)
+        rank_zero_warn(f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {hint}")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:

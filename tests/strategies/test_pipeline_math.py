@@ -334,8 +334,19 @@ def _sharded_by_rank(rank: int, world: int, out: str) -> str:
     try:
         trainer.fit(build("gpt2"), loader)
     except BatchFormatError as err:
-        return f"{trainer.global_step}: {err}"
-    return f"{trainer.global_step}: trained"
+        refused = f"{trainer.global_step}: {err}"
+    else:
+        refused = f"{trainer.global_step}: trained"
+    # Floats only (a random augmentation may differ between ranks and pair correctly): trained, with a warning.
+    floats = mlp_data(4 * GLOBAL_BATCH)
+    loader = DataLoader(floats, batch_size=GLOBAL_BATCH, sampler=DistributedSampler(floats, num_replicas=world, rank=rank, seed=3))
+    trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2},
+                        use_distributed_sampler=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyMLP(), loader)
+    warned = [str(w.message) for w in caught if "read different training batches" in str(w.message)]
+    return refused + f" | floats: {trainer.global_step} steps, {len(warned)} warning(s)"
 
 
 def _plateau_on_unlogged(world: int, out: str) -> str:
@@ -480,8 +491,10 @@ def test_a_scheduler_monitoring_what_a_pipeline_does_not_log_is_refused_before_t
 
 
 def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank_run) -> None:
-    """Sharded by the global rank, stage 0 fed one batch's inputs and stage 1 took another's targets, silently."""
+    """Sharded by the global rank, stage 0 fed one batch's inputs and stage 1 took another's targets, silently.
+    Token ids tell the samples apart: refused. A batch of floats only trains, with a warning (on rank 0)."""
     _, results = two_rank_run
+    assert results[0]["sharded"].endswith("| floats: 2 steps, 1 warning(s)"), results[0]["sharded"]
     for r in (0, 1):
         assert results[r]["sharded"].startswith("0: The pipeline's stages read different training batches"), results[r]["sharded"]
         assert "HINT" in results[r]["sharded"]
