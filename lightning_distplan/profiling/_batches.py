@@ -65,20 +65,25 @@ def _carries(x: Any, n: int) -> bool:
 def _per_sample(seq: list | tuple, n: int) -> bool:
     """Whether a list / tuple of ``n`` items holds one item per sample rather than the batch's structure.
 
-    Per sample: file names or texts (``default_collate`` makes a list of strings), detection targets
-    (one dict per image, with a varying number of boxes), variable-length tensors. Structure:
-    ``[inputs, targets]`` (every item has the batch's ``n`` rows), a namedtuple, or items of mixed kinds.
+    Per sample: file names or texts (``default_collate`` makes a list of strings), records with the same
+    keys (detection targets: one dict per image, however many boxes each has), a list of variable-length
+    tensors alike in rank and dtype. Structure: ``[inputs, targets]`` (every item has the batch's ``n``
+    rows), a namedtuple, a tuple holding tensors (``(x, y, class_weights)``), items of mixed kinds.
     """
     if hasattr(seq, "_fields") or len(seq) != n or n == 0:
         return False
-    carrying = [_carries(v, n) for v in seq]
-    if not any(carrying):
+    first = seq[0]
+    if all(isinstance(v, Mapping) for v in seq) and all(v.keys() == first.keys() for v in seq):
         return True
+    carrying = [_carries(v, n) for v in seq]
     if all(carrying):
         return False
-    first = seq[0]
-    alike = all(type(v) is type(first) for v in seq) and (not isinstance(first, Mapping) or all(v.keys() == first.keys() for v in seq))
-    return alike and isinstance(first, (Tensor, Mapping, list, tuple))  # e.g. one target dict per image, some with n boxes by chance
+    if isinstance(seq, tuple):  # a collate's (x, y, w): only a tuple of plain values (names) is per sample
+        return not any(isinstance(v, (Tensor, Mapping, list, tuple)) for v in seq)
+    if not any(carrying):
+        return True
+    # some items have n rows by chance: per-sample only if all are tensors of one rank and dtype (boxes [k_i, 4])
+    return all(isinstance(v, Tensor) and v.dim() == first.dim() and v.dtype == first.dtype for v in seq) and isinstance(first, Tensor)
 
 
 def _rebuild_seq(like: list | tuple, items: list[Any]) -> Any:

@@ -144,6 +144,28 @@ def _fingerprint(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _profile_fingerprint(profile: Profile) -> str:
+    """The profile's fingerprint; fields added since (left at None in an older file) do not change it."""
+    data = profile.to_dict()
+    for layer in data["layers"]:
+        if layer.get("trainable_param_bytes") is None:
+            layer.pop("trainable_param_bytes", None)
+    return _fingerprint(data)
+
+
+def _as_now(old: Any, catalog: Catalog) -> Any:
+    """A study's stored settings as this version writes them, so a study made by an earlier one is extended:
+    strategies in one order, and the catalog fingerprinted without each row's source (the path as typed)."""
+    if not isinstance(old, dict):
+        return old
+    old = dict(old)
+    if isinstance(old.get("strategies"), list):
+        old["strategies"] = [s for s in STRATEGIES if s in old["strategies"]] + [s for s in old["strategies"] if s not in STRATEGIES]
+    if old.get("catalog_fingerprint") == _fingerprint([i.to_dict() for i in catalog.instances]):
+        old["catalog_fingerprint"] = _fingerprint([{k: v for k, v in i.to_dict().items() if k != "source"} for i in catalog.instances])
+    return old
+
+
 def _validate(profile: Profile, global_batch_size: Any, time_weight: Any, n_trials: Any, max_instances: Any, seed: Any) -> None:
     if not isinstance(profile, Profile):
         raise InfeasiblePlanError(f"`profile` must be a Profile, got {type(profile).__name__}.", hint="Load one with Profile.load(path).")
@@ -307,10 +329,11 @@ def _tune(
     projections = {inst.instance_type: space.projection(inst)[1].to_dict() for inst in catalog.instances}
     settings = {
         "version": _SETTINGS_VERSION,
-        "profile": _fingerprint(profile.to_dict()),
+        "profile": _profile_fingerprint(profile),
         "model": profile.model,
         "catalog": catalog.name,
-        "catalog_fingerprint": _fingerprint([i.to_dict() for i in catalog.instances]),
+        # the rows without where they came from: one CSV is one catalog, however its path was typed
+        "catalog_fingerprint": _fingerprint([{k: v for k, v in i.to_dict().items() if k != "source"} for i in catalog.instances]),
         "global_batch_size": global_batch_size,
         "time_weight": float(time_weight),
         "max_instances": max_instances,
@@ -324,7 +347,7 @@ def _tune(
     store = open_storage(storage)
     existing = _existing_study(store, name)
     if existing is not None:
-        old = existing.user_attrs.get(SETTINGS_ATTR)
+        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog)
         if old != settings:
             if not isinstance(old, dict):
                 why = "it was not created by `distplan tune`"

@@ -162,3 +162,19 @@ def test_batches_padded_to_their_own_length_are_not_joined_silently_or_with_a_to
     assert batch_size_of(bank.micro_batch(4)) == 4  # within one loader batch: fine
     with pytest.raises(BatchFormatError, match=r"different shapes \(\[5\] vs \[7\]\).*HINT: Use micro-batches no larger than the loader's batch"):
         bank.micro_batch(8)
+
+
+def test_a_tuple_as_long_as_the_batch_is_structure_and_records_are_per_sample() -> None:
+    """(x, y, w) on a short last batch of 3 samples is the batch's structure, whatever w is (a 0-d weight, class
+    weights); a list of target dicts with the same keys is one per sample even when each has n boxes or n is 1."""
+    from lightning_distplan.profiling._batches import concat_samples, slice_samples
+
+    x, y = torch.arange(6.0).view(3, 2), torch.arange(3)
+    for w in (torch.tensor(0.5), torch.ones(10)):
+        part = slice_samples((x, y, w), 0, 2, 3)
+        assert isinstance(part, tuple) and part[0].shape == (2, 2) and part[1].tolist() == [0, 1] and part[2] is w
+    targets = [{"boxes": torch.zeros(2, 4)}, {"boxes": torch.ones(2, 4)}]  # n = 2 boxes each, batch of 2
+    assert [t["boxes"].shape[0] for t in slice_samples((torch.zeros(2, 3), targets), 0, 1, 2)[1]] == [2]
+    one = [(torch.zeros(1, 3), [{"boxes": torch.zeros(1, 4)}]), (torch.ones(1, 3), [{"boxes": torch.ones(3, 4)}])]  # loader batch 1
+    joined = concat_samples(one, [1, 1])
+    assert joined[0].shape == (2, 3) and [t["boxes"].shape[0] for t in joined[1]] == [1, 3]

@@ -322,3 +322,31 @@ def test_the_same_settings_typed_differently_extend_the_study(tmp_path, profile,
     tune(profile, catalog=parse_catalog_csv("cat.csv"), strategies=("1f1b", "dp_ga"), **common)
     again = tune(profile, catalog=parse_catalog_csv(str(tmp_path / "cat.csv")), strategies=("dp_ga", "1f1b"), **common)
     assert again.resumed and again.n_study_trials == 10
+
+
+def test_a_study_made_by_the_previous_version_is_extended(tmp_path, profile):
+    """Studies store a fingerprint of the settings; the previous version fingerprinted the catalog rows with their
+    source, the profile without `trainable_param_bytes`, and strategies as typed. The same command extends them."""
+    import hashlib
+    import json
+
+    from lightning_distplan.tuner import load_catalog
+    from lightning_distplan.tuner.search import SETTINGS_ATTR
+
+    def old_fingerprint(data):
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    url = _url(tmp_path)
+    common = dict(global_batch_size=B, n_trials=5, storage=url, study_name="old", max_instances=2, progress=False)
+    tune(profile, catalog="aws-2026", strategies=("dp_ga", "gpipe"), **common)
+    study = optuna.load_study(study_name="old", storage=url)
+    old = dict(study.user_attrs[SETTINGS_ATTR])
+    profile_dict = profile.to_dict()
+    for layer in profile_dict["layers"]:
+        del layer["trainable_param_bytes"]  # the field did not exist
+    assert old["profile"] == old_fingerprint(profile_dict)
+    old["catalog_fingerprint"] = old_fingerprint([i.to_dict() for i in load_catalog("aws-2026").instances])
+    old["strategies"] = ["gpipe", "dp_ga"]  # as typed
+    study.set_user_attr(SETTINGS_ATTR, old)
+    again = tune(profile, catalog="aws-2026", strategies=("gpipe", "dp_ga"), **common)
+    assert again.resumed and again.n_study_trials == 10
