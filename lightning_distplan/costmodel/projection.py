@@ -143,7 +143,7 @@ def project_profile(
         )
     source_precision: Precision = "bf16" if profile_bytes == 2 else "fp32"
     # A float16 profile's math is fp16, which T4 / V100 tensor cores take and bf16 they do not (GpuSpec.bf16).
-    float16 = str(profile.device.dtype).lower() in ("float16", "fp16", "half", "16", "16-mixed", "16-true")
+    float16 = str(profile.device.dtype).lower().removeprefix("torch.") in ("float16", "fp16", "half", "16", "16-mixed", "16-true")
     auto = precision == "auto"
     if auto:
         precision = source_precision

@@ -210,6 +210,7 @@ class SampleBank:
         while self._count < n and self._pull():
             pass
         self.close()
+        self._exhausted = True  # a larger size later repeats these samples (and says so), never restarts the loader
 
     def micro_batch(self, m: int) -> Any:
         """A batch of exactly ``m`` samples (on the loader's device)."""

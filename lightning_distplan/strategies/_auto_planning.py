@@ -125,6 +125,9 @@ class TrainerCounters:
     def restore(self, trainer: pl.Trainer) -> None:
         for name, obj in self.objects.items():
             obj.load_state_dict(self.progress[name])
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is not None and fetcher is not self.loader_state.get("_data_fetcher"):
+            fetcher.teardown()  # one built while we profiled: let its loader's workers go now
         for key, value in self.loader_state.items():
             setattr(trainer.fit_loop, key, value)
         trainer.accumulate_grad_batches = self.accumulate_grad_batches
@@ -286,7 +289,7 @@ def profile_in_fit(
 def _attach_optimizers(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
     """The module's optimizer as Lightning builds it, attached to the strategy while we profile, so a training_step
     that calls ``self.optimizers()`` or ``self.lr_schedulers()`` (to log the learning rate) runs as in the fit.
-    None when configure_optimizers returns none (the profiler then refuses the module with its own message)."""
+    None when there is not exactly one (Lightning's stand-in when configure_optimizers returns none is one)."""
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
     optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)

@@ -587,10 +587,10 @@ class PipelineStrategy(DDPStrategy):
         if self._checked_batch or self.layout.pp < 2 or not _distributed_is_initialized():
             return
         self._checked_batch = True
-        # Integer tensors (labels, token ids, indices) tell which samples a rank read; float data may differ between
-        # ranks by a random augmentation that leaves the pairing of inputs and targets intact: only warned about.
+        # Integer tensors (labels, token ids, indices) tell which samples a rank read; float data, uint8 images and
+        # bool masks may differ between ranks by a random augmentation that keeps inputs and targets paired: warned.
         tensors = [t for t in _tensors(batch) if not t.is_complex()]
-        ids = [t for t in tensors if not t.is_floating_point()]
+        ids = [t for t in tensors if not t.is_floating_point() and t.dtype not in (torch.uint8, torch.bool)]  # not images, masks
         checked = ids or tensors
         if not checked:
             return
