@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
@@ -38,7 +38,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, loader_batch_size
+from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, accumulation_scheduled, loader_batch_size
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -108,7 +108,7 @@ class PlanningCallback(Callback):
                 f"PlanningCallback cannot re-plan under {type(trainer.strategy).__name__}, which plans micro-batches itself.",
                 hint="Use strategy='auto_plan' (profiles and plans everything) or drop the callback.",
             )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if accumulation_scheduled(trainer):
             raise InfeasiblePlanError(
                 "PlanningCallback sets accumulate_grad_batches, which a GradientAccumulationScheduler callback also changes.",
                 hint="Use one of the two.",

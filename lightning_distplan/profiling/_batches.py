@@ -16,26 +16,31 @@ from torch import Tensor
 from lightning_distplan.errors import BatchFormatError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
-__all__ = ["SampleBank", "batch_size_of", "concat_samples", "move_to", "slice_samples"]
+__all__ = ["SampleBank", "batch_size_of", "concat_samples", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
 
 
-def _tensors(batch: Any) -> Iterator[Tensor]:
+def tensors_in(batch: Any) -> Iterator[Tensor]:
+    """Every tensor in a (nested) tuple / list / mapping, in order."""
     if isinstance(batch, Tensor):
         yield batch
     elif isinstance(batch, Mapping):
         for value in batch.values():
-            yield from _tensors(value)
+            yield from tensors_in(value)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
-            yield from _tensors(value)
+            yield from tensors_in(value)
+
+
+def find_batch_size(batch: Any) -> int | None:
+    """Samples in ``batch``: dim 0 of its first tensor that has one (not 0-d), None when it holds none."""
+    return next((int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0), None)
 
 
 def batch_size_of(batch: Any) -> int:
-    """Samples in ``batch``: dim 0 of its first tensor."""
-    for t in _tensors(batch):
-        if t.dim() == 0:
-            continue
-        return int(t.shape[0])
+    """:func:`find_batch_size`, for the profiler: a batch without one is a :class:`ProfilingError`."""
+    size = find_batch_size(batch)
+    if size is not None:
+        return size
     raise ProfilingError(
         f"A batch of type {type(batch).__name__} holds no tensor with a batch dimension, so micro-batches cannot be cut from it.",
         hint="Yield tensors (or tuples / lists / dicts of tensors) with samples along dim 0.",

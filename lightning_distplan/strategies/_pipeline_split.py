@@ -5,7 +5,6 @@ Nothing here talks to a process group, so everything tests in milliseconds on on
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -14,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
+from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
 
 __all__ = [
@@ -161,21 +161,9 @@ def split_structure(obj: Any, n: int) -> list[Any]:
     size = batch_size_of(obj)
     if size is None:
         return [obj] * n
-    bounds = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), n)]  # torch.tensor_split's chunk sizes
-    starts = [sum(bounds[:i]) for i in range(n + 1)]
+    # as torch.tensor_split cuts: the first size % n chunks one sample longer
+    starts = [i * (size // n) + min(i, size % n) for i in range(n + 1)]
     return [slice_samples(obj, starts[i], starts[i + 1], size) for i in range(n)]
-
-
-def batch_size_of(obj: Any) -> int | None:
-    """Size of dim 0 of the first tensor (not 0-d) found in a (nested) batch, None when it holds none."""
-    if isinstance(obj, Tensor):
-        return obj.shape[0] if obj.dim() > 0 else None
-    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (tuple, list)) else ()
-    for x in values:
-        size = batch_size_of(x)
-        if size is not None:
-            return size
-    return None
 
 
 def split_microbatches(inputs: Any, n: int, *, what: str = "per-replica batch") -> list[tuple[Any, ...]]:

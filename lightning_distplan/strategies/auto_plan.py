@@ -56,7 +56,7 @@ from lightning_distplan.strategies._auto_planning import (
 )
 from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
-from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, check_ddp_kwargs, loader_batch_size
+from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, accumulation_scheduled, check_ddp_kwargs, loader_batch_size
 from lightning_distplan.strategies.pipeline import PIPELINE_METRICS, PIPELINE_PRECISIONS
 
 if TYPE_CHECKING:
@@ -235,14 +235,12 @@ class AutoPlanStrategy(DDPStrategy):
             super().setup(trainer)
             return
         assert self.accelerator is not None and self.lightning_module is not None
-        from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
         name = type(self.lightning_module).__name__
         why = None
         if not self.lightning_module.automatic_optimization:
             # Micro-batches, accumulation and pipelines all need Lightning to run backward and the optimizer.
             why = f"{name} uses manual optimization (automatic_optimization=False)"
-        elif any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        elif accumulation_scheduled(trainer):
             why = "a GradientAccumulationScheduler changes the accumulation (the global batch) during the fit"
         if why is not None:
             if self._pinned_anything():

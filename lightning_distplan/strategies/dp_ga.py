@@ -53,12 +53,11 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
-from lightning_distplan.profiling._batches import concat_samples, slice_samples
+from lightning_distplan.profiling._batches import concat_samples, find_batch_size, slice_samples
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
     add_portable_state,
@@ -169,10 +168,8 @@ class DPGAStrategy(DDPStrategy):
             accumulate_grad_batches=self._accumulate_grad_batches,
             checkpoint_plan=self._checkpoint_plan,
         )
-        from lightning.pytorch.callbacks import GradientAccumulationScheduler
-
         rechunks = plan.accumulate_grad_batches > 1 or plan.micro_batch_size != loader_batch_size(dataloader)
-        if rechunks and any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        if rechunks and accumulation_scheduled(trainer):
             raise InfeasiblePlanError(
                 f"dp_ga runs {plan.describe()}, setting accumulate_grad_batches itself, which a GradientAccumulationScheduler "
                 "callback also changes during the fit.",
@@ -486,6 +483,13 @@ def check_ddp_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
         )
 
 
+def accumulation_scheduled(trainer: pl.Trainer) -> bool:
+    """Whether a ``GradientAccumulationScheduler`` changes ``accumulate_grad_batches`` during the fit (no plan can then own it)."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    return any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks)
+
+
 def _is_count(value: Any) -> bool:
     """Lightning reads an int limit or interval as a number of batches, a float as a fraction."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -628,13 +632,13 @@ class _MicroBatchLoader:
 
 def _batch_n(batch: Any) -> int:
     """Samples in a training batch (rows of its first tensor with a batch dimension)."""
-    n = next((t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.ndim > 0), None)
+    n = find_batch_size(batch)
     if n is None:
         raise InfeasiblePlanError(
             f"A training batch of type {type(batch).__name__} holds no tensor with a batch dimension to split into micro-batches.",
             hint="Return tensors (or dicts/lists/tuples of tensors) from the train dataloader, or use micro_batch_size='auto'.",
         )
-    return int(n)
+    return n
 
 
 def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:

@@ -89,6 +89,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     refuse_partial_module,
     restore_full_module,
 )
+from lightning_distplan.profiling._batches import tensors_in
 from lightning_distplan.strategies._pipeline_split import (
     PipelineLayout,
     StageModule,
@@ -535,7 +536,7 @@ class PipelineStrategy(DDPStrategy):
         return loss
 
     def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
-        shapes = tuple(tuple(t.shape) for t in _tensors(batch))
+        shapes = tuple(tuple(t.shape) for t in tensors_in(batch))
         key = (mode, n, shapes)
         if key not in self._schedules:
             layout = self.layout
@@ -589,7 +590,7 @@ class PipelineStrategy(DDPStrategy):
         self._checked_batch = True
         # Integer tensors (labels, token ids, indices) tell which samples a rank read; float data, uint8 images and
         # bool masks may differ between ranks by a random augmentation that keeps inputs and targets paired: warned.
-        tensors = [t for t in _tensors(batch) if not t.is_complex()]
+        tensors = [t for t in tensors_in(batch) if not t.is_complex()]
         ids = [t for t in tensors if not t.is_floating_point() and t.dtype not in (torch.uint8, torch.bool)]  # not images, masks
         checked = ids or tensors
         if not checked:
@@ -806,16 +807,6 @@ def _check_1f1b(n: int, pp: int) -> None:
 
 def _largest_divisor_at_most(size: int, cap: int) -> int:
     return next(d for d in range(min(size, cap), 0, -1) if size % d == 0)
-
-
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in _tensors(x)]
-    if isinstance(obj, Mapping):
-        return [t for x in obj.values() for t in _tensors(x)]
-    return []
 
 
 def _cpu(obj: Any) -> Any:

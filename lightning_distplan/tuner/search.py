@@ -153,6 +153,12 @@ def _profile_fingerprint(profile: Profile) -> str:
     return _fingerprint(data)
 
 
+def _catalog_fingerprint(catalog: Catalog, *, with_sources: bool = False) -> str:
+    """The catalog's rows, by default without where each came from: one CSV is one catalog, however its path was
+    typed (``with_sources``: as versions before 2026-11-23 fingerprinted them)."""
+    return _fingerprint([{k: v for k, v in i.to_dict().items() if with_sources or k != "source"} for i in catalog.instances])
+
+
 def _as_now(old: Any, catalog: Catalog) -> Any:
     """A study's stored settings as this version writes them, so a study made by an earlier one is extended:
     strategies in one order, and the catalog fingerprinted without each row's source (the path as typed)."""
@@ -161,8 +167,8 @@ def _as_now(old: Any, catalog: Catalog) -> Any:
     old = dict(old)
     if isinstance(old.get("strategies"), list):
         old["strategies"] = [s for s in STRATEGIES if s in old["strategies"]] + [s for s in old["strategies"] if s not in STRATEGIES]
-    if old.get("catalog_fingerprint") == _fingerprint([i.to_dict() for i in catalog.instances]):
-        old["catalog_fingerprint"] = _fingerprint([{k: v for k, v in i.to_dict().items() if k != "source"} for i in catalog.instances])
+    if old.get("catalog_fingerprint") == _catalog_fingerprint(catalog, with_sources=True):
+        old["catalog_fingerprint"] = _catalog_fingerprint(catalog)
     return old
 
 
@@ -332,8 +338,7 @@ def _tune(
         "profile": _profile_fingerprint(profile),
         "model": profile.model,
         "catalog": catalog.name,
-        # the rows without where they came from: one CSV is one catalog, however its path was typed
-        "catalog_fingerprint": _fingerprint([{k: v for k, v in i.to_dict().items() if k != "source"} for i in catalog.instances]),
+        "catalog_fingerprint": _catalog_fingerprint(catalog),
         "global_batch_size": global_batch_size,
         "time_weight": float(time_weight),
         "max_instances": max_instances,
