@@ -33,8 +33,9 @@ class PipelineSpec:
 
     Args:
         layers: blocks run in order; block 0 receives ``inputs(batch)``, every later block receives
-            the previous block's output (a tensor or a tuple of tensors, unpacked as arguments).
-        inputs: maps a training batch to what block 0 receives (a tensor or a tuple of tensors).
+            the previous block's output (a tensor, or a tuple or list of tensors unpacked as arguments).
+        inputs: maps a training batch to what block 0 receives (a tensor, or a tuple or list of tensors
+            unpacked as arguments; only tensors cross stages, so no dicts or constants).
         loss: maps (last block's output, batch) to the scalar loss of ``training_step`` — the mean
             over the micro-batch, so the mean of micro-batch losses is the loss of the full batch.
         targets: maps a batch to the tensor(s) ``loss`` needs from it (sliced along dim 0 with the
@@ -49,6 +50,20 @@ class PipelineSpec:
     inputs: Callable[[Any], Tensor | tuple[Tensor, ...]]
     loss: Callable[[Any, Any], Tensor]
     targets: Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        from torch.nn import Module  # (a spec is only made where torch is loaded; this file imports without it)
+
+        from lightning_distplan.errors import ModelSplitError
+
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, Module):
+                raise ModelSplitError(
+                    f"PipelineSpec.layers[{i}] is a {type(layer).__name__}, not an nn.Module; every pipeline layer must be a "
+                    "module (its weights are placed, profiled and saved per stage).",
+                    hint="Use a module (nn.ReLU(), nn.Flatten(), or a small nn.Module whose forward calls the function), "
+                    "or fold the function into the neighbouring layer.",
+                )
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,8 @@ def _pin_reason(
             return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
         if strategy != "dp_ga" and world_size < 2:
             return "a pipeline needs at least 2 devices"
+        if strategy != "dp_ga" and n_layers < 2:
+            return f"the model has only {n_layers} pipeline layer{'s' if n_layers != 1 else ''}, so no pipeline of 2 or more stages"
     if key == "dp" and (not isinstance(value, int) or value < 1 or world_size % value):
         return f"dp must divide world_size {world_size}"
     if key == "pp":
@@ -207,7 +209,7 @@ def _pin_reason(
         if value > 1 and not profile.splittable:
             return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
         if value > n_layers:
-            return f"the profile has only {n_layers} layers, so at most {n_layers} stages"
+            return f"the profile has only {n_layers} layer{'s' if n_layers != 1 else ''}, so at most {n_layers} stage{'s' if n_layers != 1 else ''}"
     if key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches") and (
         not isinstance(value, int) or value < 1 or global_batch_size % value
     ):

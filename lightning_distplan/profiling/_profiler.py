@@ -246,7 +246,7 @@ class _Profiler:
         with self.step_context():
             x = self.spec.inputs(batch)
             for layer in self.spec.layers:
-                x = layer(*x) if isinstance(x, tuple) else layer(x)
+                x = layer(*x) if isinstance(x, (tuple, list)) else layer(x)
             out = self.spec.loss(x, batch)
         return _extract_loss(out, f"{self.name} (pipeline_spec)")
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
+from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
 
@@ -65,7 +65,9 @@ class StageModule(nn.Module):
         with self.forward_context():
             for block in self.blocks:
                 x = block(*x) if isinstance(x, tuple) else block(x)
-                if not isinstance(x, (Tensor, tuple, list)):
+                if isinstance(x, list):
+                    x = tuple(x)  # a list of tensors is passed on unpacked, as a tuple is
+                if not isinstance(x, (Tensor, tuple)):
                     raise ModelSplitError(
                         f"The pipeline layer {type(block).__name__} returned a {type(x).__name__}; a PipelineSpec layer must return a "
                         "tensor or a tuple (or list) of tensors (what crosses to the next stage).",
@@ -108,8 +110,8 @@ def resolve_boundaries(
     n_layers = len(layers)
     if stages > n_layers:
         raise ModelSplitError(
-            f"Cannot split {n_layers} layers into {stages} pipeline stages (more stages than layers).",
-            hint=f"Use at most {n_layers} stages, or expose finer blocks through `pipeline_spec()`.",
+            f"Cannot split {n_layers} layer{'s' if n_layers != 1 else ''} into {stages} pipeline stages (more stages than layers).",
+            hint=f"Use at most {n_layers} stage{'s' if n_layers != 1 else ''}, or expose finer blocks through `pipeline_spec()`.",
         )
     if stage_boundaries != "auto":
         b = tuple(int(x) for x in stage_boundaries)  # type: ignore[union-attr]
@@ -184,7 +186,15 @@ def split_microbatches(inputs: Any, n: int, *, what: str = "per-replica batch") 
             f"The {what} ({size}) is not divisible by `n_microbatches` ({n}).",
             hint=f"Use a batch size that is a multiple of {n} (and `drop_last=True` on the DataLoader), or change `n_microbatches`.",
         )
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    wrong = next((a for a in args if not isinstance(a, Tensor)), None)
+    if wrong is not None:
+        raise BatchFormatError(
+            f"`PipelineSpec.inputs(batch)` gave the first layer a {type(wrong).__name__}; the pipeline passes only tensors "
+            "between stages, so it must return a tensor or a tuple of tensors (the first layer's positional arguments).",
+            hint="Return e.g. (batch['input_ids'], batch['attention_mask']) and let layers[0] take them positionally; "
+            "constants belong in the layer itself.",
+        )
     return [tuple(chunk) for chunk in split_structure(args, n)]
 
 

@@ -33,7 +33,8 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   forward still normalises each micro-batch with its own statistics (as GPipe does), but the
   running statistics are committed once per step from all micro-batches (fairscale commits the
   *biased* batch variance, torch's BatchNorm the unbiased one). torch's first-step
-  shape-inference forward is kept out of the statistics (``_pipeline_batchnorm``).
+  shape-inference forward is kept out of the statistics (``_pipeline_batchnorm``). That forward leaves no trace
+  in the module or the loss either (``_pipeline_stage.GuardedStage``).
 * ``teardown``: after a fit / validate / test / predict that ended normally, every rank's module
   gets the other stages' tensors back (over gloo, on the CPU, where Lightning's teardown moves the
   module), so the user's model is whole after ``fit`` as after DDP: its ``state_dict``, inference,
@@ -69,12 +70,14 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
-from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError
+from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -90,6 +93,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     restore_full_module,
 )
 from lightning_distplan.profiling._batches import tensors_in
+from lightning_distplan.strategies._pipeline_stage import GuardedStage
 from lightning_distplan.strategies._pipeline_split import (
     PipelineLayout,
     StageModule,
@@ -111,6 +115,8 @@ if TYPE_CHECKING:
 __all__ = ["PipelineStrategy"]
 
 ScheduleName = Literal["auto", "gpipe", "1f1b"]
+_SCHEDULE_CACHE = 8
+"""Schedules (each with its stage's receive buffers) kept per strategy, one per batch shape and mode, least recent dropped."""
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # Trainer precisions a pipeline runs: float32, float32 weights with bf16 autocast, or bf16 weights
 # (no gradient scaler, so no '16-mixed': the schedule runs backward itself, so a GradScaler would
@@ -221,6 +227,8 @@ class PipelineStrategy(DDPStrategy):
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
         self._checked_batch = False  # whether this fit checked that the stages read the same batch
+        self._loss_checked = False  # whether PipelineSpec.loss ran once since the build (checked for other stages' tensors)
+        self._warned_shapes = False
 
     # ------------------------------------------------------------------ layout
 
@@ -358,6 +366,7 @@ class PipelineStrategy(DDPStrategy):
         self._keep_names = {name for name, t in _named_tensors(module) if id(t) in keep}
         freed = prune_module(module, keep)
         self._pruned = True
+        self._loss_checked = False
         mark_partial(module, k)
         a, b = ranges[k]
         self._stage_module = StageModule(layers[a:b])
@@ -525,8 +534,17 @@ class PipelineStrategy(DDPStrategy):
     def _loss_fn(self, output: Any, index: Tensor) -> Tensor:
         # The schedule only carries tensors as targets; it gets the micro-batch index and we look the
         # micro-batch's targets (any structure) up here.
+        targets = self._targets[int(index.reshape(-1)[0])]
         with self.precision_plugin.forward_context():
-            loss = self._spec.loss(output, self._targets[int(index.reshape(-1)[0])])
+            if self._loss_checked or not self._pruned:
+                loss = self._spec.loss(output, targets)
+            else:  # the first call after a build: the loss must not reach into another stage's (freed) tensors
+                self._loss_checked = True
+                freed = {
+                    id(t): name for name, t in _named_tensors(self.lightning_module) if name not in self._keep_names and t.numel() == 0
+                }
+                with _RefuseTensors(freed, stage=self.layout.stage):
+                    loss = self._spec.loss(output, targets)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else f"a {type(loss).__name__}"
             raise BatchFormatError(
@@ -538,13 +556,24 @@ class PipelineStrategy(DDPStrategy):
     def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
         shapes = tuple(tuple(t.shape) for t in tensors_in(batch))
         key = (mode, n, shapes)
-        if key not in self._schedules:
+        if key in self._schedules:
+            self._schedules[key] = self._schedules.pop(key)  # most recently used last
+        else:
+            if len(self._schedules) >= _SCHEDULE_CACHE:
+                # batches of many shapes (dynamic padding): keep the recent ones, free the oldest stage's buffers
+                del self._schedules[next(iter(self._schedules))]
+                if not self._warned_shapes:
+                    self._warned_shapes = True
+                    rank_zero_warn(
+                        f"PipelineStrategy: the batches came in more than {_SCHEDULE_CACHE} shapes; each new shape costs the "
+                        "pipeline one extra forward to learn the shapes crossing its stages. Pad batches to a few fixed "
+                        "lengths (e.g. multiples of 64) to avoid it."
+                    )
             layout = self.layout
-            stage = PipelineStage(self._stage_module, layout.stage, layout.pp, self.root_device, group=self._pipe_group)
-            if self._deferred_batchnorm:
-                from lightning_distplan.strategies._pipeline_batchnorm import skip_metadata_inference_tracking
-
-                skip_metadata_inference_tracking(stage)
+            stage = GuardedStage(
+                self._stage_module, layout.stage, layout.pp, self.root_device, group=self._pipe_group,
+                deferred_batchnorm=self._deferred_batchnorm,
+            )
             cls = _SCHEDULES[self._schedule_name] if mode == "train" else ScheduleGPipe
             loss_fn = None if mode == "predict" else self._loss_fn
             self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=True)
@@ -841,3 +870,27 @@ def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tenso
 def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
     """Every parameter and buffer of ``module`` under every name it has (tied ones more than once)."""
     return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+
+
+class _RefuseTensors(TorchFunctionMode):
+    """Refuse any torch call on the given tensors (``id`` -> name): the other stages' freed weights, which a loss
+    that reaches into another stage's layer (a tied output projection ``h @ self.embed.weight.T``) would otherwise
+    meet as empty tensors, failing deep in torch with a size mismatch."""
+
+    def __init__(self, tensors: dict[int, str], *, stage: int) -> None:
+        super().__init__()
+        self._tensors = tensors
+        self._stage = stage
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for value in tree_flatten((args, kwargs))[0]:
+            name = self._tensors.get(id(value)) if isinstance(value, Tensor) else None
+            if name is not None:
+                raise ModelSplitError(
+                    f"PipelineSpec.loss uses `{name}`, which belongs to a layer of another pipeline stage; the last stage "
+                    f"(stage {self._stage}) holds only its own layers' weights.",
+                    hint="Compute it in a layer of the last stage instead (e.g. a head module that uses the embedding's "
+                    "weight: a parameter shared by layers of several stages is kept on each, with its gradient summed).",
+                )
+        return func(*args, **kwargs)

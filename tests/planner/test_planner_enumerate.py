@@ -137,6 +137,8 @@ def test_impossible_pins_are_named(pins, message):
 def test_pp_pin_beyond_layers_and_conflicting_pins():
     with pytest.raises(InfeasiblePlanError, match=r"pin pp=4 is impossible: the profile has only 2 layers"):
         enumerate_plans(prof(2), world_size=4, global_batch_size=32, pins={"pp": 4})
+    with pytest.raises(InfeasiblePlanError, match=r"pin strategy='1f1b' is impossible: the model has only 1 pipeline layer, so no pipeline"):
+        enumerate_plans(prof(1), world_size=2, global_batch_size=32, pins={"strategy": "1f1b"})
     with pytest.raises(InfeasiblePlanError, match=r"each possible but no plan .* satisfies all of them together.*HINT"):
         enumerate_plans(prof(), world_size=4, global_batch_size=32, pins={"strategy": "dp_ga", "pp": 2})
     with pytest.raises(InfeasiblePlanError, match=r"pins strategy='dp_ga', stages=2 are each possible"):

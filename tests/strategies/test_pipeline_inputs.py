@@ -37,6 +37,8 @@ def test_pipeline_more_stages_than_layers() -> None:
     with pytest.raises(InfeasiblePlanError, match=r"strictly increasing.*HINT"):
         resolve_boundaries([2, 1], stages=3, layers=layers)
     assert resolve_boundaries("auto", stages=3, layers=layers) == (1, 2)
+    with pytest.raises(ModelSplitError, match=r"Cannot split 1 layer into 2 .*HINT: Use at most 1 stage, or"):
+        resolve_boundaries("auto", stages=2, layers=layers[:1])
 
 
 def test_pipeline_batch_not_divisible() -> None:
@@ -222,3 +224,55 @@ def test_pipeline_spec_contract_breaks_are_named() -> None:
         strategy._loss_fn(torch.zeros(3, 2), torch.tensor([0]))
     strategy._spec = PipelineSpec(layers=[nn.Identity()], inputs=lambda b: b[0], loss=lambda out, batch: ((out - batch[1]) ** 2).mean())
     assert strategy._loss_fn(torch.zeros(3, 2), torch.tensor([0])).item() == 1.0
+
+
+def test_spec_and_inputs_that_cannot_cross_stages_are_named() -> None:
+    """A function as a layer, a dict from `inputs`: one sentence and a HINT before any process group exists; a layer's
+    list output and a list of inputs are passed on unpacked, as tuples are."""
+    from lightning_distplan._layers import PipelineSpec
+    from lightning_distplan.errors import BatchFormatError
+
+    with pytest.raises(ModelSplitError, match=r"PipelineSpec.layers\[1\] is a function, not an nn.Module.*HINT: Use a module"):
+        PipelineSpec(layers=[nn.Linear(2, 2), lambda x: x.relu()], inputs=lambda b: b[0], loss=lambda o, b: o.mean())
+    with pytest.raises(BatchFormatError, match=r"gave the first layer a dict; .* tensor or a tuple of tensors.*HINT"):
+        split_microbatches({"x": torch.zeros(4, 2)}, 2)
+    assert [tuple(t.shape for t in mb) for mb in split_microbatches([torch.zeros(4, 2), torch.zeros(4)], 2)] == [((2, 2), (2,))] * 2
+
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+            return [x, 2 * x]
+
+    class Add(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + b
+
+    assert torch.equal(StageModule([Pair(), Add()])(torch.ones(3)), torch.full((3,), 3.0))
+    assert isinstance(StageModule([Pair()])(torch.ones(3)), tuple)  # what crosses to the next stage
+
+
+def test_a_loss_that_uses_another_stages_weight_is_named() -> None:
+    """A tied output projection computed in the loss (``h @ embed.weight.T``) on the last stage, whose copy of the
+    embedding was freed: the loss's first call names the tensor instead of failing on a size mismatch."""
+    from lightning_distplan.strategies._pipeline_checkpoint import prune_module
+    from lightning_distplan.strategies.pipeline import _RefuseTensors
+
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4))
+    prune_module(model, {id(t) for t in model[1].parameters()})
+    freed = {id(t): name for name, t in model.named_parameters() if t.numel() == 0}
+    h = torch.randn(2, 4)
+    with pytest.raises(ModelSplitError, match=r"PipelineSpec.loss uses `0.weight`, which belongs to a layer of another pipeline stage.*stage 1.*HINT"):
+        with _RefuseTensors(freed, stage=1):
+            h @ model[0].weight.T
+    with _RefuseTensors(freed, stage=1):
+        assert model[1](h).shape == (2, 4)  # the stage's own weights pass
+
+
+def test_the_shape_inference_hooks_guarded_exist_in_this_torch() -> None:
+    """GuardedStage overrides torch's private shape-inference methods by name: a torch that renamed them would
+    silently run unguarded (the 2-rank test of the behaviour would catch it too, more slowly)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_distplan.strategies._pipeline_stage import GUARDED_HOOKS
+
+    for name in GUARDED_HOOKS:
+        assert callable(getattr(PipelineStage, name, None)), name

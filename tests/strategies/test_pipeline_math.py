@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -369,8 +371,107 @@ def _plateau_on_unlogged(world: int, out: str) -> str:
     return f"{trainer.global_step}: trained"
 
 
+class _Center(nn.Module):
+    """A linear layer that keeps a running mean of its output by *re-assigning* a buffer (not in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("mu", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        if self.training:
+            self.mu = 0.9 * self.mu + 0.1 * x.detach().mean(0)
+        return x - self.mu
+
+
+class _IdsThenCenter(L.LightningModule):
+    """Token ids cross the stage boundary (layer 0 returns a *list* [hidden, ids]); layer 1 embeds them again and
+    runs a :class:`_Center`; the loss counts its calls. torch's first-step shape inference must leave no trace: ids
+    in range, the buffer as a single process has it, the loss called once per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Embedding(10, 8)
+        self.second = nn.Embedding(10, 8)
+        self.center = _Center()
+        self.head = nn.Linear(8, 2)
+        self.loss_calls = 0
+
+    def _first(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        return [self.first(ids).mean(1), ids]
+
+    def _second(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.center(h + self.second(ids).mean(1))
+
+    def _loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
+        self.loss_calls += 1
+        return F.cross_entropy(out, batch[1])
+
+    def pipeline_spec(self) -> Any:
+        from lightning_distplan import PipelineSpec
+
+        return PipelineSpec(
+            layers=[_Call(self, "_first", self.first), _Call(self, "_second", self.second, self.center), self.head],
+            inputs=lambda batch: batch[0], loss=self._loss,
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._loss(self.head(self._second(*self._first(batch[0]))), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Call(nn.Module):
+    """A pipeline layer that runs one of the module's methods (holding the sub-modules that method uses)."""
+
+    def __init__(self, owner: L.LightningModule, method: str, *modules: nn.Module) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+        self._run = lambda *args: getattr(owner, method)(*args)
+        self.distplan_name = method
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self._run(*args)
+
+
+def _ids_data(n: int = 2 * GLOBAL_BATCH) -> Any:
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randint(0, 10, (n, 5), generator=g), torch.randint(0, 2, (n,), generator=g))
+
+
+def _shape_inference(world: int, out: str) -> dict[str, Any]:
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = _IdsThenCenter()
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO, stage_boundaries=[1])
+    L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": 2}).fit(model, DataLoader(_ids_data(), batch_size=GLOBAL_BATCH))
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "loss_calls": model.loss_calls}
+
+
+def _many_shapes(world: int, out: str) -> dict[str, Any]:
+    """Batches of 10 different sizes: the schedules kept stay bounded, with one warning."""
+    from lightning_distplan.strategies.pipeline import _SCHEDULE_CACHE, PipelineStrategy
+
+    sizes = [2 * (i + 1) for i in range(_SCHEDULE_CACHE + 2)]
+    edges = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    loader = DataLoader(mlp_data(edges[-1]), batch_sampler=[list(range(a, b)) for a, b in zip(edges, edges[1:])])
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY])
+    trainer = L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": len(sizes)}, use_distributed_sampler=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyMLP(), loader)
+    warned = [str(w.message) for w in caught if "came in more than" in str(w.message)]
+    return {"steps": trainer.global_step, "kept": len(strategy._schedules), "warned": warned}
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    results["shape_inference"] = _shape_inference(world, out)
+    results["many_shapes"] = _many_shapes(world, out)
     results["plateau"] = _plateau_on_unlogged(world, out)
     results["sharded"] = _sharded_by_rank(rank, world, out)
     results["tied_frozen"] = _tied_and_frozen(world, out)
@@ -688,3 +789,32 @@ def test_pipeline_spawn_start_method_returns_full_weights(tmp_path) -> None:
     trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     torch.testing.assert_close(model.state_dict(), reference_weights("transformer"), rtol=1e-5, atol=2e-6)
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def test_shape_inference_leaves_no_trace_in_buffers_ids_or_the_loss(two_rank_run) -> None:
+    """torch's step-0 shape inference runs later stages on tensors of the received shapes: they are zeros (ids stay
+    in an embedding's range), a re-assigned buffer gets its tensor back, and the user's loss never sees that run."""
+    _, results = two_rank_run
+    reference = _IdsThenCenter()  # the same micro-batches in one process: the mean of micro-batch losses per step
+    opt = reference.configure_optimizers()
+    order = torch.randperm(2 * GLOBAL_BATCH, generator=torch.Generator().manual_seed(0)).tolist()
+    for batch in DataLoader(_ids_data(), batch_size=GLOBAL_BATCH, sampler=order):
+        opt.zero_grad()
+        for micro in zip(*(t.chunk(N_MICRO) for t in batch)):
+            (reference.training_step(list(micro), 0) / N_MICRO).backward()
+        opt.step()
+    got = results[0]["shape_inference"]["state"]
+    torch.testing.assert_close(got, reference.state_dict(), rtol=1e-5, atol=1e-6)
+    assert got["center.mu"].abs().max() < 10  # (was ~1e35: the inference's uninitialised input)
+    assert results[1]["shape_inference"]["loss_calls"] == 2 * N_MICRO  # last stage: 2 steps of N_MICRO, no extra call
+    assert results[0]["shape_inference"]["loss_calls"] == 0
+
+
+def test_batches_of_many_shapes_keep_a_bounded_number_of_schedules(two_rank_run) -> None:
+    from lightning_distplan.strategies.pipeline import _SCHEDULE_CACHE
+
+    _, results = two_rank_run
+    for res in results:
+        assert res["many_shapes"]["steps"] == _SCHEDULE_CACHE + 2
+        assert res["many_shapes"]["kept"] == _SCHEDULE_CACHE
+    assert len(results[0]["many_shapes"]["warned"]) == 1 and "Pad batches to a few fixed lengths" in results[0]["many_shapes"]["warned"][0]
