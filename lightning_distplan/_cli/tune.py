@@ -56,12 +56,14 @@ def _table(result: dict[str, Any]) -> str:
     def row(c: dict[str, Any]) -> str:
         plan = f"{c['strategy']} dp={c['dp']} pp={c['pp']} m={c['micro_batch_size']} acc={c['accumulation']}"
         lo, hi = c["predicted_step_time_band_s"]
+        band = f"[{lo:.3g}-{hi:.3g}]"
+        cost = f"{c['predicted_cost_per_step']:.5g} {cur}"
         return (
-            f"{c['count']:>3} x {c['instance_type']:<20} {plan:<38} {c['predicted_step_time_s']:>9.4f}s "
-            f"[{lo:.3g}-{hi:.3g}] {c['predicted_cost_per_step']:>11.5g} {cur}  {c['predicted_peak_memory_bytes'] / 2**30:6.2f} GiB"
+            f"{c['count']:>3} x {c['instance_type']:<20} {plan:<38} {c['predicted_step_time_s']:>9.4f}s {band:<19} "
+            f"{cost:>16} {c['predicted_peak_memory_bytes'] / 2**30:>8.2f} GiB"
         )
 
-    header = f"{'n':>3}   {'instance':<20} {'plan':<38} {'time/step':>10} {'band':<13} {'cost/step':>11}"
+    header = f"{'n':>3}   {'instance':<20} {'plan':<38} {'time/step':>10} {'band':<19} {'cost/step':>16} {'peak memory':>12}"
     lines = [
         f"study {result['study_name']!r} in {result['storage']}: {result['n_trials']} trials, {result['n_evaluations']} configurations priced "
         f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); objective C + w*T, w={result['time_weight']:g}",

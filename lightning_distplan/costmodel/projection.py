@@ -18,7 +18,7 @@ Bytes estimate Q per layer (what must cross DRAM at least once):
   backward: parameters read + gradients written + saved activations read + output-grad read + input-grad written
 where the input of layer l is the output of layer l-1 (unknown for the first layer: 0).
 
-Uncertainty is reported, not hidden (:class:`ProjectionInfo`): GPU→GPU ±35%, CPU→GPU a factor of 3;
+Uncertainty is reported, not hidden (:class:`ProjectionInfo`): GPU→GPU a factor of 1.35 either way (0.74× to 1.35× the projected time), CPU→GPU a factor of 3;
 see :func:`_uncertainty` for the basis.
 """
 
@@ -259,7 +259,7 @@ def _uncertainty(source: GpuSpec, target: GpuSpec, bounds: list[str]) -> tuple[f
     else:
         factor = 1.35
         why = (
-            "GPU-to-GPU layer-level roofline ratio: stated ±35% (not validated here). Habitat (ATC'21) reports "
+            "GPU-to-GPU layer-level roofline ratio: stated as a factor of 1.35 either way, 0.74x to 1.35x (not validated here). Habitat (ATC'21) reports "
             "11.8% average error with a far richer kernel-level method; a per-layer ratio ignores kernel launch "
             "overheads and kernel choice, so the band is set about three times wider."
         )

@@ -12,7 +12,6 @@ loading the SPA opens several connections at once, and tests must shut the serve
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import importlib
 import logging
@@ -24,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from lightning_distplan.errors import DistPlanError, first_line
-from lightning_distplan.tuner._storage import folder_problem, sqlite_path
+from lightning_distplan.tuner._storage import folder_problem, sqlite_path, sqlite_tables
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -116,7 +115,7 @@ def open_storage(storage_url: str) -> BaseStorage:
             f"The SQLite file {str(path)!r} named by the storage URL {storage_url!r} does not exist.",
             hint="Check the path (sqlite:/// + a relative path, sqlite://// + an absolute one), or create a study with `distplan tune --storage URL`.",
         )
-    if path is not None and not _has_optuna_tables(path):
+    if path is not None and "studies" not in (sqlite_tables(path) or ()):
         # RDBStorage would create Optuna's tables in it: never write into a database that is not a study's
         raise StorageUnreachableError(
             f"The SQLite file {str(path)!r} named by {storage_url!r} holds no Optuna study (it was left unchanged).",
@@ -136,17 +135,6 @@ def open_storage(storage_url: str) -> BaseStorage:
             hint="Run `distplan tune ... --storage URL --study-name NAME` first.",
         )
     return storage
-
-
-def _has_optuna_tables(path: Path) -> bool:
-    """Whether the SQLite file has Optuna's ``studies`` table, read without writing (False if it is no database)."""
-    import sqlite3
-
-    try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            return db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='studies'").fetchone() is not None
-    except sqlite3.DatabaseError:
-        return False
 
 
 class _QuietHandler(WSGIRequestHandler):

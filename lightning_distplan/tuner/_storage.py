@@ -10,6 +10,7 @@ the transaction back and falls back to the public ``add_trials``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from typing import Any, Sequence
 
 from lightning_distplan.errors import DistPlanError, first_line
 
-__all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "write_trials"]
+__all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "sqlite_tables", "write_trials"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,35 @@ def sqlite_path(url: str) -> Path | None:
     if not rest or rest == ":memory:":
         return None
     return Path(rest)
+
+
+def sqlite_tables(path: Path) -> list[str] | None:
+    """The tables of an existing SQLite file, read without writing; None when it is no SQLite database."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            return sorted(row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+    except sqlite3.DatabaseError:
+        return None
+
+
+def foreign_database_problem(url: str) -> tuple[str, str] | None:
+    """(message, hint) when a SQLite URL names an existing file that is not Optuna's: a database of other tables
+    (a search would add Optuna's tables to the user's file) or no database at all."""
+    path = sqlite_path(url)
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return None
+    tables = sqlite_tables(path)
+    if tables is None:
+        return (f"The file {str(path)!r} named by the storage URL {url!r} is not an SQLite database (it was left unchanged).",
+                "Name a new file for the studies, e.g. --storage sqlite:///distplan.db.")
+    if tables and "studies" not in tables:
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        return (f"The SQLite file {str(path)!r} named by the storage URL {url!r} holds other tables ({shown}) and no Optuna "
+                "study; the search would add Optuna's tables to it (it was left unchanged).",
+                "Name a file of its own for the studies, e.g. --storage sqlite:///distplan.db.")
+    return None
 
 
 def folder_problem(url: str) -> tuple[str, str] | None:
@@ -90,6 +120,9 @@ def open_storage(url: Any) -> Any:
             f"The storage URL {url!r} is an in-memory SQLite database, which vanishes with this process, study and all.",
             hint="Name a file, e.g. --storage sqlite:///distplan.db.",
         )
+    foreign = foreign_database_problem(url)
+    if foreign is not None:
+        raise StudyStorageError(foreign[0], hint=foreign[1])
     read_only = read_only_problem(url)
     if read_only is not None:
         raise StudyStorageError(read_only, hint="Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")

@@ -43,6 +43,11 @@ def test_tune_table_format(tmp_path, profile_path, capsys):
                "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table", "--max-instances", "2", "--quiet"])
     text = capsys.readouterr().out
     assert rc == 0 and "best:" in text and "Pareto front" in text and "RMB" in text
+    # every column has a title, and the titles sit over their columns (the peak memory's right edge)
+    lines = text.splitlines()
+    header = lines[lines.index("best:") + 1]
+    assert header.split()[-2:] == ["peak", "memory"] and lines[lines.index("best:") + 2].endswith(" GiB")
+    assert len(header) == len(lines[lines.index("best:") + 2])
 
 
 def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, profile_path, capsys):

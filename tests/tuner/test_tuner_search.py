@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sqlite3
 
@@ -350,3 +351,21 @@ def test_a_study_made_by_the_previous_version_is_extended(tmp_path, profile):
     study.set_user_attr(SETTINGS_ATTR, old)
     again = tune(profile, catalog="aws-2026", strategies=("gpipe", "dp_ga"), **common)
     assert again.resumed and again.n_study_trials == 10
+
+
+def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
+    """A --storage naming the user's own database (other tables, no Optuna study) or a file that is no database:
+    refused before the search, so Optuna's tables are never added to it."""
+    app = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(app)) as db:
+        db.execute("CREATE TABLE users (id INTEGER)")
+        db.commit()
+    text = tmp_path / "notes.db"
+    text.write_text("not a database")
+    for path, match in ((app, r"holds other tables \(users\) and no Optuna study.*left unchanged.*HINT: Name a file of its own"),
+                        (text, r"is not an SQLite database \(it was left unchanged\).*HINT")):
+        before = path.read_bytes()
+        with pytest.raises(StudyStorageError, match=match):
+            tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=f"sqlite:///{path}", study_name="x",
+                 max_instances=2, progress=False)
+        assert path.read_bytes() == before
