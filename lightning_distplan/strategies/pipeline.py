@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
@@ -367,6 +368,8 @@ class PipelineStrategy(DDPStrategy):
         freed = prune_module(module, keep)
         self._pruned = True
         self._loss_checked = False
+        self._rng_seed = int(torch.randint(0, 2**62, (1,)).item()) + self.global_rank  # one draw, alike on every rank
+        self._rng_state: tuple[Tensor, Tensor | None] | None = None
         mark_partial(module, k)
         a, b = ranges[k]
         self._stage_module = StageModule(layers[a:b])
@@ -553,6 +556,33 @@ class PipelineStrategy(DDPStrategy):
             )
         return loss
 
+    @contextmanager
+    def _stage_random(self) -> Iterator[None]:
+        """Run the pipeline on this rank's own random stream, and leave the process's generators as they were.
+
+        Every rank of a replica starts from the same seed (``seed_everything``), so without this the dropout masks of
+        stage 1 repeated stage 0's, and each stage consumed the process's generator by its own layers: the ranks'
+        generators drifted apart, and so did what they feed a loader (random augmentation in the main process, the
+        workers' base seed), which must stay the same on all stages of a replica. The stream is seeded once per
+        build from one draw of the process's generator plus the global rank.
+        """
+        device = self.root_device
+        cuda = device.type == "cuda"
+        with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
+            if self._rng_state is None:
+                torch.default_generator.manual_seed(self._rng_seed)
+                if cuda:
+                    with torch.cuda.device(device):
+                        torch.cuda.manual_seed(self._rng_seed)
+            else:
+                torch.set_rng_state(self._rng_state[0])
+                if cuda:
+                    torch.cuda.set_rng_state(self._rng_state[1], device)
+            try:
+                yield
+            finally:
+                self._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
+
     def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
         shapes = tuple(tuple(t.shape) for t in tensors_in(batch))
         key = (mode, n, shapes)
@@ -664,7 +694,7 @@ class PipelineStrategy(DDPStrategy):
         previous = [p.grad for p in params]
         for p in params:
             p.grad = None
-        with torch.enable_grad():
+        with torch.enable_grad(), self._stage_random():
             schedule.step(**mb_kwargs, losses=losses, return_outputs=False)
         # Lightning calls zero_grad between training_step and backward: park the new gradients until backward.
         for p, old in zip(params, previous):
@@ -702,7 +732,8 @@ class PipelineStrategy(DDPStrategy):
         schedule = self._schedule_for("eval", n, batch)
         mb_kwargs = self._prepare(batch, n, targets=True, what="evaluation batch")
         losses: list[Tensor] = []
-        schedule.eval(**mb_kwargs, losses=losses)
+        with self._stage_random():
+            schedule.eval(**mb_kwargs, losses=losses)
         loss = self._global_mean(losses)
         # Every rank already holds the same global mean; sync_dist only averages equal values once per
         # epoch (evaluation logs on epoch), and spares the user Lightning's advice to add it to a log
@@ -729,7 +760,8 @@ class PipelineStrategy(DDPStrategy):
         n = _largest_divisor_at_most(size, self._n or 4 * layout.pp)
         schedule = self._schedule_for("predict", n, batch)
         mb_kwargs = self._prepare(batch, n, targets=False, what="prediction batch")
-        out = schedule.eval(**mb_kwargs)
+        with self._stage_random():
+            out = schedule.eval(**mb_kwargs)
         holder = [_cpu(out) if layout.stage == layout.pp - 1 else None]
         if layout.pp > 1:
             dist.broadcast_object_list(holder, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)

@@ -468,6 +468,29 @@ def _many_shapes(world: int, out: str) -> dict[str, Any]:
     return {"steps": trainer.global_step, "kept": len(strategy._schedules), "warned": warned}
 
 
+class _DropoutChain(TinyMLP):
+    """Stage 0: Linear, Dropout, Dropout (a second draw only stage 0 makes) | stage 1: Linear, Dropout, Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Dropout(0.5), nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+
+
+def _dropout_streams(world: int, out: str) -> dict[str, Any]:
+    """After seed_everything (the same seed on every rank): each stage's own dropout masks, and the process's
+    generator left alike on both ranks (what a loader's random augmentation and worker seeds draw from)."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    L.seed_everything(7, verbose=False)
+    model = _DropoutChain()
+    masks: list[torch.Tensor] = []
+    for d in (model.model[1], model.model[4]):  # the first Dropout of each stage, both on (micro-batch, 32)
+        d.register_forward_hook(lambda mod, args, out: masks.append((out == 0).clone()) if torch.is_grad_enabled() else None)
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[3])
+    L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": 2}).fit(model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+    return {"masks": masks, "after": torch.rand(4)}
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     results["shape_inference"] = _shape_inference(world, out)
@@ -487,6 +510,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["deferred_bn"] = _deferred_batchnorm(world, out)
     results["failed"] = _failed_fit_then_retry(world, out)
     results["loss_only"] = _loss_only_parameter(world, out)
+    results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
 
@@ -818,3 +842,13 @@ def test_batches_of_many_shapes_keep_a_bounded_number_of_schedules(two_rank_run)
         assert res["many_shapes"]["steps"] == _SCHEDULE_CACHE + 2
         assert res["many_shapes"]["kept"] == _SCHEDULE_CACHE
     assert len(results[0]["many_shapes"]["warned"]) == 1 and "Pad batches to a few fixed lengths" in results[0]["many_shapes"]["warned"][0]
+
+
+def test_each_stage_draws_its_own_dropout_masks_and_leaves_the_ranks_generators_alike(two_rank_run) -> None:
+    _, results = two_rank_run
+    stage0, stage1 = results[0]["dropout"]["masks"], results[1]["dropout"]["masks"]
+    assert len(stage0) == len(stage1) == 1 + 2 * 2  # torch's shape inference (its RNG forked), then 2 steps x 2 micro-batches
+    assert all(a.shape == b.shape for a, b in zip(stage0, stage1))
+    assert not any(torch.equal(a, b) for a, b in zip(stage0[1:], stage1[1:]))  # were equal: the same seed on both ranks
+    assert all(0.3 < m.float().mean().item() < 0.7 for m in stage0 + stage1)  # still p = 0.5 dropout
+    torch.testing.assert_close(results[0]["dropout"]["after"], results[1]["dropout"]["after"], rtol=0, atol=0)
