@@ -226,6 +226,10 @@ def first_profile_settings(settings: list[dict[str, Any]]) -> list[dict[str, Any
     ]
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
 def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[dict[str, Any], list[str]]:
     done = [s for s in settings if "summary" in s]
     errs = [r["abs_step_time_error"] for s in done for r in s["plans"] if r.get("abs_step_time_error") is not None]
@@ -242,6 +246,7 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         hi = min(lo + 1, len(xs) - 1)
         return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
+    regrets = [s["summary"]["regret"] for s in done if s["summary"].get("regret") is not None]
     by_group: dict[str, dict[str, Any]] = {}
     for rate in rates:
         for kind in ("dp_ga", "pipeline"):
@@ -260,8 +265,9 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         "n_settings_confirmed": len(confirmed),
         "pick_within_5pct_rate_confirmed": sum(confirmed) / len(confirmed) if confirmed else None,
         "pick_is_best_rate": (sum(bool(s["summary"]["pick_is_best"]) for s in done) / len(done)) if done else None,
-        "mean_regret": statistics.mean(s["summary"]["regret"] for s in done) if done else None,
-        "max_regret": max((s["summary"]["regret"] for s in done), default=None),
+        "mean_regret": statistics.mean(regrets) if regrets else None,
+        "max_regret": max(regrets, default=None),
+        "n_picks_failed": sum(bool(s["summary"].get("pick_failed")) for s in done),  # (a failed pick counts as not within 5%)
         "by_rate_and_strategy": by_group,
         "targets": {"median_abs_error": 0.10, "p90_abs_error": 0.25, "pick_within_5pct_rate": 0.90},
     }
@@ -275,8 +281,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         ar = next((l for l in s["links"] if l["kind"] == "allreduce"), None)
         lines.append(
             f"{s['model_key']:18s} {s['rate']:>10s} {m['n_measured']:>5d} {m['median_abs_error']:>9.1%} {m['p90_abs_error']:>8.1%} "
-            f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {m['regret']:>7.1%} "
-            f"{(format(m['confirmed']['regret'], '.1%') if m.get('confirmed') else '-'):>7s}  "
+            f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {_pct(m['regret']):>7s} "
+            f"{_pct((m.get('confirmed') or {}).get('regret')):>7s}  "
             + (f"{ar['bandwidth_bytes_per_s'] * 8 / 1e6:<24.0f}" if ar else f"{'-':<24s}")
             + " ".join(f"{c['ratio']:.2f}x" for c in s.get("host_checks", []) if c.get("ratio") is not None)
         )
@@ -285,7 +291,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
             "",
             f"all points: median |error| {summary['median_abs_error']:.1%} (target <= 10%), p90 {summary['p90_abs_error']:.1%} (target <= 25%) over {len(errs)} runs",
             f"pick within 5% of the measured best: {sum(within)}/{len(within)} settings = {summary['pick_within_5pct_rate']:.0%} (target >= 90%); "
-            f"pick is the best: {summary['pick_is_best_rate']:.0%}; mean regret {summary['mean_regret']:.1%}, max {summary['max_regret']:.1%}",
+            f"pick is the best: {summary['pick_is_best_rate']:.0%}; mean regret {_pct(summary['mean_regret'])}, max {_pct(summary['max_regret'])}"
+            + (f"; the pick FAILED in {summary['n_picks_failed']} setting(s)" if summary["n_picks_failed"] else ""),
             *([f"judged on the confirmation passes alone (the contenders for the best run again; no winner's curse): pick within 5% in "
                f"{sum(confirmed)}/{len(confirmed)} settings = {summary['pick_within_5pct_rate_confirmed']:.0%}"] if confirmed else []),
             "",

@@ -113,6 +113,9 @@ cmd_up() {
     cmd_down >/dev/null
     # Any failure from here on leaves nothing behind.
     trap 'status=$?; if [ $status -ne 0 ]; then echo "netns_cluster: up failed, cleaning up" >&2; cmd_down >/dev/null 2>&1 || true; fi' EXIT
+    # Ctrl-C, kill or timeout half-way: exit non-zero, so the EXIT trap above cleans up too (bash skips it on a signal).
+    trap 'exit 130' INT
+    trap 'exit 143' TERM HUP
     ip netns add "$NS0"
     ip netns add "$NS1"
     ip link add "$IF0" type veth peer name "$IF1"
@@ -132,7 +135,7 @@ cmd_up() {
         ip -n "$NS0" link show "$IF0" | grep -q LOWER_UP || die "$IF0 in $NS0 has no carrier"
         ip -n "$NS1" link show "$IF1" | grep -q LOWER_UP || die "$IF1 in $NS1 has no carrier"
     fi
-    trap - EXIT
+    trap - EXIT INT TERM HUP
     echo "netns_cluster: up $NS0=$ADDR0 ($IF0) $NS1=$ADDR1 ($IF1) rate=$rate"
 }
 

@@ -167,3 +167,37 @@ def test_gloo_hand_over_crosses_the_link_only_once_the_receiver_posts(tmp_path):
         assert batched[(nbytes, "send", 1)] > 1.6 * link_s
         assert batched[(nbytes, "recv", 1)] < 0.8 * batched[(nbytes, "send", 1)]
     assert not subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.count(PREFIX)  # torn down
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_up_interrupted_half_way_leaves_nothing_behind(tmp_path):
+    """Ctrl-C (or kill, timeout) while `up` builds the cluster: what it made so far is removed (bash runs no EXIT
+    trap on a signal by itself)."""
+    import shutil
+    import signal
+
+    real_ip = shutil.which("ip")
+    if real_ip is None:
+        pytest.skip("no `ip` command")
+    slow = tmp_path / "bin"
+    slow.mkdir()
+    (slow / "ip").write_text(f"#!/bin/sh\nsleep 0.3\nexec {real_ip} \"$@\"\n")
+    (slow / "ip").chmod(0o755)
+    env = {**ENV, "PATH": f"{slow}:{os.environ['PATH']}"}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen(["bash", str(SCRIPT), "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        deadline = time.monotonic() + 30
+        while f"{PREFIX}0" not in subprocess.run([real_ip, "netns", "list"], capture_output=True, text=True).stdout:
+            if proc.poll() is not None:  # refused at once: no permission for namespaces here
+                assert proc.returncode == 77, proc.stderr.read()
+                pytest.skip(proc.stderr.read().strip())
+            assert time.monotonic() < deadline, "the first namespace never appeared"
+            time.sleep(0.05)
+        time.sleep(0.4)  # one or two more `ip` calls in: the second namespace or the veth pair half made
+        os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C reaches the whole process group
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and "up failed, cleaning up" in out + err
+        listed = subprocess.run([real_ip, "netns", "list"], capture_output=True, text=True).stdout
+        links = subprocess.run([real_ip, "-br", "link"], capture_output=True, text=True).stdout
+        assert PREFIX not in listed and PREFIX not in links, (sig, listed, links)

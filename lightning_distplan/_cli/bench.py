@@ -257,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if created_group and dist.is_initialized():
             dist.destroy_process_group()
+    if not result["summary"]["n_measured"]:  # every plan failed: the report says why, the exit status says it failed
+        if rank == 0:
+            print("distplan bench: no plan produced a measurement (each plan's error is in the report).", file=sys.stderr)
+        return 1
     return 0
 
 

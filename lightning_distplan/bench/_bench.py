@@ -10,6 +10,7 @@ import platform
 import socket
 import sys
 import time
+import warnings
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
-__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "timed_steps", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES", "MAX_TIMED_STEPS"]
+__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "check_dataset_size", "timed_steps", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES", "MAX_TIMED_STEPS"]
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ def parse_plans_spec(spec: str) -> tuple[str, int | list[int] | None]:
 
 def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0, min_time_s: float = 0.0) -> None:
     """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup``, ``confirm`` and ``min_time_s`` >= 0."""
-    if not min_time_s >= 0:  # also NaN
-        raise BenchError(f"--min-time ({min_time_s}) must be >= 0 seconds.", hint="Use e.g. --min-time 1, or 0 for exactly --steps timed steps.")
+    if not 0 <= min_time_s < math.inf:  # also NaN
+        raise BenchError(f"--min-time ({min_time_s}) must be a finite number of seconds >= 0.", hint="Use e.g. --min-time 1, or 0 for exactly --steps timed steps.")
     if confirm < 0:
         raise BenchError(f"--confirm ({confirm}) must be >= 0.", hint="Use e.g. --confirm 2, or 0 for no confirmation passes.")
     if steps < 1 or warmup < 0 or passes < 1:
@@ -82,6 +83,25 @@ def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0, min_
             f"--steps ({steps}) and --passes ({passes}) must be >= 1 and --warmup ({warmup}) >= 0.",
             hint="Use e.g. --steps 5 --warmup 2 --passes 2.",
         )
+
+
+def check_dataset_size(n_samples: int, *, global_batch_size: int, warmup: int, timed: int) -> int:
+    """The samples a pass reads (at most the dataset's): refused below one global batch (every plan's optimizer step
+    reads one, over all replicas), warned about below a whole pass (epochs would end inside the timed steps)."""
+    if n_samples < global_batch_size:
+        raise BenchError(
+            f"The dataset has {n_samples} samples, fewer than one global batch ({global_batch_size}).",
+            hint="Use a bigger dataset (e.g. num_samples in the datamodule's arguments) or a smaller --global-batch-size.",
+        )
+    wanted = (warmup + timed) * global_batch_size
+    if n_samples < wanted:
+        warnings.warn(
+            f"The dataset has {n_samples} samples, fewer than the {warmup}+{timed} steps of a pass read ({wanted}): epochs end "
+            "inside the timed steps, and each epoch's end and restart is timed with a step (slower measurements). Use a "
+            "bigger dataset (e.g. num_samples in the datamodule's arguments), or fewer --steps or a smaller --min-time.",
+            stacklevel=3,
+        )
+    return min(n_samples, wanted)
 
 
 def timed_steps(steps: int, min_time_s: float, predicted_step_time_s: float) -> int:
@@ -351,13 +371,7 @@ def run_bench(
     say(f"{len(candidates)} candidate plans, running {len(chosen)} for {warmup}+{timed} optimizer steps each" + (f", in {passes} passes" if passes > 1 else ""))
 
     # -- run --------------------------------------------------------------------------------------
-    per_replica_max = global_batch_size // min(c.plan.dp for c in chosen)
-    needed = min(len(dataset), (warmup + max(counts)) * global_batch_size)
-    if needed < per_replica_max:
-        raise BenchError(
-            f"The dataset has {len(dataset)} samples, fewer than one global batch ({global_batch_size}).",
-            hint="Use a bigger dataset (e.g. num_samples in the datamodule's arguments) or a smaller --global-batch-size.",
-        )
+    needed = check_dataset_size(len(dataset), global_batch_size=global_batch_size, warmup=warmup, timed=max(counts))
     cached = _CachedDataset(dataset, needed)
     collate = getattr(train_loader, "collate_fn", None)
 

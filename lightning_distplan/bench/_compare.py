@@ -106,12 +106,14 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         of the step time, the same ``*_memory_*`` for memory when measured, ``pick`` and
         ``measured_best`` (rank, plan, predicted, measured), ``pick_ran`` (whether the best-ranked plan
         that ran is rank 1, the planner's choice; with ``--plans top:K`` it may not be once the
-        predictions are final), ``pick_is_best``, ``pick_within``
-        (``within`` of the best), ``regret`` and ``spearman`` (rank correlation of predicted vs measured).
+        predictions are final), ``pick_failed`` (the pick ran but gave no measurement: out of memory,
+        an error; then ``pick_is_best`` and ``pick_within`` are False and ``regret`` None), ``pick_is_best``,
+        ``pick_within`` (``within`` of the best), ``regret`` and ``spearman`` (rank correlation of predicted vs measured).
         ``confirmed``: when the pick carries ``confirm_step_time_s`` (its median in confirmation
         passes, :func:`confirm_candidates`), the pick judged against the contenders on those runs
-        alone: ``n_plans``, ``pick``, ``measured_best``, ``pick_is_best``, ``pick_within``, ``regret``;
-        else ``None``.
+        alone: ``n_plans``, ``pick``, ``pick_failed``, ``measured_best``, ``pick_is_best``, ``pick_within``,
+        ``regret``; when the pick failed in those passes (``confirm_error``), ``pick_failed`` True and
+        ``error``; else ``None``.
     """
     measured = [r for r in records if r.get("measured_step_time_s") is not None]
     errors = [relative_error(r["predicted_step_time_s"], r["measured_step_time_s"]) for r in measured]
@@ -133,6 +135,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         "within": within,
         "pick": None,
         "pick_ran": None,
+        "pick_failed": None,
         "measured_best": None,
         "pick_is_best": None,
         "pick_within": None,
@@ -140,26 +143,34 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         "spearman": None,
         "confirmed": None,
     }
-    if not measured:
+    if not records:
         return out
-    pick = min(measured, key=lambda r: r["rank"])
-    best = min(measured, key=lambda r: r["measured_step_time_s"])
 
     def brief(r: Mapping[str, Any]) -> dict[str, Any]:
         return {k: r.get(k) for k in ("rank", "plan", "predicted_step_time_s", "measured_step_time_s")}
 
-    regret = pick["measured_step_time_s"] / best["measured_step_time_s"] - 1.0
+    # The pick is the best-ranked plan that was run: when it failed (out of memory where the model said it fits),
+    # the planner's choice did not work, whatever the other plans measured.
+    pick = min(records, key=lambda r: r["rank"])
+    out.update(pick=brief(pick), pick_ran=pick["rank"] == 1, pick_failed=pick.get("measured_step_time_s") is None)
+    if out["pick_failed"]:
+        out.update(pick_is_best=False, pick_within=False)
+    if not measured:
+        return out
+    best = min(measured, key=lambda r: r["measured_step_time_s"])
     out.update(
-        pick=brief(pick),
-        pick_ran=pick["rank"] == 1,
         measured_best=brief(best),
-        pick_is_best=pick is best,
-        pick_within=regret <= within + 1e-12,
-        regret=regret,
         spearman=_spearman([r["predicted_step_time_s"] for r in measured], [r["measured_step_time_s"] for r in measured]),
     )
+    if out["pick_failed"]:
+        return out
+    regret = pick["measured_step_time_s"] / best["measured_step_time_s"] - 1.0
+    out.update(pick_is_best=pick is best, pick_within=regret <= within + 1e-12, regret=regret)
     contenders = [r for r in measured if r.get("confirm_step_time_s") is not None]
-    if any(r is pick for r in contenders):
+    if pick.get("confirm_error"):  # the pick ran out of memory (or failed) in the confirmation passes
+        out["confirmed"] = {"n_plans": len(contenders) + 1, "pick": brief(pick), "pick_failed": True, "error": pick["confirm_error"],
+                            "measured_best": None, "pick_is_best": False, "pick_within": False, "regret": None}
+    elif any(r is pick for r in contenders):
         fastest = min(contenders, key=lambda r: r["confirm_step_time_s"])
         again = pick["confirm_step_time_s"] / fastest["confirm_step_time_s"] - 1.0
 
@@ -169,6 +180,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         out["confirmed"] = {
             "n_plans": len(contenders),
             "pick": brief_again(pick),
+            "pick_failed": False,
             "measured_best": brief_again(fastest),
             "pick_is_best": fastest is pick,
             "pick_within": again <= within + 1e-12,

@@ -8,6 +8,13 @@ from typing import Any, Mapping
 __all__ = ["format_table", "plot_result"]
 
 
+def _pick_line(s: dict[str, Any]) -> str:
+    pick, best = s["pick"], s["measured_best"]
+    ran = "FAILED (predicted to run)" if s.get("pick_failed") else f"ran {pick['measured_step_time_s'] * 1e3:.1f} ms"
+    return (f"pick: rank {pick['rank']} {pick['plan']} {ran}; "
+            f"measured best: rank {best['rank']} {best['plan']} {best['measured_step_time_s'] * 1e3:.1f} ms")
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:9.1f}"
 
@@ -61,9 +68,9 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"step time |error|: median {s['median_abs_error']:.1%}, p90 {s['p90_abs_error']:.1%}, max {s['max_abs_error']:.1%}, "
             f"mean signed {s['mean_signed_error']:+.1%} over {s['n_measured']} plans"
             + (f"; Spearman rank correlation {s['spearman']:.2f}" if s.get("spearman") is not None else ""),
-            f"pick: rank {s['pick']['rank']} {s['pick']['plan']} ran {s['pick']['measured_step_time_s'] * 1e3:.1f} ms; "
-            f"measured best: rank {s['measured_best']['rank']} {s['measured_best']['plan']} {s['measured_best']['measured_step_time_s'] * 1e3:.1f} ms",
-            f"pick is measured best: {s['pick_is_best']}; within {s['within']:.0%} of it: {s['pick_within']}; regret {s['regret']:.1%}",
+            _pick_line(s),
+            f"pick is measured best: {s['pick_is_best']}; within {s['within']:.0%} of it: {s['pick_within']}; "
+            + ("regret: none (the pick failed)" if s.get("pick_failed") else f"regret {s['regret']:.1%}"),
         ]
         if s.get("pick_ran") is False:
             lines.append(
@@ -71,7 +78,12 @@ def format_table(result: Mapping[str, Any]) -> str:
                 f"best-ranked plan that ran (rank {s['pick']['rank']}); the verdict covers the plans run only"
             )
         c = s.get("confirmed")
-        if c:
+        if c and c.get("pick_failed"):
+            lines.append(
+                f"confirmation ({result.get('confirm_passes')} more pass(es)): the pick FAILED ({c['error']}); "
+                f"within {s['within']:.0%}: False"
+            )
+        elif c:
             lines.append(
                 f"confirmation ({result.get('confirm_passes')} more pass(es) of {c['n_plans']} contenders, judged on those runs alone): "
                 f"pick {c['pick']['confirm_step_time_s'] * 1e3:.1f} ms, fastest rank {c['measured_best']['rank']} "
@@ -80,7 +92,7 @@ def format_table(result: Mapping[str, Any]) -> str:
         if s.get("median_abs_memory_error") is not None:
             lines.append(f"memory |error|: median {s['median_abs_memory_error']:.1%}, p90 {s['p90_abs_memory_error']:.1%}")
         first = result.get("summary_first_profile")
-        if first and first.get("n_measured") and len(result.get("profiles", ())) > 1:
+        if first and first.get("n_measured") and first.get("pick") and len(result.get("profiles", ())) > 1:
             lines.append(
                 f"predictions: {result['prediction_profile']}; from the first profile alone (as auto_plan profiles once): "
                 f"median {first['median_abs_error']:.1%}, p90 {first['p90_abs_error']:.1%}, "

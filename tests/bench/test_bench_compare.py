@@ -35,7 +35,14 @@ def test_summary_pick_best_within_and_regret():
 
     s = summarize([_rec(1, 1.0, 1.2), _rec(2, 1.1, 1.0)])
     assert s["pick_within"] is False and s["regret"] == pytest.approx(0.2)
-    assert summarize([_rec(1, 1.0, None)])["pick"] is None  # nothing measured: no verdict
+    assert summarize([])["pick"] is None  # nothing run: no verdict
+    # The pick ran out of memory (predicted to fit): a failed pick, whatever the others measured.
+    for recs in ([_rec(1, 1.0, None), _rec(2, 1.1, 1.0)], [_rec(1, 1.0, None)]):
+        failed = summarize(recs)
+        assert failed["pick"]["rank"] == 1 and failed["pick_failed"] is True
+        assert failed["pick_is_best"] is False and failed["pick_within"] is False and failed["regret"] is None
+    assert summarize([_rec(1, 1.0, None), _rec(2, 1.1, 1.0)])["measured_best"]["rank"] == 2
+    assert s["pick_failed"] is False
     assert s["pick_ran"] is True
     # --plans top:K chose by the first profile; the final predictions rank other plans first: the verdict says so
     late = summarize([_rec(4, 1.0, 1.0), _rec(9, 1.1, 1.2)])
@@ -106,6 +113,14 @@ def test_table_and_plot(tmp_path):
     late = [{**p, "rank": p["rank"] + 3} for p in plans]  # the final predictions rank two plans that did not run first
     assert "the planner's choice (rank 1 by the final predictions) was not among the plans run" in format_table(
         {**result, "plans": late, "summary": summarize(late)})
+    # the pick ran out of memory: said so, never "within 5%"; failing again in the confirmation passes: said too
+    oom = [{**plans[0], "measured_step_time_s": None, "step_time_error": None, "error": "OutOfMemoryError: CUDA out of memory"}, plans[1]]
+    text = format_table({**result, "plans": oom, "summary": summarize(oom)})
+    assert "pick: rank 1 dp_ga dp=2 m=4 accumulate=1 FAILED (predicted to run)" in text
+    assert "pick is measured best: False; within 5% of it: False; regret: none (the pick failed)" in text
+    again = [{**plans[0], "confirm_step_time_s": None, "confirm_error": "OutOfMemoryError"}, plans[1]]
+    text = format_table({**result, "plans": again, "summary": summarize(again), "confirm_passes": 1})
+    assert "confirmation (1 more pass(es)): the pick FAILED (OutOfMemoryError); within 5%: False" in text
     png = plot_result(result, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -140,7 +140,7 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"), (["--confirm", "-1"], "--confirm"),
-     (["--min-time", "-1"], "--min-time"), (["--min-time", "nan"], "--min-time"),
+     (["--min-time", "-1"], "--min-time"), (["--min-time", "nan"], "--min-time"), (["--min-time", "inf"], "finite number of seconds"),
      (["--world-size", "0"], "--world-size"), (["--plot", "bench.json", "--out", "bench.json"], "name the same file"),
      (["--plot", "bench.txt"], "no image suffix")],
 )
@@ -190,6 +190,21 @@ def test_timed_steps_lasts_min_time_within_bounds():
     assert timed_steps(4, 1.0, 1e-6) == MAX_TIMED_STEPS  # a prediction far too fast cannot make a run take minutes
     assert timed_steps(500, 1.0, 1e-6) == 500  # --steps above the cap still holds
     assert timed_steps(4, 1.0, 0.0) == 4 and timed_steps(4, 1.0, float("nan")) == 4  # no usable prediction
+
+
+def test_dataset_size_is_checked_against_the_global_batch_and_a_whole_pass():
+    """6 samples for a global batch of 8 on 2 replicas was let through (6 >= 8/2) and every plan then ran 0 steps."""
+    import warnings
+
+    from lightning_distplan.bench._bench import BenchError, check_dataset_size
+
+    with pytest.raises(BenchError, match=r"The dataset has 6 samples, fewer than one global batch \(8\).*HINT"):
+        check_dataset_size(6, global_batch_size=8, warmup=1, timed=2)
+    with pytest.warns(UserWarning, match=r"The dataset has 12 samples, fewer than the 1\+2 steps of a pass read \(24\): epochs end"):
+        assert check_dataset_size(12, global_batch_size=8, warmup=1, timed=2) == 12
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_dataset_size(512, global_batch_size=8, warmup=1, timed=2) == 24
 
 
 @pytest.fixture
@@ -247,3 +262,30 @@ def test_bench_pipelines_only_in_their_precisions(monkeypatch, no_group_left):
     assert asked == [("dp_ga",), ("dp_ga", "gpipe", "1f1b")]
     with pytest.raises(ValueError, match="Unknown precision 'fp8'.*HINT"):
         run_bench(lambda: WideMLP(in_features=16), dm.train_dataloader(), world_size=1, global_batch_size=4, precision="fp8")
+
+
+def test_a_pick_that_runs_out_of_memory_is_a_failed_pick_and_no_measurement_exits_1(monkeypatch, capsys, no_group_left):
+    """Out of memory in the plans' own fits (not while profiling): the table says the pick FAILED and never that it
+    was within 5% of the best; when no plan measured anything, `distplan bench` exits 1."""
+    from lightning_distplan.bench.models import WideMLP
+    from lightning_distplan.cli import main
+
+    original = WideMLP.training_step
+    failing = {"m": 4}
+
+    def training_step(self, batch, batch_idx):
+        in_plan_fit = self._trainer is not None and type(self.trainer.strategy).__name__ == "DPGAStrategy"
+        if in_plan_fit and batch[0].shape[0] in failing.values():
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(WideMLP, "training_step", training_step)
+    args = ["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--plans", "all", "--steps", "1", "--warmup", "1",
+            "--passes", "1", "--profile-repeats", "1", "--micro-batch-sizes", "1,2,4", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "m=4" in out.split("pick: rank 1 ")[1].split("\n")[0] and "FAILED (predicted to run)" in out
+    assert "within 5% of it: False; regret: none (the pick failed)" in out
+    failing.update(others=1, more=2)
+    assert main(args) == 1
+    assert "distplan bench: no plan produced a measurement" in capsys.readouterr().err
