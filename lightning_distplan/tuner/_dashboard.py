@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from lightning_distplan.errors import DistPlanError, first_line
-from lightning_distplan.tuner._storage import folder_problem, sqlite_path, sqlite_tables
+from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, sqlite_path
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -115,7 +115,7 @@ def open_storage(storage_url: str) -> BaseStorage:
             f"The SQLite file {str(path)!r} named by the storage URL {storage_url!r} does not exist.",
             hint="Check the path (sqlite:/// + a relative path, sqlite://// + an absolute one), or create a study with `distplan tune --storage URL`.",
         )
-    if path is not None and "studies" not in (sqlite_tables(path) or ()):
+    if path is not None and not is_optuna_database(path):
         # RDBStorage would create Optuna's tables in it: never write into a database that is not a study's
         raise StorageUnreachableError(
             f"The SQLite file {str(path)!r} named by {storage_url!r} holds no Optuna study (it was left unchanged).",

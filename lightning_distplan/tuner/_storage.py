@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from lightning_distplan.errors import DistPlanError, first_line
 
-__all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "sqlite_tables", "write_trials"]
+__all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "sqlite_tables", "is_optuna_database", "write_trials"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,15 @@ def sqlite_tables(path: Path) -> list[str] | None:
         return None
 
 
+OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
+"""Tables every Optuna RDB schema has: a SQLite file with other tables but not all of these is someone else's."""
+
+
+def is_optuna_database(path: Path) -> bool:
+    """Whether an existing SQLite file holds Optuna's schema (read without writing)."""
+    return OPTUNA_TABLES <= set(sqlite_tables(path) or ())
+
+
 def foreign_database_problem(url: str) -> tuple[str, str] | None:
     """(message, hint) when a SQLite URL names an existing file that is not Optuna's: a database of other tables
     (a search would add Optuna's tables to the user's file) or no database at all."""
@@ -68,10 +77,10 @@ def foreign_database_problem(url: str) -> tuple[str, str] | None:
     if tables is None:
         return (f"The file {str(path)!r} named by the storage URL {url!r} is not an SQLite database (it was left unchanged).",
                 "Name a new file for the studies, e.g. --storage sqlite:///distplan.db.")
-    if tables and "studies" not in tables:
+    if tables and not OPTUNA_TABLES <= set(tables):
         shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
-        return (f"The SQLite file {str(path)!r} named by the storage URL {url!r} holds other tables ({shown}) and no Optuna "
-                "study; the search would add Optuna's tables to it (it was left unchanged).",
+        return (f"The SQLite file {str(path)!r} named by the storage URL {url!r} holds other tables ({shown}), not an Optuna "
+                "study's; the search would add Optuna's tables to it (it was left unchanged).",
                 "Name a file of its own for the studies, e.g. --storage sqlite:///distplan.db.")
     return None
 

@@ -63,6 +63,11 @@ def test_given_numbers_win_and_defaults_are_explicit(caplog):
     with caplog.at_level(logging.WARNING):  # a plan on one device crosses no link: nothing to warn about
         quiet = Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), warn_default_links=False)
     assert quiet == default and caplog.text == ""
+    from lightning_distplan.planner import rank_plans
+
+    with caplog.at_level(logging.WARNING):  # the planner on one device (bench --world-size 1) asks for no links either
+        rank_plans(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), world_size=1, global_batch_size=8)
+    assert "measured no" not in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # the warning states the numbers used, given or defaulted
         Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), latency_s=1e-5)

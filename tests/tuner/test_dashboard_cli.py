@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -82,6 +83,13 @@ def test_cli_unreachable_and_empty_storage(tmp_path: Path, capsys: pytest.Captur
     before = other.read_bytes()
     assert main(["dashboard", f"sqlite:///{other}", "--port", "0"]) == 2
     assert "holds no Optuna study" in capsys.readouterr().err and other.read_bytes() == before
+    named = tmp_path / "named.db"  # the user's own table happens to be called `studies`
+    with contextlib.closing(sqlite3.connect(named)) as db:
+        db.execute("CREATE TABLE studies (name TEXT)")
+        db.commit()
+    before = named.read_bytes()
+    assert main(["dashboard", f"sqlite:///{named}", "--port", "0"]) == 2
+    assert "holds no Optuna study" in capsys.readouterr().err and named.read_bytes() == before
     assert main(["dashboard", "nosuchdialect://host/db", "--port", "0"]) == 2
     assert "Cannot open the Optuna storage" in capsys.readouterr().err
     import optuna

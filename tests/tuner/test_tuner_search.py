@@ -360,9 +360,14 @@ def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
     with contextlib.closing(sqlite3.connect(app)) as db:
         db.execute("CREATE TABLE users (id INTEGER)")
         db.commit()
+    own = tmp_path / "own.db"  # the user's own table named like Optuna's
+    with contextlib.closing(sqlite3.connect(own)) as db:
+        db.execute("CREATE TABLE studies (id INTEGER)")
+        db.commit()
     text = tmp_path / "notes.db"
     text.write_text("not a database")
-    for path, match in ((app, r"holds other tables \(users\) and no Optuna study.*left unchanged.*HINT: Name a file of its own"),
+    for path, match in ((app, r"holds other tables \(users\), not an Optuna study's.*left unchanged.*HINT: Name a file of its own"),
+                        (own, r"holds other tables \(studies\), not an Optuna study's"),
                         (text, r"is not an SQLite database \(it was left unchanged\).*HINT")):
         before = path.read_bytes()
         with pytest.raises(StudyStorageError, match=match):
