@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
 
 import lightning_distplan  # noqa: F401  (registers "auto_plan", "dp_ga", "gpipe", "1f1b")
+from lightning_distplan.callbacks import StepTimeMonitor
 from lightning_distplan.demos import RandomTokenData
 
 
@@ -103,9 +105,11 @@ def main() -> None:
     print(f"device: {devices} x {accelerator}; chosen plan: {trainer.strategy.plan.describe()}")
     print(f"fit took {fit_s:.1f} s; train_loss first {history.losses[0]:.3f} -> last {history.losses[-1]:.3f}"
           if history.losses else f"fit took {fit_s:.1f} s")
-    monitor = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("distplan/")}
-    if monitor:
-        print("predicted vs observed step time:", {k: round(v, 4) for k, v in monitor.items()})
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)), None)
+    steps = [h["observed_s"] for h in monitor.history[monitor.warmup_steps:]] if monitor is not None else []
+    if steps and monitor.predicted_step_time_s is not None:  # the median step after warm-up, not the last (short) one
+        print(f"step time: predicted {monitor.predicted_step_time_s:.4f} s, observed median {statistics.median(steps):.4f} s "
+              f"over {len(steps)} steps after {monitor.warmup_steps} warm-up")
     print(f"profile + plan written to {distplan_dir}/ (profile.json, plan.json)")
     alternatives = plan_doc.get("alternatives") or []
     for alt in alternatives[:3]:

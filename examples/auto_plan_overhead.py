@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--root", default="runs/auto_plan_overhead")
     parser.add_argument("--out", default=None, help="add this run to the result JSON file's 'runs' (created when missing)")
     args = parser.parse_args()
+    if args.out and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        _existing(Path(args.out))  # before the fit, not after it
     load_start = os.getloadavg()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
@@ -74,7 +76,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     if trainer.is_global_zero:
         monitor = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor))
-        steps = [h["observed_s"] for h in monitor.history]
+        steps = [h["observed_s"] for h in monitor.history[monitor.warmup_steps:]]  # after warm-up, as the monitor judges
         run = {
             "plan": trainer.strategy.plan.describe(),
             "overhead_s": round(monitor.overhead_s, 3),
@@ -90,12 +92,23 @@ def main() -> None:
             _record(Path(args.out), run, args, load_start)
 
 
+def _existing(path: Path) -> dict:
+    """The result file's runs so far ({} for a new file); exits with one line when it is some other file."""
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise SystemExit(f"{path} is not an auto_plan overhead result file ({SCHEMA}). HINT: give --out a new file name.")
+    return doc
+
+
 def _record(path: Path, run: dict, args: argparse.Namespace, load_start: tuple[float, float, float]) -> None:
     """Add ``run`` with its provenance to the result file (atomically replaced, so a crash never truncates it)."""
-    doc = json.loads(path.read_text()) if path.exists() else {}
-    if doc.get("schema") != SCHEMA:
-        if path.exists():
-            raise SystemExit(f"{path} is not an auto_plan overhead result file ({SCHEMA}). HINT: give --out a new file name.")
+    doc = _existing(path)
+    if not doc:
         doc = {"schema": SCHEMA, "what": "auto_plan's in-fit profiling + planning time as a share of a one-epoch CPU fit "
                "(Lightning's demo Transformer, gloo ranks on this machine)", "target_pct": 5.0, "runs": []}
     doc["runs"].append({

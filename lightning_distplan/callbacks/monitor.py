@@ -1,8 +1,10 @@
 """Online check of the plan: predicted vs observed step time, and an opt-in re-plan when they drift.
 
 ``auto_plan`` adds a :class:`StepTimeMonitor` to the trainer. It logs, per optimizer step,
-``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s`` (wall time from the first
-micro-batch's start to the optimizer step, so data loading is included — what a user waits for).
+``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s``: the wall time from the
+first micro-batch's ``on_train_batch_start`` to the end of the optimizer step. Like the prediction,
+it leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
+fetches of later micro-batches fall inside) and any validation run inside the step.
 
 With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` observed steps are
 all more than ``threshold`` × off the prediction (slower or faster), the compute part of the cost
@@ -109,6 +111,7 @@ class StepTimeMonitor(Callback):
         self._observed: list[float] = []
         self._pending: float | None = None
         self._replan_s = 0.0
+        self._validation_t: float | None = None
 
     def attach(
         self,
@@ -133,6 +136,34 @@ class StepTimeMonitor(Callback):
     @property
     def predicted_step_time_s(self) -> float | None:
         return self._predicted
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":  # the same monitor in another Trainer (or a second fit) starts its timing afresh
+            self.history = []
+            self._t = None
+            self._last_step = -1
+            self._observed = []
+            self._pending = None
+            self._replan_s = 0.0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.replan == "auto" and self._outcome is not None and self._predicted is None:
+            rank_zero_warn(
+                "distplan: replan='auto' has no prediction to compare with in this fit (the plan was reused from a "
+                "checkpoint, without a profile), so it will not re-plan. Start a fresh fit to plan and re-plan."
+            )
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_t = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._t is not None and self._validation_t is not None:  # validation inside an accumulation: not the step's
+            self._t += time.perf_counter() - self._validation_t
+        self._validation_t = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

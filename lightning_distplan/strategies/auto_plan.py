@@ -390,6 +390,9 @@ class AutoPlanStrategy(DDPStrategy):
 
         existing = [cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)]
         if existing:
+            if self._replan == "auto" and existing[0].replan != "auto":
+                existing[0].replan = "auto"  # the strategy's explicit ask wins over the monitor's default
+                rank_zero_info("auto_plan: your StepTimeMonitor re-plans (replan='auto'), as AutoPlanStrategy(replan='auto') asks.")
             return existing[0]
         monitor = StepTimeMonitor(replan=self._replan)
         trainer.callbacks.append(monitor)

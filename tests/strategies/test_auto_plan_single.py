@@ -127,7 +127,7 @@ def test_lightning_cli_trainer_strategy_auto_plan(tmp_path: Path) -> None:
 def test_replan_after_a_sustained_slowdown(tmp_path: Path) -> None:
     """The module sleeps 40 ms per step from step 4 on: the monitor sees the departure, refits the
     compute speed at the epoch boundary and re-plans; afterwards the prediction matches again."""
-    monitor = StepTimeMonitor(replan="auto", warmup_steps=1, window=3)
+    monitor = StepTimeMonitor(warmup_steps=1, window=3)  # its replan default 'off': the strategy's 'auto' wins
     model = _small(n_samples=80, loader_batch=8, slow_after=3, slow_s=0.04)  # 10 steps per epoch
     trainer = L.Trainer(
         **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1), devices=1, max_epochs=2, callbacks=[monitor])
@@ -161,15 +161,43 @@ def test_resume_restores_the_monitor_it_added_without_a_callback_warning(tmp_pat
     first.save_checkpoint(ckpt)
     torch.distributed.destroy_process_group()
 
-    resumed = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1), devices=1, max_steps=4))
+    resumed = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1, replan="auto"), devices=1, max_steps=4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         resumed.fit(_small(), ckpt_path=ckpt)
     assert not [w for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
+    # the checkpoint's plan comes without a prediction: re-planning cannot work, and says so
+    assert [w for w in caught if "replan='auto' has no prediction to compare with in this fit" in str(w.message)]
     monitors = [cb for cb in resumed.callbacks if isinstance(cb, StepTimeMonitor)]
     assert len(monitors) == 1 and monitors[0].replans == [{"step": 1, "compute_scale": 2.5}]
     assert monitors[0].state_dict()["compute_scale"] == 2.5 and len(monitors[0].history) == 2
     assert resumed.strategy.plan is not None and resumed.global_step == 4
+
+
+def test_monitor_times_each_fit_afresh_and_leaves_validation_out(tmp_path: Path) -> None:
+    """The same StepTimeMonitor in two Trainers: each fit's steps, none lost or merged; a validation run that falls
+    between the micro-batches of a step (val_check_interval inside an accumulation) is not timed with the step."""
+    import time
+
+    class Slow(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            time.sleep(0.01)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> Any:
+            time.sleep(0.15)
+            return super().validation_step(batch, batch_idx)
+
+    monitor = StepTimeMonitor(warmup_steps=0)
+    for steps in (3, 4):
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=1,
+            num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[monitor], default_root_dir=str(tmp_path),
+        )
+        trainer.fit(Slow())
+        assert [h["step"] for h in monitor.history] == list(range(1, steps + 1))
+        assert max(h["observed_s"] for h in monitor.history) < 0.12, monitor.history  # a 0.15 s validation was counted
 
 
 def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
