@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-__all__ = ["PipelineSpec", "DiscoveredLayers", "discover_layers", "find_pipeline_spec", "register_adapter"]
+__all__ = ["PipelineSpec", "DiscoveredLayers", "call_layer", "discover_layers", "find_pipeline_spec", "register_adapter"]
 
 _TARGET_LAYERS = 24  # enough granularity for a balanced split, few enough for cheap hooks
 # Modules whose class name ends like this are blocks: their children do not run as a chain
@@ -64,6 +64,12 @@ class PipelineSpec:
                     hint="Use a module (nn.ReLU(), nn.Flatten(), or a small nn.Module whose forward calls the function), "
                     "or fold the function into the neighbouring layer.",
                 )
+
+
+def call_layer(layer: Any, x: Any) -> Any:
+    """``layer`` run on the previous layer's output ``x``, a tuple or list of which is unpacked as its arguments
+    (the :class:`PipelineSpec` contract, for the profiler's chain and each pipeline stage alike)."""
+    return layer(*x) if isinstance(x, (tuple, list)) else layer(x)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_distplan._layers import discover_layers
+from lightning_distplan._layers import call_layer, discover_layers
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.profile import (
     FrameworkProfile,
@@ -246,7 +246,7 @@ class _Profiler:
         with self.step_context():
             x = self.spec.inputs(batch)
             for layer in self.spec.layers:
-                x = layer(*x) if isinstance(x, (tuple, list)) else layer(x)
+                x = call_layer(layer, x)
             out = self.spec.loss(x, batch)
         return _extract_loss(out, f"{self.name} (pipeline_spec)")
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_distplan._layers import call_layer
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
@@ -64,9 +65,9 @@ class StageModule(nn.Module):
         x: Any = tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
         with self.forward_context():
             for block in self.blocks:
-                x = block(*x) if isinstance(x, tuple) else block(x)
+                x = call_layer(block, x)
                 if isinstance(x, list):
-                    x = tuple(x)  # a list of tensors is passed on unpacked, as a tuple is
+                    x = tuple(x)  # what crosses to the next stage: a tuple (torch's runtime takes no list)
                 if not isinstance(x, (Tensor, tuple)):
                     raise ModelSplitError(
                         f"The pipeline layer {type(block).__name__} returned a {type(x).__name__}; a PipelineSpec layer must return a "

@@ -74,7 +74,6 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
@@ -916,8 +915,8 @@ class _RefuseTensors(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for value in tree_flatten((args, kwargs))[0]:
-            name = self._tensors.get(id(value)) if isinstance(value, Tensor) else None
+        for value in tensors_in((args, kwargs)):
+            name = self._tensors.get(id(value))
             if name is not None:
                 raise ModelSplitError(
                     f"PipelineSpec.loss uses `{name}`, which belongs to a layer of another pipeline stage; the last stage "
