@@ -55,6 +55,9 @@ def add_parser(subparsers: Any) -> None:
                         help="after the passes, run the contenders for the measured best (the pick, the first profile's pick, the fastest plan "
                         "and those within 10%% of it, four in all unless the picks make more) K more times and judge the pick's regret "
                         "on those runs alone (default 0: no confirmation)")
+    parser.add_argument("--rank-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long a rank that finished or failed a plan's run waits for the others before the benchmark stops "
+                        "(default 180): a rank failing alone, e.g. one GPU out of memory first, leaves the others waiting in a collective")
     parser.add_argument("--profile-once", action="store_true",
                         help="predict from the one profile taken before the runs (default: profile again after each pass and "
                         "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
@@ -81,7 +84,7 @@ def _inside_torchrun() -> bool:
 
 def _forwarded(args: argparse.Namespace) -> list[str]:
     out = [args.model, "--world-size", str(args.world_size), "--global-batch-size", str(args.global_batch_size)]
-    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "min_time", "warmup", "passes", "confirm", "device", "precision", "micro_batch_sizes",
+    for flag in ("init_args", "datamodule", "datamodule_args", "plans", "steps", "min_time", "warmup", "passes", "confirm", "rank_timeout", "device", "precision", "micro_batch_sizes",
                  "profile_repeats", "threads", "out", "format", "plot"):
         value = getattr(args, flag)
         if value is not None:
@@ -140,13 +143,13 @@ def _quiet_lightning() -> None:
     # One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report.
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval).*")
+    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval|isinstance\\(treespec, LeafSpec\\)).*")
 
 
 def run(args: argparse.Namespace) -> int:
     from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes, train_loader
     from lightning_distplan._files import check_output_path, check_replaceable, write_text_atomic
-    from lightning_distplan.bench._bench import BenchError, check_counts, parse_plans_spec
+    from lightning_distplan.bench._bench import RANK_TIMEOUT_S, BenchError, check_counts, parse_plans_spec
 
     if args.world_size < 1 or args.global_batch_size < 1:
         raise BenchError(
@@ -154,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
             hint="Use e.g. --world-size 2 --global-batch-size 32.",
         )
     parse_plans_spec(args.plans)
-    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time)
+    if args.rank_timeout is None:
+        args.rank_timeout = RANK_TIMEOUT_S
+    check_counts(steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time,
+                 rank_timeout_s=args.rank_timeout)
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be >= 1, got {args.threads}.", hint="Use e.g. --threads 1.")
     init_args = _json_kwargs(args.init_args, "--init-args")
@@ -236,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
-            steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
+            steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time, rank_timeout_s=args.rank_timeout, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
             micro_batch_sizes=sizes, profile_repeats=args.profile_repeats, precision=args.precision, progress=say,
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
-__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "check_dataset_size", "timed_steps", "BenchError", "RESULT_SCHEMA", "BENCH_LINK_SIZES", "MAX_TIMED_STEPS"]
+__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "check_dataset_size", "timed_steps", "BenchError", "RESULT_SCHEMA",
+           "BENCH_LINK_SIZES", "MAX_TIMED_STEPS", "RANK_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ BENCH_LINK_SIZES: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 # The most timed steps ``min_time_s`` may ask of one plan in one pass: a prediction far too fast
 # (a mis-profiled size) must not turn one run into minutes.
 MAX_TIMED_STEPS = 200
+
+# How long a rank that finished a plan's run (or failed it) waits for the others before the benchmark
+# stops. A rank that fails alone (the usual GPU out-of-memory: one device runs out first) leaves the
+# others blocked in a collective that never completes; without this they would wait for the process
+# group's timeout (30 minutes on gloo). Ranks that run a plan normally reach its end seconds apart.
+RANK_TIMEOUT_S = 180.0
 
 
 class BenchError(DistPlanError, ValueError):
@@ -72,10 +79,13 @@ def parse_plans_spec(spec: str) -> tuple[str, int | list[int] | None]:
     return "ranks", ranks
 
 
-def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0, min_time_s: float = 0.0) -> None:
-    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1 and ``warmup``, ``confirm`` and ``min_time_s`` >= 0."""
+def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0, min_time_s: float = 0.0, rank_timeout_s: float = RANK_TIMEOUT_S) -> None:
+    """Raise :class:`BenchError` unless ``steps`` and ``passes`` are >= 1, ``warmup``, ``confirm`` and ``min_time_s`` >= 0
+    and ``rank_timeout_s`` > 0."""
     if not 0 <= min_time_s < math.inf:  # also NaN
         raise BenchError(f"--min-time ({min_time_s}) must be a finite number of seconds >= 0.", hint="Use e.g. --min-time 1, or 0 for exactly --steps timed steps.")
+    if not 0 < rank_timeout_s < math.inf:
+        raise BenchError(f"--rank-timeout ({rank_timeout_s}) must be a finite number of seconds > 0.", hint=f"Use e.g. --rank-timeout {RANK_TIMEOUT_S:g} (the default).")
     if confirm < 0:
         raise BenchError(f"--confirm ({confirm}) must be >= 0.", hint="Use e.g. --confirm 2, or 0 for no confirmation passes.")
     if steps < 1 or warmup < 0 or passes < 1:
@@ -165,6 +175,41 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+def _control_group(timeout_s: float) -> Any:
+    """A gloo group of every rank whose operations give up after ``timeout_s`` (None when not distributed)."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if _dist()[1] == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str) -> list[dict[str, Any]]:
+    """Every rank's numbers for one plan's run, gathered over ``group`` (:func:`_control_group`).
+
+    Raises:
+        BenchError: a rank did not finish the run within ``timeout_s`` of this one, which is what a
+            rank failing alone looks like (the others wait in a collective for it).
+    """
+    import torch.distributed as dist
+
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError:  # gloo: "Timed out waiting ...", or "Connection closed by peer" once a rank gave up
+        # The same sentence on every rank (the launcher shows it once); each rank's own error was logged by measure_plan.
+        raise BenchError(
+            f"Plan {plan} did not finish on every rank within {timeout_s:g} s of the others, so the benchmark stops: a rank that "
+            "fails alone (e.g. one GPU out of memory first) leaves the others waiting in a collective; each rank's error is above.",
+            hint="Leave this plan out by listing the planner ranks to run with --plans (e.g. --plans 1,2,4), "
+            "or raise --rank-timeout if a rank is only slow (e.g. building a large model).",
+        ) from None
+    return out
+
+
 def _broadcast(obj: Any) -> Any:
     import torch.distributed as dist
 
@@ -233,6 +278,7 @@ def run_bench(
     profile_repeats: int = 3,
     precision: str = "32-true",
     link_sizes: Sequence[int] = BENCH_LINK_SIZES,
+    rank_timeout_s: float = RANK_TIMEOUT_S,
     progress: Callable[[str], None] | None = None,
     meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -281,6 +327,9 @@ def run_bench(
             Pipelines train only in :data:`~lightning_distplan.strategies.pipeline.PIPELINE_PRECISIONS`;
             in another precision only ``dp_ga`` plans are ranked.
         link_sizes: message sizes for the link measurement (when distributed).
+        rank_timeout_s: how long a rank that has finished (or failed) a plan's run waits for the
+            others before the benchmark stops with :class:`BenchError` (:data:`RANK_TIMEOUT_S`).
+            A rank that fails alone leaves the others blocked in a collective; this bounds the wait.
         progress: called with one line per phase.
         meta: extra provenance (e.g. the command line), stored under ``provenance``.
 
@@ -295,7 +344,8 @@ def run_bench(
         ``provenance``. Identical on every rank.
 
     Raises:
-        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
+        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data; a plan's run that not
+            every rank finished within ``rank_timeout_s`` of the others.
     """
     from lightning_distplan.plan import STRATEGIES
     from lightning_distplan.planner import rank_plans
@@ -308,7 +358,7 @@ def run_bench(
 
     started = time.perf_counter()
     say = progress or (lambda line: None)
-    check_counts(steps=steps, warmup=warmup, passes=passes, confirm=confirm, min_time_s=min_time_s)
+    check_counts(steps=steps, warmup=warmup, passes=passes, confirm=confirm, min_time_s=min_time_s, rank_timeout_s=rank_timeout_s)
     rank, world = _dist()
     if world != world_size:
         raise BenchError(
@@ -397,6 +447,7 @@ def run_bench(
         say(f"host check after pass {after_pass}: the m={check_m} step took {seconds * 1e3:.1f} ms, "
             f"{seconds / profiled_check:.2f}x its profiled {profiled_check * 1e3:.1f} ms")
 
+    control = _control_group(rank_timeout_s)  # the runs' results cross here: a rank left waiting gives up
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     nodes = max(1, world // local)
     walls = [0.0] * len(chosen)
@@ -409,7 +460,8 @@ def run_bench(
             plan, make_module=seeded_module, make_loader=make_loader, steps=counts[i], warmup=warmup,
             accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision,
         )
-        got = combine_ranks(_gather(mine), warmup=warmup)
+        got = combine_ranks(_gather_run(mine, control, timeout_s=rank_timeout_s, plan=f"{plan.describe()} (rank {chosen[i].rank})"),
+                            warmup=warmup)
         walls[i] += time.perf_counter() - t0
         shown = "failed: " + str(got["error"]) if got["error"] else (
             f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {step_time_s * 1e3:.1f} ms "
@@ -484,6 +536,10 @@ def run_bench(
         for i, got in ((i, combine_passes(again[i])) for i in contenders):
             records[i].update(confirm_step_time_s=got["measured_step_time_s"], confirm_step_times_s=got["measured_step_times_s"],
                               confirm_pass_step_times_s=got["measured_pass_step_times_s"], confirm_error=got["error"], wall_s=walls[i])
+    if control is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group(control)
     records.sort(key=lambda r: r["rank"])
     summary = summarize(records, within=WITHIN)
     result = {

@@ -168,7 +168,7 @@ def measure_plan(
         if isinstance(err, torch.distributed.DistError):
             raise  # a broken process group (a rank gone, a link down) ends the job: no later plan could run or be compared
         error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-        log.warning("plan %s failed: %s", plan.describe(), error)
+        log.warning("plan %s failed%s: %s", plan.describe(), _on_rank(), error)
     if device.type == "cuda":
         peak = max(0, int(torch.cuda.max_memory_allocated(device)) - base)
     else:
@@ -178,6 +178,13 @@ def measure_plan(
     gc.collect()
     return {"step_times_s": timer.step_times, "peak_memory_bytes": peak, "baseline_memory_bytes": base, "error": error,
             "pid": os.getpid(), "group": _group_id()}
+
+
+def _on_rank() -> str:
+    """`` on rank N`` in a distributed job (which rank failed matters when one fails alone), else ``""``."""
+    import torch.distributed as dist
+
+    return f" on rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
 
 
 def _group_id() -> str | None:

@@ -141,6 +141,7 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
     ("args", "message"),
     [(["--plans", "top:0"], "top:K"), (["--plans", "fastest"], "not 'all'"), (["--steps", "0"], "--steps"), (["--passes", "0"], "--passes"), (["--confirm", "-1"], "--confirm"),
      (["--min-time", "-1"], "--min-time"), (["--min-time", "nan"], "--min-time"), (["--min-time", "inf"], "finite number of seconds"),
+     (["--rank-timeout", "0"], "--rank-timeout"), (["--rank-timeout", "inf"], "--rank-timeout"),
      (["--world-size", "0"], "--world-size"), (["--plot", "bench.json", "--out", "bench.json"], "name the same file"),
      (["--plot", "bench.txt"], "no image suffix")],
 )
@@ -164,6 +165,36 @@ def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path
     errors = [line for line in res.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
     assert errors[0].startswith("distplan bench: error: --plans names rank(s) [99]") and "HINT" in errors[0]
+
+
+ONE_RANK_FAILS = """
+import torch
+from lightning_distplan.bench.models import WideMLP
+
+
+class FailsOnRank1(WideMLP):
+    def training_step(self, batch, batch_idx):
+        if self._trainer is not None and self.trainer.global_rank == 1:  # in a plan's fit, not while profiled
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, rank 1 only)")
+        return super().training_step(batch, batch_idx)
+"""
+
+
+def test_a_plan_failing_on_one_rank_stops_the_bench_within_the_rank_timeout(tmp_path):
+    """One rank out of memory alone leaves the other in the DDP all-reduce: the bench stops after --rank-timeout with one
+    line (it waited for gloo's 30-minute timeout), each rank's own error logged above it, no result file."""
+    (tmp_path / "fails_on_rank1.py").write_text(ONE_RANK_FAILS)
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", "fails_on_rank1:FailsOnRank1", *MODEL[1:], "--world-size", "2",
+           "--global-batch-size", "4", "--plans", "1", "--passes", "1", "--profile-once", "--steps", "2", "--warmup", "1",
+           "--profile-repeats", "1", "--threads", "1", "--rank-timeout", "10", "--out", str(out), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("distplan bench: error:") or "Traceback" in line]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
+    assert "did not finish on every rank within 10 s" in errors[0] and "HINT" in errors[0] and "--rank-timeout" in errors[0]
+    assert "failed on rank 1: OutOfMemoryError: CUDA out of memory (simulated, rank 1 only)" in res.stderr
+    assert not out.exists()
 
 
 def test_print_launch_names_torchrun(capsys, monkeypatch):
