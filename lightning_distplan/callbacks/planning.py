@@ -32,6 +32,7 @@ from lightning_distplan.strategies._auto_planning import (
     describe_for_user,
     distplan_dir,
     faster_alternative,
+    fresh_train_loader,
     log_outcome,
     pins_from,
     profile_in_fit,
@@ -132,8 +133,16 @@ class PlanningCallback(Callback):
         strategy.setup = plan_then_setup  # type: ignore[method-assign]
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = fresh_train_loader(trainer)
+        if loader_batch_size(loader) is None:
+            rank_zero_warn(
+                "PlanningCallback: the train dataloader's batch size cannot be read (no `batch_size` on it or on its "
+                "batch_sampler, e.g. batch_size=None over ready-made batches), so there is no global batch to plan for: "
+                "the fit runs your loader as it is. Give the DataLoader a batch_size to have it planned."
+            )
+            return
         self.outcome, self.alternative = plan_micro_batching(
-            trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats
+            trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats, loader=loader
         )
         if self._apply:
             self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
@@ -180,18 +189,21 @@ def plan_micro_batching(
     pins: dict[str, Any] | None = None,
     device_memory_bytes: int | None = None,
     repeats: int = 1,
+    loader: Any = None,
 ) -> tuple[PlanningOutcome, tuple[Candidate, float] | None]:
     """Profile ``module`` inside this fit, choose the best ``dp_ga`` plan for the user's global batch
     (rank 0 decides, all ranks get it), write ``profile.json`` / ``plan.json``, log, and report a
-    faster plan of another strategy if there is one. Every rank must call it."""
+    faster plan of another strategy if there is one. Every rank must call it. ``loader``: a fresh instance
+    of the user's train loader to profile with (default: one made here)."""
     strategy = trainer.strategy
     world = trainer.world_size
     t0 = time.perf_counter()
     profile, loader = profile_in_fit(
-        trainer, module, device=strategy.root_device, repeats=repeats, measure_links=world > 1, log_prefix="PlanningCallback"
+        trainer, module, device=strategy.root_device, repeats=repeats, measure_links=world > 1, log_prefix="PlanningCallback", loader=loader
     )
     profiling_s = time.perf_counter() - t0
-    global_batch = user_global_batch(loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world)
+    global_batch = user_global_batch(loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
+                                     hint="Give the train DataLoader a batch_size (or a batch_sampler with one).")
     t1 = time.perf_counter()
     decision: Any = None
     if trainer.is_global_zero:

@@ -7,6 +7,7 @@ so a micro-batch of 32 from a loader of batch size 8 holds the loader's first 32
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
 
@@ -21,19 +22,36 @@ __all__ = ["SampleBank", "batch_size_of", "concat_samples", "find_batch_size", "
 
 def tensors_in(batch: Any) -> Iterator[Tensor]:
     """Every tensor in a (nested) tuple / list / mapping, in order."""
+    for _, tensor in _tensors_with_depth(batch, 0):
+        yield tensor
+
+
+def _tensors_with_depth(batch: Any, depth: int) -> Iterator[tuple[int, Tensor]]:
     if isinstance(batch, Tensor):
-        yield batch
+        yield depth, batch
     elif isinstance(batch, Mapping):
         for value in batch.values():
-            yield from tensors_in(value)
+            yield from _tensors_with_depth(value, depth + 1)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
-            yield from tensors_in(value)
+            yield from _tensors_with_depth(value, depth + 1)
 
 
 def find_batch_size(batch: Any) -> int | None:
-    """Samples in ``batch``: dim 0 of its first tensor that has one (not 0-d), None when it holds none."""
-    return next((int(t.shape[0]) for t in tensors_in(batch) if t.dim() > 0), None)
+    """Samples in ``batch``: the dim 0 most of its least nested (not 0-d) tensors share, the first one's on a
+    tie; None when it holds none.
+
+    Most, not the first: a batch may also carry a tensor that is not per sample (class weights, a
+    vocabulary mask), and a dict puts it wherever its keys do. Least nested: tensors inside per-sample
+    records (a detection target's boxes, one dict per image) have their own first dimensions.
+    """
+    found = [(depth, int(t.shape[0])) for depth, t in _tensors_with_depth(batch, 0) if t.dim() > 0]
+    if not found:
+        return None
+    top = min(depth for depth, _ in found)
+    sizes = [n for depth, n in found if depth == top]
+    counts = Counter(sizes)
+    return max(counts, key=lambda n: (counts[n], -sizes.index(n)))
 
 
 def batch_size_of(batch: Any) -> int:

@@ -165,7 +165,8 @@ def fresh_train_loader(trainer: pl.Trainer) -> Any:
     """A new instance of the user's train loader (datamodule or module hook), never the fit loop's.
 
     Raises:
-        InfeasiblePlanError: there is no train dataloader to profile with.
+        InfeasiblePlanError: there is no train dataloader to profile with, or several (a dict, list or
+            ``CombinedLoader``: ``training_step`` gets their combined batch).
     """
     from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
     from lightning.pytorch.utilities import CombinedLoader
@@ -177,16 +178,20 @@ def fresh_train_loader(trainer: pl.Trainer) -> Any:
             hint="Pass train_dataloaders= or a datamodule to trainer.fit, or define train_dataloader().",
         )
     loader = _request_dataloader(source)
-    if isinstance(loader, CombinedLoader):
-        loader = loader.flattened[0]
-    elif isinstance(loader, Mapping):
-        loader = next(iter(loader.values()))
-    elif isinstance(loader, (list, tuple)):
-        loader = loader[0]
+    if isinstance(loader, (CombinedLoader, Mapping, list, tuple)):
+        # training_step gets the combined batch (a dict / list of the loaders' batches): profiling one loader's
+        # batches would call it with another structure, and one plan cannot re-chunk loaders of different batch sizes.
+        raise InfeasiblePlanError(
+            f"The fit has a {type(loader).__name__} of train dataloaders, and planning profiles one train loader with the batches "
+            "training_step gets.",
+            hint="Pass one train DataLoader, or pin the micro-batching: strategy='dp_ga' with micro_batch_size= (every train "
+            "loader with the same batch size), or strategy='ddp' without PlanningCallback.",
+        )
     return loader
 
 
-def user_global_batch(*, loader_batch: int | None, accumulate: int, world_size: int, given: int | None = None) -> int:
+def user_global_batch(*, loader_batch: int | None, accumulate: int, world_size: int, given: int | None = None,
+                      hint: str = "Pass global_batch_size= to AutoPlanStrategy.") -> int:
     """The user's global batch: ``loader batch × accumulate_grad_batches × world size`` (DESIGN §3.1), or ``given``.
 
     Raises:
@@ -197,7 +202,7 @@ def user_global_batch(*, loader_batch: int | None, accumulate: int, world_size: 
     if loader_batch is None:
         raise InfeasiblePlanError(
             "The train dataloader's batch size cannot be read (no `batch_size` on it or on its batch_sampler).",
-            hint="Pass global_batch_size= to AutoPlanStrategy / PlanningCallback.",
+            hint=hint,
         )
     return loader_batch * accumulate * world_size
 
@@ -211,6 +216,7 @@ def profile_in_fit(
     repeats: int = 1,
     measure_links: bool = True,
     log_prefix: str = "distplan",
+    loader: Any = None,
 ) -> tuple[Profile, Any]:
     """Profile ``module`` on ``device`` with real batches of the user's train loader, leaving no trace.
 
@@ -224,6 +230,9 @@ def profile_in_fit(
     (:func:`link_sizes`). Times, bytes and fits are all measured, none is copied from elsewhere.
     The steps run in the fit's precision (``trainer.precision_plugin``: autocast for the mixed
     precisions, the weights and inputs converted for ``"bf16-true"`` and the like), as the fit will.
+
+    ``loader``: a fresh instance of the user's train loader (:func:`fresh_train_loader`) when the
+    caller already made one.
 
     Returns:
         (the profile, the fresh loader it drew from — its ``batch_size`` is the user's loader batch)
@@ -245,7 +254,8 @@ def profile_in_fit(
     was_training = module.training
     attached = False
     try:
-        loader = fresh_train_loader(trainer)
+        if loader is None:
+            loader = fresh_train_loader(trainer)
         # The weights in the dtype the fit trains them in ('bf16-true', '64-true', ...): the strategy's
         # setup converts them the same way anyway (a no-op for 32-true and the mixed precisions).
         trainer.precision_plugin.convert_module(module)

@@ -25,15 +25,20 @@ a plan must factor that same number.
 What Lightning counts in batches keeps the user's meaning. Lightning sees micro-batches, so an
 integer ``Trainer(limit_train_batches=k)`` becomes the micro-batches of the first ``k`` loader
 batches (the wrapper stops there; a fraction is first turned into loader batches as Lightning does),
-and ``val_check_interval`` is converted the same way
-(both are restored after ``fit``). A loader batch shorter than the others (the end of an epoch
+and a ``val_check_interval`` that counts batches validates after the micro-batch in which the user's
+run would validate, decided micro-batch by micro-batch (an epoch's short last batch holds fewer
+micro-batches than the others, which a fixed count of micro-batches would not follow); both
+settings are restored after ``fit``. A loader batch shorter than the others (the end of an epoch
 without ``drop_last``) gets the weight it has in the user's run: Lightning divides every
 micro-batch loss by ``s``, and a plain run weighs each loader batch's mean loss by
 ``1 / accumulate_grad_batches`` whatever its size, so each micro-batch's loss is multiplied by
 ``s / accumulate · Σ (its samples from loader batch b) / (size of b)``, which is 1 for every
 micro-batch cut from full loader batches. The weights are exact where a micro-batch's samples come
-from loader batches of one size; a micro-batch that joins the short batch to a full one (only when
-``m`` does not divide the loader batch) gets the right total weight spread evenly over its samples.
+from loader batches of one size; a micro-batch that joins the short batch to a full one (``m``
+larger than the loader batch, or not dividing it) gets the right total weight spread evenly over
+its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
+batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
+later micro-batch against the user's batches, so the steps no longer follow them: warned once too.
 The ``batch_idx`` that hooks receive counts micro-batches.
 """
 
@@ -49,6 +54,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
@@ -187,6 +193,23 @@ class DPGAStrategy(DDPStrategy):
         user_accumulate = self._user_accumulate if self._user_accumulate is not None else 1
         weight = plan.accumulate_grad_batches / user_accumulate
         return self._rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        combined = trainer.fit_loop._combined_loader
+        loaders = [] if combined is None else combined.flattened
+        sizes = [loader_batch_size(dl) for dl in loaders]  # a wrapped loader answers with the user's loader's
+        changed = any(isinstance(dl, _MicroBatchLoader) for dl in loaders) or trainer.accumulate_grad_batches != self._user_accumulate
+        if len(set(sizes)) > 1 and changed:
+            # One plan (m, s) over loaders whose batches hold different numbers of samples cannot keep each one's steps.
+            raise InfeasiblePlanError(
+                f"dp_ga runs {self._plan.describe() if self._plan else 'a plan'} over {len(loaders)} train dataloaders with different "
+                f"batch sizes ({', '.join(map(str, sizes))}), whose batches cannot all be cut into the same micro-batches.",
+                hint="Give every train loader the same batch size, or use micro_batch_size='auto' and accumulate_grad_batches='auto' "
+                "(each loader as it is), or strategy='ddp'.",
+            )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -370,9 +393,16 @@ class Rechunking:
         self._per_user_batch: Fraction | None = None  # user's loader batches per batch Lightning runs (None: not known)
         self._resumed = False
         self._resumed_from_micro: int | None = None  # an older checkpoint counted micro-batches of this many samples
+        self._trainer: pl.Trainer | None = None
+        self._val_every: int | None = None  # the user validates after every this many of their loader batches
+        self._steer: bool | None = None  # whether this loader's validations are steered (decided at its first batch)
+        self._done_total: int | None = None  # the user's loader batches trained in this fit (all epochs)
+        self._done_epoch = 0  # ... and in this epoch
+        self._epoch_seen: int | None = None
 
     def remember(self, trainer: pl.Trainer) -> None:
         self._user = (trainer.limit_train_batches, trainer.val_check_interval)
+        self._done_total = self._epoch_seen = None
 
     def wrap(
         self, trainer: pl.Trainer, dataloader: object, m: int, *, weight: float = 1.0, cls: type[_MicroBatchLoader] | None = None,
@@ -402,12 +432,51 @@ class Rechunking:
             return dataloader
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
+        self._trainer, self._steer = trainer, None
+        self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
-            _count_in_micro_batches(trainer, loader_batch, m, limit=limit, interval=interval)
+            _count_in_micro_batches(trainer, loader_batch, m, limit=limit, interval=interval, micro_batches=sized_len(self._loader))
         return self._loader
 
     def start_batch(self) -> None:
-        self._weight = self._loader.next_weight() if self._loader is not None else 1.0
+        """Called at each ``on_train_batch_start``: the micro-batch's loss weight, and whether to validate after it."""
+        if self._loader is None:
+            self._weight = 1.0
+            return
+        self._weight, ends = self._loader.next_batch()
+        if ends is not None and self._val_every is not None and self._per_user_batch is not None:
+            self._steer_validation(ends)
+
+    def _steer_validation(self, ends: int) -> None:
+        """Validate after this micro-batch exactly when the user's run validates after one of the ``ends`` loader
+        batches that end in it.
+
+        Lightning validates after a batch when ``(its index + 1) % trainer.val_check_batch == 0`` (the index in the
+        epoch, or over the fit with ``check_val_every_n_epoch=None``). A fixed count of micro-batches cannot follow the
+        user's loader batches where one holds fewer micro-batches than the others (the epoch's short last batch: its
+        validation was lost, and over epochs the count drifted), so ``val_check_batch`` is set before each micro-batch
+        to the index + 1 (validate) or + 2 (not). Only where Lightning counts batches for it (an int
+        ``val_check_batch``; not an unsized loader's or a time interval).
+        """
+        trainer = self._trainer
+        assert trainer is not None and self._val_every is not None and self._per_user_batch is not None
+        if self._steer is None:
+            self._steer = type(trainer.val_check_batch) is int
+        if not self._steer:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if self._done_total is None:  # the fit's first batch (a resumed fit continues Lightning's counts, in micro-batches)
+            self._done_total = int(loop.total_batch_idx * self._per_user_batch)
+        if self._epoch_seen != trainer.current_epoch:
+            self._epoch_seen = trainer.current_epoch
+            self._done_epoch = int(loop.batch_idx * self._per_user_batch)
+        by_epoch = trainer.check_val_every_n_epoch is not None
+        done = self._done_epoch if by_epoch else self._done_total
+        validate = any((done + k) % self._val_every == 0 for k in range(1, ends + 1))
+        index = loop.batch_idx if by_epoch else loop.total_batch_idx
+        trainer.val_check_batch = index + 1 if validate else index + 2
+        self._done_epoch += ends
+        self._done_total += ends
 
     def weigh(self, output: Any) -> Any:
         """``training_step``'s output, its loss weighted as the user's run weighs those samples."""
@@ -521,18 +590,22 @@ def _in_loader_batches(trainer: pl.Trainer, dataloader: object, replica_share: i
     return limit, None
 
 
-def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, limit: int | None, interval: int | None) -> None:
-    """Set ``limit_train_batches`` / ``val_check_interval`` to the micro-batches of ``limit`` / ``interval`` loader batches."""
+def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, limit: int | None, interval: int | None,
+                            micro_batches: int | None = None) -> None:
+    """Set ``limit_train_batches`` / ``val_check_interval`` to the micro-batches of ``limit`` / ``interval`` loader batches
+    (the interval at most the epoch's ``micro_batches``, where known, as Lightning requires). When the validations
+    happen is then steered batch by batch (:meth:`Rechunking._steer_validation`)."""
     if limit is not None:
         trainer.limit_train_batches = math.ceil(limit * loader_batch / m)
+        micro_batches = min(micro_batches or trainer.limit_train_batches, trainer.limit_train_batches)
     if interval is not None:
         micro = max(1, round(interval * loader_batch / m))
         if micro * m != interval * loader_batch:
             rank_zero_info(
-                f"dp_ga: validating every {interval} loader batches of {loader_batch} is not a whole number of "
-                f"micro-batches of {m}; validating every {micro} micro-batches ({micro * m} samples) instead."
+                f"dp_ga: every {interval}th loader batch of {loader_batch} does not end where a micro-batch of {m} does; "
+                "validating after the micro-batch it ends in."
             )
-        trainer.val_check_interval = micro
+        trainer.val_check_interval = micro if not micro_batches else min(micro, micro_batches)
 
 
 def _scale_loss(output: Any, weight: float) -> Any:
@@ -584,16 +657,37 @@ class _MicroBatchLoader:
         self.micro_batch_size = micro_batch_size
         self._weight = weight
         self._limit_batches = limit_batches
-        self._weights: deque[float] = deque()
+        self._weights: deque[tuple[float, int]] = deque()  # (loss weight, loader batches ending in it) per micro-batch yielded
+        self._warned: set[str] = set()  # a warning about uneven loader batches, once per fit
 
     def __iter__(self) -> Iterator[Any]:
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
-        for batch, share in _rebatch_with_shares(self._batches(), self.micro_batch_size):
-            self._weights.append(self._weight * share)
+        expected = loader_batch_size(self._loader)
+        odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
+        for batch, share, sources, ends in _rebatch_with_shares(self._batches(), self.micro_batch_size):
+            if expected is None:
+                expected = sources[0][1]
+            odd = odd or next(((i, n) for i, n in sources if n != expected), None)
+            if odd is not None and sources[-1][0] > odd[0]:
+                self._warn_once("uneven", f"dp_ga: a train loader batch of {odd[1]} samples, not {expected}, came before the epoch's "
+                                f"end, so the micro-batches of {self.micro_batch_size} after it no longer start where your batches do "
+                                "and the optimizer steps stop following your batches (a batch sampler of varying sizes?). Use "
+                                "micro_batch_size='auto' to train your batches as they are.")
+            elif len({n for _, n in sources}) > 1:
+                self._warn_once("joined", f"dp_ga: a micro-batch of {self.micro_batch_size} joins samples of the epoch's short last batch "
+                                f"({odd[1] if odd else '?'} samples) to those of a full batch, and weighs them alike, where a run of "
+                                "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
+                                "or a micro-batch size that divides the loader's batch, gives the same weights.")
+            self._weights.append((self._weight * share, ends))
             yield batch
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            rank_zero_warn(message)
 
     def _batches(self) -> Iterable[Any]:
         """The loader's batches, the first ``limit_batches`` of them when limited."""
@@ -608,15 +702,16 @@ class _MicroBatchLoader:
             n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
         return n
 
-    def next_weight(self) -> float:
-        """The loss weight of the next micro-batch the loop trains on (1 for one cut from full loader batches)."""
-        weight = self._weights.popleft() if self._weights else 1.0
-        return 1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight
+    def next_batch(self) -> tuple[float, int | None]:
+        """For the next micro-batch the loop trains on: its loss weight (1 for one cut from full loader batches) and
+        how many loader batches end in it (None: not known)."""
+        weight, ends = self._weights.popleft() if self._weights else (1.0, None)
+        return (1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight), ends
 
     def __len__(self) -> int:
         return math.ceil(self._samples() / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights"})
+    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned"})
 
     def __getattr__(self, name: str) -> Any:
         if name in _MicroBatchLoader._OWN:  # during unpickling, before __init__ ran
@@ -643,37 +738,42 @@ def _batch_n(batch: Any) -> int:
 
 def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
     """Yield the samples of ``batches`` in order, ``m`` at a time (the last one may be shorter)."""
-    for batch, _ in _rebatch_with_shares(batches, m):
+    for batch, *_ in _rebatch_with_shares(batches, m):
         yield batch
 
 
-def _rebatch_with_shares(batches: Iterable[Any], m: int) -> Iterator[tuple[Any, float]]:
-    """:func:`_rebatch`, with each micro-batch's share of loader batches: Σ (its samples from batch b) / (size of b)."""
+def _rebatch_with_shares(batches: Iterable[Any], m: int) -> Iterator[tuple[Any, float, tuple[tuple[int, int], ...], int]]:
+    """:func:`_rebatch`, with each micro-batch's share of loader batches, Σ (its samples from batch b) / (size of b),
+    where its samples come from (``(index of the loader batch in this pass, that batch's size)`` per piece), and
+    how many loader batches end in it (their last sample is in it)."""
     pending: list[Any] = []
     sizes: list[int] = []
-    pending_n = 0
+    sources: list[tuple[int, int]] = []
+    pending_n = pending_ends = 0
     pending_share = 0.0
-    for batch in batches:
+    for i, batch in enumerate(batches):
         n = _batch_n(batch)
         if not pending_n and n == m:
-            yield batch, 1.0  # the common case: nothing to do
+            yield batch, 1.0, ((i, n),), 1  # the common case: nothing to do
             continue
         offset = 0
         if pending_n:
             take = min(m - pending_n, n)
             pending.append(slice_samples(batch, 0, take, n))
             sizes.append(take)
+            sources.append((i, n))
             pending_n += take
+            pending_ends += take == n
             pending_share += take / n
             offset = take
             if pending_n < m:
                 continue
-            yield concat_samples(pending, sizes), pending_share
-            pending, sizes, pending_n, pending_share = [], [], 0, 0.0
+            yield concat_samples(pending, sizes), pending_share, tuple(sources), pending_ends
+            pending, sizes, sources, pending_n, pending_ends, pending_share = [], [], [], 0, 0, 0.0
         while n - offset >= m:
-            yield slice_samples(batch, offset, offset + m, n), m / n  # a view, no copy
+            yield slice_samples(batch, offset, offset + m, n), m / n, ((i, n),), int(offset + m == n)  # a view, no copy
             offset += m
-        if offset < n:
-            pending, sizes, pending_n, pending_share = [slice_samples(batch, offset, n, n)], [n - offset], n - offset, (n - offset) / n
+        if offset < n:  # the rest of this batch, which ends it, starts the next micro-batch
+            pending, sizes, sources, pending_n, pending_ends, pending_share = [slice_samples(batch, offset, n, n)], [n - offset], [(i, n)], n - offset, 1, (n - offset) / n
     if pending_n:
-        yield concat_samples(pending, sizes), pending_share
+        yield concat_samples(pending, sizes), pending_share, tuple(sources), pending_ends

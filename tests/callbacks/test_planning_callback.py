@@ -267,3 +267,19 @@ def test_callback_plans_after_the_modules_setup_and_configure_model(tmp_path: Pa
     trainer.fit(LateNet())
     assert callback.plan.micro_batch_size == 4 and sizes.sizes == [4] * 16 and trainer.global_step == 4
     assert "setup" not in trainer.strategy.__dict__  # the strategy's own setup again
+
+
+def test_callback_leaves_a_loader_without_a_batch_size_as_it_is_and_refuses_several_loaders(tmp_path: Path) -> None:
+    """Ready-made batches (batch_size=None): no global batch to plan for, so the fit runs as is, with a warning
+    (the HINT used to name a global_batch_size= the callback does not take). Several train loaders: refused, since
+    training_step gets their combined batch and profiling one loader would call it with another structure."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(x, x.sum(1, keepdim=True)) for x in torch.randn(4, 8, 8, generator=g)]
+    callback, sizes = PlanningCallback(), Sizes()
+    trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=1, callbacks=[callback, sizes]))
+    with pytest.warns(UserWarning, match="batch size cannot be read.*runs your loader as it is"):
+        trainer.fit(Net(), DataLoader(batches, batch_size=None))
+    assert callback.plan is None and sizes.sizes == [8] * 4 and trainer.global_step == 4
+    loader = Net(loader_batch=8).train_dataloader()
+    with pytest.raises(InfeasiblePlanError, match="dict of train dataloaders.*HINT"):
+        L.Trainer(**_kwargs(tmp_path, max_steps=1, callbacks=[PlanningCallback()])).fit(Net(), {"a": loader, "b": loader})

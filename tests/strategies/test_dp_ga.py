@@ -233,3 +233,152 @@ def test_short_last_batch_and_batch_counts_keep_the_users_meaning() -> None:
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
+
+
+class _SizedBatches(torch.utils.data.Sampler):
+    """A batch sampler yielding index batches of the given sizes in order (``batch_size``: the nominal one)."""
+
+    def __init__(self, sizes: list[int], batch_size: int) -> None:
+        self.sizes, self.batch_size = sizes, batch_size
+
+    def __iter__(self) -> Any:
+        start = 0
+        for n in self.sizes:
+            yield list(range(start, start + n))
+            start += n
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def _dp_ga_warnings(sizes: list[int], batch_size: int, m: int) -> list[str]:
+    import warnings
+
+    from lightning_distplan.strategies.dp_ga import _MicroBatchLoader
+
+    data = torch.utils.data.TensorDataset(torch.arange(sum(sizes)))
+    loader = torch.utils.data.DataLoader(data, batch_sampler=_SizedBatches(sizes, batch_size))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        micro = [b[0].tolist() for b in _MicroBatchLoader(loader, m)]
+    assert [i for b in micro for i in b] == list(range(sum(sizes)))  # every sample once, in order
+    return [str(w.message) for w in caught if str(w.message).startswith("dp_ga:")]
+
+
+def test_uneven_loader_batches_that_change_the_math_are_warned_about() -> None:
+    """The two cases re-chunking cannot train as the user's batches: said once each, the exact ones not at all."""
+    joined = _dp_ga_warnings([8, 4], 8, 16)  # 12 samples: the micro-batch of 16 takes the full batch and the short last one
+    assert len(joined) == 1 and "joins samples of the epoch's short last batch (4 samples)" in joined[0] and "drop_last=True" in joined[0]
+    shifted = _dp_ga_warnings([8, 4, 8, 4, 8], 8, 4)  # a bucketing sampler: short batches mid-epoch
+    assert len(shifted) == 1 and "a train loader batch of 4 samples, not 8, came before the epoch's end" in shifted[0]
+    # exact: micro-batches dividing every batch, a short last batch cut alone, equal batches joined
+    assert _dp_ga_warnings([8, 8, 4], 8, 2) == _dp_ga_warnings([8, 8, 4], 8, 4) == _dp_ga_warnings([6, 6, 6], 6, 4) == []
+    assert _dp_ga_warnings([8, 8, 8], 8, 16) == []
+
+
+def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole() -> None:
+    """The batch size is what most tensors share, so class weights listed first are not cut as the batch."""
+    from lightning_distplan.profiling._batches import find_batch_size
+
+    assert find_batch_size({"class_weights": torch.ones(3), "x": torch.randn(8, 4), "y": torch.randn(8)}) == 8
+    assert find_batch_size({"w": torch.ones(3), "x": torch.randn(8, 4)}) == 3  # a tie: the first tensor's, as before
+    rows: list[tuple[int, int]] = []
+
+    class Weighted(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            rows.append((batch["x"].shape[0], batch["class_weights"].shape[0]))
+            return torch.nn.functional.mse_loss(self.lin(batch["x"]).squeeze(-1), batch["y"])
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16))
+            return torch.utils.data.DataLoader(data, batch_size=8, collate_fn=lambda items: {
+                "class_weights": torch.ones(3), "x": torch.stack([a for a, _ in items]), "y": torch.stack([b for _, b in items])})
+
+    environ = dict(os.environ)
+    try:
+        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1))
+        trainer.fit(Weighted())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert rows == [(2, 3)] * 8 and trainer.global_step == 2  # it stepped every 4 micro-batches of 2, weights whole
+
+
+def test_train_loaders_of_different_batch_sizes_are_refused_when_re_chunked() -> None:
+    class Two(TinyLM):
+        def __init__(self, sizes: tuple[int, int]) -> None:
+            super().__init__(n_samples=32)
+            self.sizes = sizes
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch["a"], batch_idx) + super().training_step(batch["b"], batch_idx)
+
+        def train_dataloader(self) -> Any:
+            return {k: torch.utils.data.DataLoader(token_dataset(32), batch_size=n) for k, n in zip("ab", self.sizes)}
+
+    environ = dict(os.environ)
+    try:
+        with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders with different batch sizes \(4, 8\).*HINT"):
+            L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 8)))
+        for sizes, strategy, m in (((4, 8), DPGAStrategy(), {4, 8}), ((4, 4), DPGAStrategy(micro_batch_size=2), {2})):  # as they are; one size
+            model = Two(sizes)
+            trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1))
+            trainer.fit(model)
+            assert set(model.micro_batch_sizes) == m and trainer.global_step == 8  # 8 loader batches of 4 in the longer loader
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+class _ValidatedAt(_Validated):
+    """Records the global step of every validation (and trains on the user's loader or its micro-batches)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.validated_at: list[int] = []
+
+    def on_validation_start(self) -> None:
+        self.validated_at.append(self.trainer.global_step)
+
+
+@pytest.mark.parametrize(
+    ("n_samples", "extra"),
+    [
+        (76, {"val_check_interval": 0.25}),  # 9 batches of 8 and one of 4: validations after batches 2, 4, 6, 8 and 10
+        (76, {"val_check_interval": 2}),
+        (76, {"val_check_interval": 10}),  # every batch of the epoch: 19 micro-batches, not 20 (Lightning refused 20)
+        (20, {"val_check_interval": 3, "check_val_every_n_epoch": None}),  # counted over epochs of 8, 8, 4
+    ],
+)
+def test_validations_follow_the_users_batches_past_a_short_last_batch(n_samples: int, extra: dict[str, Any]) -> None:
+    """The short last batch holds fewer micro-batches than the others: the validation after it was lost (and a count
+    over epochs drifted); each micro-batch now validates when the user's run validates after a batch ending in it."""
+    environ = dict(os.environ)
+    try:
+        runs = []
+        for strategy in (None, DPGAStrategy(micro_batch_size=4)):
+            model = _ValidatedAt(n_samples=n_samples, loader_batch=8, reference_sampler=strategy is None)
+            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=3, **({"strategy": strategy} if strategy else {}), **extra))
+            trainer.fit(model)
+            runs.append((model.validated_at, trainer.global_step, cpu_state(model)))
+            assert trainer.val_check_interval == extra["val_check_interval"]  # the user's setting, restored
+        (ref_at, ref_steps, ref_state), (at, steps, state) = runs
+        assert at == ref_at and steps == ref_steps and len(at) >= 3, (at, ref_at)
+        torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
