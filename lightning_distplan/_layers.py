@@ -104,14 +104,14 @@ def find_pipeline_spec(module: nn.Module) -> tuple[PipelineSpec | None, str]:
             )
         return spec, f"{type(module).__name__}.pipeline_spec()"
     try:  # the adapters live with the strategies; import lazily so profiling works without them
-        from lightning_distplan.strategies._adapters import missing_loss_reason
+        from lightning_distplan.strategies._adapters import adapter_miss_reason
     except ImportError:
-        missing_loss_reason = None
+        adapter_miss_reason = None
     for adapter in _ADAPTERS:
         spec = adapter(module)
         if spec is not None:
             return spec, f"built-in adapter {adapter.__name__}"
-    reason = missing_loss_reason(module) if missing_loss_reason is not None else None
+    reason = adapter_miss_reason(module) if adapter_miss_reason is not None else None
     if reason is not None:
         return None, reason
     return None, (

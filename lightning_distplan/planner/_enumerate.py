@@ -225,6 +225,38 @@ def _pin_reason(
     return f"no plan with B={global_batch_size} on {world_size} devices has it"
 
 
+def check_pins_before_profiling(pins: dict[str, Any] | None, *, world_size: int, split_reason: str | None = None) -> None:
+    """Refuse the pins that no profile could make possible, before one is taken (profiling a large model takes minutes).
+
+    What the world size alone decides: ``dp`` / ``stages`` must divide it, stage boundaries must make
+    a number of stages that divides it, a pipeline needs 2 devices; and, with ``split_reason`` (why the
+    model cannot be split, when it cannot), no pipeline pin at all. The rest waits for the profile.
+
+    Raises:
+        InfeasiblePlanError: the pin named as the user gave it, and why (the message :func:`enumerate_plans` gives).
+    """
+    names = _pin_names(pins)
+    pins = _normalise_pins(pins)
+    pipeline = pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("pp", 1) != 1 or "stage_boundaries" in pins
+
+    def refuse(key: str, reason: str) -> None:
+        value = pins[key]
+        shown = list(value) if key == "stage_boundaries" else value
+        raise InfeasiblePlanError(f"The pin {names[key]}={shown!r} is impossible: {reason}.", hint="Drop or change that pin.")
+
+    for key in ("dp", "pp"):
+        if key in pins and world_size % pins[key]:
+            refuse(key, f"{names[key]} must divide world_size {world_size}")
+    if "stage_boundaries" in pins and world_size % (len(pins["stage_boundaries"]) + 1):
+        refuse("stage_boundaries", f"{len(pins['stage_boundaries']) + 1} stages do not divide world_size {world_size}")
+    if pipeline:
+        key = next(k for k in ("strategy", "schedule", "pp", "stage_boundaries") if k in pins and (k != "pp" or pins[k] != 1))
+        if world_size < 2:
+            refuse(key, "a pipeline needs at least 2 devices")
+        if split_reason is not None:
+            refuse(key, f"the model cannot be split into pipeline stages ({split_reason})")
+
+
 def _valid_boundaries(b: tuple[int, ...], n_layers: int) -> bool:
     return bool(b) and all(0 < x < n_layers for x in b) and all(x < y for x, y in zip(b, b[1:]))
 

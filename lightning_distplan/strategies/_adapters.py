@@ -13,12 +13,15 @@ torchvision ResNet / VGG / MobileNetV2        stem, every block, pool+flatten+cl
 Hugging Face ``GPT2LMHeadModel``              embeddings, every block, ``ln_f``+``lm_head``   causal-LM loss (shifted labels)
 Hugging Face ``BertForMaskedLM``              embeddings, every layer, MLM head               cross-entropy, ignore -100
 Hugging Face ``BertForSequenceClassification``  embeddings, every layer, pooler+classifier   cross-entropy on ``labels``
+                                                                                             (regression / multi-label:
+                                                                                             define ``pipeline_loss``)
 Lightning demo ``Transformer``                embeddings, encoder layers, encoder norm,       ``nll_loss`` as its ``training_step``
                                               decoder layers, norm+linear+log_softmax
 ============================================  =============================================  ==========================
 
 Batches: vision and ``Sequential`` take ``(x, y)``; Hugging Face models take a dict with
-``input_ids`` (and ``labels``; GPT-2 defaults ``labels`` to ``input_ids``) or ``(input_ids, labels)``;
+``input_ids`` (and ``labels``; GPT-2 defaults ``labels`` to ``input_ids``; an ``attention_mask`` with
+padding or ``token_type_ids`` with segments are not passed on, and warned about) or ``(input_ids, labels)``;
 the demo Transformer takes ``(inputs, target)`` like its ``training_step``.
 
 Losses are means over a micro-batch, so the mean of micro-batch losses equals the full-batch loss
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -104,19 +108,70 @@ def _splittable_sequential(net: nn.Module) -> bool:
     return type(net) is nn.Sequential and len(net) >= 2
 
 
-def missing_loss_reason(module: nn.Module) -> str | None:
-    """Why :func:`sequential_adapter` could not split ``module`` when it holds a Sequential but no loss; else None."""
-    if _user_loss(module) is not None:
-        return None
-    named = [("the module itself", module)] + [(f"`{name}`", getattr(module, name, None)) for name in _NET_ATTRS]
-    where = next((label for label, net in named if isinstance(net, nn.Module) and _splittable_sequential(net)), None)
-    if where is None:
-        return None
-    return (
-        f"{type(module).__name__} holds an nn.Sequential ({where}) but defines no `pipeline_loss(output, batch)`, which a "
-        "pipeline needs to compute the loss on its last stage (a Sequential says nothing about its loss), nor a "
-        "`pipeline_spec()`, so it can run data parallel but not as a pipeline"
+def adapter_miss_reason(module: nn.Module) -> str | None:
+    """Why no built-in adapter split ``module`` when one nearly could (a sentence ending in what still runs); else None.
+
+    A Sequential without a loss to put on its last stage; a Hugging Face classifier for regression or
+    multi-label, whose loss the adapter does not guess; a network the adapters know held under another
+    attribute name than the ones they look at.
+    """
+    tail = "so it can run data parallel but not as a pipeline"
+    if _user_loss(module) is None:
+        named = [("the module itself", module)] + [(f"`{name}`", getattr(module, name, None)) for name in _NET_ATTRS]
+        where = next((label for label, net in named if isinstance(net, nn.Module) and _splittable_sequential(net)), None)
+        if where is not None:
+            return (
+                f"{type(module).__name__} holds an nn.Sequential ({where}) but defines no `pipeline_loss(output, batch)`, which a "
+                f"pipeline needs to compute the loss on its last stage (a Sequential says nothing about its loss), nor a `pipeline_spec()`, {tail}"
+            )
+        guessed = next((net for net in _candidates(module) if _hf_loss_not_guessed(net)), None)
+        if guessed is not None:
+            return (
+                f"{type(module).__name__} holds a {type(guessed).__name__} for {guessed.config.problem_type or 'regression'} (num_labels="
+                f"{guessed.num_labels}), whose loss the built-in adapter does not guess, and defines no `pipeline_loss(output, batch)` "
+                f"(output: the logits) nor a `pipeline_spec()`, {tail}"
+            )
+    # a whole network the adapters know, held under another name (the module's only child with parameters: a
+    # Sequential encoder beside a head, say, is part of a network, and renaming it would split the wrong thing)
+    known = _known_network_types()
+    holding = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if len(holding) == 1 and holding[0][0] not in _NET_ATTRS and isinstance(holding[0][1], known):
+        name, child = holding[0]
+        return (
+            f"{type(module).__name__} holds a {type(child).__name__} as `{name}`, but the built-in adapters look for the network "
+            f"in the module itself or in an attribute named {', '.join(_NET_ATTRS)}, {tail} (rename the attribute, or define "
+            "`pipeline_spec()`)"
+        )
+    return None
+
+
+def _hf_loss_not_guessed(net: nn.Module) -> bool:
+    """A Hugging Face sequence classifier for regression or multi-label (its default loss is not cross-entropy)."""
+    if not any(name in sys.modules for name in _HF_MODEL_MODULES):
+        return False
+    from transformers import BertForSequenceClassification
+
+    return isinstance(net, BertForSequenceClassification) and (
+        net.config.problem_type not in (None, "single_label_classification") or net.num_labels < 2
     )
+
+
+def _known_network_types() -> tuple[type, ...]:
+    """The network classes the adapters split, among those already imported (importing them costs seconds)."""
+    known: list[type] = []
+    if "torchvision.models" in sys.modules:
+        from torchvision.models import VGG, MobileNetV2, ResNet
+
+        known += [ResNet, VGG, MobileNetV2]
+    if any(name in sys.modules for name in _HF_MODEL_MODULES):
+        from transformers import BertForMaskedLM, BertForSequenceClassification, GPT2LMHeadModel
+
+        known += [GPT2LMHeadModel, BertForMaskedLM, BertForSequenceClassification]
+    if "lightning.pytorch.demos.transformer" in sys.modules:
+        from lightning.pytorch.demos.transformer import Transformer
+
+        known.append(Transformer)
+    return tuple(known)
 
 
 # ---------------------------------------------------------------------------- torchvision
@@ -149,8 +204,42 @@ def torchvision_adapter(module: nn.Module) -> PipelineSpec | None:
 
 def _hf_inputs(batch: Any) -> Tensor:
     if isinstance(batch, Mapping):
+        _padding_check.look(batch)
         return batch["input_ids"]
     return _xy_inputs(batch)
+
+
+class _PaddingCheck:
+    """Warns once per process when a dict batch carries what the Hugging Face adapters drop: padding in its
+    ``attention_mask``, or segments in its ``token_type_ids``. Only the first few batches are looked at (each
+    look waits for the device)."""
+
+    LOOKS = 8
+
+    def __init__(self) -> None:
+        self.looked = 0
+
+    def look(self, batch: Mapping) -> None:
+        if self.looked >= self.LOOKS:
+            return
+        self.looked += 1
+        mask, segments = batch.get("attention_mask"), batch.get("token_type_ids")
+        dropped = []
+        if isinstance(mask, Tensor) and bool((mask == 0).any()):
+            dropped.append("attention_mask holds padding")
+        if isinstance(segments, Tensor) and bool((segments != 0).any()):
+            dropped.append("token_type_ids mark segments")
+        if dropped:
+            self.looked = self.LOOKS
+            warnings.warn(
+                f"The Hugging Face pipeline adapter passes input_ids only, but this batch's {' and its '.join(dropped)}, which the "
+                "pipeline does not see (padded tokens are attended to), so it does not train as the model called with them would. "
+                "Write a `pipeline_spec()` that passes them along, or train data parallel (strategy='dp_ga').",
+                stacklevel=2,
+            )
+
+
+_padding_check = _PaddingCheck()
 
 
 def _hf_labels(batch: Any, *, default_to_inputs: bool) -> Tensor:
@@ -263,7 +352,7 @@ def huggingface_adapter(module: nn.Module) -> PipelineSpec | None:
             layers = [_BertEmbed(net.bert.embeddings), *(_BertLayer(l) for l in net.bert.encoder.layer), net.cls]
             return PipelineSpec(layers=layers, inputs=_hf_inputs, loss=user_loss or mlm_loss)
         if isinstance(net, BertForSequenceClassification):
-            if net.config.problem_type not in (None, "single_label_classification") or net.num_labels < 2:
+            if user_loss is None and _hf_loss_not_guessed(net):
                 continue  # regression / multi-label: the user must say which loss (pipeline_loss)
 
             def cls_loss(logits: Tensor, batch: Any) -> Tensor:

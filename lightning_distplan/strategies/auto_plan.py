@@ -123,15 +123,17 @@ class AutoPlanStrategy(DDPStrategy):
         deferred_batchnorm: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
-        base = {k: ddp_kwargs.pop(k) for k in list(ddp_kwargs) if k in _DDP_BASE_ARGS}
-        if base.get("start_method", "popen") != "popen":
+        if ddp_kwargs.get("start_method", "popen") != "popen":
             # A spawn launcher hands rank 0's (for a pipeline: one stage's) weights back to the main
             # process through the strategy it was built with; after the swap that would be wrong.
             raise InfeasiblePlanError(
-                f"AutoPlanStrategy runs with start_method='popen' (Lightning re-launches the script, as for strategy='ddp'), got {base['start_method']!r}.",
+                f"AutoPlanStrategy runs with start_method='popen' (Lightning re-launches the script, as for strategy='ddp'), got {ddp_kwargs['start_method']!r}.",
                 hint="Leave start_method at its default, or launch the processes yourself with torchrun / SLURM.",
             )
-        super().__init__(**base)
+        check_ddp_kwargs(ddp_kwargs, "AutoPlanStrategy")
+        # All of them to DDPStrategy, which keeps those it does not take for DistributedDataParallel: LightningCLI /
+        # jsonargparse follow this call to offer them (--trainer.strategy.find_unused_parameters true).
+        super().__init__(**ddp_kwargs)
         if strategy != "auto" and strategy not in STRATEGIES:
             raise InfeasiblePlanError(f"Unknown strategy {strategy!r}.", hint=f"Use 'auto' or one of {', '.join(STRATEGIES)}.")
         if schedule not in ("auto", "none", "gpipe", "1f1b"):
@@ -161,7 +163,6 @@ class AutoPlanStrategy(DDPStrategy):
             )
         if not isinstance(deferred_batchnorm, bool):
             raise InfeasiblePlanError(f"`deferred_batchnorm` must be True or False, got {deferred_batchnorm!r}.", hint="Pass deferred_batchnorm=True.")
-        check_ddp_kwargs(ddp_kwargs, "AutoPlanStrategy")
         if replan not in ("off", "auto"):
             raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' to re-plan when step times drift.")
         self._pins = pins_from(
@@ -174,7 +175,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._replan = replan
         self._profile_repeats = profile_repeats
         self._profile_sizes = None if profile_micro_batch_sizes is None else list(profile_micro_batch_sizes)
-        self._extra_ddp_kwargs = ddp_kwargs
+        self._extra_ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k not in _DDP_BASE_ARGS}
         self._pipeline_kwargs = {"deferred_batchnorm": deferred_batchnorm}
         self._checkpoint_plan: Plan | None = None
         self._resuming: dict[str, Any] | None = None  # what Rechunking.resumed reads of the checkpoint the fit restores
@@ -299,6 +300,12 @@ class AutoPlanStrategy(DDPStrategy):
                 f"auto_plan: the checkpoint's plan ({stored.describe()}, global batch {stored.global_batch_size}) does not fit "
                 f"this run ({world} devices, global batch {global_batch}); profiling and planning again."
             )
+        if self._pins:  # what the world size and the model alone refuse, before minutes of profiling
+            from lightning_distplan._layers import find_pipeline_spec
+            from lightning_distplan.planner import check_pins_before_profiling
+
+            spec, why = find_pipeline_spec(module) if self._pipeline_pinned() else (None, None)
+            check_pins_before_profiling(self._pins, world_size=world, split_reason=why if spec is None else None)
         t0 = time.perf_counter()
         profile, loader = profile_in_fit(
             trainer, module, device=self.root_device, micro_batch_sizes=self._profile_sizes, repeats=self._profile_repeats,

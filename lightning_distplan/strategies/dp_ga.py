@@ -667,7 +667,7 @@ class _MicroBatchLoader:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
         expected = loader_batch_size(self._loader)
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        for batch, share, sources, ends in _rebatch_with_shares(self._batches(), self.micro_batch_size):
+        for batch, share, sources, ends in _rebatch_with_shares(self._watch_labels(self._batches()), self.micro_batch_size):
             if expected is None:
                 expected = sources[0][1]
             odd = odd or next(((i, n) for i, n in sources if n != expected), None)
@@ -682,6 +682,18 @@ class _MicroBatchLoader:
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
             self._weights.append((self._weight * share, ends))
+            yield batch
+
+    def _watch_labels(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """``batches``, warning once when the first few carry Hugging Face's -100 labels (tokens a loss ignores)."""
+        for i, batch in enumerate(batches):
+            labels = batch.get("labels") if i < 8 and isinstance(batch, Mapping) else None
+            if isinstance(labels, torch.Tensor) and labels.dim() > 1 and bool((labels == -100).any()):
+                self._warn_once("ignored", "dp_ga: the batch's labels hold -100 (tokens the loss ignores), so a loss averaged over "
+                                f"the counted tokens (Hugging Face's) is averaged per micro-batch of {self.micro_batch_size}, not over your "
+                                "batch, and the weights differ from a run of your batches (as under Lightning's own accumulate_grad_batches; "
+                                "a micro-batch without counted tokens even gives a NaN loss). Divide the summed token loss by a count fixed "
+                                "per batch, or use micro_batch_size='auto'.")
             yield batch
 
     def _warn_once(self, kind: str, message: str) -> None:

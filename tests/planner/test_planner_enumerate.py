@@ -174,3 +174,20 @@ def test_micro_batches_the_model_rejected_are_never_planned():
     huge = dataclasses.replace(single, rejected_micro_batch_sizes=(999,))
     with pytest.raises(BatchNotFactorableError, match=r"refused micro-batches of 999 samples or fewer .*nearest valid global batch size, 2000,"):
         enumerate_plans(huge, world_size=2, global_batch_size=8)
+
+
+def test_pins_the_world_size_or_the_model_rule_out_are_refused_before_profiling():
+    from lightning_distplan.planner import check_pins_before_profiling
+
+    for pins, world, reason, match in (
+        ({"stages": 3}, 2, None, r"pin stages=3 is impossible: stages must divide world_size 2"),
+        ({"dp": 3}, 4, None, r"pin dp=3 is impossible: dp must divide world_size 4"),
+        ({"stage_boundaries": [2, 4]}, 4, None, r"pin stage_boundaries=\[2, 4\] is impossible: 3 stages do not divide world_size 4"),
+        ({"strategy": "1f1b"}, 1, None, r"pin strategy='1f1b' is impossible: a pipeline needs at least 2 devices"),
+        ({"schedule": "gpipe", "micro_batch_size": 2}, 2, "no PipelineSpec", r"pin schedule='gpipe' is impossible: the model cannot be split .*no PipelineSpec"),
+    ):
+        with pytest.raises(InfeasiblePlanError, match=match + ".*HINT: Drop or change that pin"):
+            check_pins_before_profiling(pins, world_size=world, split_reason=reason)
+    # what needs the profile (batch factors, layer counts) waits for it; data-parallel pins ignore a split reason
+    for pins, world in (({"micro_batch_size": 5}, 1), ({"stages": 2, "strategy": "1f1b"}, 2), ({"strategy": "dp_ga", "stages": 1}, 1)):
+        check_pins_before_profiling(pins, world_size=world, split_reason="no PipelineSpec" if pins.get("strategy") == "dp_ga" else None)

@@ -82,6 +82,8 @@ def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
         trainer.fit(_small())
+    # refused before profiling: what the world size alone rules out needs no profile (minutes on a large model)
+    assert trainer.strategy._profile is None and not (tmp_path / "distplan" / "profile.json").exists()
 
 
 def test_memory_cap_no_plan_fits_is_explained(tmp_path: Path) -> None:
@@ -122,6 +124,23 @@ def test_lightning_cli_trainer_strategy_auto_plan(tmp_path: Path) -> None:
     assert cli.trainer.global_step == 2
     assert cli.trainer.strategy.plan is not None and cli.trainer.strategy.plan.strategy == "dp_ga"
     assert (tmp_path / "distplan" / "plan.json").is_file()
+
+
+def test_lightning_cli_passes_ddp_arguments_and_pins_to_auto_plan(tmp_path: Path) -> None:
+    """DDP's own arguments reach AutoPlanStrategy from the command line (they were hidden from jsonargparse)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(
+        BoringModel,
+        run=False,
+        args=[
+            "--trainer.strategy=lightning_distplan.strategies.auto_plan.AutoPlanStrategy", "--trainer.strategy.find_unused_parameters=true",
+            "--trainer.strategy.micro_batch_size=2", "--trainer.accelerator=cpu", "--trainer.devices=1", f"--trainer.default_root_dir={tmp_path}",
+        ],
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, AutoPlanStrategy) and strategy._extra_ddp_kwargs["find_unused_parameters"] is True
+    assert strategy._pins == {"micro_batch_size": 2}
 
 
 def test_replan_after_a_sustained_slowdown(tmp_path: Path) -> None:

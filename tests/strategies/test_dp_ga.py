@@ -382,3 +382,20 @@ def test_validations_follow_the_users_batches_past_a_short_last_batch(n_samples:
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
+
+
+def test_labels_with_ignored_tokens_are_warned_about_when_re_chunked() -> None:
+    """Hugging Face's -100 labels: a token-averaged loss is averaged per micro-batch, not per batch (not the same math)."""
+    import warnings
+
+    from lightning_distplan.strategies.dp_ga import _MicroBatchLoader
+
+    ids = torch.randint(0, 10, (16, 6))
+    masked = [{"input_ids": ids[i:i + 8], "labels": torch.where(ids[i:i + 8] > 4, ids[i:i + 8], -100)} for i in (0, 8)]
+    whole = [{"input_ids": ids[i:i + 8], "labels": ids[i:i + 8]} for i in (0, 8)]
+    for batches, expected in ((masked, 1), (whole, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            micro = list(_MicroBatchLoader(batches, 4))
+        assert [len(b["labels"]) for b in micro] == [4] * 4
+        assert sum("labels hold -100" in str(w.message) for w in caught) == expected

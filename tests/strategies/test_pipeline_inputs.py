@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+
 import os
+import warnings
 import sys
 
 import pytest
@@ -119,6 +121,51 @@ def test_pipeline_adapters_reproduce_model_loss() -> None:
 
     xb, yb = torch.randn(4, 4), torch.randn(4, 1)
     torch.testing.assert_close(_chain_loss(Reg(), (xb, yb)), F.mse_loss(seq(xb), yb))
+
+
+def test_hugging_face_regression_splits_with_pipeline_loss_and_near_misses_are_named() -> None:
+    """A regression / multi-label BERT classifier has no loss the adapter can guess: with `pipeline_loss` it splits (it was
+    skipped even then), without it the reason says so; a known network under another attribute name is named as such; a
+    padded batch is warned about once (the adapter passes input_ids only)."""
+    import lightning as L
+    import torch.nn.functional as F
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    from lightning_distplan._layers import find_pipeline_spec
+    from lightning_distplan.strategies import _adapters
+
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=16, num_labels=1)
+
+    class Reg(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = BertForSequenceClassification(cfg)
+
+    class RegWithLoss(Reg):
+        def pipeline_loss(self, out, batch):
+            return F.mse_loss(out.squeeze(-1), batch["labels"])
+
+    ids, target = torch.randint(0, 64, (2, 8)), torch.randn(2)
+    reg = RegWithLoss()
+    torch.testing.assert_close(_chain_loss(reg, {"input_ids": ids, "labels": target}), reg.model(input_ids=ids, labels=target).loss)
+    spec, reason = find_pipeline_spec(Reg())
+    assert spec is None and "BertForSequenceClassification for regression (num_labels=1)" in reason and "`pipeline_loss(output, batch)`" in reason
+
+    class Renamed(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2))
+
+    spec, reason = find_pipeline_spec(Renamed())
+    assert spec is None and "holds a GPT2LMHeadModel as `gpt2`" in reason and "model, net, network, backbone, module" in reason
+
+    _adapters._padding_check.looked = 0
+    with pytest.warns(UserWarning, match="attention_mask holds padding, which the pipeline does not see"):
+        _adapters._hf_inputs({"input_ids": ids, "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process, and only the first few batches are looked at
+        _adapters._hf_inputs({"input_ids": ids, "attention_mask": torch.zeros(2, 8)})
 
 
 def test_pipeline_wrapped_layers_have_readable_names() -> None:
