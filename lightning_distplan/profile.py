@@ -94,6 +94,23 @@ class LinearFit:
         r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
         return cls(alpha=alpha, beta=beta, r2=r2)
 
+    @classmethod
+    def fit_times(cls, xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
+        """:meth:`fit` for measured times (all > 0), whose line must stay positive where they were measured.
+
+        On a noisy host a slow small size can tilt the least-squares line below zero at the largest
+        size, which no time can be (and which :class:`Profile` refuses). Then the line through the
+        origin that fits best (``α = Σxy / Σx²``, positive) is taken, and ``r2`` says how poorly it fits.
+        """
+        line = cls.fit(xs, ys)
+        if all(line(x) > 0 for x in xs) or not all(y > 0 for y in ys):
+            return line
+        alpha = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        my = sum(ys) / len(ys)
+        ss_tot = sum((y - my) ** 2 for y in ys)
+        ss_res = sum((y - alpha * x) ** 2 for x, y in zip(xs, ys))
+        return cls(alpha=alpha, beta=0.0, r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TimingSample:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lightning_distplan.bench._bench import BENCH_LINK_SIZES, RESULT_SCHEMA, BenchError, parse_plans_spec, run_bench, select_candidates
 from lightning_distplan.bench._compare import CONFIRM_BAND, CONFIRM_LIMIT, WITHIN, confirm_candidates, first_profile_view, percentile, predict_ranked, relative_error, summarize
-from lightning_distplan.bench._report import format_table, plot_result
+from lightning_distplan.bench._report import draw_result, format_table, plot_result
 
 __all__ = [
     "run_bench",
@@ -30,6 +30,7 @@ __all__ = [
     "percentile",
     "format_table",
     "plot_result",
+    "draw_result",
     "BenchError",
     "RESULT_SCHEMA",
     "BENCH_LINK_SIZES",

@@ -139,7 +139,8 @@ def select_candidates(candidates: Sequence[Candidate], spec: str) -> list[Candid
     if missing:
         raise BenchError(
             f"--plans names rank(s) {missing}, but the planner ranked {len(candidates)} plans (1..{len(candidates)}).",
-            hint="Run `distplan plan` to see the ranking, or use --plans all.",
+            hint="The ranks are those of the benchmark's first profile (a bench table's '1st' column, or its rank column where "
+            "there is none); use --plans all to see them all.",
         )
     return [by_rank[r] for r in dict.fromkeys(ranks)]
 

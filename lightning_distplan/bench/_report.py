@@ -46,21 +46,27 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines.append(
             f"  link {link['kind']:9s}: latency {link['latency_s'] * 1e6:7.0f} us, bandwidth {link['bandwidth_bytes_per_s'] * 8 / 1e6:9.1f} Mbit/s"
         )
-    header = f"{'rank':>4}  {'plan':52s} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>8} {'meas MiB':>8} {'error':>7}"
+    # the rank by the first profile (what --plans N,M selects) beside the final one, where they differ
+    firsts = [(r.get("first_profile") or {}).get("rank", r["rank"]) for r in result["plans"]]
+    show_first = any(f != r["rank"] for f, r in zip(firsts, result["plans"]))
+    first_head = f"{'1st':>4} " if show_first else ""
+    header = f"{'rank':>4}  {first_head}{'plan':52s} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>8} {'meas MiB':>8} {'error':>7}"
     lines += ["", header, "-" * len(header)]
     best_rank = (result["summary"].get("measured_best") or {}).get("rank")
     pick_rank = (result["summary"].get("pick") or {}).get("rank")
-    for r in result["plans"]:
+    for r, first in zip(result["plans"], firsts):
         mark = ("*" if r["rank"] == pick_rank else " ") + ("!" if r["rank"] == best_rank else " ")
         lines.append(
-            f"{r['rank']:>4}{mark}{r['plan'][:52]:52s} {_ms(r['predicted_step_time_s'])} {_ms(r['measured_step_time_s'])} "
+            f"{r['rank']:>4}{mark}" + (f"{first:>4} " if show_first else "")
+            + f"{r['plan'][:52]:52s} {_ms(r['predicted_step_time_s'])} {_ms(r['measured_step_time_s'])} "
             f"{_pct(r['step_time_error']):>7}   {_mib(r['predicted_peak_memory_bytes'])} {_mib(r['measured_peak_memory_bytes'])} "
             f"{_pct(r['memory_error']):>7}" + (f"  FAILED {r['error']}" if r.get("error") else "")
         )
     s = result["summary"]
     lines += [
         "",
-        "* = planner's pick (best-ranked plan that was run), ! = measured best",
+        "* = planner's pick (best-ranked plan that was run), ! = measured best"
+        + (", 1st = rank by the first profile (what --plans N,M names)" if show_first else ""),
         f"memory: predicted peak vs {result['memory_metric']}",
     ]
     if s["n_measured"]:
@@ -123,17 +129,33 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
     import matplotlib.pyplot as plt
 
     results = [result] if isinstance(result, Mapping) else list(result)
-    colours = {"dp_ga": "tab:blue", "gpipe": "tab:orange", "1f1b": "tab:green"}
     fig, ax = plt.subplots(figsize=(6, 6))
+    draw_result(ax, results, title=title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_result(ax: Any, results: list[Mapping[str, Any]], *, title: str | None = None) -> None:
+    """Draw :func:`plot_result`'s scatter into the matplotlib ``ax``: measured plans by strategy (the pick
+    circled), failed plans as red crosses at the right edge at their predicted time, y = x and the bands."""
+    colours = {"dp_ga": "tab:blue", "gpipe": "tab:orange", "1f1b": "tab:green"}
     xs_all: list[float] = []
     seen: set[str] = set()
     shapes = ("o", "s", "^", "D", "v", "P")
     rates = list(dict.fromkeys(str(res["rate"]) for res in results if "rate" in res))
+    failed: list[float] = []  # predicted step times of plans without a measurement (out of memory, ...)
     for res in results:
         marker = shapes[rates.index(str(res["rate"])) % len(shapes)] if "rate" in res else "o"
         pick = (res["summary"].get("pick") or {}).get("rank")
         for r in res["plans"]:
             if r["measured_step_time_s"] is None:
+                if r.get("predicted_step_time_s"):
+                    failed.append(r["predicted_step_time_s"])
+                    xs_all.append(r["predicted_step_time_s"])
                 continue
             x, y = r["measured_step_time_s"], r["predicted_step_time_s"]
             xs_all += [x, y]
@@ -150,13 +172,20 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
             ax.plot([lo, hi], [lo * (1 - band), hi * (1 - band)], "k" + style, lw=0.6, label=f"±{band:.0%}")
         ax.set_xlim(lo, hi)
         ax.set_ylim(lo, hi)
+        if failed:  # no measured time to place them by: at the right edge, at their predicted time
+            ax.scatter([hi / 1.08] * len(failed), failed, s=40, marker="x", color="tab:red", label="failed (at the right edge)")
+    if not any(r["measured_step_time_s"] is not None for res in results for r in res["plans"]):
+        ax.text(0.5, 0.5, "no plan produced a measurement", transform=ax.transAxes, ha="center", va="center", fontsize=10)
     for i, rate in enumerate(rates):  # legend entries for the marker shapes
         ax.scatter([], [], marker=shapes[i % len(shapes)], color="gray", label=f"link {rate}")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    for axis in (ax.xaxis, ax.yaxis):  # plain numbers, no crowded minor labels
+    # plain numbers at 1, 2 and 5 per decade, or at every digit within one decade (which had one label, or none)
+    narrow = bool(xs_all) and max(xs_all) / min(xs_all) < 5
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=tuple(float(k) for k in range(1, 10)) if narrow else (1.0, 2.0, 5.0)))
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured step time [s]")
@@ -164,9 +193,3 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
     ax.set_title(title or (f"{results[0]['model']}: predicted vs measured" if len(results) == 1 else "predicted vs measured"), fontsize=9)
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="both", alpha=0.2)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -748,8 +748,8 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     spread = math.sqrt(statistics.fmean(x * x for x in prof.spreads)) if prof.spreads else 0.0
     spread = _reduce(spread, "max")
     step = StepProfile(
-        forward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.forward_s for s in step_samples]),
-        backward=LinearFit.fit([s.micro_batch_size for s in step_samples], [s.backward_s for s in step_samples]),
+        forward=LinearFit.fit_times([s.micro_batch_size for s in step_samples], [s.forward_s for s in step_samples]),
+        backward=LinearFit.fit_times([s.micro_batch_size for s in step_samples], [s.backward_s for s in step_samples]),
         samples=tuple(step_samples),
         spread=spread,
     )

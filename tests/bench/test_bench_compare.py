@@ -123,6 +123,33 @@ def test_table_and_plot(tmp_path):
     assert "confirmation (1 more pass(es)): the pick FAILED (OutOfMemoryError); within 5%: False" in text
     png = plot_result(result, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the rank by the first profile (what --plans N,M names) is shown where the final ranking moved a plan
+    moved = [{**plans[0], "first_profile": {"rank": 2}}, {**plans[1], "first_profile": {"rank": 1}}]
+    text = format_table({**result, "plans": moved})
+    assert "rank   1st plan" in text and "1st = rank by the first profile" in text
+    assert "1st" not in format_table({**result, "plans": [{**p, "first_profile": {"rank": p["rank"]}} for p in plans]})
+    # failed plans are drawn (at the right edge, at their predicted time), a run where every plan failed says so,
+    # and a range within one decade gets labels at 1, 2 and 5 (it had one)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightning_distplan.bench import draw_result
+
+    def drawn(plans: list) -> tuple[list[str], list[str], list[str]]:
+        fig, ax = plt.subplots()
+        draw_result(ax, [{**result, "plans": plans, "summary": summarize(plans)}])
+        fig.canvas.draw()
+        out = ([str(c.get_label()) for c in ax.collections], [t.get_text() for t in ax.texts],
+               [t.get_text() for t in ax.get_xticklabels() if t.get_text() and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]])
+        plt.close(fig)
+        return out
+
+    labels, texts, ticks = drawn(oom)
+    assert "failed (at the right edge)" in labels and not texts and len(ticks) >= 2, ticks
+    labels, texts, _ = drawn([{**p, "measured_step_time_s": None, "error": "OutOfMemoryError"} for p in plans])
+    assert "failed (at the right edge)" in labels and texts == ["no plan produced a measurement"]
 
 
 def _run(times, error=None, peak=100):

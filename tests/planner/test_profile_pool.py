@@ -66,3 +66,24 @@ def test_pooling_different_models_or_nothing_is_refused() -> None:
     with pytest.raises(ValueError, match="same model taken the same way"):
         pool_profiles([_profile(1.0), _profile(1.0, n_layers=3)])
     assert poolable(_profile(1.0), _profile(1.6)) and not poolable(_profile(1.0), _profile(1.0, n_layers=3))
+
+
+def test_step_time_lines_stay_positive_where_they_were_measured() -> None:
+    """A slow small size on a noisy host tilted the least-squares backward line below zero at the largest size, and the
+    profile was then refused as corrupt when read back (bench's own, auto_plan's profile.json); the line through the
+    origin replaces it."""
+    from lightning_distplan.profile import TimingSample
+
+    xs, bwd = [1, 2, 4, 8], [0.010, 0.001, 0.001, 0.001]
+    assert LinearFit.fit(xs, bwd)(8) < 0  # what least squares gives
+    line = LinearFit.fit_times(xs, bwd)
+    assert line.beta == 0.0 and line.alpha == pytest.approx(sum(x * y for x, y in zip(xs, bwd)) / sum(x * x for x in xs))
+    assert all(line(x) > 0 for x in xs) and line.r2 < 0.5  # positive, and its poor fit shows
+    good = [0.002 * x + 0.001 for x in xs]
+    assert LinearFit.fit_times(xs, good) == LinearFit.fit(xs, good)  # a sound line is kept as it is
+    base = _profile(1.0)
+    samples = tuple(TimingSample(micro_batch_size=x, forward_s=0.003 * x, backward_s=b) for x, b in zip(xs, bwd))
+    step = StepProfile(forward=LinearFit.fit_times(xs, [s.forward_s for s in samples]), backward=line, samples=samples)
+    replace(base, step=step, micro_batch_sizes=tuple(xs)).validate()  # accepted (the least-squares line is refused)
+    with pytest.raises(ValueError, match="predicts a step forward .* and backward of -"):
+        replace(base, step=replace(step, backward=LinearFit.fit(xs, bwd)), micro_batch_sizes=tuple(xs)).validate()
