@@ -143,7 +143,7 @@ def _quiet_lightning() -> None:
     # One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report.
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval|isinstance\\(treespec, LeafSpec\\)).*")
+    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval|isinstance\\(treespec, LeafSpec\\)|PipelineStrategy runs the pipeline itself).*")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -247,6 +247,11 @@ def run(args: argparse.Namespace) -> int:
             meta={"command": "distplan bench " + shlex.join(_forwarded(args)), "model_init_args": init_args,
                   "datamodule": args.datamodule, "datamodule_args": dm_args},
         )
+        if rank != 0 and result["stopped"] and args.out:
+            # A rank failed alone and the runs stopped: rank 0 may be the one left waiting (NCCL), so every rank that
+            # got here keeps the plans measured so far (the same records; each file is replaced whole).
+            write_text_atomic(args.out, json.dumps(result, indent=1))
+            print(f"distplan bench: rank {rank} wrote the plans run before the stop to {args.out}", flush=True)
         if rank == 0:
             # The report first: a file that fails to write must not take the measurements with it.
             if args.format == "json":
@@ -263,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if created_group and dist.is_initialized():
             dist.destroy_process_group()
+    if result["stopped"]:
+        print(f"distplan bench: error: {result['stopped']}", file=sys.stderr)
+        return 2
     if not result["summary"]["n_measured"]:  # every plan failed: the report says why, the exit status says it failed
         if rank == 0:
             print("distplan bench: no plan produced a measurement (each plan's error is in the report).", file=sys.stderr)

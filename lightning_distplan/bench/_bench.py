@@ -211,6 +211,15 @@ def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str)
     return out
 
 
+def _leave_group() -> None:
+    """End every process group of this process: a rank still blocked in a collective of the default group then
+    gets an error (gloo: the connection closes) instead of waiting for the group's timeout."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _broadcast(obj: Any) -> Any:
     import torch.distributed as dist
 
@@ -329,7 +338,7 @@ def run_bench(
             in another precision only ``dp_ga`` plans are ranked.
         link_sizes: message sizes for the link measurement (when distributed).
         rank_timeout_s: how long a rank that has finished (or failed) a plan's run waits for the
-            others before the benchmark stops with :class:`BenchError` (:data:`RANK_TIMEOUT_S`).
+            others before the runs stop (:data:`RANK_TIMEOUT_S`; the result's ``stopped`` says why).
             A rank that fails alone leaves the others blocked in a collective; this bounds the wait.
         progress: called with one line per phase.
         meta: extra provenance (e.g. the command line), stored under ``provenance``.
@@ -342,11 +351,12 @@ def run_bench(
         ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
         micro-batch timed again, slowest rank: its ratio to the profile's fit there shows roughly,
         to about ±10% on a noisy CPU, how far the host's speed drifted while the plans ran),
-        ``provenance``. Identical on every rank.
+        ``provenance``; ``stopped``: None, or why the runs stopped early (a plan's run that not every
+        rank finished within ``rank_timeout_s`` of the others: that plan is recorded as failed, the
+        plans after it are not run, and the process group is gone). Identical on every rank unless stopped.
 
     Raises:
-        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data; a plan's run that not
-            every rank finished within ``rank_timeout_s`` of the others.
+        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
     """
     from lightning_distplan.plan import STRATEGIES
     from lightning_distplan.planner import rank_plans
@@ -449,6 +459,7 @@ def run_bench(
             f"{seconds / profiled_check:.2f}x its profiled {profiled_check * 1e3:.1f} ms")
 
     control = _control_group(rank_timeout_s)  # the runs' results cross here: a rank left waiting gives up
+    stopped: list[str] = []  # why the runs stopped early: a plan not every rank finished (see _gather_run)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     nodes = max(1, world // local)
     walls = [0.0] * len(chosen)
@@ -461,8 +472,16 @@ def run_bench(
             plan, make_module=seeded_module, make_loader=make_loader, steps=counts[i], warmup=warmup,
             accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision,
         )
-        got = combine_ranks(_gather_run(mine, control, timeout_s=rank_timeout_s, plan=f"{plan.describe()} (rank {chosen[i].rank})"),
-                            warmup=warmup)
+        try:
+            got = combine_ranks(_gather_run(mine, control, timeout_s=rank_timeout_s, plan=f"{plan.describe()} (planner rank {chosen[i].rank})"),
+                                warmup=warmup)
+        except BenchError as err:
+            # A rank failed alone and the others wait in a collective: no further plan can run in this group. The
+            # group goes (which, on gloo, also ends the others' wait), and the plans measured so far are the result.
+            stopped.append(str(err))
+            own = f" (rank {rank}: {mine['error']})" if mine["error"] else ""
+            got = combine_ranks([{**mine, "error": f"did not finish on every rank within {rank_timeout_s:g} s{own}"}], warmup=warmup)
+            _leave_group()
         walls[i] += time.perf_counter() - t0
         shown = "failed: " + str(got["error"]) if got["error"] else (
             f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {step_time_s * 1e3:.1f} ms "
@@ -479,6 +498,11 @@ def run_bench(
                 continue  # a plan that failed once is not run again
             where = f"pass {p + 1}/{passes} " if passes > 1 else ""
             runs[i].append(run_once(i, chosen[i].prediction.step_time_s, f"{where}{k + 1}/{len(chosen)}"))
+            if stopped:
+                break
+        if stopped:
+            say(f"stopped: {stopped[0]}")
+            break
         check_host(p + 1)
         if reprofile:
             again = take_profile(f"again after pass {p + 1}")
@@ -493,6 +517,8 @@ def run_bench(
     regraded = [graded[index[id(cand)]] for cand in chosen]
     records = []
     for i, cand in enumerate(chosen):
+        if not runs[i]:
+            continue  # the runs stopped before this plan's turn
         plan, pred = cand.plan, regraded[i][0]
         got = combine_passes(runs[i])
         err = relative_error(pred.step_time_s, got["measured_step_time_s"])
@@ -522,7 +548,7 @@ def run_bench(
                 "abs_step_time_error": None if first_err is None else abs(first_err),
             },
         })
-    if confirm:
+    if confirm and not stopped:
         # The predictions (and so the picks) are final; the contenders run again and only these
         # runs judge the pick's regret (summary["confirmed"]).
         contenders = confirm_candidates(records)
@@ -532,12 +558,14 @@ def run_bench(
         for p in range(confirm):
             order = contenders if p % 2 == 0 else contenders[::-1]
             for k, i in enumerate(order):
-                if not (again[i] and again[i][-1]["error"]):
+                if not (again[i] and again[i][-1]["error"]) and not stopped:
                     again[i].append(run_once(i, records[i]["predicted_step_time_s"], f"confirm {p + 1}/{confirm} {k + 1}/{len(order)}"))
-        for i, got in ((i, combine_passes(again[i])) for i in contenders):
+        if stopped:
+            say(f"stopped: {stopped[0]}")
+        for i, got in ((i, combine_passes(again[i])) for i in contenders if again[i]):
             records[i].update(confirm_step_time_s=got["measured_step_time_s"], confirm_step_times_s=got["measured_step_times_s"],
                               confirm_pass_step_times_s=got["measured_pass_step_times_s"], confirm_error=got["error"], wall_s=walls[i])
-    if control is not None:
+    if control is not None and not stopped:
         import torch.distributed as dist
 
         dist.destroy_process_group(control)
@@ -565,8 +593,9 @@ def run_bench(
             {"rank": graded[i][1], "plan": c.plan.describe(), "feasible": graded[i][0].feasible, "predicted_step_time_s": graded[i][0].step_time_s,
              "first_profile_rank": c.rank}
             for i, c in enumerate(candidates)
-            if c not in chosen
+            if c not in chosen or not runs[chosen.index(c)]
         ],
+        "stopped": stopped[0] if stopped else None,
         "plans": records,
         "summary": summary,
         "summary_first_profile": summarize(first_profile_view(records), within=WITHIN),

@@ -63,6 +63,8 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"{_pct(r['memory_error']):>7}" + (f"  FAILED {r['error']}" if r.get("error") else "")
         )
     s = result["summary"]
+    if result.get("stopped"):
+        lines += ["", "STOPPED EARLY: " + str(result["stopped"]).split(" HINT:")[0], "the verdict below covers the plans run before the stop"]
     lines += [
         "",
         "* = planner's pick (best-ranked plan that was run), ! = measured best"

@@ -171,30 +171,40 @@ ONE_RANK_FAILS = """
 import torch
 from lightning_distplan.bench.models import WideMLP
 
+FITS = []  # the plan fits this process ran
+
 
 class FailsOnRank1(WideMLP):
-    def training_step(self, batch, batch_idx):
-        if self._trainer is not None and self.trainer.global_rank == 1:  # in a plan's fit, not while profiled
+    def on_fit_start(self):
+        FITS.append(self.trainer.global_rank)
+
+    def on_train_batch_start(self, batch, batch_idx):  # called by data-parallel and pipeline plans alike
+        if self.trainer.global_rank == 1 and len(FITS) == 2 and self.trainer.global_step == 1:  # rank 1's second plan only
             raise torch.OutOfMemoryError("CUDA out of memory (simulated, rank 1 only)")
-        return super().training_step(batch, batch_idx)
 """
 
 
 def test_a_plan_failing_on_one_rank_stops_the_bench_within_the_rank_timeout(tmp_path):
     """One rank out of memory alone leaves the other in the DDP all-reduce: the bench stops after --rank-timeout with one
-    line (it waited for gloo's 30-minute timeout), each rank's own error logged above it, no result file."""
+    error line (it waited for gloo's 30-minute timeout), each rank's own error logged, and --out holds the plan measured
+    before it and the failed one, marked as stopped."""
     (tmp_path / "fails_on_rank1.py").write_text(ONE_RANK_FAILS)
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", "fails_on_rank1:FailsOnRank1", *MODEL[1:], "--world-size", "2",
-           "--global-batch-size", "4", "--plans", "1", "--passes", "1", "--profile-once", "--steps", "2", "--warmup", "1",
-           "--profile-repeats", "1", "--threads", "1", "--rank-timeout", "10", "--out", str(out), "--quiet"]
+           "--global-batch-size", "4", "--plans", "1,2", "--passes", "1", "--profile-once", "--steps", "2", "--warmup", "1",
+           "--profile-repeats", "1", "--threads", "1", "--rank-timeout", "10", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     errors = [line for line in res.stderr.splitlines() if line.startswith("distplan bench: error:") or "Traceback" in line]
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
     assert "did not finish on every rank within 10 s" in errors[0] and "HINT" in errors[0] and "--rank-timeout" in errors[0]
     assert "failed on rank 1: OutOfMemoryError: CUDA out of memory (simulated, rank 1 only)" in res.stderr
-    assert not out.exists()
+    result = json.loads(out.read_text())
+    assert result["stopped"] == errors[0].removeprefix("distplan bench: error: ")
+    first, second = result["plans"]
+    assert first["error"] is None and first["measured_step_time_s"] > 0
+    assert second["measured_step_time_s"] is None and second["error"].startswith("did not finish on every rank within 10 s")
+    assert result["summary"]["n_measured"] == 1 and not list(tmp_path.glob(".bench.json.*.tmp"))
 
 
 def test_print_launch_names_torchrun(capsys, monkeypatch):
