@@ -184,10 +184,11 @@ def draw_result(ax: Any, results: list[Mapping[str, Any]], *, title: str | None 
     ax.set_yscale("log")
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    # plain numbers at 1, 2 and 5 per decade, or at every digit within one decade (which had one label, or none)
+    # plain numbers at 1, 2 and 5 per decade, or more within a narrow range (which had one label, or none); never
+    # closer than a factor 1.4 (every digit crowded 0.007, 0.008, 0.009 into one another)
     narrow = bool(xs_all) and max(xs_all) / min(xs_all) < 5
     for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_locator(LogLocator(base=10, subs=tuple(float(k) for k in range(1, 10)) if narrow else (1.0, 2.0, 5.0)))
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0) if narrow else (1.0, 2.0, 5.0)))
         axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("measured step time [s]")

@@ -151,6 +151,11 @@ class PlanningCallback(Callback):
         self._resuming = None
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._applied is not None:
+            self._applied.rechunk.steer_restart()
+
+    @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._applied is not None:  # the epoch's progress in the user's loader batches, not our micro-batches
             self._applied.rechunk.progress_to_user_units(checkpoint)

@@ -17,41 +17,83 @@ from torch import Tensor
 from lightning_distplan.errors import BatchFormatError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
-__all__ = ["SampleBank", "batch_size_of", "concat_samples", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
+__all__ = ["BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
 
 
 def tensors_in(batch: Any) -> Iterator[Tensor]:
     """Every tensor in a (nested) tuple / list / mapping, in order."""
-    for _, tensor in _tensors_with_depth(batch, 0):
+    for _, _, tensor in _tensors_with_paths(batch, (), False):
         yield tensor
 
 
-def _tensors_with_depth(batch: Any, depth: int) -> Iterator[tuple[int, Tensor]]:
+def _tensors_with_paths(batch: Any, path: tuple, in_list: bool) -> Iterator[tuple[tuple, bool, Tensor]]:
+    """``(path, inside a list?, tensor)`` for every tensor, in order; the path is the keys / indices to it."""
     if isinstance(batch, Tensor):
-        yield depth, batch
+        yield path, in_list, batch
     elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors_with_depth(value, depth + 1)
+        for key, value in batch.items():
+            yield from _tensors_with_paths(value, (*path, key), in_list)
     elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors_with_depth(value, depth + 1)
+        for i, value in enumerate(batch):
+            yield from _tensors_with_paths(value, (*path, i), in_list or isinstance(batch, list))
+
+
+def _sized(batch: Any) -> list[tuple[tuple, int]]:
+    """``(path, dim 0)`` of the tensors that vote on the batch size: the (not 0-d) ones outside lists (a list holds
+    per-sample records, a detection target's boxes say, with first dimensions of their own), or every one if none is."""
+    found = [(path, in_list, int(t.shape[0])) for path, in_list, t in _tensors_with_paths(batch, (), False) if t.dim() > 0]
+    outside = [(path, n) for path, in_list, n in found if not in_list]
+    return outside or [(path, n) for path, _, n in found]
+
+
+def _most_shared(sized: list[tuple[tuple, int]]) -> int:
+    sizes = [n for _, n in sized]
+    counts = Counter(sizes)
+    return max(counts, key=lambda n: (counts[n], -sizes.index(n)))
 
 
 def find_batch_size(batch: Any) -> int | None:
-    """Samples in ``batch``: the dim 0 most of its least nested (not 0-d) tensors share, the first one's on a
-    tie; None when it holds none.
+    """Samples in ``batch``: the dim 0 most of its tensors outside lists share, the first one's on a tie; None when
+    it holds none.
 
     Most, not the first: a batch may also carry a tensor that is not per sample (class weights, a
-    vocabulary mask), and a dict puts it wherever its keys do. Least nested: tensors inside per-sample
-    records (a detection target's boxes, one dict per image) have their own first dimensions.
+    temperature), and a dict puts it wherever its keys do. Outside lists: tensors inside per-sample
+    records (a detection target's boxes, one dict per image) have their own first dimensions. A
+    stream of batches is better read by :class:`BatchSizer`, which knows the loader's batch size.
     """
-    found = [(depth, int(t.shape[0])) for depth, t in _tensors_with_depth(batch, 0) if t.dim() > 0]
-    if not found:
-        return None
-    top = min(depth for depth, _ in found)
-    sizes = [n for depth, n in found if depth == top]
-    counts = Counter(sizes)
-    return max(counts, key=lambda n: (counts[n], -sizes.index(n)))
+    sized = _sized(batch)
+    return _most_shared(sized) if sized else None
+
+
+class BatchSizer:
+    """:func:`find_batch_size` over the batches of one loader: the tensor that holds ``expected`` rows in the first
+    batch (the loader's batch size, when known; else the one :func:`find_batch_size` reads) gives the size of every
+    later batch, the epoch's short last one included, where a count among tensors could pick per-batch constants."""
+
+    def __init__(self, expected: int | None = None) -> None:
+        self.expected = expected
+        self.path: tuple | None = None
+
+    def __call__(self, batch: Any) -> int | None:
+        if self.path is not None:
+            tensor = _at(batch, self.path)
+            if isinstance(tensor, Tensor) and tensor.dim() > 0:
+                return int(tensor.shape[0])
+        sized = _sized(batch)
+        if not sized:
+            return None
+        n = self.expected if any(size == self.expected for _, size in sized) else _most_shared(sized)
+        self.path = next(path for path, size in sized if size == n)
+        return n
+
+
+def _at(batch: Any, path: tuple) -> Any:
+    for key in path:
+        try:
+            batch = batch[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return batch
 
 
 def batch_size_of(batch: Any) -> int:

@@ -184,8 +184,7 @@ def fresh_train_loader(trainer: pl.Trainer) -> Any:
         raise InfeasiblePlanError(
             f"The fit has a {type(loader).__name__} of train dataloaders, and planning profiles one train loader with the batches "
             "training_step gets.",
-            hint="Pass one train DataLoader, or pin the micro-batching: strategy='dp_ga' with micro_batch_size= (every train "
-            "loader with the same batch size), or strategy='ddp' without PlanningCallback.",
+            hint="Pass one train DataLoader, or use strategy='ddp' (without PlanningCallback), which runs your loaders as they are.",
         )
     return loader
 

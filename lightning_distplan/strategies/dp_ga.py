@@ -63,7 +63,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
-from lightning_distplan.profiling._batches import concat_samples, find_batch_size, slice_samples
+from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, slice_samples
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
     add_portable_state,
@@ -82,6 +82,8 @@ __all__ = ["DPGAStrategy", "Rechunking", "check_ddp_kwargs", "resolve_dp_ga_plan
 log = logging.getLogger(__name__)
 
 Auto = Literal["auto"]
+
+_UNSET = object()  # an attribute the trainer does not have
 
 
 class DPGAStrategy(DDPStrategy):
@@ -200,16 +202,19 @@ class DPGAStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         combined = trainer.fit_loop._combined_loader
         loaders = [] if combined is None else combined.flattened
-        sizes = [loader_batch_size(dl) for dl in loaders]  # a wrapped loader answers with the user's loader's
         changed = any(isinstance(dl, _MicroBatchLoader) for dl in loaders) or trainer.accumulate_grad_batches != self._user_accumulate
-        if len(set(sizes)) > 1 and changed:
-            # One plan (m, s) over loaders whose batches hold different numbers of samples cannot keep each one's steps.
+        if len(loaders) > 1 and changed:
+            # One Rechunking weighs and counts the micro-batches of one loader: a second one's weights, ends and epoch
+            # length (max_size_cycle restarts the shorter loader) do not follow its batches.
+            sizes = ", ".join(str(loader_batch_size(dl)) for dl in loaders)  # a wrapped loader answers with the user's loader's
             raise InfeasiblePlanError(
-                f"dp_ga runs {self._plan.describe() if self._plan else 'a plan'} over {len(loaders)} train dataloaders with different "
-                f"batch sizes ({', '.join(map(str, sizes))}), whose batches cannot all be cut into the same micro-batches.",
-                hint="Give every train loader the same batch size, or use micro_batch_size='auto' and accumulate_grad_batches='auto' "
-                "(each loader as it is), or strategy='ddp'.",
+                f"dp_ga runs {self._plan.describe() if self._plan else 'a plan'} by cutting the train loader's batches into "
+                f"micro-batches, but the fit has {len(loaders)} train dataloaders (batch sizes {sizes}), whose combined batches it "
+                "cannot cut alike.",
+                hint="Pass one train DataLoader, or use micro_batch_size='auto' and accumulate_grad_batches='auto' (each loader "
+                "as it is), or strategy='ddp'.",
             )
+        self._rechunk.steer_restart()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -401,7 +406,8 @@ class Rechunking:
         self._epoch_seen: int | None = None
 
     def remember(self, trainer: pl.Trainer) -> None:
-        self._user = (trainer.limit_train_batches, trainer.val_check_interval)
+        # Lightning has no val_check_interval attribute when it is a time ("00:00:05:00", a dict): nothing to convert then
+        self._user = (trainer.limit_train_batches, getattr(trainer, "val_check_interval", _UNSET))
         self._done_total = self._epoch_seen = None
 
     def wrap(
@@ -447,6 +453,23 @@ class Rechunking:
         if ends is not None and self._val_every is not None and self._per_user_batch is not None:
             self._steer_validation(ends)
 
+    def steer_restart(self) -> None:
+        """At ``on_train_start``: a fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was
+        saved at a validation (then it does not validate again); answer as the user's run would at that place."""
+        trainer = self._trainer
+        if trainer is None or self._loader is None or self._val_every is None or self._per_user_batch is None:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if not loop.restarting:
+            return
+        if self._steer is None:
+            self._steer = type(trainer.val_check_batch) is int
+        if not self._steer:
+            return
+        index = loop.batch_idx if trainer.check_val_every_n_epoch is not None else loop.total_batch_idx
+        done = int((index + 1) * self._per_user_batch)  # the user's loader batches trained when the checkpoint was saved
+        trainer.val_check_batch = index + 1 if done and done % self._val_every == 0 else index + 2
+
     def _steer_validation(self, ends: int) -> None:
         """Validate after this micro-batch exactly when the user's run validates after one of the ``ends`` loader
         batches that end in it.
@@ -484,7 +507,9 @@ class Rechunking:
 
     def restore(self, trainer: pl.Trainer) -> None:
         if self._user is not None:
-            trainer.limit_train_batches, trainer.val_check_interval = self._user
+            trainer.limit_train_batches = self._user[0]
+            if self._user[1] is not _UNSET:
+                trainer.val_check_interval = self._user[1]
 
     def resumed(self, checkpoint: Mapping[str, Any]) -> None:
         """The fit restores ``checkpoint``: convert its progress to this plan's batches when the loader is wrapped.
@@ -582,7 +607,7 @@ def _in_loader_batches(trainer: pl.Trainer, dataloader: object, replica_share: i
         limit = value * replica_share
     elif isinstance(value, float) and 0 < value < 1 and n and int(n * value) > 0:
         limit = int(n * value)
-    interval = trainer.val_check_interval
+    interval = getattr(trainer, "val_check_interval", None)  # absent for a time interval
     if _is_count(interval):
         return limit, interval * replica_share
     if isinstance(interval, float) and 0 < interval < 1 and n:
@@ -667,7 +692,7 @@ class _MicroBatchLoader:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
         expected = loader_batch_size(self._loader)
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        for batch, share, sources, ends in _rebatch_with_shares(self._watch_labels(self._batches()), self.micro_batch_size):
+        for batch, share, sources, ends in _rebatch_with_shares(self._watch_labels(self._batches()), self.micro_batch_size, expected):
             if expected is None:
                 expected = sources[0][1]
             odd = odd or next(((i, n) for i, n in sources if n != expected), None)
@@ -737,9 +762,9 @@ class _MicroBatchLoader:
             setattr(self._loader, name, value)
 
 
-def _batch_n(batch: Any) -> int:
-    """Samples in a training batch (rows of its first tensor with a batch dimension)."""
-    n = find_batch_size(batch)
+def _batch_n(batch: Any, sizer: BatchSizer | None = None) -> int:
+    """Samples in a training batch (:func:`find_batch_size`, or what ``sizer`` reads over a loader's batches)."""
+    n = sizer(batch) if sizer is not None else find_batch_size(batch)
     if n is None:
         raise InfeasiblePlanError(
             f"A training batch of type {type(batch).__name__} holds no tensor with a batch dimension to split into micro-batches.",
@@ -754,17 +779,21 @@ def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
         yield batch
 
 
-def _rebatch_with_shares(batches: Iterable[Any], m: int) -> Iterator[tuple[Any, float, tuple[tuple[int, int], ...], int]]:
+def _rebatch_with_shares(
+    batches: Iterable[Any], m: int, expected: int | None = None
+) -> Iterator[tuple[Any, float, tuple[tuple[int, int], ...], int]]:
     """:func:`_rebatch`, with each micro-batch's share of loader batches, Σ (its samples from batch b) / (size of b),
     where its samples come from (``(index of the loader batch in this pass, that batch's size)`` per piece), and
-    how many loader batches end in it (their last sample is in it)."""
+    how many loader batches end in it (their last sample is in it). ``expected``: the loader's batch size, which
+    tells the batch dimension from per-batch constants (:class:`BatchSizer`)."""
+    sizer = BatchSizer(expected)
     pending: list[Any] = []
     sizes: list[int] = []
     sources: list[tuple[int, int]] = []
     pending_n = pending_ends = 0
     pending_share = 0.0
     for i, batch in enumerate(batches):
-        n = _batch_n(batch)
+        n = _batch_n(batch, sizer)
         if not pending_n and n == m:
             yield batch, 1.0, ((i, n),), 1  # the common case: nothing to do
             continue

@@ -278,10 +278,19 @@ def test_uneven_loader_batches_that_change_the_math_are_warned_about() -> None:
 
 def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole() -> None:
     """The batch size is what most tensors share, so class weights listed first are not cut as the batch."""
-    from lightning_distplan.profiling._batches import find_batch_size
+    from lightning_distplan.profiling._batches import BatchSizer, find_batch_size
 
     assert find_batch_size({"class_weights": torch.ones(3), "x": torch.randn(8, 4), "y": torch.randn(8)}) == 8
     assert find_batch_size({"w": torch.ones(3), "x": torch.randn(8, 4)}) == 3  # a tie: the first tensor's, as before
+    # nesting does not matter (a per-sample dict inside, a constant outside); tensors inside lists (records) do not vote
+    assert find_batch_size({"inputs": {"x": torch.randn(8, 4), "y": torch.randn(8)}, "temperature": torch.ones(1)}) == 8
+    assert find_batch_size(((torch.randn(8, 4), torch.randn(8, 2)), torch.ones(3))) == 8
+    assert find_batch_size({"images": torch.randn(2, 3), "boxes": [torch.randn(5, 4), torch.randn(5, 4)]}) == 2
+    # over a loader's batches: the tensor holding the loader's batch size gives every later size, the short one too
+    constants = {"class_weights": torch.ones(3), "class_counts": torch.ones(3)}
+    sizer = BatchSizer(expected=8)
+    assert [sizer({"x": torch.randn(n, 4), **constants}) for n in (8, 8, 4)] == [8, 8, 4]
+    assert find_batch_size({"x": torch.randn(4, 4), **constants}) == 3  # what a count alone reads
     rows: list[tuple[int, int]] = []
 
     class Weighted(L.LightningModule):
@@ -314,7 +323,7 @@ def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole()
     assert rows == [(2, 3)] * 8 and trainer.global_step == 2  # it stepped every 4 micro-batches of 2, weights whole
 
 
-def test_train_loaders_of_different_batch_sizes_are_refused_when_re_chunked() -> None:
+def test_several_train_loaders_are_refused_when_re_chunked() -> None:
     class Two(TinyLM):
         def __init__(self, sizes: tuple[int, int]) -> None:
             super().__init__(n_samples=32)
@@ -328,13 +337,15 @@ def test_train_loaders_of_different_batch_sizes_are_refused_when_re_chunked() ->
 
     environ = dict(os.environ)
     try:
-        with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders with different batch sizes \(4, 8\).*HINT"):
+        with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders \(batch sizes 4, 8\).*HINT"):
             L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 8)))
-        for sizes, strategy, m in (((4, 8), DPGAStrategy(), {4, 8}), ((4, 4), DPGAStrategy(micro_batch_size=2), {2})):  # as they are; one size
-            model = Two(sizes)
-            trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1))
-            trainer.fit(model)
-            assert set(model.micro_batch_sizes) == m and trainer.global_step == 8  # 8 loader batches of 4 in the longer loader
+        # one batch size is no better: one re-chunking cannot weigh and count two loaders' batches
+        with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders \(batch sizes 4, 4\).*HINT"):
+            L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 4)))
+        model = Two((4, 8))  # each loader as it is: nothing re-chunked
+        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(), devices=1, max_epochs=1))
+        trainer.fit(model)
+        assert set(model.micro_batch_sizes) == {4, 8} and trainer.global_step == 8  # 8 loader batches of 4 in the longer loader
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -399,3 +410,76 @@ def test_labels_with_ignored_tokens_are_warned_about_when_re_chunked() -> None:
             micro = list(_MicroBatchLoader(batches, 4))
         assert [len(b["labels"]) for b in micro] == [4] * 4
         assert sum("labels hold -100" in str(w.message) for w in caught) == expected
+
+
+class _Regression(L.LightningModule):
+    """A linear regression over 80 samples in loader batches of 8 that records where it trains and validates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+        self.trained: list[tuple[int, int]] = []
+        self.validated_at: list[tuple[int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trained.append((self.current_epoch, batch[0].shape[0]))
+        return torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1]))
+
+    def on_validation_start(self) -> None:
+        self.validated_at.append((self.current_epoch, self.global_step))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(80, 4, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 1)), batch_size=4)
+
+
+def test_a_fit_resumed_from_a_checkpoint_saved_at_a_validation_does_not_train_again(tmp_path: Any) -> None:
+    """ModelCheckpoint saves at the end of the epoch's last validation; on resume Lightning asks, before any batch, whether
+    that position was a validation point (with m = 16 over batches of 8 the rounded interval said no, and the fit trained
+    one micro-batch and one optimizer step more than the user's). A time-based val_check_interval runs (it crashed)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    environ = dict(os.environ)
+    settings = dict(val_check_interval=5, check_val_every_n_epoch=None, accumulate_grad_batches=2)
+    try:
+        runs = {}
+        for name, make in (("plain", lambda: "ddp"), ("dp_ga", lambda: DPGAStrategy(micro_batch_size=16))):  # ddp: the same sampler
+            ckpt = tmp_path / name
+            first = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, default_root_dir=str(tmp_path), **settings,
+                                                callbacks=[ModelCheckpoint(dirpath=ckpt, filename="e", every_n_epochs=1)], strategy=make()))
+            first.fit(_Regression())
+            model = _Regression()
+            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, **settings, strategy=make()))
+            trainer.fit(model, ckpt_path=str(ckpt / "e.ckpt"))
+            runs[name] = (model.trained[0], sum(n for _, n in model.trained), trainer.global_step, cpu_state(model))
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        (p_first, p_samples, p_steps, p_state), (d_first, d_samples, d_steps, d_state) = runs["plain"], runs["dp_ga"]
+        assert d_first[0] == p_first[0] == 1 and d_samples == p_samples == 80 and d_steps == p_steps == 10, runs
+        torch.testing.assert_close(d_state, p_state, rtol=1e-5, atol=1e-6)
+        timed = []
+        for strategy in ("ddp", DPGAStrategy(micro_batch_size=4)):
+            model = _Regression()
+            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, val_check_interval={"seconds": 60}, strategy=strategy))
+            trainer.fit(model)
+            timed.append((trainer.global_step, model.validated_at, cpu_state(model)))
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        assert timed[0][:2] == timed[1][:2] and timed[1][0] == 10, timed
+        torch.testing.assert_close(timed[1][2], timed[0][2], rtol=1e-5, atol=1e-6)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
