@@ -24,7 +24,6 @@ import sys
 import warnings
 from typing import Any
 
-
 __all__ = ["add_parser", "run", "torchrun_command"]
 
 
@@ -248,8 +247,9 @@ def run(args: argparse.Namespace) -> int:
                   "datamodule": args.datamodule, "datamodule_args": dm_args},
         )
         if rank != 0 and result["stopped"] and args.out:
-            # A rank failed alone and the runs stopped: rank 0 may be the one left waiting (NCCL), so every rank that
-            # got here keeps the plans measured so far (the same records; each file is replaced whole).
+            # A rank failed alone and the runs stopped. The rank left waiting in a collective is freed only when this
+            # process ends, so this rank keeps the plans measured so far (rank 0, once freed, writes the same records
+            # over them and reports) and then ends with status 0: a non-zero one would have torchrun end rank 0 first.
             write_text_atomic(args.out, json.dumps(result, indent=1))
             print(f"distplan bench: rank {rank} wrote the plans run before the stop to {args.out}", flush=True)
         if rank == 0:
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
     if result["stopped"]:
         print(f"distplan bench: error: {result['stopped']}", file=sys.stderr)
-        return 2
+        return 2 if rank == 0 else 0
     if not result["summary"]["n_measured"]:  # every plan failed: the report says why, the exit status says it failed
         if rank == 0:
             print("distplan bench: no plan produced a measurement (each plan's error is in the report).", file=sys.stderr)

@@ -212,8 +212,8 @@ def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str)
 
 
 def _leave_group() -> None:
-    """End every process group of this process: a rank still blocked in a collective of the default group then
-    gets an error (gloo: the connection closes) instead of waiting for the group's timeout."""
+    """End every process group of this process once the runs stopped (a rank still blocked in one of its collectives
+    is freed only when this process ends: the strategies' objects keep the connections open until then)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -477,10 +477,11 @@ def run_bench(
                                 warmup=warmup)
         except BenchError as err:
             # A rank failed alone and the others wait in a collective: no further plan can run in this group. The
-            # group goes (which, on gloo, also ends the others' wait), and the plans measured so far are the result.
+            # group goes (no collective runs after this), and the plans measured so far are the result.
             stopped.append(str(err))
-            own = f" (rank {rank}: {mine['error']})" if mine["error"] else ""
-            got = combine_ranks([{**mine, "error": f"did not finish on every rank within {rank_timeout_s:g} s{own}"}], warmup=warmup)
+            # the same text on every rank (whichever writes the result): each rank's own error is in its log
+            got = combine_ranks([{**mine, "error": f"did not finish on every rank within {rank_timeout_s:g} s (one rank failed alone; "
+                                  "each rank's error is in the log)"}], warmup=warmup)
             _leave_group()
         walls[i] += time.perf_counter() - t0
         shown = "failed: " + str(got["error"]) if got["error"] else (

@@ -64,7 +64,10 @@ def format_table(result: Mapping[str, Any]) -> str:
         )
     s = result["summary"]
     if result.get("stopped"):
-        lines += ["", "STOPPED EARLY: " + str(result["stopped"]).split(" HINT:")[0], "the verdict below covers the plans run before the stop"]
+        during = [r["rank"] for r in result["plans"] if r.get("confirm_error")]
+        lines += ["", "STOPPED EARLY: " + str(result["stopped"]).split(" HINT:")[0],
+                  "the verdict below covers the plans run before the stop" + (
+                      f"; it came in the confirmation passes (rank {during[0]} failed there), which give no verdict" if during else "")]
     lines += [
         "",
         "* = planner's pick (best-ranked plan that was run), ! = measured best"

@@ -66,24 +66,36 @@ def find_batch_size(batch: Any) -> int | None:
 
 
 class BatchSizer:
-    """:func:`find_batch_size` over the batches of one loader: the tensor that holds ``expected`` rows in the first
-    batch (the loader's batch size, when known; else the one :func:`find_batch_size` reads) gives the size of every
-    later batch, the epoch's short last one included, where a count among tensors could pick per-batch constants."""
+    """:func:`find_batch_size` over the batches of one loader.
+
+    The first batch names the tensors that hold its size (``expected`` rows, the loader's batch size,
+    when any tensor has them; else :func:`find_batch_size`'s). A later batch's size is theirs where
+    they agree; where they do not (the epoch's short last batch), the ones whose size changed are
+    the per-sample ones (a per-batch constant keeps its length), and only they are read from then on.
+    So a constant that happens to have the batch's length cannot stand for the batch, and constants
+    cannot outvote the data in a short batch.
+    """
 
     def __init__(self, expected: int | None = None) -> None:
         self.expected = expected
-        self.path: tuple | None = None
+        self.first: int | None = None
+        self.paths: list[tuple] = []
 
     def __call__(self, batch: Any) -> int | None:
-        if self.path is not None:
-            tensor = _at(batch, self.path)
-            if isinstance(tensor, Tensor) and tensor.dim() > 0:
-                return int(tensor.shape[0])
+        if self.paths:
+            present = {path: int(t.shape[0]) for path in self.paths if isinstance(t := _at(batch, path), Tensor) and t.dim() > 0}
+            sizes = set(present.values())
+            if len(sizes) == 1:
+                return sizes.pop()
+            changed = {path: n for path, n in present.items() if n != self.first}
+            if len(set(changed.values())) == 1:
+                self.paths = list(changed)
+                return next(iter(changed.values()))
         sized = _sized(batch)
         if not sized:
             return None
         n = self.expected if any(size == self.expected for _, size in sized) else _most_shared(sized)
-        self.path = next(path for path, size in sized if size == n)
+        self.first, self.paths = n, [path for path, size in sized if size == n]
         return n
 
 

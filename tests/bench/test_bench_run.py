@@ -199,11 +199,12 @@ def test_a_plan_failing_on_one_rank_stops_the_bench_within_the_rank_timeout(tmp_
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
     assert "did not finish on every rank within 10 s" in errors[0] and "HINT" in errors[0] and "--rank-timeout" in errors[0]
     assert "failed on rank 1: OutOfMemoryError: CUDA out of memory (simulated, rank 1 only)" in res.stderr
+    assert "STOPPED EARLY: Plan" in res.stdout  # rank 0 reported (rank 1 ended with status 0 so torchrun did not end it first)
     result = json.loads(out.read_text())
     assert result["stopped"] == errors[0].removeprefix("distplan bench: error: ")
     first, second = result["plans"]
     assert first["error"] is None and first["measured_step_time_s"] > 0
-    assert second["measured_step_time_s"] is None and second["error"].startswith("did not finish on every rank within 10 s")
+    assert second["measured_step_time_s"] is None and second["error"].startswith("did not finish on every rank within 10 s (one rank failed alone")
     assert result["summary"]["n_measured"] == 1 and not list(tmp_path.glob(".bench.json.*.tmp"))
 
 

@@ -291,6 +291,12 @@ def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole()
     sizer = BatchSizer(expected=8)
     assert [sizer({"x": torch.randn(n, 4), **constants}) for n in (8, 8, 4)] == [8, 8, 4]
     assert find_batch_size({"x": torch.randn(4, 4), **constants}) == 3  # what a count alone reads
+    # a constant as long as the full batch, listed first, does not stand for the batch: in the short batch the tensors
+    # whose length changed are the per-sample ones, and only they are read from then on
+    sizer = BatchSizer(expected=4)
+    weights = torch.ones(4)
+    assert [sizer({"class_weights": weights, "x": torch.randn(n, 1), "y": torch.randn(n)}) for n in (4, 4, 2, 4)] == [4, 4, 2, 4]
+    assert sizer.paths == [("x",), ("y",)]
     rows: list[tuple[int, int]] = []
 
     class Weighted(L.LightningModule):
