@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -31,6 +32,9 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 import lightning_distplan  # noqa: F401  (registers "auto_plan", "dp_ga", "gpipe", "1f1b")
 from lightning_distplan.callbacks import StepTimeMonitor
 from lightning_distplan.demos import RandomTokenData
+
+# Lightning 2.6 calls a torch.utils._pytree check that torch 2.14 deprecates: nothing this demo's reader can act on.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
 class DemoTransformer(LightningTransformer):
