@@ -450,8 +450,19 @@ class Rechunking:
             self._weight = 1.0
             return
         self._weight, ends = self._loader.next_batch()
-        if ends is not None and self._val_every is not None and self._per_user_batch is not None:
+        if ends is None or self._per_user_batch is None or self._trainer is None:
+            return
+        trainer = self._trainer
+        loop = trainer.fit_loop.epoch_loop
+        if self._done_total is None:  # the fit's first batch (a resumed fit continues Lightning's counts, in micro-batches)
+            self._done_total = int(loop.total_batch_idx * self._per_user_batch)
+        if self._epoch_seen != trainer.current_epoch:
+            self._epoch_seen = trainer.current_epoch
+            self._done_epoch = int(loop.batch_idx * self._per_user_batch)
+        if self._val_every is not None:
             self._steer_validation(ends)
+        self._done_epoch += ends  # the user's loader batches this micro-batch completes (what a checkpoint counts)
+        self._done_total += ends
 
     def steer_restart(self) -> None:
         """At ``on_train_start``: a fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was
@@ -488,18 +499,12 @@ class Rechunking:
         if not self._steer:
             return
         loop = trainer.fit_loop.epoch_loop
-        if self._done_total is None:  # the fit's first batch (a resumed fit continues Lightning's counts, in micro-batches)
-            self._done_total = int(loop.total_batch_idx * self._per_user_batch)
-        if self._epoch_seen != trainer.current_epoch:
-            self._epoch_seen = trainer.current_epoch
-            self._done_epoch = int(loop.batch_idx * self._per_user_batch)
         by_epoch = trainer.check_val_every_n_epoch is not None
         done = self._done_epoch if by_epoch else self._done_total
+        assert done is not None
         validate = any((done + k) % self._val_every == 0 for k in range(1, ends + 1))
         index = loop.batch_idx if by_epoch else loop.total_batch_idx
         trainer.val_check_batch = index + 1 if validate else index + 2
-        self._done_epoch += ends
-        self._done_total += ends
 
     def weigh(self, output: Any) -> Any:
         """``training_step``'s output, its loss weighted as the user's run weighs those samples."""
@@ -532,8 +537,17 @@ class Rechunking:
             return
         loops = checkpoint.get("loops", {}).get("fit_loop", {})
         progress = loops.get("epoch_loop.batch_progress")
-        if isinstance(progress, dict):
+        if not isinstance(progress, dict):
+            return
+        if self._done_total is not None and self._epoch_seen == self._trainer_epoch():
+            # the loader batches that ended in this fit's micro-batches: a linear scale rounds an epoch that ends in a
+            # short batch (fewer micro-batches than the others) down to one batch short of its end
+            loops["epoch_loop.batch_progress"] = _progress_at(progress, current=self._done_epoch, total=self._done_total)
+        else:
             loops["epoch_loop.batch_progress"] = _scale_progress(progress, self._per_user_batch)
+
+    def _trainer_epoch(self) -> int | None:
+        return None if self._trainer is None else self._trainer.current_epoch
 
 
 PROGRESS_KEY = "distplan_progress_units"
@@ -558,6 +572,20 @@ def _scale_progress(progress: dict[str, Any], factor: Fraction, into: Any = None
     if into is not None:
         into.load_state_dict(scaled)
     return scaled
+
+
+def _progress_at(progress: dict[str, Any], *, current: int, total: int) -> dict[str, Any]:
+    """Lightning's batch-progress counters set to ``current`` batches in the epoch and ``total`` in all, keeping the
+    lag of ``completed`` behind ``processed`` (1 for a checkpoint saved at a batch's end, see :func:`_scale_progress`)."""
+
+    def at(counts: dict[str, int], n: int) -> dict[str, int]:
+        out = {k: n for k in counts}
+        if "completed" in counts and "processed" in counts and counts["processed"] - counts["completed"] == 1:
+            out["completed"] = n - 1
+        return out
+
+    return {key: at(value, current if key == "current" else total) if key in ("total", "current") and isinstance(value, dict) else value
+            for key, value in progress.items()}
 
 
 def check_ddp_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:

@@ -489,3 +489,46 @@ def test_a_fit_resumed_from_a_checkpoint_saved_at_a_validation_does_not_train_ag
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
+
+
+class _ShortTail(_Regression):
+    """76 samples: nine batches of 8 and one of 4 (with m = 2, four micro-batches each and two for the last)."""
+
+    def train_dataloader(self) -> Any:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(76, 4, generator=g)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def test_a_checkpoint_at_the_end_of_an_epoch_with_a_short_last_batch_resumes_at_the_next_epoch(tmp_path: Any) -> None:
+    """The epoch's progress in loader batches came from scaling the 38 micro-batches by 1/4: 9 of 10 batches, so the
+    resumed fit (under dp_ga or DDP alike) replayed a batch it had trained; it now counts the loader batches that ended."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    environ = dict(os.environ)
+    try:
+        runs = {}
+        for first, then in (("ddp", "ddp"), ("dp_ga", "dp_ga"), ("dp_ga", "ddp")):
+            make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=2)}
+            ckpt = tmp_path / f"{first}_{then}"
+            L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy=make[first](), default_root_dir=str(tmp_path),
+                                       callbacks=[ModelCheckpoint(dirpath=ckpt, filename="e", every_n_train_steps=10)])).fit(_ShortTail())
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            saved = torch.load(ckpt / "e.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+            model = _ShortTail()
+            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, strategy=make[then]()))
+            trainer.fit(model, ckpt_path=str(ckpt / "e.ckpt"))
+            runs[(first, then)] = (saved["ready"], model.trained[0][0], trainer.global_step, cpu_state(model))
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        reference = runs[("ddp", "ddp")]
+        assert reference[:3] == (10, 1, 20)  # all 10 batches done; the resumed fit starts in epoch 1
+        for key, run in runs.items():
+            assert run[:3] == reference[:3], (key, run[:3])
+            torch.testing.assert_close(run[3], reference[3], rtol=1e-5, atol=1e-6)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
