@@ -18,6 +18,17 @@ from lightning_distplan.strategies import DPGAStrategy
 from lightning_distplan.strategies.dp_ga import _rebatch, resolve_dp_ga_plan
 
 
+@pytest.fixture
+def single_process_group() -> Any:
+    """A one-process fit (devices=1 DDP) makes a process group and exports LOCAL_RANK / MASTER_PORT: leave neither behind."""
+    environ = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _counting_allreduce(state, bucket):  # noqa: ANN001, ANN202 — DDP checks real (non-string) annotations
     state["calls"] += 1
     return default_hooks.allreduce_hook(None, bucket)
@@ -276,7 +287,7 @@ def test_uneven_loader_batches_that_change_the_math_are_warned_about() -> None:
     assert _dp_ga_warnings([8, 8, 8], 8, 16) == []
 
 
-def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole() -> None:
+def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole(single_process_group: None) -> None:
     """The batch size is what most tensors share, so class weights listed first are not cut as the batch."""
     from lightning_distplan.profiling._batches import BatchSizer, find_batch_size
 
@@ -317,19 +328,12 @@ def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole()
             return torch.utils.data.DataLoader(data, batch_size=8, collate_fn=lambda items: {
                 "class_weights": torch.ones(3), "x": torch.stack([a for a, _ in items]), "y": torch.stack([b for _, b in items])})
 
-    environ = dict(os.environ)
-    try:
-        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1))
-        trainer.fit(Weighted())
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
+    trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1))
+    trainer.fit(Weighted())
     assert rows == [(2, 3)] * 8 and trainer.global_step == 2  # it stepped every 4 micro-batches of 2, weights whole
 
 
-def test_several_train_loaders_are_refused_when_re_chunked() -> None:
+def test_several_train_loaders_are_refused_when_re_chunked(single_process_group: None) -> None:
     class Two(TinyLM):
         def __init__(self, sizes: tuple[int, int]) -> None:
             super().__init__(n_samples=32)
@@ -341,22 +345,15 @@ def test_several_train_loaders_are_refused_when_re_chunked() -> None:
         def train_dataloader(self) -> Any:
             return {k: torch.utils.data.DataLoader(token_dataset(32), batch_size=n) for k, n in zip("ab", self.sizes)}
 
-    environ = dict(os.environ)
-    try:
-        with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders \(batch sizes 4, 8\).*HINT"):
-            L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 8)))
-        # one batch size is no better: one re-chunking cannot weigh and count two loaders' batches
-        with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders \(batch sizes 4, 4\).*HINT"):
-            L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 4)))
-        model = Two((4, 8))  # each loader as it is: nothing re-chunked
-        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(), devices=1, max_epochs=1))
-        trainer.fit(model)
-        assert set(model.micro_batch_sizes) == {4, 8} and trainer.global_step == 8  # 8 loader batches of 4 in the longer loader
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
+    with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders \(batch sizes 4, 8\).*HINT"):
+        L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 8)))
+    # one batch size is no better: one re-chunking cannot weigh and count two loaders' batches
+    with pytest.raises(InfeasiblePlanError, match=r"2 train dataloaders \(batch sizes 4, 4\).*HINT"):
+        L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1)).fit(Two((4, 4)))
+    model = Two((4, 8))  # each loader as it is: nothing re-chunked
+    trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(), devices=1, max_epochs=1))
+    trainer.fit(model)
+    assert set(model.micro_batch_sizes) == {4, 8} and trainer.global_step == 8  # 8 loader batches of 4 in the longer loader
 
 
 class _ValidatedAt(_Validated):
@@ -379,26 +376,19 @@ class _ValidatedAt(_Validated):
         (20, {"val_check_interval": 3, "check_val_every_n_epoch": None}),  # counted over epochs of 8, 8, 4
     ],
 )
-def test_validations_follow_the_users_batches_past_a_short_last_batch(n_samples: int, extra: dict[str, Any]) -> None:
+def test_validations_follow_the_users_batches_past_a_short_last_batch(n_samples: int, extra: dict[str, Any], single_process_group: None) -> None:
     """The short last batch holds fewer micro-batches than the others: the validation after it was lost (and a count
     over epochs drifted); each micro-batch now validates when the user's run validates after a batch ending in it."""
-    environ = dict(os.environ)
-    try:
-        runs = []
-        for strategy in (None, DPGAStrategy(micro_batch_size=4)):
-            model = _ValidatedAt(n_samples=n_samples, loader_batch=8, reference_sampler=strategy is None)
-            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=3, **({"strategy": strategy} if strategy else {}), **extra))
-            trainer.fit(model)
-            runs.append((model.validated_at, trainer.global_step, cpu_state(model)))
-            assert trainer.val_check_interval == extra["val_check_interval"]  # the user's setting, restored
-        (ref_at, ref_steps, ref_state), (at, steps, state) = runs
-        assert at == ref_at and steps == ref_steps and len(at) >= 3, (at, ref_at)
-        torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
+    runs = []
+    for strategy in (None, DPGAStrategy(micro_batch_size=4)):
+        model = _ValidatedAt(n_samples=n_samples, loader_batch=8, reference_sampler=strategy is None)
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=3, **({"strategy": strategy} if strategy else {}), **extra))
+        trainer.fit(model)
+        runs.append((model.validated_at, trainer.global_step, cpu_state(model)))
+        assert trainer.val_check_interval == extra["val_check_interval"]  # the user's setting, restored
+    (ref_at, ref_steps, ref_state), (at, steps, state) = runs
+    assert at == ref_at and steps == ref_steps and len(at) >= 3, (at, ref_at)
+    torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
 
 
 def test_labels_with_ignored_tokens_are_warned_about_when_re_chunked() -> None:
@@ -450,45 +440,38 @@ class _Regression(L.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4), torch.randn(4, 1)), batch_size=4)
 
 
-def test_a_fit_resumed_from_a_checkpoint_saved_at_a_validation_does_not_train_again(tmp_path: Any) -> None:
+def test_a_fit_resumed_from_a_checkpoint_saved_at_a_validation_does_not_train_again(tmp_path: Any, single_process_group: None) -> None:
     """ModelCheckpoint saves at the end of the epoch's last validation; on resume Lightning asks, before any batch, whether
     that position was a validation point (with m = 16 over batches of 8 the rounded interval said no, and the fit trained
     one micro-batch and one optimizer step more than the user's). A time-based val_check_interval runs (it crashed)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    environ = dict(os.environ)
     settings = dict(val_check_interval=5, check_val_every_n_epoch=None, accumulate_grad_batches=2)
-    try:
-        runs = {}
-        for name, make in (("plain", lambda: "ddp"), ("dp_ga", lambda: DPGAStrategy(micro_batch_size=16))):  # ddp: the same sampler
-            ckpt = tmp_path / name
-            first = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, default_root_dir=str(tmp_path), **settings,
-                                                callbacks=[ModelCheckpoint(dirpath=ckpt, filename="e", every_n_epochs=1)], strategy=make()))
-            first.fit(_Regression())
-            model = _Regression()
-            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, **settings, strategy=make()))
-            trainer.fit(model, ckpt_path=str(ckpt / "e.ckpt"))
-            runs[name] = (model.trained[0], sum(n for _, n in model.trained), trainer.global_step, cpu_state(model))
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        (p_first, p_samples, p_steps, p_state), (d_first, d_samples, d_steps, d_state) = runs["plain"], runs["dp_ga"]
-        assert d_first[0] == p_first[0] == 1 and d_samples == p_samples == 80 and d_steps == p_steps == 10, runs
-        torch.testing.assert_close(d_state, p_state, rtol=1e-5, atol=1e-6)
-        timed = []
-        for strategy in ("ddp", DPGAStrategy(micro_batch_size=4)):
-            model = _Regression()
-            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, val_check_interval={"seconds": 60}, strategy=strategy))
-            trainer.fit(model)
-            timed.append((trainer.global_step, model.validated_at, cpu_state(model)))
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        assert timed[0][:2] == timed[1][:2] and timed[1][0] == 10, timed
-        torch.testing.assert_close(timed[1][2], timed[0][2], rtol=1e-5, atol=1e-6)
-    finally:
+    runs = {}
+    for name, make in (("plain", lambda: "ddp"), ("dp_ga", lambda: DPGAStrategy(micro_batch_size=16))):  # ddp: the same sampler
+        ckpt = tmp_path / name
+        first = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, default_root_dir=str(tmp_path), **settings,
+                                            callbacks=[ModelCheckpoint(dirpath=ckpt, filename="e", every_n_epochs=1)], strategy=make()))
+        first.fit(_Regression())
+        model = _Regression()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, **settings, strategy=make()))
+        trainer.fit(model, ckpt_path=str(ckpt / "e.ckpt"))
+        runs[name] = (model.trained[0], sum(n for _, n in model.trained), trainer.global_step, cpu_state(model))
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
+    (p_first, p_samples, p_steps, p_state), (d_first, d_samples, d_steps, d_state) = runs["plain"], runs["dp_ga"]
+    assert d_first[0] == p_first[0] == 1 and d_samples == p_samples == 80 and d_steps == p_steps == 10, runs
+    torch.testing.assert_close(d_state, p_state, rtol=1e-5, atol=1e-6)
+    timed = []
+    for strategy in ("ddp", DPGAStrategy(micro_batch_size=4)):
+        model = _Regression()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, val_check_interval={"seconds": 60}, strategy=strategy))
+        trainer.fit(model)
+        timed.append((trainer.global_step, model.validated_at, cpu_state(model)))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert timed[0][:2] == timed[1][:2] and timed[1][0] == 10, timed
+    torch.testing.assert_close(timed[1][2], timed[0][2], rtol=1e-5, atol=1e-6)
 
 
 class _ShortTail(_Regression):
@@ -500,35 +483,28 @@ class _ShortTail(_Regression):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
 
-def test_a_checkpoint_at_the_end_of_an_epoch_with_a_short_last_batch_resumes_at_the_next_epoch(tmp_path: Any) -> None:
+def test_a_checkpoint_at_the_end_of_an_epoch_with_a_short_last_batch_resumes_at_the_next_epoch(tmp_path: Any, single_process_group: None) -> None:
     """The epoch's progress in loader batches came from scaling the 38 micro-batches by 1/4: 9 of 10 batches, so the
     resumed fit (under dp_ga or DDP alike) replayed a batch it had trained; it now counts the loader batches that ended."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    environ = dict(os.environ)
-    try:
-        runs = {}
-        for first, then in (("ddp", "ddp"), ("dp_ga", "dp_ga"), ("dp_ga", "ddp")):
-            make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=2)}
-            ckpt = tmp_path / f"{first}_{then}"
-            L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy=make[first](), default_root_dir=str(tmp_path),
-                                       callbacks=[ModelCheckpoint(dirpath=ckpt, filename="e", every_n_train_steps=10)])).fit(_ShortTail())
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-            saved = torch.load(ckpt / "e.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
-            model = _ShortTail()
-            trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, strategy=make[then]()))
-            trainer.fit(model, ckpt_path=str(ckpt / "e.ckpt"))
-            runs[(first, then)] = (saved["ready"], model.trained[0][0], trainer.global_step, cpu_state(model))
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        reference = runs[("ddp", "ddp")]
-        assert reference[:3] == (10, 1, 20)  # all 10 batches done; the resumed fit starts in epoch 1
-        for key, run in runs.items():
-            assert run[:3] == reference[:3], (key, run[:3])
-            torch.testing.assert_close(run[3], reference[3], rtol=1e-5, atol=1e-6)
-    finally:
+    runs = {}
+    for first, then in (("ddp", "ddp"), ("dp_ga", "dp_ga"), ("dp_ga", "ddp")):
+        make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=2)}
+        ckpt = tmp_path / f"{first}_{then}"
+        L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy=make[first](), default_root_dir=str(tmp_path),
+                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="e", every_n_train_steps=10)])).fit(_ShortTail())
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
+        saved = torch.load(ckpt / "e.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]
+        model = _ShortTail()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, strategy=make[then]()))
+        trainer.fit(model, ckpt_path=str(ckpt / "e.ckpt"))
+        runs[(first, then)] = (saved["ready"], model.trained[0][0], trainer.global_step, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    reference = runs[("ddp", "ddp")]
+    assert reference[:3] == (10, 1, 20)  # all 10 batches done; the resumed fit starts in epoch 1
+    for key, run in runs.items():
+        assert run[:3] == reference[:3], (key, run[:3])
+        torch.testing.assert_close(run[3], reference[3], rtol=1e-5, atol=1e-6)
