@@ -166,13 +166,14 @@ def _dist() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather(obj: Any) -> list[Any]:
+def _gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, over ``group`` (default: the default group); ``[obj]`` when not distributed."""
     import torch.distributed as dist
 
     if _dist()[1] == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -193,13 +194,10 @@ def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str)
         BenchError: a rank did not finish the run within ``timeout_s`` of this one, which is what a
             rank failing alone looks like (the others wait in a collective for it).
     """
-    import torch.distributed as dist
-
     if group is None:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(out, obj, group=group)
+        return _gather(obj, group)
     except RuntimeError:  # gloo: "Timed out waiting ...", or "Connection closed by peer" once a rank gave up
         # The same sentence on every rank (the launcher shows it once); each rank's own error was logged by measure_plan.
         raise BenchError(
@@ -208,7 +206,6 @@ def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str)
             hint="Leave this plan out by listing the planner ranks to run with --plans (e.g. --plans 1,2,4), "
             "or raise --rank-timeout if a rank is only slow (e.g. building a large model).",
         ) from None
-    return out
 
 
 def _leave_group() -> None:

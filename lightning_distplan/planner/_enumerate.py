@@ -196,18 +196,16 @@ def _pin_reason(
         if strategy not in strategies:
             return f"strategy {strategy!r} is not among the allowed strategies {list(strategies)}"
         if strategy != "dp_ga" and not profile.splittable:
-            return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+            return _unsplittable(profile.split_reason)
         if strategy != "dp_ga" and world_size < 2:
-            return "a pipeline needs at least 2 devices"
+            return _NEEDS_TWO
         if strategy != "dp_ga" and n_layers < 2:
             return f"the model has only {n_layers} pipeline layer{'s' if n_layers != 1 else ''}, so no pipeline of 2 or more stages"
-    if key == "dp" and (not isinstance(value, int) or value < 1 or world_size % value):
-        return f"dp must divide world_size {world_size}"
+    if key in ("dp", "pp") and (reason := _world_size_reason(key, value, world_size, name)):
+        return reason
     if key == "pp":
-        if not isinstance(value, int) or value < 1 or world_size % value:
-            return f"{name} must divide world_size {world_size}"
         if value > 1 and not profile.splittable:
-            return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+            return _unsplittable(profile.split_reason)
         if value > n_layers:
             return f"the profile has only {n_layers} layer{'s' if n_layers != 1 else ''}, so at most {n_layers} stage{'s' if n_layers != 1 else ''}"
     if key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches") and (
@@ -219,9 +217,9 @@ def _pin_reason(
         if not _valid_boundaries(b, n_layers):
             return f"boundaries must be strictly increasing layer indices in 1..{n_layers - 1}"
         if not profile.splittable:
-            return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
-        if world_size % (len(b) + 1):
-            return f"{len(b) + 1} stages do not divide world_size {world_size}"
+            return _unsplittable(profile.split_reason)
+        if reason := _world_size_reason(key, b, world_size, name):
+            return reason
     return f"no plan with B={global_batch_size} on {world_size} devices has it"
 
 
@@ -239,22 +237,36 @@ def check_pins_before_profiling(pins: dict[str, Any] | None, *, world_size: int,
     pins = _normalise_pins(pins)
     pipeline = pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("pp", 1) != 1 or "stage_boundaries" in pins
 
-    def refuse(key: str, reason: str) -> None:
-        value = pins[key]
-        shown = list(value) if key == "stage_boundaries" else value
-        raise InfeasiblePlanError(f"The pin {names[key]}={shown!r} is impossible: {reason}.", hint="Drop or change that pin.")
-
-    for key in ("dp", "pp"):
-        if key in pins and world_size % pins[key]:
-            refuse(key, f"{names[key]} must divide world_size {world_size}")
-    if "stage_boundaries" in pins and world_size % (len(pins["stage_boundaries"]) + 1):
-        refuse("stage_boundaries", f"{len(pins['stage_boundaries']) + 1} stages do not divide world_size {world_size}")
+    for key in ("dp", "pp", "stage_boundaries"):
+        if key in pins and (reason := _world_size_reason(key, pins[key], world_size, names[key])):
+            raise _impossible_pin(names[key], pins[key], reason)
     if pipeline:
         key = next(k for k in ("strategy", "schedule", "pp", "stage_boundaries") if k in pins and (k != "pp" or pins[k] != 1))
         if world_size < 2:
-            refuse(key, "a pipeline needs at least 2 devices")
+            raise _impossible_pin(names[key], pins[key], _NEEDS_TWO)
         if split_reason is not None:
-            refuse(key, f"the model cannot be split into pipeline stages ({split_reason})")
+            raise _impossible_pin(names[key], pins[key], _unsplittable(split_reason))
+
+
+_NEEDS_TWO = "a pipeline needs at least 2 devices"
+
+
+def _unsplittable(split_reason: str | None) -> str:
+    return f"the model cannot be split into pipeline stages ({split_reason or 'no PipelineSpec'})"
+
+
+def _world_size_reason(key: str, value: Any, world_size: int, name: str) -> str | None:
+    """Why a ``dp`` / ``pp`` / ``stage_boundaries`` pin cannot fit ``world_size`` devices, or None."""
+    if key in ("dp", "pp") and (not isinstance(value, int) or value < 1 or world_size % value):
+        return f"{name} must divide world_size {world_size}"
+    if key == "stage_boundaries" and world_size % (len(value) + 1):
+        return f"{len(value) + 1} stages do not divide world_size {world_size}"
+    return None
+
+
+def _impossible_pin(name: str, value: Any, reason: str) -> InfeasiblePlanError:
+    shown = list(value) if isinstance(value, tuple) else value  # stage boundaries, normalised to a tuple
+    return InfeasiblePlanError(f"The pin {name}={shown!r} is impossible: {reason}.", hint="Drop or change that pin.")
 
 
 def _valid_boundaries(b: tuple[int, ...], n_layers: int) -> bool:
@@ -336,12 +348,8 @@ def enumerate_plans(
         )
     for key, value in pins.items():
         name = names[key]
-        if key == "stage_boundaries" and not _valid_boundaries(value, len(profile.layers)):
-            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies, name)
-            raise InfeasiblePlanError(f"The pin {name}={list(value)!r} is impossible: {reason}.", hint="Drop or change that pin.")
-        if not any(_matches(plan, key, value) for plan in plans):
-            reason = _pin_reason(key, value, profile, world_size, global_batch_size, strategies, name)
-            raise InfeasiblePlanError(f"The pin {name}={value!r} is impossible: {reason}.", hint="Drop or change that pin.")
+        if (key == "stage_boundaries" and not _valid_boundaries(value, len(profile.layers))) or not any(_matches(plan, key, value) for plan in plans):
+            raise _impossible_pin(name, value, _pin_reason(key, value, profile, world_size, global_batch_size, strategies, name))
     chosen = [plan for plan in plans if all(_matches(plan, k, v) for k, v in pins.items())]
     if not chosen:
         pinned = ", ".join(f"{names[k]}={v!r}" for k, v in pins.items())

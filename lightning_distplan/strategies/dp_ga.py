@@ -51,7 +51,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from lightning.fabric.utilities.data import sized_len
@@ -556,36 +556,32 @@ PROGRESS_KEY = "distplan_progress_units"
 
 def _scale_progress(progress: dict[str, Any], factor: Fraction, into: Any = None) -> dict[str, Any]:
     """Lightning's batch-progress counters times ``factor`` (rounded down: a partly accumulated step runs again).
-
-    A checkpoint saved at a batch's end (ModelCheckpoint) has ``completed = processed − 1``, which
-    tells Lightning to count that batch as done on resume; the scaled counters keep that relation.
-    With ``into`` (a live ``_BatchProgress``) the result is loaded into it as well.
-    """
-
-    def scale(counts: dict[str, int]) -> dict[str, int]:
-        out = {k: int(v * factor) for k, v in counts.items()}
-        if "completed" in counts and "processed" in counts and counts["processed"] - counts["completed"] == 1:
-            out["completed"] = out["processed"] - 1
-        return out
-
-    scaled = {key: scale(value) if key in ("total", "current") and isinstance(value, dict) else value for key, value in progress.items()}
+    With ``into`` (a live ``_BatchProgress``) the result is loaded into it as well."""
+    scaled = _recount_progress(progress, lambda _, count: int(count * factor))
     if into is not None:
         into.load_state_dict(scaled)
     return scaled
 
 
 def _progress_at(progress: dict[str, Any], *, current: int, total: int) -> dict[str, Any]:
-    """Lightning's batch-progress counters set to ``current`` batches in the epoch and ``total`` in all, keeping the
-    lag of ``completed`` behind ``processed`` (1 for a checkpoint saved at a batch's end, see :func:`_scale_progress`)."""
+    """Lightning's batch-progress counters set to ``current`` batches in the epoch and ``total`` in all."""
+    return _recount_progress(progress, lambda key, _: current if key == "current" else total)
 
-    def at(counts: dict[str, int], n: int) -> dict[str, int]:
-        out = {k: n for k in counts}
+
+def _recount_progress(progress: dict[str, Any], count: Callable[[str, int], int]) -> dict[str, Any]:
+    """``progress`` with each counter of its ``"total"`` and ``"current"`` parts replaced by ``count(part, counter)``.
+
+    A checkpoint saved at a batch's end (ModelCheckpoint) has ``completed = processed − 1``, which
+    tells Lightning to count that batch as done on resume; the new counters keep that relation.
+    """
+
+    def recount(part: str, counts: dict[str, int]) -> dict[str, int]:
+        out = {k: count(part, v) for k, v in counts.items()}
         if "completed" in counts and "processed" in counts and counts["processed"] - counts["completed"] == 1:
-            out["completed"] = n - 1
+            out["completed"] = out["processed"] - 1
         return out
 
-    return {key: at(value, current if key == "current" else total) if key in ("total", "current") and isinstance(value, dict) else value
-            for key, value in progress.items()}
+    return {key: recount(key, value) if key in ("total", "current") and isinstance(value, dict) else value for key, value in progress.items()}
 
 
 def check_ddp_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
@@ -720,7 +716,8 @@ class _MicroBatchLoader:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
         expected = loader_batch_size(self._loader)
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        for batch, share, sources, ends in _rebatch_with_shares(self._watch_labels(self._batches()), self.micro_batch_size, expected):
+        for batch, pieces in _rebatch_pieces(self._watch_labels(self._batches()), self.micro_batch_size, expected):
+            sources = [(i, n) for i, n, _, _ in pieces]
             if expected is None:
                 expected = sources[0][1]
             odd = odd or next(((i, n) for i, n in sources if n != expected), None)
@@ -734,7 +731,7 @@ class _MicroBatchLoader:
                                 f"({odd[1] if odd else '?'} samples) to those of a full batch, and weighs them alike, where a run of "
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
-            self._weights.append((self._weight * share, ends))
+            self._weights.append((self._weight * _share(pieces), _ends(pieces)))
             yield batch
 
     def _watch_labels(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -803,46 +800,45 @@ def _batch_n(batch: Any, sizer: BatchSizer | None = None) -> int:
 
 def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
     """Yield the samples of ``batches`` in order, ``m`` at a time (the last one may be shorter)."""
-    for batch, *_ in _rebatch_with_shares(batches, m):
+    for batch, _ in _rebatch_pieces(batches, m):
         yield batch
 
 
-def _rebatch_with_shares(
-    batches: Iterable[Any], m: int, expected: int | None = None
-) -> Iterator[tuple[Any, float, tuple[tuple[int, int], ...], int]]:
-    """:func:`_rebatch`, with each micro-batch's share of loader batches, Σ (its samples from batch b) / (size of b),
-    where its samples come from (``(index of the loader batch in this pass, that batch's size)`` per piece), and
-    how many loader batches end in it (their last sample is in it). ``expected``: the loader's batch size, which
+Piece = tuple[int, int, int, int]
+"""Where some of a micro-batch's samples come from: (index of the loader batch in this pass, its size, first, end)."""
+
+
+def _rebatch_pieces(batches: Iterable[Any], m: int, expected: int | None = None) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
+    """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
     tells the batch dimension from per-batch constants (:class:`BatchSizer`)."""
     sizer = BatchSizer(expected)
-    pending: list[Any] = []
-    sizes: list[int] = []
-    sources: list[tuple[int, int]] = []
-    pending_n = pending_ends = 0
-    pending_share = 0.0
+    pending: list[tuple[Any, Piece]] = []  # (samples, where they come from)
+    have = 0
     for i, batch in enumerate(batches):
         n = _batch_n(batch, sizer)
-        if not pending_n and n == m:
-            yield batch, 1.0, ((i, n),), 1  # the common case: nothing to do
-            continue
         offset = 0
-        if pending_n:
-            take = min(m - pending_n, n)
-            pending.append(slice_samples(batch, 0, take, n))
-            sizes.append(take)
-            sources.append((i, n))
-            pending_n += take
-            pending_ends += take == n
-            pending_share += take / n
-            offset = take
-            if pending_n < m:
-                continue
-            yield concat_samples(pending, sizes), pending_share, tuple(sources), pending_ends
-            pending, sizes, sources, pending_n, pending_ends, pending_share = [], [], [], 0, 0, 0.0
-        while n - offset >= m:
-            yield slice_samples(batch, offset, offset + m, n), m / n, ((i, n),), int(offset + m == n)  # a view, no copy
-            offset += m
-        if offset < n:  # the rest of this batch, which ends it, starts the next micro-batch
-            pending, sizes, sources, pending_n, pending_ends, pending_share = [slice_samples(batch, offset, n, n)], [n - offset], [(i, n)], n - offset, 1, (n - offset) / n
-    if pending_n:
-        yield concat_samples(pending, sizes), pending_share, tuple(sources), pending_ends
+        while offset < n:
+            take = min(m - have, n - offset)
+            samples = batch if take == n else slice_samples(batch, offset, offset + take, n)  # a slice is a view, no copy
+            pending.append((samples, (i, n, offset, offset + take)))
+            have += take
+            offset += take
+            if have == m:
+                yield _joined(pending), tuple(piece for _, piece in pending)
+                pending, have = [], 0
+    if pending:
+        yield _joined(pending), tuple(piece for _, piece in pending)
+
+
+def _joined(pending: list[tuple[Any, Piece]]) -> Any:
+    return concat_samples([samples for samples, _ in pending], [end - first for _, (_, _, first, end) in pending])
+
+
+def _share(pieces: Iterable[Piece]) -> float:
+    """A micro-batch's share of loader batches: Σ (its samples from batch b) / (size of b)."""
+    return sum((end - first) / n for _, n, first, end in pieces)
+
+
+def _ends(pieces: Iterable[Piece]) -> int:
+    """How many loader batches end in a micro-batch (their last sample is in it)."""
+    return sum(end == n for _, n, _, end in pieces)
