@@ -39,6 +39,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
+from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, accumulation_scheduled, loader_batch_size
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class PlanningCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        destroy_process_groups_at_exit()  # under the user's gloo DDP too (Lightning destroys NCCL groups only)
         self._fit_start = time.perf_counter()
         if isinstance(trainer.strategy, DPGAStrategy):
             raise InfeasiblePlanError(

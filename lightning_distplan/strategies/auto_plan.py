@@ -44,6 +44,7 @@ from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import satisfies_pins
 from lightning_distplan.strategies._auto_concrete import build_concrete
+from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     choose_plan,
@@ -221,6 +222,7 @@ class AutoPlanStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        destroy_process_groups_at_exit()
         module = self.lightning_module
         trainer = None if module is None else module._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:

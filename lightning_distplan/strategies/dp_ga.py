@@ -71,6 +71,7 @@ from lightning_distplan.strategies._checkpoint import (
     optimizer_state_by_name,
     stored_plan,
 )
+from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 
 if TYPE_CHECKING:
@@ -147,6 +148,7 @@ class DPGAStrategy(DDPStrategy):
         if self._requested_plan is not None:
             _check_plan(self._requested_plan, self.world_size)  # fail before the process group exists
         super().setup_environment()
+        destroy_process_groups_at_exit()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

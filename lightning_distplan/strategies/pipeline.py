@@ -80,6 +80,7 @@ from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
+from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import (
     OptimizerIndex,
     StateOwnership,
@@ -273,6 +274,11 @@ class PipelineStrategy(DDPStrategy):
             self._launcher = _PipelineMultiProcessingLauncher(self, start_method=self._start_method)
 
     # ------------------------------------------------------------------ setup
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_groups_at_exit()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
