@@ -128,6 +128,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     except BaseException:
         errors.put((rank, traceback.format_exc()))
         raise
+    finally:  # a gloo group left to interpreter shutdown can abort the process (see test_process_group_exit.py)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def run_processes(fn: Callable[..., Any], world: int, *args: Any) -> None:
