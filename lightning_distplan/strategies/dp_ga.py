@@ -39,6 +39,8 @@ larger than the loader batch, or not dividing it) gets the right total weight sp
 its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
 batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
 later micro-batch against the user's batches, so the steps no longer follow them: warned once too.
+Checkpoints count the epoch's progress in loader batches, and a fit resumed mid-epoch trains the
+loader batches a plain run trains there (Lightning replays a loader without state from its start).
 The ``batch_idx`` that hooks receive counts micro-batches.
 """
 
@@ -406,6 +408,8 @@ class Rechunking:
         self._done_total: int | None = None  # the user's loader batches trained in this fit (all epochs)
         self._done_epoch = 0  # ... and in this epoch
         self._epoch_seen: int | None = None
+        self._whole_epoch: int | None = None  # Lightning's count of an epoch's batches, set back at a resumed epoch's end
+        self._val_check_next: int | None = None  # ... and its val_check_batch, set back after that
 
     def remember(self, trainer: pl.Trainer) -> None:
         # Lightning has no val_check_interval attribute when it is a time ("00:00:05:00", a dict): nothing to convert then
@@ -427,10 +431,11 @@ class Rechunking:
         """
         self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
         self._loader = None
+        self._whole_epoch = self._val_check_next = None
         loader_batch = loader_batch_size(dataloader)
         self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
-        if self._resumed:
-            self._resumed = False
+        resuming, self._resumed = self._resumed, False
+        if resuming:
             # the checkpoint's units: loader batches, or (written before the marker) micro-batches of a dp_ga plan
             saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
             if self._per_user_batch is not None and saved != self._per_user_batch:
@@ -444,7 +449,34 @@ class Rechunking:
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
             _count_in_micro_batches(trainer, loader_batch, m, limit=limit, interval=interval, micro_batches=sized_len(self._loader))
+            if resuming and cls is None:  # start_batch follows the micro-batches of this loader (not a pipeline's)
+                self._resume_in_place(trainer, dataloader, loader_batch, m, limit)
         return self._loader
+
+    def _resume_in_place(self, trainer: pl.Trainer, dataloader: object, loader_batch: int, m: int, limit: int | None) -> None:
+        """Resumed mid-epoch, train the user's loader batches a run of their loader trains there.
+
+        Lightning replays the epoch's remaining count of batches from the loader's start (the loader cannot resume
+        in place). The user's run thus trains its first ``n - done`` loader batches, all full. Counted in micro-batches,
+        the epoch's remaining count falls short of those by what the epoch's short last batch lacks. So this one epoch
+        stops after those loader batches, and Lightning counts it as ``done`` micro-batches plus theirs;
+        :meth:`start_batch` sets Lightning's count back at its last batch.
+        """
+        assert self._loader is not None
+        n, whole = sized_len(dataloader), sized_len(self._loader)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this plan's micro-batches
+        if n is None or whole is None or not done:
+            return
+        n = n if limit is None else min(n, limit)
+        done_batches = Fraction(done * m, loader_batch)
+        if done_batches.denominator != 1 or not 0 < done_batches < n:
+            return  # not at a loader batch's end, or at the epoch's: nothing to replay
+        left = n - int(done_batches)
+        length = done + math.ceil(left * loader_batch / m)
+        whole = _lightning_batches(whole, trainer.limit_train_batches)
+        if length > whole:
+            self._loader.resume_epoch(left, length)
+            self._whole_epoch = whole
 
     def start_batch(self) -> None:
         """Called at each ``on_train_batch_start``: the micro-batch's loss weight, and whether to validate after it."""
@@ -456,6 +488,10 @@ class Rechunking:
             return
         trainer = self._trainer
         loop = trainer.fit_loop.epoch_loop
+        if self._val_check_next is not None:  # the first batch after a resumed epoch
+            trainer.val_check_batch, self._val_check_next = self._val_check_next, None
+        if self._whole_epoch is not None and loop.batch_progress.is_last_batch:
+            self._count_whole_epochs(trainer)
         if self._done_total is None:  # the fit's first batch (a resumed fit continues Lightning's counts, in micro-batches)
             self._done_total = int(loop.total_batch_idx * self._per_user_batch)
         if self._epoch_seen != trainer.current_epoch:
@@ -465,6 +501,16 @@ class Rechunking:
             self._steer_validation(ends)
         self._done_epoch += ends  # the user's loader batches this micro-batch completes (what a checkpoint counts)
         self._done_total += ends
+
+    def _count_whole_epochs(self, trainer: pl.Trainer) -> None:
+        """At a resumed epoch's last batch (see :meth:`_resume_in_place`): Lightning counts the next epochs' batches
+        from the whole epoch, and from the next batch on, the validation point of a fractional ``val_check_interval``
+        (1.0: the epoch's end; this epoch's is at its last batch still)."""
+        assert self._whole_epoch is not None
+        trainer.fit_loop.max_batches = self._whole_epoch
+        if isinstance(trainer.val_check_interval, float) and type(trainer.val_check_batch) is int:
+            self._val_check_next = max(1, int(self._whole_epoch * trainer.val_check_interval))
+        self._whole_epoch = None
 
     def steer_restart(self) -> None:
         """At ``on_train_start``: a fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was
@@ -615,6 +661,11 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _lightning_batches(length: int, limit: int | float) -> int:
+    """The batches Lightning trains per epoch from a loader of ``length`` batches under ``limit_train_batches``."""
+    return min(length, limit) if isinstance(limit, int) else int(length * limit)
+
+
 def _in_loader_batches(trainer: pl.Trainer, dataloader: object, replica_share: int) -> tuple[int | None, int | None]:
     """The user's ``limit_train_batches`` and ``val_check_interval`` as counts of this replica's loader batches.
 
@@ -710,15 +761,28 @@ class _MicroBatchLoader:
         self._limit_batches = limit_batches
         self._weights: deque[tuple[float, int]] = deque()  # (loss weight, loader batches ending in it) per micro-batch yielded
         self._warned: set[str] = set()  # a warning about uneven loader batches, once per fit
+        self._resume: tuple[int, int] | None = None  # a resumed epoch's (loader batches, length as Lightning counts it)
+        self._resume_began = False
+
+    def resume_epoch(self, loader_batches: int, length: int) -> None:
+        """The next epoch resumes one: it stops after ``loader_batches`` of the loader's batches, and has ``length``
+        batches for Lightning (those it trained before the checkpoint, then these)."""
+        self._resume, self._resume_began = (loader_batches, length), False
 
     def __iter__(self) -> Iterator[Any]:
-        return self._iterate()
+        if self._resume is not None and self._resume_began:
+            self._resume = None  # the epoch after the resumed one
+        limit = self._limit_batches
+        if self._resume is not None:
+            self._resume_began = True
+            limit = self._resume[0]
+        return self._iterate(limit)
 
-    def _iterate(self) -> Iterator[Any]:
+    def _iterate(self, limit: int | None) -> Iterator[Any]:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
         expected = loader_batch_size(self._loader)
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        for batch, pieces in _rebatch_pieces(self._watch_labels(self._batches()), self.micro_batch_size, expected):
+        for batch, pieces in _rebatch_pieces(self._watch_labels(self._batches(limit)), self.micro_batch_size, expected):
             sources = [(i, n) for i, n, _, _ in pieces]
             if expected is None:
                 expected = sources[0][1]
@@ -748,14 +812,14 @@ class _MicroBatchLoader:
                                 "per batch, or use micro_batch_size='auto'.")
             yield batch
 
+    def _batches(self, limit: int | None) -> Iterable[Any]:
+        """The loader's batches, the first ``limit`` of them when limited."""
+        return self._loader if limit is None else itertools.islice(self._loader, limit)
+
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
             rank_zero_warn(message)
-
-    def _batches(self) -> Iterable[Any]:
-        """The loader's batches, the first ``limit_batches`` of them when limited."""
-        return self._loader if self._limit_batches is None else itertools.islice(self._loader, self._limit_batches)
 
     def _samples(self) -> int:
         """Samples per epoch through :meth:`_batches`; TypeError (Lightning: not sized) when unknown."""
@@ -773,9 +837,11 @@ class _MicroBatchLoader:
         return (1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight), ends
 
     def __len__(self) -> int:
+        if self._resume is not None:
+            return self._resume[1]
         return math.ceil(self._samples() / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned"})
+    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began"})
 
     def __getattr__(self, name: str) -> Any:
         if name in _MicroBatchLoader._OWN:  # during unpickling, before __init__ ran

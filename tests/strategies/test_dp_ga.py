@@ -508,3 +508,32 @@ def test_a_checkpoint_at_the_end_of_an_epoch_with_a_short_last_batch_resumes_at_
     for key, run in runs.items():
         assert run[:3] == reference[:3], (key, run[:3])
         torch.testing.assert_close(run[3], reference[3], rtol=1e-5, atol=1e-6)
+
+def test_a_fit_resumed_mid_epoch_trains_the_users_remaining_batches_past_a_short_last_batch(tmp_path: Any, single_process_group: None) -> None:
+    """Resumed mid-epoch, Lightning replays the epoch's remaining count of batches from the loader's start. Counted in
+    micro-batches that count fell short by what the epoch's short last batch lacks: from a checkpoint at loader batch 8 of
+    10 (76 samples, m = 2), dp_ga trained 12 samples where DDP trains its first two batches (16) and stepped once less."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=2)}
+    runs = {}
+    for first, then in (("ddp", "ddp"), ("dp_ga", "dp_ga"), ("ddp", "dp_ga"), ("dp_ga", "ddp")):
+        ckpt = tmp_path / f"{first}_{then}"
+        L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy=make[first](), default_root_dir=str(tmp_path),
+                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="s", every_n_train_steps=8)])).fit(_ShortTail())
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        model = _ShortTail()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, strategy=make[then]()))
+        trainer.fit(model, ckpt_path=str(ckpt / "s.ckpt"))
+        in_epoch = [sum(n for e, n in model.trained if e == epoch) for epoch in (0, 1)]
+        runs[(first, then)] = (in_epoch, trainer.global_step, model.validated_at, trainer.num_training_batches, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    reference = runs[("ddp", "ddp")]
+    assert reference[:4] == ([16, 76], 20, [(0, 10), (1, 20)], 10)  # the first two loader batches again, then a whole epoch
+    for key, run in runs.items():
+        assert run[:3] == reference[:3], (key, run[:4])
+        torch.testing.assert_close(run[4], reference[4], rtol=1e-5, atol=1e-6)
+    # Lightning's count of an epoch (and so its validation at the epoch's end) is back to the whole epoch's micro-batches
+    assert runs[("dp_ga", "dp_ga")][3] == runs[("ddp", "dp_ga")][3] == 38
