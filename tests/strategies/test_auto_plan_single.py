@@ -204,7 +204,7 @@ def test_monitor_times_each_fit_afresh_and_leaves_validation_out(tmp_path: Path)
             return super().training_step(batch, batch_idx)
 
         def validation_step(self, batch: Any, batch_idx: int) -> Any:
-            time.sleep(0.15)
+            time.sleep(0.6)
             return super().validation_step(batch, batch_idx)
 
     monitor = StepTimeMonitor(warmup_steps=0)
@@ -216,7 +216,8 @@ def test_monitor_times_each_fit_afresh_and_leaves_validation_out(tmp_path: Path)
         )
         trainer.fit(Slow())
         assert [h["step"] for h in monitor.history] == list(range(1, steps + 1))
-        assert max(h["observed_s"] for h in monitor.history) < 0.12, monitor.history  # a 0.15 s validation was counted
+        # a step is ~0.03 s here; 0.45 s leaves a busy host room and still catches a 0.6 s validation counted in a step
+        assert max(h["observed_s"] for h in monitor.history) < 0.45, monitor.history
 
 
 def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
