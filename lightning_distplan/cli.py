@@ -71,6 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DistPlanError as err:
         print(f"distplan {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of our output went away (`distplan plan ... | head`): end quietly, as a killed writer does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 141
     except (ValueError, TypeError, LookupError, ImportError, RuntimeError, OSError) as err:
         # KeyError's str() quotes its message; its first argument is the sentence.
         text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import operator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +22,14 @@ __all__ = ["Plan", "STRATEGIES", "PLAN_SCHEMA_VERSION"]
 PLAN_SCHEMA_VERSION = 1
 STRATEGIES = ("dp_ga", "gpipe", "1f1b")
 StrategyName = Literal["dp_ga", "gpipe", "1f1b"]
+
+
+def whole_indices(value: object) -> tuple[int, ...] | None:
+    """``value`` as a tuple of ints when it is a list (or other iterable, not a string) of whole numbers, else None."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        return None
+    whole = tuple(_whole(b) for b in value)  # type: ignore[attr-defined]
+    return None if None in whole else whole  # type: ignore[return-value]
 
 
 def _whole(value: object) -> int | None:
@@ -75,8 +83,8 @@ class Plan:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InfeasiblePlanError(f"`{name}` must be a positive integer, got {value!r}.", hint="Check the plan.")
         boundaries = self.stage_boundaries
-        whole = None if isinstance(boundaries, (str, bytes)) or not hasattr(boundaries, "__iter__") else [_whole(b) for b in boundaries]
-        if whole is None or None in whole:
+        whole = whole_indices(boundaries)
+        if whole is None:
             raise InfeasiblePlanError(
                 f"`stage_boundaries` must be a list of whole layer indices, got {boundaries!r}.",
                 hint="Give the index of the first layer of every stage after the first, e.g. [6, 12, 18].",
@@ -84,7 +92,7 @@ class Plan:
         names = self.layer_names
         if isinstance(names, (str, bytes)) or not hasattr(names, "__iter__") or any(not isinstance(n, str) for n in names):
             raise InfeasiblePlanError(f"`layer_names` must be a list of layer names, got {names!r}.", hint="Check the plan.")
-        object.__setattr__(self, "stage_boundaries", tuple(whole))
+        object.__setattr__(self, "stage_boundaries", whole)
         object.__setattr__(self, "layer_names", tuple(names))
         if self.strategy == "dp_ga":
             if self.pp != 1 or self.n_microbatches != 1:
@@ -192,11 +200,10 @@ class Plan:
                 hint="Re-plan with this version of lightning_distplan.",
             )
         names = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in names}
-        try:
-            return cls(**kwargs)
-        except TypeError as err:
-            raise ProfileFormatError(f"The plan is missing fields: {err}.", hint="Pass a plan.json written by distplan.") from None
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING)
+        if missing:
+            raise ProfileFormatError(f"The plan has no {', '.join(missing)}.", hint="Pass a plan.json written by distplan.")
+        return cls(**{k: v for k, v in data.items() if k in names})
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2)
@@ -206,7 +213,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> Plan:
-        """A plan from a ``plan.json`` path or from JSON text.
+        """A plan from a ``plan.json`` path or from JSON text: auto_plan's record (the plan under ``"plan"``, with
+        its prediction and alternatives) or the plan object itself (:meth:`to_json`).
 
         Raises:
             ProfileFormatError: the file is missing or unreadable, not JSON, or not a plan object.
@@ -226,4 +234,6 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ProfileFormatError(f"The plan is not valid JSON ({err.msg} at line {err.lineno}).", hint="Re-create it with distplan.") from None
+        if isinstance(data, dict) and "strategy" not in data and isinstance(data.get("plan"), dict):
+            data = data["plan"]  # auto_plan's plan.json: the plan with its prediction and alternatives
         return cls.from_dict(data)

@@ -328,6 +328,8 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        if str(path) == "":
+            raise ProfileFormatError("The profile path is empty.", hint="Pass the profile JSON file, e.g. runs/distplan/profile.json.")
         path = Path(path)
         if path.is_dir():
             raise ProfileFormatError(f"Profile path {str(path)!r} is a directory, not a file.", hint="Pass the profile JSON file itself, e.g. runs/distplan/profile.json.")
@@ -348,6 +350,8 @@ class Profile:
         hint = "Re-create it with `distplan profile`."
         if not isinstance(data, dict):
             raise ProfileFormatError(f"{source!r} holds a JSON {type(data).__name__}, not a profile object.", hint=hint)
+        if "layers" not in data and isinstance(data.get("plan"), dict):
+            raise ProfileFormatError(f"{source!r} is a plan (auto_plan's plan.json), not a profile.", hint="Pass the profile.json beside it.")
         version = data.get("schema_version")
         if type(version) is not int or version != PROFILE_SCHEMA_VERSION:  # True == 1 == 1.0 in Python
             raise ProfileFormatError(
@@ -360,6 +364,16 @@ class Profile:
             raise ProfileFormatError(f"{source!r} is not a valid profile ({type(err).__name__}: {err}).", hint=hint) from None
         profile.validate(source)
         return profile
+
+    def _timings(self) -> dict[str, float]:
+        """Every time the cost model reads, by name (the fits' terms, links' latencies, the loop's overheads)."""
+        fits = {"step.forward": self.step.forward, "step.backward": self.step.backward}
+        for i, layer in enumerate(self.layers):
+            fits[f"layers[{i}].forward"], fits[f"layers[{i}].backward"] = layer.forward, layer.backward
+        times = _fit_terms(fits)
+        times.update({f"links[{i}].latency_s": link.latency_s for i, link in enumerate(self.links)})
+        times.update({"framework.per_batch_s": self.framework.per_batch_s, "framework.per_step_s": self.framework.per_step_s})
+        return times
 
     def validate(self, source: str = "profile") -> None:
         hint = "Re-create it with `distplan profile`."
@@ -395,9 +409,12 @@ class Profile:
                         hint=hint,
                     )
                 sizes[f"layers[{i}].trainable_param_bytes"] = layer.trainable_param_bytes
-        huge = next((name for name, x in sizes.items() if x > 1e18), None)  # an exabyte, or a billion years: edited by hand
+        numbers = {**sizes, **self._timings()}  # an exabyte, or a billion years: edited by hand
+        huge = next((name for name, x in numbers.items() if isinstance(x, (int, float)) and abs(x) > 1e18), None)
         if huge is not None:
-            raise ProfileFormatError(f"{source!r} has {huge} = {sizes[huge]!r}, beyond any device.", hint=hint)
+            raise ProfileFormatError(f"{source!r} has {huge} = {numbers[huge]!r}, beyond any device.", hint=hint)
+        if not isinstance(self.splittable, bool):
+            raise ProfileFormatError(f"{source!r} has splittable = {self.splittable!r}; it must be true or false.", hint=hint)
         if self.memory.grad_bytes > self.memory.param_bytes:
             raise ProfileFormatError(
                 f"{source!r} has more gradient bytes ({self.memory.grad_bytes}) than parameter bytes ({self.memory.param_bytes}); "
@@ -454,6 +471,10 @@ class Profile:
                     "bandwidth must be positive and latency non-negative.",
                     hint=hint,
                 )
+
+
+def _fit_terms(fits: dict[str, LinearFit]) -> dict[str, float]:
+    return {f"{name}.{term}": getattr(fit, term) for name, fit in fits.items() for term in ("alpha", "beta")}
 
 
 def _first_non_finite(value: Any, path: str) -> str | None:

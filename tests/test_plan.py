@@ -65,7 +65,8 @@ def test_json_round_trip_from_text_and_file(tmp_path: Path):
         ("dir", r"does not exist or is not a file"),
         ('{"strategy": ', r"The plan is not valid JSON"),
         ('{"schema_version": 7}', r"Plan schema version 7 is not supported"),
-        ('{"strategy": "dp_ga"}', r"The plan is missing fields"),
+        ('{"strategy": "dp_ga"}', r"The plan has no global_batch_size, micro_batch_size\."),
+        ('{"plan": {"strategy": "dp_ga"}, "prediction": {}}', r"The plan has no global_batch_size, micro_batch_size\."),
     ],
 )
 def test_bad_plan_files_are_format_errors(tmp_path: Path, source: str, match: str):

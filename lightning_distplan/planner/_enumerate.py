@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
-from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.plan import STRATEGIES, Plan, whole_indices
 
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
@@ -180,8 +180,18 @@ def _normalise_pins(pins: dict[str, Any] | None) -> dict[str, Any]:
             raise InfeasiblePlanError(f"Pinned schedule {out['schedule']!r} is unknown.", hint="Use 'none' (dp_ga), 'gpipe' or '1f1b'.")
     if "strategy" in out and out["strategy"] not in STRATEGIES:
         raise InfeasiblePlanError(f"Pinned strategy {out['strategy']!r} is unknown.", hint=f"Use one of {', '.join(STRATEGIES)}.")
+    names = _pin_names(pins)
+    for key in ("dp", "pp", "micro_batch_size", "accumulate_grad_batches", "n_microbatches"):
+        if isinstance(out.get(key), bool):  # True == 1: a flag given where a count belongs
+            raise InfeasiblePlanError(f"The pin {names[key]}={out[key]!r} is not a count.", hint=f"Pin {names[key]} to a positive integer.")
     if "stage_boundaries" in out:
-        out["stage_boundaries"] = tuple(int(b) for b in out["stage_boundaries"])
+        whole = whole_indices(out["stage_boundaries"])
+        if whole is None:
+            raise InfeasiblePlanError(
+                f"The pin stage_boundaries={out['stage_boundaries']!r} is not a list of whole layer indices.",
+                hint="Give the index of the first layer of every stage after the first, e.g. [6, 12, 18].",
+            )
+        out["stage_boundaries"] = whole
     return out
 
 

@@ -240,6 +240,8 @@ def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = Non
         CatalogError: unknown name (the message lists the valid ones) or a malformed CSV.
     """
     key = str(name_or_path)
+    if not key:
+        raise CatalogError("No catalog was named (an empty name).", hint=f"Pass a built-in catalog name ({', '.join(BUILTIN_CATALOGS)}) or a CSV path.")
     if key in BUILTIN_CATALOGS:
         catalog = BUILTIN_CATALOGS[key]
         if bandwidth_gbps is None:
@@ -286,12 +288,14 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         CatalogError: missing file or columns, a missing / negative / non-numeric price or count, an
             unknown GPU (the message lists the known ones), no bandwidth; messages carry the line number.
     """
+    given = str(path)
     path = Path(path)
     if bandwidth_gbps is not None:
         _check_bandwidth(bandwidth_gbps)
     if not path.is_file():
+        what = "is a directory, not a file" if given and path.is_dir() else "does not exist"
         raise CatalogError(
-            f"Catalog file {str(path)!r} does not exist.",
+            f"Catalog file {given!r} {what}.",
             hint=f"Pass an existing CSV, or a built-in catalog name ({', '.join(BUILTIN_CATALOGS)}).",
         )
     try:

@@ -111,6 +111,8 @@ def test_table_output_and_options(profile_path, capsys):
         ("missing", ["--world-size", "2", "--global-batch-size", "8"], "does not exist"),
         ("dir", ["--world-size", "2", "--global-batch-size", "8"], "is a directory, not a file"),
         ("devnull", ["--world-size", "2", "--global-batch-size", "8"], "'/dev/null' is not a regular file"),
+        ("empty", ["--world-size", "2", "--global-batch-size", "8"], "The profile path is empty"),
+        ("plan", ["--world-size", "2", "--global-batch-size", "8"], "is a plan (auto_plan's plan.json), not a profile"),
         # DESIGN §5: a model that cannot be split / more stages than layers, named as such
         ({"splittable": False, "split_reason": "no PipelineSpec"}, ["--world-size", "4", "--global-batch-size", "32", "--strategy", "gpipe"],
          "No gpipe plan exists on 4 devices: the model cannot be split into pipeline stages (no PipelineSpec)"),
@@ -150,6 +152,10 @@ def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, 
         path.mkdir()
     elif mutate == "devnull":
         path = Path("/dev/null")
+    elif mutate == "empty":
+        path = ""
+    elif mutate == "plan":
+        path.write_text(json.dumps({"plan": {"strategy": "dp_ga"}, "prediction": {}, "alternatives": []}))
     elif mutate != "missing":
         path.write_text(json.dumps(profile_json(**(mutate or {}))))
     assert main(["plan", "--profile", str(path), *args]) == 2
@@ -168,6 +174,18 @@ def test_real_entry_point_no_traceback(tmp_path):
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "HINT: Use the nearest valid global batch size, 6 or 9" in bad.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(profile_path):
+    """`distplan plan ... | head -c 100`: the pipe's reader is gone before the output is written (here it never reads)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lightning_distplan.cli", "plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32",
+         "--format", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdout.close()  # the only reader: every write of the command now fails with EPIPE
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and "error" not in stderr and "Traceback" not in stderr, stderr
 
 
 def test_no_feasible_plan_prints_the_ranking_and_exits_1(profile_path, capsys):

@@ -126,6 +126,11 @@ def test_pins_select():
         ({"bogus": 1}, r"Unknown pins \['bogus'\]"),
         ({"schedule": "zb"}, r"schedule 'zb' is unknown"),
         ({"stage_boundaries": [2, 1]}, r"pin stage_boundaries=\[2, 1\] is impossible: boundaries must be strictly increasing"),
+        # neither truncated ([1.7] was split at 1), split into characters ("12" was [1, 2]) nor a raw TypeError
+        ({"stage_boundaries": [1.7]}, r"pin stage_boundaries=\[1.7\] is not a list of whole layer indices"),
+        ({"stage_boundaries": "12"}, r"pin stage_boundaries='12' is not a list of whole layer indices"),
+        ({"stage_boundaries": 3}, r"pin stage_boundaries=3 is not a list of whole layer indices"),
+        ({"stages": True}, r"pin stages=True is not a count"),
     ],
 )
 def test_impossible_pins_are_named(pins, message):

@@ -209,3 +209,14 @@ def test_hand_edited_profiles_that_cannot_be_are_refused(mlp_profile: Profile) -
     ):
         with pytest.raises(ProfileFormatError, match=match + ".*HINT"):
             Profile.from_dict(broken.to_dict())
+    # times the cost model reads, edited beyond belief, and a splittable flag that is not a boolean (the string "no" is true)
+    for edit, match in (
+        (lambda d: d["step"]["forward"].update(alpha=1e300), r"step.forward.alpha = 1e\+300, beyond any device"),
+        (lambda d: d["layers"][1]["backward"].update(beta=-1e30), r"layers\[1\].backward.beta = -1e\+30, beyond any device"),
+        (lambda d: d["framework"].update(per_batch_s=1e300), r"framework.per_batch_s = 1e\+300, beyond any device"),
+        (lambda d: d.update(splittable="no"), r"splittable = 'no'; it must be true or false"),
+    ):
+        data = mlp_profile.to_dict()
+        edit(data)
+        with pytest.raises(ProfileFormatError, match=match + ".*HINT"):
+            Profile.from_dict(data)

@@ -147,6 +147,7 @@ def test_auto_plan_writes_profile_and_plan_json(results: dict[str, Any]) -> None
     d = results["root"] / "dp" / "distplan"
     data = json.loads((d / "plan.json").read_text())
     assert Plan.from_dict(data["plan"]) == results["ranks"][0]["dp_plan"]
+    assert Plan.from_json(d / "plan.json") == results["ranks"][0]["dp_plan"]  # the file as written, prediction and all
     assert data["prediction"]["predicted_step_time_s"] > 0 and data["alternatives"]
     assert data["source"] == "profiled" and data["profiling_s"] > 0
     assert json.loads((d / "profile.json").read_text())["layers"]

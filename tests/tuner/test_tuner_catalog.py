@@ -45,6 +45,14 @@ def test_unknown_catalog_lists_the_valid_names():
         BUILTIN_CATALOGS["aws-2026"].get("m5.large")
 
 
+def test_a_catalog_path_that_is_a_directory_or_empty_says_so(tmp_path: Path):
+    (tmp_path / "dir.csv").mkdir()
+    with pytest.raises(CatalogError, match=r"dir.csv' is a directory, not a file.*HINT"):
+        load_catalog(str(tmp_path / "dir.csv"))
+    with pytest.raises(CatalogError, match=r"No catalog was named.*HINT"):  # not "'.' is a directory"
+        load_catalog("")
+
+
 def _write(tmp_path: Path, text: str, name: str = "cat.csv") -> Path:
     path = tmp_path / name
     path.write_text(text)
