@@ -222,6 +222,10 @@ DTYPE_BYTES = {
 }
 
 
+# The profile dtypes of the precisions PipelineStrategy runs: '32-true', 'bf16-mixed', 'bf16-true'.
+PIPELINE_DTYPES = frozenset({"float32", "float", "fp32", "32", "32-true", "bfloat16", "bf16", "bf16-true", "bf16-mixed"})
+
+
 def dtype_bytes(dtype: str) -> int | None:
     """Bytes per value for a profile's ``device.dtype`` (``"torch."`` prefix and case ignored), None if unknown."""
     return DTYPE_BYTES.get(str(dtype).replace("torch.", "").lower())
@@ -309,6 +313,16 @@ class Profile:
     def min_micro_batch_size(self) -> int:
         """Smallest micro-batch a plan may use (1 unless the model rejected small sizes)."""
         return max(self.rejected_micro_batch_sizes, default=0) + 1
+
+    @property
+    def pipeline_refusal(self) -> str | None:
+        """Why no pipeline can train the model as profiled, or None: it cannot be split, or it was profiled in a
+        precision the pipeline runtime does not run (float16, float64)."""
+        if not self.splittable:
+            return f"the model cannot be split into pipeline stages ({self.split_reason or 'no PipelineSpec'})"
+        if str(self.device.dtype).replace("torch.", "").lower() not in PIPELINE_DTYPES:
+            return f"it was profiled in {self.device.dtype} and pipelines train in 32-true, bf16-mixed or bf16-true only"
+        return None
 
     def link(self, kind: Literal["allreduce", "p2p"]) -> LinkProfile | None:
         matches = [link for link in self.links if link.kind == kind]

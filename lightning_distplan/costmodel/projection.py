@@ -116,7 +116,8 @@ def project_profile(
         target: the GPU to project to (``gpus.GPUS[...]``, possibly ``.share(fraction)``).
         precision: math on the target. ``"auto"`` keeps the profile's dtype (float32 → ``fp32``
             non-tensor peak, bf16/fp16 → ``bf16`` tensor peak); ``"bf16"`` on a float32 profile
-            also halves the activation bytes (memory sizes stay as profiled: conservative).
+            also halves the activation bytes (memory sizes stay as profiled: conservative); ``"fp32"``
+            on a 16-bit profile is refused (its sizes would count half).
         source: peaks of the profiled device; default :func:`gpus.source_spec`.
 
     Returns:
@@ -124,7 +125,7 @@ def project_profile(
         catalog); memory sizes are device-independent and kept, the device capacity is the target's.
 
     Raises:
-        CatalogError: the profiled CUDA device is not in the spec table.
+        CatalogError: the profiled CUDA device is not in the spec table, or ``"fp32"`` on a 16-bit profile.
 
     Example:
         >>> from lightning_distplan.costmodel.gpus import GPUS
@@ -149,6 +150,13 @@ def project_profile(
         precision = source_precision
     if precision not in ("fp32", "bf16"):
         raise CatalogError(f"Unknown projection precision {precision!r}.", hint="Use 'auto', 'fp32' or 'bf16'.")
+    if precision == "fp32" and profile_bytes == 2:
+        # memory sizes are kept as profiled: 16-bit activations (and weights, for '-true') would count half their fp32 size
+        raise CatalogError(
+            f"The profile was measured in {profile.device.dtype}, so its memory sizes are 16-bit ones; fp32 training needs up to twice "
+            "as much, which a projection cannot tell.",
+            hint="Profile the model in float32 (distplan profile --precision 32-true) for fp32 predictions, or project with 'bf16' / 'auto'.",
+        )
     source_math: Any = "fp16" if float16 else source_precision
     math_on_target: Any = "fp16" if float16 and auto else precision
     act_scale = (2 if precision == "bf16" else 4) / profile_bytes

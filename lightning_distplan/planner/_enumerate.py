@@ -70,8 +70,8 @@ def _no_pipeline_reason(profile: Profile, world_size: int, max_pp: int | None) -
     """Why no pipeline plan can exist on ``world_size`` devices whatever the batch, or None if one can."""
     if world_size < 2:
         return f"a pipeline needs at least 2 devices and the world size is {world_size}"
-    if not profile.splittable:
-        return f"the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'})"
+    if profile.pipeline_refusal:
+        return profile.pipeline_refusal
     n_layers = len(profile.layers)
     limit = n_layers if max_pp is None else min(n_layers, max_pp)
     stage_counts = [pp for pp in _divisors(world_size) if pp >= 2]
@@ -105,7 +105,7 @@ def _raw_plans(
                     # DESIGN §3.1: B = dp · m · s
                     plans.append(Plan(strategy="dp_ga", dp=dp, micro_batch_size=m, accumulate_grad_batches=steps, global_batch_size=global_batch_size, layer_names=names))
                 continue
-            if not profile.splittable or pp > n_layers or (max_pp is not None and pp > max_pp):
+            if profile.pipeline_refusal or pp > n_layers or (max_pp is not None and pp > max_pp):
                 continue
             for strategy in ("gpipe", "1f1b"):
                 if strategy not in strategies or (strategy == "1f1b" and steps < pp):
@@ -205,8 +205,8 @@ def _pin_reason(
         strategy = value if key == "strategy" else _SCHEDULE_TO_STRATEGY[value]
         if strategy not in strategies:
             return f"strategy {strategy!r} is not among the allowed strategies {list(strategies)}"
-        if strategy != "dp_ga" and not profile.splittable:
-            return _unsplittable(profile.split_reason)
+        if strategy != "dp_ga" and profile.pipeline_refusal:
+            return profile.pipeline_refusal
         if strategy != "dp_ga" and world_size < 2:
             return _NEEDS_TWO
         if strategy != "dp_ga" and n_layers < 2:
@@ -214,8 +214,8 @@ def _pin_reason(
     if key in ("dp", "pp") and (reason := _world_size_reason(key, value, world_size, name)):
         return reason
     if key == "pp":
-        if value > 1 and not profile.splittable:
-            return _unsplittable(profile.split_reason)
+        if value > 1 and profile.pipeline_refusal:
+            return profile.pipeline_refusal
         if value > n_layers:
             return f"the profile has only {n_layers} layer{'s' if n_layers != 1 else ''}, so at most {n_layers} stage{'s' if n_layers != 1 else ''}"
     if key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches") and (
@@ -226,8 +226,8 @@ def _pin_reason(
         b = value
         if not _valid_boundaries(b, n_layers):
             return f"boundaries must be strictly increasing layer indices in 1..{n_layers - 1}"
-        if not profile.splittable:
-            return _unsplittable(profile.split_reason)
+        if profile.pipeline_refusal:
+            return profile.pipeline_refusal
         if reason := _world_size_reason(key, b, world_size, name):
             return reason
     return f"no plan with B={global_batch_size} on {world_size} devices has it"
@@ -350,7 +350,7 @@ def enumerate_plans(
         nearest = (f"{below} or " if below else "") + str(above)
         need = profile.min_micro_batch_size
         per_device = f" with at least {need} samples per device" if need > 1 else ""
-        pipelines = "" if profile.splittable and any(s != "dp_ga" for s in strategies) else f" (data parallel only: B must be a multiple of the world size{per_device})"
+        pipelines = "" if not profile.pipeline_refusal and any(s != "dp_ga" for s in strategies) else f" (data parallel only: B must be a multiple of the world size{per_device})"
         refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled (e.g. BatchNorm), so every micro-batch needs {need} or more" if need > 1 else ""
         raise BatchNotFactorableError(
             f"Global batch size {global_batch_size} cannot be factored over {world_size} devices{pipelines}{refused}.",

@@ -120,7 +120,8 @@ class ConfigSpace:
     """Instances × counts × plans for one profile, catalog and global batch, with cached pricing.
 
     Raises:
-        ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
+        ModelSplitError: only pipeline strategies are requested and no pipeline can train the profile (it cannot be
+            split into stages, or was profiled in a precision pipelines do not run and is not projected to bf16).
     """
 
     def __init__(
@@ -140,15 +141,18 @@ class ConfigSpace:
         self.global_batch_size = global_batch_size
         self.time_weight = time_weight
         self.max_instances = max_instances
-        pipelines_possible = profile.splittable and len(profile.layers) >= 2
-        self.strategies = tuple(s for s in strategies if s == "dp_ga" or pipelines_possible)
+        # a float16 profile projected to bf16 trains in bf16 on the target: pipelines run it
+        refusal = profile.pipeline_refusal if precision != "bf16" or not profile.splittable else None
+        n = len(profile.layers)
+        if refusal is None and n < 2:
+            refusal = f"the model cannot be split into pipeline stages (the profile has only {n} layer{'' if n == 1 else 's'})"
+        self.strategies = tuple(s for s in strategies if s == "dp_ga" or refusal is None)
         if not self.strategies and strategies and all(s in STRATEGIES for s in strategies):
             # Pipeline-only request on a model that cannot be cut: say so, not "no configuration factors B".
-            n = len(profile.layers)
-            reason = (profile.split_reason or "no PipelineSpec") if not profile.splittable else f"the profile has only {n} layer{'' if n == 1 else 's'}"
             raise ModelSplitError(
-                f"The model {profile.model!r} cannot be split into pipeline stages ({reason}), so none of the requested strategies {list(strategies)} can run.",
-                hint="Allow dp_ga (e.g. --strategy dp_ga gpipe 1f1b), or add a pipeline_spec() hook to the LightningModule and profile it again.",
+                f"No pipeline can train {profile.model!r}: {refusal}, so none of the requested strategies {list(strategies)} can run.",
+                hint="Allow dp_ga (e.g. --strategy dp_ga gpipe 1f1b), or "
+                + ("add a pipeline_spec() hook to the LightningModule and profile it again." if not profile.splittable or n < 2 else "project to bf16 (--precision bf16)."),
             )
         self.max_pp = max_pp
         self.precision = precision

@@ -165,3 +165,13 @@ def test_bad_gpu_spec_is_a_catalog_error_with_a_hint():
         GpuSpec(name="X", tensor_flops=1e12, fp32_flops=0, memory_bandwidth_bytes_per_s=1e11, memory_bytes=1)
     with pytest.raises(CatalogError, match=r"`fraction` must be in \(0, 1\], got 1.5.*HINT:"):
         replace(gpu_spec("T4"), fraction=1.5)
+
+
+def test_a_16_bit_profile_is_not_projected_to_fp32():
+    """Its memory sizes are 16-bit ones: an fp32 projection predicted half the peak of a float32 profile (review)."""
+    profile = make_profile()
+    bf16 = replace(profile, device=replace(profile.device, dtype="bfloat16"))
+    with pytest.raises(CatalogError, match=r"measured in bfloat16, so its memory sizes are 16-bit ones.*HINT: Profile the model in float32"):
+        project_profile(bf16, GPUS["H100-SXM"], precision="fp32")
+    assert project_profile(bf16, GPUS["H100-SXM"], precision="bf16")[1].compute_scale > 0  # 16-bit to 16-bit stays
+    assert project_profile(profile, GPUS["H100-SXM"], precision="fp32")[1].compute_scale > 0

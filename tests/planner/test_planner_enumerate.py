@@ -196,3 +196,29 @@ def test_pins_the_world_size_or_the_model_rule_out_are_refused_before_profiling(
     # what needs the profile (batch factors, layer counts) waits for it; data-parallel pins ignore a split reason
     for pins, world in (({"micro_batch_size": 5}, 1), ({"stages": 2, "strategy": "1f1b"}, 2), ({"strategy": "dp_ga", "stages": 1}, 1)):
         check_pins_before_profiling(pins, world_size=world, split_reason="no PipelineSpec" if pins.get("strategy") == "dp_ga" else None)
+
+
+def test_a_profile_in_a_precision_pipelines_do_not_run_gets_data_parallel_plans_only():
+    """A float16 ('16-true') profile: PipelineStrategy refuses that precision at fit, so `distplan plan` / `tune` must not
+    offer gpipe/1f1b plans for it (they were ranked 'feasible: yes'; auto_plan and bench already restricted them)."""
+    from dataclasses import replace
+
+    from lightning_distplan.errors import ModelSplitError
+    from lightning_distplan.tuner._space import ConfigSpace
+
+    for dtype, pipelines in (("float16", False), ("float64", False), ("bfloat16", True), ("bf16-mixed", True), ("float32", True)):
+        profile = prof()
+        profile = replace(profile, device=replace(profile.device, dtype=dtype))
+        plans = enumerate_plans(profile, world_size=4, global_batch_size=32)
+        assert any(p.strategy != "dp_ga" for p in plans) == pipelines, dtype
+        if not pipelines:
+            assert profile.pipeline_refusal == f"it was profiled in {dtype} and pipelines train in 32-true, bf16-mixed or bf16-true only"
+            with pytest.raises(InfeasiblePlanError, match=rf"pin strategy='gpipe' is impossible: it was profiled in {dtype}.*HINT"):
+                enumerate_plans(profile, world_size=4, global_batch_size=32, pins={"strategy": "gpipe"})
+            with pytest.raises(BatchNotFactorableError, match=rf"No 1f1b plan exists on 4 devices: it was profiled in {dtype}"):
+                enumerate_plans(profile, world_size=4, global_batch_size=32, strategies=("1f1b",))
+    half = replace(prof(), device=replace(prof().device, dtype="float16"))
+    with pytest.raises(ModelSplitError, match=r"No pipeline can train .*: it was profiled in float16.*HINT: .*--precision bf16"):
+        ConfigSpace(half, None, global_batch_size=32, time_weight=0.0, max_instances=4, strategies=("gpipe",))  # type: ignore[arg-type]
+    space = ConfigSpace(half, None, global_batch_size=32, time_weight=0.0, max_instances=4, strategies=("gpipe",), precision="bf16")  # type: ignore[arg-type]
+    assert space.strategies == ("gpipe",)
