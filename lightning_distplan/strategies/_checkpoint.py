@@ -13,6 +13,9 @@ can load:
   loads its slice and a full-model optimizer loads everything.
 * ``checkpoint["distplan_plan"]``: ``Plan.to_dict()`` of the plan that was running. Resume reuses it
   (DESIGN §3.5: resume does not re-plan unless asked).
+* ``checkpoint["distplan_plan_context"]``: what the plan was made for: the Trainer's ``precision``
+  and, for a plan ``auto_plan`` chose, the device memory it had to fit (``memory_limit_bytes``).
+  ``auto_plan`` reuses the stored plan only in the same precision and no less memory.
 
 The helpers are pure functions over optimizers and plain dicts so they test in milliseconds.
 """
@@ -41,10 +44,14 @@ __all__ = [
     "add_portable_state",
     "load_portable_optimizer_states",
     "stored_plan",
+    "PLAN_CONTEXT_KEY",
+    "plan_context",
+    "stored_plan_context",
 ]
 
 PLAN_KEY = "distplan_plan"
 OPTIMIZER_STATES_KEY = "distplan_optimizer_states"
+PLAN_CONTEXT_KEY = "distplan_plan_context"
 
 NamedParams = Union[Mapping[str, "Tensor"], Iterable[tuple[str, "Tensor"]]]
 
@@ -222,10 +229,13 @@ def add_portable_state(
     *,
     plan: Plan | None,
     optimizer_states_by_name: Sequence[Mapping[str, Any]] | None,
+    context: Mapping[str, Any] | None = None,
 ) -> None:
     """Add the portable keys to a checkpoint dict in place (called by every strategy's ``save_checkpoint``)."""
     if plan is not None:
         checkpoint[PLAN_KEY] = plan.to_dict()
+        if context:
+            checkpoint[PLAN_CONTEXT_KEY] = dict(context)
     if optimizer_states_by_name is not None:
         checkpoint[OPTIMIZER_STATES_KEY] = [copy.copy(dict(s)) for s in optimizer_states_by_name]
 
@@ -251,6 +261,22 @@ def load_portable_optimizer_states(
     for optimizer, state in zip(optimizers, states):
         load_optimizer_state_by_name(optimizer, named, state)
     return True
+
+
+def plan_context(strategy: Any) -> dict[str, Any]:
+    """What ``strategy``'s plan was made for (see the module docstring): its precision, and the memory limit
+    ``auto_plan`` planned it for when it did (``strategy.plan_memory_limit_bytes``)."""
+    context: dict[str, Any] = {"precision": getattr(strategy.precision_plugin, "precision", None)}
+    limit = getattr(strategy, "plan_memory_limit_bytes", None)
+    if limit is not None:
+        context["memory_limit_bytes"] = int(limit)
+    return context
+
+
+def stored_plan_context(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The context stored with a checkpoint's plan (empty for checkpoints written before it was stored)."""
+    context = checkpoint.get(PLAN_CONTEXT_KEY)
+    return dict(context) if isinstance(context, Mapping) else {}
 
 
 def stored_plan(checkpoint: Mapping[str, Any]) -> Plan | None:

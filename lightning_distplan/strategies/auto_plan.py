@@ -35,11 +35,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import satisfies_pins
@@ -55,7 +57,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan
+from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan, stored_plan_context
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, accumulation_scheduled, check_ddp_kwargs, loader_batch_size
 from lightning_distplan.strategies.pipeline import PIPELINE_METRICS, PIPELINE_PRECISIONS
@@ -179,6 +181,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._extra_ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k not in _DDP_BASE_ARGS}
         self._pipeline_kwargs = {"deferred_batchnorm": deferred_batchnorm}
         self._checkpoint_plan: Plan | None = None
+        self._checkpoint_context: dict[str, Any] = {}
         self._resuming: dict[str, Any] | None = None  # what Rechunking.resumed reads of the checkpoint the fit restores
         self._outcome: PlanningOutcome | None = None
         self._profile: Profile | None = None
@@ -216,6 +219,7 @@ class AutoPlanStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._checkpoint_plan = stored_plan(checkpoint)
+        self._checkpoint_context = stored_plan_context(checkpoint)
         self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY) if k in checkpoint}  # not the weights
         return checkpoint
 
@@ -268,6 +272,10 @@ class AutoPlanStrategy(DDPStrategy):
             pipeline_kwargs=self._pipeline_kwargs,
         )
         self._concrete = concrete
+        # what the plan was made for, stored with it in checkpoints (a reused plan keeps its own)
+        concrete.plan_memory_limit_bytes = (  # type: ignore[attr-defined]
+            outcome.hardware.device_memory_bytes if outcome.hardware is not None else self._checkpoint_context.get("memory_limit_bytes")
+        )
         if self._resuming is not None:
             concrete._rechunk.resumed(self._resuming)  # type: ignore[union-attr]  # both concrete kinds re-chunk the loader
         self._attach_monitor(trainer, outcome)
@@ -275,6 +283,20 @@ class AutoPlanStrategy(DDPStrategy):
         concrete.setup(trainer)
 
     # -- planning ------------------------------------------------------------------------------
+    def _made_for_another_run(self) -> str | None:
+        """Why the checkpoint's plan was made for another run than this one (precision, less device memory), or None."""
+        context = self._checkpoint_context
+        was, now = context.get("precision"), getattr(self.precision_plugin, "precision", None)
+        if was is not None and now is not None and str(was) != str(now):
+            return f"it was made for precision={was!r} and this fit runs {now!r}"
+        limit = context.get("memory_limit_bytes")
+        memory = self._device_memory_bytes
+        if memory is None and self.root_device.type == "cuda":
+            memory = torch.cuda.get_device_properties(self.root_device).total_memory
+        if isinstance(limit, int) and memory is not None and memory < limit:
+            return f"it was made for {format_bytes(limit)} of device memory and this fit has {format_bytes(memory)}"
+        return None
+
     def _decide(self, trainer: pl.Trainer) -> PlanningOutcome:
         from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
@@ -285,6 +307,9 @@ class AutoPlanStrategy(DDPStrategy):
         strategies = self._strategies_allowed(trainer)
         if stored is not None and (stored.strategy not in strategies or not satisfies_pins(stored, self._pins)):
             why = f"this fit allows {', '.join(strategies)} only" if stored.strategy not in strategies else f"it does not match the pins {self._pins}"
+            rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
+            stored = None
+        if stored is not None and (why := self._made_for_another_run()):
             rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
             stored = None
         if stored is not None:

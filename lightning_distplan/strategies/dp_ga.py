@@ -71,6 +71,7 @@ from lightning_distplan.strategies._checkpoint import (
     add_portable_state,
     load_portable_optimizer_states,
     optimizer_state_by_name,
+    plan_context,
     stored_plan,
 )
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
@@ -247,7 +248,7 @@ class DPGAStrategy(DDPStrategy):
                         "its state in torch's order only (as DDP does): they resume under dp_ga or DDP, not under a pipeline."
                     )
                     self._warned_unnamed = True
-        add_portable_state(checkpoint, plan=self._plan, optimizer_states_by_name=by_name)
+        add_portable_state(checkpoint, plan=self._plan, optimizer_states_by_name=by_name, context=plan_context(self))
         self._rechunk.progress_to_user_units(checkpoint)  # a mid-epoch checkpoint resumes any plan or strategy at its place
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -79,7 +79,7 @@ from typing_extensions import override
 from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import Plan
-from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states
+from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import (
     OptimizerIndex,
@@ -832,7 +832,7 @@ class PipelineStrategy(DDPStrategy):
                 optimizer_state_names(full, self._opt_index[id(getattr(opt, "_optimizer", opt))])
                 for opt, full in zip(self.optimizers, checkpoint["optimizer_states"])
             ]
-        add_portable_state(checkpoint, plan=self.plan, optimizer_states_by_name=by_name)
+        add_portable_state(checkpoint, plan=self.plan, optimizer_states_by_name=by_name, context=plan_context(self))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
 

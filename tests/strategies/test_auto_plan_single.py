@@ -332,6 +332,27 @@ def test_resume_plans_again_when_the_checkpoints_plan_breaks_a_pin(tmp_path: Pat
         torch.distributed.destroy_process_group()
 
 
+def test_resume_plans_again_in_another_precision_or_with_less_device_memory(tmp_path: Path) -> None:
+    """The checkpoint stores what its plan was made for: a plan chosen for bf16-true (half the bytes) or for more device
+    memory could run out of memory in this fit, so auto_plan plans again (it reused the plan, review)."""
+    memory = 1 << 30
+    first = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1, device_memory_bytes=memory), devices=1,
+                                       max_steps=2, precision="bf16-true"))
+    first.fit(_small())
+    ckpt = str(tmp_path / "step2.ckpt")
+    first.save_checkpoint(ckpt)
+    torch.distributed.destroy_process_group()
+    assert torch.load(ckpt, weights_only=False)["distplan_plan_context"] == {"precision": "bf16-true", "memory_limit_bytes": memory}
+    for precision, given, source in (("bf16-true", memory, "checkpoint"), ("32-true", memory, "profiled"), ("bf16-true", memory // 2, "profiled"),
+                                     ("bf16-true", 2 * memory, "checkpoint")):
+        auto = AutoPlanStrategy(profile_repeats=1, device_memory_bytes=given)
+        resumed = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=auto, devices=1, max_steps=3, precision=precision))
+        resumed.fit(_small(), ckpt_path=ckpt)
+        assert auto._outcome is not None and auto._outcome.source == source, (precision, given, auto._outcome.source)
+        assert resumed.global_step == 3
+        torch.distributed.destroy_process_group()
+
+
 class _ManualBoring(BoringModel):
     """Manual optimization: training_step runs backward and the optimizer itself."""
 
