@@ -435,13 +435,17 @@ class Rechunking:
         self._whole_epoch = self._val_check_next = None
         loader_batch = loader_batch_size(dataloader)
         self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
-        resuming, self._resumed = self._resumed, False
+        # not a loader loaded before Lightning restores the loops (trainer.estimated_stepping_batches in configure_optimizers)
+        resuming = self._resumed and trainer.fit_loop.epoch_loop.restarting
+        done = Fraction(0)
         if resuming:
+            self._resumed = False
             # the checkpoint's units: loader batches, or (written before the marker) micro-batches of a dp_ga plan
             saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            done = progress.current.ready * saved  # the user's loader batches the checkpoint's epoch trained
             if self._per_user_batch is not None and saved != self._per_user_batch:
-                _scale_progress(trainer.fit_loop.epoch_loop.batch_progress.state_dict(), saved / self._per_user_batch,
-                                into=trainer.fit_loop.epoch_loop.batch_progress)
+                _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
         if loader_batch == m:
             return dataloader
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
@@ -451,32 +455,38 @@ class Rechunking:
         if loader_batch is not None:
             _count_in_micro_batches(trainer, loader_batch, m, limit=limit, interval=interval, micro_batches=sized_len(self._loader))
             if resuming and cls is None:  # start_batch follows the micro-batches of this loader (not a pipeline's)
-                self._resume_in_place(trainer, dataloader, loader_batch, m, limit)
+                self._resume_in_place(trainer, dataloader, loader_batch, m, limit, done)
         return self._loader
 
-    def _resume_in_place(self, trainer: pl.Trainer, dataloader: object, loader_batch: int, m: int, limit: int | None) -> None:
-        """Resumed mid-epoch, train the user's loader batches a run of their loader trains there.
+    def _resume_in_place(self, trainer: pl.Trainer, dataloader: object, loader_batch: int, m: int, limit: int | None, done: Fraction) -> None:
+        """Resumed from a checkpoint whose epoch had trained ``done`` of the user's loader batches: train what a run of
+        their loader trains next.
 
-        Lightning replays the epoch's remaining count of batches from the loader's start (the loader cannot resume
-        in place). The user's run thus trains its first ``n - done`` loader batches, all full. Counted in micro-batches,
-        the epoch's remaining count falls short of those by what the epoch's short last batch lacks. So this one epoch
-        stops after those loader batches, and Lightning counts it as ``done`` micro-batches plus theirs;
-        :meth:`start_batch` sets Lightning's count back at its last batch.
+        At the epoch's end, Lightning goes on to the next epoch only if it counts all of this one's micro-batches
+        (``done`` scaled to micro-batches rounds down where ``m`` does not divide the epoch, or exceeds the epoch's
+        count where it ends in a short batch). Mid-epoch, Lightning replays the epoch's remaining count of batches from
+        the loader's start (a loader cannot resume in place), so the user's run trains its first ``n - done`` loader
+        batches, all full. Counted in micro-batches, the epoch's remaining count is not theirs: short by what the
+        short last batch lacks, or past them where they end inside a micro-batch. So this one epoch stops after those
+        loader batches, and Lightning counts it as the micro-batches trained before plus theirs; :meth:`start_batch`
+        sets Lightning's count back at its last batch.
         """
         assert self._loader is not None
         n, whole = sized_len(dataloader), sized_len(self._loader)
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # this plan's micro-batches
         if n is None or whole is None or not done:
             return
         n = n if limit is None else min(n, limit)
-        done_batches = Fraction(done * m, loader_batch)
-        if done_batches.denominator != 1 or not 0 < done_batches < n:
-            return  # not at a loader batch's end, or at the epoch's: nothing to replay
-        left = n - int(done_batches)
-        length = done + math.ceil(left * loader_batch / m)
         whole = _lightning_batches(whole, trainer.limit_train_batches)
-        if length > whole:
-            self._loader.resume_epoch(left, length)
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if done >= n:
+            progress.load_state_dict(_recount_progress(progress.state_dict(), lambda part, count: whole if part == "current" else count))
+            return
+        if done.denominator != 1:
+            return  # not at a loader batch's end (an older checkpoint's micro-batch): replayed as Lightning counts it
+        left = n - int(done)
+        length = progress.current.ready + math.ceil(left * loader_batch / m)
+        self._loader.resume_epoch(left, length)
+        if length != whole:
             self._whole_epoch = whole
 
     def start_batch(self) -> None:
@@ -509,7 +519,7 @@ class Rechunking:
         (1.0: the epoch's end; this epoch's is at its last batch still)."""
         assert self._whole_epoch is not None
         trainer.fit_loop.max_batches = self._whole_epoch
-        if isinstance(trainer.val_check_interval, float) and type(trainer.val_check_batch) is int:
+        if isinstance(getattr(trainer, "val_check_interval", None), float) and type(trainer.val_check_batch) is int:
             self._val_check_next = max(1, int(self._whole_epoch * trainer.val_check_interval))
         self._whole_epoch = None
 
@@ -517,6 +527,12 @@ class Rechunking:
         """At ``on_train_start``: a fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was
         saved at a validation (then it does not validate again); answer as the user's run would at that place."""
         trainer = self._trainer
+        if self._resumed and trainer is not None and trainer.fit_loop.epoch_loop.restarting:
+            # The loader was set up before Lightning restored the loops (trainer.estimated_stepping_batches read in
+            # configure_optimizers), so it could not count the checkpoint's progress: set it up again at the epoch's
+            # start (Lightning does when it has none), where it can.
+            trainer.fit_loop._combined_loader = None
+            return
         if trainer is None or self._loader is None or self._val_every is None or self._per_user_batch is None:
             return
         loop = trainer.fit_loop.epoch_loop
@@ -560,6 +576,8 @@ class Rechunking:
         return _scale_loss(output, self._weight) if self._weight != 1.0 else output
 
     def restore(self, trainer: pl.Trainer) -> None:
+        if self._whole_epoch is not None:  # the fit stopped inside a resumed epoch (max_steps)
+            trainer.fit_loop.max_batches, self._whole_epoch = self._whole_epoch, None
         if self._user is not None:
             trainer.limit_train_batches = self._user[0]
             if self._user[1] is not _UNSET:

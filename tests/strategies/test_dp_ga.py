@@ -537,3 +537,65 @@ def test_a_fit_resumed_mid_epoch_trains_the_users_remaining_batches_past_a_short
         torch.testing.assert_close(run[4], reference[4], rtol=1e-5, atol=1e-6)
     # Lightning's count of an epoch (and so its validation at the epoch's end) is back to the whole epoch's micro-batches
     assert runs[("dp_ga", "dp_ga")][3] == runs[("ddp", "dp_ga")][3] == 38
+
+
+class _Even(_Regression):
+    """80 samples in ten batches of 8; ``scheduled`` reads trainer.estimated_stepping_batches in configure_optimizers."""
+
+    def __init__(self, scheduled: bool = False) -> None:
+        super().__init__()
+        self.scheduled = scheduled
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        if not self.scheduled:
+            return optimizer
+        total = self.trainer.estimated_stepping_batches  # loads the train loader before Lightning restores the loops
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+_RESUMES = {  # name: (module, m, checkpoint settings, both fits' Trainer settings, the resumed fit's)
+    # a time interval crashed the resumed epoch's end (Lightning sets no val_check_interval then)
+    "time interval": (_ShortTail, 2, dict(every_n_train_steps=8), dict(val_check_interval={"seconds": 60}), {}),
+    # max_steps inside the resumed epoch left Lightning's count of an epoch at the resumed one's
+    "max_steps inside it": (_ShortTail, 2, dict(every_n_train_steps=8), {}, dict(max_steps=9)),
+    # m = 24 over batches of 8: the user's 7 remaining batches end inside a micro-batch (72 samples trained, not 56) ...
+    "ends inside a micro-batch": (_Even, 24, dict(every_n_train_steps=1), dict(accumulate_grad_batches=3), {}),
+    # ... and the epoch's 10 batches made 3 of its 4 micro-batches: the next epoch trained 24 samples of 80
+    "epoch end, m not dividing it": (_Even, 24, dict(every_n_train_steps=4), dict(accumulate_grad_batches=3), {}),
+    # saved at the end-of-epoch validation of an epoch ending in a short batch: one extra micro-batch and step
+    "at the epoch's validation": (_ShortTail, 4, dict(save_on_train_epoch_end=False), {}, {}),
+    # the train loader loaded before the loops were restored: the checkpoint's batches were read as micro-batches
+    "estimated_stepping_batches": (lambda: _Even(scheduled=True), 2, dict(every_n_train_steps=8), {}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(_RESUMES))
+def test_resumes_that_dp_ga_got_wrong_match_ddp(case: str, tmp_path: Any, single_process_group: None) -> None:
+    """Review of the mid-epoch resume: each case, resumed under dp_ga from a DDP or a dp_ga checkpoint, trains the samples,
+    steps, validations and weights DDP resumed from its own does, and leaves Lightning's count of an epoch whole."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module, m, saving, settings, resumed_settings = _RESUMES[case]
+    make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=m)}
+    runs = {}
+    for first, then in (("ddp", "ddp"), ("ddp", "dp_ga"), ("dp_ga", "dp_ga")):
+        ckpt = tmp_path / f"{first}_{then}"
+        L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy=make[first](), default_root_dir=str(tmp_path),
+                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="c", **saving)], **settings)).fit(module())
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        model = module()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, strategy=make[then](), **{**settings, **resumed_settings}))
+        trainer.fit(model, ckpt_path=str(ckpt / "c.ckpt"))
+        in_epoch = [sum(n for e, n in model.trained if e == epoch) for epoch in (0, 1)]
+        runs[(first, then)] = (in_epoch, trainer.global_step, model.validated_at, trainer.num_training_batches, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    reference = runs[("ddp", "ddp")]
+    whole = -(-len(module().train_dataloader().dataset) // m)  # Lightning's count of an epoch in micro-batches
+    for key, run in runs.items():
+        assert run[:3] == reference[:3], (case, key, run[:4], reference[:4])
+        torch.testing.assert_close(run[4], reference[4], rtol=1e-5, atol=1e-6)
+        assert run[3] == (reference[3] if key[1] == "ddp" else whole), (case, key, run[3])
