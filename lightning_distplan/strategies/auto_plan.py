@@ -293,7 +293,8 @@ class AutoPlanStrategy(DDPStrategy):
         memory = self._device_memory_bytes
         if memory is None and self.root_device.type == "cuda":
             memory = torch.cuda.get_device_properties(self.root_device).total_memory
-        if isinstance(limit, int) and memory is not None and memory < limit:
+        # 5%: NVML and torch report one card's memory 0.6% apart (an H100: 85.5 GB against 85.0 GB)
+        if isinstance(limit, int) and memory is not None and memory < 0.95 * limit:
             return f"it was made for {format_bytes(limit)} of device memory and this fit has {format_bytes(memory)}"
         return None
 
@@ -309,7 +310,8 @@ class AutoPlanStrategy(DDPStrategy):
             why = f"this fit allows {', '.join(strategies)} only" if stored.strategy not in strategies else f"it does not match the pins {self._pins}"
             rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
             stored = None
-        if stored is not None and (why := self._made_for_another_run()):
+        # decided on rank 0 for all: a rank that re-profiled while another reused the plan would wait in a collective
+        if stored is not None and (why := self.broadcast(self._made_for_another_run())):
             rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
             stored = None
         if stored is not None:

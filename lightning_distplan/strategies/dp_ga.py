@@ -402,6 +402,7 @@ class Rechunking:
         self._weight = 1.0
         self._per_user_batch: Fraction | None = None  # user's loader batches per batch Lightning runs (None: not known)
         self._resumed = False
+        self._saved_progress: dict[str, Any] | None = None  # the resumed checkpoint's batch progress, as Lightning restores it
         self._resumed_from_micro: int | None = None  # an older checkpoint counted micro-batches of this many samples
         self._trainer: pl.Trainer | None = None
         self._val_every: int | None = None  # the user validates after every this many of their loader batches
@@ -409,6 +410,7 @@ class Rechunking:
         self._done_total: int | None = None  # the user's loader batches trained in this fit (all epochs)
         self._done_epoch = 0  # ... and in this epoch
         self._epoch_seen: int | None = None
+        self._resumed_counts: tuple[Fraction, Fraction] | None = None  # the resumed checkpoint's (epoch, fit) loader batches
         self._whole_epoch: int | None = None  # Lightning's count of an epoch's batches, set back at a resumed epoch's end
         self._val_check_next: int | None = None  # ... and its val_check_batch, set back after that
 
@@ -436,7 +438,7 @@ class Rechunking:
         loader_batch = loader_batch_size(dataloader)
         self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
         # not a loader loaded before Lightning restores the loops (trainer.estimated_stepping_batches in configure_optimizers)
-        resuming = self._resumed and trainer.fit_loop.epoch_loop.restarting
+        resuming = self._resumed and self._loops_restored(trainer)
         done = Fraction(0)
         if resuming:
             self._resumed = False
@@ -444,6 +446,7 @@ class Rechunking:
             saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
             progress = trainer.fit_loop.epoch_loop.batch_progress
             done = progress.current.ready * saved  # the user's loader batches the checkpoint's epoch trained
+            self._resumed_counts = (done, progress.total.ready * saved)  # ... and its fit (exact, where scaling rounds)
             if self._per_user_batch is not None and saved != self._per_user_batch:
                 _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
         if loader_batch == m:
@@ -503,22 +506,29 @@ class Rechunking:
             trainer.val_check_batch, self._val_check_next = self._val_check_next, None
         if self._whole_epoch is not None and loop.batch_progress.is_last_batch:
             self._count_whole_epochs(trainer)
+        resumed, self._resumed_counts = self._resumed_counts, None
         if self._done_total is None:  # the fit's first batch (a resumed fit continues Lightning's counts, in micro-batches)
-            self._done_total = int(loop.total_batch_idx * self._per_user_batch)
+            self._done_total = int(resumed[1] if resumed else loop.total_batch_idx * self._per_user_batch)
         if self._epoch_seen != trainer.current_epoch:
             self._epoch_seen = trainer.current_epoch
-            self._done_epoch = int(loop.batch_idx * self._per_user_batch)
+            # mid-epoch: the checkpoint's count (exact, where scaling rounds); a checkpoint at an epoch's end starts a new one
+            self._done_epoch = int(resumed[0] if resumed and loop.batch_idx else loop.batch_idx * self._per_user_batch)
         if self._val_every is not None:
             self._steer_validation(ends)
         self._done_epoch += ends  # the user's loader batches this micro-batch completes (what a checkpoint counts)
         self._done_total += ends
+
+    def _loops_restored(self, trainer: pl.Trainer) -> bool:
+        """Whether Lightning has restored the resumed checkpoint's loops (their progress is the checkpoint's)."""
+        saved = self._saved_progress
+        return saved is None or trainer.fit_loop.epoch_loop.batch_progress.state_dict() == saved
 
     def _count_whole_epochs(self, trainer: pl.Trainer) -> None:
         """At a resumed epoch's last batch (see :meth:`_resume_in_place`): Lightning counts the next epochs' batches
         from the whole epoch, and from the next batch on, the validation point of a fractional ``val_check_interval``
         (1.0: the epoch's end; this epoch's is at its last batch still)."""
         assert self._whole_epoch is not None
-        trainer.fit_loop.max_batches = self._whole_epoch
+        _count_epochs_as(trainer, self._whole_epoch)
         if isinstance(getattr(trainer, "val_check_interval", None), float) and type(trainer.val_check_batch) is int:
             self._val_check_next = max(1, int(self._whole_epoch * trainer.val_check_interval))
         self._whole_epoch = None
@@ -527,7 +537,7 @@ class Rechunking:
         """At ``on_train_start``: a fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was
         saved at a validation (then it does not validate again); answer as the user's run would at that place."""
         trainer = self._trainer
-        if self._resumed and trainer is not None and trainer.fit_loop.epoch_loop.restarting:
+        if self._resumed and trainer is not None and self._loops_restored(trainer):
             # The loader was set up before Lightning restored the loops (trainer.estimated_stepping_batches read in
             # configure_optimizers), so it could not count the checkpoint's progress: set it up again at the epoch's
             # start (Lightning does when it has none), where it can.
@@ -577,7 +587,8 @@ class Rechunking:
 
     def restore(self, trainer: pl.Trainer) -> None:
         if self._whole_epoch is not None:  # the fit stopped inside a resumed epoch (max_steps)
-            trainer.fit_loop.max_batches, self._whole_epoch = self._whole_epoch, None
+            _count_epochs_as(trainer, self._whole_epoch)
+            self._whole_epoch = None
         if self._user is not None:
             trainer.limit_train_batches = self._user[0]
             if self._user[1] is not _UNSET:
@@ -591,6 +602,8 @@ class Rechunking:
         """
         self._resumed = True
         self._resumed_from_micro = None
+        saved = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        self._saved_progress = saved if isinstance(saved, dict) else None
         plan = None if checkpoint.get(PROGRESS_KEY) == "loader_batches" else stored_plan(checkpoint)
         if plan is not None and plan.strategy == "dp_ga":
             self._resumed_from_micro = plan.micro_batch_size
@@ -678,6 +691,15 @@ def accumulation_scheduled(trainer: pl.Trainer) -> bool:
 def _is_count(value: Any) -> bool:
     """Lightning reads an int limit or interval as a number of batches, a float as a fraction."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count_epochs_as(trainer: pl.Trainer, batches: int) -> None:
+    """Lightning counts an epoch of the (one) train loader as ``batches``: its count, and the limit it set up the loader
+    with (a resumed epoch's shorter length would otherwise cut every later epoch short)."""
+    trainer.fit_loop.max_batches = batches
+    combined = trainer.fit_loop._combined_loader
+    if combined is not None and combined.limits is not None and len(combined.limits) == 1:
+        combined.limits = [batches]
 
 
 def _lightning_batches(length: int, limit: int | float) -> int:

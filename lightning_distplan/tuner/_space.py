@@ -11,7 +11,7 @@ the objective C + w·T (seed 000 §IV-D).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from lightning_distplan.costmodel import DEFAULT_LATENCY_S, Hardware, cost_per_step, objective, predict
@@ -141,8 +141,12 @@ class ConfigSpace:
         self.global_batch_size = global_batch_size
         self.time_weight = time_weight
         self.max_instances = max_instances
-        # a float16 profile projected to bf16 trains in bf16 on the target: pipelines run it
-        refusal = profile.pipeline_refusal if precision != "bf16" or not profile.splittable else None
+        # a float16 profile projected to bf16 trains in bf16 on the target, which pipelines run: its plans are enumerated
+        # as bf16 ones (the projection still reads the measured dtype)
+        self._plan_profile = profile
+        if precision == "bf16" and profile.splittable and profile.pipeline_refusal:
+            self._plan_profile = replace(profile, device=replace(profile.device, dtype="bfloat16"))
+        refusal = self._plan_profile.pipeline_refusal
         n = len(profile.layers)
         if refusal is None and n < 2:
             refusal = f"the model cannot be split into pipeline stages (the profile has only {n} layer{'' if n == 1 else 's'})"
@@ -170,7 +174,7 @@ class ConfigSpace:
         if world_size not in self._plans:
             try:
                 plans = enumerate_plans(
-                    self.profile, world_size=world_size, global_batch_size=self.global_batch_size, strategies=self.strategies or ("dp_ga",), max_pp=self.max_pp
+                    self._plan_profile, world_size=world_size, global_batch_size=self.global_batch_size, strategies=self.strategies or ("dp_ga",), max_pp=self.max_pp
                 )
             except (BatchNotFactorableError, ModelSplitError):
                 # No plan for this world size (the batch does not factor, or no pipeline can be cut here).

@@ -221,4 +221,4 @@ def test_a_profile_in_a_precision_pipelines_do_not_run_gets_data_parallel_plans_
     with pytest.raises(ModelSplitError, match=r"No pipeline can train .*: it was profiled in float16.*HINT: .*--precision bf16"):
         ConfigSpace(half, None, global_batch_size=32, time_weight=0.0, max_instances=4, strategies=("gpipe",))  # type: ignore[arg-type]
     space = ConfigSpace(half, None, global_batch_size=32, time_weight=0.0, max_instances=4, strategies=("gpipe",), precision="bf16")  # type: ignore[arg-type]
-    assert space.strategies == ("gpipe",)
+    assert space.strategies == ("gpipe",) and {p.strategy for p in space.plans(4)} == {"gpipe"}  # planned as bf16 ones

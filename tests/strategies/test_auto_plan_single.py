@@ -343,8 +343,9 @@ def test_resume_plans_again_in_another_precision_or_with_less_device_memory(tmp_
     first.save_checkpoint(ckpt)
     torch.distributed.destroy_process_group()
     assert torch.load(ckpt, weights_only=False)["distplan_plan_context"] == {"precision": "bf16-true", "memory_limit_bytes": memory}
+    # 1% less is the same card as another library reports it (NVML and torch differ by 0.6% on an H100): reused
     for precision, given, source in (("bf16-true", memory, "checkpoint"), ("32-true", memory, "profiled"), ("bf16-true", memory // 2, "profiled"),
-                                     ("bf16-true", 2 * memory, "checkpoint")):
+                                     ("bf16-true", 2 * memory, "checkpoint"), ("bf16-true", int(0.99 * memory), "checkpoint")):
         auto = AutoPlanStrategy(profile_repeats=1, device_memory_bytes=given)
         resumed = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=auto, devices=1, max_steps=3, precision=precision))
         resumed.fit(_small(), ckpt_path=ckpt)

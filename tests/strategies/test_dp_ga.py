@@ -526,16 +526,19 @@ class _Even(_Regression):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-_RESUMES = {  # name: (module, m, checkpoint settings, both fits' Trainer settings, the resumed fit's)
+_RESUMES = {  # name: (module, m, checkpoint settings, both fits' Trainer settings, the resumed fit's, the first fit's)
     # Lightning replays an epoch's remaining count of batches from the loader's start; counted in micro-batches that fell
     # short by what the epoch's short last batch lacks: from loader batch 8 of 10 (m = 2), 12 samples for DDP's 16
     "short last batch": (_ShortTail, 2, dict(every_n_train_steps=8), {}, {}),
     # a time interval crashed the resumed epoch's end (Lightning sets no val_check_interval then)
     "time interval": (_ShortTail, 2, dict(every_n_train_steps=8), dict(val_check_interval={"seconds": 60}), {}),
+    # saved after the epoch's last batch: Lightning restores it as not restarting, and dp_ga took the counts as its own
+    # (validations over epochs every 3 batches came one step early)
+    "after the epoch's last batch": (_ShortTail, 2, dict(save_on_train_epoch_end=True), dict(val_check_interval=3, check_val_every_n_epoch=None), {}),
     # max_steps inside the resumed epoch left Lightning's count of an epoch at the resumed one's
     "max_steps inside it": (_ShortTail, 2, dict(every_n_train_steps=8), {}, dict(max_steps=9)),
     # m = 24 over batches of 8: the user's 7 remaining batches end inside a micro-batch (72 samples trained, not 56) ...
-    "ends inside a micro-batch": (_Even, 24, dict(every_n_train_steps=1), dict(accumulate_grad_batches=3), {}),
+    "ends inside a micro-batch": (_Even, 24, dict(every_n_train_steps=1), dict(accumulate_grad_batches=3), {}, dict(max_steps=1)),
     # ... and the epoch's 10 batches made 3 of its 4 micro-batches: the next epoch trained 24 samples of 80
     "epoch end, m not dividing it": (_Even, 24, dict(every_n_train_steps=4), dict(accumulate_grad_batches=3), {}),
     # saved at the end-of-epoch validation of an epoch ending in a short batch: one extra micro-batch and step
@@ -551,19 +554,19 @@ def test_resumed_fits_match_ddp(case: str, tmp_path: Any, single_process_group: 
     steps, validations and weights DDP resumed from its own does, and leaves Lightning's count of an epoch whole."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    module, m, saving, settings, resumed_settings = _RESUMES[case]
+    module, m, saving, settings, resumed_settings, *first_settings = _RESUMES[case]
     make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=m)}
     runs = {}
     for first, then in (("ddp", "ddp"), ("ddp", "dp_ga"), ("dp_ga", "dp_ga"), ("dp_ga", "ddp")):
         ckpt = tmp_path / f"{first}_{then}"
         L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy=make[first](), default_root_dir=str(tmp_path),
-                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="c", **saving)], **settings)).fit(module())
+                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="c", **saving)], **{**settings, **(first_settings or [{}])[0]})).fit(module())
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         model = module()
-        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, strategy=make[then](), **{**settings, **resumed_settings}))
+        trainer = L.Trainer(**trainer_kwargs(devices=1, **{"max_epochs": 2, **settings, **resumed_settings}, strategy=make[then]()))
         trainer.fit(model, ckpt_path=str(ckpt / "c.ckpt"))
-        in_epoch = [sum(n for e, n in model.trained if e == epoch) for epoch in (0, 1)]
+        in_epoch = [sum(n for e, n in model.trained if e == epoch) for epoch in range(trainer.max_epochs)]
         runs[(first, then)] = (in_epoch, trainer.global_step, model.validated_at, trainer.num_training_batches, cpu_state(model))
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -573,3 +576,28 @@ def test_resumed_fits_match_ddp(case: str, tmp_path: Any, single_process_group: 
         assert run[:3] == reference[:3], (case, key, run[:4], reference[:4])
         torch.testing.assert_close(run[4], reference[4], rtol=1e-5, atol=1e-6)
         assert run[3] == (reference[3] if key[1] == "ddp" else whole), (case, key, run[3])
+
+
+def test_a_resumed_epoch_shorter_than_a_whole_one_leaves_the_later_epochs_whole(tmp_path: Any, single_process_group: None) -> None:
+    """Saved at a validation after loader batch 7 of 10 (inside an accumulation of 3), resumed with m = 24: the resumed
+    epoch counts 3 micro-batches of 4, and Lightning kept that as the loader's limit, so every later epoch trained 72 of
+    its 80 samples. (Steps are not compared: DDP steps after the two batches that end its accumulation, where dp_ga's
+    micro-batch of 24 runs across that boundary, a checkpoint inside an accumulation being rare.)"""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    settings = dict(accumulate_grad_batches=3, val_check_interval=7)
+    trained = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=24))):
+        ckpt = tmp_path / name
+        L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, enable_checkpointing=True, strategy="ddp", default_root_dir=str(tmp_path), **settings,
+                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="c", save_on_train_epoch_end=False)])).fit(_Even())
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        saved = torch.load(ckpt / "c.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"]["ready"]
+        model = _Even()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=4, strategy=strategy, **settings))
+        trainer.fit(model, ckpt_path=str(ckpt / "c.ckpt"))
+        trained[name] = ([sum(n for e, n in model.trained if e == epoch) for epoch in range(4)], trainer.num_training_batches, saved)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trained["ddp"] == ([24, 80, 80, 80], 10, 7) and trained["dp_ga"] == ([24, 80, 80, 80], 4, 7), trained
