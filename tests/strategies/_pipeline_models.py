@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
+from _dist_utils import exit_now
 from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 32
@@ -131,6 +132,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
     finally:  # a gloo group left to interpreter shutdown can abort the process (see test_process_group_exit.py)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+    exit_now()  # succeeded: no interpreter shutdown, where gloo's teardown can still abort it
 
 
 def run_processes(fn: Callable[..., Any], world: int, *args: Any) -> None:
