@@ -226,6 +226,11 @@ DTYPE_BYTES = {
 PIPELINE_DTYPES = frozenset({"float32", "float", "fp32", "32", "32-true", "bfloat16", "bf16", "bf16-true", "bf16-mixed"})
 
 
+def unsplittable(reason: str | None) -> str:
+    """The clause saying a model cannot be split into pipeline stages, and why (``Profile.split_reason``)."""
+    return f"the model cannot be split into pipeline stages ({reason or 'no PipelineSpec'})"
+
+
 def dtype_bytes(dtype: str) -> int | None:
     """Bytes per value for a profile's ``device.dtype`` (``"torch."`` prefix and case ignored), None if unknown."""
     return DTYPE_BYTES.get(str(dtype).replace("torch.", "").lower())
@@ -319,7 +324,7 @@ class Profile:
         """Why no pipeline can train the model as profiled, or None: it cannot be split, or it was profiled in a
         precision the pipeline runtime does not run (float16, float64)."""
         if not self.splittable:
-            return f"the model cannot be split into pipeline stages ({self.split_reason or 'no PipelineSpec'})"
+            return unsplittable(self.split_reason)
         if str(self.device.dtype).replace("torch.", "").lower() not in PIPELINE_DTYPES:
             return f"it was profiled in {self.device.dtype} and pipelines train in 32-true, bf16-mixed or bf16-true only"
         return None

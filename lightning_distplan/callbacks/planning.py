@@ -155,7 +155,7 @@ class PlanningCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._applied is not None:
-            self._applied.rechunk.steer_restart()
+            self._applied.rechunk.train_start()
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan, whole_indices
+from lightning_distplan.profile import unsplittable
 
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
@@ -255,14 +256,10 @@ def check_pins_before_profiling(pins: dict[str, Any] | None, *, world_size: int,
         if world_size < 2:
             raise _impossible_pin(names[key], pins[key], _NEEDS_TWO)
         if split_reason is not None:
-            raise _impossible_pin(names[key], pins[key], _unsplittable(split_reason))
+            raise _impossible_pin(names[key], pins[key], unsplittable(split_reason))
 
 
 _NEEDS_TWO = "a pipeline needs at least 2 devices"
-
-
-def _unsplittable(split_reason: str | None) -> str:
-    return f"the model cannot be split into pipeline stages ({split_reason or 'no PipelineSpec'})"
 
 
 def _world_size_reason(key: str, value: Any, world_size: int, name: str) -> str | None:

@@ -267,7 +267,7 @@ def plan_context(strategy: Any) -> dict[str, Any]:
     """What ``strategy``'s plan was made for (see the module docstring): its precision, and the memory limit
     ``auto_plan`` planned it for when it did (``strategy.plan_memory_limit_bytes``)."""
     context: dict[str, Any] = {"precision": getattr(strategy.precision_plugin, "precision", None)}
-    limit = getattr(strategy, "plan_memory_limit_bytes", None)
+    limit = strategy.plan_memory_limit_bytes
     if limit is not None:
         context["memory_limit_bytes"] = int(limit)
     return context

@@ -45,8 +45,8 @@ from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import satisfies_pins
+from lightning_distplan.profile import unsplittable
 from lightning_distplan.strategies._auto_concrete import build_concrete
-from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     choose_plan,
@@ -58,6 +58,7 @@ from lightning_distplan.strategies._auto_planning import (
     write_artifacts,
 )
 from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan, stored_plan_context
+from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, accumulation_scheduled, check_ddp_kwargs, loader_batch_size
 from lightning_distplan.strategies.pipeline import PIPELINE_METRICS, PIPELINE_PRECISIONS
@@ -273,7 +274,7 @@ class AutoPlanStrategy(DDPStrategy):
         )
         self._concrete = concrete
         # what the plan was made for, stored with it in checkpoints (a reused plan keeps its own)
-        concrete.plan_memory_limit_bytes = (  # type: ignore[attr-defined]
+        concrete.plan_memory_limit_bytes = (  # type: ignore[attr-defined]  # both concrete kinds have it
             outcome.hardware.device_memory_bytes if outcome.hardware is not None else self._checkpoint_context.get("memory_limit_bytes")
         )
         if self._resuming is not None:
@@ -343,7 +344,7 @@ class AutoPlanStrategy(DDPStrategy):
         profiling_s = time.perf_counter() - t0
         self._profile = profile
         if world > 1 and not profile.splittable and not self._pipeline_pinned():  # a pinned one gets the planner's error
-            rank_zero_info(f"auto_plan: planning data parallel only: the model cannot be split into pipeline stages ({profile.split_reason or 'no PipelineSpec'}).")
+            rank_zero_info(f"auto_plan: planning data parallel only: {unsplittable(profile.split_reason)}.")
         global_batch = user_global_batch(
             loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
             given=self._global_batch_arg,

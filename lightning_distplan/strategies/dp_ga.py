@@ -109,6 +109,8 @@ class DPGAStrategy(DDPStrategy):
     """
 
     strategy_name = "dp_ga"
+    plan_memory_limit_bytes: int | None = None
+    """The device memory the running plan was made for, when ``auto_plan`` made it (stored with it in checkpoints)."""
 
     def __init__(
         self,
@@ -219,7 +221,7 @@ class DPGAStrategy(DDPStrategy):
                 hint="Pass one train DataLoader, or use micro_batch_size='auto' and accumulate_grad_batches='auto' (each loader "
                 "as it is), or strategy='ddp'.",
             )
-        self._rechunk.steer_restart()
+        self._rechunk.train_start()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -386,8 +388,8 @@ class Rechunking:
     Trainer settings mean (the module docstring says how); shared by :class:`DPGAStrategy` and
     :class:`~lightning_distplan.PlanningCallback`.
 
-    Call :meth:`remember` in ``setup``, :meth:`wrap` on the train loader, :meth:`start_batch` at
-    each ``on_train_batch_start``, :meth:`weigh` on ``training_step``'s output and :meth:`restore`
+    Call :meth:`remember` in ``setup``, :meth:`wrap` on the train loader, :meth:`train_start` at
+    ``on_train_start``, :meth:`start_batch` at each ``on_train_batch_start``, :meth:`weigh` on ``training_step``'s output and :meth:`restore`
     at teardown; :meth:`progress_to_user_units` on every checkpoint saved and :meth:`resumed` when
     a fit resumes from one.
 
@@ -439,14 +441,13 @@ class Rechunking:
         self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
         # not a loader loaded before Lightning restores the loops (trainer.estimated_stepping_batches in configure_optimizers)
         resuming = self._resumed and self._loops_restored(trainer)
-        done = Fraction(0)
         if resuming:
             self._resumed = False
             # the checkpoint's units: loader batches, or (written before the marker) micro-batches of a dp_ga plan
             saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
             progress = trainer.fit_loop.epoch_loop.batch_progress
-            done = progress.current.ready * saved  # the user's loader batches the checkpoint's epoch trained
-            self._resumed_counts = (done, progress.total.ready * saved)  # ... and its fit (exact, where scaling rounds)
+            # the user's loader batches the checkpoint's epoch and fit trained (exact, where scaling to micro-batches rounds)
+            self._resumed_counts = (progress.current.ready * saved, progress.total.ready * saved)
             if self._per_user_batch is not None and saved != self._per_user_batch:
                 _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
         if loader_batch == m:
@@ -458,12 +459,12 @@ class Rechunking:
         if loader_batch is not None:
             _count_in_micro_batches(trainer, loader_batch, m, limit=limit, interval=interval, micro_batches=sized_len(self._loader))
             if resuming and cls is None:  # start_batch follows the micro-batches of this loader (not a pipeline's)
-                self._resume_in_place(trainer, dataloader, loader_batch, m, limit, done)
+                self._resume_in_place(trainer, dataloader, loader_batch, m, limit)
         return self._loader
 
-    def _resume_in_place(self, trainer: pl.Trainer, dataloader: object, loader_batch: int, m: int, limit: int | None, done: Fraction) -> None:
-        """Resumed from a checkpoint whose epoch had trained ``done`` of the user's loader batches: train what a run of
-        their loader trains next.
+    def _resume_in_place(self, trainer: pl.Trainer, dataloader: object, loader_batch: int, m: int, limit: int | None) -> None:
+        """Resumed from a checkpoint whose epoch had trained ``done`` of the user's loader batches (:attr:`_resumed_counts`):
+        train what a run of their loader trains next.
 
         At the epoch's end, Lightning goes on to the next epoch only if it counts all of this one's micro-batches
         (``done`` scaled to micro-batches rounds down where ``m`` does not divide the epoch, or exceeds the epoch's
@@ -474,7 +475,8 @@ class Rechunking:
         loader batches, and Lightning counts it as the micro-batches trained before plus theirs; :meth:`start_batch`
         sets Lightning's count back at its last batch.
         """
-        assert self._loader is not None
+        assert self._loader is not None and self._resumed_counts is not None
+        done = self._resumed_counts[0]
         n, whole = sized_len(dataloader), sized_len(self._loader)
         if n is None or whole is None or not done:
             return
@@ -533,16 +535,21 @@ class Rechunking:
             self._val_check_next = max(1, int(self._whole_epoch * trainer.val_check_interval))
         self._whole_epoch = None
 
-    def steer_restart(self) -> None:
-        """At ``on_train_start``: a fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was
-        saved at a validation (then it does not validate again); answer as the user's run would at that place."""
+    def train_start(self) -> None:
+        """At ``on_train_start`` of a resumed fit: a loader set up before Lightning restored the loops
+        (trainer.estimated_stepping_batches read in configure_optimizers) could not count the checkpoint's progress,
+        so it is set up again at the epoch's start (Lightning does when it has none), where it can; otherwise the
+        restart's validation check is answered (:meth:`_steer_restart`)."""
         trainer = self._trainer
         if self._resumed and trainer is not None and self._loops_restored(trainer):
-            # The loader was set up before Lightning restored the loops (trainer.estimated_stepping_batches read in
-            # configure_optimizers), so it could not count the checkpoint's progress: set it up again at the epoch's
-            # start (Lightning does when it has none), where it can.
             trainer.fit_loop._combined_loader = None
-            return
+        else:
+            self._steer_restart()
+
+    def _steer_restart(self) -> None:
+        """A fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was saved at a validation
+        (then it does not validate again); answer as the user's run would at that place."""
+        trainer = self._trainer
         if trainer is None or self._loader is None or self._val_every is None or self._per_user_batch is None:
             return
         loop = trainer.fit_loop.epoch_loop

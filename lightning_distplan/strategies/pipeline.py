@@ -158,6 +158,8 @@ class PipelineStrategy(DDPStrategy):
     """
 
     strategy_name = "pipeline"
+    plan_memory_limit_bytes: int | None = None
+    """The device memory the running plan was made for, when ``auto_plan`` made it (stored with it in checkpoints)."""
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ from lightning_distplan.costmodel.projection import ProjectionInfo, project_prof
 from lightning_distplan.errors import BatchNotFactorableError, DistPlanError, ModelSplitError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import enumerate_plans
-from lightning_distplan.profile import Profile
+from lightning_distplan.profile import Profile, unsplittable
 from lightning_distplan.tuner.catalog import Catalog, Instance
 
 __all__ = ["ConfigSpace", "TunedConfig"]
@@ -149,7 +149,7 @@ class ConfigSpace:
         refusal = self._plan_profile.pipeline_refusal
         n = len(profile.layers)
         if refusal is None and n < 2:
-            refusal = f"the model cannot be split into pipeline stages (the profile has only {n} layer{'' if n == 1 else 's'})"
+            refusal = unsplittable(f"the profile has only {n} layer{'' if n == 1 else 's'}")
         self.strategies = tuple(s for s in strategies if s == "dp_ga" or refusal is None)
         if not self.strategies and strategies and all(s in STRATEGIES for s in strategies):
             # Pipeline-only request on a model that cannot be cut: say so, not "no configuration factors B".
