@@ -10,9 +10,10 @@ For each model it
    (``distplan bench``'s :func:`~lightning_distplan.bench._runner.measure_plan`) and sets the
    median optimizer-step time and ``torch.cuda.max_memory_allocated`` (less what was allocated
    when the run began, recorded as ``allocated_before_run_bytes``) beside the cost model's
-   prediction for the same ``Plan``. Each plan gets a process group of its own (the one-process
-   group a fit starts is ended after it), so every plan runs as the first fit of a group, with
-   nothing of the previous fit still allocated;
+   prediction for the same ``Plan``. Each plan runs in a process of its own (forked before CUDA
+   is touched: ``--isolate fork``, the default), as a user's fit does. Run one after another in
+   one process, even each with a process group of its own, some fits peaked one gradient size
+   higher than the same plan alone (``cuda_memory/README.md``); ``--isolate none`` runs them so;
 3. (CUDA only) finds the real out-of-memory boundary of ``s = 1`` training with real fits
    (search around the prediction, then bisection), and sets it beside the largest micro-batch the
    model predicts to fit in the whole device and in the planner's usable share of it
@@ -27,19 +28,27 @@ step times the model, not a random-number generator. Matmuls run at ``--matmul-p
 training.
 
 Run:  python benchmarks/gpu_validation.py [--models gpt2,bert_large,resnet101] [--out FILE]
-      python benchmarks/gpu_validation.py --tiny --device cpu     # a minute-long smoke run, no GPU
+      python benchmarks/gpu_validation.py --no-oom-search        # the points only (~5 min on an H100)
+      python benchmarks/gpu_validation.py --oom-only --out benchmarks/results/gpu_validation_<device>_oom.json
+      python benchmarks/gpu_validation.py --tiny --device cpu     # a smoke run, no GPU
 Result: benchmarks/results/gpu_validation_<device name>.json (provenance included); the JSON is
 rewritten after every measurement, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
+import os
+
+# Asked before torch is imported: "is there a GPU?" answered by NVML, not by initialising CUDA, so
+# the processes forked for each plan (--isolate fork) can start CUDA of their own.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import argparse
 import copy
 import datetime
 import gc
 import json
-import os
+import multiprocessing
 import platform
 import statistics
 import sys
@@ -59,6 +68,7 @@ from lightning_distplan.bench.models import BertMaskedLM, TinyGPT2LM
 from lightning_distplan.costmodel import Hardware, predict
 from lightning_distplan.demos import RandomImageData, RandomTokenData, TorchvisionClassifier
 from lightning_distplan.plan import Plan
+from lightning_distplan.profile import Profile
 from lightning_distplan.profiling import profile_module
 
 
@@ -226,17 +236,69 @@ def _seeded(make: Callable[[], L.LightningModule]) -> Callable[[], L.LightningMo
     return build
 
 
-def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, record: dict, save: Callable[[], None]) -> None:
-    accelerator = "cuda" if device == "cuda" else "cpu"
-    make_module = _seeded(spec.make_module)
-    make_loader = _loader_factory(spec, device, args.warmup + args.steps)
-    module = make_module()
-    loader = make_loader(spec.loader_batch)
+def _profile_task(name: str, tiny: bool, device: str, steps: int) -> dict[str, Any]:
+    """Profile one benchmark model (in the process it is called in); the profile as a dict."""
+    spec = MODELS[name](tiny)
+    module = _seeded(spec.make_module)()
+    loader = _loader_factory(spec, device, steps)(spec.loader_batch)
     loader.dataset.length = 1 << 20
     t0 = time.perf_counter()
     profile = profile_module(module, loader, device=device, progress=lambda msg: print(f"  [{name}] {msg}", flush=True))
-    profiling_s = time.perf_counter() - t0
-    del module, loader
+    seconds = time.perf_counter() - t0
+    cuda = device == "cuda"
+    return {"profile": profile.to_dict(), "profiling_s": seconds,
+            "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+            "total_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None}
+
+
+def _measure_task(name: str, tiny: bool, device: str, m: int, s: int, steps: int, warmup: int, loader_steps: int) -> dict[str, Any]:
+    """Train one dp_ga plan (in the process it is called in): ``measure_plan``'s raw numbers."""
+    spec = MODELS[name](tiny)
+    plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=s, global_batch_size=m * s)
+    raw = measure_plan(plan, make_module=_seeded(spec.make_module), make_loader=_loader_factory(spec, device, loader_steps),
+                       steps=steps, warmup=warmup, accelerator="cuda" if device == "cuda" else "cpu", devices=1, num_nodes=1)
+    _release_process_group()
+    raw["allocated_after_bytes"] = int(torch.cuda.memory_allocated()) if device == "cuda" else None
+    return raw
+
+
+def _child_main(conn: Any, task: Callable[..., dict[str, Any]], args: tuple) -> None:
+    try:
+        conn.send(("ok", task(*args)))
+    except BaseException as err:  # noqa: BLE001 — reported to the parent, which records it
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        conn.close()
+
+
+def isolated(mode: str, task: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``task(*args)`` in a forked process of its own (``mode="fork"``) or in this one (``"none"``).
+
+    A child that dies without an answer (a CUDA error that kills the process, say) raises here."""
+    if mode == "none":
+        return task(*args)
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(child, task, args))
+    proc.start()
+    child.close()
+    try:
+        status, value = parent.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"{task.__name__}{args} died without an answer (exit code {proc.exitcode})") from None
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"{task.__name__}{args} failed: {value}")
+    return value
+
+
+def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, record: dict, save: Callable[[], None]) -> dict[str, Any]:
+    """Profile ``name``, then measure each point in a process of its own; returns the profiling child's device facts."""
+    loader_steps = args.warmup + args.steps
+    got_profile = isolated(args.isolate, _profile_task, name, args.tiny, device, loader_steps)
+    profile = Profile.from_dict(got_profile["profile"])
+    profiling_s = got_profile["profiling_s"]
     gc.collect()
     hardware = Hardware.from_profile(profile)
     profiled = sorted(profile.micro_batch_sizes)
@@ -248,13 +310,14 @@ def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, reco
 
     def measure(m: int, s: int, steps: int, warmup: int) -> dict:
         plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=s, global_batch_size=m * s)
-        raw = measure_plan(plan, make_module=make_module, make_loader=make_loader, steps=steps, warmup=warmup,
-                           accelerator=accelerator, devices=1, num_nodes=1)
-        _release_process_group()
+        raw = isolated(args.isolate, _measure_task, name, args.tiny, device, m, s, steps, warmup, loader_steps)
         timed = raw["step_times_s"][warmup:]
         return {"plan": plan, "error": raw["error"], "peak": raw["peak_memory_bytes"], "baseline": raw["baseline_memory_bytes"],
-                "step": statistics.median(timed) if timed and not raw["error"] else None, "steps": timed}
+                "step": statistics.median(timed) if timed and not raw["error"] else None, "steps": timed,
+                "allocated_after": raw["allocated_after_bytes"]}
 
+    if args.oom_only:
+        return _oom_search(profile, hardware, measure, record, save, got_profile)
     # the profiling cost in steps of the loader's own batch
     base = measure(spec.loader_batch, 1, args.steps, args.warmup)
     record["loader_batch_step_time_s"] = base["step"]
@@ -284,7 +347,12 @@ def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, reco
             save()
 
     if device != "cuda" or args.no_oom_search:
-        return
+        return got_profile
+    return _oom_search(profile, hardware, measure, record, save, got_profile)
+
+
+def _oom_search(profile: Profile, hardware: Hardware, measure: Callable[..., dict], record: dict, save: Callable[[], None],
+                got_profile: dict[str, Any]) -> dict[str, Any]:
     total = hardware.device_memory_bytes
     raw_max = predicted_largest_micro_batch(profile, hardware, total)
     planner_max = predicted_largest_micro_batch(profile, hardware, hardware.usable_memory_bytes)
@@ -293,7 +361,7 @@ def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, reco
     def runs(m: int) -> bool:
         got = measure(m, 1, 1, 1)
         probes.append({"micro_batch_size": m, "ran": got["error"] is None, "error": got["error"], "peak_memory_bytes": got["peak"],
-                       "allocated_after_bytes": int(torch.cuda.memory_allocated())})
+                       "allocated_after_bytes": got["allocated_after"]})
         print(f"  OOM search: m={m} {'ran' if got['error'] is None else 'failed: ' + str(got['error'])[:80]} (peak {got['peak'] / 2**30:.1f} GiB)", flush=True)
         if got["error"] is not None and not _is_oom(got["error"]):
             raise RuntimeError(f"m={m} failed for a reason other than memory: {got['error']}")
@@ -311,6 +379,18 @@ def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, reco
     print(f"  OOM boundary: predicted {raw_max} (whole device), planner allows up to {planner_max}; measured largest that ran {ok}, "
           f"smallest that ran out {bad}; planner's largest {'ran' if planner_runs else 'RAN OUT OF MEMORY'}", flush=True)
     save()
+    return got_profile
+
+
+def _nvml_name() -> str:
+    import pynvml  # nvidia-ml-py
+
+    pynvml.nvmlInit()
+    try:
+        index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
+        return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def summarize(models: dict) -> dict:
@@ -346,7 +426,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     parser.add_argument("--matmul-precision", default="high", choices=["highest", "high", "medium"])
     parser.add_argument("--no-oom-search", action="store_true", help="skip the out-of-memory boundary search")
+    parser.add_argument("--oom-only", action="store_true", help="profile and search the out-of-memory boundary only (no points)")
     parser.add_argument("--tiny", action="store_true", help="small configs of the same architectures (a smoke run)")
+    parser.add_argument("--isolate", choices=["fork", "none"], default="fork",
+                        help="fork: profile and run each plan in a process of its own (default); none: all in this process")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.accumulations = [int(x) for x in args.accumulations.split(",")]
@@ -357,16 +440,19 @@ def main() -> int:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
+    if args.oom_only and (device != "cuda" or args.no_oom_search):
+        parser.error("--oom-only searches a CUDA device's out-of-memory boundary: it needs --device cuda (or a GPU) and no --no-oom-search")
     torch.set_float32_matmul_precision(args.matmul_precision)
     _quiet_lightning()
-    device_name = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
+    # NVML's name, not torch's: asking torch would start CUDA here, before the forks (the total is the profiling child's)
+    device_name = _nvml_name() if device == "cuda" else platform.processor() or platform.machine()
 
     result: dict[str, Any] = {
         "benchmark": "gpu_validation",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": {"type": device, "name": device_name,
-                   "total_memory_bytes": torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None},
+        "device": {"type": device, "name": device_name, "total_memory_bytes": None},
+        "isolate": args.isolate,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                      "lightning": L.__version__, "lightning_distplan": lightning_distplan.__version__},
         "float32_matmul_precision": args.matmul_precision, "tiny": args.tiny,
@@ -382,7 +468,8 @@ def main() -> int:
 
     for name in names:
         result["models"][name] = {}
-        run_model(name, MODELS[name](args.tiny), args, device, result["models"][name], save)
+        facts = run_model(name, MODELS[name](args.tiny), args, device, result["models"][name], save)
+        result["device"].update(name=facts["device_name"], total_memory_bytes=facts["total_memory_bytes"])
     save()
     s = result["summary"]
     fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731

@@ -198,35 +198,44 @@ def rows() -> list[tuple[str, str, str, str, str]]:
 
 def _gpu_row(d: dict, stem: str = "") -> tuple[str, str, str, str, str]:
     """One single-GPU validation run: step time, peak memory, OOM boundary, profiling cost (``stem``: the
-    file's name, whose ``_runN`` ending names a repeat run)."""
-    run = f"run {stem.rsplit('_run', 1)[1]}" if "_run" in stem else "run 1"
+    file's name, whose ``_runN`` ending names a repeat run and ``_oom`` a run of the boundary search alone)."""
     s, models = d["summary"], d["models"]
-    per_model = ", ".join(
-        f"{name} {_pct(statistics.median(abs(p['step_time_error']) for p in rec['points'] if p['step_time_error'] is not None))}"
-        for name, rec in models.items()
-    )
     oom = "; ".join(
         f"{name} {o['predicted_largest_micro_batch_planner']} / {o['predicted_largest_micro_batch_whole_device']} vs {o['measured_largest_micro_batch']} "
         f"({o['measured_smallest_oom_micro_batch']} ran out)"
         for name, rec in models.items() if (o := rec.get("oom"))
     )
-    cost = ", ".join(f"{name} {rec['profiling_time_s']:.1f} s ≈ {rec['profiling_cost_in_steps']:.0f} steps" for name, rec in models.items()
-                     if rec.get("profiling_cost_in_steps"))
     labels = {"gpt2": "GPT-2 124M, sequence 1024, AdamW", "bert_large": "BERT-Large masked LM, sequence 128, AdamW",
               "resnet101": "ResNet-101, 224×224, SGD"}  # the full configs are in each model's `what` in the JSON
     what = "; ".join(labels.get(name, name) for name in models)
+    isolation = "each plan in a process of its own" if d.get("isolate") == "fork" else "one process group per plan"
+    where = f"{d['device']['name']}, torch {d['versions']['torch']}"
+    largest = "largest micro-batch (s = 1) the planner allows (90% of the device) / predicted for the whole device vs the largest that ran"
+    if not s["n_points"]:
+        profiling = ", ".join(f"{name} {rec['profiling_time_s']:.1f} s" for name, rec in models.items())
+        return (
+            f"1 GPU: out-of-memory boundary of dp_ga, s = 1 ({what}; float32, matmul precision {d['float32_matmul_precision']})",
+            f"{largest}: {oom}; plans predicted to fit that ran out of memory: {s['predicted_feasible_that_failed']} "
+            f"({isolation}; profiling {profiling}); target 0",
+            where, _date(d), "`benchmarks/gpu_validation.py --oom-only`",
+        )
+    run = f"run {stem.rsplit('_run', 1)[1]}" if "_run" in stem else "run 1"
+    per_model = ", ".join(
+        f"{name} {_pct(statistics.median(abs(p['step_time_error']) for p in rec['points'] if p['step_time_error'] is not None))}"
+        for name, rec in models.items()
+    )
+    cost = ", ".join(f"{name} {rec['profiling_time_s']:.1f} s ≈ {rec['profiling_cost_in_steps']:.0f} steps" for name, rec in models.items()
+                     if rec.get("profiling_cost_in_steps"))
     return (
         f"1 GPU, {run}: dp_ga at unprofiled micro-batch × accumulation {'/'.join(sorted({str(p['accumulate_grad_batches']) for r in models.values() for p in r['points']}))} "
         f"({what}; float32, matmul precision {d['float32_matmul_precision']})",
         f"step time median \\|error\\| {_pct(s['median_abs_step_time_error'])}, p90 {_pct(s['p90_abs_step_time_error'])}, max {_pct(s['max_abs_step_time_error'])} "
-        f"over {s['n_timed']} points (per model: {per_model}); peak memory vs `torch.cuda.max_memory_allocated` (less what was allocated before the run; one process group per plan) median \\|error\\| "
+        f"over {s['n_timed']} points (per model: {per_model}); peak memory vs `torch.cuda.max_memory_allocated` (less what was allocated before the run; {isolation}) median \\|error\\| "
         f"{_pct(s['median_abs_memory_error'])}, max {_pct(s['max_abs_memory_error'])}, {s['n_memory_within_5pct']}/{s['n_timed']} within 5%; "
         f"plans predicted to fit that ran out of memory: {s['predicted_feasible_that_failed']} ({s['failed_as_predicted']} predicted not to fit ran out); "
-        + (f"largest micro-batch (s = 1) the planner allows (90% of the device) / predicted for the whole device vs the largest that ran: {oom}; "
-           if oom else "no out-of-memory boundary search in this run (`--no-oom-search`); ")
+        + (f"{largest}: {oom}; " if oom else "no out-of-memory boundary search in this run (`--no-oom-search`); ")
         + f"profiling {cost}; targets 10% / 5% / 0",
-        f"{d['device']['name']}, torch {d['versions']['torch']}",
-        _date(d), "`benchmarks/gpu_validation.py`",
+        where, _date(d), "`benchmarks/gpu_validation.py`",
     )
 
 

@@ -1,5 +1,7 @@
 """Does the run-to-run swing of one gradient size in a dp_ga fit's CUDA peak come from NCCL keeping
-the first step's DDP buckets alive? (a diagnostic, written 2026-11-23 and NOT YET RUN on a GPU).
+the first step's DDP buckets alive? (a diagnostic, written 2026-11-23, run on an H100 on 2026-11-24:
+``../results/cuda_memory_first_fit_swing_h100.json``, ``--variants default,no_release --plans
+24x1,24x4,48x4 --reps 3 --budget-s 240``; its answer is in ``README.md`` beside this file).
 
 The single-GPU validation (``../gpu_validation.py``) misses peak memory by more than 5% at 2 of 22
 points per run, and not at the same points: the same plan, each time the first fit of a fresh
@@ -12,11 +14,12 @@ drops the work, which may or may not happen before the step's peak.
 Every repetition here is one fit in a process of its own (fresh CUDA context, first group). The
 variants change one thing each:
 
-- ``default``: as ``gpu_validation.py`` runs;
+- ``default``: a barrier on the group once the first optimizer step is done (``release.py`` saw a
+  barrier free the leftover at once), in ``DPGAStrategy.optimizer_step`` as it was tried there on
+  2026-11-24 (``ReleasingDPGA`` below; the strategy did not keep it);
+- ``no_release``: ``DPGAStrategy`` as it is, as ``gpu_validation.py`` runs;
 - ``record_streams``: ``TORCH_NCCL_AVOID_RECORD_STREAMS=0``;
-- ``avoid_record_streams``: ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``;
-- ``barrier_after_first_step``: a barrier on the group once the first optimizer step is done
-  (``release.py`` saw a barrier free the leftover at once).
+- ``avoid_record_streams``: ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``.
 
 Per repetition it records the peak and, per training batch, the bytes allocated at its start and
 end and the running peak, so the place of the peak shows. If one variant has no swing and its
@@ -40,9 +43,9 @@ from typing import Any
 
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
+    "no_release": {},
     "record_streams": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "0"},
     "avoid_record_streams": {"TORCH_NCCL_AVOID_RECORD_STREAMS": "1"},
-    "barrier_after_first_step": {},
 }
 
 
@@ -73,9 +76,6 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         return {"allocated": int(torch.cuda.memory_allocated()), "peak": int(torch.cuda.max_memory_allocated())}
 
     class Timeline(pl.Callback):
-        def __init__(self) -> None:
-            self.barrier_done = False
-
         def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
             timeline.append({"batch": batch_idx, "at": "start", "global_step": trainer.global_step, **now()})
 
@@ -83,17 +83,27 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             timeline.append({"batch": None, "at": "before_optimizer_step", "global_step": trainer.global_step, **now()})
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if args.variant == "barrier_after_first_step" and trainer.global_step == 1 and not self.barrier_done:
-                torch.distributed.barrier()
-                self.barrier_done = True
             timeline.append({"batch": batch_idx, "at": "end", "global_step": trainer.global_step, **now()})
 
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = now()
+    class ReleasingDPGA(DPGAStrategy):
+        """DPGAStrategy waiting on a barrier once, after the fit's first optimizer step (the "default" variant as run)."""
+
+        released = False
+
+        def optimizer_step(self, *a: Any, **k: Any) -> Any:
+            output = super().optimizer_step(*a, **k)
+            if not self.released:
+                self.released = True
+                self.barrier("release_first_buckets")
+            return output
+
     plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=args.m, accumulate_grad_batches=args.s, global_batch_size=args.m * args.s)
+    strategy = (DPGAStrategy if args.variant == "no_release" else ReleasingDPGA)(plan=plan)
     trainer = pl.Trainer(
-        accelerator="cuda" if cuda else "cpu", devices=1, strategy=DPGAStrategy(plan=plan), max_steps=args.steps, max_epochs=-1,
+        accelerator="cuda" if cuda else "cpu", devices=1, strategy=strategy, max_steps=args.steps, max_epochs=-1,
         callbacks=[Timeline()], **QUIET_FIT,
     )
     trainer.fit(module, train_dataloaders=make_loader(args.m * args.s))

@@ -347,12 +347,12 @@ def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     step = sum(breakdown.values())
     memory = {
         "params": int(profile.memory.param_bytes),
-        # With accumulation (s > 1) the gradients summed so far stay resident while the next micro-batch's
-        # backward produces its own. Measured on an H100 (benchmarks/results/gpu_validation_*.json, one
-        # process group per plan), the s = 4 peak of GPT-2, BERT-Large and ResNet-101 sat -0.9 to 1.6
-        # gradient sizes above the s = 1 peak; the same plan's peak swings by one gradient size from run
-        # to run (DDP's first bucket set released before the peak or not), which no fixed term follows.
-        "grads": int(profile.memory.grad_bytes) * (2 if s > 1 else 1),
+        # One gradient set, with accumulation too: the summed gradients are the ones the next micro-batch's
+        # backward adds into. Measured on an H100 with each plan in a process of its own
+        # (benchmarks/results/gpu_validation_*.json), BERT-Large's s = 4 peak is this sum within 0.7% at
+        # m = 12..96. A second set (what this term held until 2026-11-24) followed fits run one after
+        # another in one process, where some peaked one gradient size higher (cuda_memory/README.md).
+        "grads": int(profile.memory.grad_bytes),
         "optimizer": _optimizer_state_bytes(profile),
         # DESIGN §4: DP holds the saved activations of one micro-batch at a time.
         "activations": int(round(max(0.0, profile.memory.activation(m)) or sum(_layer_activations(profile, m)))),

@@ -20,7 +20,7 @@ from lightning_distplan.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from gpu_validation import PoolDataset, _release_process_group, find_boundary, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
+from gpu_validation import PoolDataset, _release_process_group, find_boundary, isolated, predicted_largest_micro_batch, unprofiled_sizes  # noqa: E402
 from readme_table import _gpu_row  # noqa: E402
 
 GPU_RESULTS = sorted((ROOT / "benchmarks" / "results").glob("gpu_validation_*.json"))
@@ -103,21 +103,30 @@ def test_each_loader_gets_a_pool_of_its_own_length_over_shared_samples():
 
 @pytest.mark.parametrize("path", GPU_RESULTS, ids=lambda p: p.name)
 def test_each_committed_gpu_point_started_from_a_clean_device(path: Path) -> None:
-    """No point's peak holds an earlier plan's leftovers: next to nothing was allocated when each run began."""
+    """No point's peak holds an earlier plan's leftovers: next to nothing was allocated when each run began,
+    and each plan ran in a process of its own (``--isolate fork``)."""
     doc = json.loads(path.read_text())
+    assert doc["isolate"] == "fork"
     before = [p["allocated_before_run_bytes"] for rec in doc["models"].values() for p in rec["points"]]
-    assert before and all(b is not None and b < (1 << 20) for b in before)
+    probes = [p for rec in doc["models"].values() for p in rec.get("oom", {}).get("probes", [])]
+    assert before or probes  # a run of points, or of the boundary search alone (--oom-only)
+    assert all(b is not None and b < (1 << 20) for b in before)
 
 
 def test_gpu_rows_name_the_run_and_say_when_the_oom_search_was_skipped() -> None:
     rows = {p.stem: _gpu_row(json.loads(p.read_text()), p.stem) for p in GPU_RESULTS}
     for stem, (what, result, where, _date, _script) in rows.items():
         doc = json.loads((ROOT / "benchmarks" / "results" / f"{stem}.json").read_text())
-        assert what.startswith("1 GPU, run 2:" if stem.endswith("_run2") else "1 GPU, run 1:")
         searched = any("oom" in rec for rec in doc["models"].values())
         assert ("largest micro-batch (s = 1)" in result) == searched
-        assert ("--no-oom-search" in result) == (not searched) == ("--no-oom-search" in doc["command"])
         assert doc["device"]["name"] in where
+        assert "each plan in a process of its own" in result
+        if "--oom-only" in doc["command"]:
+            assert stem.endswith("_oom") and what.startswith("1 GPU: out-of-memory boundary") and searched
+            assert not doc["summary"]["n_points"] and "step time" not in result
+            continue
+        assert what.startswith("1 GPU, run 2:" if stem.endswith("_run2") else "1 GPU, run 1:")
+        assert ("--no-oom-search" in result) == (not searched) == ("--no-oom-search" in doc["command"])
 
 
 def test_release_process_group_ends_a_group_of_one(tmp_path: Path) -> None:
@@ -130,3 +139,25 @@ def test_release_process_group_ends_a_group_of_one(tmp_path: Path) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _pid_and(value: int) -> dict:
+    import os
+
+    return {"pid": os.getpid(), "value": value * 2}
+
+
+def _fails(value: int) -> dict:
+    raise ValueError(f"no {value}")
+
+
+def test_isolated_runs_each_task_in_a_process_of_its_own() -> None:
+    import os
+
+    here = isolated("none", _pid_and, 3)
+    assert here == {"pid": os.getpid(), "value": 6}
+    first, second = isolated("fork", _pid_and, 4), isolated("fork", _pid_and, 5)
+    assert (first["value"], second["value"]) == (8, 10)
+    assert len({os.getpid(), first["pid"], second["pid"]}) == 3
+    with pytest.raises(RuntimeError, match="_fails.*ValueError: no 7"):
+        isolated("fork", _fails, 7)
