@@ -251,10 +251,9 @@ def _profile_task(name: str, tiny: bool, device: str, steps: int) -> dict[str, A
             "total_memory_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None}
 
 
-def _measure_task(name: str, tiny: bool, device: str, m: int, s: int, steps: int, warmup: int, loader_steps: int) -> dict[str, Any]:
+def _measure_task(name: str, tiny: bool, device: str, plan: Plan, steps: int, warmup: int, loader_steps: int) -> dict[str, Any]:
     """Train one dp_ga plan (in the process it is called in): ``measure_plan``'s raw numbers."""
     spec = MODELS[name](tiny)
-    plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=s, global_batch_size=m * s)
     raw = measure_plan(plan, make_module=_seeded(spec.make_module), make_loader=_loader_factory(spec, device, loader_steps),
                        steps=steps, warmup=warmup, accelerator="cuda" if device == "cuda" else "cpu", devices=1, num_nodes=1)
     _release_process_group()
@@ -293,13 +292,15 @@ def isolated(mode: str, task: Callable[..., dict[str, Any]], *args: Any) -> dict
     return value
 
 
-def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, record: dict, save: Callable[[], None]) -> dict[str, Any]:
-    """Profile ``name``, then measure each point in a process of its own; returns the profiling child's device facts."""
+def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, result: dict, save: Callable[[], None]) -> None:
+    """Profile ``name``, then measure each point (and probe) in a process of its own, into ``result["models"][name]``."""
     loader_steps = args.warmup + args.steps
     got_profile = isolated(args.isolate, _profile_task, name, args.tiny, device, loader_steps)
+    # the device as torch in the profiling process saw it (asked here, torch would start CUDA before the forks)
+    result["device"].update(name=got_profile["device_name"], total_memory_bytes=got_profile["total_memory_bytes"])
+    record = result["models"][name] = {}
     profile = Profile.from_dict(got_profile["profile"])
     profiling_s = got_profile["profiling_s"]
-    gc.collect()
     hardware = Hardware.from_profile(profile)
     profiled = sorted(profile.micro_batch_sizes)
     record.update(what=spec.what, loader_batch_size=spec.loader_batch, profiled_micro_batch_sizes=profiled,
@@ -310,49 +311,46 @@ def run_model(name: str, spec: Spec, args: argparse.Namespace, device: str, reco
 
     def measure(m: int, s: int, steps: int, warmup: int) -> dict:
         plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=s, global_batch_size=m * s)
-        raw = isolated(args.isolate, _measure_task, name, args.tiny, device, m, s, steps, warmup, loader_steps)
+        raw = isolated(args.isolate, _measure_task, name, args.tiny, device, plan, steps, warmup, loader_steps)
         timed = raw["step_times_s"][warmup:]
         return {"plan": plan, "error": raw["error"], "peak": raw["peak_memory_bytes"], "baseline": raw["baseline_memory_bytes"],
                 "step": statistics.median(timed) if timed and not raw["error"] else None, "steps": timed,
                 "allocated_after": raw["allocated_after_bytes"]}
 
-    if args.oom_only:
-        return _oom_search(profile, hardware, measure, record, save, got_profile)
-    # the profiling cost in steps of the loader's own batch
-    base = measure(spec.loader_batch, 1, args.steps, args.warmup)
-    record["loader_batch_step_time_s"] = base["step"]
-    if base["step"]:
-        record["profiling_cost_in_steps"] = profiling_s / base["step"]
-        print(f"  profiling cost {profiling_s:.1f} s = {profiling_s / base['step']:.0f} optimizer steps at the loader's batch {spec.loader_batch}", flush=True)
+    if not args.oom_only:
+        # the profiling cost in steps of the loader's own batch
+        base = measure(spec.loader_batch, 1, args.steps, args.warmup)
+        record["loader_batch_step_time_s"] = base["step"]
+        if base["step"]:
+            record["profiling_cost_in_steps"] = profiling_s / base["step"]
+            print(f"  profiling cost {profiling_s:.1f} s = {profiling_s / base['step']:.0f} optimizer steps at the loader's batch {spec.loader_batch}", flush=True)
 
-    for m in unprofiled_sizes(profiled):
-        for s in args.accumulations:
-            got = measure(m, s, args.steps, args.warmup)
-            pred = predict(profile, got["plan"], hardware)
-            row = {"micro_batch_size": m, "accumulate_grad_batches": s, "predicted_feasible": pred.feasible,
-                   "predicted_step_time_s": pred.step_time_s, "predicted_breakdown": dict(pred.breakdown),
-                   "measured_step_time_s": got["step"], "measured_step_times_s": got["steps"], "error_message": got["error"],
-                   "predicted_peak_memory_bytes": pred.peak_memory_bytes, "predicted_memory_breakdown": dict(pred.memory_breakdown),
-                   "measured_peak_memory_bytes": got["peak"] if device == "cuda" else None,
-                   "allocated_before_run_bytes": got["baseline"] if device == "cuda" else None}
-            row["step_time_error"] = None if got["step"] is None else (pred.step_time_s - got["step"]) / got["step"]
-            row["memory_error"] = None if not row["measured_peak_memory_bytes"] else (pred.peak_memory_bytes - got["peak"]) / got["peak"]
-            record["points"].append(row)
-            mem = "" if row["memory_error"] is None else (f"   peak predicted {pred.peak_memory_bytes / 2**30:6.2f} GiB measured "
-                                                         f"{got['peak'] / 2**30:6.2f} GiB ({row['memory_error']:+.1%})")
-            if got["step"] is None:
-                print(f"  m={m:4d} s={s}  FAILED: {got['error']}", flush=True)
-            else:
-                print(f"  m={m:4d} s={s}  predicted {pred.step_time_s * 1e3:8.1f} ms   measured {got['step'] * 1e3:8.1f} ms   error {row['step_time_error']:+6.1%}{mem}", flush=True)
-            save()
+        for m in unprofiled_sizes(profiled):
+            for s in args.accumulations:
+                got = measure(m, s, args.steps, args.warmup)
+                pred = predict(profile, got["plan"], hardware)
+                row = {"micro_batch_size": m, "accumulate_grad_batches": s, "predicted_feasible": pred.feasible,
+                       "predicted_step_time_s": pred.step_time_s, "predicted_breakdown": dict(pred.breakdown),
+                       "measured_step_time_s": got["step"], "measured_step_times_s": got["steps"], "error_message": got["error"],
+                       "predicted_peak_memory_bytes": pred.peak_memory_bytes, "predicted_memory_breakdown": dict(pred.memory_breakdown),
+                       "measured_peak_memory_bytes": got["peak"] if device == "cuda" else None,
+                       "allocated_before_run_bytes": got["baseline"] if device == "cuda" else None}
+                row["step_time_error"] = None if got["step"] is None else (pred.step_time_s - got["step"]) / got["step"]
+                row["memory_error"] = None if not row["measured_peak_memory_bytes"] else (pred.peak_memory_bytes - got["peak"]) / got["peak"]
+                record["points"].append(row)
+                mem = "" if row["memory_error"] is None else (f"   peak predicted {pred.peak_memory_bytes / 2**30:6.2f} GiB measured "
+                                                             f"{got['peak'] / 2**30:6.2f} GiB ({row['memory_error']:+.1%})")
+                if got["step"] is None:
+                    print(f"  m={m:4d} s={s}  FAILED: {got['error']}", flush=True)
+                else:
+                    print(f"  m={m:4d} s={s}  predicted {pred.step_time_s * 1e3:8.1f} ms   measured {got['step'] * 1e3:8.1f} ms   error {row['step_time_error']:+6.1%}{mem}", flush=True)
+                save()
 
-    if device != "cuda" or args.no_oom_search:
-        return got_profile
-    return _oom_search(profile, hardware, measure, record, save, got_profile)
+    if device == "cuda" and not args.no_oom_search:
+        _oom_search(profile, hardware, measure, record, save)
 
 
-def _oom_search(profile: Profile, hardware: Hardware, measure: Callable[..., dict], record: dict, save: Callable[[], None],
-                got_profile: dict[str, Any]) -> dict[str, Any]:
+def _oom_search(profile: Profile, hardware: Hardware, measure: Callable[..., dict], record: dict, save: Callable[[], None]) -> None:
     total = hardware.device_memory_bytes
     raw_max = predicted_largest_micro_batch(profile, hardware, total)
     planner_max = predicted_largest_micro_batch(profile, hardware, hardware.usable_memory_bytes)
@@ -379,18 +377,6 @@ def _oom_search(profile: Profile, hardware: Hardware, measure: Callable[..., dic
     print(f"  OOM boundary: predicted {raw_max} (whole device), planner allows up to {planner_max}; measured largest that ran {ok}, "
           f"smallest that ran out {bad}; planner's largest {'ran' if planner_runs else 'RAN OUT OF MEMORY'}", flush=True)
     save()
-    return got_profile
-
-
-def _nvml_name() -> str:
-    import pynvml  # nvidia-ml-py
-
-    pynvml.nvmlInit()
-    try:
-        index = int((os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0])
-        return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(index))
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def summarize(models: dict) -> dict:
@@ -444,33 +430,31 @@ def main() -> int:
         parser.error("--oom-only searches a CUDA device's out-of-memory boundary: it needs --device cuda (or a GPU) and no --no-oom-search")
     torch.set_float32_matmul_precision(args.matmul_precision)
     _quiet_lightning()
-    # NVML's name, not torch's: asking torch would start CUDA here, before the forks (the total is the profiling child's)
-    device_name = _nvml_name() if device == "cuda" else platform.processor() or platform.machine()
 
     result: dict[str, Any] = {
         "benchmark": "gpu_validation",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": {"type": device, "name": device_name, "total_memory_bytes": None},
+        "device": {"type": device, "name": None, "total_memory_bytes": None},  # filled in by the first profile
         "isolate": args.isolate,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                      "lightning": L.__version__, "lightning_distplan": lightning_distplan.__version__},
         "float32_matmul_precision": args.matmul_precision, "tiny": args.tiny,
         "steps": args.steps, "warmup": args.warmup, "models": {},
     }
-    slug = "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
-    out = Path(args.out or Path(__file__).parent / "results" / f"gpu_validation_{slug}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    def out_path() -> Path:
+        slug = "".join(c if c.isalnum() else "_" for c in result["device"]["name"].lower()).strip("_")
+        return Path(args.out or Path(__file__).parent / "results" / f"gpu_validation_{slug}.json")
 
     def save() -> None:
         result["summary"] = summarize(result["models"])
-        out.write_text(json.dumps(result, indent=1))
+        out_path().parent.mkdir(parents=True, exist_ok=True)
+        out_path().write_text(json.dumps(result, indent=1))
 
     for name in names:
-        result["models"][name] = {}
-        facts = run_model(name, MODELS[name](args.tiny), args, device, result["models"][name], save)
-        result["device"].update(name=facts["device_name"], total_memory_bytes=facts["total_memory_bytes"])
+        run_model(name, MODELS[name](args.tiny), args, device, result, save)
     save()
+    device_name = result["device"]["name"]
     s = result["summary"]
     fmt = lambda x: "n/a" if x is None else f"{x:.1%}"  # noqa: E731
     print(f"\n{device_name}: step time median |error| {fmt(s['median_abs_step_time_error'])}, p90 {fmt(s['p90_abs_step_time_error'])}, "
@@ -482,7 +466,7 @@ def main() -> int:
             print(f"  {name}: OOM boundary predicted {o['predicted_largest_micro_batch_whole_device']} (planner {o['predicted_largest_micro_batch_planner']}), "
                   f"measured {o['measured_largest_micro_batch']}..{o['measured_smallest_oom_micro_batch']}")
         print(f"  {name}: profiling {rec['profiling_time_s']:.1f} s" + (f" = {rec['profiling_cost_in_steps']:.0f} steps" if rec.get("profiling_cost_in_steps") else ""))
-    print(f"wrote {out}")
+    print(f"wrote {out_path()}")
     return 0
 
 
