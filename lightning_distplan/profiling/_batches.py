@@ -17,13 +17,24 @@ from torch import Tensor
 from lightning_distplan.errors import BatchFormatError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
-__all__ = ["BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
+__all__ = ["BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
 
 
 def tensors_in(batch: Any) -> Iterator[Tensor]:
     """Every tensor in a (nested) tuple / list / mapping, in order."""
     for _, _, tensor in _tensors_with_paths(batch, (), False):
         yield tensor
+
+
+def device_bytes(batch: Any, device: torch.device) -> int:
+    """Bytes the tensors of ``batch`` hold on ``device`` (each storage once: views of one tensor share it)."""
+    storages: dict[int, int] = {}
+    for tensor in tensors_in(batch):
+        here = tensor.device
+        if here.type == device.type and (here.index is None or device.index is None or here.index == device.index):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _tensors_with_paths(batch: Any, path: tuple, in_list: bool) -> Iterator[tuple[tuple, bool, Tensor]]:

@@ -161,3 +161,19 @@ def test_isolated_runs_each_task_in_a_process_of_its_own() -> None:
     assert len({os.getpid(), first["pid"], second["pid"]}) == 3
     with pytest.raises(RuntimeError, match="_fails.*ValueError: no 7"):
         isolated("fork", _fails, 7)
+
+
+def test_committed_input_bytes_replay_reproduces() -> None:
+    """The README's replay of the GPU runs with the micro-batch's input counted comes back from the stored profiles."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "cuda_memory"))
+    import replay_input_bytes
+
+    doc = json.loads(replay_input_bytes.OUT.read_text())
+    assert [r["run"] for r in doc["replays"]] == replay_input_bytes.RUNS
+    for stored in doc["replays"]:
+        again = replay_input_bytes.replay(stored["run"])
+        assert again["points"] == stored["points"] and again["with_input"] == stored["with_input"]
+        resnet = [p for p in again["points"] if p["model"] == "resnet101"]
+        assert all(p["input_bytes_per_sample"] == 3 * 224 * 224 * 4 + 8 for p in resnet)  # one float32 image and its int64 label
+        assert all(p["predicted_with_input"] - p["predicted_before"] == pytest.approx(p["micro_batch_size"] * p["input_bytes_per_sample"], abs=2)
+                   for p in again["points"])  # dp holds one micro-batch: the term adds m samples' input, nothing else

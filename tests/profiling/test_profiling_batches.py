@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_distplan.demos import RandomImageData, RandomTokenData
-from lightning_distplan.profiling._batches import SampleBank, batch_size_of
+from lightning_distplan.profiling._batches import SampleBank, batch_size_of, device_bytes, move_to
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
 Pair = namedtuple("Pair", "x y")
@@ -55,7 +55,7 @@ def test_demo_data_is_deterministic_and_shaped() -> None:
     dm.setup("fit")
     (x, y), (x2, y2) = next(iter(dm.train_dataloader())), next(iter(dm.train_dataloader()))
     assert x.shape == y.shape == (3, 7) and x.dtype == torch.long and int(x.max()) < 50
-    assert torch.equal(x, x2) and torch.equal(x[:, 1:], y[:, :-1])  # target = inputs shifted by one
+    assert torch.equal(x, x2) and torch.equal(y, y2) and torch.equal(x[:, 1:], y[:, :-1])  # target = inputs shifted by one
     state = torch.get_rng_state()
     img, label = next(iter(RandomImageData(num_classes=5, image_size=8, batch_size=2, num_samples=4).train_dataloader()))
     assert img.shape == (2, 3, 8, 8) and label.shape == (2,) and int(label.max()) < 5
@@ -178,3 +178,16 @@ def test_a_tuple_as_long_as_the_batch_is_structure_and_records_are_per_sample() 
     one = [(torch.zeros(1, 3), [{"boxes": torch.zeros(1, 4)}]), (torch.ones(1, 3), [{"boxes": torch.ones(3, 4)}])]  # loader batch 1
     joined = concat_samples(one, [1, 1])
     assert joined[0].shape == (2, 3) and [t["boxes"].shape[0] for t in joined[1]] == [1, 3]
+
+
+def test_device_bytes_counts_what_a_micro_batch_holds_on_the_device() -> None:
+    """The profiler's memory line counts the micro-batch's own input (a fit copies each one to the device)."""
+    cpu = torch.device("cpu")
+    mb = next(_loader(b=6))  # fresh tensors, as a copy to the device makes them
+    ids, x = mb["ids"], mb["extra"].x
+    assert device_bytes(mb, cpu) == ids.nbytes + x.nbytes + mb["scale"].nbytes == 6 * 3 * 8 + 6 * 4 + 4  # nested, non-tensors skipped
+    assert device_bytes(move_to(SampleBank(_loader()).micro_batch(2), cpu), cpu) > 0
+    assert device_bytes({"a": ids, "view": ids[:2], "t": ids.t()}, cpu) == ids.nbytes  # views share one storage
+    on_meta = torch.empty(1000, device="meta")
+    assert device_bytes([ids, on_meta], cpu) == ids.nbytes  # another device's tensors are not this one's
+    assert device_bytes([ids], torch.device("cuda", 0)) == 0
