@@ -4,7 +4,10 @@
 ``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s``: the wall time from the
 first micro-batch's ``on_train_batch_start`` to the end of the optimizer step. Like the prediction,
 it leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
-fetches of later micro-batches fall inside) and any validation run inside the step.
+fetches of later micro-batches fall inside) and any validation run inside the step. Its state
+(re-plans, compute scale, the running plan and its prediction) goes into checkpoints, so a fit
+resumed with the checkpoint's plan still sets its steps beside that plan's prediction; it cannot
+re-plan (no profile is taken when the plan is reused).
 
 With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` observed steps are
 all more than ``threshold`` × off the prediction (slower or faster), the compute part of the cost
@@ -112,6 +115,7 @@ class StepTimeMonitor(Callback):
         self._pending: float | None = None
         self._replan_s = 0.0
         self._validation_t: float | None = None
+        self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
 
     def attach(
         self,
@@ -130,6 +134,8 @@ class StepTimeMonitor(Callback):
         self._fit_start = fit_start
         pred = outcome.prediction
         self._predicted = None if pred is None else pred.step_time_s
+        if pred is None and self._restored is not None and self._restored[0] == outcome.plan.to_dict():
+            self._predicted = self._restored[1]  # a plan reused from a checkpoint: the prediction it ran with
         if outcome.hardware is not None:
             self._scale = outcome.hardware.compute_scale
 
@@ -149,10 +155,10 @@ class StepTimeMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.replan == "auto" and self._outcome is not None and self._predicted is None:
+        if self.replan == "auto" and self._outcome is not None and self._profile is None:
             rank_zero_warn(
-                "distplan: replan='auto' has no prediction to compare with in this fit (the plan was reused from a "
-                "checkpoint, without a profile), so it will not re-plan. Start a fresh fit to plan and re-plan."
+                "distplan: replan='auto' has no profile to re-plan from in this fit (the plan was reused from a "
+                "checkpoint, without profiling), so it will not re-plan. Start a fresh fit to plan and re-plan."
             )
 
     @override
@@ -185,7 +191,8 @@ class StepTimeMonitor(Callback):
             pl_module.log("distplan/predicted_step_time_s", self._predicted, on_step=True, on_epoch=False, batch_size=1)
         if len(self.history) > self.warmup_steps:
             self._observed.append(observed)
-        if self.replan == "auto" and self._pending is None and self._predicted is not None and len(self.replans) < self.max_replans:
+        can_replan = self._predicted is not None and self._profile is not None
+        if self.replan == "auto" and can_replan and self._pending is None and len(self.replans) < self.max_replans:
             ratio = departure(self._predicted, self._observed, threshold=self.threshold, window=self.window)
             if ratio is not None:
                 self._pending = ratio
@@ -282,9 +289,14 @@ class StepTimeMonitor(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"replans": list(self.replans), "compute_scale": self._scale}
+        state: dict[str, Any] = {"replans": list(self.replans), "compute_scale": self._scale}
+        if self._outcome is not None and self._predicted is not None:  # a resumed fit that reuses the plan compares with it
+            state.update(plan=self._outcome.plan.to_dict(), predicted_step_time_s=self._predicted)
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.replans = list(state_dict.get("replans", []))
         self._scale = float(state_dict.get("compute_scale", 1.0))
+        plan, predicted = state_dict.get("plan"), state_dict.get("predicted_step_time_s")
+        self._restored = (dict(plan), float(predicted)) if isinstance(plan, dict) and isinstance(predicted, (int, float)) else None

@@ -176,6 +176,7 @@ def test_resume_restores_the_monitor_it_added_without_a_callback_warning(tmp_pat
 
     first = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(profile_repeats=1), devices=1, max_steps=2, callbacks=[MarkReplan()]))
     first.fit(_small())
+    first_monitor = next(cb for cb in first.callbacks if isinstance(cb, StepTimeMonitor))
     ckpt = str(tmp_path / "step2.ckpt")
     first.save_checkpoint(ckpt)
     torch.distributed.destroy_process_group()
@@ -185,11 +186,15 @@ def test_resume_restores_the_monitor_it_added_without_a_callback_warning(tmp_pat
         warnings.simplefilter("always")
         resumed.fit(_small(), ckpt_path=ckpt)
     assert not [w for w in caught if "callbacks used to create the checkpoint" in str(w.message)]
-    # the checkpoint's plan comes without a prediction: re-planning cannot work, and says so
-    assert [w for w in caught if "replan='auto' has no prediction to compare with in this fit" in str(w.message)]
+    # the checkpoint's plan comes without a profile: re-planning cannot work, and says so
+    assert [w for w in caught if "replan='auto' has no profile to re-plan from in this fit" in str(w.message)]
     monitors = [cb for cb in resumed.callbacks if isinstance(cb, StepTimeMonitor)]
     assert len(monitors) == 1 and monitors[0].replans == [{"step": 1, "compute_scale": 2.5}]
     assert monitors[0].state_dict()["compute_scale"] == 2.5 and len(monitors[0].history) == 2
+    # ... but the prediction the plan ran with comes back: the resumed steps are still set beside it
+    predicted = first_monitor.predicted_step_time_s
+    assert predicted is not None and [h["predicted_s"] for h in monitors[0].history] == [predicted, predicted]
+    assert resumed.logged_metrics["distplan/predicted_step_time_s"] == pytest.approx(predicted)
     assert resumed.strategy.plan is not None and resumed.global_step == 4
 
 
