@@ -115,6 +115,38 @@ def read_only_problem(url: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _sqlite_creation_lock(url: str) -> Any:
+    """Hold an exclusive lock, per SQLite file, while Optuna opens it: two runs creating one new file at once
+    otherwise both create Optuna's schema, and one fails ("table ... already exists", "UNIQUE constraint failed").
+
+    The lock is a file of its own in the temporary folder (keyed by the database's absolute path), not the
+    database: closing a descriptor of the database would drop SQLite's own locks held by this process."""
+    path = sqlite_path(url)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (Optuna's own behaviour)
+        fcntl = None  # type: ignore[assignment]
+    if path is None or fcntl is None:
+        yield
+        return
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(str(path.expanduser().resolve()).encode()).hexdigest()[:20]
+    try:
+        handle = open(Path(tempfile.gettempdir()) / f"distplan-sqlite-{key}.lock", "a")  # noqa: SIM115 - held over the yield
+    except OSError:  # another user's lock file, a full disk: open without it
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def open_storage(url: Any) -> Any:
     """An ``optuna.storages.RDBStorage`` for ``url``, or :class:`StudyStorageError` naming what is wrong."""
     import optuna
@@ -139,8 +171,9 @@ def open_storage(url: Any) -> Any:
         # SQLite lets one writer in at a time: a second `tune` extending the same study waits for the first's
         # trials (a bulk insert of thousands takes seconds) instead of failing after pysqlite's 5 s.
         engine = {"connect_args": {"timeout": 300}} if url.startswith("sqlite:") else None
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
-        storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
+        with _sqlite_creation_lock(url):
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
+            storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
         raise StudyStorageError(f"Cannot open the study storage {url!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=_HINT) from None
     return storage

@@ -311,6 +311,36 @@ def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
     assert sorted(numbers) == list(range(603))
 
 
+def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
+    """Several `tune` runs (here threads) creating one new SQLite file at the same moment: each opens it. Without
+    a lock around Optuna's schema creation most of them failed ("table ... already exists", "UNIQUE constraint")."""
+    import threading
+
+    from lightning_distplan.tuner._storage import open_storage
+
+    for k in range(3):
+        url = f"sqlite:///{tmp_path / f'new{k}.db'}"
+        barrier = threading.Barrier(4)
+        opened: list = []
+        failed: list[str] = []
+
+        def open_it() -> None:
+            barrier.wait()
+            try:
+                opened.append(open_storage(url))
+            except Exception as err:  # noqa: BLE001 - collected and asserted below
+                failed.append(str(err))
+
+        threads = [threading.Thread(target=open_it) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert failed == [] and len(opened) == 4
+        optuna.create_study(study_name="s", storage=opened[0]).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+        assert len(optuna.load_study(study_name="s", storage=opened[3]).trials) == 2  # one schema, shared
+
+
 def test_the_same_settings_typed_differently_extend_the_study(tmp_path, profile, monkeypatch):
     """One CSV catalog named by a relative and then an absolute path, and the same strategies in another
     order, are the same settings: the second run extends the study instead of being refused."""
