@@ -19,7 +19,10 @@ from typing import Any, Sequence
 
 from lightning_distplan.errors import DistPlanError, first_line
 
-__all__ = ["StudyStorageError", "folder_problem", "open_storage", "read_only_problem", "sqlite_path", "sqlite_tables", "is_optuna_database", "write_trials"]
+__all__ = [
+    "StudyStorageError", "folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "is_optuna_database", "write_trials",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +37,40 @@ _HINT = (
 )
 
 
-def sqlite_path(url: str) -> Path | None:
-    """The file a ``sqlite:///`` URL names (relative after three slashes, absolute after four), else None."""
-    prefix = "sqlite:///"
-    if not url.startswith(prefix):
+def _parsed(url: Any) -> Any:
+    """SQLAlchemy's reading of ``url`` (what Optuna will open), or None when it is no URL SQLAlchemy parses."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url) if isinstance(url, str) else None
+    except Exception:  # noqa: BLE001 - ArgumentError / ValueError: not a URL; open_storage says so
         return None
-    rest, _, query = url[len(prefix) :].partition("?")
-    if "uri=true" in query.split("&") and rest.startswith("file:"):  # a URI filename: the path follows "file:"
+
+
+def is_sqlite(url: Any) -> bool:
+    """Whether ``url`` opens SQLite, under any driver (``sqlite://``, ``sqlite+pysqlite://``, ...)."""
+    parsed = _parsed(url)
+    return parsed is not None and parsed.get_backend_name() == "sqlite"
+
+
+def sqlite_path(url: Any) -> Path | None:
+    """The file a SQLite URL names, as SQLAlchemy reads it (any driver, percent-escapes decoded; relative after
+    three slashes, absolute after four), else None (not SQLite, or an in-memory database)."""
+    parsed = _parsed(url)
+    if parsed is None or parsed.get_backend_name() != "sqlite":
+        return None
+    rest = parsed.database or ""
+    if parsed.query.get("uri") == "true" and rest.startswith("file:"):  # a URI filename: the path follows "file:"
         rest = rest[len("file:") :]
     if not rest or rest == ":memory:":
         return None
     return Path(rest)
+
+
+def sqlite_options(url: Any) -> dict[str, Any]:
+    """The query options of a SQLite URL (``mode=ro``, ``immutable=1``, ...); empty for others."""
+    parsed = _parsed(url)
+    return dict(parsed.query) if parsed is not None and parsed.get_backend_name() == "sqlite" else {}
 
 
 def sqlite_tables(path: Path) -> list[str] | None:
@@ -104,8 +130,8 @@ def read_only_problem(url: str) -> str | None:
     path = sqlite_path(url)
     if path is None:
         return None
-    options = url.partition("?")[2].split("&")
-    if "mode=ro" in options or "immutable=1" in options:
+    options = sqlite_options(url)
+    if options.get("mode") == "ro" or options.get("immutable") == "1":
         return f"The storage URL {url!r} opens the database read-only, and a search writes its trials."
     folder = path.parent
     if path.exists() and not os.access(path, os.W_OK):
@@ -156,7 +182,13 @@ def open_storage(url: Any) -> Any:
     folder = folder_problem(url)
     if folder is not None:
         raise StudyStorageError(folder[0], hint=folder[1])
-    if url.startswith("sqlite:") and sqlite_path(url) is None:
+    if is_sqlite(url) and sqlite_path(url) is None:
+        host = _parsed(url).host
+        if host:  # sqlite://distplan.db: the name went where a server would
+            raise StudyStorageError(
+                f"The storage URL {url!r} names {host!r} as a server; a SQLite URL names its file after three slashes.",
+                hint=f"Use sqlite:///{host} (a file here) or sqlite:////absolute/path/{host}.",
+            )
         raise StudyStorageError(
             f"The storage URL {url!r} is an in-memory SQLite database, which vanishes with this process, study and all.",
             hint="Name a file, e.g. --storage sqlite:///distplan.db.",
@@ -170,7 +202,7 @@ def open_storage(url: Any) -> Any:
     try:
         # SQLite lets one writer in at a time: a second `tune` extending the same study waits for the first's
         # trials (a bulk insert of thousands takes seconds) instead of failing after pysqlite's 5 s.
-        engine = {"connect_args": {"timeout": 300}} if url.startswith("sqlite:") else None
+        engine = {"connect_args": {"timeout": 300}} if is_sqlite(url) else None
         with _sqlite_creation_lock(url):
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
             storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema

@@ -31,13 +31,14 @@ optuna-dashboard sees the trials when the run ends, not while it runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.plan import STRATEGIES, Plan
@@ -190,6 +191,23 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     except KeyError:
         return None
     return optuna.load_study(study_name=study_name, storage=storage)
+
+
+@contextlib.contextmanager
+def _reading_study(url: str, study_name: str) -> Iterator[None]:
+    """Turn a database that fails while the study is read (a damaged SQLite file, a lost server) into one
+    :class:`StudyStorageError`; opening it already went through one round trip (``open_storage``)."""
+    import optuna
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
+        cause = err.__cause__ or err.__context__ or err
+        raise StudyStorageError(
+            f"Reading study {study_name!r} from {url!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); nothing was searched or written.",
+            hint="The database may be damaged (for SQLite: sqlite3 FILE 'PRAGMA integrity_check'); keep a copy, and pass another --storage or restore one.",
+        ) from None
 
 
 def _initial_design(types: Sequence[str], max_instances: int, global_batch_size: int, strategies: Sequence[str]) -> list[dict[str, Any]]:
@@ -350,9 +368,11 @@ def _tune(
     }
     name = study_name or f"distplan-{catalog.name}-B{global_batch_size}-w{time_weight:g}"
     store = open_storage(storage)
-    existing = _existing_study(store, name)
+    with _reading_study(storage, name):
+        existing = _existing_study(store, name)
+        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog) if existing is not None else None
+        previous = existing.get_trials(deepcopy=False) if existing is not None else []
     if existing is not None:
-        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog)
         if old != settings:
             if not isinstance(old, dict):
                 why = "it was not created by `distplan tune`"
@@ -369,8 +389,8 @@ def _tune(
     memory_study = optuna.create_study(directions=directions, sampler=sampler, study_name=name)
     n_before = 0
     if existing is not None:
-        memory_study.add_trials(existing.get_trials(deepcopy=False))
-        n_before = len(existing.trials)
+        memory_study.add_trials(previous)
+        n_before = len(previous)
 
     types = list(catalog.instance_types)
     pp_hi = space.max_pp_value

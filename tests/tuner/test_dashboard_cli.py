@@ -61,6 +61,8 @@ def test_cli_missing_sqlite_file_is_one_line_with_hint(tmp_path: Path, capsys: p
     assert main(["dashboard", f"sqlite:///{missing}", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "HINT:" in err and len(err.strip().splitlines()) == 1
+    assert main(["dashboard", f"sqlite+pysqlite:///{missing}", "--port", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
     assert not missing.exists()  # not silently created
     assert main(["dashboard", f"sqlite:///{tmp_path}", "--port", "0"]) == 2  # a folder, not a file
     err = capsys.readouterr().err
@@ -81,8 +83,9 @@ def test_cli_unreachable_and_empty_storage(tmp_path: Path, capsys: pytest.Captur
         db.execute("CREATE TABLE users (name TEXT)")
     db.close()
     before = other.read_bytes()
-    assert main(["dashboard", f"sqlite:///{other}", "--port", "0"]) == 2
-    assert "holds no Optuna study" in capsys.readouterr().err and other.read_bytes() == before
+    for url in (f"sqlite:///{other}", f"sqlite+pysqlite:///{other}"):  # any driver: still the user's file
+        assert main(["dashboard", url, "--port", "0"]) == 2
+        assert "holds no Optuna study" in capsys.readouterr().err and other.read_bytes() == before
     named = tmp_path / "named.db"  # the user's own table happens to be called `studies`
     with contextlib.closing(sqlite3.connect(named)) as db:
         db.execute("CREATE TABLE studies (name TEXT)")

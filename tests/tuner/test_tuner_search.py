@@ -94,6 +94,8 @@ def test_infeasible_configurations_are_pruned_with_the_reason(tmp_path):
         ("nosuchdialect://host/db", r"Cannot open the study storage 'nosuchdialect://host/db'.*HINT"),
         ("sqlite://", r"in-memory SQLite database, which vanishes with this process.*HINT: Name a file"),
         ("sqlite:///:memory:", r"in-memory SQLite database.*HINT"),
+        ("sqlite+pysqlite://", r"in-memory SQLite database.*HINT"),
+        ("sqlite://distplan.db", r"names 'distplan.db' as a server.*HINT: Use sqlite:///distplan.db"),
     ],
 )
 def test_bad_storage_fails_before_any_trial(profile, url, match, monkeypatch):
@@ -341,6 +343,26 @@ def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
         assert len(optuna.load_study(study_name="s", storage=opened[3]).trials) == 2  # one schema, shared
 
 
+def test_a_damaged_study_file_is_one_storage_error_and_left_as_it_was(tmp_path):
+    """A SQLite study file damaged after its first page: opening answers, reading the study fails. One sentence with
+    a HINT (not Optuna's StorageInternalError traceback), nothing searched or written."""
+    profile = make_profile()
+    url = _url(tmp_path)
+    common = dict(catalog="aws-2026", global_batch_size=64, storage=url, study_name="s", max_instances=4, progress=False)
+    tune(profile, n_trials=100, **common)
+    db = tmp_path / "study.db"
+    with open(db, "r+b") as f:
+        f.seek(8192)
+        f.write(b"\xff" * 4096)
+    before = db.read_bytes()
+    calls = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ConfigSpace, "evaluate", lambda *a, **k: calls.append(a))
+        with pytest.raises(StudyStorageError, match=r"Reading study 's' from .* failed \(DatabaseError: .*malformed.*nothing was searched or written.*HINT"):
+            tune(profile, n_trials=5, **common)
+    assert calls == [] and db.read_bytes() == before
+
+
 def test_the_same_settings_typed_differently_extend_the_study(tmp_path, profile, monkeypatch):
     """One CSV catalog named by a relative and then an absolute path, and the same strategies in another
     order, are the same settings: the second run extends the study instead of being refused."""
@@ -400,7 +422,10 @@ def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
                         (own, r"holds other tables \(studies\), not an Optuna study's"),
                         (text, r"is not an SQLite database \(it was left unchanged\).*HINT")):
         before = path.read_bytes()
-        with pytest.raises(StudyStorageError, match=match):
-            tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=f"sqlite:///{path}", study_name="x",
-                 max_instances=2, progress=False)
-        assert path.read_bytes() == before
+        # the same file under any driver and with its name percent-escaped, as SQLAlchemy reads the URL
+        escaped = str(path).replace("/", "%2F").replace(".db", "%2Edb")
+        for url in (f"sqlite:///{path}", f"sqlite+pysqlite:///{path}", f"sqlite:///{escaped}"):
+            with pytest.raises(StudyStorageError, match=match):
+                tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="x",
+                     max_instances=2, progress=False)
+            assert path.read_bytes() == before, url
