@@ -175,3 +175,20 @@ def test_a_16_bit_profile_is_not_projected_to_fp32():
         project_profile(bf16, GPUS["H100-SXM"], precision="fp32")
     assert project_profile(bf16, GPUS["H100-SXM"], precision="bf16")[1].compute_scale > 0  # 16-bit to 16-bit stays
     assert project_profile(profile, GPUS["H100-SXM"], precision="fp32")[1].compute_scale > 0
+
+
+def test_a_projected_step_never_gets_cheaper_with_more_samples() -> None:
+    """A committed CPU profile (m = 1, 2, 4) projected to an A10: the roofline ratio falls across the three sizes,
+    and the line refitted through the projected points fell with m (0 ms near m = 23, so `tune` saw m = 256 on an A10
+    as cheap as m = 1 and ranked it 3x faster than an A100). The projected line keeps the measured line's rising slope."""
+    source = Profile.load(Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "tuner_vs_exhaustive_profile.json")
+    assert source.device.type == "cpu" and source.step.forward.alpha > 0 and source.step.backward.alpha > 0
+    step_ms = {}
+    for name in ("A10", "A100-80GB", "T4"):
+        projected, _ = project_profile(source, gpu_spec(name))
+        for part in ("forward", "backward"):
+            line = getattr(projected.step, part)
+            assert line.alpha >= 0 and line(256) > line(4) > 0, (name, part, line)
+        step_ms[name] = projected.step.time(256) * 1e3
+    # the A100 (3.4x the A10's memory bandwidth, 0.6x its fp32 peak) is not slower at a large micro-batch
+    assert step_ms["A100-80GB"] < step_ms["A10"] < step_ms["T4"]
