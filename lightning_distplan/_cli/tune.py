@@ -98,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
 
         for module in ("optuna_dashboard", "plotly", "matplotlib"):
             require(module)  # before the search, not after
+        from lightning_distplan.tuner._storage import StudyStorageError
+        from lightning_distplan.tuner.plots import artifact_dir_problem
+
+        problem = artifact_dir_problem(args.storage)
+        if problem is not None:
+            raise StudyStorageError(problem[0], hint=problem[1])
     result = tune(
         profile,
         catalog=catalog,
@@ -118,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plots:
         import optuna
 
-        from lightning_distplan.tuner.plots import attach_to_study
+        from lightning_distplan.errors import first_line
+        from lightning_distplan.tuner.plots import PlotAttachError, attach_to_study
 
         study = optuna.load_study(study_name=result.study_name, storage=args.storage)
         try:
@@ -127,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt(
                 f"the {result.n_trials} trials were written to study {result.study_name!r}; its plots were not all attached "
                 "(run the same command again: it extends the study and attaches them)"
+            ) from None
+        except Exception as err:  # noqa: BLE001 - same: the trials are kept, and the user must hear it
+            raise PlotAttachError(
+                f"The {result.n_trials} trials were written to study {result.study_name!r}, but attaching its plots failed "
+                f"({type(err).__name__}: {first_line(err)[:200]}).",
+                hint="Fix the cause and run the same command again: it extends the study and attaches the plots.",
             ) from None
     if args.format == "json":
         print(json.dumps(data, indent=1))

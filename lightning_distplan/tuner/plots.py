@@ -20,9 +20,11 @@ artifacts.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
+from lightning_distplan.errors import DistPlanError
 from lightning_distplan.tuner._dashboard import default_artifact_dir, require
 
 if TYPE_CHECKING:
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     import plotly.graph_objects as go
     from optuna.trial import FrozenTrial
 
-__all__ = ["plot_pareto_front", "plot_time_breakdown", "attach_to_study", "summary_markdown"]
+__all__ = ["PlotAttachError", "plot_pareto_front", "plot_time_breakdown", "attach_to_study", "artifact_dir_problem", "summary_markdown"]
 
 # Order of the stacked bars, bottom to top, and their colours (colour-blind safe, Okabe-Ito).
 BREAKDOWN_PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -521,6 +523,27 @@ def summary_markdown(study_or_trials: optuna.Study | Sequence[FrozenTrial], *, t
     return "\n".join(lines)
 
 
+class PlotAttachError(DistPlanError, RuntimeError):
+    """The plots of a study could not be attached (its trials were written)."""
+
+
+def artifact_dir_problem(storage_url: str) -> tuple[str, str] | None:
+    """(message, hint) when the plots of a study at ``storage_url`` cannot be stored in their default folder
+    (``<db stem>-artifacts`` next to a SQLite file): a file of that name is there, or the folder cannot be
+    made. Checked before a search, so ``tune --plots`` does not fail after it."""
+    folder = default_artifact_dir(storage_url)
+    if folder is None:
+        return None
+    if folder.exists() and not folder.is_dir():
+        return (f"The plots of this study go to the folder {str(folder)!r}, but a file of that name is there.",
+                "Move that file away, or leave out --plots (and attach the plots later with attach_to_study(study, artifact_dir=...)).")
+    nearest = folder if folder.exists() else next((p for p in folder.parents if p.exists()), None)
+    if nearest is not None and not os.access(nearest, os.W_OK | os.X_OK):
+        return (f"The plots of this study go to {str(folder)!r}, and {str(nearest)!r} is not writable for this user.",
+                "Pass a --storage in a writable folder, or leave out --plots.")
+    return None
+
+
 def attach_to_study(
     study: optuna.Study,
     *,
@@ -539,12 +562,14 @@ def attach_to_study(
       dashboard`` serves that directory without a flag).
 
     Returns:
-        What was stored: ``{"note": True, "graph_ids": [...], "artifact_ids": [...], "artifact_dir": str|None, "png": [...]}``.
+        What was stored: ``{"note": True, "graph_ids": [...], "artifact_ids": [...], "artifact_dir": str|None,
+        "png": {name: file}}``; the artifact store keeps each PNG under its artifact id (no extension), and the
+        dashboard shows it by ``name``. Each call adds new artifacts: those of an earlier call stay.
     """
     optuna_dashboard = require("optuna_dashboard")
     import optuna
 
-    stored: dict[str, Any] = {"note": False, "graph_ids": [], "artifact_ids": [], "artifact_dir": None, "png": []}
+    stored: dict[str, Any] = {"note": False, "graph_ids": [], "artifact_ids": [], "artifact_dir": None, "png": {}}
     optuna_dashboard.save_note(study, summary_markdown(study, time_weight=time_weight))
     stored["note"] = True
     if not _get_pareto_info(study).points:
@@ -579,7 +604,7 @@ def attach_to_study(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     stored["artifact_dir"] = str(artifact_dir)
-    stored["png"] = [p.name for p in pngs]
+    stored["png"] = {p.name: str(artifact_dir / aid) for p, aid in zip(pngs, stored["artifact_ids"])}
     return stored
 
 

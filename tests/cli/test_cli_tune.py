@@ -93,7 +93,37 @@ def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, cap
     assert rc == 0 and out["plots"]["note"] and len(out["plots"]["graph_ids"]) == 2
     pngs = sorted(p.name for p in (tmp_path / "plots-artifacts").rglob("*") if p.is_file())
     assert len(pngs) == len(out["plots"]["artifact_ids"]) == 2  # the PNGs the dashboard serves without a flag
+    assert sorted(out["plots"]["png"]) == ["pl-pareto_front.png", "pl-time_breakdown.png"]
+    for stored in out["plots"]["png"].values():  # the files the JSON names exist and are the PNGs
+        assert Path(stored).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(optuna.load_study(study_name="pl", storage=url).user_attrs) > 0
+
+
+def test_plots_that_cannot_be_stored_are_refused_before_the_search(tmp_path, profile_path, capsys):
+    """A file where the plots' folder goes: one line before any trial (it failed after the search with FileExistsError)."""
+    (tmp_path / "blocked-artifacts").write_text("mine")
+    url = f"sqlite:///{tmp_path / 'blocked.db'}"
+    rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "12", "--max-instances", "2",
+               "--storage", url, "--study-name", "pl", "--quiet", "--plots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "a file of that name is there" in err[0] and "HINT:" in err[0], err
+    assert not (tmp_path / "blocked.db").exists() and (tmp_path / "blocked-artifacts").read_text() == "mine"
+
+
+def test_plots_failing_after_the_search_say_the_trials_were_written(tmp_path, profile_path, capsys, monkeypatch):
+    from lightning_distplan.tuner import plots
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "attach_to_study", broken)
+    url = f"sqlite:///{tmp_path / 'plots.db'}"
+    rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "12", "--max-instances", "2",
+               "--storage", url, "--study-name", "pl", "--quiet", "--plots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "The 12 trials were written to study 'pl', but attaching its plots failed (OSError: [Errno 28] No space left on device)" in err[0]
+    assert "HINT:" in err[0] and len(optuna.load_study(study_name="pl", storage=url).trials) == 12
 
 
 def test_ctrl_c_while_plots_attach_says_the_trials_were_written(tmp_path, profile_path, capsys, monkeypatch):
