@@ -72,6 +72,9 @@ def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, pr
         (["--catalog", "nope"], "Unknown catalog 'nope'.*alicloud-2023, aws-2026"),
         (["--storage", "not-a-url"], "not a database URL.*HINT"),
         (["--storage", "sqlite:///{tmp}"], "names the folder .*, not an SQLite file.*HINT: Name the database file in it, e.g. sqlite:///.*distplan.db"),
+        # the planner's device limit in this command's terms (it named --world-size, a flag tune does not have)
+        (["--catalog", "aws-2026", "--max-instances", "16384"],
+         r"--max-instances 16384 of \S+ \(8 devices each\) makes 131072 devices, above the 65536 .*HINT: Lower --max-instances \(at most 8192"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, match):
