@@ -242,6 +242,13 @@ def source_spec(profile: Profile) -> tuple[GpuSpec, str]:
     """
     device = profile.device
     if device.type == "cuda":
+        if match_gpu_name(device.name) is None:
+            raise CatalogError(
+                f"The profile was measured on {device.name!r}, a GPU the spec table does not know, so its times cannot be "
+                f"scaled to the catalog's GPUs (the table knows {', '.join(GPUS)}).",
+                hint="Profile on one of those GPUs or on the CPU (distplan profile --device cpu), or add a row for it with its "
+                "datasheet source to lightning_distplan/costmodel/gpus.py.",
+            )
         spec = gpu_spec(device.name)
         return spec, f"spec table row {spec.name!r} ({spec.source})"
     m = max(profile.micro_batch_sizes)
