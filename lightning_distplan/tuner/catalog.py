@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -277,16 +278,23 @@ def _number(value: str, *, column: str, where: str, allow_fraction: bool = False
     return number
 
 
+def _skipped_summary(skipped: dict[str, list[str]]) -> str:
+    parts = [f"{len(lines)} row{'s' if len(lines) != 1 else ''} skipped for {why}" for why, lines in skipped.items() if lines]
+    return ", ".join(parts)
+
+
 def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, name: str | None = None) -> Catalog:
     """Parse a SkyPilot-style catalog CSV (columns found by header name, any order, case-insensitive).
 
-    Rows without an ``AcceleratorName`` (CPU-only instances in SkyPilot files) are skipped. A row
-    whose ``InstanceType`` repeats in another ``Region`` becomes ``type@region``; repeats in the same
-    region (availability zones) keep the cheapest.
+    Rows without an ``AcceleratorName`` (CPU-only instances in SkyPilot files) are skipped. So are,
+    with one warning that counts them and names examples, rows of a GPU the spec table does not know
+    (SkyPilot's files list K80s, Inferentia, Trainium...) and rows without a ``Price`` (not sold
+    on demand there). A row whose ``InstanceType`` repeats in another ``Region`` becomes
+    ``type@region``; repeats in the same region (availability zones) keep the cheapest.
 
     Raises:
-        CatalogError: missing file or columns, a missing / negative / non-numeric price or count, an
-            unknown GPU (the message lists the known ones), no bandwidth; messages carry the line number.
+        CatalogError: missing file or columns, a negative / non-numeric price or count, no bandwidth, no
+            usable GPU row (naming why the skipped ones were); messages carry the line number.
     """
     given = str(path)
     path = Path(path)
@@ -321,6 +329,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         return row[i].strip() if i is not None and i < len(row) else ""
 
     rows: dict[tuple[str, str], Instance] = {}
+    skipped: dict[str, list[str]] = {"unknown GPU": [], "no price": []}
     for lineno, row in enumerate(reader, start=2):
         if not any(c.strip() for c in row):
             continue
@@ -333,10 +342,11 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
             continue  # a CPU-only instance: nothing to plan on
         canonical = match_gpu_name(gpu_name)
         if canonical is None:
-            raise CatalogError(
-                f"{where}: unknown GPU {gpu_name!r} for {itype!r}; the spec table knows {', '.join(GPUS)}.",
-                hint="Use one of those names, or add a row with its datasheet source to lightning_distplan/costmodel/gpus.py.",
-            )
+            skipped["unknown GPU"].append(f"{where}: unknown GPU {gpu_name!r} for {itype!r}")
+            continue
+        if not cell(row, "Price"):
+            skipped["no price"].append(f"{where}: column 'Price' is empty for {itype!r}")
+            continue
         count = _number(cell(row, "AcceleratorCount"), column="AcceleratorCount", where=where, allow_fraction=True)
         price = _number(cell(row, "Price"), column="Price", where=where, allow_zero=False)
         spot_text = cell(row, "SpotPrice")
@@ -376,8 +386,21 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         key = (itype, region)
         if key not in rows or inst.price_per_hour < rows[key].price_per_hour:
             rows[key] = inst
+    known = f"the spec table knows {', '.join(GPUS)}"
+    gpu_hint = "Use one of those names, or add a row with its datasheet source to lightning_distplan/costmodel/gpus.py."
     if not rows:
+        if skipped["unknown GPU"]:
+            raise CatalogError(f"{skipped['unknown GPU'][0]} ({_skipped_summary(skipped)}, no usable row); {known}.", hint=gpu_hint)
+        if skipped["no price"]:
+            raise CatalogError(f"{skipped['no price'][0]} ({_skipped_summary(skipped)}, no usable row).", hint="Fill in Price for those rows.")
         raise CatalogError(f"Catalog file {str(path)!r} has no GPU instance rows.", hint="Add rows with AcceleratorName and AcceleratorCount.")
+    if any(skipped.values()):
+        examples = "; ".join(lines[0] for lines in skipped.values() if lines)
+        warnings.warn(
+            (f"Catalog {path.name}: {_skipped_summary(skipped)} (e.g. {examples}); {len(rows)} {'row is' if len(rows) == 1 else 'rows are'} used. "
+             + (f"For the GPUs: {known}." if skipped["unknown GPU"] else "")).rstrip(),
+            stacklevel=2,
+        )
     regions_per_type: dict[str, int] = {}
     for itype, _ in rows:
         regions_per_type[itype] = regions_per_type.get(itype, 0) + 1

@@ -83,13 +83,31 @@ def test_skypilot_csv_parsed_by_header_name(tmp_path):
     assert "line 7" in shared.source
 
 
+def test_rows_a_plan_cannot_use_are_skipped_with_one_warning(tmp_path):
+    """A SkyPilot file lists GPUs the spec table does not know and instances without an on-demand price: those rows
+    are skipped (one warning counts them and names one of each), the rest is the catalog. One such row refused the file."""
+    path = _write(
+        tmp_path,
+        "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\n"
+        "g5.xlarge,A10G,1,1.006,10\n"
+        "p2.xlarge,K80,1,0.9,10\n"
+        "inf2.xlarge,Inferentia2,1,0.76,15\n"
+        "g4dn.xlarge,T4,1,,25\n",
+    )
+    with pytest.warns(UserWarning, match=r"2 rows skipped for unknown GPU, 1 row skipped for no price \(e.g. cat.csv line 3: unknown GPU 'K80' for 'p2.xlarge'; "
+                                         r"cat.csv line 5: column 'Price' is empty for 'g4dn.xlarge'\); 1 row is used. For the GPUs: the spec table knows T4"):
+        cat = parse_catalog_csv(path)
+    assert cat.instance_types == ("g5.xlarge",)
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
-        ("g5.xlarge,A10G,1,,10\n", r"cat.csv line 2: column 'Price' is empty.*HINT"),
+        ("g5.xlarge,A10G,1,,10\n", r"cat.csv line 2: column 'Price' is empty for 'g5.xlarge' \(1 row skipped for no price, no usable row\).*HINT"),
         ("g5.xlarge,A10G,1,-1.0,10\n", r"cat.csv line 2: column 'Price' holds '-1.0'; it must be a positive number.*HINT"),
         ("g5.xlarge,A10G,1,cheap,10\n", r"cat.csv line 2: column 'Price' holds 'cheap', which is not a number.*HINT"),
-        ("g5.xlarge,A10G,1,1.0,10\nx.large,TPUv5,1,2.0,10\n", r"cat.csv line 3: unknown GPU 'TPUv5'.*knows T4, A10, A10G.*HINT"),
+        ("x.large,TPUv5,1,2.0,10\ny.large,K80,1,,10\n",
+         r"cat.csv line 2: unknown GPU 'TPUv5' for 'x.large' \(2 rows skipped for unknown GPU, no usable row\); the spec table knows T4, A10, A10G.*HINT"),
         ("g5.xlarge,A10G,two,1.0,10\n", r"line 2: column 'AcceleratorCount' holds 'two'"),
         ("g5.xlarge,A10G,1.5,1.0,10\n", r"line 2: .*1.5 GPUs per instance is neither whole nor a share"),
     ],
