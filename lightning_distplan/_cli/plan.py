@@ -24,6 +24,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or a JSON list of candidates")
     parser.add_argument("--top", type=int, default=None, help="show only the best K candidates (table default: 10; json default: all)")
     parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="strategies to consider")
+    parser.add_argument(
+        "--pin", action="append", default=[], metavar="KEY=VALUE",
+        help="fix part of the plan, as AutoPlanStrategy(pins=...) does (repeatable): strategy=1f1b, stages=2 (or pp), dp=2, "
+        "micro_batch_size=8, accumulate_grad_batches=4, n_microbatches=8, schedule=gpipe, stage_boundaries=6,12",
+    )
     parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
     parser.add_argument("--device-memory-gb", type=float, default=None, help="device memory in GiB (default: the profiled device's)")
     parser.add_argument("--bandwidth-gbps", type=float, default=None, help="interconnect bandwidth in Gbit/s (default: measured, else 4)")
@@ -33,6 +38,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--price-per-hour", type=float, default=None, help="price of one device per hour: rank by C + w*T")
     parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (with --price-per-hour; default 0)")
     parser.set_defaults(run=run)
+
+
+def parse_pins(items: list[str]) -> dict[str, object]:
+    """``["strategy=1f1b", "stages=2", "stage_boundaries=6,12"]`` -> pins as ``AutoPlanStrategy(pins=...)`` takes them."""
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.planner import PIN_KEYS
+    from lightning_distplan.planner._enumerate import PIN_ALIASES
+
+    pins: dict[str, object] = {}
+    for item in items:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise InfeasiblePlanError(f"--pin {item!r} is not KEY=VALUE.", hint="Pass e.g. --pin strategy=1f1b --pin micro_batch_size=8.")
+        if key not in PIN_KEYS and key not in PIN_ALIASES:
+            raise InfeasiblePlanError(f"Unknown pins [{key!r}].", hint=f"Pin any of {', '.join(PIN_KEYS)} (stages is pp).")
+        if key in pins:
+            raise InfeasiblePlanError(f"--pin {key} is given twice.", hint="Pin each key once.")
+        if key in ("strategy", "schedule"):
+            pins[key] = value
+            continue
+        try:
+            pins[key] = [int(v) for v in value.split(",")] if key == "stage_boundaries" else int(value)
+        except ValueError:
+            what = "a comma-separated list of layer indices" if key == "stage_boundaries" else "a whole number"
+            raise InfeasiblePlanError(f"--pin {key}={value!r} is not {what}.", hint=f"Pass e.g. --pin {key}={'6,12' if key == 'stage_boundaries' else 4}.") from None
+    return pins
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,10 +77,12 @@ def run(args: argparse.Namespace) -> int:
     if args.top is not None and args.top < 1:
         raise InfeasiblePlanError(f"--top must be at least 1, got {args.top}.", hint="Pass --top 10, or leave it out.")
     profile = Profile.load(args.profile)
-    # Validate sizes, factoring and every number before building the hardware, so bad input gives
+    pins = parse_pins(args.pin)
+    # Validate sizes, factoring, pins and every number before building the hardware, so bad input gives
     # one error line and not a link-default warning first.
     enumerate_plans(
-        profile, world_size=args.world_size, global_batch_size=args.global_batch_size, strategies=tuple(args.strategy), max_pp=args.max_pp
+        profile, world_size=args.world_size, global_batch_size=args.global_batch_size, strategies=tuple(args.strategy), max_pp=args.max_pp,
+        pins=pins,
     )
     for flag, example in (("device_memory_gb", 16), ("bandwidth_gbps", 10), ("latency_us", 20)):
         value = getattr(args, flag)
@@ -84,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         time_weight=args.time_weight,
         strategies=tuple(args.strategy),
         max_pp=args.max_pp,
+        pins=pins,
     )
     if args.format == "json":
         shown = candidates if args.top is None else candidates[: args.top]

@@ -86,6 +86,24 @@ def test_json_output_is_the_ranked_list(profile_path, capsys):
     assert [c["predicted_step_time_s"] for c in out] == [c.prediction.step_time_s for c in lib]
 
 
+def test_pins_keep_only_the_plans_that_have_them(profile_path, capsys):
+    """--pin fixes part of the plan as AutoPlanStrategy(pins=...) does: the ranking holds only matching plans."""
+    base = ["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--format", "json"]
+    assert main(base) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert {c["micro_batch_size"] for c in every} != {8} and {c["strategy"] for c in every} != {"1f1b"}
+    assert main([*base, "--pin", "micro_batch_size=8"]) == 0
+    pinned = json.loads(capsys.readouterr().out)
+    assert pinned and {c["micro_batch_size"] for c in pinned} == {8}
+    def unranked(candidates):
+        return [{k: v for k, v in c.items() if k != "rank"} for c in candidates]
+
+    assert unranked(c for c in every if c["micro_batch_size"] == 8) == unranked(pinned)  # the same candidates, in the same order
+    assert main([*base, "--pin", "strategy=1f1b", "--pin", "stages=2"]) == 0
+    pipelines = json.loads(capsys.readouterr().out)
+    assert pipelines and {(c["strategy"], c["pp"]) for c in pipelines} == {("1f1b", 2)}
+
+
 def test_table_output_and_options(profile_path, capsys):
     args = ["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--top", "3",
             "--bandwidth-gbps", "10", "--latency-us", "30", "--device-memory-gb", "24", "--price-per-hour", "0.8", "--time-weight", "4096"]
@@ -119,6 +137,10 @@ def test_table_output_and_options(profile_path, capsys):
         ({"layers": [_layer(0)]}, ["--world-size", "4", "--global-batch-size", "32", "--strategy", "1f1b"],
          "needs 2 or more stages, but the profile has only 1 layer"),
         (None, ["--world-size", "4", "--global-batch-size", "32", "--max-pp", "0"], "`max_pp` must be a positive integer"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--pin", "micro_batch_size"], "--pin 'micro_batch_size' is not KEY=VALUE"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--pin", "micro_batch_size=big"], "--pin micro_batch_size='big' is not a whole number"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--pin", "colour=red"], "Unknown pins ['colour']"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--pin", "dp=3"], "dp=3"),
         # numbers are checked before the link-default warning, so the error stays the only line
         (None, ["--world-size", "4", "--global-batch-size", "32", "--memory-margin", "0"], "--memory-margin must be in (0, 1]"),
         (None, ["--world-size", "4", "--global-batch-size", "32", "--time-weight", "4096"], "without --price-per-hour"),
