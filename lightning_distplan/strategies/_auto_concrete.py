@@ -26,6 +26,7 @@ from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
     _batch_n,
+    _is_count,
     _MicroBatchLoader,
     _rebatch,
     _samples_per_epoch,
@@ -93,6 +94,9 @@ class _FullBatchLoader(_MicroBatchLoader):
         return self._samples() // self.micro_batch_size
 
 
+_EVAL_PREFIXES = ("val", "test", "predict")
+
+
 class _AutoPipelineStrategy(PipelineStrategy):
     """:class:`PipelineStrategy` fed ``m·n`` samples per replica and step from the user's loader."""
 
@@ -101,19 +105,31 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._auto_plan = plan
         self._auto_user_accumulate = user_accumulate
         self._rechunk = Rechunking()
+        self._user_eval_limits: dict[str, Any] = {}
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         # One schedule (n micro-batches) is one optimizer step; the accumulation is in the schedule.
         trainer.accumulate_grad_batches = 1
         self._rechunk.remember(trainer)
+        self._user_eval_limits = {p: getattr(trainer, f"limit_{p}_batches") for p in _EVAL_PREFIXES}
         super().setup(trainer)
+
+    def _count_eval_limit_per_replica(self, trainer: pl.Trainer, prefix: str) -> None:
+        """An integer ``limit_val_batches`` (test, predict) counts one process's loader batches under DDP, where every
+        process reads a shard of its own; a pipeline's stages read their replica's shard together, so the same
+        samples are ``pp`` times as many of the replica's batches (set before Lightning reads the limit)."""
+        user = self._user_eval_limits.get(prefix)
+        if _is_count(user) and user > 0:
+            setattr(trainer, f"limit_{prefix}_batches", user * self._auto_plan.pp)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
+            if trainer.state.stage is not None and trainer.state.stage.dataloader_prefix in _EVAL_PREFIXES:
+                self._count_eval_limit_per_replica(trainer, trainer.state.stage.dataloader_prefix)
             return dataloader
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan
@@ -132,6 +148,8 @@ class _AutoPipelineStrategy(PipelineStrategy):
         if module is not None and module._trainer is not None:
             module.trainer.accumulate_grad_batches = self._auto_user_accumulate
             self._rechunk.restore(module.trainer)
+            for prefix, value in self._user_eval_limits.items():
+                setattr(module.trainer, f"limit_{prefix}_batches", value)
 
 
 def build_concrete(

@@ -61,7 +61,7 @@ from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan, sto
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, accumulation_scheduled, check_ddp_kwargs, loader_batch_size
-from lightning_distplan.strategies.pipeline import PIPELINE_METRICS, PIPELINE_PRECISIONS
+from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS, pipeline_callback_conflicts
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -385,10 +385,8 @@ class AutoPlanStrategy(DDPStrategy):
         """The strategies to plan over: data parallel only where this fit rules pipelines out.
 
         - The precision: PipelineStrategy runs ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"`` only.
-        - Monitored metrics: a pipeline runs ``PipelineSpec.loss`` in place of the module's
-          ``training_step`` / ``validation_step``, so it logs ``train_loss`` / ``val_loss`` /
-          ``test_loss`` and nothing the module logs itself; a ``ModelCheckpoint(monitor="val_acc")``
-          would fail after the first epoch.
+        - Callbacks a pipeline cannot serve (:func:`~lightning_distplan.strategies.pipeline.pipeline_callback_conflicts`):
+          a monitored metric it does not log, weight averaging over the whole model.
 
         A pinned pipeline that is ruled out is an error before profiling, not after.
         """
@@ -397,18 +395,7 @@ class AutoPlanStrategy(DDPStrategy):
             reasons.append(
                 (f"the fit runs precision={trainer.precision!r} and pipelines run '32-true', 'bf16-mixed' or 'bf16-true' only", "use Trainer(precision='bf16-mixed')")
             )
-        unlogged = sorted(
-            {
-                m for cb in trainer.callbacks
-                if isinstance(m := getattr(cb, "monitor", None), str) and m not in PIPELINE_METRICS and not m.startswith("distplan/")
-            }
-        )
-        if unlogged:
-            names = ", ".join(map(repr, unlogged))
-            reasons.append(
-                (f"callbacks monitor {names}, which a pipeline does not log: it runs PipelineSpec.loss in place of the module's "
-                 "training_step/validation_step and logs only train_loss/val_loss/test_loss", "monitor 'val_loss' or 'train_loss'")
-            )
+        reasons.extend(pipeline_callback_conflicts(trainer.callbacks))
         if not reasons:
             return STRATEGIES
         why = "; ".join(r for r, _ in reasons)

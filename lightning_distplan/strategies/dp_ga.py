@@ -718,25 +718,30 @@ def _in_loader_batches(trainer: pl.Trainer, dataloader: object, replica_share: i
     """The user's ``limit_train_batches`` and ``val_check_interval`` as counts of this replica's loader batches.
 
     An integer counts one process's loader batches under DDP (``replica_share`` of them per replica);
-    a fraction below 1 is of the epoch, as Lightning reads it: ``int(len(loader) · f)`` batches, and
-    validation every ``int(limited batches · f)``. None: nothing to convert (no limit, a fraction of an
-    unsized loader, or one Lightning would turn into zero batches and refuse itself).
+    a fraction below 1 is of the epoch, as Lightning reads it under DDP: ``int(batches · f)`` of one
+    process's batches, and validation every ``int(limited batches · f)`` of them, each ``replica_share``
+    batches of the replica (a pipeline replica's loader is ``replica_share`` processes' shards long;
+    rounding the replica's count instead validated at other steps than DDP). None: nothing to convert
+    (no limit, a fraction of an unsized loader, or one Lightning would turn into zero batches and
+    refuse itself).
     """
     try:
         n: int | None = len(dataloader)  # type: ignore[arg-type]
     except TypeError:
         n = None
+    per_process = None if n is None else -(-n // replica_share)  # one process's loader batches under DDP
     value = trainer.limit_train_batches
     limit = None
     if _is_count(value):
         limit = value * replica_share
-    elif isinstance(value, float) and 0 < value < 1 and n and int(n * value) > 0:
-        limit = int(n * value)
+    elif isinstance(value, float) and 0 < value < 1 and per_process and int(per_process * value) > 0:
+        limit = int(per_process * value) * replica_share
     interval = getattr(trainer, "val_check_interval", None)  # absent for a time interval
     if _is_count(interval):
         return limit, interval * replica_share
-    if isinstance(interval, float) and 0 < interval < 1 and n:
-        return limit, max(1, int(min(n, limit or n) * interval))
+    if isinstance(interval, float) and 0 < interval < 1 and per_process:
+        limited = per_process if limit is None else min(per_process, limit // replica_share)
+        return limit, max(1, int(limited * interval)) * replica_share
     return limit, None
 
 

@@ -59,7 +59,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,6 +125,45 @@ _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 PIPELINE_PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true")
 #: what a pipeline logs (it runs PipelineSpec.loss in place of the module's steps), and Lightning's own counters
 PIPELINE_METRICS = frozenset({"train_loss", "val_loss", "test_loss", "epoch", "step"})
+
+
+def _weight_averaging_types() -> tuple[type, ...]:
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:  # Lightning >= 2.5
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:
+        return (StochasticWeightAveraging,)
+    return (StochasticWeightAveraging, WeightAveraging)
+
+
+def pipeline_callback_conflicts(callbacks: Iterable[Any]) -> list[tuple[str, str]]:
+    """``(why, what to do instead)`` for each kind of callback among ``callbacks`` that a pipeline fit cannot serve.
+
+    - A monitored metric the pipeline does not log: it runs ``PipelineSpec.loss`` in place of the module's
+      ``training_step`` / ``validation_step`` and logs only ``train_loss`` / ``val_loss`` / ``test_loss``;
+      ``ModelCheckpoint(monitor="val_acc")`` would fail after the first epoch.
+    - Weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``): it copies the whole module
+      before the strategy's setup and averages every weight, while each pipeline process holds only its
+      stage's; it failed mid-fit with a tensor size mismatch.
+    """
+    callbacks = list(callbacks)
+    out: list[tuple[str, str]] = []
+    unlogged = sorted(
+        {m for cb in callbacks if isinstance(m := getattr(cb, "monitor", None), str) and m not in PIPELINE_METRICS and not m.startswith("distplan/")}
+    )
+    if unlogged:
+        out.append(
+            (f"callbacks monitor {', '.join(map(repr, unlogged))}, which a pipeline does not log: it runs PipelineSpec.loss in place "
+             "of the module's training_step/validation_step and logs only train_loss/val_loss/test_loss", "monitor 'val_loss' or 'train_loss'")
+        )
+    averaging = sorted({type(cb).__name__ for cb in callbacks if isinstance(cb, _weight_averaging_types())})
+    if averaging:
+        out.append(
+            (f"{', '.join(averaging)} averages the whole model's weights, and each pipeline process holds only its own stage's",
+             f"drop {', '.join(averaging)}")
+        )
+    return out
 
 
 class PipelineStrategy(DDPStrategy):
@@ -299,6 +338,13 @@ class PipelineStrategy(DDPStrategy):
             self._schedules = {}
         if not self._built:
             refuse_partial_module(module)
+        conflicts = pipeline_callback_conflicts(trainer.callbacks) if trainer.state.fn == TrainerFn.FITTING else []
+        if conflicts:  # refused before the model is cut into stages, not after an epoch
+            fixes = " and ".join(fix for _, fix in conflicts)
+            raise InfeasiblePlanError(
+                f"PipelineStrategy cannot run this fit: {'; '.join(why for why, _ in conflicts)}.",
+                hint=f"{fixes[0].upper()}{fixes[1:]}, or train with strategy='dp_ga' (or 'ddp').",
+            )
         if module is not None and not module.automatic_optimization and trainer.state.fn == TrainerFn.FITTING:
             raise InfeasiblePlanError(
                 f"{type(module).__name__} uses manual optimization (automatic_optimization=False), but PipelineStrategy runs "

@@ -141,6 +141,12 @@ def test_fractional_batch_limits_count_the_users_loader_batches(tmp_path: Path) 
     assert _in_loader_batches(fake(2, 1), range(8), 2) == (4, 2)  # counts per process, two processes per replica
     assert _in_loader_batches(fake(0.1, 1.0), range(8), 1) == (None, None)  # zero batches: Lightning refuses it itself
     assert _in_loader_batches(fake(0.5, 0.5), iter(()), 1) == (None, None)  # no length: nothing to convert
+    # A pipeline replica of 2 stages reads 2 processes' shards: 6 batches where a DDP process has 3. Fractions are
+    # rounded in one process's batches, as under DDP (every int(3 * 0.5) = 1 of them = 2 of the replica's; rounding
+    # the replica's 6 gave every 3, so validations fell at other steps than DDP's).
+    assert _in_loader_batches(fake(1.0, 0.5), range(6), 2) == (None, 2)
+    assert _in_loader_batches(fake(0.5, 0.5), range(6), 2) == (2, 2)  # int(3 * 0.5) = 1 process batch, validate every 1
+    assert _in_loader_batches(fake(0.6, 1.0), range(7), 2) == (4, None)  # 7 replica batches: 4 per process (ceil), int(2.4) = 2 of them
 
 
 class TailNet(Net):

@@ -31,6 +31,33 @@ PP_MODEL = dict(width=256, depth=4, n_samples=64, loader_batch=4, dropout=0.1)
 STEPS = 4
 
 
+class ValidatedChainMLP(ChainMLP):
+    """ChainMLP with a validation loader of 32 samples in batches of 4."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        from _auto_plan_models import regression_data
+
+        return torch.utils.data.DataLoader(regression_data(32, seed=9), batch_size=4)
+
+
+class ValidationSamples(L.Callback):
+    """The validation batches this rank ran (outside the sanity check) and the samples in them."""
+
+    def __init__(self) -> None:
+        self.batches = self.samples = 0
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if not trainer.sanity_checking:
+            self.batches += 1
+            self.samples += len(batch[0])
+
+
 def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, **kw: Any) -> tuple[L.Trainer, LossRecorder]:
     rec = LossRecorder()
     trainer = L.Trainer(**trainer_kwargs(tmp, strategy=strategy, devices=world, callbacks=[rec], **kw))
@@ -95,6 +122,14 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     limited, _ = _fit(ChainMLP(**PP_MODEL), os.path.join(root, "pp_limit"), lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins),
                       world, max_epochs=1, limit_train_batches=3)
     out["pp_limit"] = (limited.global_step, limited.limit_train_batches, isinstance(limited.strategy, PipelineStrategy))
+    # An integer limit_val_batches likewise counts one process's batches: under DDP the 2 processes read 2 batches of
+    # 4 each from shards of their own (16 samples); the pipeline's stages read their replica's batches together, so
+    # 4 of them (it read 2: half DDP's validation set, and a different val_loss).
+    seen = ValidationSamples()
+    validated = L.Trainer(**trainer_kwargs(os.path.join(root, "pp_val"), strategy=lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins),
+                                           devices=world, callbacks=[seen], max_epochs=1, limit_train_batches=2, limit_val_batches=2))
+    validated.fit(ValidatedChainMLP(**PP_MODEL))
+    out["pp_val_limit"] = (seen.batches, seen.samples, validated.limit_val_batches, isinstance(validated.strategy, PipelineStrategy))
     # A short tail (70 = 8 pipeline steps of 8 + 6): auto_plan's loader drops it (with a warning); nothing refuses the epoch.
     tail, _ = _fit(ChainMLP(**{**PP_MODEL, "n_samples": 70}), os.path.join(root, "pp_tail"),
                    lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins), world, max_epochs=1)
@@ -171,4 +206,5 @@ def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(result
     assert r0["pp_losses"] == pytest.approx(r0["pp_direct_losses"], rel=1e-6, abs=1e-7)
     torch.testing.assert_close(r0["pp_state"], r0["pp_direct_state"], rtol=1e-6, atol=1e-7)
     assert r0["pp_limit"] == r1["pp_limit"] == (3, 3, True)  # 3 steps, as ddp; the user's setting restored after fit
+    assert r0["pp_val_limit"] == r1["pp_val_limit"] == (4, 16, 2, True)  # DDP's 16 validation samples; the user's 2 restored
     assert r0["pp_tail_steps"] == r1["pp_tail_steps"] == 8

@@ -311,6 +311,11 @@ def test_monitored_metrics_a_pipeline_does_not_log(tmp_path: Path) -> None:
     assert AutoPlanStrategy()._strategies_allowed(own) == ("dp_ga",)
     loss_only = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, callbacks=[EarlyStopping(monitor="val_loss")]))
     assert AutoPlanStrategy()._strategies_allowed(loss_only) == ("dp_ga", "gpipe", "1f1b")
+    # weight averaging needs the whole model in every process: data parallel only too
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    averaged = L.Trainer(**trainer_kwargs(str(tmp_path), devices=1, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]))
+    assert AutoPlanStrategy()._strategies_allowed(averaged) == ("dp_ga",)
 
     trainer = L.Trainer(
         **trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(strategy="1f1b"), devices=1, max_steps=1, enable_checkpointing=True, callbacks=[ModelCheckpoint(monitor="val_acc")])

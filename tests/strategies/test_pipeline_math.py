@@ -371,6 +371,30 @@ def _plateau_on_unlogged(world: int, out: str) -> str:
     return f"{trainer.global_step}: trained"
 
 
+def _callbacks_a_pipeline_cannot_serve(world: int, out: str) -> list[str]:
+    """A ModelCheckpoint on a metric the pipeline does not log, and StochasticWeightAveraging: each refused before
+    the model is cut into stages (they failed after an epoch, or mid-fit with a tensor size mismatch, leaving each
+    rank's module holding one stage), and the module stays whole."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    got = []
+    for callback in (ModelCheckpoint(monitor="val_mae", dirpath=out), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)):
+        model = TinyMLP()
+        whole = sum(p.numel() for p in model.parameters())
+        trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out),
+                               "callbacks": [callback], "max_epochs": 3, "enable_checkpointing": True})
+        try:
+            trainer.fit(model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+            verdict = "trained"
+        except InfeasiblePlanError as err:
+            verdict = str(err)
+        got.append(f"{trainer.global_step} {sum(p.numel() for p in model.parameters()) == whole}: {verdict}")
+    return got
+
+
 class _Center(nn.Module):
     """A linear layer that keeps a running mean of its output by *re-assigning* a buffer (not in place)."""
 
@@ -496,6 +520,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["shape_inference"] = _shape_inference(world, out)
     results["many_shapes"] = _many_shapes(world, out)
     results["plateau"] = _plateau_on_unlogged(world, out)
+    results["callbacks"] = _callbacks_a_pipeline_cannot_serve(world, out)
     results["sharded"] = _sharded_by_rank(rank, world, out)
     results["tied_frozen"] = _tied_and_frozen(world, out)
     results["short_last"] = _short_last_batch(world, out)
@@ -613,6 +638,16 @@ def test_a_scheduler_monitoring_what_a_pipeline_does_not_log_is_refused_before_t
     _, results = two_rank_run
     assert results[0]["plateau"].startswith("0: A learning-rate scheduler monitors 'val_acc', which a pipeline does not log")
     assert "HINT: Monitor 'val_loss'" in results[0]["plateau"]
+
+
+def test_callbacks_a_pipeline_cannot_serve_are_refused_before_the_model_is_cut(two_rank_run) -> None:
+    _, results = two_rank_run
+    for res in results:
+        monitored, averaged = res["callbacks"]
+        assert monitored.startswith("0 True: PipelineStrategy cannot run this fit: callbacks monitor 'val_mae', which a pipeline does not log"), monitored
+        assert "HINT: Monitor 'val_loss' or 'train_loss', or train with strategy='dp_ga'" in monitored
+        assert averaged.startswith("0 True: PipelineStrategy cannot run this fit: StochasticWeightAveraging averages the whole model's weights"), averaged
+        assert "HINT: Drop StochasticWeightAveraging" in averaged
 
 
 def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank_run) -> None:
