@@ -429,3 +429,46 @@ def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
                 tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="x",
                      max_instances=2, progress=False)
             assert path.read_bytes() == before, url
+
+
+def test_the_local_search_walks_from_tpes_best_to_a_nearby_optimum_within_its_budget():
+    """_polish steps from the best trial's *plan* to its best neighbour (instance count and micro-batch halved or
+    doubled, stopping at the edges, strategy, stages, instance type) while that improves, in at most its budget."""
+    import math
+
+    from lightning_distplan.tuner.search import _neighbours, _polish
+
+    types = ["a", "b"]
+
+    def objective(trial):
+        t = trial.suggest_categorical("instance_type", types)
+        n = trial.suggest_int("n_instances", 1, 24, log=True)
+        s = trial.suggest_categorical("strategy", ["dp_ga", "1f1b"])
+        pp = trial.suggest_int("pp", 2, 12, log=True) if s != "dp_ga" else 1
+        m = trial.suggest_int("micro_batch_size", 1, 256, log=True)
+        trial.set_user_attr("count", n)
+        trial.set_user_attr("strategy", s)
+        trial.set_user_attr("pp", pp)
+        trial.set_user_attr("micro_batch_size", m)
+        # best: type b, 24 instances (the edge, not a power of 2 from 3), 1f1b with 12 stages, m = 2
+        return (t != "b") + abs(math.log2(n / 24)) + (s != "1f1b") + abs(math.log2(pp / 12)) + abs(math.log2(m / 2))
+
+    def neighbours(p):
+        return _neighbours(p, types, 24, 256, ["dp_ga", "1f1b"], 12)
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial({"instance_type": "a", "n_instances": 3, "strategy": "dp_ga", "micro_batch_size": 16})
+    study.optimize(objective, n_trials=1)
+    used = _polish(study, objective, 200, neighbours)
+    assert study.best_value == 0 and study.best_params == {"instance_type": "b", "n_instances": 24, "strategy": "1f1b", "pp": 12, "micro_batch_size": 2}
+    assert used == len(study.trials) - 1 <= 200
+    assert len({tuple(sorted(t.params.items())) for t in study.trials}) == len(study.trials)  # no point tried twice
+    # out of budget: it stops there
+    short = optuna.create_study()
+    short.enqueue_trial({"instance_type": "a", "n_instances": 3, "strategy": "dp_ga", "micro_batch_size": 16})
+    short.optimize(objective, n_trials=1)
+    assert _polish(short, objective, 5, neighbours) == 5 and len(short.trials) == 6
+    # the neighbours of a point at the edges stay inside the search space
+    edge = neighbours({"instance_type": "a", "n_instances": 24, "strategy": "1f1b", "pp": 12, "micro_batch_size": 256})
+    assert all(1 <= p["n_instances"] <= 24 and 1 <= p["micro_batch_size"] <= 256 and 2 <= p.get("pp", 2) <= 12 for p in edge)
+    assert {"instance_type": "a", "n_instances": 12, "strategy": "1f1b", "pp": 12, "micro_batch_size": 256} in edge
