@@ -141,7 +141,7 @@ class ConfigSpace:
         self.global_batch_size = global_batch_size
         self.time_weight = time_weight
         self.max_instances = max_instances
-        widest = max(catalog.instances, key=lambda inst: inst.world_size(max_instances), default=None)
+        widest = max(getattr(catalog, "instances", ()), key=lambda inst: inst.world_size(max_instances), default=None)
         if widest is not None and widest.world_size(max_instances) > 1 << 16:  # the planner's limit, named in this command's terms
             raise InfeasiblePlanError(
                 f"--max-instances {max_instances} of {widest.instance_type} ({widest.devices_per_instance} devices each) makes "
