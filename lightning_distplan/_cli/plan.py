@@ -41,25 +41,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parse_pins(items: list[str]) -> dict[str, object]:
-    """``["strategy=1f1b", "stages=2", "stage_boundaries=6,12"]`` -> pins as ``AutoPlanStrategy(pins=...)`` takes them."""
-    from lightning_distplan.errors import InfeasiblePlanError
-    from lightning_distplan.planner import PIN_KEYS
-    from lightning_distplan.planner._enumerate import PIN_ALIASES
+    """``["strategy=1f1b", "stages=2", "stage_boundaries=6,12"]`` -> pins as ``AutoPlanStrategy(pins=...)`` takes them.
 
+    Counts become integers and ``stage_boundaries`` a list; every other value stays text, and the planner
+    judges the keys and values as it does for ``AutoPlanStrategy`` (an unknown key, an unknown strategy)."""
+    from lightning_distplan.errors import InfeasiblePlanError
+
+    counts = ("dp", "pp", "stages", "micro_batch_size", "accumulate_grad_batches", "n_microbatches")
     pins: dict[str, object] = {}
     for item in items:
         key, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not key or not value:
             raise InfeasiblePlanError(f"--pin {item!r} is not KEY=VALUE.", hint="Pass e.g. --pin strategy=1f1b --pin micro_batch_size=8.")
-        if key not in PIN_KEYS and key not in PIN_ALIASES:
-            raise InfeasiblePlanError(f"Unknown pins [{key!r}].", hint=f"Pin any of {', '.join(PIN_KEYS)} (stages is pp).")
         if key in pins:
             raise InfeasiblePlanError(f"--pin {key} is given twice.", hint="Pin each key once.")
-        if key in ("strategy", "schedule"):
-            pins[key] = value
-            continue
         try:
-            pins[key] = [int(v) for v in value.split(",")] if key == "stage_boundaries" else int(value)
+            pins[key] = [int(v) for v in value.split(",")] if key == "stage_boundaries" else int(value) if key in counts else value
         except ValueError:
             what = "a comma-separated list of layer indices" if key == "stage_boundaries" else "a whole number"
             raise InfeasiblePlanError(f"--pin {key}={value!r} is not {what}.", hint=f"Pass e.g. --pin {key}={'6,12' if key == 'stage_boundaries' else 4}.") from None

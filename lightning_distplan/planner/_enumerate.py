@@ -13,7 +13,7 @@ from lightning_distplan.profile import unsplittable
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
 
-__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS", "PIN_ALIASES"]
+__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS", "PIN_ALIASES", "MAX_WORLD_SIZE"]
 
 PIN_KEYS = (
     "strategy",
@@ -32,6 +32,8 @@ PIN_ALIASES = {"stages": "pp"}
 
 # The largest global batch planned for: 16.7M samples, beyond any published training setup.
 MAX_GLOBAL_BATCH = 1 << 24
+# The most devices planned for (65,536).
+MAX_WORLD_SIZE = 1 << 16
 
 
 def _divisors(x: int) -> list[int]:
@@ -46,7 +48,7 @@ def _check_sizes(world_size: Any, global_batch_size: Any) -> None:
                 f"`{name}` must be a positive integer, got {value!r}.",
                 hint="Pass the number of devices (--world-size) and the samples per optimizer step (--global-batch-size), both >= 1.",
             )
-    for name, value, limit in (("world_size", world_size, 1 << 16), ("global_batch_size", global_batch_size, MAX_GLOBAL_BATCH)):
+    for name, value, limit in (("world_size", world_size, MAX_WORLD_SIZE), ("global_batch_size", global_batch_size, MAX_GLOBAL_BATCH)):
         if value > limit:
             raise InfeasiblePlanError(
                 f"`{name}` {value} is above the {limit} this planner handles.",

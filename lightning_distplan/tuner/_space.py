@@ -19,6 +19,7 @@ from lightning_distplan.costmodel.projection import ProjectionInfo, project_prof
 from lightning_distplan.errors import BatchNotFactorableError, DistPlanError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import enumerate_plans
+from lightning_distplan.planner._enumerate import MAX_WORLD_SIZE
 from lightning_distplan.profile import Profile, unsplittable
 from lightning_distplan.tuner.catalog import Catalog, Instance
 
@@ -142,11 +143,11 @@ class ConfigSpace:
         self.time_weight = time_weight
         self.max_instances = max_instances
         widest = max(getattr(catalog, "instances", ()), key=lambda inst: inst.world_size(max_instances), default=None)
-        if widest is not None and widest.world_size(max_instances) > 1 << 16:  # the planner's limit, named in this command's terms
+        if widest is not None and widest.world_size(max_instances) > MAX_WORLD_SIZE:  # the planner's limit, in this command's terms
             raise InfeasiblePlanError(
                 f"--max-instances {max_instances} of {widest.instance_type} ({widest.devices_per_instance} devices each) makes "
-                f"{widest.world_size(max_instances)} devices, above the {1 << 16} this planner handles.",
-                hint=f"Lower --max-instances (at most {(1 << 16) // widest.devices_per_instance} for this catalog).",
+                f"{widest.world_size(max_instances)} devices, above the {MAX_WORLD_SIZE} this planner handles.",
+                hint=f"Lower --max-instances (at most {MAX_WORLD_SIZE // widest.devices_per_instance} for this catalog).",
             )
         # a float16 profile projected to bf16 trains in bf16 on the target, which pipelines run: its plans are enumerated
         # as bf16 ones (the projection still reads the measured dtype)

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import reproduce_seed000_ga  # noqa: E402
@@ -38,8 +40,6 @@ def test_committed_tuner_benchmarks_price_their_optimum_as_todays_model_does() -
     """The tuner benchmark's optimum at each weight is priced today as the file says (the 2026-11-22 files had gone
     stale: today's model moved the optimum, and TPE alone then missed it by up to 47%). Re-pricing the whole space
     takes minutes per weight, so this checks the recorded optimum's own price; a change shows here first."""
-    import pytest
-
     from lightning_distplan.profile import Profile
     from lightning_distplan.tuner import load_catalog
     from lightning_distplan.tuner._space import ConfigSpace
