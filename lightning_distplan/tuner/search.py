@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -281,7 +282,8 @@ def _point_key(params: dict[str, Any]) -> tuple:
     return tuple(sorted(params.items()))
 
 
-def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbours: Callable[[dict[str, Any]], list[dict[str, Any]]]) -> int:
+def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbours: Callable[[dict[str, Any]], list[dict[str, Any]]],
+            callbacks: Sequence[Callable[[Any, Any], None]] = ()) -> int:
     """Local search from the best trial: try its untried neighbours, move to the best of them while it improves.
 
     Why: TPE finds the region of the optimum but, with one seed in four on a real profile, settled 28% above it
@@ -302,7 +304,7 @@ def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbo
         for p in todo:
             tried.add(_point_key(p))
             study.enqueue_trial(p)
-        study.optimize(objective_fn, n_trials=len(todo), gc_after_trial=False)
+        study.optimize(objective_fn, n_trials=len(todo), gc_after_trial=False, callbacks=list(callbacks))
         used += len(todo)
         complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         better = min(complete, key=lambda t: t.value)
@@ -310,6 +312,34 @@ def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbo
             break
         best = better
     return used
+
+
+class _TrialBar:
+    """A progress bar (stderr) over all of a search's trials, with the best objective so far.
+
+    Optuna's own bar covers one ``optimize`` call; a single-objective search makes several (TPE, then
+    :func:`_polish`, then TPE for what is left), and the bar should neither stop short nor restart."""
+
+    def __init__(self, total: int, multi_objective: bool, *, enabled: bool) -> None:
+        self._multi = multi_objective
+        self._best: float | None = None
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc="tune", unit="trial", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, study: Any, trial: Any) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if not self._multi and trial.value is not None and (self._best is None or trial.value < self._best):
+            self._best = trial.value
+            self._bar.set_postfix_str(f"best objective {self._best:.6g} (trial {trial.number})", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def _config_from_trial(trial: Any) -> TunedConfig | None:
@@ -360,7 +390,7 @@ def tune(
         multi_objective: optimise (cost, time) with NSGA-II instead of C + w·T with TPE.
         precision: projection math, see :func:`~lightning_distplan.costmodel.projection.project_profile`.
         bandwidth_gbps: override every instance's network bandwidth (catalog given by name or path).
-        progress: show Optuna's progress bar (stderr).
+        progress: show a progress bar over all trials, with the best objective so far (stderr).
         sampler: an Optuna sampler to use instead of the seeded default (for experiments).
         initial_design: start a new study with two corner trials per instance type (see
             :func:`_initial_design`; at most a quarter of ``n_trials``).
@@ -512,21 +542,23 @@ def _tune(
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     interrupted = False
+    bar = _TrialBar(n_trials, multi_objective, enabled=progress)  # one bar over TPE, the local search and what is left
     try:
         if multi_objective:
-            memory_study.optimize(objective_fn, n_trials=n_trials, show_progress_bar=progress, gc_after_trial=False)
+            memory_study.optimize(objective_fn, n_trials=n_trials, gc_after_trial=False, callbacks=[bar])
         else:
             # TPE first, then a local search from its best (POLISH_SHARE of the trials at most), then TPE for what is left
             reserve = int(n_trials * POLISH_SHARE) if n_trials >= 20 else 0
-            memory_study.optimize(objective_fn, n_trials=n_trials - reserve, show_progress_bar=progress, gc_after_trial=False)
+            memory_study.optimize(objective_fn, n_trials=n_trials - reserve, gc_after_trial=False, callbacks=[bar])
             used = _polish(memory_study, objective_fn, reserve,
-                           lambda p: _neighbours(p, types, max_instances, global_batch_size, strategy_choices, pp_hi))
+                           lambda p: _neighbours(p, types, max_instances, global_batch_size, strategy_choices, pp_hi), [bar])
             if reserve - used > 0:
-                memory_study.optimize(objective_fn, n_trials=reserve - used, gc_after_trial=False)
+                memory_study.optimize(objective_fn, n_trials=reserve - used, gc_after_trial=False, callbacks=[bar])
     except KeyboardInterrupt:
         # Keep what was searched: the trials finished before the Ctrl-C are written as a finished run's are.
         interrupted = True
     finally:
+        bar.close()
         optuna.logging.set_verbosity(verbosity)
     new_trials = memory_study.get_trials(deepcopy=False)[n_before:]
     if interrupted:

@@ -472,3 +472,12 @@ def test_the_local_search_walks_from_tpes_best_to_a_nearby_optimum_within_its_bu
     edge = neighbours({"instance_type": "a", "n_instances": 24, "strategy": "1f1b", "pp": 12, "micro_batch_size": 256})
     assert all(1 <= p["n_instances"] <= 24 and 1 <= p["micro_batch_size"] <= 256 and 2 <= p.get("pp", 2) <= 12 for p in edge)
     assert {"instance_type": "a", "n_instances": 12, "strategy": "1f1b", "pp": 12, "micro_batch_size": 256} in edge
+
+
+def test_progress_bar_counts_every_trial_of_the_search_tpe_local_search_and_rest(tmp_path, profile, capsys):
+    # The search runs in parts (TPE, a local search from its best, TPE for what is left): one bar over all of them.
+    result = tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=40, storage=_url(tmp_path),
+                  study_name="s", max_instances=4, progress=True)
+    err = capsys.readouterr().err
+    assert result.n_trials == 40
+    assert "40/40" in err and "best objective" in err, err[-400:]
