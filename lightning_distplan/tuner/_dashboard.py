@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from lightning_distplan.errors import DistPlanError, first_line
-from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, sqlite_path
+from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, sqlite_damage, sqlite_path
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -101,8 +101,8 @@ def open_storage(storage_url: str) -> BaseStorage:
     (optuna would), since a dashboard over nothing is always a typo.
 
     Raises:
-        StorageUnreachableError: the file is missing, the database cannot be opened, or it holds
-            no study.
+        StorageUnreachableError: the file is missing or damaged, the database cannot be opened, or
+            it holds no study.
     """
     import optuna
 
@@ -120,6 +120,13 @@ def open_storage(storage_url: str) -> BaseStorage:
         raise StorageUnreachableError(
             f"The SQLite file {str(path)!r} named by {storage_url!r} holds no Optuna study (it was left unchanged).",
             hint="Name the database `distplan tune --storage` wrote, e.g. sqlite:///distplan.db.",
+        )
+    damage = sqlite_damage(path) if path is not None else None
+    if damage is not None:
+        # optuna-dashboard would serve pages that fail one by one, and write notes into the damaged file
+        raise StorageUnreachableError(
+            f"The SQLite file {str(path)!r} named by {storage_url!r} is damaged (quick_check: {damage[:200]}); nothing was served or written.",
+            hint=f"Keep a copy, then restore the study from a backup or copy what is readable with `sqlite3 {path} .dump | sqlite3 recovered.db` and serve sqlite:///recovered.db.",
         )
     try:
         storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=False)

@@ -84,6 +84,19 @@ def sqlite_tables(path: Path) -> list[str] | None:
         return None
 
 
+def sqlite_damage(path: Path) -> str | None:
+    """What SQLite's ``PRAGMA quick_check`` finds wrong in an existing file (read without writing), or None when
+    it finds nothing. A file damaged past its first page still opens and lists its tables."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            found = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
+    except sqlite3.DatabaseError as err:
+        return str(err)
+    return None if found == ["ok"] else " ".join("; ".join(found).split())  # one line
+
+
 OPTUNA_TABLES = frozenset({"studies", "trials", "version_info"})
 """Tables every Optuna RDB schema has: a SQLite file with other tables but not all of these is someone else's."""
 

@@ -139,3 +139,33 @@ def test_cli_without_optuna_dashboard(tmp_path: Path, monkeypatch: pytest.Monkey
     assert main(["dashboard", f"sqlite:///{db}"]) == 2
     err = capsys.readouterr().err
     assert 'pip install "lightning_distplan[dashboard]"' in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_damaged_sqlite_file_is_one_line_with_hint_and_left_unchanged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A study file damaged past its first page still opens and lists its tables: the dashboard would serve pages
+    that fail one by one (and write notes into the file). Refused, the file left as it was, and the HINT's
+    recovery command gives a file the dashboard serves."""
+    import optuna
+
+    db = tmp_path / "study.db"
+    study = optuna.create_study(study_name="s", storage=f"sqlite:///{db}")
+    for i in range(40):
+        study.add_trial(optuna.trial.create_trial(params={"x": float(i)}, distributions={"x": optuna.distributions.FloatDistribution(0, 1000)},
+                                                  value=float(i), user_attrs={"note": "n" * 800}))
+    del study
+    assert db.stat().st_size > 3 * 8192
+    with open(db, "r+b") as f:
+        f.seek(8192)
+        f.write(b"\xff" * 4096)
+    before = db.read_bytes()
+    assert main(["dashboard", f"sqlite:///{db}", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "is damaged (quick_check:" in err and "nothing was served or written" in err and "HINT:" in err, err
+    assert len(err.strip().splitlines()) == 1 and db.read_bytes() == before
+    hint = err.split("HINT:", 1)[1]
+    command = re.search(r"`(sqlite3 .*?)`", hint).group(1)
+    if subprocess.run(["sh", "-c", "command -v sqlite3"], capture_output=True).returncode == 0:
+        subprocess.run(["sh", "-c", command], cwd=tmp_path, check=True, capture_output=True)
+        from lightning_distplan.tuner._dashboard import open_storage
+
+        assert open_storage(f"sqlite:///{tmp_path / 'recovered.db'}").get_all_studies()[0].study_name == "s"
