@@ -122,6 +122,47 @@ def _extract_loss(out: Any, name: str) -> Tensor:
     return loss
 
 
+_LOSS_RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""How far the pipeline's loss may be from training_step's (relative) before it counts as another loss; 1e-2 under
+half precision, where two orders of the same arithmetic already differ in the third digit."""
+
+
+def _pipeline_loss_difference(prof: _Profiler, m: int) -> str | None:
+    """Why a pipeline would train another loss than ``training_step``, or None when both agree on one micro-batch.
+
+    A pipeline never calls ``training_step``: it computes ``spec.loss`` on the last block's output, and a built-in
+    adapter guesses that loss (cross-entropy for a torchvision classifier). A user whose ``training_step`` adds label
+    smoothing or a penalty would silently train another objective under a pipeline plan. Both losses are computed
+    in eval mode without gradients (no dropout, BatchNorm's running statistics read, not updated) from the same
+    random state, so the same objective gives the same number."""
+    module = prof.module
+    modes = [(sub, sub.training) for sub in module.modules()]
+    devices = [prof.device] if prof.cuda else []
+    values: list[float] = []
+    try:
+        module.eval()
+        for compute in (prof.step_output, prof.chain_output):
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0)
+                out = compute(m)
+            loss = out.get("loss") if isinstance(out, dict) else out
+            if not isinstance(loss, Tensor):
+                return None  # training_step's own answer is judged (and refused) by the profiling that follows
+            values.append(float(loss.detach().float().mean()))
+    finally:
+        for sub, training in modes:
+            sub.training = training
+    step, chain = values
+    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in prof.params) or prof.precision_plugin is not None
+    rtol = 1e-2 if half else _LOSS_RTOL.get(next((p.dtype for p in prof.params), torch.float32), 1e-3)
+    if abs(step - chain) <= rtol * max(abs(step), abs(chain)) + 1e-6:
+        return None
+    source = "the module's pipeline_spec()" if callable(getattr(module, "pipeline_spec", None)) else (
+        "its pipeline_loss()" if callable(getattr(module, "pipeline_loss", None)) else "the built-in adapter's guess")
+    return (f"the pipeline's loss ({source}) is {chain:.6g} where training_step's is {step:.6g} on the same micro-batch, "
+            "so a pipeline would train another objective; define pipeline_loss(output, batch) as training_step computes it")
+
+
 def _optimizers_from(conf: Any) -> list[torch.optim.Optimizer]:
     """The optimizer(s) of any form ``configure_optimizers`` may return (Lightning's documented forms)."""
     if conf is None:
@@ -230,11 +271,23 @@ class _Profiler:
         """What Lightning runs ``training_step`` in: the precision plugin's (autocast for '*-mixed')."""
         return contextlib.nullcontext() if self.precision_plugin is None else self.precision_plugin.train_step_context()
 
-    def loss(self, m: int) -> Tensor:
+    def step_output(self, m: int) -> Any:
+        """What ``training_step`` returns on the micro-batch of ``m`` samples (in the precision plugin's context)."""
         batch = self.batch(m)
         with self.step_context():
-            out = self.module.training_step(batch, 0) if self.pass_batch_idx else self.module.training_step(batch)
-        return _extract_loss(out, self.name)
+            return self.module.training_step(batch, 0) if self.pass_batch_idx else self.module.training_step(batch)
+
+    def chain_output(self, m: int) -> Any:
+        """What a pipeline's loss returns on that micro-batch: ``spec.inputs`` -> blocks -> ``spec.loss``."""
+        batch = self.batch(m)
+        with self.step_context():
+            x = self.spec.inputs(batch)
+            for layer in self.spec.layers:
+                x = call_layer(layer, x)
+            return self.spec.loss(x, batch)
+
+    def loss(self, m: int) -> Tensor:
+        return _extract_loss(self.step_output(m), self.name)
 
     def chain_loss(self, m: int) -> Tensor:
         """The loss computed the way a pipeline computes it: ``spec.inputs`` -> blocks -> ``spec.loss``.
@@ -242,13 +295,7 @@ class _Profiler:
         Used for the per-layer pass of splittable models, whose blocks may be wrappers that
         ``training_step`` never calls; the whole-step timing always uses ``training_step``.
         """
-        batch = self.batch(m)
-        with self.step_context():
-            x = self.spec.inputs(batch)
-            for layer in self.spec.layers:
-                x = call_layer(layer, x)
-            out = self.spec.loss(x, batch)
-        return _extract_loss(out, f"{self.name} (pipeline_spec)")
+        return _extract_loss(self.chain_output(m), f"{self.name} (pipeline_spec)")
 
     def layer_loss(self, m: int) -> Tensor:
         return self.chain_loss(m) if self.spec is not None else self.loss(m)
@@ -616,6 +663,14 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     opt_name = "+".join(type(o).__name__ for o in optimizers) or "none"
     prof.say(f"optimizer {opt_name}: step {opt_time * 1e3:.2f} ms, state {opt_state / 2**20:.1f} MiB")
 
+    split_reason = discovered.split_reason
+    if prof.spec is not None:
+        differs = _pipeline_loss_difference(prof, m0)
+        if _reduce(float(differs is not None), "max"):  # every rank plans with the same answer
+            split_reason = differs or "the pipeline's loss differs from training_step's on another rank's batch"
+            prof.say(f"not splittable: {split_reason}")
+            log.warning("Pipelines are left out of the plans: %s.", split_reason)
+
     # -- main loop: whole step, then per layer ---------------------------------------------------
     param_storages = {_storage_key(t)[0] for t in list(module.parameters()) + list(module.buffers())}
     step_samples: list[TimingSample] = []
@@ -832,8 +887,8 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         shared_parameters=shared,
         infeasible_micro_batch_sizes=tuple(sorted(set(infeasible))),
         rejected_micro_batch_sizes=tuple(sorted(set(skipped))),
-        splittable=discovered.spec is not None,
-        split_reason=discovered.split_reason,
+        splittable=discovered.spec is not None and split_reason == discovered.split_reason,
+        split_reason=split_reason,
         profiling_time_s=elapsed,
         versions=_versions(),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -28,6 +28,7 @@ from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import Candidate, explain, rank_plans
+from lightning_distplan.profile import unsplittable
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -389,10 +390,14 @@ def choose_plan(
             else ""
         )
         pinned = f" with the pins {pins}" if pins else ""
+        hint = "Drop pins, raise device_memory_bytes, use more devices (pipeline stages split the model), or a smaller micro-batch."
+        if not profile.splittable and world_size > 1 and any(s != "dp_ga" for s in strategies):
+            # "use a pipeline" would not help: say why none was planned
+            hint = f"Pipelines, which split the model over devices, were left out because {unsplittable(profile.split_reason)}; mend that, or raise device_memory_bytes."
         raise InfeasiblePlanError(
             f"No plan for global batch {global_batch_size} on {world_size} devices{pinned} fits in {cap} "
             f"(usable {hardware.memory_margin:.0%});{closest}.",
-            hint="Drop pins, raise device_memory_bytes, use more devices (pipeline stages split the model), or a smaller micro-batch.",
+            hint=hint,
         )
     return candidates, hardware
 

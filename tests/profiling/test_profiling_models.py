@@ -46,3 +46,31 @@ def test_resnet18_profiles_with_inplace_relu() -> None:
     conv_flops = sum(l.flops_forward_per_sample for l in profile.layers)
     assert 30e6 < conv_flops < 120e6  # ResNet-18 at 32x32 is ~1/49 of its 1.8 GMAC at 224x224 -> ~75 MFLOP
     assert all(l.backward.alpha == l.backward.alpha for l in profile.layers)
+
+
+def test_a_training_step_loss_the_pipeline_would_not_train_leaves_pipelines_out() -> None:
+    """A pipeline computes the adapter's loss (plain cross-entropy for a torchvision classifier), never training_step:
+    a module whose training_step adds label smoothing would train another objective under a pipeline plan. The
+    profiler compares both losses on one micro-batch and marks such a profile not splittable, with the reason."""
+    pytest.importorskip("torchvision")
+    import torch.nn.functional as F
+
+    class Smoothed(TorchvisionClassifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.model(x), y, label_smoothing=0.3)
+
+    data = RandomImageData(num_classes=10, image_size=32, batch_size=4, num_samples=8)
+    torch.manual_seed(0)
+    profile = profile_module(Smoothed("resnet18", num_classes=10), data.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert not profile.splittable
+    assert "the pipeline's loss (the built-in adapter's guess) is" in profile.split_reason
+    assert "define pipeline_loss(output, batch)" in profile.split_reason and "cannot be split" in profile.pipeline_refusal
+
+    class Declared(Smoothed):  # the user's own pipeline loss, the same objective: splittable again
+        def pipeline_loss(self, output, batch):
+            return F.cross_entropy(output, batch[1], label_smoothing=0.3)
+
+    torch.manual_seed(0)
+    profile = profile_module(Declared("resnet18", num_classes=10), data.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert profile.splittable, profile.split_reason

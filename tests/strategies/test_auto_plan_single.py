@@ -429,3 +429,20 @@ def test_a_training_step_that_reads_its_optimizer_and_scheduler_is_profiled(tmp_
     trainer.fit(model)
     assert trainer.global_step == 3 and trainer.callback_metrics["sched_lr"].item() == pytest.approx(0.1 * 0.5**2)
     assert trainer.strategy.plan.micro_batch_size == 4
+
+
+def test_no_plan_fits_says_why_pipelines_were_left_out_instead_of_suggesting_one():
+    """Out of memory with pipelines left out (the profile is not splittable): the HINT names the reason, it does not
+    send the user to pipelines the planner would not build."""
+    from dataclasses import replace
+
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.strategies._auto_planning import choose_plan
+
+    layer = LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=10 << 20, activation_bytes_per_sample=100)
+    profile = synthetic_profile([layer] * 4, splittable=True)
+    reason = "the pipeline's loss (the built-in adapter's guess) is 1.4 where training_step's is 1.5 on the same micro-batch"
+    with pytest.raises(InfeasiblePlanError, match=r"HINT: Drop pins, .*use more devices \(pipeline stages split the model\)"):
+        choose_plan(profile, world_size=2, global_batch_size=8, device_memory_bytes=30 << 20)
+    with pytest.raises(InfeasiblePlanError, match=r"HINT: Pipelines, which split the model over devices, were left out because .*adapter's guess\) is 1.4"):
+        choose_plan(replace(profile, splittable=False, split_reason=reason), world_size=2, global_batch_size=8, device_memory_bytes=30 << 20)
