@@ -1,15 +1,18 @@
 """Snapshot everything profiling could touch and put it back exactly (DESIGN §3.3).
 
 Weights, buffers, gradients (including which ones are ``None``), optimizer state, every
-submodule's ``training`` flag, tensors a module caches as plain attributes during ``forward``
-(Lightning's demo Transformer builds ``pe`` and ``src_mask`` lazily), the module's device and all
-RNG streams (torch CPU and CUDA, Python ``random``, NumPy). Copies are kept on the CPU so they do
-not inflate the device memory that profiling measures.
+submodule's ``training`` flag, the module's device, all RNG streams (torch CPU and CUDA, Python
+``random``, NumPy) and every submodule's plain attributes: tensors a module caches during
+``forward`` (Lightning's demo Transformer builds ``pe`` and ``src_mask`` lazily), tensors updated in
+place (a torchmetrics state), lists, dicts and sets ``training_step`` appends to (Lightning's
+``self.training_step_outputs`` pattern), counters; attributes profiling created are removed.
+Copies are kept on the CPU so they do not inflate the device memory that profiling measures.
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +66,8 @@ class ModuleSnapshot:
     grads: dict[str, Tensor | None] = field(default_factory=dict)
     buffers: dict[str, Tensor | None] = field(default_factory=dict)
     training: dict[str, bool] = field(default_factory=dict)
-    attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per submodule: plain (unregistered) attributes holding tensors or None, by identity."""
+    attrs: dict[str, dict[str, _Kept]] = field(default_factory=dict)
+    """Per submodule: its plain (unregistered) attributes, each object with what it held (:class:`_Kept`)."""
 
     @classmethod
     def take(cls, module: nn.Module) -> ModuleSnapshot:
@@ -75,9 +78,10 @@ class ModuleSnapshot:
             snap.grads[name] = None if p.grad is None else _cpu_copy(p.grad)
         for name, b in module.named_buffers(remove_duplicate=True):
             snap.buffers[name] = None if b is None else _cpu_copy(b)
+        budget = [_MAX_TENSOR_COPIES]
         for name, sub in module.named_modules(remove_duplicate=True):
             snap.training[name] = sub.training
-            snap.attrs[name] = {k: v for k, v in vars(sub).items() if _is_cached_tensor(k, v) or (v is None and not k.startswith("__"))}
+            snap.attrs[name] = {k: _Kept.of(v, budget) for k, v in vars(sub).items() if _is_user_attr(k, v)}
         return snap
 
     def restore(self, *, grads: bool = True) -> None:
@@ -103,17 +107,77 @@ class ModuleSnapshot:
                 sub.training = self.training[name]
             if name in self.attrs:
                 before = self.attrs[name]
-                for key, value in list(vars(sub).items()):
-                    if _is_cached_tensor(key, value) and (key not in before or before[key] is not value):
-                        # a cache built during profiling (possibly on the profiling device) is dropped
-                        if key in before:
-                            object.__setattr__(sub, key, before[key])
-                        else:
-                            delattr(sub, key)
+                state = vars(sub)
+                for key, value in list(state.items()):
+                    if key not in before and _is_user_attr(key, value):
+                        del state[key]  # made during profiling (a cache, possibly on the profiling device)
+                for key, kept in before.items():
+                    state[key] = kept.restore()
 
 
-def _is_cached_tensor(key: str, value: Any) -> bool:
-    return isinstance(value, Tensor) and not isinstance(value, nn.Parameter) and not key.startswith("__")
+_MODULE_ATTRS = frozenset(vars(nn.Module()))
+"""What ``nn.Module.__init__`` puts in every module's ``__dict__`` (parameter, buffer, sub-module and hook tables,
+``training``): torch's own bookkeeping, never snapshotted as user state."""
+
+_MAX_TENSOR_COPIES = 256 << 20
+"""Bytes of plain tensor attributes whose values are copied; past that (a replay buffer, a cached dataset) a tensor
+is put back by identity only."""
+
+
+def _is_user_attr(key: str, value: Any) -> bool:
+    return key not in _MODULE_ATTRS and not key.startswith("__") and not isinstance(value, (nn.Parameter, nn.Module))
+
+
+@dataclass
+class _Kept:
+    """One attribute's object and what it held: a tensor's values, a container's items (each kept the same way,
+    a few levels deep), so what profiling appended or updated in place is put back into the same object."""
+
+    obj: Any
+    items: Any = None
+
+    @classmethod
+    def of(cls, obj: Any, budget: list[int], depth: int = 3) -> _Kept:
+        """``budget``: bytes of tensor values still to be copied (shared by one snapshot, decremented here)."""
+        if isinstance(obj, Tensor):
+            size = obj.numel() * obj.element_size()
+            if type(obj) is not Tensor or obj.device.type == "meta" or obj.layout != torch.strided or size > budget[0]:
+                return cls(obj)
+            budget[0] -= size
+            return cls(obj, _cpu_copy(obj))
+        if depth == 0:
+            return cls(obj)
+        if isinstance(obj, (list, deque)):
+            return cls(obj, [cls.of(v, budget, depth - 1) for v in obj])
+        if isinstance(obj, dict):
+            return cls(obj, [(k, cls.of(v, budget, depth - 1)) for k, v in obj.items()])
+        if isinstance(obj, set):
+            return cls(obj, list(obj))
+        return cls(obj)
+
+    def restore(self) -> Any:
+        obj, items = self.obj, self.items
+        if items is None:
+            return obj
+        if isinstance(obj, Tensor):
+            if obj.shape == items.shape:
+                try:
+                    with torch.no_grad():
+                        obj.copy_(items)
+                except RuntimeError:  # an inference tensor, a view of a leaf that needs grad: identity only
+                    pass
+        elif isinstance(obj, (list, deque)):
+            values = [kept.restore() for kept in items]
+            obj.clear()
+            obj.extend(values)
+        elif isinstance(obj, dict):
+            values = [(k, kept.restore()) for k, kept in items]
+            obj.clear()
+            obj.update(values)
+        elif isinstance(obj, set):
+            obj.clear()
+            obj.update(items)
+        return obj
 
 
 @dataclass

@@ -131,3 +131,47 @@ def test_no_trace_after_oom_and_after_error() -> None:
         assert torch.equal(v, before[k])
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_what_training_step_collects_in_plain_attributes_is_put_back() -> None:
+    """training_step runs hundreds of times while profiling: what it appends to a list (Lightning's
+    ``self.training_step_outputs`` pattern), a dict of lists, a counter, a tensor updated in place, a torchmetrics
+    metric or a new attribute must not survive into the user's first epoch."""
+    import torchmetrics
+
+    class Collecting(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+            self.training_step_outputs = [torch.tensor(7.0)]
+            self.per_key = {"train": [1], "seen": set()}
+            self.steps = 0
+            self.running = torch.zeros(3)
+            self.mse = torchmetrics.MeanSquaredError()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.layer(x)
+            loss = F.mse_loss(out, y)
+            self.training_step_outputs.append(loss.detach())
+            self.per_key["train"].append(len(x))
+            self.per_key["seen"].add(len(x))
+            self.steps += 1
+            self.running += 1
+            self.mse.update(out.detach(), y)
+            self.first_loss = getattr(self, "first_loss", loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = Collecting()
+    outputs, per_key, running = model.training_step_outputs, model.per_key, model.running
+    data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(2)]
+    profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1)
+    assert model.training_step_outputs is outputs and len(outputs) == 1 and outputs[0].item() == 7.0
+    assert model.per_key is per_key and per_key == {"train": [1], "seen": set()}
+    assert model.steps == 0 and model.running is running and torch.equal(running, torch.zeros(3))
+    assert int(model.mse.total) == 0 and model.mse._update_count == 0
+    assert not hasattr(model, "first_loss")
