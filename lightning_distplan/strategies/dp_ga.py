@@ -404,6 +404,8 @@ class Rechunking:
         self._weight = 1.0
         self._per_user_batch: Fraction | None = None  # user's loader batches per batch Lightning runs (None: not known)
         self._resumed = False
+        self._loader_batch: int | None = None
+        self._warned_skip = False  # training_step returned None for a micro-batch: warned once per strategy
         self._saved_progress: dict[str, Any] | None = None  # the resumed checkpoint's batch progress, as Lightning restores it
         self._resumed_from_micro: int | None = None  # an older checkpoint counted micro-batches of this many samples
         self._trainer: pl.Trainer | None = None
@@ -450,8 +452,11 @@ class Rechunking:
             self._resumed_counts = (progress.current.ready * saved, progress.total.ready * saved)
             if self._per_user_batch is not None and saved != self._per_user_batch:
                 _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
+        self._loader_batch = loader_batch
         if loader_batch == m:
             return dataloader
+        if cls is None and loader_batch is not None:
+            _warn_batchnorm(trainer, m, loader_batch)
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
         self._trainer, self._steer = trainer, None
@@ -590,6 +595,15 @@ class Rechunking:
 
     def weigh(self, output: Any) -> Any:
         """``training_step``'s output, its loss weighted as the user's run weighs those samples."""
+        if output is None and self._loader is not None and not self._warned_skip:
+            # Lightning skips the batch training_step returns None for: here a micro-batch, not the user's batch
+            self._warned_skip = True
+            m, b = self._loader.micro_batch_size, self._loader_batch
+            rank_zero_warn(
+                f"dp_ga: training_step returned None, so Lightning skips this micro-batch of {m} samples, where under DDP it "
+                f"skips your loader batch of {b}: {'the rest of that batch still trains' if m < b else 'samples of other batches are skipped with it'}. "
+                f"Pass micro_batch_size={b} to skip as DDP does, or filter such samples in the dataset."
+            )
         return _scale_loss(output, self._weight) if self._weight != 1.0 else output
 
     def restore(self, trainer: pl.Trainer) -> None:
@@ -761,6 +775,22 @@ def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, l
                 "validating after the micro-batch it ends in."
             )
         trainer.val_check_interval = micro if not micro_batches else min(micro, micro_batches)
+
+
+def _warn_batchnorm(trainer: pl.Trainer, m: int, loader_batch: int) -> None:
+    """BatchNorm normalises over what one forward sees: micro-batches of ``m`` are not the user's batches (DESIGN §3,
+    invariant 2: detected and reported)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    module = trainer.lightning_module
+    names = [name for name, sub in module.named_modules() if isinstance(sub, _BatchNorm) and sub.training] if module is not None else []
+    if names:
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        rank_zero_warn(
+            f"dp_ga: the model's BatchNorm layers ({shown}) normalise over each micro-batch of {m} samples, not your loader batch "
+            f"of {loader_batch}, so the weights and running statistics differ from DDP's. Pass micro_batch_size={loader_batch} to "
+            "keep DDP's statistics (if it fits in memory), or accept per-micro-batch statistics."
+        )
 
 
 def _scale_loss(output: Any, weight: float) -> Any:

@@ -601,3 +601,46 @@ def test_a_resumed_epoch_shorter_than_a_whole_one_leaves_the_later_epochs_whole(
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     assert trained["ddp"] == ([24, 80, 80, 80], 10, 7) and trained["dp_ga"] == ([24, 80, 80, 80], 4, 7), trained
+
+
+class _WithBatchNorm(_Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.lin(self.norm(batch[0])), batch[1])
+
+
+class _SkipsNaN(_Regression):
+    """Lightning's documented skip: training_step returns None for a batch holding a bad target."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if torch.isnan(batch[1]).any():
+            return None
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> Any:
+        loader = super().train_dataloader()
+        x, y = loader.dataset.tensors
+        y = y.clone()
+        y[3] = float("nan")
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+@pytest.mark.parametrize("model, expected", [(_WithBatchNorm, "BatchNorm layers ('norm') normalise over each micro-batch of 2"),
+                                             (_SkipsNaN, "training_step returned None, so Lightning skips this micro-batch of 2 samples")])
+def test_micro_batches_that_change_what_ddp_would_do_are_warned_about(model: Any, expected: str, single_process_group: None) -> None:
+    """BatchNorm's statistics and a skipped batch (training_step returns None) are per forward: under micro-batches of 2
+    they are not the user's batches of 8. Both are told, with the pin that keeps DDP's behaviour; a micro-batch equal
+    to the loader batch warns about neither."""
+    import warnings
+
+    for m, count in ((2, 1), (8, 0)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=1, max_epochs=1, limit_val_batches=0)).fit(model())
+        said = [str(w.message) for w in caught if expected.split(" ")[0] in str(w.message) and "dp_ga" in str(w.message)]
+        assert len(said) == count, [str(w.message) for w in caught]
+        if count:
+            assert expected in said[0] and "Pass micro_batch_size=8" in said[0], said[0]
