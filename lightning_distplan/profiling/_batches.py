@@ -253,6 +253,8 @@ class SampleBank:
         self._exhausted = False
         self.repeated = False
         self.loader_batch_size = 0
+        self.start = 0
+        """The first sample micro-batches are cut from (moved on past samples ``training_step`` skips)."""
 
     def _pull(self) -> bool:
         if self._exhausted:
@@ -301,17 +303,23 @@ class SampleBank:
         self._exhausted = True  # a larger size later repeats these samples (and says so), never restarts the loader
 
     def micro_batch(self, m: int) -> Any:
-        """A batch of exactly ``m`` samples (on the loader's device)."""
+        """A batch of exactly ``m`` samples (on the loader's device), from sample :attr:`start` on (wrapping around)."""
         self.first_batch_size()
-        while self._count < m and self._pull():
+        while self._count < self.start + m and self._pull():
             pass
-        if self._count < m:
+        batch = _cat(self._parts) if len(self._parts) > 1 else self._parts[0]
+        n, start = self._count, self.start % self._count
+        if start:
+            batch = concat_samples([slice_samples(batch, start, n, n), slice_samples(batch, 0, start, n)], [n - start, start])
+        if n < m:
             self.repeated = True
-            reps = -(-m // self._count)
-            batch = _cat(self._parts * reps)
-        else:
-            batch = _cat(self._parts) if len(self._parts) > 1 else self._parts[0]
+            batch = concat_samples([batch] * -(-m // n), [n] * -(-m // n))
         return _slice(batch, m)
+
+    @property
+    def collected(self) -> int:
+        """Samples pulled from the loader so far."""
+        return self._count
 
     def close(self) -> None:
         """Drop the iterator so loader workers shut down."""

@@ -105,8 +105,18 @@ def _reduce(value: float, op: str) -> float:
     return float(t.item())
 
 
+class _SkippedBatch(ProfilingError):
+    """``training_step`` returned None: Lightning's "skip this batch", so there is no step to time on these samples."""
+
+
 def _extract_loss(out: Any, name: str) -> Tensor:
     loss = out.get("loss") if isinstance(out, dict) else out
+    if out is None:
+        raise _SkippedBatch(
+            f"{name}.training_step returned None (Lightning's 'skip this batch') on the micro-batches the profiler cut from the "
+            "loader's first batches, so there is no step to time.",
+            hint="Let the first batches be ones it trains on (shuffle=True, or drop such samples in the dataset), or train with strategy='ddp'.",
+        )
     if not isinstance(loss, Tensor):
         raise ProfilingError(
             f"{name}.training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'.",
@@ -626,6 +636,14 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             loss = prof.loss(m0)
             loss.backward()
             del loss
+        except _SkippedBatch:
+            # training_step skipped these samples (returned None): cut the micro-batches from the next ones
+            if prof.bank.start + m0 >= prof.bank.collected:
+                raise
+            prof.bank.start += m0
+            prof._batch_cache = {}
+            prof.say(f"micro-batch {m0}: training_step skipped it; trying samples {prof.bank.start}..")
+            continue
         except Exception as err:
             if _is_size_error(err):
                 prof.say(f"micro-batch {m0}: skipped ({first_line(err)})")

@@ -191,3 +191,43 @@ def test_device_bytes_counts_what_a_micro_batch_holds_on_the_device() -> None:
     on_meta = torch.empty(1000, device="meta")
     assert device_bytes([ids, on_meta], cpu) == ids.nbytes  # another device's tensors are not this one's
     assert device_bytes([ids], torch.device("cuda", 0)) == 0
+
+
+def test_micro_batches_start_where_training_step_trains_when_it_skips_the_first_samples() -> None:
+    """Lightning's documented skip (training_step returns None) on the loader's first samples: the profiler cuts its
+    micro-batches from the next ones instead of failing a fit DDP runs; when it skips every sample it is one
+    ProfilingError that says so."""
+    import lightning as L
+    import torch.nn.functional as F
+
+    from lightning_distplan.profiling import profile_module
+
+    class SkipsMissing(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+            self.trained_on: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            keep = ~torch.isnan(y).any(1)
+            if not keep.any():
+                return None
+            return F.mse_loss(self.lin(x[keep]), y[keep])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    y[:4] = float("nan")  # the first samples have no target
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    profile = profile_module(SkipsMissing(), loader, repeats=1)
+    assert len(profile.micro_batch_sizes) >= 3
+    bank = SampleBank(loader)
+    bank.start = 6  # wraps around the collected samples
+    bank.prefetch(8)
+    assert torch.equal(bank.micro_batch(4)[0], torch.cat([x[6:8], x[0:2]]))
+    y[:] = float("nan")
+    with pytest.raises(ProfilingError, match=r"training_step returned None \(Lightning's 'skip this batch'\).*HINT: .*strategy='ddp'"):
+        profile_module(SkipsMissing(), loader, repeats=1)
