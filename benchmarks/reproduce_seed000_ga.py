@@ -4,7 +4,7 @@ Seed 000 (§III-A, §V-A) argues that with accumulation (s > 1) a data-parallel 
 workers for the same global batch, so less is spent on slow inter-instance all-reduce, and the
 cheapest configuration *with* GA costs less than the cheapest one *without* it (s = 1), at some
 extra time: on AliCloud FaaS −31.2% cost at +17.3% time on average, on IaaS −3.8% to −21.5% cost
-with up to +75.4% time (FACTS.md). This script asks the same question of our cost model over
+with up to +75.4% time (seed 000 §V-A). This script asks the same question of our cost model over
 ``alicloud-2023`` (seed 000 Table III, IaaS GPU instances, 2.5–25 Gbit/s networks).
 
 THE PROFILE IS ANALYTICAL, NOT MEASURED. No GPU is used. It is BERT-Large (one of seed 000's four
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "paper": {
             "DP_FaaS_average": {"cost_change_pct": -31.2, "time_change_pct": 17.3},
             "DP_IaaS_range": {"cost_change_pct": [-21.5, -3.8], "time_change_pct_max": 75.4},
-            "source": "seed 000 §V-A (FACTS.md)",
+            "source": "seed 000 §V-A",
         },
     }
     doc = {

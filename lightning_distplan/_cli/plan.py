@@ -59,7 +59,9 @@ def parse_pins(items: list[str]) -> dict[str, object]:
             pins[key] = [int(v) for v in value.split(",")] if key == "stage_boundaries" else int(value) if key in counts else value
         except ValueError:
             what = "a comma-separated list of layer indices" if key == "stage_boundaries" else "a whole number"
-            raise InfeasiblePlanError(f"--pin {key}={value!r} is not {what}.", hint=f"Pass e.g. --pin {key}={'6,12' if key == 'stage_boundaries' else 4}.") from None
+            example = "the index of the first layer of each stage after the first, e.g. --pin stage_boundaries=3 (2 stages) or 2,4 (3 stages)" \
+                if key == "stage_boundaries" else f"e.g. --pin {key}=4"
+            raise InfeasiblePlanError(f"--pin {key}={value!r} is not {what}.", hint=f"Pass {example}.") from None
     return pins
 
 

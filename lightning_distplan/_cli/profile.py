@@ -165,12 +165,24 @@ def run(args: argparse.Namespace) -> int:
             measure_links=False, progress=say, precision_plugin=precision,
         )
     except DataLoadingError as err:
-        raise DataLoadingError(str(err).split(" HINT:")[0], hint=("The dataset may need a download, which is blocked here. " + _DEMO_HINT)) from None
+        raise DataLoadingError(str(err).split(" HINT:")[0], hint=_data_hint(err.__cause__ or err)) from None
     profile = dataclasses.replace(profile, model=args.model if ":" in args.model else profile.model)
     path = profile.save(args.out)
     total = time.perf_counter() - start
     _summary(profile, path, total)
     return 0
+
+
+def _data_hint(err: BaseException) -> str:
+    """The HINT for data that did not load: a download that failed gets the offline way round, anything else where to look."""
+    import urllib.error
+
+    text = f"{type(err).__name__} {err}".lower()
+    network = isinstance(err, (urllib.error.URLError, ConnectionError, TimeoutError)) or any(
+        word in text for word in ("download", "resolve", "name or service", "network is unreachable", "connection", "'requests'"))
+    if network:
+        return "The data needs a download, which failed here. " + _DEMO_HINT
+    return "Check that the model's or datamodule's train_dataloader() works outside a Trainer, or profile on random data. " + _DEMO_HINT
 
 
 def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_path: str | None) -> Any:
@@ -199,8 +211,8 @@ def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_pat
         first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
         first = first.split(" HINT:")[0]  # one HINT per error: ours, which names the way around the download
         raise DataLoadingError(
-            f"Getting the training data from {source} failed with {type(err).__name__}: {first}",
-            hint=("It may need a download, which is blocked here. " if datamodule is None else "") + _DEMO_HINT,
+            f"Getting the training data from {source} failed with {type(err).__name__}: {first}" + ("" if first.endswith((".", "!", "?")) else "."),
+            hint=_data_hint(err),
         ) from None
     if loader is None:
         raise DataLoadingError(f"{datamodule_path or model_path} returned no train_dataloader().", hint=_DEMO_HINT)

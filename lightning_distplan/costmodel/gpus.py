@@ -119,9 +119,9 @@ GPUS: dict[str, GpuSpec] = {
     "T4": _row("T4", 65, 8.1, 320, 16, 16, "NVIDIA T4 datasheet", bf16=False),
     # source: NVIDIA A10 datasheet (125 BF16 dense / 250 sparse, 31.2 FP32, 600 GB/s, 24 GB, PCIe Gen4 x16).
     "A10": _row("A10", 125, 31.2, 600, 24, 32, "NVIDIA A10 datasheet"),
-    # source: ESTIMATE - AWS publishes no A10G datasheet; ~70 tensor TFLOPS from vendor tables (FACTS.md, unconfirmed),
+    # source: ESTIMATE - AWS publishes no A10G datasheet; ~70 tensor TFLOPS from vendor tables (unconfirmed),
     # FP32 assumed equal to the A10's 31.2 (same GA102 die), 600 GB/s and 24 GB per AWS G5 documentation.
-    "A10G": _row("A10G", 70, 31.2, 600, 24, 32, "vendor tables (FACTS.md), unconfirmed estimate", estimate=True),
+    "A10G": _row("A10G", 70, 31.2, 600, 24, 32, "vendor tables, unconfirmed estimate", estimate=True),
     # source: NVIDIA L4 datasheet (242 FP16/BF16 with sparsity -> 121 dense, 30.3 FP32, 300 GB/s, 24 GB, PCIe Gen4 x16).
     "L4": _row("L4", 121, 30.3, 300, 24, 32, "NVIDIA L4 datasheet"),
     # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16.
@@ -234,7 +234,7 @@ def source_spec(profile: Profile) -> tuple[GpuSpec, str]:
       matmul, which on a CPU gets close to the host's BLAS peak, but this is still a lower bound on
       the true peak: taking it as the peak assumes the target GPU runs that layer at its datasheet
       peak, so CPU-based projections lean optimistic (a large bf16 matmul reaches ~80% of peak on an
-      H100, FACTS.md). Memory bandwidth is :data:`CPU_MEMORY_BANDWIDTH_ASSUMED`. Projections from a
+      H100: 798 TFLOP/s of 989 measured on a lent H100, 8192³). Memory bandwidth is :data:`CPU_MEMORY_BANDWIDTH_ASSUMED`. Projections from a
       CPU profile are coarse (a factor of ~3 either way, see ``projection.py``).
 
     Raises:

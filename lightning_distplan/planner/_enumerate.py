@@ -173,7 +173,9 @@ def _normalise_pins(pins: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     unknown = sorted(set(pins) - set(PIN_KEYS) - set(PIN_ALIASES))
     if unknown:
-        raise InfeasiblePlanError(f"Unknown pins {unknown}.", hint=f"Pin any of {', '.join(PIN_KEYS)}.")
+        named = ", ".join(f"{key} (or {alias})" if alias else key for key in PIN_KEYS
+                          for alias in [next((a for a, k in PIN_ALIASES.items() if k == key), None)])
+        raise InfeasiblePlanError(f"Unknown pins {unknown}.", hint=f"Pin any of {named}.")
     both = [f"{alias}/{key}" for alias, key in PIN_ALIASES.items() if alias in pins and key in pins]
     if both:
         raise InfeasiblePlanError(f"The pins {', '.join(both)} name the same thing twice.", hint="Pin it once.")

@@ -4,7 +4,7 @@ Two built-in catalogs, each row citing its source and date, and user CSVs in Sky
 
 * ``alicloud-2023``: seed 000 Table III exactly (AliCloud ECS GPU instances, RMB/hour, one GPU or a
   shared fraction of one per instance), so the paper's setting can be reproduced.
-* ``aws-2026``: AWS us-east-1 on-demand prices from a public price-catalog snapshot (FACTS.md, USD/hour);
+* ``aws-2026``: AWS us-east-1 on-demand prices from a public price-catalog snapshot (2026-11, USD/hour);
   network bandwidth from the AWS EC2 instance-type documentation.
 
 A user CSV is parsed by header name (SkyPilot: ``InstanceType, AcceleratorName, AcceleratorCount,
@@ -173,7 +173,7 @@ _ALICLOUD_2023 = (
     _ali("gn7e.4xlarge", 16, 125, "A100-80GB", "1", 80, 25, 34.742),
 )
 
-_AWS_SOURCE = "AWS us-east-1 on-demand, public price-catalog snapshot (FACTS.md)"
+_AWS_SOURCE = "AWS us-east-1 on-demand, public price-catalog snapshot (2026-11); pass your own CSV for current prices"
 _AWS_NET_SOURCE = "AWS EC2 accelerated-computing instance docs, 'Network bandwidth (Gbps)'; 'up to' values are burst peaks"
 
 
@@ -195,7 +195,7 @@ def _aws(instance_type: str, gpus: int, gpu: str, gpu_memory_gb: float, vcpus: i
     )
 
 
-# source: prices FACTS.md (AWS us-east-1 on-demand snapshot); vCPU / memory GiB / network Gbps from the AWS EC2
+# source: prices from a public AWS us-east-1 on-demand price-catalog snapshot (2026-11); vCPU / memory GiB / network Gbps from the AWS EC2
 # instance-type documentation (G5, G6, G6e, P3, P4d/P4de, P5/P5en pages). "Up to 10" is taken as 10.
 _AWS_2026 = (
     _aws("g5.xlarge", 1, "A10G", 24, 4, 16, 10, 1.006),

@@ -90,6 +90,7 @@ class TuneResult:
     elapsed_s: float
     resumed: bool = False
     sampler: str = "TPESampler"
+    """The sampler's class, and ``+ local search (N trials)`` when :func:`_polish` ran."""
     projections: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Instance type -> projection summary (target, compute scale, uncertainty band and its basis)."""
 
@@ -384,7 +385,9 @@ def tune(
         storage: any Optuna RDB URL; SQLite by default.
         study_name: default ``distplan-<catalog>-B<global batch>-w<weight>``. An existing study with the same
             settings is extended; one with different settings is refused (:class:`StudyConflictError`).
-        seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``).
+        seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``). A single-objective search of
+            20 or more trials keeps the last fifth (:data:`POLISH_SHARE`) for a local search from TPE's best plan
+            (:func:`_polish`); the result's ``sampler`` says how many trials it used.
         max_instances: the most instances of one type to rent.
         strategies / max_pp: restrict the plans (as :func:`~lightning_distplan.planner.enumerate_plans`).
         multi_objective: optimise (cost, time) with NSGA-II instead of C + w·T with TPE.
@@ -542,6 +545,7 @@ def _tune(
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     interrupted = False
+    used = 0
     bar = _TrialBar(n_trials, multi_objective, enabled=progress)  # one bar over TPE, the local search and what is left
     try:
         if multi_objective:
@@ -636,7 +640,7 @@ def _tune(
         space_size=space_size,
         elapsed_s=time.perf_counter() - started,
         resumed=existing is not None,
-        sampler=type(sampler).__name__,
+        sampler=type(sampler).__name__ + (f" + local search ({used} trials)" if used else ""),
         projections=projections,
     )
 

@@ -96,6 +96,10 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
                 def train_dataloader(self):  # what Lightning's own demo raises without `requests`
                     raise ModuleNotFoundError("Requirement 'requests' not met. HINT: Try running `pip install -U 'requests'`")
 
+            class NoLoader(NeedsDownload):
+                def train_dataloader(self):  # not a download: the hint must not blame one
+                    raise RuntimeError("no data here")
+
             class NotAModule:
                 pass
             """
@@ -111,7 +115,8 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["cli_profile_fixtures:Missing"], r"has no attribute 'Missing'.*HINT: Classes it defines: .*NeedsDownload"),
         (["cli_profile_fixtures:NotAModule"], r"is not a LightningModule"),
         (["lightning_distplan.demos"], r"model path 'lightning_distplan.demos' names a module, not a class.*HINT: .*lightning_distplan.demos:ClassName"),
-        (["cli_profile_fixtures:NeedsRequests"], r"Requirement 'requests' not met\. HINT: It may need a download"),
+        (["cli_profile_fixtures:NeedsRequests"], r"Requirement 'requests' not met\. HINT: The data needs a download"),
+        (["cli_profile_fixtures:NoLoader"], r"RuntimeError: no data here\. HINT: Check that the model's or datamodule's train_dataloader\(\) works outside a Trainer"),
         (["cli_profile_fixtures:NoParams"], r"no trainable parameters"),
         (["cli_profile_fixtures:NeedsDownload"], r"ConnectionError.*HINT: .*--datamodule lightning_distplan.demos:RandomTokenData"),
         (["cli_profile_fixtures:NoParams", "--init-args", "{bad json"], r"--init-args .* is not valid JSON"),

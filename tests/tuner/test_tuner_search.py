@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sqlite3
 
 import optuna
@@ -481,3 +482,4 @@ def test_progress_bar_counts_every_trial_of_the_search_tpe_local_search_and_rest
     err = capsys.readouterr().err
     assert result.n_trials == 40
     assert "40/40" in err and "best objective" in err, err[-400:]
+    assert re.fullmatch(r"TPESampler \+ local search \([1-8] trials\)", result.sampler), result.sampler  # at most a fifth of 40
