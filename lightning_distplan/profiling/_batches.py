@@ -1,12 +1,13 @@
 """Build micro-batches of exactly ``m`` samples from the batches a loader really yields.
 
-A batch is a tensor or a nested tuple / list / dict of them (plus per-sample lists such as a
-list of strings); samples are along dim 0 of every tensor. Batches are concatenated and sliced,
+A batch is a tensor or a nested tuple / list / dict / dataclass of them (plus per-sample lists such
+as a list of strings); samples are along dim 0 of every tensor. Batches are concatenated and sliced,
 so a micro-batch of 32 from a loader of batch size 8 holds the loader's first 32 samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
@@ -18,6 +19,19 @@ from lightning_distplan.errors import BatchFormatError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
 __all__ = ["BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
+
+
+def _is_record(x: Any) -> bool:
+    """A dataclass instance (Lightning moves and collates them like dicts): its init fields are the batch's parts."""
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _fields_of(record: Any) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
+
+
+def _rebuild_record(like: Any, items: dict[str, Any]) -> Any:
+    return dataclasses.replace(like, **items)
 
 
 def tensors_in(batch: Any) -> Iterator[Tensor]:
@@ -41,8 +55,8 @@ def _tensors_with_paths(batch: Any, path: tuple, in_list: bool) -> Iterator[tupl
     """``(path, inside a list?, tensor)`` for every tensor, in order; the path is the keys / indices to it."""
     if isinstance(batch, Tensor):
         yield path, in_list, batch
-    elif isinstance(batch, Mapping):
-        for key, value in batch.items():
+    elif isinstance(batch, Mapping) or _is_record(batch):
+        for key, value in (batch.items() if isinstance(batch, Mapping) else _fields_of(batch).items()):
             yield from _tensors_with_paths(value, (*path, key), in_list)
     elif isinstance(batch, (list, tuple)):
         for i, value in enumerate(batch):
@@ -113,8 +127,8 @@ class BatchSizer:
 def _at(batch: Any, path: tuple) -> Any:
     for key in path:
         try:
-            batch = batch[key]
-        except (KeyError, IndexError, TypeError):
+            batch = getattr(batch, key) if _is_record(batch) else batch[key]
+        except (KeyError, IndexError, TypeError, AttributeError):
             return None
     return batch
 
@@ -126,7 +140,7 @@ def batch_size_of(batch: Any) -> int:
         return size
     raise ProfilingError(
         f"A batch of type {type(batch).__name__} holds no tensor with a batch dimension, so micro-batches cannot be cut from it.",
-        hint="Yield tensors (or tuples / lists / dicts of tensors) with samples along dim 0.",
+        hint="Yield tensors (or tuples / lists / dicts / dataclasses of tensors) with samples along dim 0.",
     )
 
 
@@ -145,6 +159,8 @@ def _carries(x: Any, n: int) -> bool:
         return x.dim() > 0 and x.shape[0] == n
     if isinstance(x, Mapping):
         return any(_carries(v, n) for v in x.values())
+    if _is_record(x):
+        return any(_carries(v, n) for v in _fields_of(x).values())
     if isinstance(x, (list, tuple)):
         return _per_sample(x, n) or any(_carries(v, n) for v in x)
     return False
@@ -186,6 +202,8 @@ def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
         return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == n else batch
     if isinstance(batch, Mapping):  # dict, OrderedDict, transformers' BatchEncoding (a UserDict)
         return _rebuild_dict(batch, {k: slice_samples(v, start, stop, n) for k, v in batch.items()})
+    if _is_record(batch):
+        return _rebuild_record(batch, {k: slice_samples(v, start, stop, n) for k, v in _fields_of(batch).items()})
     if isinstance(batch, (list, tuple)):
         if _per_sample(batch, n):
             return _rebuild_seq(batch, list(batch[start:stop]))
@@ -212,6 +230,8 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
         return torch.cat(pieces, dim=0)
     if isinstance(first, Mapping):
         return _rebuild_dict(first, {k: concat_samples([p[k] for p in pieces], sizes) for k in first})
+    if _is_record(first):
+        return _rebuild_record(first, {k: concat_samples([getattr(p, k) for p in pieces], sizes) for k in _fields_of(first)})
     if isinstance(first, (list, tuple)):
         if _per_sample(first, n):
             return _rebuild_seq(first, [item for p in pieces for item in p])
@@ -233,6 +253,8 @@ def move_to(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=False)
     if isinstance(batch, Mapping):
         return _rebuild_dict(batch, {k: move_to(v, device) for k, v in batch.items()})
+    if _is_record(batch):
+        return _rebuild_record(batch, {k: move_to(v, device) for k, v in _fields_of(batch).items()})
     if isinstance(batch, (list, tuple)):
         return _rebuild_seq(batch, [move_to(v, device) for v in batch])
     return batch

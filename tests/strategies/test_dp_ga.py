@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -644,3 +645,35 @@ def test_micro_batches_that_change_what_ddp_would_do_are_warned_about(model: Any
         assert len(said) == count, [str(w.message) for w in caught]
         if count:
             assert expected in said[0] and "Pass micro_batch_size=8" in said[0], said[0]
+
+
+@dataclasses.dataclass
+class _Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _DataclassBatches(_Regression):
+    """Batches are a dataclass (Lightning moves and collates them like dicts)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.lin(batch.x), batch.y)
+
+    def train_dataloader(self) -> Any:
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=8, collate_fn=lambda items: _Pair(
+            torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])))
+
+
+def test_dataclass_batches_are_cut_into_micro_batches_with_ddps_weights(single_process_group: None) -> None:
+    """A dataclass batch is cut into micro-batches (and profiled) like a dict: auto_plan and dp_ga give DDP's weights."""
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    weights = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2)), ("auto_plan", AutoPlanStrategy(micro_batch_size=4))):
+        model = _DataclassBatches()
+        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0))
+        trainer.fit(model)
+        assert trainer.global_step == 10, name
+        weights[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.allclose(weights["dp_ga"], weights["ddp"], atol=1e-6) and torch.allclose(weights["auto_plan"], weights["ddp"], atol=1e-6)
