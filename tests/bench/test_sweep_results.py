@@ -10,6 +10,7 @@ the change does to those measurements.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -179,3 +180,38 @@ def test_readme_noise_and_slot_figures_are_those_of_the_committed_sweeps() -> No
     assert f"took {s['host_checks'][0]:.2f}× to {s['host_checks'][1]:.2f}× its" in readme
     assert f"up to {s['spread_max'][0]:.2f}× apart" in readme
     assert f"{s['spread_median']:.2f}× the smallest at the median and {s['spread_p90']:.2f}× at the p90" in readme
+
+
+def _figures(line: str) -> tuple[str, str, str]:
+    """(median, p90, picks) from a line of ``replay_variants._pooled``."""
+    median, p90, picks = re.search(r"median \|error\| ([0-9.]+%), p90 ([0-9.]+%), pick within 5% in (\d+/\d+)", line).groups()
+    return median, p90, picks
+
+
+def test_readme_figures_of_the_earlier_runs_are_what_they_replay_to_today() -> None:
+    """The README's prose about the earlier runs K–V (benchmarks/results/earlier/) replays them with today's model: a
+    model change that moves these figures fails here (two of them had gone stale unnoticed)."""
+    from replay_variants import _pooled, refit_links
+
+    earlier = ROOT / "benchmarks" / "results" / "earlier"
+    k_to_s = [json.loads((earlier / f"cpu_cluster_sweep_{run}.json").read_text()) for run in "KLMNOPQRS"]
+    t_to_v = [json.loads((earlier / f"cpu_cluster_sweep_{run}.json").read_text()) for run in "TUV"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    ks, ks_links = _figures(_pooled(k_to_s)), _figures(_pooled([refit_links(d) for d in k_to_s]))
+    tv, tv_links = _figures(_pooled(t_to_v)), _figures(_pooled([refit_links(d) for d in t_to_v]))
+    assert f"The nine runs K–S, which profiled once, pool to median {ks[0]}, p90 {ks[1]} and {ks[2]} picks" in readme
+
+    def change(a: str, b: str) -> str:
+        return f"{a} both" if a == b else f"{a} → {b}"
+
+    expected = (f"{change(tv[0], tv_links[0])}, p90 {change(tv[1], tv_links[1])}, picks {change(tv[2], tv_links[2])} on T, U, V, and "
+                f"{change(ks[0], ks_links[0])}, p90 {change(ks[1], ks_links[1])}, picks {change(ks[2], ks_links[2])} on K–S")
+    assert expected in readme, expected
+
+
+def test_readme_accuracy_section_is_what_the_committed_results_give() -> None:
+    """The README's table is generated (benchmarks/readme_table.py --write): a result file changed without
+    regenerating it, or a hand edit, fails here."""
+    from readme_table import section
+
+    assert section() in (ROOT / "README.md").read_text(), "run python benchmarks/readme_table.py --write"
