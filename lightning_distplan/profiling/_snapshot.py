@@ -78,7 +78,7 @@ class ModuleSnapshot:
             snap.grads[name] = None if p.grad is None else _cpu_copy(p.grad)
         for name, b in module.named_buffers(remove_duplicate=True):
             snap.buffers[name] = None if b is None else _cpu_copy(b)
-        budget = [_MAX_TENSOR_COPIES]
+        budget = [_MAX_TENSOR_COPIES, _MAX_ELEMENTS]
         for name, sub in module.named_modules(remove_duplicate=True):
             snap.training[name] = sub.training
             snap.attrs[name] = {k: _Kept.of(v, budget) for k, v in vars(sub).items() if _is_user_attr(k, v)}
@@ -111,13 +111,23 @@ class ModuleSnapshot:
                 for key, value in list(state.items()):
                     if key not in before and _is_user_attr(key, value):
                         del state[key]  # made during profiling (a cache, possibly on the profiling device)
+                registered = set(sub._modules) | set(sub._parameters) | set(sub._buffers)
                 for key, kept in before.items():
-                    state[key] = kept.restore()
+                    if key in registered:  # a placeholder (self.head = None) that became a sub-module: keep the module
+                        continue
+                    try:
+                        state[key] = kept.restore()
+                    except Exception:  # a container whose methods refuse (a frozen or foreign type): put the object back as is
+                        state[key] = kept.obj
 
 
 _MODULE_ATTRS = frozenset(vars(nn.Module()))
 """What ``nn.Module.__init__`` puts in every module's ``__dict__`` (parameter, buffer, sub-module and hook tables,
 ``training``): torch's own bookkeeping, never snapshotted as user state."""
+
+_MAX_ELEMENTS = 100_000
+"""Container items kept one by one (each tensor's values, nested containers); past that a container's items are
+kept as a shallow copy, so a million-entry vocabulary costs one C-speed copy, not a million records."""
 
 _MAX_TENSOR_COPIES = 256 << 20
 """Bytes of plain tensor attributes whose values are copied; past that (a replay buffer, a cached dataset) a tensor
@@ -135,25 +145,27 @@ class _Kept:
 
     obj: Any
     items: Any = None
+    shallow: bool = False
+    """``items`` are the container's items as they were, not records of them (past :data:`_MAX_ELEMENTS`, and sets)."""
 
     @classmethod
     def of(cls, obj: Any, budget: list[int], depth: int = 3) -> _Kept:
-        """``budget``: bytes of tensor values still to be copied (shared by one snapshot, decremented here)."""
+        """``budget``: [bytes of tensor values still to be copied, container items still to be kept one by one]
+        (shared by one snapshot, decremented here)."""
         if isinstance(obj, Tensor):
             size = obj.numel() * obj.element_size()
             if type(obj) is not Tensor or obj.device.type == "meta" or obj.layout != torch.strided or size > budget[0]:
                 return cls(obj)
             budget[0] -= size
             return cls(obj, _cpu_copy(obj))
-        if depth == 0:
+        if depth == 0 or not isinstance(obj, (list, deque, dict, set)):
             return cls(obj)
-        if isinstance(obj, (list, deque)):
-            return cls(obj, [cls.of(v, budget, depth - 1) for v in obj])
+        if len(obj) > budget[1] or isinstance(obj, set):  # items as they are (not their contents)
+            return cls(obj, list(obj.items()) if isinstance(obj, dict) else list(obj), shallow=True)
+        budget[1] -= len(obj)
         if isinstance(obj, dict):
             return cls(obj, [(k, cls.of(v, budget, depth - 1)) for k, v in obj.items()])
-        if isinstance(obj, set):
-            return cls(obj, list(obj))
-        return cls(obj)
+        return cls(obj, [cls.of(v, budget, depth - 1) for v in obj])
 
     def restore(self) -> Any:
         obj, items = self.obj, self.items
@@ -166,17 +178,19 @@ class _Kept:
                         obj.copy_(items)
                 except RuntimeError:  # an inference tensor, a view of a leaf that needs grad: identity only
                     pass
-        elif isinstance(obj, (list, deque)):
-            values = [kept.restore() for kept in items]
-            obj.clear()
-            obj.extend(values)
-        elif isinstance(obj, dict):
-            values = [(k, kept.restore()) for k, kept in items]
-            obj.clear()
-            obj.update(values)
-        elif isinstance(obj, set):
-            obj.clear()
-            obj.update(items)
+        else:  # the base type's own methods: a subclass's (Counter.update counts, ModelOutput.update refuses) would not restore
+            base = next(t for t in (dict, list, deque, set) if isinstance(obj, t))
+            if self.shallow:
+                values = items
+            else:
+                values = [(k, kept.restore()) for k, kept in items] if base is dict else [kept.restore() for kept in items]
+            base.clear(obj)
+            if base is dict:
+                dict.update(obj, values)
+            elif base is set:
+                set.update(obj, values)
+            else:
+                base.extend(obj, values)
         return obj
 
 

@@ -175,3 +175,39 @@ def test_what_training_step_collects_in_plain_attributes_is_put_back() -> None:
     assert model.steps == 0 and model.running is running and torch.equal(running, torch.zeros(3))
     assert int(model.mse.total) == 0 and model.mse._update_count == 0
     assert not hasattr(model, "first_loss")
+
+
+def test_restoring_attributes_keeps_odd_containers_and_modules_built_during_profiling() -> None:
+    """A Counter is put back with its counts (Counter.update would count pairs), a dict subclass that refuses update
+    (Hugging Face's ModelOutput) does not break the restore, and a placeholder that became a sub-module while
+    profiling (self.head = None, built on the first batch) stays that module, not None beside its parameters."""
+    from collections import Counter
+
+    class Refuses(dict):
+        def update(self, *args, **kwargs):
+            raise RuntimeError("you cannot use update on this instance")
+
+    class Odd(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = None
+            self.labels = Counter({"cat": 10, "dog": 5})
+            self.last = Refuses(a=1)
+
+        def training_step(self, batch, batch_idx):
+            if self.head is None:
+                self.head = nn.Linear(4, 1)
+            self.labels["cat"] += 1
+            return F.mse_loss(self.head(self.body(batch[0])), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model = Odd()
+    data = [(torch.randn(8, 4), torch.randn(8, 1))]
+    rng = torch.get_rng_state()
+    profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1)
+    assert model.labels == Counter({"cat": 10, "dog": 5}) and model.last == {"a": 1}
+    assert isinstance(model.head, nn.Linear) and "head" not in vars(model) and "head.weight" in model.state_dict()
+    assert torch.equal(torch.get_rng_state(), rng)
