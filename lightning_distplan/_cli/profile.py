@@ -181,7 +181,7 @@ def _data_hint(err: BaseException) -> str:
     network = isinstance(err, (urllib.error.URLError, ConnectionError, TimeoutError)) or any(
         word in text for word in ("download", "resolve", "name or service", "network is unreachable", "connection", "'requests'"))
     if network:
-        return "The data needs a download, which failed here. " + _DEMO_HINT
+        return "The data may need a download, which failed or was not allowed here. " + _DEMO_HINT
     return "Check that the model's or datamodule's train_dataloader() works outside a Trainer, or profile on random data. " + _DEMO_HINT
 
 

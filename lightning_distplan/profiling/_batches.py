@@ -7,6 +7,7 @@ so a micro-batch of 32 from a loader of batch size 8 holds the loader's first 32
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 from collections.abc import Mapping
@@ -27,11 +28,16 @@ def _is_record(x: Any) -> bool:
 
 
 def _fields_of(record: Any) -> dict[str, Any]:
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.init}
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if hasattr(record, f.name)}
 
 
 def _rebuild_record(like: Any, items: dict[str, Any]) -> Any:
-    return dataclasses.replace(like, **items)
+    """A copy of ``like`` with ``items`` set, as Lightning's ``apply_to_collection`` does: ``__init__`` and
+    ``__post_init__`` are not run again on values they already converted (a frozen dataclass too)."""
+    record = copy.copy(like)
+    for name, value in items.items():
+        object.__setattr__(record, name, value)
+    return record
 
 
 def tensors_in(batch: Any) -> Iterator[Tensor]:

@@ -393,7 +393,8 @@ def choose_plan(
         hint = "Drop pins, raise device_memory_bytes, use more devices (pipeline stages split the model), or a smaller micro-batch."
         if not profile.splittable and world_size > 1 and any(s != "dp_ga" for s in strategies):
             # "use a pipeline" would not help: say why none was planned
-            hint = f"Pipelines, which split the model over devices, were left out because {unsplittable(profile.split_reason)}; mend that, or raise device_memory_bytes."
+            hint = (f"Pipelines, which split the model over devices, were left out because {unsplittable(profile.split_reason)}; mend that, "
+                    + ("drop pins, " if pins else "") + "raise device_memory_bytes, or use a smaller micro-batch.")
         raise InfeasiblePlanError(
             f"No plan for global batch {global_batch_size} on {world_size} devices{pinned} fits in {cap} "
             f"(usable {hardware.memory_margin:.0%});{closest}.",

@@ -599,10 +599,14 @@ class Rechunking:
             # Lightning skips the batch training_step returns None for: here a micro-batch, not the user's batch
             self._warned_skip = True
             m, b = self._loader.micro_batch_size, self._loader_batch
+            if b is None:  # a loader whose batch size cannot be read (batch_size=None)
+                what, pin = "your whole loader batch", "a micro_batch_size equal to your loader batch"
+            else:
+                what = f"your loader batch of {b}: " + ("the rest of that batch still trains" if m < b else "samples of other batches are skipped with it")
+                pin = f"micro_batch_size={b}"
             rank_zero_warn(
                 f"dp_ga: training_step returned None, so Lightning skips this micro-batch of {m} samples, where under DDP it "
-                f"skips your loader batch of {b}: {'the rest of that batch still trains' if m < b else 'samples of other batches are skipped with it'}. "
-                f"Pass micro_batch_size={b} to skip as DDP does, or filter such samples in the dataset."
+                f"skips {what}. Pass {pin} to skip as DDP does, or filter such samples in the dataset."
             )
         return _scale_loss(output, self._weight) if self._weight != 1.0 else output
 

@@ -92,6 +92,8 @@ def sqlite_damage(path: Path) -> str | None:
     try:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
             found = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
+    except sqlite3.OperationalError:  # locked, or unreadable here (a WAL file in a read-only folder): not damage
+        return None
     except sqlite3.DatabaseError as err:
         return str(err)
     return None if found == ["ok"] else " ".join("; ".join(found).split())  # one line

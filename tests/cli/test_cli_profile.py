@@ -115,7 +115,7 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["cli_profile_fixtures:Missing"], r"has no attribute 'Missing'.*HINT: Classes it defines: .*NeedsDownload"),
         (["cli_profile_fixtures:NotAModule"], r"is not a LightningModule"),
         (["lightning_distplan.demos"], r"model path 'lightning_distplan.demos' names a module, not a class.*HINT: .*lightning_distplan.demos:ClassName"),
-        (["cli_profile_fixtures:NeedsRequests"], r"Requirement 'requests' not met\. HINT: The data needs a download"),
+        (["cli_profile_fixtures:NeedsRequests"], r"Requirement 'requests' not met\. HINT: The data may need a download"),
         (["cli_profile_fixtures:NoLoader"], r"RuntimeError: no data here\. HINT: Check that the model's or datamodule's train_dataloader\(\) works outside a Trainer"),
         (["cli_profile_fixtures:NoParams"], r"no trainable parameters"),
         (["cli_profile_fixtures:NeedsDownload"], r"ConnectionError.*HINT: .*--datamodule lightning_distplan.demos:RandomTokenData"),

@@ -231,3 +231,38 @@ def test_micro_batches_start_where_training_step_trains_when_it_skips_the_first_
     y[:] = float("nan")
     with pytest.raises(ProfilingError, match=r"training_step returned None \(Lightning's 'skip this batch'\).*HINT: .*strategy='ddp'"):
         profile_module(SkipsMissing(), loader, repeats=1)
+
+    class SkipsAny(SkipsMissing):  # skips a whole micro-batch holding one bad sample: larger sizes hold it too
+        def training_step(self, batch, batch_idx):
+            return None if torch.isnan(batch[1]).any() else super().training_step(batch, batch_idx)
+
+    y[:] = torch.randn(32, 1, generator=g)
+    y[3] = float("nan")
+    lines: list[str] = []
+    profile = profile_module(SkipsAny(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8),
+                             micro_batch_sizes=[2, 4, 8], repeats=1, progress=lines.append)
+    assert profile.micro_batch_sizes == (2,) and profile.rejected_micro_batch_sizes == ()  # 4 and 8 train; they were not timed
+    assert sum("training_step skipped it (returned None); not profiled" in line for line in lines) == 2, lines
+
+
+def test_dataclass_batches_are_cut_without_running_post_init_again() -> None:
+    """A dataclass batch is rebuilt as Lightning rebuilds it (copy, set fields): a __post_init__ that converted its
+    fields (NHWC -> NCHW) is not run on the converted values again; frozen ones work too."""
+    import dataclasses
+
+    from lightning_distplan.profiling._batches import concat_samples, slice_samples
+
+    @dataclasses.dataclass(frozen=True)
+    class Images:
+        x: torch.Tensor
+        y: torch.Tensor
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "x", self.x.permute(0, 3, 1, 2))  # NHWC from the collate -> NCHW
+
+    batch = Images(torch.randn(8, 32, 32, 3), torch.arange(8))
+    assert batch_size_of(batch) == 8
+    assert move_to(batch, torch.device("cpu")).x.shape == (8, 3, 32, 32)
+    half = slice_samples(batch, 0, 4, 8)
+    assert half.x.shape == (4, 3, 32, 32) and torch.equal(half.y, torch.arange(4))
+    assert concat_samples([half, half], [4, 4]).x.shape == (8, 3, 32, 32)
