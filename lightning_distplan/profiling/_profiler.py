@@ -109,14 +109,18 @@ class SkippedBatchError(ProfilingError):
     """``training_step`` returned None: Lightning's "skip this batch", so there is no step to time on these samples."""
 
 
+def _skipped_everywhere(name: str) -> SkippedBatchError:
+    return SkippedBatchError(
+        f"{name}.training_step returned None (Lightning's 'skip this batch') on every micro-batch the profiler tried, "
+        "so there is no step to time.",
+        hint="Let the first batches be ones it trains on (shuffle=True, or drop such samples in the dataset), or train with strategy='ddp'.",
+    )
+
+
 def _extract_loss(out: Any, name: str) -> Tensor:
     loss = out.get("loss") if isinstance(out, dict) else out
-    if out is None:
-        raise SkippedBatchError(
-            f"{name}.training_step returned None (Lightning's 'skip this batch') on every micro-batch the profiler cut from the "
-            "samples it read, so there is no step to time.",
-            hint="Let the first batches be ones it trains on (shuffle=True, or drop such samples in the dataset), or train with strategy='ddp'.",
-        )
+    if out is None:  # the callers move on to other samples (or sizes) and re-raise it once nothing is left
+        raise _skipped_everywhere(name)
     if not isinstance(loss, Tensor):
         raise ProfilingError(
             f"{name}.training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'.",
@@ -172,7 +176,7 @@ def _pipeline_loss_difference(prof: _Profiler, m: int) -> str | None:
     step, chain = values
     precision = str(getattr(prof.precision_plugin, "precision", "32-true"))
     half = any(p.dtype in (torch.float16, torch.bfloat16) for p in prof.params) or "16" in precision
-    rtol = 1e-2 if half else _LOSS_RTOL.get(next((p.dtype for p in prof.params), torch.float32), 1e-3)
+    rtol = 1e-2 if half else _LOSS_RTOL.get(next((p.dtype for p in prof.params), torch.float32), _LOSS_RTOL[torch.float32])
     if abs(step - chain) <= rtol * max(abs(step), abs(chain)) + 1e-6:
         return None
     source = "the module's pipeline_spec()" if callable(getattr(module, "pipeline_spec", None)) else (
@@ -738,11 +742,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 prof.say(f"micro-batch {m}: training_step skipped it (returned None); not profiled")
                 unprofiled.append(m)
                 if not done and not [x for x in queue if x not in infeasible + skipped + unprofiled]:
-                    raise SkippedBatchError(
-                        f"{prof.name}.training_step returned None (Lightning's 'skip this batch') on every micro-batch size the profiler "
-                        "tried, so there is no step to time.",
-                        hint="Let the first batches be ones it trains on (shuffle=True, or drop such samples in the dataset), or train with strategy='ddp'.",
-                    )
+                    raise _skipped_everywhere(prof.name)
                 continue
             if _reduce(float(oom), "max"):
                 infeasible.append(m)

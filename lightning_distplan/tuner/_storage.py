@@ -73,12 +73,19 @@ def sqlite_options(url: Any) -> dict[str, Any]:
     return dict(parsed.query) if parsed is not None and parsed.get_backend_name() == "sqlite" else {}
 
 
+def _read_only(path: Path) -> Any:
+    """A connection to an existing SQLite file that cannot write to it (closed on leaving the ``with``)."""
+    import sqlite3
+
+    return contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True))
+
+
 def sqlite_tables(path: Path) -> list[str] | None:
     """The tables of an existing SQLite file, read without writing; None when it is no SQLite database."""
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+        with _read_only(path) as db:
             return sorted(row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
     except sqlite3.DatabaseError:
         return None
@@ -90,7 +97,7 @@ def sqlite_damage(path: Path) -> str | None:
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+        with _read_only(path) as db:
             found = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
     except sqlite3.OperationalError:  # locked, or unreadable here (a WAL file in a read-only folder): not damage
         return None
