@@ -28,6 +28,7 @@ __all__ = [
     "local_optimizer_state",
     "optimizer_state_names",
     "prune_module",
+    "unprune_module",
 ]
 
 
@@ -188,11 +189,13 @@ def local_optimizer_state(full: dict[str, Any], index: OptimizerIndex) -> dict[s
     return {"state": state, "param_groups": groups}
 
 
-def prune_module(module: nn.Module, keep: set[int]) -> int:
+def prune_module(module: nn.Module, keep: set[int], *, freed_values: list[tuple[Tensor, Tensor]] | None = None) -> int:
     """Free the storage of every parameter and persistent buffer whose ``id`` is not in ``keep``; returns bytes freed.
 
     The tensor objects stay (with an empty storage) so that optimizer param groups and user references
-    do not break; ``state_dict`` keys stay, and the full values are gathered at save time.
+    do not break; ``state_dict`` keys stay, and the full values are gathered at save time. With
+    ``freed_values``, each emptied tensor and its former value (on the CPU) are appended to it, so that
+    :func:`unprune_module` can put them back without a collective.
     """
     freed = 0
     for sub in module.modules():
@@ -203,8 +206,17 @@ def prune_module(module: nn.Module, keep: set[int]) -> int:
             if t is None or id(t) in keep or t.numel() == 0:
                 continue
             freed += t.numel() * t.element_size()
+            if freed_values is not None:
+                freed_values.append((t, t.data.cpu()))  # on the CPU already before the module moves to its device: no copy
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return freed
+
+
+def unprune_module(freed_values: list[tuple[Tensor, Tensor]]) -> None:
+    """Give the tensors :func:`prune_module` emptied their recorded values again (local: no collective)."""
+    for t, value in freed_values:
+        if t.numel() == 0:
+            t.data = value.to(device=t.device, dtype=t.dtype)
 
 
 _PARTIAL = "_distplan_pipeline_stage"  # on a module that holds one pipeline stage's tensors only

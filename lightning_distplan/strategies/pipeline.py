@@ -90,6 +90,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     mark_partial,
     optimizer_state_names,
     prune_module,
+    unprune_module,
     refuse_partial_module,
     restore_full_module,
 )
@@ -260,6 +261,9 @@ class PipelineStrategy(DDPStrategy):
         self._built = False
         self._built_for: Callable[[], Any] = _no_module  # the LightningModule the pipeline was built from (a weak reference)
         self._pruned = False  # this rank's module holds only its own stage's tensors
+        # What pruning emptied, kept (on the CPU) until the first optimizer step: a run that stops before it (a refusal
+        # at the first batch, the sanity check) gives the user's model back whole without a collective.
+        self._unpruned: list[tuple[Tensor, Tensor]] = []
         self._keep_names: set[str] = set()  # names of this rank's tensors (ids change when buffers move devices)
         self._object_group: Any = None
         self._norm_skip: set[int] = set()
@@ -324,6 +328,11 @@ class PipelineStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
+        if self.stages < 2:  # stages='auto' on one device: refused before the run, not at its first checkpoint
+            raise InfeasiblePlanError(
+                f"A {self._schedule_name} pipeline needs at least 2 stages, but stages='auto' gives 1 on this run's single device.",
+                hint="Train on 2 or more devices (Trainer(devices=2)), or use strategy='dp_ga' / 'ddp' on one.",
+            )
         self.accelerator.setup(trainer)
         if str(trainer.precision) not in PIPELINE_PRECISIONS:
             raise InfeasiblePlanError(
@@ -359,7 +368,8 @@ class PipelineStrategy(DDPStrategy):
             self._build_pipeline()
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
-            prune_module(self.model, self._keep)
+            self._unpruned = []
+            prune_module(self.model, self._keep, freed_values=self._unpruned)
             self._pruned = True
             mark_partial(self.lightning_module, self.layout.stage)
         self.model_to_device()
@@ -418,7 +428,8 @@ class PipelineStrategy(DDPStrategy):
             id(t) for t in module.parameters() if id(t) not in in_layers and k == 0
         }
         self._keep_names = {name for name, t in _named_tensors(module) if id(t) in keep}
-        freed = prune_module(module, keep)
+        self._unpruned = []
+        freed = prune_module(module, keep, freed_values=self._unpruned)
         self._pruned = True
         self._loss_checked = False
         self._rng_seed = int(torch.randint(0, 2**62, (1,)).item()) + self.global_rank  # one draw, alike on every rank
@@ -562,7 +573,13 @@ class PipelineStrategy(DDPStrategy):
         module = self.lightning_module
         interrupted = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
         super().teardown()  # the module goes to the CPU first: the whole module never lands on a GPU
-        if self._pruned and not interrupted and _distributed_is_initialized():
+        if self._pruned and self._unpruned and interrupted:
+            # Stopped before the first optimizer step (a refusal at the first batch, a failing sanity check): the
+            # weights are those before the run, kept on this rank, so the module is whole again without a collective.
+            unprune_module(self._unpruned)
+            self._pruned = False
+            mark_partial(module, None)
+        elif self._pruned and not interrupted and _distributed_is_initialized():
             # The user's module is whole again on every rank (its state_dict, a second Trainer on it, inference),
             # as after a DDP run. Not after an exception: a collective then could wait for a rank that is gone.
             layout = self.layout
@@ -575,6 +592,7 @@ class PipelineStrategy(DDPStrategy):
                 f"weights (the others are empty tensors): do not save its state_dict. The whole model is in the last checkpoint "
                 f"({type(module).__name__}.load_from_checkpoint), or call trainer.save_checkpoint(path) on every rank now."
             )
+        self._unpruned = []
         if self._swapped_batchnorm:
             from lightning_distplan.strategies._pipeline_batchnorm import restore_batchnorm
 
@@ -778,6 +796,12 @@ class PipelineStrategy(DDPStrategy):
             p.grad = grad if p.grad is None else p.grad + grad
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._unpruned = []  # the weights moved on: the pre-run values are stale (a later failure leaves the checkpoints)
+        return out
 
     def _eval_step(self, batch: Any, name: str) -> Tensor:
         size = batch_size_of(self._spec.inputs(batch)) or 1

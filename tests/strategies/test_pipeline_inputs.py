@@ -252,6 +252,25 @@ def test_pipeline_refuses_manual_optimization(tmp_path) -> None:
             torch.distributed.destroy_process_group()
 
 
+def test_a_one_device_pipeline_is_refused_before_training(tmp_path) -> None:
+    """strategy='gpipe' with stages='auto' on one device is a one-stage "pipeline": it trained a whole epoch and then every
+    checkpoint save failed (a pipeline plan needs 2 stages); it is refused before the first step."""
+    import lightning as L
+    from _auto_plan_models import ChainMLP, trainer_kwargs
+
+    model = ChainMLP(width=8, depth=3, n_samples=16, loader_batch=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy="gpipe", devices=1, max_steps=2))
+    try:
+        with pytest.raises(InfeasiblePlanError, match=r"gpipe pipeline needs at least 2 stages, but stages='auto' gives 1 .*HINT: Train on 2 or more"):
+            trainer.fit(model)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trainer.global_step == 0
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+
+
 def test_pipeline_spec_contract_breaks_are_named() -> None:
     """A layer returning a dict, or a loss that is not a scalar: one sentence naming the spec, not torch's internals."""
     from lightning_distplan._layers import PipelineSpec

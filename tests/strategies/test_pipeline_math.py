@@ -255,8 +255,9 @@ def _clipped(world: int, out: str, schedule: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
 
 
-def _short_last_batch(world: int, out: str) -> tuple[str, int]:
-    """70 samples in batches of 16: the epoch's last batch (6) does not split into 4 micro-batches."""
+def _short_last_batch(world: int, out: str) -> tuple[str, int, bool, int]:
+    """70 samples in batches of 16: the epoch's last batch (6) does not split into 4 micro-batches. The refusal leaves
+    the module whole with its starting weights (it held one stage, and a retry was refused), so drop_last=True trains it."""
     from lightning_distplan.errors import BatchNotFactorableError
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
@@ -265,11 +266,18 @@ def _short_last_batch(world: int, out: str) -> tuple[str, int]:
     one.fit(build("transformer"), DataLoader(token_data(70), batch_size=16))
     assert one.global_step == 1
     trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out))
+    model = build("transformer")
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    message = ""
     try:
-        trainer.fit(build("transformer"), DataLoader(token_data(70), batch_size=16))
+        trainer.fit(model, DataLoader(token_data(70), batch_size=16))
     except BatchNotFactorableError as err:
-        return str(err), trainer.global_step
-    return "", trainer.global_step
+        message = str(err)
+    state = model.state_dict()
+    unchanged = list(state) == list(start) and all(torch.equal(state[k], v) for k, v in start.items())
+    retry = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out), "max_steps": 2})
+    retry.fit(model, DataLoader(token_data(70), batch_size=16, drop_last=True))
+    return message, trainer.global_step, unchanged, retry.global_step
 
 
 STEPS_ACC = 3  # optimizer steps of the accumulation run (2 loader batches each)
@@ -364,10 +372,11 @@ def _plateau_on_unlogged(world: int, out: str) -> str:
 
     model.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
     trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out))
+    whole = sum(p.numel() for p in model.parameters())
     try:
         trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     except InfeasiblePlanError as err:
-        return f"{trainer.global_step}: {err}"
+        return f"{trainer.global_step} {sum(p.numel() for p in model.parameters()) == whole}: {err}"
     return f"{trainer.global_step}: trained"
 
 
@@ -636,7 +645,8 @@ def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_p
 
 def test_a_scheduler_monitoring_what_a_pipeline_does_not_log_is_refused_before_training(two_rank_run) -> None:
     _, results = two_rank_run
-    assert results[0]["plateau"].startswith("0: A learning-rate scheduler monitors 'val_acc', which a pipeline does not log")
+    for res in results:  # and the module is whole again on every rank (it held one stage's weights)
+        assert res["plateau"].startswith("0 True: A learning-rate scheduler monitors 'val_acc', which a pipeline does not log")
     assert "HINT: Monitor 'val_loss'" in results[0]["plateau"]
 
 
@@ -663,9 +673,11 @@ def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank
 def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
     _, results = two_rank_run
     for res in results:
-        message, steps = res["short_last"]
+        message, steps, unchanged, retried = res["short_last"]
         assert "ends with a batch of 6 samples per replica (70 samples in batches of 16)" in message and "HINT: Pass drop_last=True" in message
         assert steps == 0
+        assert unchanged  # whole, with the starting weights: nothing the user owns is lost to a refusal
+        assert retried == 2  # the HINT's fix trains the same module (it was refused as holding one stage)
 
 
 def test_module_is_whole_on_every_rank_after_fit_and_fits_again(two_rank_run) -> None:
