@@ -106,15 +106,32 @@ class PlanningCallback(Callback):
             return
         destroy_process_groups_at_exit()  # under the user's gloo DDP too (Lightning destroys NCCL groups only)
         self._fit_start = time.perf_counter()
-        if isinstance(trainer.strategy, DPGAStrategy):
+        from lightning.pytorch.callbacks import BatchSizeFinder
+
+        from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+        from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+        if isinstance(trainer.strategy, (DPGAStrategy, AutoPlanStrategy, PipelineStrategy)):
+            # under a pipeline it planned data parallel for a global batch the pipeline does not run; under auto_plan its
+            # accumulation was taken for the user's (4 steps of 16 became 1 of 64)
             raise InfeasiblePlanError(
-                f"PlanningCallback cannot re-plan under {type(trainer.strategy).__name__}, which plans micro-batches itself.",
-                hint="Use strategy='auto_plan' (profiles and plans everything) or drop the callback.",
+                f"PlanningCallback cannot re-plan under {type(trainer.strategy).__name__}, which sets the micro-batches itself.",
+                hint="Drop the callback (strategy='auto_plan' profiles and plans everything), or keep it with strategy='ddp', "
+                "'fsdp' or a single device.",
             )
         if accumulation_scheduled(trainer):
             raise InfeasiblePlanError(
                 "PlanningCallback sets accumulate_grad_batches, which a GradientAccumulationScheduler callback also changes.",
                 hint="Use one of the two.",
+            )
+        if any(isinstance(cb, BatchSizeFinder) for cb in trainer.callbacks):
+            # it plans when the strategy sets up; the finder changes the loader's batch later, at on_fit_start, and the
+            # plan's accumulation would then multiply the batch it found (the global batch silently doubled)
+            raise InfeasiblePlanError(
+                "PlanningCallback plans for the train loader's batch size at the start of the fit, which a BatchSizeFinder "
+                "then changes.",
+                hint="Find the batch size in a fit without the callback (Tuner(trainer).scale_batch_size(model)), then set it "
+                "and fit with PlanningCallback.",
             )
         if not pl_module.automatic_optimization:
             rank_zero_warn(

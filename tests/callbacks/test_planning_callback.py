@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -208,10 +208,34 @@ def test_callback_refuses_conflicting_setups(tmp_path: Path) -> None:
         L.Trainer(**_kwargs(tmp_path, max_steps=1, callbacks=[PlanningCallback(), GradientAccumulationScheduler({0: 2})])).fit(Net())
     with pytest.raises(InfeasiblePlanError, match="micro_batch_size"):
         PlanningCallback(micro_batch_size=0)
-    with pytest.raises(InfeasiblePlanError, match="DPGAStrategy.*HINT"):
-        L.Trainer(**_kwargs(tmp_path, max_steps=1, strategy=DPGAStrategy(), callbacks=[PlanningCallback()])).fit(Net())
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # BatchSizeFinder changes the loader's batch after the plan was made: the global batch silently doubled (8 -> 16 x 2)
+    class Sized(Net):  # the finder's field
+        def __init__(self) -> None:
+            super().__init__(loader_batch=8)
+            self.batch_size = 8
+
+        def train_dataloader(self) -> DataLoader:
+            self.loader_batch = self.batch_size
+            return super().train_dataloader()
+
+    with pytest.raises(InfeasiblePlanError, match="then changes.*HINT: Find the batch size in a fit without the callback"):
+        L.Trainer(**_kwargs(tmp_path, max_steps=1, callbacks=[PlanningCallback(), BatchSizeFinder(max_trials=1)])).fit(Sized())
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    # Under a pipeline it planned data parallel for another global batch; under auto_plan its accumulation was read as
+    # the user's (4 steps of 16 became 1 of 64). Each refused before anything trains.
+    for strategy in (DPGAStrategy(), AutoPlanStrategy(), PipelineStrategy(stages=2)):
+        model = Net()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = L.Trainer(**_kwargs(tmp_path, max_steps=1, strategy=strategy, callbacks=[PlanningCallback()]))
+        try:
+            with pytest.raises(InfeasiblePlanError, match=f"re-plan under {type(strategy).__name__}, which sets the micro-batches.*HINT: Drop"):
+                trainer.fit(model)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        assert trainer.global_step == 0 and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_report_names_a_faster_pipeline_without_forcing_it() -> None:
