@@ -239,9 +239,15 @@ def write_trials(study: Any, trials: Sequence[Any]) -> None:
         return
     storage = study._storage
     rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+    from sqlalchemy.exc import SQLAlchemyError
+
     try:
         _bulk_insert(rdb, study._study_id, trials)
-    except Exception as err:  # noqa: BLE001 - any internal mismatch: fall back to the public API
+    except SQLAlchemyError:
+        # The database refused the write (disk full, I/O error, locked): the transaction was rolled back, so nothing
+        # of this run is in the study. Never retried trial by trial: that would leave part of the run there.
+        raise
+    except Exception as err:  # noqa: BLE001 - an internal mismatch with this Optuna (no row written): the public API
         log.info("Bulk trial insert unavailable (%s: %s); using Study.add_trials.", type(err).__name__, err)
         study.add_trials(trials)
 

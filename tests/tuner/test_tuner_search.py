@@ -314,6 +314,44 @@ def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
     assert sorted(numbers) == list(range(603))
 
 
+_FULL_DISK = """
+import resource, sys, os
+import optuna
+from lightning_distplan.tuner._storage import open_storage, write_trials
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+url, path = sys.argv[1], sys.argv[2]
+study = optuna.load_study(study_name="s", storage=open_storage(url))
+memory = optuna.create_study()
+def objective(trial):
+    for k in range(25):
+        trial.set_user_attr(f"a{k}", "x" * 40)
+    return trial.suggest_float("x", 0, 1)
+memory.optimize(objective, n_trials=300)
+size = os.path.getsize(path)
+resource.setrlimit(resource.RLIMIT_FSIZE, (size + 64 * 1024, resource.RLIM_INFINITY))  # a disk that fills mid-write
+try:
+    write_trials(study, memory.get_trials())
+except Exception as err:
+    print(type(err).__name__)
+"""
+
+
+def test_a_write_the_database_refuses_leaves_the_study_as_it_was(tmp_path):
+    """A disk that fills during the one-transaction insert: the error comes back and no trial of the run is in the
+    study. Before, any error fell back to Optuna's trial-by-trial add_trials, which committed some (85 of 1500 here
+    in a review) while the message said the study was left as it was."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "full.db"
+    url = f"sqlite:///{path}"
+    optuna.create_study(study_name="s", storage=url).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=20)
+    child = subprocess.run([sys.executable, "-c", _FULL_DISK, url, str(path)], capture_output=True, text=True, timeout=240)
+    assert child.returncode == 0, child.stderr
+    assert len(optuna.load_study(study_name="s", storage=url).trials) == 20
+    assert child.stdout.strip() == "OperationalError", child.stdout + child.stderr
+
+
 def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
     """Several `tune` runs (here threads) creating one new SQLite file at the same moment: each opens it. Without
     a lock around Optuna's schema creation most of them failed ("table ... already exists", "UNIQUE constraint")."""
