@@ -32,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from lightning_distplan.tuner._dashboard import LOOPBACK_HOSTS, DashboardBindError, DashboardServer
+    from lightning_distplan.tuner._storage import shown_url
 
     if not 0 <= args.port <= 65535:
         raise DashboardBindError(f"--port must be in 0..65535, got {args.port}.", hint="Use e.g. --port 8080, or 0 for a free port.")
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK_HOSTS:
         print(f"distplan dashboard: warning: listening on {args.host}, reachable from other machines; optuna-dashboard has no authentication.", file=sys.stderr)
     artifacts = f", artifacts from {server.artifact_dir}" if server.artifact_dir else ""
-    print(f"optuna-dashboard serving {args.storage}{artifacts} at {server.url}  (Ctrl-C to stop)", flush=True)
+    print(f"optuna-dashboard serving {shown_url(args.storage)}{artifacts} at {server.url}  (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -26,7 +26,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", required=True, help="profile JSON written by `distplan profile`")
     parser.add_argument("--catalog", default="alicloud-2023", help="built-in catalog (alicloud-2023, the default, or aws-2026) or a SkyPilot-style CSV path")
     parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (kept exactly)")
-    parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (default 0; seed 000 uses 0, 256, 4096, 65536)")
+    parser.add_argument(
+        "--time-weight", type=float, default=0.0,
+        help="w in C + w*T, in the catalog's currency per second of step time (C: currency per step, T: seconds per "
+        "step). Default 0: the cheapest. A w near the instances' price per second (12.75 RMB/h is 0.0035 RMB/s) trades "
+        "the two; far above it, the fastest (seed 000's 256, 4096 and 65536 mean the fastest on the built-in catalogs)",
+    )
     parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300)")
     parser.add_argument("--storage", default="sqlite:///distplan.db", help="Optuna RDB URL (default sqlite:///distplan.db)")
     parser.add_argument("--study-name", default=None, help="study name (default distplan-<catalog>-B<batch>-w<weight>); an existing one with the same settings is extended")
@@ -86,9 +91,12 @@ def run(args: argparse.Namespace) -> int:
     for flag, value, low, example in (
         ("--global-batch-size", args.global_batch_size, 1, 256), ("--trials", args.trials, 1, 300),
         ("--max-instances", args.max_instances, 1, 8), ("--seed", args.seed, 0, 0),
+        ("--max-pp", 1 if args.max_pp is None else args.max_pp, 1, 4),
     ):
         if value < low:
             raise InfeasiblePlanError(f"{flag} must be an integer >= {low}, got {value}.", hint=f"Use e.g. {flag} {example}.")
+    if args.seed > 2**32 - 1:  # Optuna's samplers' range (checked before the storage is opened)
+        raise InfeasiblePlanError(f"--seed must be at most 2**32 - 1, got {args.seed}.", hint="Use e.g. --seed 0.")
     if not (math.isfinite(args.time_weight) and args.time_weight >= 0):
         raise InfeasiblePlanError(f"--time-weight must be a finite number >= 0, got {args.time_weight}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
     profile = Profile.load(args.profile)

@@ -21,7 +21,7 @@ from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
     "StudyStorageError", "folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
-    "is_optuna_database", "write_trials",
+    "is_optuna_database", "shown_url", "write_trials",
 ]
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def open_storage(url: Any) -> Any:
     import optuna
 
     if not isinstance(url, str) or "://" not in url:
-        raise StudyStorageError(f"Storage {url!r} is not a database URL.", hint=_HINT)
+        raise StudyStorageError(f"Storage {shown_url(url)!r} is not a database URL.", hint=_HINT)
     folder = folder_problem(url)
     if folder is not None:
         raise StudyStorageError(folder[0], hint=folder[1])
@@ -229,8 +229,19 @@ def open_storage(url: Any) -> Any:
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
             storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
-        raise StudyStorageError(f"Cannot open the study storage {url!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=_HINT) from None
+        raise StudyStorageError(f"Cannot open the study storage {shown_url(url)!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=_HINT) from None
     return storage
+
+
+def shown_url(url: str) -> str:
+    """``url`` as messages and results show it: a password in it replaced by ``***`` (SQLAlchemy's rendering)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: shown as typed (the error says so)
+        return url
+    return parsed.render_as_string(hide_password=True) if parsed.password else url
 
 
 def write_trials(study: Any, trials: Sequence[Any]) -> None:

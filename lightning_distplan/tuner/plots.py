@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
+from lightning_distplan.costmodel import BREAKDOWN_KEYS
 from lightning_distplan.errors import DistPlanError
 from lightning_distplan.tuner._dashboard import default_artifact_dir, require
 
@@ -35,19 +36,26 @@ if TYPE_CHECKING:
 __all__ = ["PlotAttachError", "plot_pareto_front", "plot_time_breakdown", "attach_to_study", "artifact_dir_problem", "summary_markdown"]
 
 # Order of the stacked bars, bottom to top, and their colours (colour-blind safe, Okabe-Ito).
-BREAKDOWN_PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
+BREAKDOWN_PARTS = BREAKDOWN_KEYS
+"""Every part of the cost model's step time (a part left out showed as an unexplained "other" gap)."""
 _PART_LABEL = {
     "compute": "compute",
-    "exposed_comm": "exposed communication",
+    "p2p": "pipeline hand-overs",
     "bubble": "pipeline bubble",
+    "exposed_comm": "exposed communication",
     "optimizer": "optimizer step",
+    "framework": "training loop",
+    "sync_wait": "waiting for the slowest rank",
     "other": "other (step time − parts)",
 }
 _PART_COLOR = {
     "compute": "#0072B2",
-    "exposed_comm": "#E69F00",
+    "p2p": "#56B4E9",
     "bubble": "#CC79A7",
+    "exposed_comm": "#E69F00",
     "optimizer": "#009E73",
+    "framework": "#F0E442",
+    "sync_wait": "#8C564B",
     "other": "#999999",
 }
 _FRONT_COLOR = "#D55E00"
@@ -229,6 +237,7 @@ def _get_breakdown_info(study_or_trials: optuna.Study | Sequence[FrozenTrial], *
     points, _ = _feasible_points(trials)
     ranked = sorted(points, key=lambda p: (p.objective(time_weight), p.step_time_s))[:top_k]
     parts: dict[str, list[float]] = {part: [p.breakdown.get(part, 0.0) for p in ranked] for part in BREAKDOWN_PARTS}
+    parts = {part: v for part, v in parts.items() if part == "compute" or any(v)}  # no legend entry for a part that is 0 everywhere
     # The model's parts should add up to the step time; if a cost model reports parts that do
     # not, show the gap instead of hiding it.
     other = [p.step_time_s - sum(p.breakdown.get(part, 0.0) for part in BREAKDOWN_PARTS) for p in ranked]

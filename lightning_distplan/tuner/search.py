@@ -25,8 +25,9 @@ an in-memory study and are written to the storage in one transaction at the end
 (:func:`lightning_distplan.tuner._storage.write_trials`), because per-trial SQLite commits cost
 far more than the cost model itself. So a failed run writes nothing; a run stopped with Ctrl-C
 writes the trials that finished before it (all or none of them, as one transaction), and says how
-many. An existing study is only extended by a run with identical settings; different settings are
-refused (:class:`StudyConflictError`) and the study is left as it was. The price of this:
+many. An existing study is only extended by a run with identical settings whose cost model prices its
+earlier trials as they are stored (a study made before a change of the model is not mixed with today's
+predictions); otherwise it is refused (:class:`StudyConflictError`) and left as it was. The price of this:
 optuna-dashboard sees the trials when the run ends, not while it runs.
 """
 
@@ -46,7 +47,7 @@ from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
-from lightning_distplan.tuner._storage import StudyStorageError, open_storage, write_trials
+from lightning_distplan.tuner._storage import StudyStorageError, open_storage, shown_url, write_trials
 from lightning_distplan.tuner.catalog import Catalog, load_catalog
 
 __all__ = ["TuneResult", "ExhaustiveResult", "StudyStorageError", "StudyConflictError", "tune", "exhaustive", "pareto_front", "TIME_WEIGHTS"]
@@ -176,18 +177,92 @@ def _as_now(old: Any, catalog: Catalog) -> Any:
     return old
 
 
-def _validate(profile: Profile, global_batch_size: Any, time_weight: Any, n_trials: Any, max_instances: Any, seed: Any) -> None:
+REPRICED_TRIALS = 32
+"""Earlier trials of an extended study whose configurations are priced again before a trial runs (:func:`_priced_otherwise`)."""
+
+
+def _priced_otherwise(previous: Sequence[Any], catalog: Catalog, space: Any, multi_objective: bool) -> str | None:
+    """Which earlier trial this version's model prices otherwise (its stored value against today's), or None.
+
+    The settings fingerprint the inputs (profile, catalog, B, w, ...), not the cost model: a study made by an earlier
+    version with other equations would be extended with today's predictions, its best being yesterday's. Up to
+    :data:`REPRICED_TRIALS` complete trials (the best among them) are priced again: the model is deterministic, so
+    the same model gives the same numbers."""
+    import optuna
+
+    done = [t for t in previous if t.state == optuna.trial.TrialState.COMPLETE and t.values]
+    if not done:
+        return None
+    step = max(1, len(done) // REPRICED_TRIALS)
+    sample = done[::step][:REPRICED_TRIALS]
+    if not multi_objective:
+        sample.append(min(done, key=lambda t: t.values[0]))
+    for t in sample:
+        p = t.params
+        try:
+            inst = catalog.get(p["instance_type"])
+            count = int(p["n_instances"])
+            plan = space.nearest_plan(inst.world_size(count), p["strategy"], int(p.get("pp", 1)), int(p["micro_batch_size"]))
+            config = None if plan is None else space.evaluate(inst, count, plan)
+        except (KeyError, ValueError, TypeError):
+            config = None
+        if config is None or not config.feasible:
+            return f"trial {t.number} ({p}) completed there, but this version finds no feasible plan for it"
+        now = (config.cost_per_step, config.step_time_s) if multi_objective else (config.objective,)
+        if any(not math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) for a, b in zip(t.values, now)):
+            return (f"trial {t.number} ({count} x {inst.instance_type}, {p['strategy']}) is stored as "
+                    f"{', '.join(f'{v:.4g}' for v in t.values)} but this version prices it {', '.join(f'{v:.4g}' for v in now)}")
+    return None
+
+
+SEED_MAX = 2**32 - 1
+"""Optuna's samplers take seeds in [0, 2**32 - 1] (numpy's RandomState)."""
+
+
+def _validate(profile: Profile, global_batch_size: Any, time_weight: Any, n_trials: Any, max_instances: Any, seed: Any,
+              max_pp: Any = None) -> None:
     if not isinstance(profile, Profile):
         raise InfeasiblePlanError(f"`profile` must be a Profile, got {type(profile).__name__}.", hint="Load one with Profile.load(path).")
-    for name, value, low in (("global_batch_size", global_batch_size, 1), ("n_trials", n_trials, 1), ("max_instances", max_instances, 1), ("seed", seed, 0)):
+    checks = [("global_batch_size", global_batch_size, 1), ("n_trials", n_trials, 1), ("max_instances", max_instances, 1), ("seed", seed, 0)]
+    if max_pp is not None:
+        checks.append(("max_pp", max_pp, 1))
+    for name, value, low in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InfeasiblePlanError(f"`{name}` must be an integer >= {low}, got {value!r}.", hint=f"Pass {name}= as an integer >= {low}, e.g. {name}={max(low, 1)}.")
+    if seed > SEED_MAX:
+        raise InfeasiblePlanError(f"`seed` must be at most 2**32 - 1 ({SEED_MAX}), got {seed}.", hint="Pass a smaller seed, e.g. seed=0.")
     if not isinstance(time_weight, (int, float)) or not math.isfinite(time_weight) or time_weight < 0:
         raise InfeasiblePlanError(f"`time_weight` must be a non-negative number, got {time_weight!r}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
 
 
 POLISH_SHARE = 0.2
 """Share of a single-objective search's trials kept for the local search from TPE's best (:func:`_polish`)."""
+
+
+_ONE_DEVICE = "a pipeline needs at least 2 devices"
+_WHY_NOT = {  # kind of pruning reason -> (how the message counts it, the HINT when it is the most common)
+    "factor": ("have no plan that factors the global batch {B}",
+               "Use a global batch size with more divisors (e.g. a power of 2), or allow more instances (--max-instances)."),
+    "devices": ("are pipelines on one device",
+                "Add dp_ga to --strategy, or allow more instances (--max-instances)."),
+    "memory": ("do not fit in memory",
+               "Allow more instances (--max-instances), pipelines, or bigger GPUs; or lower the global batch size."),
+}
+
+
+def _nothing_feasible(trials: Sequence[Any], name: str, global_batch_size: int) -> InfeasiblePlanError:
+    """The error when no trial found a feasible configuration: what stopped them, counted, and the HINT for the most common."""
+    from collections import Counter
+
+    def kind(reason: str) -> str:
+        return "factor" if "factors the global batch" in reason else "devices" if _ONE_DEVICE in reason else "memory"
+
+    counts = Counter(kind(str(t.user_attrs.get("reason", ""))) for t in trials)
+    parts = ", ".join(f"{n} {_WHY_NOT[k][0].format(B=global_batch_size)}" for k, n in counts.most_common())
+    return InfeasiblePlanError(
+        f"None of the {len(trials)} configurations tried is feasible: {parts} (study {name!r} keeps them with their reasons).",
+        hint=_WHY_NOT[counts.most_common(1)[0][0]][1],
+    )
 
 
 def _existing_study(storage: Any, study_name: str) -> Any | None:
@@ -212,7 +287,7 @@ def _reading_study(url: str, study_name: str) -> Iterator[None]:
     except (optuna.exceptions.StorageInternalError, SQLAlchemyError) as err:
         cause = err.__cause__ or err.__context__ or err
         raise StudyStorageError(
-            f"Reading study {study_name!r} from {url!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); nothing was searched or written.",
+            f"Reading study {study_name!r} from {shown_url(url)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); nothing was searched or written.",
             hint="The database may be damaged (for SQLite: sqlite3 FILE 'PRAGMA integrity_check'); keep a copy, and pass another --storage or restore one.",
         ) from None
 
@@ -445,7 +520,7 @@ def _tune(
     import optuna
 
     started = time.perf_counter()
-    _validate(profile, global_batch_size, time_weight, n_trials, max_instances, seed)
+    _validate(profile, global_batch_size, time_weight, n_trials, max_instances, seed, max_pp)
     if not isinstance(catalog, Catalog):
         catalog = load_catalog(catalog, bandwidth_gbps=bandwidth_gbps)
     space = ConfigSpace(
@@ -495,8 +570,16 @@ def _tune(
             else:
                 why = "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
             raise StudyConflictError(
-                f"Study {name!r} already exists in {storage!r} and {why}; it was left untouched.",
+                f"Study {name!r} already exists in {shown_url(storage)!r} and {why}; it was left untouched.",
                 hint="Pass a new --study-name, or delete the old study (optuna delete-study --study-name NAME --storage URL).",
+            )
+        repriced = _priced_otherwise(previous, catalog, space, bool(multi_objective))
+        if repriced is not None:
+            raise StudyConflictError(
+                f"Study {name!r} already exists in {shown_url(storage)!r} with these settings, but its trials were priced by another "
+                f"version of the cost model ({repriced}); it was left untouched.",
+                hint="Pass a new --study-name (a fresh search takes seconds), or delete the old study "
+                "(optuna delete-study --study-name NAME --storage URL).",
             )
 
     directions = ["minimize", "minimize"] if multi_objective else ["minimize"]
@@ -528,7 +611,11 @@ def _tune(
             trial.set_user_attr("instance_type", itype)
             trial.set_user_attr("count", count)
             trial.set_user_attr("world_size", world)
-            trial.set_user_attr("reason", f"no {strategy} plan factors the global batch {global_batch_size} on {world} devices")
+            if strategy != "dp_ga" and world < 2:
+                reason = f"{_ONE_DEVICE} ({count} x {itype} has 1)"
+            else:
+                reason = f"no {strategy} plan factors the global batch {global_batch_size} on {world} device{'s' if world != 1 else ''}"
+            trial.set_user_attr("reason", reason)
             raise optuna.TrialPruned()
         config = space.evaluate(inst, count, plan)
         for key, value in space.trial_attrs(config, inst, requested=requested).items():
@@ -580,7 +667,7 @@ def _tune(
                 target = optuna.create_study(storage=store, study_name=name, directions=directions)
             except optuna.exceptions.DuplicatedStudyError:
                 raise StudyConflictError(
-                    f"Study {name!r} was created in {storage!r} by another run while this one searched; "
+                    f"Study {name!r} was created in {shown_url(storage)!r} by another run while this one searched; "
                     f"it was left untouched and this run's {len(new_trials)} trials were not written.",
                     hint="Re-run the same command to extend that study (same settings), or pass another --study-name.",
                 ) from None
@@ -602,7 +689,7 @@ def _tune(
         if isinstance(err, optuna.exceptions.StorageInternalError):
             cause = err.__cause__ or err.__context__ or err
             raise StudyStorageError(
-                f"Writing this run's {len(new_trials)} trials to {storage!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
+                f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
                 f"{'the study was not created' if created else 'the study was left as it was'}.",
                 hint="Check that the database is writable and reachable, then re-run the same command.",
             ) from None
@@ -620,16 +707,13 @@ def _tune(
             distinct.setdefault((c.instance_type, c.count, c.plan), c)
     configs = list(distinct.values())
     if not configs:
-        raise InfeasiblePlanError(
-            f"None of the {len(all_trials)} configurations tried fits in memory (study {name!r} keeps them with their reasons).",
-            hint="Allow more instances (--max-instances), pipelines, or bigger GPUs; or lower the global batch size.",
-        )
+        raise _nothing_feasible(all_trials, name, global_batch_size)
     best = min(configs, key=lambda c: (c.objective, c.cost_per_step, c.step_time_s))
     return TuneResult(
         best=best,
         pareto=pareto_front(configs),
         study_name=name,
-        storage=storage,
+        storage=shown_url(storage),
         time_weight=float(time_weight),
         currency=catalog.currency,
         catalog=catalog.name,

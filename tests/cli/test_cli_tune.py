@@ -75,6 +75,11 @@ def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, pr
         # the planner's device limit in this command's terms (it named --world-size, a flag tune does not have)
         (["--catalog", "aws-2026", "--max-instances", "16384"],
          r"--max-instances 16384 of \S+ \(8 devices each\) makes 131072 devices, above the 65536 .*HINT: Lower --max-instances \(at most 8192"),
+        # Optuna's seed range (it failed through the generic fallback, after the SQLite file was made); --max-pp below 1
+        (["--seed", "99999999999999"], r"--seed must be at most 2\*\*32 - 1, got 99999999999999\. HINT: Use e\.g\. --seed 0"),
+        (["--max-pp", "-1", "--strategy", "gpipe"], r"--max-pp must be an integer >= 1, got -1\. HINT"),
+        # a password in the URL is never printed
+        (["--storage", "postgresql://user:s3cret@127.0.0.1:1/db"], r"Cannot open the study storage 'postgresql://user:\*\*\*@127\.0\.0\.1:1/db'.*HINT"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, match):
@@ -86,6 +91,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, mat
     import re
 
     assert re.search(match, err), err
+    assert "s3cret" not in err
+    if "--seed" in extra or "--max-pp" in extra:
+        assert not (tmp_path / "e.db").exists()  # refused before the storage was opened
 
 
 def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, capsys):

@@ -45,7 +45,8 @@ def test_tune_stores_every_trial_with_its_breakdown_and_every_config_factors_the
     for t in study.trials:
         a = t.user_attrs
         if "plan" not in a:  # a strategy with no plan on that many devices
-            assert t.state == optuna.trial.TrialState.PRUNED and a["feasible"] is False and "no " in a["reason"]
+            assert t.state == optuna.trial.TrialState.PRUNED and a["feasible"] is False
+            assert a["reason"].startswith("no ") or (a["reason"].startswith("a pipeline needs at least 2 devices") and a["world_size"] == 1)
             continue
         plan = a["plan"]
         # DESIGN §3.1: B = dp·m·s (dp_ga) or dp·m·n (pipelines)
@@ -137,6 +138,25 @@ def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile)
     assert len(s.trials) == 15 and s.user_attrs["time_weight"] == 0.0
 
 
+@pytest.mark.parametrize("multi_objective", [False, True])
+def test_a_study_priced_by_another_cost_model_is_not_extended(tmp_path, profile, multi_objective):
+    """Same settings, but the stored values are not what this version's model gives (as a study made before a fix of the
+    model has): extending it would mix two models and keep the old best. Refused, the file untouched."""
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=15, storage=url, study_name="s", max_instances=2,
+              progress=False, multi_objective=multi_objective)
+    tune(profile, **kw)
+    con = sqlite3.connect(tmp_path / "study.db")
+    con.execute("update trial_values set value = value / 4.5")  # an older model's (faster, cheaper) predictions
+    con.commit()
+    con.close()
+    before = _snapshot(tmp_path / "study.db")
+    with pytest.raises(StudyConflictError, match=r"with these settings, but its trials were priced by another version of the cost model "
+                       r"\(trial \d+ \(.*\) is stored as .* but this version prices it .*\); it was left untouched.*HINT: Pass a new --study-name"):
+        tune(profile, **kw)
+    assert _snapshot(tmp_path / "study.db") == before
+
+
 def test_failed_run_writes_nothing(tmp_path, profile, monkeypatch):
     url = _url(tmp_path)
 
@@ -222,6 +242,30 @@ def test_feasible_configurations_are_counted_once_however_many_trials_priced_the
     feasible = [frozenset(t.params.items()) for t in study.trials if t.user_attrs.get("feasible")]
     assert len(feasible) > len(set(feasible))  # 12 trials over m in {1, 2, 4}: the same configuration priced again
     assert result.n_feasible == len(set(feasible)) <= result.space_size
+
+
+@pytest.mark.parametrize(
+    ("batch", "strategies", "count", "match"),
+    [
+        # every trial chose 2 instances, on which dp_ga cannot factor 7: said so, not "fits in memory"
+        (7, ("dp_ga",), 2, r"None of the 3 configurations tried is feasible: 3 have no plan that factors the global batch 7 .*"
+                           r"HINT: Use a global batch size with more divisors"),
+        # a pipeline on 1 device: the reason says so (it said "no gpipe plan factors the global batch 8 on 1 devices")
+        (8, ("gpipe",), 1, r"None of the 3 configurations tried is feasible: 3 are pipelines on one device .*HINT: Add dp_ga to --strategy"),
+    ],
+)
+def test_nothing_feasible_names_what_stopped_the_trials(tmp_path, batch, strategies, count, match):
+    from lightning_distplan.tuner.catalog import parse_catalog_csv
+
+    csv = tmp_path / "one.csv"
+    csv.write_text("InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\ng.one,A10,1,1.0,10\n")
+    sampler = optuna.samplers.PartialFixedSampler({"n_instances": count}, optuna.samplers.RandomSampler(seed=0))
+    with pytest.raises(InfeasiblePlanError, match=match):
+        tune(make_profile(), catalog=parse_catalog_csv(csv), global_batch_size=batch, n_trials=3, storage=_url(tmp_path), study_name="none",
+             max_instances=2, strategies=strategies, progress=False, sampler=sampler)
+    reasons = {t.user_attrs["reason"] for t in optuna.load_study(study_name="none", storage=_url(tmp_path)).trials}
+    if count == 1:
+        assert reasons == {"a pipeline needs at least 2 devices (1 x g.one has 1)"}
 
 
 def test_multi_objective_nsga2(tmp_path, profile):
