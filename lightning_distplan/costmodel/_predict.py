@@ -184,12 +184,19 @@ def _optimizer_state_bytes(profile: Profile) -> int:
 
 
 def _monotone(fit: LinearFit, m: int, sizes: tuple[int, ...]) -> float:
-    """``fit(m)``, but never below the fit at a smaller profiled size, and never negative.
+    """``fit(m)``, but never below the fit at a smaller profiled size, never negative, and below the
+    smallest profiled size ``m0`` never cheaper per sample than there (``fit(m0)·m/m0``).
 
     A micro-batch of more samples is never cheaper to run; a noisy fit (CPU timings on a busy host)
-    can still come out with α < 0 and would then extrapolate to zero or negative time.
+    can still come out with α < 0 and would then extrapolate to zero or negative time. A fit with
+    β < 0 would price a micro-batch below the profiled range nearly free (m = 1 at 4.4 ms where every
+    measured sample cost 4.5 to 7.1 ms), and a smaller micro-batch is never more efficient per sample.
     """
-    return max(0.0, fit(m), *(fit(x) for x in sizes if x <= m))
+    floor = 0.0
+    if sizes and m < min(sizes):
+        m0 = min(sizes)
+        floor = max(0.0, fit(m0)) * m / m0
+    return max(floor, fit(m), *(fit(x) for x in sizes if x <= m))
 
 
 def _step_compute(profile: Profile, m: int, scale: float) -> float:
@@ -319,6 +326,9 @@ def _feasibility(profile: Profile, plan: Plan, hw: Hardware, peak: int, where: s
     largest = max(profile.micro_batch_sizes)
     if plan.micro_batch_size > largest:
         reason += f"; micro_batch_size {plan.micro_batch_size} is extrapolated beyond the profiled sizes (up to {largest})"
+    elif plan.micro_batch_size < min(profile.micro_batch_sizes):
+        reason += (f"; micro_batch_size {plan.micro_batch_size} is below the profiled sizes (from {min(profile.micro_batch_sizes)}): "
+                   "priced at no less than the per-sample time measured there")
     return True, reason + "."
 
 

@@ -256,3 +256,22 @@ def test_noisy_negative_slope_fit_never_makes_bigger_microbatches_cheaper():
     for m, expected_bwd in [(1, 0.9), (2, 0.9), (4, 0.9), (8, 0.9), (16, 0.9)]:
         plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=1, global_batch_size=m)
         assert predict(profile, plan, hw()).breakdown["compute"] == pytest.approx(0.01 * m + expected_bwd, rel=1e-12)
+
+
+def test_a_negative_intercept_never_prices_a_micro_batch_below_the_profiled_range_as_nearly_free():
+    """A review's CPU fit over sizes 2, 4, 8 (forward 9, 26, 57 ms; backward twice that) came out with β < 0: m = 1 was
+    priced at 4.4 ms, below every measured per-sample cost, and the planner picked it 3.2x ahead of the runner-up.
+    Below the smallest profiled size a micro-batch costs at least the per-sample time measured there."""
+    fwd, bwd = (0.008, -0.0065), (0.016, -0.013)
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.008, bwd_alpha=0.016)], step_forward=fwd, step_backward=bwd, micro_batch_sizes=(2, 4, 8))
+    at_2 = (fwd[0] * 2 + fwd[1]) + (bwd[0] * 2 + bwd[1])
+
+    def compute(m: int) -> float:
+        plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=m, accumulate_grad_batches=16 // m, global_batch_size=16)
+        return predict(profile, plan, hw()).breakdown["compute"]
+
+    assert compute(1) == pytest.approx(16 * at_2 / 2, rel=1e-12)  # 16 samples at m=2's per-sample cost
+    assert compute(2) == pytest.approx(8 * at_2, rel=1e-12)  # inside the profiled range: the fit as it is
+    assert compute(1) >= compute(2)
+    plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=1, accumulate_grad_batches=16, global_batch_size=16)
+    assert "micro_batch_size 1 is below the profiled sizes (from 2)" in predict(profile, plan, hw()).reason
