@@ -111,7 +111,14 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"Why the winner wins: {win.plan.describe()} has the lower objective C + w·T ({_s(win.objective)} vs "
             f"{_s(other.objective)} for {what}, {other.plan.describe()})."
         )
+    wm, om = win.prediction.peak_memory_bytes, other.prediction.peak_memory_bytes
+    if wm < om:
+        return (
+            f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step "
+            f"and needs less peak memory ({_gib(wm)} vs {_gib(om)} GiB)."
+        )
+    # the same time and memory (the ranking's last key, the plan's description, decided): nothing to claim
     return (
-        f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step "
-        f"and needs less peak memory ({_gib(win.prediction.peak_memory_bytes)} vs {_gib(other.prediction.peak_memory_bytes)} GiB)."
+        f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step and "
+        f"{_gib(wm)} GiB peak memory; either runs as predicted, this one came first in the tie."
     )

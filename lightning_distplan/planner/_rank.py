@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 from lightning_distplan.costmodel import Hardware, Prediction, cost_per_step, objective, predict
 from lightning_distplan.planner._enumerate import enumerate_plans
+from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 
 if TYPE_CHECKING:
@@ -93,6 +94,11 @@ def rank_plans(
         >>> best = rank_plans(profile, world_size=4, global_batch_size=64)[0]  # doctest: +SKIP
         >>> best.plan.describe(), best.prediction.step_time_s  # doctest: +SKIP
     """
+    if time_weight and price_per_hour is None:  # as `distplan plan` refuses it: a weight without a price ranked by time alone
+        raise InfeasiblePlanError(
+            f"`time_weight` ({time_weight}) weighs time against cost, and without `price_per_hour` there is no cost.",
+            hint="Pass price_per_hour= (one device's price per hour), or leave time_weight at 0 to rank by step time.",
+        )
     plans = enumerate_plans(
         profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp, pins=pins
     )

@@ -174,3 +174,22 @@ def test_rank_order_reorders_any_list_of_plans_as_rank_plans_does():
     plain = [shuffled[i] for i in rank_order([c.plan for c in shuffled], [c.prediction for c in shuffled], tie=0.0)]
     keys = [(not c.prediction.feasible, c.prediction.step_time_s, c.prediction.peak_memory_bytes) for c in plain]
     assert keys == sorted(keys)
+
+
+def test_an_exact_tie_in_time_and_memory_claims_neither():
+    """GPipe and 1F1B at the same time and peak memory (a review's profile: both 1075838976 bytes): the text said the
+    winner "needs less peak memory (1.002 vs 1.002 GiB)". Here the second plan is given the first one's peak."""
+    free = hw(p2p_latency=0.0, p2p_bw=1e30)
+    cands = rank_plans(prof(), world_size=2, global_batch_size=16, strategies=("gpipe", "1f1b"), hardware=free, pins={"micro_batch_size": 8})
+    assert cands[0].prediction.step_time_s == pytest.approx(cands[1].prediction.step_time_s, rel=1e-12)
+    assert "less peak memory" in explain(cands)  # 96.0 vs 97.6 MB: true
+    same = replace(cands[1], prediction=replace(cands[1].prediction, peak_memory_bytes=cands[0].prediction.peak_memory_bytes))
+    why = explain([cands[0], same]).splitlines()[-1]
+    assert "less peak memory" not in why and "this one came first in the tie" in why
+
+
+def test_a_time_weight_without_a_price_is_refused():
+    """It ranked by time alone, silently (the CLI refuses the same combination)."""
+    with pytest.raises(ValueError, match=r"`time_weight` \(4096\) weighs time against cost, and without `price_per_hour` there is no cost.*HINT"):
+        rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), time_weight=4096)
+    assert rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), time_weight=4096, price_per_hour=1.0)
