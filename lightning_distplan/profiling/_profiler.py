@@ -143,24 +143,34 @@ loss by 7e-4); 1e-2 when the weights or the precision are 16-bit, which catches 
 
 
 def _pipeline_loss_difference(prof: _Profiler, m: int) -> str | None:
+    """:func:`loss_difference` on the profiler's micro-batch of ``m`` samples."""
+    return loss_difference(
+        prof.module, lambda: prof.step_output(m), lambda: prof.chain_output(m), devices=[prof.device] if prof.cuda else [],
+        params=prof.params, precision=str(getattr(prof.precision_plugin, "precision", "32-true")),
+    )
+
+
+def loss_difference(
+    module: nn.Module, step_output: Callable[[], Any], chain_output: Callable[[], Any], *,
+    devices: Sequence[torch.device], params: Sequence[Tensor], precision: str,
+) -> str | None:
     """Why a pipeline would train another loss than ``training_step``, or None when both agree on one micro-batch.
 
     A pipeline never calls ``training_step``: it computes ``spec.loss`` on the last block's output, and a built-in
     adapter guesses that loss (cross-entropy for a torchvision classifier). A user whose ``training_step`` adds label
-    smoothing or a penalty would silently train another objective under a pipeline plan. Both losses are computed
-    in eval mode (no dropout, BatchNorm's running statistics read, not updated) from the same random state, so the
-    same objective gives the same number; gradients stay on for a step that differentiates (a gradient penalty).
-    A comparison that fails (a step that needs train mode) leaves pipelines out too, with the reason."""
-    module = prof.module
+    smoothing or a penalty would silently train another objective under a pipeline plan. Both losses
+    (``step_output()``, ``chain_output()``) are computed in eval mode (no dropout, BatchNorm's running statistics
+    read, not updated) from the same random state, so the same objective gives the same number; gradients stay on
+    for a step that differentiates (a gradient penalty). A comparison that fails (a step that needs train mode)
+    counts as a difference, with the reason."""
     modes = [(sub, sub.training) for sub in module.modules()]
-    devices = [prof.device] if prof.cuda else []
     values: list[float] = []
     try:
         module.eval()
-        for compute in (prof.step_output, prof.chain_output):
-            with torch.random.fork_rng(devices=devices):
+        for compute in (step_output, chain_output):
+            with torch.random.fork_rng(devices=list(devices)):
                 torch.manual_seed(0)
-                out = compute(m)
+                out = compute()
             loss = out.get("loss") if isinstance(out, dict) else out
             if not isinstance(loss, Tensor):
                 return None  # training_step's own answer is judged (and refused) by the profiling that follows
@@ -174,9 +184,8 @@ def _pipeline_loss_difference(prof: _Profiler, m: int) -> str | None:
         for sub, training in modes:
             sub.training = training
     step, chain = values
-    precision = str(getattr(prof.precision_plugin, "precision", "32-true"))
-    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in prof.params) or "16" in precision
-    rtol = 1e-2 if half else _LOSS_RTOL.get(next((p.dtype for p in prof.params), torch.float32), _LOSS_RTOL[torch.float32])
+    half = any(p.dtype in (torch.float16, torch.bfloat16) for p in params) or "16" in precision
+    rtol = 1e-2 if half else _LOSS_RTOL.get(next((p.dtype for p in params), torch.float32), _LOSS_RTOL[torch.float32])
     if abs(step - chain) <= rtol * max(abs(step), abs(chain)) + 1e-6:
         return None
     source = "the module's pipeline_spec()" if callable(getattr(module, "pipeline_spec", None)) else (
@@ -306,7 +315,8 @@ class _Profiler:
             x = self.spec.inputs(batch)
             for layer in self.spec.layers:
                 x = call_layer(layer, x)
-            return self.spec.loss(x, batch)
+            # as a pipeline's last stage calls it: with spec.targets(batch) when the spec names its targets
+            return self.spec.loss(x, self.spec.targets(batch) if self.spec.targets is not None else batch)
 
     def loss(self, m: int) -> Tensor:
         return _extract_loss(self.step_output(m), self.name)

@@ -359,6 +359,43 @@ def _sharded_by_rank(rank: int, world: int, out: str) -> str:
     return refused + f" | floats: {trainer.global_step} steps, {len(warned)} warning(s)"
 
 
+def _guessed_loss_differs(world: int, out: str) -> dict[str, Any]:
+    """GPT-2 whose training_step adds a weight penalty the built-in adapter's loss (the model's own LM loss) does not
+    have: the pipeline trained the plain loss, silently. Refused before the model is cut, the module whole; with a
+    pipeline_loss that matches, it trains."""
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    class Penalised(TinyGPT2):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch, batch_idx) + 100.0 * self.model.lm_head.weight.pow(2).mean()
+
+    class Declared(Penalised):
+        def pipeline_loss(self, logits: torch.Tensor, batch: Any) -> torch.Tensor:  # GPT-2's own shifted LM loss, plus the penalty
+            shift, labels = logits[..., :-1, :], batch[1][..., 1:]
+            return F.cross_entropy(shift.reshape(-1, shift.size(-1)), labels.reshape(-1)) + 100.0 * self.model.lm_head.weight.pow(2).mean()
+
+    torch.manual_seed(1234)
+    model = Penalised()
+    whole = sum(p.numel() for p in model.parameters())
+    trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 1})
+    refused = ""
+    try:
+        trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    except InfeasiblePlanError as err:
+        refused = str(err)
+    result = {"refused": refused, "steps": trainer.global_step, "whole": sum(p.numel() for p in model.parameters()) == whole}
+    torch.manual_seed(1234)
+    declared = Declared()
+    ok = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 1})
+    try:
+        ok.fit(declared, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+    except InfeasiblePlanError as err:
+        result["declared_refused"] = str(err)
+    result["declared_steps"] = ok.global_step
+    return result
+
+
 def _plateau_on_unlogged(world: int, out: str) -> str:
     """ReduceLROnPlateau on a metric the module logs but a pipeline does not: refused before the first step."""
     from lightning_distplan.errors import InfeasiblePlanError
@@ -529,6 +566,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["shape_inference"] = _shape_inference(world, out)
     results["many_shapes"] = _many_shapes(world, out)
     results["plateau"] = _plateau_on_unlogged(world, out)
+    results["guessed_loss"] = _guessed_loss_differs(world, out)
     results["callbacks"] = _callbacks_a_pipeline_cannot_serve(world, out)
     results["sharded"] = _sharded_by_rank(rank, world, out)
     results["tied_frozen"] = _tied_and_frozen(world, out)
@@ -648,6 +686,17 @@ def test_a_scheduler_monitoring_what_a_pipeline_does_not_log_is_refused_before_t
     for res in results:  # and the module is whole again on every rank (it held one stage's weights)
         assert res["plateau"].startswith("0 True: A learning-rate scheduler monitors 'val_acc', which a pipeline does not log")
     assert "HINT: Monitor 'val_loss'" in results[0]["plateau"]
+
+
+def test_a_training_step_loss_the_adapters_guess_misses_is_refused_before_the_model_is_cut(two_rank_run) -> None:
+    _, results = two_rank_run
+    for res in results:
+        got = res["guessed_loss"]
+        assert got["refused"].startswith("PipelineStrategy would train another loss than Penalised.training_step: the pipeline's loss "
+                                         "(the built-in adapter's guess) is"), got
+        assert "HINT: Define pipeline_loss(self, output, batch)" in got["refused"]
+        assert got["steps"] == 0 and got["whole"]
+        assert "declared_refused" not in got and got["declared_steps"] == 1  # the same objective declared: it trains
 
 
 def test_callbacks_a_pipeline_cannot_serve_are_refused_before_the_model_is_cut(two_rank_run) -> None:
