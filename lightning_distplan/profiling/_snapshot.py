@@ -70,10 +70,12 @@ class ModuleSnapshot:
     """Per submodule: its plain (unregistered) attributes, each object with what it held (:class:`_Kept`)."""
 
     @classmethod
-    def take(cls, module: nn.Module) -> ModuleSnapshot:
+    def take(cls, module: nn.Module, *, weights: bool = True) -> ModuleSnapshot:
+        """``weights=False``: parameters and their gradients are left out (a forward that steps no optimizer leaves
+        them as they are), so a large model is not copied."""
         devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
         snap = cls(module=module, device=next(iter(devices)) if len(devices) == 1 else None)
-        for name, p in module.named_parameters(remove_duplicate=True):
+        for name, p in module.named_parameters(remove_duplicate=True) if weights else ():
             snap.params[name] = _cpu_copy(p)
             snap.grads[name] = None if p.grad is None else _cpu_copy(p.grad)
         for name, b in module.named_buffers(remove_duplicate=True):

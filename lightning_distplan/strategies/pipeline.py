@@ -508,7 +508,8 @@ class PipelineStrategy(DDPStrategy):
                 def step() -> Any:
                     return module.training_step(batch, 0)
 
-                snapshot = ModuleSnapshot.take(module)  # training_step may count, log or update metrics: put it all back
+                # training_step may count, log or update metrics: put them back (no optimizer steps: the weights stay)
+                snapshot = ModuleSnapshot.take(module, weights=False)
                 try:
                     with _quiet_logging(module), self.precision_plugin.train_step_context():
                         differs = loss_difference(module, step, chain, devices=[device] if device.type == "cuda" else [],

@@ -367,7 +367,12 @@ def _guessed_loss_differs(world: int, out: str) -> dict[str, Any]:
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     class Penalised(TinyGPT2):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[int] = []  # what training_step was called on: the comparison leaves no trace in it
+
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.seen.append(batch_idx)
             return super().training_step(batch, batch_idx) + 100.0 * self.model.lm_head.weight.pow(2).mean()
 
     class Declared(Penalised):
@@ -384,7 +389,8 @@ def _guessed_loss_differs(world: int, out: str) -> dict[str, Any]:
         trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     except InfeasiblePlanError as err:
         refused = str(err)
-    result = {"refused": refused, "steps": trainer.global_step, "whole": sum(p.numel() for p in model.parameters()) == whole}
+    result = {"refused": refused, "steps": trainer.global_step, "whole": sum(p.numel() for p in model.parameters()) == whole,
+              "seen": list(model.seen)}
     torch.manual_seed(1234)
     declared = Declared()
     ok = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 1})
@@ -695,7 +701,7 @@ def test_a_training_step_loss_the_adapters_guess_misses_is_refused_before_the_mo
         assert got["refused"].startswith("PipelineStrategy would train another loss than Penalised.training_step: the pipeline's loss "
                                          "(the built-in adapter's guess) is"), got
         assert "HINT: Define pipeline_loss(self, output, batch)" in got["refused"]
-        assert got["steps"] == 0 and got["whole"]
+        assert got["steps"] == 0 and got["whole"] and got["seen"] == []
         assert "declared_refused" not in got and got["declared_steps"] == 1  # the same objective declared: it trains
 
 
@@ -786,8 +792,6 @@ def _per_microbatch_saved_bytes() -> tuple[int, int]:
 
 
 def test_pipeline_1f1b_keeps_fewer_activations_than_gpipe(two_rank_run) -> None:
-    from lightning_distplan.costmodel import in_flight_microbatches
-
     _, results = two_rank_run
     peak = {s: [r[("memory", s)]["peak"] for r in results] for s in ("gpipe", "1f1b")}
     per_mb = _per_microbatch_saved_bytes()
