@@ -412,6 +412,7 @@ class Profile:
                 hint=hint,
             )
         sizes = {
+            "memory.device_total_bytes": self.memory.device_total_bytes,
             "memory.param_bytes": self.memory.param_bytes, "memory.grad_bytes": self.memory.grad_bytes,
             "memory.optimizer_state_bytes": self.memory.optimizer_state_bytes, "memory.fixed_overhead_bytes": self.memory.fixed_overhead_bytes,
             "optimizer.state_bytes": self.optimizer.state_bytes, "optimizer.step_time_s": self.optimizer.step_time_s,
@@ -463,6 +464,16 @@ class Profile:
                     "a measured time is positive.",
                     hint=hint,
                 )
+        for i, layer in enumerate(self.layers):  # a noisy layer fit may dip a little below 0, not by a whole step's time
+            for m in self.micro_batch_sizes:
+                step = self.step.forward(m) + self.step.backward(m)
+                worst = min(layer.forward(m), layer.backward(m))
+                if worst < -0.5 * step:
+                    raise ProfileFormatError(
+                        f"{source!r} predicts {worst:.3g} s for layers[{i}] at its profiled micro-batch {m} (the whole step takes "
+                        f"{step:.3g} s); a measured layer time is not negative.",
+                        hint=hint,
+                    )
         if self.memory.activation.alpha < 0:
             raise ProfileFormatError(f"{source!r} has activation memory falling with the micro-batch ({self.memory.activation.alpha:.3g} B per sample).", hint=hint)
         if not (isinstance(self.device.count, int) and self.device.count >= 1 and self.device.total_memory_bytes > 0):
@@ -639,12 +650,17 @@ def _convert(tp: Any, value: Any) -> Any:
             raise TypeError(f"{tp.__name__} must be an object")
         return _build(tp, value)
     if origin is tuple:
+        if not isinstance(value, (list, tuple)):  # a string "248" was read as the sizes 2, 4, 8
+            raise TypeError(f"{value!r} is not a list")
         if args and args[-1] is Ellipsis:
             return tuple(_convert(args[0], v) for v in value)
         return tuple(_convert(a, v) for a, v in zip(args, value))
     if origin is dict:
         kt, vt = args
-        return {_convert(kt, k): _convert(vt, v) for k, v in value.items()}
+        # JSON writes every key as a string: a whole-number key comes back as "4"
+        return {(int(k) if kt is int and isinstance(k, str) else _convert(kt, k)): _convert(vt, v) for k, v in value.items()}
+    if tp in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise TypeError(f"{value!r} is not a number")  # "0.1" was read as 0.1, true as 1
     if tp is int:
         if isinstance(value, float) and not value.is_integer():
             raise ValueError(f"{value!r} is not a whole number")  # never truncate 1.7 to 1 silently

@@ -164,6 +164,15 @@ def test_table_output_and_options(profile_path, capsys):
          ["--world-size", "2", "--global-batch-size", "8"], "bandwidth must be positive"),
         ({"links": [{"kind": "bogus", "backend": "gloo", "world_size": 2, "latency_s": 1e-5, "bandwidth_bytes_per_s": 1e9}]},
          ["--world-size", "2", "--global-batch-size", "8"], "link of kind 'bogus'"),
+        # each of these was planned with (a review): a string for a list or a number, a negative device size, a layer fit
+        # negative by more than the step at its profiled sizes
+        ({"micro_batch_sizes": "248"}, ["--world-size", "2", "--global-batch-size", "8"], "'248' is not a list"),
+        ({"optimizer": {"name": "AdamW", "state_bytes": 0, "step_time_s": "0.1"}}, ["--world-size", "2", "--global-batch-size", "8"],
+         "'0.1' is not a number"),
+        ({"memory": {**profile_json()["memory"], "device_total_bytes": -5}}, ["--world-size", "2", "--global-batch-size", "8"],
+         "has a negative memory.device_total_bytes (-5)"),
+        ({"layers": [{**_layer(0), "forward": _fit(-1.0, -1.0)}]}, ["--world-size", "2", "--global-batch-size", "8"],
+         "predicts -2 s for layers[0] at its profiled micro-batch 1"),
     ],
 )
 def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, message):
