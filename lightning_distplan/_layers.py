@@ -72,6 +72,15 @@ def call_layer(layer: Any, x: Any) -> Any:
     return layer(*x) if isinstance(x, (tuple, list)) else layer(x)
 
 
+def chain_output(spec: PipelineSpec, batch: Any) -> Any:
+    """What a pipeline computes from ``batch`` in one process: ``spec.inputs`` -> every layer -> ``spec.loss``, with
+    ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it)."""
+    x = spec.inputs(batch)
+    for layer in spec.layers:
+        x = call_layer(layer, x)
+    return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)
+
+
 @dataclass(frozen=True)
 class DiscoveredLayers:
     names: tuple[str, ...]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_distplan._layers import call_layer, discover_layers
+from lightning_distplan._layers import chain_output, discover_layers
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.profile import (
     FrameworkProfile,
@@ -312,11 +312,7 @@ class _Profiler:
         """What a pipeline's loss returns on that micro-batch: ``spec.inputs`` -> blocks -> ``spec.loss``."""
         batch = self.batch(m)
         with self.step_context():
-            x = self.spec.inputs(batch)
-            for layer in self.spec.layers:
-                x = call_layer(layer, x)
-            # as a pipeline's last stage calls it: with spec.targets(batch) when the spec names its targets
-            return self.spec.loss(x, self.spec.targets(batch) if self.spec.targets is not None else batch)
+            return chain_output(self.spec, batch)
 
     def loss(self, m: int) -> Tensor:
         return _extract_loss(self.step_output(m), self.name)

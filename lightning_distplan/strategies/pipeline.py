@@ -76,7 +76,7 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from lightning_distplan._layers import PipelineSpec, call_layer, discover_layers
+from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
@@ -477,9 +477,9 @@ class PipelineStrategy(DDPStrategy):
         what ``training_step`` computes (label smoothing, a penalty): the pipeline would train another objective,
         silently. Compared on the first 4 samples of a fresh train loader, as the profiler compares them for auto_plan;
         every rank takes the same verdict."""
-        from lightning_distplan._layers import find_pipeline_spec
+        from lightning_distplan._layers import chain_output, find_pipeline_spec
         from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
-        from lightning_distplan.profiling._profiler import _quiet_logging, loss_difference
+        from lightning_distplan.profiling._profiler import _quiet_logging, _reduce, loss_difference
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
         from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
@@ -499,42 +499,23 @@ class PipelineStrategy(DDPStrategy):
                 device = first.device if first is not None else torch.device("cpu")
                 batch = self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device))
 
-                def chain() -> Any:
-                    x = spec.inputs(batch)
-                    for layer in spec.layers:
-                        x = call_layer(layer, x)
-                    return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)
-
-                def step() -> Any:
-                    return module.training_step(batch, 0)
-
                 # training_step may count, log or update metrics: put them back (no optimizer steps: the weights stay)
                 snapshot = ModuleSnapshot.take(module, weights=False)
                 try:
                     with _quiet_logging(module), self.precision_plugin.train_step_context():
-                        differs = loss_difference(module, step, chain, devices=[device] if device.type == "cuda" else [],
+                        differs = loss_difference(module, lambda: module.training_step(batch, 0), lambda: chain_output(spec, batch),
+                                                  devices=[device] if device.type == "cuda" else [],
                                                   params=list(module.parameters()),
                                                   precision=str(trainer.precision))
                 finally:
                     snapshot.restore()
-        flag = torch.tensor(float(differs is not None))
-        if _distributed_is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._object_group_or_world())
-        if flag.item():
+        if _reduce(float(differs is not None), "max"):  # every rank takes the same verdict
             raise InfeasiblePlanError(
                 f"PipelineStrategy would train another loss than {type(module).__name__}.training_step: "
                 f"{differs or 'the two losses differ on another rank'}.",
                 hint="Define pipeline_loss(self, output, batch) returning what training_step computes from the last "
                 "layer's output, or train with strategy='dp_ga' / 'ddp'.",
             )
-
-    def _object_group_or_world(self) -> Any:
-        """A gloo group for a CPU tensor's collective (the default group when it is gloo already)."""
-        if dist.get_backend() == "gloo":
-            return None
-        if getattr(self, "_check_group", None) is None:
-            self._check_group = dist.new_group(backend="gloo")
-        return self._check_group
 
     def _maybe_defer_batchnorm(self, module: nn.Module) -> None:
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
