@@ -104,6 +104,21 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             f"CPU; load {d['load_average_at_start'][0]:.1f} at start", _date(d), "`benchmarks/cli_timings.py`",
         ))
 
+    d = _load("planning_scale_cpu.json")
+    if d:
+        by_case: dict[tuple, list[dict]] = {}
+        for case in d["cases"]:
+            by_case.setdefault((case["layers"], case["world_size"], case["global_batch_size"]), []).append(case)
+        parts = [
+            f"{layers} layers on {world} devices, B={batch}: {cases[0]['plans']} plans in {max(c['wall_s'] for c in cases):.1f} s"
+            for (layers, world, batch), cases in by_case.items()
+        ]
+        out.append((
+            "Planning time, deep models on many devices (`planner.rank_plans`, every plan priced; hand-built profiles; slower of gloo- and NCCL-like links)",
+            "; ".join(parts),
+            f"CPU, one thread; load {d['load_average_at_start'][0]:.1f} at start", _date(d), "`benchmarks/planning_scale.py`",
+        ))
+
     runs = [d for d in (json.loads(path.read_text()) for path in sweep_files()) if d.get("summary")]
     if runs:
         parts = []
