@@ -480,11 +480,20 @@ class Profile:
             raise ProfileFormatError(
                 f"{source!r} describes {self.device.count!r} device(s) of {self.device.total_memory_bytes!r} bytes; both must be positive.", hint=hint
             )
+        counted: dict[int, int] = {}  # first user -> bytes of the shared parameters counted under it
         for group in self.shared_parameters:
             if len(group.layers) < 2 or any(not 0 <= i < len(self.layers) for i in group.layers) or group.param_bytes < 0:
                 raise ProfileFormatError(
                     f"{source!r} has shared parameters over layers {list(group.layers)} ({group.param_bytes} bytes); "
                     f"they need two or more of the {len(self.layers)} layers and non-negative bytes.",
+                    hint=hint,
+                )
+            first = min(group.layers)
+            counted[first] = counted.get(first, 0) + group.param_bytes
+            if counted[first] > self.layers[first].param_bytes:
+                raise ProfileFormatError(
+                    f"{source!r} has {counted[first]} bytes of shared parameters first used by layers[{first}], which holds "
+                    f"{self.layers[first].param_bytes} bytes of parameters; shared parameters count under their first user.",
                     hint=hint,
                 )
         loop = (self.framework.per_batch_s, self.framework.per_step_s, self.step.spread)

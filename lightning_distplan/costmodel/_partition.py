@@ -133,6 +133,8 @@ def partition_pipeline(
     cut_memory: Sequence[float],
     in_flight: Sequence[int],
     memory_cap: float | None,
+    tied: Sequence[tuple[Sequence[int], float]] = (),
+    no_cut: Sequence[int] = (),
 ) -> tuple[int, ...]:
     """Split layers into ``pp`` pipeline stages minimising the slowest stage, hand-overs and memory included.
 
@@ -140,7 +142,8 @@ def partition_pipeline(
     layers ``[a, b)`` takes ``Σ layer_times[a:b]`` plus the hand-over it receives
     (``cut_times[a - 1]``, k > 0) plus the one it sends (``cut_times[b - 1]``, k < pp − 1), and holds
     ``Σ static_memory[a:b] + in_flight[k] · (Σ activation_memory[a:b] + cut_memory[a - 1])`` bytes
-    (the received tensor, saved by its first layer, is a second copy on the receiving device).
+    (the received tensor, saved by its first layer, is a second copy on the receiving device), plus
+    a full copy of each ``tied`` group it uses whose first user is on an earlier stage.
     Hand-overs make cutting after a layer with a large output cost both stages time, and 1F1B's
     stages hold different numbers of micro-batches, which the compute-only
     :func:`partition_layers` does not see.
@@ -159,6 +162,9 @@ def partition_pipeline(
         cut_memory: bytes of each layer's output (the received copy on the next stage).
         in_flight: micro-batches stage k holds at its peak (length ``pp``).
         memory_cap: the most bytes one stage may hold (None: no cap).
+        tied: parameters several layers use, as (those layers, bytes of one more copy with its
+            gradient and optimizer state); ``static_memory`` counts each once, at its first user.
+        no_cut: layers no stage may start at (besides layer 0), e.g. to keep a tied group on one stage.
 
     Raises:
         ModelSplitError: ``pp`` below 1 or above the number of layers, or malformed lists.
@@ -172,6 +178,18 @@ def partition_pipeline(
             raise ModelSplitError(f"`{what}` must hold {n_layers} finite non-negative numbers, one per layer.", hint="Pass one value per layer, in layer order.")
     if len(in_flight) != pp:
         raise ModelSplitError(f"`in_flight` has {len(in_flight)} entries for {pp} stages.", hint="Give one micro-batch count per stage.")
+    groups = []
+    for layers, nbytes in tied:
+        where = sorted({int(i) for i in layers})
+        if not where or where[0] < 0 or where[-1] >= n_layers or not math.isfinite(float(nbytes)) or float(nbytes) < 0:
+            raise ModelSplitError(
+                f"A tied group of layers {list(layers)} and {nbytes!r} bytes does not fit {n_layers} layers.",
+                hint=f"Give at least one layer index in [0, {n_layers}) and bytes >= 0.",
+            )
+        # users[j]: how many of the group's layers lie before layer j
+        users = [0, *accumulate(1 if i in where else 0 for i in range(n_layers))]
+        groups.append((where[0], users, float(nbytes)))
+    barred = {int(j) for j in no_cut}
     cap = math.inf if memory_cap is None else float(memory_cap)
     pt = [0.0, *accumulate(float(t) for t in layer_times)]
     ps = [0.0, *accumulate(float(x) for x in static_memory)]
@@ -197,7 +215,11 @@ def partition_pipeline(
                 if before[0] == inf:
                     continue
                 receive = cuts[i - 1] if k > 0 else 0.0
+                if k > 0 and i in barred:
+                    continue
                 memory = ps[j] - ps[i] + in_flight[k] * (pa[j] - pa[i] + (held[i - 1] if k > 0 else 0.0))
+                if groups:  # a copy of each tied group this stage uses but an earlier one holds
+                    memory += sum(nbytes for first, users, nbytes in groups if first < i and users[j] > users[i])
                 if memory > cap:
                     continue
                 stage = pt[j] - pt[i] + receive + send
@@ -207,6 +229,12 @@ def partition_pipeline(
         best = nxt
         choice.append(arg)
     if best[n_layers][0] == inf:
+        if barred:
+            under = "" if cap == inf else f" and keeps every stage under {cap:.4g} bytes"
+            raise InfeasiblePlanError(
+                f"No split of {n_layers} layers into {pp} stages starts no stage at layers {sorted(barred)}{under}.",
+                hint="Allow more cut points, use fewer stages or devices with more memory.",
+            )
         raise InfeasiblePlanError(
             f"No split of {n_layers} layers into {pp} stages keeps every stage under {cap:.4g} bytes.",
             hint="Use more pipeline stages, a smaller micro-batch or devices with more memory.",

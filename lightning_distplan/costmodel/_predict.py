@@ -36,7 +36,7 @@ Step-time breakdown (always sums exactly to ``step_time_s``; every key is presen
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import TYPE_CHECKING
 
@@ -168,8 +168,19 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
         hardware: target devices and links; default :meth:`Hardware.from_profile`.
 
     Raises:
-        ModelSplitError: the plan has more stages than the profile has layers, or boundaries past the last layer.
+        ModelSplitError: the plan has more stages than the profile has layers, boundaries past the last
+            layer, or boundaries made for other layers (``plan.layer_names``).
     """
+    names = tuple(layer.name for layer in profile.layers)
+    if plan.stage_boundaries and plan.layer_names and plan.layer_names != names:
+        # its boundaries index another model's layers: priced here they would cut this one elsewhere
+        i = next((i for i, (a, b) in enumerate(zip(plan.layer_names, names)) if a != b), min(len(names), len(plan.layer_names)))
+        theirs, ours = (repr(x[i]) if i < len(x) else "missing" for x in (plan.layer_names, names))
+        raise ModelSplitError(
+            f"The plan's stage_boundaries split another model: its layer {i} is {theirs}, this profile's is {ours} "
+            f"({len(plan.layer_names)} against {len(names)} layers).",
+            hint="Plan again from this profile, or drop the plan's stage_boundaries to have them split afresh.",
+        )
     hw = hardware if hardware is not None else Hardware.from_profile(profile)
     if plan.strategy == "dp_ga":
         return _predict_dp(profile, plan, hw)
@@ -412,6 +423,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     trained_total = profile.memory.grad_bytes + _optimizer_state_bytes(profile)
     overhead = int(profile.memory.fixed_overhead_bytes)
     notes: list[str] = []
+    alternatives: list[tuple[int, ...]] = []  # other splits to price (tied parameters kept on one stage)
 
     if plan.stage_boundaries:
         boundaries = plan.stage_boundaries
@@ -425,18 +437,34 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # sends (a cut after a layer with a large output costs both stages), and its memory with the
         # micro-batches that stage holds (1F1B: fewer on later stages) and the copy of its input.
         outputs = [m * layer.output_bytes_per_sample for layer in profile.layers]
+        # each stage past a tied parameter's first user that uses it holds a full copy, as priced below
+        copy_bytes = profile.memory.param_bytes / max(1, profile.memory.param_bytes) + trained_total / _trained_bytes(profile)
         split = dict(
             cut_times=[hw.p2p_latency_s + o / hw.p2p_bandwidth_bytes_per_s for o in outputs],
             static_memory=[sh * profile.memory.param_bytes + tr * trained_total for sh, tr in zip(shares, train_shares)],
             activation_memory=acts,
             cut_memory=outputs,
             in_flight=[in_flight_microbatches(plan.strategy, n, p, k) for k in range(p)],
+            tied=[(g.layers, g.param_bytes * copy_bytes) for g in profile.shared_parameters],
         )
+        cap = hw.usable_memory_bytes - overhead
         try:
-            boundaries = partition_pipeline(times, p, memory_cap=hw.usable_memory_bytes - overhead, **split)
+            boundaries = partition_pipeline(times, p, memory_cap=cap, **split)
         except InfeasiblePlanError:
             boundaries = partition_pipeline(times, p, memory_cap=None, **split)  # best time split; the memory check below reports it
             notes.append(f"no split into {p} stages fits every stage in memory")
+        # The split's slowest stage does not see what a tied group costs across stages (its copies'
+        # all-reduce after the flush), so a split that keeps the group's users on one stage is priced
+        # too, for each group and for all of them (none when a group spans the model, as GPT-2's does).
+        spans = [set(range(min(g.layers) + 1, max(g.layers) + 1)) for g in profile.shared_parameters]
+        spans = [s for s in spans if s]
+        for barred in [*spans, set().union(*spans)] if len(spans) > 1 else spans:
+            if n_layers - 1 - len(barred) < p - 1:  # too few cut points left
+                continue
+            try:
+                alternatives.append(partition_pipeline(times, p, memory_cap=cap, no_cut=barred, **split))
+            except InfeasiblePlanError:
+                continue
 
     edges = [0, *boundaries, n_layers]
     stage_fwd, stage_bwd = stage_sums(fwd_times, boundaries), stage_sums(bwd_times, boundaries)
@@ -539,7 +567,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         stage_act[k] += m * profile.layers[edges[k] - 1].output_bytes_per_sample
     opt_bytes = _optimizer_state_bytes(profile)
     total_params = max(1, profile.memory.param_bytes)
-    total_trained = max(1, sum(layer.trainable_bytes for layer in profile.layers))
+    total_trained = _trained_bytes(profile)
     per_stage: list[dict[str, int]] = []
     for k in range(p):
         # the layer-by-layer shares count a tied parameter once, on the stage of its first user;
@@ -561,7 +589,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     stage_memory = tuple(sum(d.values()) for d in per_stage)
     top = max(range(p), key=lambda k: stage_memory[k])
     feasible, reason = _feasibility(profile, plan, hw, stage_memory[top], f" on stage {top}", notes)
-    return Prediction(
+    pred = Prediction(
         step_time_s=step,
         breakdown=breakdown,
         peak_memory_bytes=stage_memory[top],
@@ -572,4 +600,15 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         feasible=feasible,
         reason=reason,
     )
+    for other in dict.fromkeys(alternatives):
+        if other != pred.stage_boundaries:
+            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=other), hw)
+            if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
+                pred = priced
+    return pred
+
+
+def _trained_bytes(profile: Profile) -> int:
+    """Bytes of the layers' trainable parameters (at least 1): what gradients and optimizer state are spread by."""
+    return max(1, sum(layer.trainable_bytes for layer in profile.layers))
 

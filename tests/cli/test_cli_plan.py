@@ -173,6 +173,9 @@ def test_table_output_and_options(profile_path, capsys):
          "has a negative memory.device_total_bytes (-5)"),
         ({"layers": [{**_layer(0), "forward": _fit(-1.0, -1.0)}]}, ["--world-size", "2", "--global-batch-size", "8"],
          "predicts -2 s for layers[0] at its profiled micro-batch 1"),
+        # shared parameters count under their first user, so they cannot hold more than it does
+        ({"shared_parameters": [{"layers": [1, 3], "param_bytes": 4_000_001}]}, ["--world-size", "2", "--global-batch-size", "8"],
+         "4000001 bytes of shared parameters first used by layers[1], which holds 4000000 bytes"),
     ],
 )
 def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, message):

@@ -82,15 +82,17 @@ def test_scales_to_hundreds_of_layers():
     assert max(stages) <= sum(times) / 8 + 1.5  # within one layer of perfect balance
 
 
-def _pipeline_cost(times, cuts, static, acts, held, in_flight, boundaries):
-    """Slowest stage (compute + hand-overs received and sent) and every stage's memory, as predict() prices them."""
+def _pipeline_cost(times, cuts, static, acts, held, in_flight, boundaries, tied=()):
+    """Slowest stage (compute + hand-overs received and sent) and every stage's memory, as predict() prices them
+    (a copy of each tied group on every stage that uses it but not its first user)."""
     edges = [0, *boundaries, len(times)]
     slowest, memory = 0.0, []
     for k, (a, b) in enumerate(zip(edges, edges[1:])):
         receive = cuts[a - 1] if a > 0 else 0.0
         send = cuts[b - 1] if b < len(times) else 0.0
         slowest = max(slowest, sum(times[a:b]) + receive + send)
-        memory.append(sum(static[a:b]) + in_flight[k] * (sum(acts[a:b]) + (held[a - 1] if a > 0 else 0.0)))
+        copies = sum(nbytes for layers, nbytes in tied if min(layers) < a and any(a <= i < b for i in layers))
+        memory.append(sum(static[a:b]) + in_flight[k] * (sum(acts[a:b]) + (held[a - 1] if a > 0 else 0.0)) + copies)
     return slowest, memory
 
 
@@ -106,19 +108,24 @@ def test_pipeline_partition_matches_brute_force_with_hand_overs_and_per_stage_me
         static, acts, held = ([rng.uniform(0, 6) for _ in range(n)] for _ in range(3))
         in_flight = [rng.randint(1, 4) for _ in range(p)]
         cap = rng.uniform(10, 60) if trial % 4 else None
+        # from trial 200 on: groups of tied layers (a copy on each later stage using them) and cut points barred
+        tied = [(rng.sample(range(n), rng.randint(1, n)), rng.uniform(0, 8)) for _ in range(rng.randint(0, 2))] if trial >= 200 else []
+        barred = rng.sample(range(1, n), rng.randint(0, n - 1)) if trial >= 300 else []
         feasible = []
         for cut in itertools.combinations(range(1, n), p - 1):
-            slowest, memory = _pipeline_cost(times, cuts, static, acts, held, in_flight, cut)
-            if cap is None or max(memory) <= cap:
+            slowest, memory = _pipeline_cost(times, cuts, static, acts, held, in_flight, cut, tied)
+            if (cap is None or max(memory) <= cap) and not set(cut) & set(barred):
                 feasible.append(slowest)
         kwargs = dict(cut_times=cuts, static_memory=static, activation_memory=acts, cut_memory=held, in_flight=in_flight, memory_cap=cap)
+        kwargs.update(tied=tied, no_cut=barred)
         if not feasible:
             with pytest.raises(InfeasiblePlanError, match="HINT"):
                 partition_pipeline(times, p, **kwargs)
             continue
         got = partition_pipeline(times, p, **kwargs)
         assert len(got) == p - 1 and list(got) == sorted(set(got)) and all(0 < b < n for b in got)
-        slowest, memory = _pipeline_cost(times, cuts, static, acts, held, in_flight, got)
+        slowest, memory = _pipeline_cost(times, cuts, static, acts, held, in_flight, got, tied)
+        assert not set(got) & set(barred)
         assert slowest == pytest.approx(min(feasible), rel=1e-12, abs=1e-12), (trial, got)
         assert cap is None or max(memory) <= cap * (1 + 1e-12)
 
