@@ -128,28 +128,48 @@ def nearest_valid_batch_sizes(
     strategies: Sequence[str] = STRATEGIES,
     max_pp: int | None = None,
 ) -> tuple[int | None, int]:
-    """The closest global batch sizes below (None if none) and above ``global_batch_size`` that some plan factors."""
+    """The closest global batch sizes below (None if none) and above ``global_batch_size`` that some plan factors.
+
+    Each (strategy, dp, pp) that :func:`enumerate_plans` may form is solved on its own, in
+    per-replica samples r (B = dp·r): dp_ga and GPipe take any r from the smallest micro-batch the
+    model accepts up (one micro-batch of r), 1F1B an r = m·n with m that large and n ≥ pp, which
+    every multiple of ``need·pp`` is; so each search ends within ``need·pp`` steps, whatever the
+    world size.
+    """
     strategies = _check_strategies(strategies)
-    below = next(
-        (b for b in range(global_batch_size - 1, 0, -1) if _raw_plans(profile, world_size, b, strategies, max_pp)),
-        None,
-    )
-    above = global_batch_size + 1
-    # world_size · need · k always factors with dp_ga (need: the smallest micro-batch the model takes);
-    # pipelines alone may need more, so the search is bounded generously.
     need = profile.min_micro_batch_size
-    step = world_size * need
-    dp_above = (global_batch_size // step + 1) * step if "dp_ga" in strategies else None
-    while not _raw_plans(profile, world_size, above, strategies, max_pp):
-        above += 1
-        if above > 64 * world_size * max(global_batch_size, 1):
-            if dp_above is not None:
-                return below, dp_above
-            refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled" if need > 1 else ""
-            raise BatchNotFactorableError(
-                f"No global batch size near {global_batch_size} can be factored for the strategies {list(strategies)} on {world_size} devices{refused}.",
-                hint="Allow strategy 'dp_ga', or check that the profile is splittable for pipelines.",
-            )
+    options: list[tuple[int, int, str]] = []  # (dp, pp, strategy)
+    for pp in _divisors(world_size):
+        if pp == 1:
+            options += [(world_size, 1, "dp_ga")] if "dp_ga" in strategies else []
+        elif not (profile.pipeline_refusal or pp > len(profile.layers) or (max_pp is not None and pp > max_pp)):
+            options += [(world_size // pp, pp, s) for s in ("gpipe", "1f1b") if s in strategies]
+    if not options:
+        refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled" if need > 1 else ""
+        raise BatchNotFactorableError(
+            f"No global batch size near {global_batch_size} can be factored for the strategies {list(strategies)} on {world_size} devices{refused}.",
+            hint="Allow strategy 'dp_ga', or check that the profile is splittable for pipelines.",
+        )
+
+    def factors(r: int, pp: int, strategy: str) -> bool:
+        if strategy != "1f1b":
+            return r >= need
+        return any(m >= need and r // m >= pp for m in _divisors(r))
+
+    below: int | None = None
+    above = None
+    for dp, pp, strategy in options:
+        least = need * pp if strategy == "1f1b" else need  # the fewest samples per replica it takes
+        r = max(global_batch_size // dp + 1, least)
+        while not factors(r, pp, strategy):
+            r += 1
+        above = dp * r if above is None else min(above, dp * r)
+        r = (global_batch_size - 1) // dp
+        while r >= least and not factors(r, pp, strategy):
+            r -= 1
+        if r >= least:
+            below = dp * r if below is None else max(below, dp * r)
+    assert above is not None  # options is not empty
     return below, above
 
 
