@@ -55,9 +55,10 @@ __all__ = [
     "ring_allreduce_time",
     "loop_sync_time",
     "expected_max_excess",
-    "overlappable_fraction",
+    "exposed_allreduce_time",
     "in_flight_microbatches",
     "DDP_FIRST_BUCKET_BYTES",
+    "DDP_BUCKET_BYTES",
     "PIPELINE_SLOT_S",
     "BREAKDOWN_KEYS",
     "MEMORY_KEYS",
@@ -66,6 +67,8 @@ __all__ = [
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 # source: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES (= 1 MiB), the size of DDP's first gradient
 # bucket when bucket_cap_mb is left at its default (torch/nn/parallel/distributed.py).
+DDP_BUCKET_BYTES = 25 << 20
+# source: DistributedDataParallel's bucket_cap_mb default, 25 (MiB), for every bucket after the first.
 
 PIPELINE_SLOT_S = 0.7e-3
 # The pipelining runtime's own work per micro-batch slot where the profile did not measure it
@@ -133,28 +136,48 @@ def ring_allreduce_time(nbytes: float, world: int, latency_s: float, bandwidth_b
     return 2 * (world - 1) * (latency_s + nbytes / (world * bandwidth_bytes_per_s))
 
 
-def overlappable_fraction(profile: Profile, micro_batch_size: int) -> float:
-    """Share of the last micro-batch's backward that can hide DP's gradient all-reduce.
+def exposed_allreduce_time(profile: Profile, micro_batch_size: int, world: int, hw: Hardware) -> float:
+    """Seconds of DDP's gradient all-reduce left after the last micro-batch's backward ends (S_all − S_over).
 
-    Why this number: DDP all-reduces gradient *buckets* (filled in reverse layer order) as soon
-    as every gradient in a bucket is ready, so communication can only start once the first bucket
-    (:data:`DDP_FIRST_BUCKET_BYTES`) is full; the backward of the layers that run *after* that
-    point (the earlier layers of the model) is the window in which the all-reduce can hide. Under
-    gradient accumulation only the last micro-batch syncs (``no_sync`` on the others, seed 000
-    §III-A), so this window belongs to the last micro-batch only. A model whose gradients fit in
-    the first bucket therefore has no overlap (fraction 0): its only bucket is ready when backward ends.
+    seed 000 §III-A hides the all-reduce behind the last micro-batch's backward (``no_sync`` on the
+    others). Which part it hides follows DDP's buckets: after the first step DDP rebuilds them in the
+    order gradients became ready (backward's order, last layer first), the first
+    :data:`DDP_FIRST_BUCKET_BYTES`, the others :data:`DDP_BUCKET_BYTES`; a bucket is all-reduced
+    (:func:`ring_allreduce_time`) once its last gradient is ready and the bucket before it is done.
+    So the earliest layers' gradients, ready only as backward ends (a large embedding in layer 0,
+    or a tied one, which counts under its first user), are never hidden, and a model whose
+    gradients fit in one bucket hides nothing. Without ``hw.comm_overlap`` (CPUs) nothing is hidden.
+    Gradient bytes are spread over the layers by their trainable bytes, the backward by the
+    layers' fits, scaled to the whole step's.
     """
+    grads = profile.memory.grad_bytes
+    if not hw.comm_overlap or world <= 1:
+        return ring_allreduce_time(grads, world, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     layers = profile.layers
     bwd = [_monotone(layer.backward, micro_batch_size, profile.micro_batch_sizes) for layer in layers]
-    total = sum(bwd)
-    if total <= 0:
-        return 0.0
-    filled = 0
+    end = _step_backward(profile, micro_batch_size, hw.compute_scale)
+    scale = end / sum(bwd) if sum(bwd) > 0 else 0.0
+    shares = _param_shares(profile, trainable=True)
+
+    def allreduce(nbytes: int) -> float:
+        return ring_allreduce_time(nbytes, world, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+
+    ready = last_ready = comm_end = 0.0
+    filled, cap = 0, DDP_FIRST_BUCKET_BYTES
     for i in range(len(layers) - 1, -1, -1):  # backward visits layers last to first
-        filled += layers[i].trainable_bytes  # frozen parameters have no gradient to bucket
-        if filled >= DDP_FIRST_BUCKET_BYTES:
-            return sum(bwd[:i]) / total  # backward still to run after layer i's gradients are ready
-    return 0.0
+        ready += bwd[i] * scale
+        left = int(round(shares[i] * grads))
+        if left:
+            last_ready = ready
+        while left:
+            take = min(left, cap - filled)
+            filled, left = filled + take, left - take
+            if filled == cap:  # a full bucket goes once the one before it is done
+                comm_end = max(ready, comm_end) + allreduce(filled)
+                filled, cap = 0, DDP_BUCKET_BYTES
+    if filled:
+        comm_end = max(last_ready, comm_end) + allreduce(filled)
+    return max(0.0, comm_end - end)
 
 
 def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> Prediction:
@@ -348,17 +371,15 @@ def _predict_dp(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     m, s, w = plan.micro_batch_size, plan.accumulate_grad_batches, plan.dp
     c = hw.compute_scale
     t_calc = _step_compute(profile, m, c)
-    # seed 001 eq. 5.1 / seed 000 §III-A: S_all(W) over the all-reduce link, G = gradient bytes.
-    s_all = ring_allreduce_time(profile.memory.grad_bytes, w, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
-    # seed 000 §III-A: S_over(m) — only the last micro-batch's backward can hide the all-reduce.
-    t_bwd_last = _step_backward(profile, m, c)
-    s_over = min(s_all, overlappable_fraction(profile, m) * t_bwd_last) if hw.comm_overlap else 0.0
+    # seed 001 eq. 5.1 / seed 000 §III-A: S_all(W) − S_over(m) over the all-reduce link, bucket by bucket
+    # behind the last micro-batch's backward.
+    exposed = exposed_allreduce_time(profile, m, w, hw)
     optimizer = c * profile.optimizer.step_time_s  # one step per global batch
     breakdown = {
         "compute": s * t_calc,  # seed 000 §III-A: T = s·T_calc(m) + S_all(W) − S_over(m)
         "p2p": 0.0,
         "bubble": 0.0,
-        "exposed_comm": s_all - s_over,
+        "exposed_comm": exposed,
         "optimizer": optimizer,
         # Lightning runs one training batch per micro-batch (s per optimizer step)
         "framework": _loop_time(profile, hw, s, w, s * t_calc + optimizer),

@@ -25,7 +25,7 @@ from pathlib import Path
 from lightning_distplan.costmodel.gpus import GPUS, GpuSpec, gpu_spec, match_gpu_name
 from lightning_distplan.errors import CatalogError
 
-__all__ = ["Instance", "Catalog", "BUILTIN_CATALOGS", "load_catalog", "parse_catalog_csv"]
+__all__ = ["Instance", "Catalog", "BUILTIN_CATALOGS", "load_catalog", "parse_catalog_csv", "with_bandwidth"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,13 @@ class Instance:
             raise CatalogError(
                 f"Instance {self.instance_type!r}: {self.gpus_per_instance} GPUs per instance is neither whole nor a share of one GPU.",
                 hint="Use a whole number of GPUs, or a fraction below 1 for a shared GPU.",
+            )
+        card = gpu_spec(self.gpu).memory_bytes / _GIB
+        if self.gpu_memory_gb > card * 1.01:  # plans priced on memory the card does not have would run out of it
+            raise CatalogError(
+                f"Instance {self.instance_type!r}: {self.gpu_memory_gb:g} GiB of GPU memory per GPU is more than the {self.gpu} has "
+                f"({card:g} GiB, spec table).",
+                hint="Give GpuMemoryGiB per GPU, in GiB (e.g. 80 for an 80 GB card), or leave it empty to take the spec's.",
             )
 
     @property
@@ -245,12 +252,7 @@ def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = Non
         raise CatalogError("No catalog was named (an empty name).", hint=f"Pass a built-in catalog name ({', '.join(BUILTIN_CATALOGS)}) or a CSV path.")
     if key in BUILTIN_CATALOGS:
         catalog = BUILTIN_CATALOGS[key]
-        if bandwidth_gbps is None:
-            return catalog
-        _check_bandwidth(bandwidth_gbps)
-        from dataclasses import replace
-
-        return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth-gbps)") for i in catalog.instances))
+        return catalog if bandwidth_gbps is None else with_bandwidth(catalog, bandwidth_gbps)
     path = Path(key)
     if path.suffix.lower() == ".csv" or path.exists():
         return parse_catalog_csv(path, bandwidth_gbps=bandwidth_gbps)
@@ -258,6 +260,18 @@ def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = Non
         f"Unknown catalog {key!r}: it is neither a built-in catalog nor an existing CSV file.",
         hint=f"Use one of {', '.join(BUILTIN_CATALOGS)}, or the path of a SkyPilot-style CSV ({', '.join(_REQUIRED)}, NetworkGbps).",
     )
+
+
+def with_bandwidth(catalog: Catalog, bandwidth_gbps: float) -> Catalog:
+    """``catalog`` with every instance's network bandwidth set to ``bandwidth_gbps`` (Gbit/s).
+
+    Raises:
+        CatalogError: the bandwidth is not a positive number.
+    """
+    from dataclasses import replace
+
+    _check_bandwidth(bandwidth_gbps)
+    return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth-gbps)") for i in catalog.instances))
 
 
 def _check_bandwidth(bandwidth_gbps: float) -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from lightning_distplan.costmodel import BREAKDOWN_KEYS, Hardware, overlappable_fraction, predict, ring_allreduce_time
+from lightning_distplan.costmodel import BREAKDOWN_KEYS, Hardware, exposed_allreduce_time, predict, ring_allreduce_time
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.errors import ModelSplitError
 from lightning_distplan.plan import Plan
@@ -31,7 +31,7 @@ def dp_profile(param_bytes: int = 4_000_000):
     # T_calc(m) = (0.1 + 0.2)·m + (0.05 + 0.1) = 0.3·m + 0.15
     layer = LayerSpec(fwd_alpha=0.03, fwd_beta=0.01, bwd_alpha=0.1, bwd_beta=0.05, param_bytes=param_bytes)
     return synthetic_profile(
-        [layer, layer], step_forward=(0.1, 0.05), step_backward=(0.2, 0.1), optimizer_step_time_s=0.02, grad_bytes=8_000_000
+        [layer, layer], step_forward=(0.1, 0.05), step_backward=(0.2, 0.1), optimizer_step_time_s=0.02, grad_bytes=2 * param_bytes
     )
 
 
@@ -41,37 +41,66 @@ def test_ring_allreduce_seed001_eq_5_1():
     assert ring_allreduce_time(8e6, 1, 1e-4, 1e9) == 0.0
 
 
-def test_dp_ga_fully_hidden_allreduce():
+# dp_profile at m = 2: each layer's backward 0.25 s, so layer 1's 4e6 gradient bytes are ready at 0.25 s and
+# layer 0's at 0.5 s, when backward ends. DDP's first bucket takes 1 MiB of layer 1's; the second (25 MiB
+# cap) the other 2,951,424 bytes of layer 1 and all of layer 0's, 6,951,424 bytes, ready at 0.5 s.
+FIRST, SECOND = 1 << 20, 8_000_000 - (1 << 20)
+
+
+def test_dp_ga_allreduce_hides_the_buckets_ready_before_backward_ends():
     profile = dp_profile()
     plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=24)
     pred = predict(profile, plan, hw())
-    # compute = s·T_calc(m) = 3·(0.3·2 + 0.15) = 2.25; S_all = 0.0126; overlap window = 0.5·bwd(2) = 0.5·0.5 = 0.25
+    # compute = s·T_calc(m) = 3·(0.3·2 + 0.15) = 2.25; the first bucket's all-reduce (2.2 ms) runs from 0.25 s,
+    # hidden; the second's starts as backward ends: all of it shows
     assert pred.breakdown["compute"] == pytest.approx(2.25, rel=1e-12)
-    assert pred.breakdown["exposed_comm"] == pytest.approx(0.0, abs=1e-15)
+    assert pred.breakdown["exposed_comm"] == pytest.approx(ring_allreduce_time(SECOND, 4, 1e-4, 1e9), rel=1e-12)
     assert pred.breakdown["optimizer"] == pytest.approx(0.02)
     # Lightning's per-batch broadcast over 4 ranks: 3 batches · ⌈log2 4⌉ · 1e-4 (the profile has no loop cost)
     assert pred.breakdown["framework"] == pytest.approx(3 * 2 * 1e-4, rel=1e-12)
-    assert pred.step_time_s == pytest.approx(2.27 + 6e-4, rel=1e-12)
+    assert pred.step_time_s == pytest.approx(2.27 + 6e-4 + 6 * (1e-4 + SECOND / 4e9), rel=1e-12)
 
 
-def test_dp_ga_partial_overlap_only_last_microbatch():
+def test_dp_ga_slow_link_first_bucket_spills_past_backward_and_only_the_last_microbatch_hides():
     profile = dp_profile()
-    # last layer's 4e6 bytes fill DDP's 1 MiB first bucket, so the backward of layer 0 (half the backward) can overlap
-    assert overlappable_fraction(profile, 2) == pytest.approx(0.5)
-    plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=24)
-    pred = predict(profile, plan, hw(allreduce_bandwidth_bytes_per_s=1e7))
-    s_all = 6 * (1e-4 + 8e6 / (4 * 1e7))  # 1.2006
-    s_over = 0.5 * (0.2 * 2 + 0.1)  # only the last micro-batch's backward: 0.25, not 3 × 0.25
-    assert pred.breakdown["exposed_comm"] == pytest.approx(s_all - s_over, rel=1e-12)
-    assert pred.step_time_s - pred.breakdown["framework"] == pytest.approx(2.25 + 0.02 + 0.9506, rel=1e-12)
+    slow = hw(allreduce_bandwidth_bytes_per_s=1e7)
+    first, second = (ring_allreduce_time(b, 4, 1e-4, 1e7) for b in (FIRST, SECOND))  # 0.158 s, 1.043 s
+    # the second bucket is ready at 0.5 s, before the first is done (0.25 + 0.158): it starts on time
+    assert 0.25 + first < 0.5
+    for s in (1, 3):  # accumulation: only the last micro-batch's backward syncs, the same window
+        plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=s, global_batch_size=8 * s)
+        assert predict(profile, plan, slow).breakdown["exposed_comm"] == pytest.approx(second, rel=1e-12)
+    # at 2 MB/s the first bucket runs past the end of backward and the second waits for it
+    slower = hw(allreduce_bandwidth_bytes_per_s=2e6)
+    first, second = (ring_allreduce_time(b, 4, 1e-4, 2e6) for b in (FIRST, SECOND))
+    assert exposed_allreduce_time(profile, 2, 4, slower) == pytest.approx(0.25 + first + second - 0.5, rel=1e-12)
+
+
+def test_dp_ga_gradients_ready_last_are_never_hidden():
+    # The review's case: a large embedding in layer 0 is all-reduced only once backward has ended, whatever
+    # backward runs before it; the seed's S_over (the backward after DDP's first bucket fills) hid it all.
+    embed = LayerSpec(fwd_alpha=0.001, bwd_alpha=0.001, param_bytes=200_000_000)
+    block = LayerSpec(fwd_alpha=0.1, bwd_alpha=0.2, param_bytes=4_000_000)
+    profile = synthetic_profile([embed, block, block], grad_bytes=208_000_000)
+    plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=4, accumulate_grad_batches=1, global_batch_size=8)
+    fast = hw(allreduce_bandwidth_bytes_per_s=1e9)
+    # backward: layer 2 ready at 0.8 s, layer 1 at 1.6 s, the embedding at 1.604 s (the end). The first 1 MiB
+    # bucket (layer 2) goes at 0.8 s, hidden; every later bucket holds some of the embedding, so all of
+    # them, 7 of 25 MiB and one of the remaining 23,450,624 bytes, go as backward ends. The seed's S_over
+    # (the 0.804 s of backward after the first bucket fills) hid all 0.21 s.
+    buckets = [25 << 20] * 7 + [208_000_000 - (1 << 20) - 7 * (25 << 20)]
+    exposed = predict(profile, plan, fast).breakdown["exposed_comm"]
+    assert exposed == pytest.approx(sum(ring_allreduce_time(b, 2, 1e-4, 1e9) for b in buckets), rel=1e-12)
+    assert exposed > ring_allreduce_time(200_000_000, 2, 1e-4, 1e9)  # the embedding's gradient at least
 
 
 def test_dp_ga_small_model_single_bucket_no_overlap():
     profile = dp_profile(param_bytes=1000)  # all gradients fit DDP's first bucket: ready only when backward ends
-    assert overlappable_fraction(profile, 2) == 0.0
     plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=2, accumulate_grad_batches=1, global_batch_size=4)
     pred = predict(profile, plan, hw())
-    assert pred.breakdown["exposed_comm"] == pytest.approx(2 * (1e-4 + 8e6 / 2e9), rel=1e-12)
+    assert pred.breakdown["exposed_comm"] == pytest.approx(2 * (1e-4 + 2000 / 2e9), rel=1e-12)
+    # on a CPU (no overlap) all of it shows, as one all-reduce
+    assert exposed_allreduce_time(dp_profile(), 2, 2, hw(comm_overlap=False)) == ring_allreduce_time(8_000_000, 2, 1e-4, 1e9)
 
 
 def test_dp_single_replica_has_no_comm_and_compute_scale_applies():

@@ -133,6 +133,33 @@ def test_missing_columns_and_bandwidth(tmp_path):
         load_catalog("aws-2026", bandwidth_gbps=-3)
 
 
+def test_gpu_memory_above_the_card_is_refused(tmp_path):
+    # a typo (800 for 80) priced plans on memory the card does not have
+    head = "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps,GpuMemoryGiB\n"
+    with pytest.raises(CatalogError, match=r"line 2: .*800 GiB of GPU memory per GPU is more than the A100-80GB has \(80 GiB, spec table\).*HINT"):
+        parse_catalog_csv(_write(tmp_path, head + "p4de.24xlarge,A100-80GB,8,40.0,400,800\n"))
+    assert parse_catalog_csv(_write(tmp_path, head + "p4de.24xlarge,A100-80GB,8,40.0,400,80\n", "ok.csv")).get("p4de.24xlarge").gpu_memory_gb == 80
+    # a shared GPU sells part of the card
+    assert parse_catalog_csv(_write(tmp_path, head + "v.large,A10,0.5,1.0,10,12\n", "half.csv")).get("v.large").gpu_memory_gb == 12
+
+
+def test_bandwidth_override_applies_to_a_catalog_object_too(tmp_path):
+    from tuner_profile_factory import make_profile
+
+    from lightning_distplan.tuner import tune
+
+    csv = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\ng6.xlarge,L4,1,0.8,100\n")
+    best = {}
+    for key, catalog, gbps in (("path", str(csv), 0.01), ("object", load_catalog(str(csv)), 0.01), ("plain", load_catalog(str(csv)), None)):
+        best[key] = tune(make_profile(), catalog=catalog, global_batch_size=64, n_trials=30, max_instances=4, bandwidth_gbps=gbps, seed=0,
+                         time_weight=1e9, storage=f"sqlite:///{tmp_path / key}.db", study_name="s", progress=False).best
+    # fastest at 100 Gbit/s: several instances; at 0.01 Gbit/s the all-reduce makes one the fastest. A Catalog object
+    # used to keep its 100 Gbit/s whatever bandwidth_gbps said.
+    assert best["plain"].count > 1
+    assert best["object"].count == best["path"].count == 1
+    assert best["object"].step_time_s == best["path"].step_time_s
+
+
 def test_mixed_currencies_are_refused(tmp_path):
     path = _write(
         tmp_path,

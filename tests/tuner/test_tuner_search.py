@@ -557,6 +557,36 @@ def test_the_local_search_walks_from_tpes_best_to_a_nearby_optimum_within_its_bu
     assert {"instance_type": "a", "n_instances": 12, "strategy": "1f1b", "pp": 12, "micro_batch_size": 256} in edge
 
 
+def test_the_local_search_also_climbs_from_the_best_trial_of_each_other_strategy():
+    """Where no single step from the best (data-parallel) trial improves, the climb from the best pipeline trial
+    goes on to the optimum: 8 instances of data parallel against 32 of a 2-stage 1F1B, as
+    benchmarks/tuner_vs_exhaustive.py found once DDP's buckets were priced in ready order."""
+    import math
+
+    from lightning_distplan.tuner.search import _neighbours, _polish
+
+    def objective(trial):
+        t = trial.suggest_categorical("instance_type", ["a", "b"])
+        n = trial.suggest_int("n_instances", 1, 64, log=True)
+        s = trial.suggest_categorical("strategy", ["dp_ga", "1f1b"])
+        pp = trial.suggest_int("pp", 2, 8, log=True) if s != "dp_ga" else 1
+        m = trial.suggest_int("micro_batch_size", 1, 1024, log=True)
+        for key, value in (("count", n), ("strategy", s), ("pp", pp), ("micro_batch_size", m)):
+            trial.set_user_attr(key, value)
+        if s == "dp_ga":  # a local optimum of 1 at 8 instances, m = 128
+            return 3 * (t != "a") + 1 + abs(math.log2(n / 8)) + abs(math.log2(m / 128))
+        return 3 * (t != "a") + 0.5 * (abs(math.log2(n / 32)) + abs(math.log2(m / 32)) + abs(math.log2(pp / 2)))
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial({"instance_type": "a", "n_instances": 8, "strategy": "dp_ga", "micro_batch_size": 128})
+    study.enqueue_trial({"instance_type": "a", "n_instances": 4, "strategy": "1f1b", "pp": 2, "micro_batch_size": 64})
+    study.optimize(objective, n_trials=2)
+    assert study.best_value == 1  # no step from here improves: 1F1B there (8, m = 128) prices 2
+    used = _polish(study, objective, 200, lambda p: _neighbours(p, ["a", "b"], 64, 1024, ["dp_ga", "1f1b"], 8))
+    assert study.best_value == 0 and study.best_params == {"instance_type": "a", "n_instances": 32, "strategy": "1f1b", "pp": 2, "micro_batch_size": 32}
+    assert used == len(study.trials) - 2 <= 200
+
+
 def test_progress_bar_counts_every_trial_of_the_search_tpe_local_search_and_rest(tmp_path, profile, capsys):
     # The search runs in parts (TPE, a local search from its best, TPE for what is left): one bar over all of them.
     result = tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=40, storage=_url(tmp_path),
