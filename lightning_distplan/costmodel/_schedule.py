@@ -262,6 +262,14 @@ def _gpipe_length(stage_fwd: Sequence[float], stage_bwd: Sequence[float], n: int
     return ends[-1]  # stage 0 ends last: it runs each gradient after the stage behind it
 
 
+def _finished(programs: Sequence[Sequence[tuple]], pc: list[int], clock: list[float], strategy: str, n: int) -> float:
+    """The step's length once every stage has run its program to the end."""
+    stuck = [k for k in range(len(programs)) if pc[k] < len(programs[k])]
+    if stuck:  # cannot happen for the two programs above; guards a future schedule
+        raise RuntimeError(f"the {strategy} program of {n} micro-batches over {len(programs)} stages deadlocks at stages {stuck}")
+    return max(clock)
+
+
 def _settled(ops: tuple[int, ...], done: list[float | None], now: float) -> float | None:
     """When a wait on ``ops`` begun at ``now`` returns; None while one of them is not done."""
     for op in ops:
@@ -325,10 +333,7 @@ def _simulate_in_order(stage_fwd: Sequence[float], stage_bwd: Sequence[float], n
                 now = then
             i += 1
         clock[k], pc[k] = now, i
-    stuck = [k for k in range(p) if pc[k] < len(programs[k])]
-    if stuck:  # cannot happen for the two programs above; guards a future schedule
-        raise RuntimeError(f"the {strategy} program of {n} micro-batches over {p} stages deadlocks at stages {stuck}")
-    return max(clock)
+    return _finished(programs, pc, clock, strategy, n)
 
 
 def _simulate(
@@ -409,7 +414,4 @@ def _simulate(
             src, dst = (b + 1, b) if what & 1 else (b, b + 1)
             wake(src)
             wake(dst)
-    stuck = [k for k in range(p) if pc[k] < len(programs[k])]
-    if stuck:  # cannot happen for the two programs above; guards a future schedule
-        raise RuntimeError(f"the {strategy} program of {n} micro-batches over {p} stages deadlocks at stages {stuck}")
-    return max(clock)
+    return _finished(programs, pc, clock, strategy, n)
