@@ -560,6 +560,15 @@ class PipelineStrategy(DDPStrategy):
                 "PipelineSpec.loss, whose own parameters get no gradient, so these are never trained. Move them into a "
                 "layer of the PipelineSpec, or train this model with strategy='dp_ga'."
             )
+        module_params = {id(p) for p in self.lightning_module.parameters()}
+        plain = sum(1 for opt in self.optimizers for group in opt.param_groups for p in group["params"] if id(p) not in module_params)
+        if plain:  # a tensor the module does not register: no stage holds it, so it leaves the optimizer
+            rank_zero_warn(
+                f"PipelineStrategy: the optimizer holds {plain} tensor(s) that are not parameters of the module (plain tensors "
+                "passed to configure_optimizers); the pipeline steps only its layers' parameters, so these are dropped from the "
+                "optimizer and never trained. Register them as nn.Parameter of a pipeline layer, or train this model with "
+                "strategy='dp_ga'."
+            )
         self._opt_index: dict[int, OptimizerIndex] = {}
         for opt in self.optimizers:
             self._opt_index[id(opt)] = OptimizerIndex.prune(opt, self._keep, self._provide, self.lightning_module)

@@ -158,14 +158,19 @@ class _FailAt(L.Callback):
 
 
 class _LossScaleMLP(TinyMLP):
-    """A learned loss scale used only in the loss: no pipeline layer holds it."""
+    """A learned loss scale used only in the loss: no pipeline layer holds it; and a plain tensor (not a
+    parameter of the module) handed to the optimizer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.log_scale = torch.nn.Parameter(torch.zeros(()))
+        self.plain = torch.zeros((), requires_grad=True)
 
     def pipeline_loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
-        return super().pipeline_loss(out, batch) * self.log_scale.exp()
+        return super().pipeline_loss(out, batch) * self.log_scale.exp() + 0 * self.plain
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([*self.parameters(), self.plain], lr=0.01)
 
 
 def _loss_only_parameter(world: int, out: str) -> list[str]:
@@ -175,7 +180,7 @@ def _loss_only_parameter(world: int, out: str) -> list[str]:
         warnings.simplefilter("always")
         trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=4), out), "max_steps": 1})
         trainer.fit(_LossScaleMLP(), DataLoader(mlp_data(), batch_size=GLOBAL_BATCH))
-    return [str(w.message) for w in caught if "belong to no pipeline layer" in str(w.message)]
+    return [str(w.message) for w in caught if "belong to no pipeline layer" in str(w.message) or "not parameters of the module" in str(w.message)]
 
 
 def _failed_fit_then_retry(world: int, out: str) -> dict[str, Any]:
@@ -888,7 +893,9 @@ def test_deferred_batchnorm_leaves_the_users_module_and_checkpoints_plain(two_ra
 
 def test_a_parameter_only_the_loss_uses_is_named_as_untrained(two_rank_run) -> None:
     _, results = two_rank_run
-    assert len(results[0]["loss_only"]) == 1 and "holds 1 parameter(s) that belong to no pipeline layer (log_scale)" in results[0]["loss_only"][0]
+    named, plain = results[0]["loss_only"]
+    assert "holds 1 parameter(s) that belong to no pipeline layer (log_scale)" in named
+    assert "holds 1 tensor(s) that are not parameters of the module" in plain and "dropped from the optimizer" in plain
 
 
 def test_a_failed_pipeline_fit_leaves_a_partial_module_that_is_not_trained_again(two_rank_run) -> None:
