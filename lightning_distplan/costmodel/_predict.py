@@ -141,14 +141,16 @@ def exposed_allreduce_time(profile: Profile, micro_batch_size: int, world: int, 
 
     seed 000 §III-A hides the all-reduce behind the last micro-batch's backward (``no_sync`` on the
     others). Which part it hides follows DDP's buckets: after the first step DDP rebuilds them in the
-    order gradients became ready (backward's order, last layer first), the first
-    :data:`DDP_FIRST_BUCKET_BYTES`, the others :data:`DDP_BUCKET_BYTES`; a bucket is all-reduced
-    (:func:`ring_allreduce_time`) once its last gradient is ready and the bucket before it is done.
-    So the earliest layers' gradients, ready only as backward ends (a large embedding in layer 0,
-    or a tied one, which counts under its first user), are never hidden, and a model whose
-    gradients fit in one bucket hides nothing. Without ``hw.comm_overlap`` (CPUs) nothing is hidden.
-    Gradient bytes are spread over the layers by their trainable bytes, the backward by the
-    layers' fits, scaled to the whole step's.
+    order gradients became ready (backward's order, last layer first), whole tensors each, closing
+    a bucket once it holds at least :data:`DDP_FIRST_BUCKET_BYTES` (the first) or
+    :data:`DDP_BUCKET_BYTES` (the others); a bucket is all-reduced (:func:`ring_allreduce_time`)
+    once its last gradient is ready and the bucket before it is done. The profile knows layers, not
+    tensors, so a layer's gradients go into one bucket. So the earliest layers' gradients, ready
+    only as backward ends (a large embedding in layer 0, or a tied one, which counts under its first
+    user), are never hidden, and a model whose gradients fit in one bucket hides nothing. Without
+    ``hw.comm_overlap`` (CPUs) nothing is hidden. Gradient bytes are spread over the layers by their
+    trainable bytes, the backward by the layers' fits, scaled to the whole step's; layer fits that
+    are all zero say nothing of when gradients are ready, so then all are taken as ready at the end.
     """
     grads = profile.memory.grad_bytes
     if not hw.comm_overlap or world <= 1:
@@ -156,25 +158,23 @@ def exposed_allreduce_time(profile: Profile, micro_batch_size: int, world: int, 
     layers = profile.layers
     bwd = [_monotone(layer.backward, micro_batch_size, profile.micro_batch_sizes) for layer in layers]
     end = _step_backward(profile, micro_batch_size, hw.compute_scale)
-    scale = end / sum(bwd) if sum(bwd) > 0 else 0.0
+    total = sum(bwd)
     shares = _param_shares(profile, trainable=True)
 
     def allreduce(nbytes: int) -> float:
         return ring_allreduce_time(nbytes, world, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
 
-    ready = last_ready = comm_end = 0.0
+    ran = last_ready = comm_end = 0.0
     filled, cap = 0, DDP_FIRST_BUCKET_BYTES
     for i in range(len(layers) - 1, -1, -1):  # backward visits layers last to first
-        ready += bwd[i] * scale
-        left = int(round(shares[i] * grads))
-        if left:
-            last_ready = ready
-        while left:
-            take = min(left, cap - filled)
-            filled, left = filled + take, left - take
-            if filled == cap:  # a full bucket goes once the one before it is done
-                comm_end = max(ready, comm_end) + allreduce(filled)
-                filled, cap = 0, DDP_BUCKET_BYTES
+        ran += bwd[i]
+        nbytes = int(round(shares[i] * grads))
+        if not nbytes:
+            continue
+        filled, last_ready = filled + nbytes, (end * ran / total if total > 0 else end)
+        if filled >= cap:  # the bucket closes; it goes once the one before it is done
+            comm_end = max(last_ready, comm_end) + allreduce(filled)
+            filled, cap = 0, DDP_BUCKET_BYTES
     if filled:
         comm_end = max(last_ready, comm_end) + allreduce(filled)
     return max(0.0, comm_end - end)

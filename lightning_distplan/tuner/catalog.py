@@ -74,10 +74,13 @@ class Instance:
                 hint="Use a whole number of GPUs, or a fraction below 1 for a shared GPU.",
             )
         card = gpu_spec(self.gpu).memory_bytes / _GIB
-        if self.gpu_memory_gb > card * 1.01:  # plans priced on memory the card does not have would run out of it
+        # A typo (800 for 80, or the instance's total) would price plans on memory no card has. The spec table
+        # names one variant per GPU, and others sell more (V100 32 GB on a 16 GB row, H100 NVL 94 GB on the
+        # 80 GB H100-PCIe row): up to twice the row's memory passes.
+        if self.gpu_memory_gb > 2 * card:
             raise CatalogError(
-                f"Instance {self.instance_type!r}: {self.gpu_memory_gb:g} GiB of GPU memory per GPU is more than the {self.gpu} has "
-                f"({card:g} GiB, spec table).",
+                f"Instance {self.instance_type!r}: {self.gpu_memory_gb:g} GiB of GPU memory per GPU is more than twice what the "
+                f"{self.gpu} has ({card:g} GiB, spec table).",
                 hint="Give GpuMemoryGiB per GPU, in GiB (e.g. 80 for an 80 GB card), or leave it empty to take the spec's.",
             )
 
@@ -396,7 +399,8 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
                 network_source=net_source,
             )
         except CatalogError as err:
-            raise CatalogError(f"{where}: {str(err).split(' HINT:')[0]}", hint="Fix that row.") from None
+            message, _, hint = str(err).partition(" HINT: ")
+            raise CatalogError(f"{where}: {message}", hint=hint or "Fix that row.") from None
         key = (itype, region)
         if key not in rows or inst.price_per_hour < rows[key].price_per_hour:
             rows[key] = inst

@@ -42,38 +42,32 @@ def test_ring_allreduce_seed001_eq_5_1():
 
 
 # dp_profile at m = 2: each layer's backward 0.25 s, so layer 1's 4e6 gradient bytes are ready at 0.25 s and
-# layer 0's at 0.5 s, when backward ends. DDP's first bucket takes 1 MiB of layer 1's; the second (25 MiB
-# cap) the other 2,951,424 bytes of layer 1 and all of layer 0's, 6,951,424 bytes, ready at 0.5 s.
-FIRST, SECOND = 1 << 20, 8_000_000 - (1 << 20)
+# layer 0's at 0.5 s, when backward ends. DDP buckets whole tensors, closing a bucket once it holds 1 MiB (the
+# first) or 25 MiB: layer 1 fills the first bucket, layer 0 is the second, ready at 0.5 s.
+LAYER = 4_000_000
 
 
 def test_dp_ga_allreduce_hides_the_buckets_ready_before_backward_ends():
     profile = dp_profile()
     plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=3, global_batch_size=24)
     pred = predict(profile, plan, hw())
-    # compute = s·T_calc(m) = 3·(0.3·2 + 0.15) = 2.25; the first bucket's all-reduce (2.2 ms) runs from 0.25 s,
+    # compute = s·T_calc(m) = 3·(0.3·2 + 0.15) = 2.25; the first bucket's all-reduce (6.6 ms) runs from 0.25 s,
     # hidden; the second's starts as backward ends: all of it shows
     assert pred.breakdown["compute"] == pytest.approx(2.25, rel=1e-12)
-    assert pred.breakdown["exposed_comm"] == pytest.approx(ring_allreduce_time(SECOND, 4, 1e-4, 1e9), rel=1e-12)
+    assert pred.breakdown["exposed_comm"] == pytest.approx(ring_allreduce_time(LAYER, 4, 1e-4, 1e9), rel=1e-12)
     assert pred.breakdown["optimizer"] == pytest.approx(0.02)
     # Lightning's per-batch broadcast over 4 ranks: 3 batches · ⌈log2 4⌉ · 1e-4 (the profile has no loop cost)
     assert pred.breakdown["framework"] == pytest.approx(3 * 2 * 1e-4, rel=1e-12)
-    assert pred.step_time_s == pytest.approx(2.27 + 6e-4 + 6 * (1e-4 + SECOND / 4e9), rel=1e-12)
+    assert pred.step_time_s == pytest.approx(2.27 + 6e-4 + 6 * (1e-4 + LAYER / 4e9), rel=1e-12)
 
 
 def test_dp_ga_slow_link_first_bucket_spills_past_backward_and_only_the_last_microbatch_hides():
     profile = dp_profile()
-    slow = hw(allreduce_bandwidth_bytes_per_s=1e7)
-    first, second = (ring_allreduce_time(b, 4, 1e-4, 1e7) for b in (FIRST, SECOND))  # 0.158 s, 1.043 s
-    # the second bucket is ready at 0.5 s, before the first is done (0.25 + 0.158): it starts on time
-    assert 0.25 + first < 0.5
+    one = ring_allreduce_time(LAYER, 4, 1e-4, 1e7)  # 0.6006 s a bucket at 10 MB/s
+    # the first bucket goes at 0.25 s and runs past the end of backward (0.5 s); the second waits for it
     for s in (1, 3):  # accumulation: only the last micro-batch's backward syncs, the same window
         plan = Plan(strategy="dp_ga", dp=4, micro_batch_size=2, accumulate_grad_batches=s, global_batch_size=8 * s)
-        assert predict(profile, plan, slow).breakdown["exposed_comm"] == pytest.approx(second, rel=1e-12)
-    # at 2 MB/s the first bucket runs past the end of backward and the second waits for it
-    slower = hw(allreduce_bandwidth_bytes_per_s=2e6)
-    first, second = (ring_allreduce_time(b, 4, 1e-4, 2e6) for b in (FIRST, SECOND))
-    assert exposed_allreduce_time(profile, 2, 4, slower) == pytest.approx(0.25 + first + second - 0.5, rel=1e-12)
+        assert predict(profile, plan, hw(allreduce_bandwidth_bytes_per_s=1e7)).breakdown["exposed_comm"] == pytest.approx(0.25 + 2 * one - 0.5, rel=1e-12)
 
 
 def test_dp_ga_gradients_ready_last_are_never_hidden():
@@ -83,15 +77,22 @@ def test_dp_ga_gradients_ready_last_are_never_hidden():
     block = LayerSpec(fwd_alpha=0.1, bwd_alpha=0.2, param_bytes=4_000_000)
     profile = synthetic_profile([embed, block, block], grad_bytes=208_000_000)
     plan = Plan(strategy="dp_ga", dp=2, micro_batch_size=4, accumulate_grad_batches=1, global_batch_size=8)
+    # backward: layer 2 ready at 0.8 s, layer 1 at 1.6 s, the embedding at 1.604 s (the end). Layer 2 fills the
+    # first bucket and goes at 0.8 s, hidden; layer 1 and the embedding make the next bucket (it closes past
+    # 25 MiB with the embedding), all-reduced as backward ends. The seed's S_over (the 0.804 s of backward after
+    # the first bucket fills) hid all 0.21 s.
+    exposed = predict(profile, plan, hw(allreduce_bandwidth_bytes_per_s=1e9)).breakdown["exposed_comm"]
+    assert exposed == pytest.approx(ring_allreduce_time(204_000_000, 2, 1e-4, 1e9), rel=1e-12)
+
+
+def test_dp_ga_layer_fits_of_zero_say_every_gradient_is_ready_at_the_end():
+    # with no per-layer backward time nothing says a gradient is ready early: nothing is hidden (the review found
+    # every gradient taken as ready at the start, hiding most of it)
+    layer = LayerSpec(param_bytes=100 << 20)
+    profile = synthetic_profile([layer] * 4, step_forward=(0.0, 0.25), step_backward=(0.0, 0.5), grad_bytes=400 << 20)
     fast = hw(allreduce_bandwidth_bytes_per_s=1e9)
-    # backward: layer 2 ready at 0.8 s, layer 1 at 1.6 s, the embedding at 1.604 s (the end). The first 1 MiB
-    # bucket (layer 2) goes at 0.8 s, hidden; every later bucket holds some of the embedding, so all of
-    # them, 7 of 25 MiB and one of the remaining 23,450,624 bytes, go as backward ends. The seed's S_over
-    # (the 0.804 s of backward after the first bucket fills) hid all 0.21 s.
-    buckets = [25 << 20] * 7 + [208_000_000 - (1 << 20) - 7 * (25 << 20)]
-    exposed = predict(profile, plan, fast).breakdown["exposed_comm"]
-    assert exposed == pytest.approx(sum(ring_allreduce_time(b, 2, 1e-4, 1e9) for b in buckets), rel=1e-12)
-    assert exposed > ring_allreduce_time(200_000_000, 2, 1e-4, 1e9)  # the embedding's gradient at least
+    buckets = [100 << 20] * 4  # each layer closes a bucket (the first past 1 MiB, the others past 25 MiB)
+    assert exposed_allreduce_time(profile, 2, 8, fast) == pytest.approx(sum(ring_allreduce_time(b, 8, 1e-4, 1e9) for b in buckets), rel=1e-12)
 
 
 def test_dp_ga_small_model_single_bucket_no_overlap():

@@ -136,9 +136,13 @@ def test_missing_columns_and_bandwidth(tmp_path):
 def test_gpu_memory_above_the_card_is_refused(tmp_path):
     # a typo (800 for 80) priced plans on memory the card does not have
     head = "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps,GpuMemoryGiB\n"
-    with pytest.raises(CatalogError, match=r"line 2: .*800 GiB of GPU memory per GPU is more than the A100-80GB has \(80 GiB, spec table\).*HINT"):
+    with pytest.raises(CatalogError, match=r"line 2: .*800 GiB of GPU memory per GPU is more than twice what the A100-80GB has "
+                                          r"\(80 GiB, spec table\).*HINT: Give GpuMemoryGiB per GPU"):
         parse_catalog_csv(_write(tmp_path, head + "p4de.24xlarge,A100-80GB,8,40.0,400,800\n"))
     assert parse_catalog_csv(_write(tmp_path, head + "p4de.24xlarge,A100-80GB,8,40.0,400,80\n", "ok.csv")).get("p4de.24xlarge").gpu_memory_gb == 80
+    # variants the spec table files under one row sell more than it: V100 32 GB (16 GB row), H100 NVL 94 GB (80 GB H100-PCIe row)
+    more = parse_catalog_csv(_write(tmp_path, head + "p3dn.24xlarge,V100,8,31.2,100,32\nnc40,H100-NVL,1,6.98,40,94\n", "variants.csv"))
+    assert (more.get("p3dn.24xlarge").gpu_memory_gb, more.get("nc40").gpu_memory_gb) == (32, 94)
     # a shared GPU sells part of the card
     assert parse_catalog_csv(_write(tmp_path, head + "v.large,A10,0.5,1.0,10,12\n", "half.csv")).get("v.large").gpu_memory_gb == 12
 
