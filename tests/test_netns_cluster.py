@@ -184,9 +184,17 @@ def test_up_interrupted_half_way_leaves_nothing_behind(tmp_path):
     (slow / "ip").write_text(f"#!/bin/sh\nsleep 0.3\nexec {real_ip} \"$@\"\n")
     (slow / "ip").chmod(0o755)
     env = {**ENV, "PATH": f"{slow}:{os.environ['PATH']}"}
+
+    def as_from_a_terminal() -> None:
+        # A shell started from a terminal has SIGINT/SIGTERM at their defaults; a child of this test process inherits
+        # what the process has (ignored or blocked signals survive exec, and bash cannot trap a signal ignored on entry).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         proc = subprocess.Popen(["bash", str(SCRIPT), "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=as_from_a_terminal)
         deadline = time.monotonic() + 30
         while f"{PREFIX}0" not in subprocess.run([real_ip, "netns", "list"], capture_output=True, text=True).stdout:
             if proc.poll() is not None:  # refused at once: no permission for namespaces here
@@ -195,9 +203,13 @@ def test_up_interrupted_half_way_leaves_nothing_behind(tmp_path):
             assert time.monotonic() < deadline, "the first namespace never appeared"
             time.sleep(0.05)
         time.sleep(0.4)  # one or two more `ip` calls in: the second namespace or the veth pair half made
+        try:
+            state = " ".join(line.strip() for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("Sig"))
+        except OSError:
+            state = "gone"
         os.killpg(proc.pid, sig)  # as a terminal's Ctrl-C reaches the whole process group
         out, err = proc.communicate(timeout=60)
-        assert proc.returncode != 0 and "up failed, cleaning up" in out + err
+        assert proc.returncode != 0 and "up failed, cleaning up" in out + err, (sig, proc.returncode, state, out, err)
         listed = subprocess.run([real_ip, "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run([real_ip, "-br", "link"], capture_output=True, text=True).stdout
         assert PREFIX not in listed and PREFIX not in links, (sig, listed, links)
