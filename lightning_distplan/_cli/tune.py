@@ -45,6 +45,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--bandwidth-gbps", "--bandwidth", dest="bandwidth", type=float, default=None,
         help="network Gbit/s for every instance (required for a CSV without NetworkGbps); the same flag as plan's",
     )
+    parser.add_argument(
+        "--pricing", choices=("on-demand", "spot"), default="on-demand",
+        help="which price to minimise: on-demand (the catalog's Price, default) or spot (its SpotPrice; instances without one "
+        "are left out; the built-in catalogs have none). Spot instances can be taken back at any time: the search prices a "
+        "step, not the restarts",
+    )
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="math assumed on the target GPUs (auto: the profile's dtype)")
     parser.add_argument("--multi-objective", action="store_true", help="optimise (cost, time) with NSGA-II instead of C + w*T with TPE")
     parser.add_argument(
@@ -72,7 +78,8 @@ def _table(result: dict[str, Any]) -> str:
     header = f"{'n':>3}   {'instance':<20} {'plan':<38} {'time/step':>10} {'band':<19} {'cost/step':>16} {'peak memory':>12}"
     lines = [
         f"study {result['study_name']!r} in {result['storage']}: {result['n_trials']} trials, {result['n_evaluations']} configurations priced "
-        f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); objective C + w*T, w={result['time_weight']:g}",
+        f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); objective C + w*T, w={result['time_weight']:g}; "
+        f"{result.get('pricing', 'on-demand')} prices of catalog {result['catalog']}",
         "",
         "best:",
         header,
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.time_weight) and args.time_weight >= 0):
         raise InfeasiblePlanError(f"--time-weight must be a finite number >= 0, got {args.time_weight}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
     profile = Profile.load(args.profile)
-    catalog = load_catalog(args.catalog, bandwidth_gbps=args.bandwidth)
+    catalog = load_catalog(args.catalog, bandwidth_gbps=args.bandwidth, pricing=args.pricing)
     if args.plots:
         from lightning_distplan.tuner._dashboard import require
 

@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
-from lightning_distplan.tuner.catalog import BUILTIN_CATALOGS, Catalog, Instance, load_catalog, parse_catalog_csv
+from lightning_distplan.tuner.catalog import BUILTIN_CATALOGS, PRICINGS, Catalog, Instance, load_catalog, parse_catalog_csv, spot_priced
 from lightning_distplan.tuner.search import (
     TIME_WEIGHTS,
     ExhaustiveResult,
@@ -30,6 +30,8 @@ __all__ = [
     "BUILTIN_CATALOGS",
     "load_catalog",
     "parse_catalog_csv",
+    "spot_priced",
+    "PRICINGS",
     "ConfigSpace",
     "TunedConfig",
     "TuneResult",

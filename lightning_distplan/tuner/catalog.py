@@ -10,6 +10,9 @@ Two built-in catalogs, each row citing its source and date, and user CSVs in Sky
 A user CSV is parsed by header name (SkyPilot: ``InstanceType, AcceleratorName, AcceleratorCount,
 vCPUs, MemoryGiB, Price, SpotPrice, Region``) plus ``NetworkGbps`` (required unless a bandwidth is
 given), optional ``GpuMemoryGiB`` and ``Currency`` (default USD).
+
+Prices are on-demand by default. ``pricing="spot"`` prices every instance at its ``SpotPrice`` instead
+(:func:`spot_priced`): instances without one are left out. The built-in catalogs list on-demand prices only.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from pathlib import Path
 from lightning_distplan.costmodel.gpus import GPUS, GpuSpec, gpu_spec, match_gpu_name
 from lightning_distplan.errors import CatalogError
 
-__all__ = ["Instance", "Catalog", "BUILTIN_CATALOGS", "load_catalog", "parse_catalog_csv", "with_bandwidth"]
+__all__ = ["Instance", "Catalog", "BUILTIN_CATALOGS", "PRICINGS", "load_catalog", "parse_catalog_csv", "spot_priced", "with_bandwidth"]
 
 log = logging.getLogger(__name__)
 
 _GIB = 1024**3
+
+PRICINGS = ("on-demand", "spot")
+"""What an instance's ``price_per_hour`` is: the on-demand ``Price`` or the ``SpotPrice``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +56,8 @@ class Instance:
     network_gbps: float
     """Instance network bandwidth in Gbit/s (the inter-instance link)."""
     price_per_hour: float
-    """On-demand price of one instance per hour, in ``currency``."""
+    """Price of one instance per hour, in ``currency``: the on-demand price, or the spot price in a catalog whose
+    ``pricing`` is ``"spot"``."""
     currency: str
     region: str = ""
     source: str = ""
@@ -115,8 +122,12 @@ class Catalog:
     source: str = ""
     date: str = ""
     notes: tuple[str, ...] = field(default=())
+    pricing: str = "on-demand"
+    """``"on-demand"`` or ``"spot"`` (see :data:`PRICINGS`): which price each instance's ``price_per_hour`` is."""
 
     def __post_init__(self) -> None:
+        if self.pricing not in PRICINGS:
+            raise CatalogError(f"Catalog {self.name!r}: unknown pricing {self.pricing!r}.", hint=f"Use one of {', '.join(PRICINGS)}.")
         if not self.instances:
             raise CatalogError(f"Catalog {self.name!r} has no GPU instances.", hint="Add at least one row with an AcceleratorName.")
         currencies = {i.currency for i in self.instances}
@@ -239,26 +250,31 @@ _REQUIRED = ("InstanceType", "AcceleratorName", "AcceleratorCount", "Price")
 _OPTIONAL = ("vCPUs", "MemoryGiB", "SpotPrice", "Region", "NetworkGbps", "GpuMemoryGiB", "Currency")
 
 
-def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = None) -> Catalog:
+def load_catalog(name_or_path: str | Path, *, bandwidth_gbps: float | None = None, pricing: str = "on-demand") -> Catalog:
     """A built-in catalog by name, or a user CSV by path.
 
     Args:
         name_or_path: ``"alicloud-2023"``, ``"aws-2026"`` or the path of a CSV file.
         bandwidth_gbps: network bandwidth for every instance (overrides ``NetworkGbps``; required
             for a CSV without that column).
+        pricing: ``"on-demand"`` (the ``Price`` column) or ``"spot"`` (the ``SpotPrice`` column; rows without one
+            are left out, and the catalog's name gets ``-spot``).
 
     Raises:
-        CatalogError: unknown name (the message lists the valid ones) or a malformed CSV.
+        CatalogError: unknown name (the message lists the valid ones), a malformed CSV, or spot pricing asked of a
+            catalog without spot prices (the built-ins have none).
     """
+    _check_pricing(pricing)
     key = str(name_or_path)
     if not key:
         raise CatalogError("No catalog was named (an empty name).", hint=f"Pass a built-in catalog name ({', '.join(BUILTIN_CATALOGS)}) or a CSV path.")
     if key in BUILTIN_CATALOGS:
         catalog = BUILTIN_CATALOGS[key]
-        return catalog if bandwidth_gbps is None else with_bandwidth(catalog, bandwidth_gbps)
+        catalog = catalog if bandwidth_gbps is None else with_bandwidth(catalog, bandwidth_gbps)
+        return spot_priced(catalog) if pricing == "spot" else catalog
     path = Path(key)
     if path.suffix.lower() == ".csv" or path.exists():
-        return parse_catalog_csv(path, bandwidth_gbps=bandwidth_gbps)
+        return parse_catalog_csv(path, bandwidth_gbps=bandwidth_gbps, pricing=pricing)
     raise CatalogError(
         f"Unknown catalog {key!r}: it is neither a built-in catalog nor an existing CSV file.",
         hint=f"Use one of {', '.join(BUILTIN_CATALOGS)}, or the path of a SkyPilot-style CSV ({', '.join(_REQUIRED)}, NetworkGbps).",
@@ -275,6 +291,42 @@ def with_bandwidth(catalog: Catalog, bandwidth_gbps: float) -> Catalog:
 
     _check_bandwidth(bandwidth_gbps)
     return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth-gbps)") for i in catalog.instances))
+
+
+def spot_priced(catalog: Catalog) -> Catalog:
+    """``catalog`` priced at spot prices: each instance's ``price_per_hour`` becomes its ``spot_price_per_hour``,
+    instances without one are left out (a warning names them), and the name gets ``-spot`` (so a study of it is
+    not one of the on-demand catalog). A catalog already spot-priced is returned as it is.
+
+    Spot instances can be taken back by the provider at any time; the search prices a step, not the restarts.
+
+    Raises:
+        CatalogError: no instance of the catalog has a spot price.
+    """
+    from dataclasses import replace
+
+    if catalog.pricing == "spot":
+        return catalog
+    priced = tuple(replace(i, price_per_hour=i.spot_price_per_hour) for i in catalog.instances if i.spot_price_per_hour is not None)
+    if not priced:
+        builtin = " (the built-in catalogs list on-demand prices only)" if catalog.name in BUILTIN_CATALOGS else ""
+        raise CatalogError(
+            f"Catalog {catalog.name!r} has no spot prices{builtin}, so it cannot be searched at spot prices.",
+            hint="Pass a SkyPilot-style CSV with a SpotPrice column (SkyPilot's own catalogs have one), or leave out --pricing spot.",
+        )
+    left_out = [i.instance_type for i in catalog.instances if i.spot_price_per_hour is None]
+    if left_out:
+        warnings.warn(
+            f"Catalog {catalog.name}: {len(left_out)} instance type{'s' if len(left_out) != 1 else ''} without a spot price left out "
+            f"({', '.join(left_out[:5])}{', ...' if len(left_out) > 5 else ''}); {len(priced)} searched at spot prices.",
+            stacklevel=2,
+        )
+    return replace(catalog, name=f"{catalog.name}-spot", instances=priced, pricing="spot")
+
+
+def _check_pricing(pricing: str) -> None:
+    if pricing not in PRICINGS:
+        raise CatalogError(f"Unknown pricing {pricing!r}.", hint=f"Use one of {', '.join(PRICINGS)} (--pricing).")
 
 
 def _check_bandwidth(bandwidth_gbps: float) -> None:
@@ -300,7 +352,7 @@ def _skipped_summary(skipped: dict[str, list[str]]) -> str:
     return ", ".join(parts)
 
 
-def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, name: str | None = None) -> Catalog:
+def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, name: str | None = None, pricing: str = "on-demand") -> Catalog:
     """Parse a SkyPilot-style catalog CSV (columns found by header name, any order, case-insensitive).
 
     Rows without an ``AcceleratorName`` (CPU-only instances in SkyPilot files) are skipped. So are,
@@ -309,12 +361,18 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     on demand there). A row whose ``InstanceType`` repeats in another ``Region`` becomes
     ``type@region``; repeats in the same region (availability zones) keep the cheapest.
 
+    With ``pricing="spot"`` the ``SpotPrice`` column takes ``Price``'s place: it is required, each instance is
+    priced at it, rows without one are skipped (with the warning), ``Price`` may be missing, and the
+    catalog's name gets ``-spot``.
+
     Raises:
         CatalogError: missing file or columns, a negative / non-numeric price or count, no bandwidth, no
             usable GPU row (naming why the skipped ones were); messages carry the line number.
     """
     given = str(path)
     path = Path(path)
+    _check_pricing(pricing)
+    price_column = "SpotPrice" if pricing == "spot" else "Price"
     if bandwidth_gbps is not None:
         _check_bandwidth(bandwidth_gbps)
     if not path.is_file():
@@ -333,7 +391,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     except StopIteration:
         raise CatalogError(f"Catalog file {str(path)!r} is empty.", hint=f"Give a header row with {', '.join(_REQUIRED)}, NetworkGbps.") from None
     index = {h.strip().lower(): i for i, h in enumerate(header)}
-    required = list(_REQUIRED) + ([] if bandwidth_gbps is not None else ["NetworkGbps"])
+    required = [price_column if c == "Price" else c for c in _REQUIRED] + ([] if bandwidth_gbps is not None else ["NetworkGbps"])
     missing = [c for c in required if c.lower() not in index]
     if missing:
         hint = f"Add the column(s) {', '.join(missing)} to the header (line 1)"
@@ -346,7 +404,8 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         return row[i].strip() if i is not None and i < len(row) else ""
 
     rows: dict[tuple[str, str], Instance] = {}
-    skipped: dict[str, list[str]] = {"unknown GPU": [], "no price": []}
+    no_price = "no spot price" if pricing == "spot" else "no price"
+    skipped: dict[str, list[str]] = {"unknown GPU": [], no_price: []}
     for lineno, row in enumerate(reader, start=2):
         if not any(c.strip() for c in row):
             continue
@@ -361,13 +420,13 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         if canonical is None:
             skipped["unknown GPU"].append(f"{where}: unknown GPU {gpu_name!r} for {itype!r}")
             continue
-        if not cell(row, "Price"):
-            skipped["no price"].append(f"{where}: column 'Price' is empty for {itype!r}")
+        if not cell(row, price_column):
+            skipped[no_price].append(f"{where}: column {price_column!r} is empty for {itype!r}")
             continue
         count = _number(cell(row, "AcceleratorCount"), column="AcceleratorCount", where=where, allow_fraction=True)
-        price = _number(cell(row, "Price"), column="Price", where=where, allow_zero=False)
         spot_text = cell(row, "SpotPrice")
         spot = _number(spot_text, column="SpotPrice", where=where) if spot_text else None
+        price = spot if pricing == "spot" else _number(cell(row, "Price"), column="Price", where=where)
         if bandwidth_gbps is not None:
             gbps, net_source = float(bandwidth_gbps), "given (--bandwidth-gbps)"
         else:
@@ -409,8 +468,8 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     if not rows:
         if skipped["unknown GPU"]:
             raise CatalogError(f"{skipped['unknown GPU'][0]} ({_skipped_summary(skipped)}, no usable row); {known}.", hint=gpu_hint)
-        if skipped["no price"]:
-            raise CatalogError(f"{skipped['no price'][0]} ({_skipped_summary(skipped)}, no usable row).", hint="Fill in Price for those rows.")
+        if skipped[no_price]:
+            raise CatalogError(f"{skipped[no_price][0]} ({_skipped_summary(skipped)}, no usable row).", hint=f"Fill in {price_column} for those rows.")
         raise CatalogError(f"Catalog file {str(path)!r} has no GPU instance rows.", hint="Add rows with AcceleratorName and AcceleratorCount.")
     if any(skipped.values()):
         examples = "; ".join(lines[0] for lines in skipped.values() if lines)
@@ -430,4 +489,5 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     currencies = sorted({i.currency for i in instances})
     if len(currencies) > 1:
         raise CatalogError(f"Catalog file {str(path)!r} mixes currencies {currencies}.", hint="Use one currency per catalog.")
-    return Catalog(name=name or path.stem, currency=currencies[0], instances=instances, source=str(path), date="")
+    name = name or path.stem + ("-spot" if pricing == "spot" else "")
+    return Catalog(name=name, currency=currencies[0], instances=instances, source=str(path), date="", pricing=pricing)

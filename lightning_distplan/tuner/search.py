@@ -43,12 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
+from lightning_distplan.errors import CatalogError, DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
 from lightning_distplan.tuner._storage import StudyStorageError, open_storage, shown_url, write_trials
-from lightning_distplan.tuner.catalog import Catalog, load_catalog, with_bandwidth
+from lightning_distplan.tuner.catalog import PRICINGS, Catalog, load_catalog, spot_priced, with_bandwidth
 
 __all__ = ["TuneResult", "ExhaustiveResult", "StudyStorageError", "StudyConflictError", "tune", "exhaustive", "pareto_front", "TIME_WEIGHTS"]
 
@@ -92,6 +92,8 @@ class TuneResult:
     resumed: bool = False
     sampler: str = "TPESampler"
     """The sampler's class, and ``+ local search (N trials)`` when :func:`_polish` ran."""
+    pricing: str = "on-demand"
+    """Which price the costs use: ``"on-demand"`` or ``"spot"``."""
     projections: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Instance type -> projection summary (target, compute scale, uncertainty band and its basis)."""
 
@@ -105,6 +107,7 @@ class TuneResult:
             "time_weight": self.time_weight,
             "currency": self.currency,
             "catalog": self.catalog,
+            "pricing": self.pricing,
             "sampler": self.sampler,
             "n_trials": self.n_trials,
             "n_study_trials": self.n_study_trials,
@@ -213,6 +216,24 @@ def _priced_otherwise(previous: Sequence[Any], catalog: Catalog, space: Any, mul
             return (f"trial {t.number} ({count} x {inst.instance_type}, {p['strategy']}) is stored as "
                     f"{', '.join(f'{v:.4g}' for v in t.values)} but this version prices it {', '.join(f'{v:.4g}' for v in now)}")
     return None
+
+
+def _resolve_catalog(catalog: Catalog | str, bandwidth_gbps: float | None, pricing: str | None) -> Catalog:
+    """The catalog a search prices: loaded by name or path, with the bandwidth override and the pricing applied."""
+    if pricing is not None and pricing not in PRICINGS:
+        raise CatalogError(f"Unknown pricing {pricing!r}.", hint=f"Use one of {', '.join(PRICINGS)}.")
+    if not isinstance(catalog, Catalog):
+        return load_catalog(catalog, bandwidth_gbps=bandwidth_gbps, pricing=pricing or "on-demand")
+    if bandwidth_gbps is not None:  # a Catalog object: the override applies to it too
+        catalog = with_bandwidth(catalog, bandwidth_gbps)
+    if pricing == "spot":
+        return spot_priced(catalog)
+    if pricing == "on-demand" and catalog.pricing == "spot":
+        raise CatalogError(
+            f"Catalog {catalog.name!r} is priced at spot prices, and on-demand pricing was asked for.",
+            hint="Load the catalog again without pricing='spot' (load_catalog), or pass pricing='spot'.",
+        )
+    return catalog
 
 
 SEED_MAX = 2**32 - 1
@@ -463,6 +484,7 @@ def tune(
     multi_objective: bool = False,
     precision: str = "auto",
     bandwidth_gbps: float | None = None,
+    pricing: str | None = None,
     progress: bool = True,
     sampler: Any = None,
     initial_design: bool = True,
@@ -486,13 +508,16 @@ def tune(
         multi_objective: optimise (cost, time) with NSGA-II instead of C + w·T with TPE.
         precision: projection math, see :func:`~lightning_distplan.costmodel.projection.project_profile`.
         bandwidth_gbps: override every instance's network bandwidth (Gbit/s).
+        pricing: ``"on-demand"`` or ``"spot"`` (the catalog's ``SpotPrice``; instances without one are left out, see
+            :func:`~lightning_distplan.tuner.catalog.spot_priced`). Default: on-demand for a catalog by name or path,
+            as priced for a :class:`Catalog`. The default study name then carries ``-spot`` (the catalog's name).
         progress: show a progress bar over all trials, with the best objective so far (stderr).
         sampler: an Optuna sampler to use instead of the seeded default (for experiments).
         initial_design: start a new study with two corner trials per instance type (see
             :func:`_initial_design`; at most a quarter of ``n_trials``).
 
     Raises:
-        CatalogError: unknown or malformed catalog.
+        CatalogError: unknown or malformed catalog, or spot pricing asked of one without spot prices.
         StudyStorageError: invalid or unreachable storage (nothing is run).
         StudyConflictError: the study exists with other settings (it is left untouched).
         InfeasiblePlanError: bad arguments, or no evaluated configuration fits in memory.
@@ -508,7 +533,7 @@ def tune(
         return _tune(
             profile, catalog=catalog, global_batch_size=global_batch_size, time_weight=time_weight, n_trials=n_trials, storage=storage,
             study_name=study_name, seed=seed, max_instances=max_instances, strategies=strategies, max_pp=max_pp,
-            multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, progress=progress, sampler=sampler,
+            multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, pricing=pricing, progress=progress, sampler=sampler,
             initial_design=initial_design,
         )
     finally:
@@ -531,6 +556,7 @@ def _tune(
     multi_objective: bool,
     precision: str,
     bandwidth_gbps: float | None,
+    pricing: str | None,
     progress: bool,
     sampler: Any,
     initial_design: bool,
@@ -539,10 +565,7 @@ def _tune(
 
     started = time.perf_counter()
     _validate(profile, global_batch_size, time_weight, n_trials, max_instances, seed, max_pp)
-    if not isinstance(catalog, Catalog):
-        catalog = load_catalog(catalog, bandwidth_gbps=bandwidth_gbps)
-    elif bandwidth_gbps is not None:  # a Catalog object: the override applies to it too
-        catalog = with_bandwidth(catalog, bandwidth_gbps)
+    catalog = _resolve_catalog(catalog, bandwidth_gbps, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,
         strategies=strategies, max_pp=max_pp, precision=precision,
@@ -695,7 +718,8 @@ def _tune(
             target.set_user_attr(SETTINGS_ATTR, settings)
             target.set_user_attr("objective", "C + w*T per optimizer step (seed 000 §IV-D)" if not multi_objective else "(C, T) per optimizer step")
             target.set_user_attr("currency", catalog.currency)
-            target.set_user_attr("catalog", {"name": catalog.name, "source": catalog.source, "date": catalog.date, "instances": [i.to_dict() for i in catalog.instances]})
+            target.set_user_attr("catalog", {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
+                                             "instances": [i.to_dict() for i in catalog.instances]})
             target.set_user_attr("projections", projections)
             target.set_user_attr("global_batch_size", global_batch_size)
             target.set_user_attr("time_weight", float(time_weight))
@@ -746,6 +770,7 @@ def _tune(
         resumed=existing is not None,
         sampler=type(sampler).__name__ + (f" + local search ({used} trials)" if used else ""),
         projections=projections,
+        pricing=catalog.pricing,
     )
 
 
@@ -760,17 +785,20 @@ def exhaustive(
     max_pp: int | None = None,
     precision: str = "auto",
     max_configurations: int = 200_000,
+    pricing: str | None = None,
 ) -> ExhaustiveResult:
     """Price every configuration of the tuner's space: the exact optimum the search is compared with.
 
+    ``pricing`` as :func:`tune`'s.
+
     Raises:
+        CatalogError: unknown or malformed catalog, or spot pricing asked of one without spot prices.
         InfeasiblePlanError: the space exceeds ``max_configurations`` or nothing fits in memory.
         ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
     """
     started = time.perf_counter()
     _validate(profile, global_batch_size, time_weight, 1, max_instances, 0)
-    if not isinstance(catalog, Catalog):
-        catalog = load_catalog(catalog)
+    catalog = _resolve_catalog(catalog, None, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,
         strategies=strategies, max_pp=max_pp, precision=precision,

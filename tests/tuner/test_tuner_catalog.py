@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_distplan.errors import CatalogError
-from lightning_distplan.tuner.catalog import BUILTIN_CATALOGS, load_catalog, parse_catalog_csv
+from lightning_distplan.tuner.catalog import BUILTIN_CATALOGS, load_catalog, parse_catalog_csv, spot_priced
 
 
 def test_alicloud_2023_is_seed_000_table_iii():
@@ -171,3 +171,75 @@ def test_mixed_currencies_are_refused(tmp_path):
     )
     with pytest.raises(CatalogError, match=r"mixes currencies \['EUR', 'USD'\]"):
         parse_catalog_csv(path)
+
+
+_SPOT_CSV = (
+    "InstanceType,AcceleratorName,AcceleratorCount,Price,SpotPrice,NetworkGbps\n"
+    "g6.xlarge,L4,1,0.80,0.30,10\n"
+    "g5.xlarge,A10G,1,1.00,0.25,10\n"
+    "g5.xlarge,A10G,1,1.10,0.20,10\n"  # another zone: cheaper at spot, dearer on demand
+    "p3.2xlarge,V100,1,3.06,,10\n"  # no spot price
+)
+
+
+def test_spot_pricing_prices_each_instance_at_its_spot_price(tmp_path):
+    path = _write(tmp_path, _SPOT_CSV)
+    demand = load_catalog(str(path))
+    assert demand.pricing == "on-demand" and demand.name == "cat"
+    assert {i.instance_type: i.price_per_hour for i in demand.instances} == {"g6.xlarge": 0.80, "g5.xlarge": 1.00, "p3.2xlarge": 3.06}
+    with pytest.warns(UserWarning, match=r"1 row skipped for no spot price \(e.g. cat.csv line 5: column 'SpotPrice' is empty for 'p3.2xlarge'\)"):
+        spot = load_catalog(str(path), pricing="spot")
+    assert spot.pricing == "spot" and spot.name == "cat-spot"  # a study of it is not the on-demand one's
+    # the cheapest zone at spot prices, not the row cheapest on demand
+    assert {i.instance_type: i.price_per_hour for i in spot.instances} == {"g6.xlarge": 0.30, "g5.xlarge": 0.20}
+    # the same from a Catalog object: instances without a spot price are left out with a warning naming them
+    with pytest.warns(UserWarning, match=r"Catalog cat: 1 instance type without a spot price left out \(p3.2xlarge\); 2 searched at spot prices"):
+        again = spot_priced(demand)
+    assert again.name == "cat-spot" and {i.instance_type: i.price_per_hour for i in again.instances} == {"g6.xlarge": 0.30, "g5.xlarge": 0.25}
+    assert spot_priced(again) is again
+
+
+def test_spot_pricing_needs_spot_prices_and_not_the_on_demand_column(tmp_path):
+    only_spot = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,SpotPrice,NetworkGbps\ng6.xlarge,L4,1,0.3,10\n", "spot.csv")
+    assert load_catalog(str(only_spot), pricing="spot").get("g6.xlarge").price_per_hour == 0.3
+    with pytest.raises(CatalogError, match=r"missing column\(s\) \['Price'\]"):
+        load_catalog(str(only_spot))
+    no_spot = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\ng6.xlarge,L4,1,0.8,10\n", "demand.csv")
+    with pytest.raises(CatalogError, match=r"missing column\(s\) \['SpotPrice'\]"):
+        load_catalog(str(no_spot), pricing="spot")
+    empty_spot = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,SpotPrice,NetworkGbps\ng6.xlarge,L4,1,0.8,,10\n", "e.csv")
+    with pytest.raises(CatalogError, match=r"column 'SpotPrice' is empty for 'g6.xlarge' \(1 row skipped for no spot price, no usable row\).*HINT: Fill in SpotPrice"):
+        load_catalog(str(empty_spot), pricing="spot")
+    for name in BUILTIN_CATALOGS:
+        with pytest.raises(CatalogError, match=rf"Catalog '{name}' has no spot prices \(the built-in catalogs list on-demand prices only\).*HINT"):
+            load_catalog(name, pricing="spot")
+    with pytest.raises(CatalogError, match=r"Unknown pricing 'reserved'.*HINT: Use one of on-demand, spot"):
+        load_catalog("aws-2026", pricing="reserved")
+
+
+def test_a_spot_search_minimises_the_spot_cost(tmp_path):
+    from tuner_profile_factory import make_profile
+
+    from lightning_distplan.tuner import exhaustive, tune
+
+    # two instance types alike but for their prices: the cheaper one on demand is the dearer one at spot
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,SpotPrice,NetworkGbps\n"
+                            "a.xlarge,L4,1,0.80,0.60,10\nb.xlarge,L4,1,0.90,0.20,10\n")
+    profile = make_profile()
+    best, names = {}, {}
+    for pricing in ("on-demand", "spot"):
+        result = tune(profile, catalog=str(path), global_batch_size=64, n_trials=30, max_instances=2, pricing=pricing, seed=0,
+                      storage=f"sqlite:///{tmp_path / 's.db'}", progress=False)
+        best[pricing], names[pricing] = result.best, result.study_name
+        assert result.pricing == result.to_dict()["pricing"] == pricing
+        price = {"on-demand": {"a.xlarge": 0.80, "b.xlarge": 0.90}, "spot": {"a.xlarge": 0.60, "b.xlarge": 0.20}}[pricing][result.best.instance_type]
+        assert result.best.cost_per_step == pytest.approx(result.best.count * price / 3600 * result.best.step_time_s)
+        optimum = exhaustive(profile, str(path), global_batch_size=64, max_instances=2, pricing=pricing).best
+        assert (result.best.instance_type, result.best.count, result.best.plan, result.best.objective) == (
+            optimum.instance_type, optimum.count, optimum.plan, optimum.objective)
+    assert (best["on-demand"].instance_type, best["spot"].instance_type) == ("a.xlarge", "b.xlarge")
+    assert names == {"on-demand": "distplan-cat-B64-w0", "spot": "distplan-cat-spot-B64-w0"}  # two studies, side by side in one file
+    # a Catalog already spot-priced is searched as it is; asking it for on-demand prices is refused
+    spot = load_catalog(str(path), pricing="spot")
+    with pytest.raises(CatalogError, match=r"priced at spot prices, and on-demand pricing was asked for.*HINT"):
+        tune(profile, catalog=spot, global_batch_size=64, n_trials=5, pricing="on-demand", storage=f"sqlite:///{tmp_path / 'x.db'}", progress=False)
