@@ -96,6 +96,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
 )
 from lightning_distplan.profiling._batches import tensors_in
 from lightning_distplan.strategies._pipeline_stage import GuardedStage
+from lightning_distplan.strategies._pipeline_summary import forget_whole_module_summaries, summarize_whole_module
 from lightning_distplan.strategies._pipeline_split import (
     PipelineLayout,
     StageModule,
@@ -362,6 +363,8 @@ class PipelineStrategy(DDPStrategy):
             )
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)  # 'bf16-true': bf16 weights, as DDP converts them
+        if trainer.state.fn == TrainerFn.FITTING and module is not None:
+            summarize_whole_module(trainer, module)  # the model summary of the whole module: its callback runs after the cut
         if not self._built:
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
@@ -629,6 +632,8 @@ class PipelineStrategy(DDPStrategy):
         module = self.lightning_module
         interrupted = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.INTERRUPTED
         super().teardown()  # the module goes to the CPU first: the whole module never lands on a GPU
+        if module is not None and module._trainer is not None:
+            forget_whole_module_summaries(module.trainer.callbacks)  # a fit that stopped before its summary
         if self._pruned and self._unpruned and interrupted:
             # Stopped before the first optimizer step (a refusal at the first batch, a failing sanity check): the
             # weights are those before the run, kept on this rank, so the module is whole again without a collective.

@@ -183,6 +183,35 @@ def _loss_only_parameter(world: int, out: str) -> list[str]:
     return [str(w.message) for w in caught if "belong to no pipeline layer" in str(w.message) or "not parameters of the module" in str(w.message)]
 
 
+class _ExampleMLP(TinyMLP):
+    """TinyMLP with an ``example_input_array``: Lightning's model summary runs a forward pass on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.randn(2, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def _model_summary(world: int, out: str) -> dict[str, Any]:
+    """Lightning's ModelSummary (on by default) under a pipeline: what it reports, and the callback afterwards."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    class Recording(ModelSummary):
+        def summarize(self, summary_data: Any, total_parameters: int, trainable_parameters: int, *args: Any, **kwargs: Any) -> None:
+            self.seen = (dict(summary_data), total_parameters, trainable_parameters)
+
+    model, callback = _ExampleMLP(), Recording(max_depth=2)
+    whole = sum(p.numel() for p in model.parameters())
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY])
+    kwargs = {**trainer_kwargs(world, strategy, out, callbacks=[callback]), "max_steps": 1, "enable_model_summary": True}
+    L.Trainer(**kwargs).fit(model, DataLoader(mlp_data(), batch_size=GLOBAL_BATCH))
+    return {"whole": whole, "seen": getattr(callback, "seen", None), "own_summary": "_summary" not in vars(callback)}
+
+
 def _failed_fit_then_retry(world: int, out: str) -> dict[str, Any]:
     """A fit that raises on every rank leaves each rank's module with its stage only; training it again is refused."""
     from lightning_distplan.errors import InfeasiblePlanError
@@ -593,6 +622,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["deferred_bn"] = _deferred_batchnorm(world, out)
     results["failed"] = _failed_fit_then_retry(world, out)
     results["loss_only"] = _loss_only_parameter(world, out)
+    results["summary"] = _model_summary(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -896,6 +926,19 @@ def test_a_parameter_only_the_loss_uses_is_named_as_untrained(two_rank_run) -> N
     named, plain = results[0]["loss_only"]
     assert "holds 1 parameter(s) that belong to no pipeline layer (log_scale)" in named
     assert "holds 1 tensor(s) that are not parameters of the module" in plain and "dropped from the optimizer" in plain
+
+
+def test_the_model_summary_counts_the_whole_module_and_runs_its_example_input(two_rank_run) -> None:
+    """Lightning's ModelSummary runs after the model is cut: it counted rank 0's stage alone, and a module with an
+    example_input_array failed in its forward pass (on the emptied tensors of the other stage)."""
+    _, results = two_rank_run
+    res = results[0]["summary"]
+    data, total, trainable = res["seen"]
+    assert total == trainable == res["whole"] == 9668
+    assert data["In sizes"][0] == "[2, 16]" and data["Out sizes"][0] == "[2, 4]"  # the whole model's forward pass
+    assert data["Name"][:2] == ["model", "model.0"]
+    assert results[1]["summary"]["seen"] is None  # rank 1 prints nothing
+    assert all(r["summary"]["own_summary"] for r in results)  # the callback summarises on its own again after the fit
 
 
 def test_a_failed_pipeline_fit_leaves_a_partial_module_that_is_not_trained_again(two_rank_run) -> None:
