@@ -98,6 +98,8 @@ class PlanningCallback(Callback):
 
     @property
     def plan(self) -> Plan | None:
+        """The plan this fit runs (``None`` before ``fit``). Under ``ddp_spawn`` the callback that planned is a copy in
+        the spawned processes, so this one stays ``None``: read ``<default_root_dir>/distplan/plan.json``."""
         return None if self.outcome is None else self.outcome.plan
 
     @override
