@@ -29,6 +29,7 @@ from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     choose_plan,
+    ddp_bucket_bytes,
     describe_for_user,
     distplan_dir,
     faster_alternative,
@@ -234,7 +235,8 @@ def plan_micro_batching(
     decision: Any = None
     if trainer.is_global_zero:
         try:
-            decision = ("ok", *rank_micro_batching(profile, world_size=world, global_batch_size=global_batch, pins=pins, device_memory_bytes=device_memory_bytes))
+            decision = ("ok", *rank_micro_batching(profile, world_size=world, global_batch_size=global_batch, pins=pins,
+                                                   device_memory_bytes=device_memory_bytes, ddp_bucket_bytes=ddp_bucket_bytes(strategy)))
         except Exception as err:  # every rank raises the same error
             decision = ("error", err)
     decision = strategy.broadcast(decision)
@@ -264,12 +266,13 @@ def rank_micro_batching(
     global_batch_size: int,
     pins: dict[str, Any] | None = None,
     device_memory_bytes: int | None = None,
+    ddp_bucket_bytes: int | None = None,
 ) -> tuple[list[Candidate], Hardware, tuple[Candidate, float] | None]:
     """The ranked ``dp_ga`` plans, the hardware they were priced on, and — ranking every strategy on
     the same hardware without pins — a faster plan of another strategy with its speed-up, if any (pure)."""
     dp, hardware = choose_plan(
         profile, world_size=world_size, global_batch_size=global_batch_size, pins=pins,
-        device_memory_bytes=device_memory_bytes, strategies=("dp_ga",),
+        device_memory_bytes=device_memory_bytes, strategies=("dp_ga",), ddp_bucket_bytes=ddp_bucket_bytes,
     )
     try:
         everything, _ = choose_plan(profile, world_size=world_size, global_batch_size=global_batch_size, hardware=hardware)

@@ -71,9 +71,17 @@ class Hardware:
     (:func:`~lightning_distplan.costmodel._schedule.schedule_time`). False for NCCL, whose two
     directions the model takes as independent (assumed: no pipeline has run on a GPU yet); True
     where the profile's p2p link was measured over gloo, or, with no measured link, on a CPU."""
+    ddp_bucket_bytes: int | None = None
+    """DDP's gradient bucket size (``DDPStrategy(bucket_cap_mb=...)`` in bytes): every bucket, the first included, as
+    torch 2.14's DDP sizes them when ``bucket_cap_mb`` is given. ``None``: DDP's defaults, a 1 MiB first bucket and
+    25 MiB after it (:data:`~lightning_distplan.costmodel._predict.DDP_BUCKET_BYTES`)."""
 
     def __post_init__(self) -> None:
         hint = "Pass positive, finite hardware numbers."
+        if self.ddp_bucket_bytes is not None and (isinstance(self.ddp_bucket_bytes, bool) or not isinstance(self.ddp_bucket_bytes, int)
+                                                  or self.ddp_bucket_bytes <= 0):
+            raise CatalogError(f"`ddp_bucket_bytes` must be a positive integer or None, got {self.ddp_bucket_bytes!r}.",
+                               hint="Pass DDPStrategy(bucket_cap_mb=...) a positive number of MiB, or leave it out.")
         if not isinstance(self.device_memory_bytes, int) or self.device_memory_bytes <= 0:
             raise CatalogError(f"`device_memory_bytes` must be a positive integer, got {self.device_memory_bytes!r}.", hint=hint)
         for name in ("allreduce_bandwidth_bytes_per_s", "p2p_bandwidth_bytes_per_s", "compute_scale"):

@@ -143,7 +143,7 @@ def exposed_allreduce_time(profile: Profile, micro_batch_size: int, world: int, 
     others). Which part it hides follows DDP's buckets: after the first step DDP rebuilds them in the
     order gradients became ready (backward's order, last layer first), whole tensors each, closing
     a bucket once it holds at least :data:`DDP_FIRST_BUCKET_BYTES` (the first) or
-    :data:`DDP_BUCKET_BYTES` (the others); a bucket is all-reduced (:func:`ring_allreduce_time`)
+    :data:`DDP_BUCKET_BYTES` (the others), or ``hw.ddp_bucket_bytes`` (all) when given; a bucket is all-reduced (:func:`ring_allreduce_time`)
     once its last gradient is ready and the bucket before it is done. The profile knows layers, not
     tensors, so a layer's gradients go into one bucket. So the earliest layers' gradients, ready
     only as backward ends (a large embedding in layer 0, or a tied one, which counts under its first
@@ -165,7 +165,8 @@ def exposed_allreduce_time(profile: Profile, micro_batch_size: int, world: int, 
         return ring_allreduce_time(nbytes, world, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
 
     ran = last_ready = comm_end = 0.0
-    filled, cap = 0, DDP_FIRST_BUCKET_BYTES
+    first_cap, cap_after = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES) if hw.ddp_bucket_bytes is None else (hw.ddp_bucket_bytes,) * 2
+    filled, cap = 0, first_cap
     for i in range(len(layers) - 1, -1, -1):  # backward visits layers last to first
         ran += bwd[i]
         nbytes = int(round(shares[i] * grads))
@@ -174,7 +175,7 @@ def exposed_allreduce_time(profile: Profile, micro_batch_size: int, world: int, 
         filled, last_ready = filled + nbytes, (end * ran / total if total > 0 else end)
         if filled >= cap:  # the bucket closes; it goes once the one before it is done
             comm_end = max(last_ready, comm_end) + allreduce(filled)
-            filled, cap = 0, DDP_BUCKET_BYTES
+            filled, cap = 0, cap_after
     if filled:
         comm_end = max(last_ready, comm_end) + allreduce(filled)
     return max(0.0, comm_end - end)

@@ -357,6 +357,13 @@ def pins_from(**values: Any) -> dict[str, Any]:
     return pins
 
 
+def ddp_bucket_bytes(strategy: Any) -> int | None:
+    """The gradient bucket size a DDP strategy was given (``bucket_cap_mb``, MiB, as torch reads it) in bytes, or
+    ``None`` for DDP's defaults (or a strategy that is not DDP)."""
+    mb = getattr(strategy, "_ddp_kwargs", {}).get("bucket_cap_mb")
+    return None if mb is None else int(mb * 1024 * 1024)
+
+
 def choose_plan(
     profile: Profile,
     *,
@@ -367,8 +374,11 @@ def choose_plan(
     strategies: Sequence[str] = STRATEGIES,
     compute_scale: float = 1.0,
     hardware: Hardware | None = None,
+    ddp_bucket_bytes: int | None = None,
 ) -> tuple[list[Candidate], Hardware]:
     """Rank every plan for the user's global batch on ``world_size`` devices; the first is feasible.
+
+    ``ddp_bucket_bytes``: the run's DDP gradient bucket size (:func:`ddp_bucket_bytes`), where it sets one.
 
     Raises:
         InfeasiblePlanError: an impossible pin (from the planner, with its HINT), or no plan fits in memory.
@@ -378,6 +388,8 @@ def choose_plan(
         hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1)
     if compute_scale != hardware.compute_scale:
         hardware = replace(hardware, compute_scale=compute_scale)
+    if ddp_bucket_bytes is not None:
+        hardware = replace(hardware, ddp_bucket_bytes=ddp_bucket_bytes)
     candidates = rank_plans(
         profile, world_size=world_size, global_batch_size=global_batch_size, hardware=hardware, pins=pins, strategies=strategies
     )

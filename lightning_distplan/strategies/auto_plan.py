@@ -50,6 +50,7 @@ from lightning_distplan.strategies._auto_concrete import build_concrete
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     choose_plan,
+    ddp_bucket_bytes,
     distplan_dir,
     log_outcome,
     pins_from,
@@ -356,7 +357,7 @@ class AutoPlanStrategy(DDPStrategy):
             try:
                 candidates, hardware = choose_plan(
                     profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
-                    device_memory_bytes=self._device_memory_bytes, strategies=strategies,
+                    device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
                 )
                 decision = ("ok", candidates, hardware)
             except Exception as err:  # every rank must raise, not only rank 0

@@ -9,7 +9,7 @@ import pytest
 
 from lightning_distplan.costmodel import BREAKDOWN_KEYS, Hardware, exposed_allreduce_time, predict, ring_allreduce_time
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
-from lightning_distplan.errors import ModelSplitError
+from lightning_distplan.errors import CatalogError, ModelSplitError
 from lightning_distplan.plan import Plan
 from lightning_distplan.profile import LinearFit
 
@@ -83,6 +83,26 @@ def test_dp_ga_gradients_ready_last_are_never_hidden():
     # the first bucket fills) hid all 0.21 s.
     exposed = predict(profile, plan, hw(allreduce_bandwidth_bytes_per_s=1e9)).breakdown["exposed_comm"]
     assert exposed == pytest.approx(ring_allreduce_time(204_000_000, 2, 1e-4, 1e9), rel=1e-12)
+
+
+def test_dp_ga_buckets_follow_the_users_bucket_cap():
+    # DDPStrategy(bucket_cap_mb=...): every bucket, the first too, closes at that size (torch 2.14's DDP); the
+    # defaults put layer 1 and the embedding in one 25 MiB bucket (the test above)
+    embed = LayerSpec(fwd_alpha=0.001, bwd_alpha=0.001, param_bytes=200_000_000)
+    block = LayerSpec(fwd_alpha=0.1, bwd_alpha=0.2, param_bytes=4_000_000)
+    profile = synthetic_profile([embed, block, block], grad_bytes=208_000_000)
+
+    def ar(n: int) -> float:
+        return ring_allreduce_time(n, 2, 1e-4, 1e9)
+
+    end = 1.604  # backward: layer 2 ready at 0.8 s, layer 1 at 1.6 s, the embedding at the end
+    small = exposed_allreduce_time(profile, 4, 2, hw(ddp_bucket_bytes=2 << 20))  # each layer a bucket of its own
+    assert small == pytest.approx(max(end, max(1.6, 0.8 + ar(4_000_000)) + ar(4_000_000)) + ar(200_000_000) - end, rel=1e-12)
+    whole = exposed_allreduce_time(profile, 4, 2, hw(ddp_bucket_bytes=300 << 20))  # one bucket, ready at the end
+    assert whole == pytest.approx(ar(208_000_000), rel=1e-12)
+    assert small < exposed_allreduce_time(profile, 4, 2, hw()) < whole
+    with pytest.raises(CatalogError, match=r"`ddp_bucket_bytes` must be a positive integer or None, got 0.*HINT: Pass DDPStrategy\(bucket_cap_mb"):
+        hw(ddp_bucket_bytes=0)
 
 
 def test_dp_ga_layer_fits_of_zero_say_every_gradient_is_ready_at_the_end():

@@ -446,3 +446,23 @@ def test_no_plan_fits_says_why_pipelines_were_left_out_instead_of_suggesting_one
         choose_plan(profile, world_size=2, global_batch_size=8, device_memory_bytes=30 << 20)
     with pytest.raises(InfeasiblePlanError, match=r"HINT: Pipelines, which split the model over devices, were left out because .*adapter's guess\) is 1.4"):
         choose_plan(replace(profile, splittable=False, split_reason=reason), world_size=2, global_batch_size=8, device_memory_bytes=30 << 20)
+
+
+def test_the_plan_is_priced_with_the_strategys_ddp_bucket_size():
+    """DDPStrategy(bucket_cap_mb=...) (the callback's), or the same argument to auto_plan / dp_ga: the cost model's
+    buckets are that size (the default 1 MiB / 25 MiB were assumed whatever the run used)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+    from lightning_distplan.strategies.dp_ga import DPGAStrategy
+    from lightning_distplan.strategies._auto_planning import choose_plan, ddp_bucket_bytes
+
+    assert ddp_bucket_bytes(DDPStrategy()) is None and ddp_bucket_bytes(object()) is None
+    assert ddp_bucket_bytes(DDPStrategy(bucket_cap_mb=50)) == 50 << 20
+    assert ddp_bucket_bytes(DDPStrategy(bucket_cap_mb=0.5)) == 1 << 19
+    assert ddp_bucket_bytes(AutoPlanStrategy(bucket_cap_mb=4)) == ddp_bucket_bytes(DPGAStrategy(bucket_cap_mb=4)) == 4 << 20
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=10 << 20)] * 4)
+    _, hardware = choose_plan(profile, world_size=2, global_batch_size=8, ddp_bucket_bytes=4 << 20)
+    assert hardware.ddp_bucket_bytes == 4 << 20
+    assert choose_plan(profile, world_size=2, global_batch_size=8)[1].ddp_bucket_bytes is None
