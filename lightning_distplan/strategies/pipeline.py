@@ -148,6 +148,10 @@ def pipeline_callback_conflicts(callbacks: Iterable[Any]) -> list[tuple[str, str
     - Weight averaging (``StochasticWeightAveraging``, ``WeightAveraging``): it copies the whole module
       before the strategy's setup and averages every weight, while each pipeline process holds only its
       stage's; it failed mid-fit with a tensor size mismatch.
+    - ``ModelPruning``: it prunes, and makes its masks permanent in, the local module, whose other stages'
+      tensors are empty; it failed at the first pruning or checkpoint with a tensor size mismatch.
+    - Fine-tuning callbacks (``BackboneFinetuning``, ``BaseFinetuning``): they add param groups to the optimizer
+      mid-fit (and replace them all on resume), which each stage's share of the optimizer cannot follow.
     """
     callbacks = list(callbacks)
     out: list[tuple[str, str]] = []
@@ -164,6 +168,20 @@ def pipeline_callback_conflicts(callbacks: Iterable[Any]) -> list[tuple[str, str
         out.append(
             (f"{', '.join(averaging)} averages the whole model's weights, and each pipeline process holds only its own stage's",
              f"drop {', '.join(averaging)}")
+        )
+    from lightning.pytorch.callbacks import BaseFinetuning, ModelPruning
+
+    if any(isinstance(cb, ModelPruning) for cb in callbacks):
+        out.append(
+            ("ModelPruning prunes the module in each process, which holds only its own pipeline stage's weights",
+             "prune after training (torch.nn.utils.prune on the whole model) or drop ModelPruning")
+        )
+    finetuning = sorted({type(cb).__name__ for cb in callbacks if isinstance(cb, BaseFinetuning)})
+    if finetuning:
+        out.append(
+            (f"{', '.join(finetuning)} adds param groups to the optimizer during the fit, which each pipeline stage's share of it "
+             "cannot follow", "give configure_optimizers every parameter and unfreeze with requires_grad_(True) in "
+             "on_train_epoch_start instead of a fine-tuning callback")
         )
     return out
 
@@ -423,6 +441,8 @@ class PipelineStrategy(DDPStrategy):
                 for t in layer.buffers():
                     tensor_stages.setdefault(id(t), set()).add(k)
         self._ownership = StateOwnership.of(module, tensor_stages)
+        # every stage's parameters, on every rank: which stages train decides which activations carry a gradient
+        self._params_by_stage = [tuple(p for layer in layers[a:b] for p in layer.parameters()) for a, b in ranges]
         k = layout.stage
         in_layers = set(tensor_stages)
         self._in_layers = in_layers
@@ -717,7 +737,10 @@ class PipelineStrategy(DDPStrategy):
 
     def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
         shapes = tuple(tuple(t.shape) for t in tensors_in(batch))
-        key = (mode, n, shapes)
+        # torch's PipelineStage records at its first step whether the activations it receives need a gradient; after
+        # a stage is unfrozen (BackboneFinetuning, gradual unfreezing) a schedule built before would send none back.
+        training = tuple(any(p.requires_grad for p in params) for params in self._params_by_stage)
+        key = (mode, n, shapes, training)
         if key in self._schedules:
             self._schedules[key] = self._schedules.pop(key)  # most recently used last
         else:
@@ -860,6 +883,7 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        self._check_param_groups(optimizer)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._unpruned = []  # the weights moved on: the pre-run values are stale (a later failure leaves the checkpoints)
         return out
@@ -924,7 +948,21 @@ class PipelineStrategy(DDPStrategy):
         index = getattr(self, "_opt_index", {}).get(id(optimizer))
         if index is None:
             return optimizer.state_dict()
+        self._check_param_groups(optimizer)
         return gather_full_optimizer_state(optimizer, index, replica=self.layout.replica)
+
+    def _check_param_groups(self, optimizer: Optimizer) -> None:
+        """Refuse an optimizer whose param groups changed in number since the pipeline took its stage's share."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        index = getattr(self, "_opt_index", {}).get(id(optimizer))
+        if index is not None and len(optimizer.param_groups) != len(index.full_group_sizes):
+            raise InfeasiblePlanError(
+                f"The optimizer has {len(optimizer.param_groups)} param groups, but {len(index.full_group_sizes)} when the pipeline "
+                "split it by stage: a group added during the fit (optimizer.add_param_group) holds other stages' parameters, "
+                "which this process does not have.",
+                hint="Give configure_optimizers every parameter from the start (frozen ones get no gradient, so they do not "
+                "move) and unfreeze with requires_grad_(True), or train with strategy='dp_ga' / 'ddp'.",
+            )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

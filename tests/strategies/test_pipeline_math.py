@@ -194,6 +194,53 @@ class _ExampleMLP(TinyMLP):
         return self.model(x)
 
 
+class _UnfreezeMLP(TinyMLP):
+    """Stage 0 (layers 0-3) frozen in epoch 0 and unfrozen at the start of epoch 1 (gradual unfreezing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model[:MLP_BOUNDARY].requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            self.model[:MLP_BOUNDARY].requires_grad_(True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _unfreeze_reference(steps_per_epoch: int) -> dict[str, torch.Tensor]:
+    """The same two epochs in one process, on whole batches."""
+    torch.manual_seed(1234)
+    model = _UnfreezeMLP()
+    opt = model.configure_optimizers()
+    x, y = mlp_data(steps_per_epoch * GLOBAL_BATCH).tensors
+    for epoch in range(2):
+        if epoch == 1:
+            model.model[:MLP_BOUNDARY].requires_grad_(True)
+        # Lightning's DistributedSampler(shuffle=True, seed=0) over one replica: a permutation seeded 0 + epoch
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        for i in range(steps_per_epoch):
+            rows = order[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
+            opt.zero_grad()
+            F.mse_loss(model.model(x[rows]), y[rows]).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _unfreeze_later(world: int, out: str) -> dict[str, torch.Tensor]:
+    """Unfrozen after the first epoch: torch's stage had recorded that its input needs no gradient, so a schedule
+    built in epoch 0 sent none back ('Failed to run stage backward ... Output gradient: None')."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    torch.manual_seed(1234)
+    model = _UnfreezeMLP()
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO, stage_boundaries=[MLP_BOUNDARY])
+    L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": -1, "max_epochs": 2}).fit(
+        model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _model_summary(world: int, out: str) -> dict[str, Any]:
     """Lightning's ModelSummary (on by default) under a pipeline: what it reports, and the callback afterwards."""
     from lightning.pytorch.callbacks import ModelSummary
@@ -457,18 +504,25 @@ def _plateau_on_unlogged(world: int, out: str) -> str:
     return f"{trainer.global_step}: trained"
 
 
+class _BackboneMLP(TinyMLP):
+    @property
+    def backbone(self) -> nn.Module:  # what BackboneFinetuning freezes (the first stage's layers)
+        return self.model[:MLP_BOUNDARY]
+
+
 def _callbacks_a_pipeline_cannot_serve(world: int, out: str) -> list[str]:
     """A ModelCheckpoint on a metric the pipeline does not log, and StochasticWeightAveraging: each refused before
     the model is cut into stages (they failed after an epoch, or mid-fit with a tensor size mismatch, leaving each
     rank's module holding one stage), and the module stays whole."""
-    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint, ModelPruning, StochasticWeightAveraging
 
     from lightning_distplan.errors import InfeasiblePlanError
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     got = []
-    for callback in (ModelCheckpoint(monitor="val_mae", dirpath=out), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)):
-        model = TinyMLP()
+    for callback in (ModelCheckpoint(monitor="val_mae", dirpath=out), StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1),
+                     ModelPruning("l1_unstructured", amount=0.5), BackboneFinetuning(unfreeze_backbone_at_epoch=1)):
+        model = _BackboneMLP()
         whole = sum(p.numel() for p in model.parameters())
         trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out),
                                "callbacks": [callback], "max_epochs": 3, "enable_checkpointing": True})
@@ -623,6 +677,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["failed"] = _failed_fit_then_retry(world, out)
     results["loss_only"] = _loss_only_parameter(world, out)
     results["summary"] = _model_summary(world, out)
+    results["unfreeze"] = _unfreeze_later(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -743,11 +798,16 @@ def test_a_training_step_loss_the_adapters_guess_misses_is_refused_before_the_mo
 def test_callbacks_a_pipeline_cannot_serve_are_refused_before_the_model_is_cut(two_rank_run) -> None:
     _, results = two_rank_run
     for res in results:
-        monitored, averaged = res["callbacks"]
+        monitored, averaged, pruned, finetuned = res["callbacks"]
         assert monitored.startswith("0 True: PipelineStrategy cannot run this fit: callbacks monitor 'val_mae', which a pipeline does not log"), monitored
         assert "HINT: Monitor 'val_loss' or 'train_loss', or train with strategy='dp_ga'" in monitored
         assert averaged.startswith("0 True: PipelineStrategy cannot run this fit: StochasticWeightAveraging averages the whole model's weights"), averaged
         assert "HINT: Drop StochasticWeightAveraging" in averaged
+        # ModelPruning failed at its first pruning or checkpoint (a tensor size mismatch); BackboneFinetuning's param
+        # group added at epoch 1 failed the next checkpoint (an IndexError)
+        assert pruned.startswith("0 True: PipelineStrategy cannot run this fit: ModelPruning prunes the module in each process"), pruned
+        assert finetuned.startswith("0 True: PipelineStrategy cannot run this fit: BackboneFinetuning adds param groups"), finetuned
+        assert "HINT: Give configure_optimizers every parameter and unfreeze with requires_grad_(True)" in finetuned
 
 
 def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank_run) -> None:
@@ -926,6 +986,17 @@ def test_a_parameter_only_the_loss_uses_is_named_as_untrained(two_rank_run) -> N
     named, plain = results[0]["loss_only"]
     assert "holds 1 parameter(s) that belong to no pipeline layer (log_scale)" in named
     assert "holds 1 tensor(s) that are not parameters of the module" in plain and "dropped from the optimizer" in plain
+
+
+def test_a_stage_unfrozen_during_the_fit_trains_as_in_one_process(two_rank_run) -> None:
+    _, results = two_rank_run
+    ref = _unfreeze_reference(steps_per_epoch=4)
+    torch.manual_seed(1234)
+    start = _UnfreezeMLP().state_dict()
+    moved = {k: ref[k] - start[k] for k in ref}
+    assert min(moved[k].abs().max() for k in ("model.0.weight", "model.2.weight")) > 1e-3  # stage 0 trained in epoch 1
+    for res in results:  # to 1e-6, a thousandth of what stage 0 moved
+        torch.testing.assert_close(res["unfreeze"], ref, rtol=1e-5, atol=1e-6)
 
 
 def test_the_model_summary_counts_the_whole_module_and_runs_its_example_input(two_rank_run) -> None:
