@@ -827,8 +827,10 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         layers.append(
             LayerProfile(
                 name=layer_names[i],
-                forward=LinearFit.fit(feasible, fwd),
-                backward=LinearFit.fit(feasible, bwd),
+                # a host stall at one size tilts a small layer's line below zero at another (one at 4 of 1, 2, 4:
+                # -1.6 ms at 1), which the planner would sum into a stage's time and a saved profile may be refused for
+                forward=LinearFit.fit_times(feasible, fwd),
+                backward=LinearFit.fit_times(feasible, bwd),
                 param_count=sum(p.numel() for p in params),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 trainable_param_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),

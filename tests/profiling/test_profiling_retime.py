@@ -85,3 +85,36 @@ def test_steady_sizes_are_not_timed_again() -> None:
     if [line for line in lines if "timed again" in line]:
         step, lines = _profile_heavy()
     assert not [line for line in lines if "timed again" in line], lines
+
+
+class _SlowAtFour(nn.Linear):
+    """Sleeps 20 ms in every forward of 4 samples: a layer whose times at 1, 2, 4 are ~0, ~0, 20 ms."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 4:
+            time.sleep(0.02)
+        return super().forward(x)
+
+
+class _StallsAtFour(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(_SlowAtFour(32, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
+def test_a_layer_line_stays_positive_where_it_was_measured(tmp_path) -> None:
+    """Least squares through ~0, ~0 and 20 ms at 1, 2, 4 samples is -2.9 ms at 1: a negative layer time the planner
+    summed into a stage, and a saved profile was refused for (`distplan bench` exited 2 on a loaded host)."""
+    from lightning_distplan.profile import LinearFit, Profile
+
+    model = _StallsAtFour()
+    profile = profile_module(model, model.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=3, loop_overhead=False)
+    slow = profile.layers[0]
+    sizes = [s.micro_batch_size for s in slow.samples]
+    assert LinearFit.fit(sizes, [s.forward_s for s in slow.samples])(1) < 0  # the premise: the plain line dips below 0
+    for layer in profile.layers:
+        for m in sizes:
+            assert layer.forward(m) > 0 and layer.backward(m) > 0, (layer.name, m, layer.forward, layer.backward)
+    assert slow.forward(4) > 0.01  # the measured 20 ms is still there
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").layers[0].forward == slow.forward
