@@ -22,6 +22,7 @@ from lightning_distplan.errors import CheckpointMismatchError, InfeasiblePlanErr
 
 __all__ = [
     "StateOwnership",
+    "LooseState",
     "OptimizerIndex",
     "gather_full_state_dict",
     "gather_full_optimizer_state",
@@ -40,12 +41,45 @@ class StateOwnership:
     """Every key of the full ``state_dict``, in its order."""
     provider: dict[str, int]
     """Stage whose rank of replica 0 sends the entry; entries no layer uses are sent by stage 0."""
+    loose: frozenset[str] = frozenset()
+    """Entries no layer uses (a buffer of the loss module, say): every rank keeps its own copy, and only the stage
+    running the code that updates one (``spec.inputs`` on the first stage, ``spec.loss`` on the last) moves it."""
 
     @classmethod
     def of(cls, module: nn.Module, tensor_stages: dict[int, set[int]]) -> StateOwnership:
         full = module.state_dict(keep_vars=True)
         provider = {k: min(tensor_stages.get(id(t), {0})) for k, t in full.items()}
-        return cls(tuple(full), provider)
+        loose = frozenset(k for k, t in full.items() if isinstance(t, Tensor) and id(t) not in tensor_stages)
+        return cls(tuple(full), provider, loose)
+
+
+class LooseState:
+    """The values the :attr:`StateOwnership.loose` entries had when the stages were cut, to tell which stage moved one
+    since: that stage's copy is the one a checkpoint, or the whole module after the fit, must hold (a running
+    statistic the last stage's loss keeps was saved from stage 0's copy, which never moved)."""
+
+    def __init__(self, module: nn.Module, ownership: StateOwnership) -> None:
+        self._ownership = ownership
+        self.reset(module)
+
+    def reset(self, module: nn.Module) -> None:
+        """Take the current values as the reference (after the fit's start, or after loading a checkpoint)."""
+        local = module.state_dict()
+        self._start = {k: _to_cpu(local[k]) for k in self._ownership.loose if k in local}
+
+    def moved(self, module: nn.Module) -> frozenset[str]:
+        """Loose entries this rank's copy changed since :meth:`reset`."""
+        local = module.state_dict()
+        return frozenset(
+            k for k, start in self._start.items()
+            if k in local and (local[k].shape != start.shape or not torch.equal(local[k].detach().cpu(), start))
+        )
+
+
+def _replica_zero_entries(local: dict[str, Any], ownership: StateOwnership, stage: int, moved: frozenset[str]) -> dict[str, Any]:
+    """What this rank of replica 0 sends: the entries its stage provides, and the loose ones it moved. Merged in rank
+    order (stage order within replica 0), a later stage's moved copy replaces stage 0's unmoved one."""
+    return {k: _to_cpu(local[k]) for k in ownership.keys if k in local and (ownership.provider[k] == stage or k in moved)}
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -63,12 +97,16 @@ def _gather_to_zero(local: Any) -> list[Any] | None:
     return out
 
 
-def gather_full_state_dict(module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int) -> dict[str, Any]:
-    """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty elsewhere)."""
-    local_sd = module.state_dict()
+def gather_full_state_dict(
+    module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, moved: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty elsewhere).
+
+    ``moved``: the loose entries this rank changed (:meth:`LooseState.moved`); they replace stage 0's copy.
+    """
     mine = {}
-    if replica == 0:  # replicas hold identical weights; one copy is enough
-        mine = {k: _to_cpu(local_sd[k]) for k in ownership.keys if ownership.provider[k] == stage and k in local_sd}
+    if replica == 0:  # replicas hold identical weights; one copy is enough (replica 0's loose entries, as DDP broadcasts rank 0's buffers)
+        mine = _replica_zero_entries(module.state_dict(), ownership, stage, moved)
     parts = _gather_to_zero(mine)
     if parts is None:
         return {}
@@ -78,23 +116,23 @@ def gather_full_state_dict(module: nn.Module, ownership: StateOwnership, *, stag
     return OrderedDict((k, merged[k]) for k in ownership.keys if k in merged)
 
 
-def restore_full_module(module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, group: Any = None) -> None:
+def restore_full_module(
+    module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, group: Any = None, moved: frozenset[str] = frozenset()
+) -> None:
     """Collective: give every tensor :func:`prune_module` emptied its full value again, on every rank.
 
-    Each entry comes from its provider (the first stage using it, replica 0), as when saving; the
-    values travel as pickled CPU objects over ``group`` (a gloo group, so that nothing lands on the
-    GPUs).
+    Each entry comes from its provider (the first stage using it, replica 0), as when saving, and each
+    loose entry from the last stage of replica 0 that ``moved`` it; the values travel as pickled CPU
+    objects over ``group`` (a gloo group, so that nothing lands on the GPUs).
     """
     local = module.state_dict(keep_vars=True)
-    mine = {}
-    if replica == 0:
-        mine = {k: _to_cpu(local[k]) for k in ownership.keys if ownership.provider[k] == stage and k in local}
+    mine = _replica_zero_entries(local, ownership, stage, moved) if replica == 0 else {}
     parts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
     for part in parts:
         for key, value in part.items():
             tensor = local.get(key)
-            if tensor is not None and tensor.numel() == 0 and value.numel() > 0:
+            if tensor is not None and ((tensor.numel() == 0 and value.numel() > 0) or key in ownership.loose):
                 tensor.data = value.to(device=tensor.device, dtype=tensor.dtype)
 
 

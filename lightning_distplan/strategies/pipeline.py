@@ -82,6 +82,7 @@ from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import (
+    LooseState,
     OptimizerIndex,
     StateOwnership,
     gather_full_optimizer_state,
@@ -394,6 +395,7 @@ class PipelineStrategy(DDPStrategy):
             self._unpruned = []
             prune_module(self.model, self._keep, freed_values=self._unpruned)
             self._pruned = True
+            self._loose.reset(self.lightning_module)
             mark_partial(self.lightning_module, self.layout.stage)
         self.model_to_device()
         # 'bf16-mixed': the stage's blocks and the loss run in autocast, as training_step would under Lightning;
@@ -456,6 +458,7 @@ class PipelineStrategy(DDPStrategy):
         self._unpruned = []
         freed = prune_module(module, keep, freed_values=self._unpruned)
         self._pruned = True
+        self._loose = LooseState(module, self._ownership)
         self._loss_checked = False
         self._rng_seed = int(torch.randint(0, 2**62, (1,)).item()) + self.global_rank  # one draw, alike on every rank
         self._rng_state: tuple[Tensor, Tensor | None] | None = None
@@ -664,7 +667,8 @@ class PipelineStrategy(DDPStrategy):
             # The user's module is whole again on every rank (its state_dict, a second Trainer on it, inference),
             # as after a DDP run. Not after an exception: a collective then could wait for a rank that is gone.
             layout = self.layout
-            restore_full_module(module, self._ownership, stage=layout.stage, replica=layout.replica, group=self._object_group)
+            restore_full_module(module, self._ownership, stage=layout.stage, replica=layout.replica, group=self._object_group,
+                                moved=self._loose.moved(module))
             self._pruned = False
             mark_partial(module, None)
         elif self._pruned and module is not None:
@@ -934,7 +938,8 @@ class PipelineStrategy(DDPStrategy):
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty on other ranks)."""
         layout = self.layout
-        return gather_full_state_dict(self.lightning_module, self._ownership, stage=layout.stage, replica=layout.replica)
+        module = self.lightning_module
+        return gather_full_state_dict(module, self._ownership, stage=layout.stage, replica=layout.replica, moved=self._loose.moved(module))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -978,6 +983,7 @@ class PipelineStrategy(DDPStrategy):
                 f"The checkpoint misses {len(missing)} entries of the model, e.g. {missing[:3]}.", hint="Load a checkpoint of this model."
             )
         module.load_state_dict(mine, strict=False)
+        self._loose.reset(module)  # every rank now holds the checkpoint's loose entries: none moved yet
         return None
 
     @override

@@ -535,6 +535,32 @@ def _callbacks_a_pipeline_cannot_serve(world: int, out: str) -> list[str]:
     return got
 
 
+class _LateGroupMLP(TinyMLP):
+    """Trains stage 1's layers, then adds stage 0's as a second param group at the start of epoch 1."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model[MLP_BOUNDARY:].parameters(), lr=0.1)
+
+    def on_train_epoch_start(self) -> None:
+        if self.current_epoch == 1:
+            self.trainer.optimizers[0].add_param_group({"params": list(self.model[:MLP_BOUNDARY].parameters()), "lr": 0.01})
+
+
+def _param_group_added_during_the_fit(world: int, out: str) -> str:
+    """optimizer.add_param_group mid-fit hands each process parameters of the other stage (emptied tensors there)."""
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out),
+                           "max_steps": -1, "max_epochs": 2})
+    try:
+        trainer.fit(_LateGroupMLP(), DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+        verdict = "trained"
+    except InfeasiblePlanError as err:
+        verdict = str(err)
+    return f"{trainer.global_step}: {verdict}"
+
+
 class _Center(nn.Module):
     """A linear layer that keeps a running mean of its output by *re-assigning* a buffer (not in place)."""
 
@@ -550,10 +576,25 @@ class _Center(nn.Module):
         return x - self.mu
 
 
+class _RunningLoss(nn.Module):
+    """A loss that keeps a running mean of itself in a buffer (as DINO's loss keeps its center): state no pipeline
+    layer holds, which only the last stage moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(()))
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(out, target)
+        self.mean.mul_(0.9).add_(0.1 * loss.detach())
+        return loss
+
+
 class _IdsThenCenter(L.LightningModule):
     """Token ids cross the stage boundary (layer 0 returns a *list* [hidden, ids]); layer 1 embeds them again and
-    runs a :class:`_Center`; the loss counts its calls. torch's first-step shape inference must leave no trace: ids
-    in range, the buffer as a single process has it, the loss called once per micro-batch."""
+    runs a :class:`_Center`; the loss counts its calls and keeps a running mean (:class:`_RunningLoss`). torch's
+    first-step shape inference must leave no trace: ids in range, the buffer as a single process has it, the loss
+    called once per micro-batch."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -562,6 +603,7 @@ class _IdsThenCenter(L.LightningModule):
         self.second = nn.Embedding(10, 8)
         self.center = _Center()
         self.head = nn.Linear(8, 2)
+        self.criterion = _RunningLoss()
         self.loss_calls = 0
 
     def _first(self, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -572,7 +614,7 @@ class _IdsThenCenter(L.LightningModule):
 
     def _loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
         self.loss_calls += 1
-        return F.cross_entropy(out, batch[1])
+        return self.criterion(out, batch[1])
 
     def pipeline_spec(self) -> Any:
         from lightning_distplan import PipelineSpec
@@ -612,8 +654,12 @@ def _shape_inference(world: int, out: str) -> dict[str, Any]:
 
     model = _IdsThenCenter()
     strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO, stage_boundaries=[1])
-    L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": 2}).fit(model, DataLoader(_ids_data(), batch_size=GLOBAL_BATCH))
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "loss_calls": model.loss_calls}
+    trainer = L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": 2})
+    trainer.fit(model, DataLoader(_ids_data(), batch_size=GLOBAL_BATCH))
+    path = os.path.join(out, "ids_then_center.ckpt")
+    trainer.save_checkpoint(path)
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "loss_calls": model.loss_calls,
+            "saved": torch.load(path, weights_only=False)["state_dict"] if world > 1 else None}
 
 
 def _many_shapes(world: int, out: str) -> dict[str, Any]:
@@ -678,6 +724,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["loss_only"] = _loss_only_parameter(world, out)
     results["summary"] = _model_summary(world, out)
     results["unfreeze"] = _unfreeze_later(world, out)
+    results["late_group"] = _param_group_added_during_the_fit(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -999,6 +1046,13 @@ def test_a_stage_unfrozen_during_the_fit_trains_as_in_one_process(two_rank_run) 
         torch.testing.assert_close(res["unfreeze"], ref, rtol=1e-5, atol=1e-6)
 
 
+def test_a_param_group_added_during_the_fit_is_refused_at_the_next_step(two_rank_run) -> None:
+    _, results = two_rank_run
+    for res in results:  # epoch 0's four steps ran; epoch 1's first step is refused before it moves a weight
+        assert res["late_group"].startswith("4: The optimizer has 2 param groups, but 1 when the pipeline split it by stage"), res["late_group"]
+        assert "HINT: Give configure_optimizers every parameter from the start" in res["late_group"]
+
+
 def test_the_model_summary_counts_the_whole_module_and_runs_its_example_input(two_rank_run) -> None:
     """Lightning's ModelSummary runs after the model is cut: it counted rank 0's stage alone, and a module with an
     example_input_array failed in its forward pass (on the emptied tensors of the other stage)."""
@@ -1048,9 +1102,11 @@ def test_shape_inference_leaves_no_trace_in_buffers_ids_or_the_loss(two_rank_run
         for micro in zip(*(t.chunk(N_MICRO) for t in batch)):
             (reference.training_step(list(micro), 0) / N_MICRO).backward()
         opt.step()
-    got = results[0]["shape_inference"]["state"]
-    torch.testing.assert_close(got, reference.state_dict(), rtol=1e-5, atol=1e-6)
-    assert got["center.mu"].abs().max() < 10  # (was ~1e35: the inference's uninitialised input)
+    for res in results:  # the whole module on every rank after the fit, and in the checkpoint
+        torch.testing.assert_close(res["shape_inference"]["state"], reference.state_dict(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0]["shape_inference"]["saved"], reference.state_dict(), rtol=1e-5, atol=1e-6)
+    assert reference.criterion.mean > 0.1  # the loss's running mean moved: the last stage's copy (stage 0's stayed 0)
+    assert results[0]["shape_inference"]["state"]["center.mu"].abs().max() < 10  # (was ~1e35: the inference's uninitialised input)
     assert results[1]["shape_inference"]["loss_calls"] == 2 * N_MICRO  # last stage: 2 steps of N_MICRO, no extra call
     assert results[0]["shape_inference"]["loss_calls"] == 0
 
