@@ -604,17 +604,42 @@ class PipelineStrategy(DDPStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the stages' squared norms summed over
-        the replica's pipeline group (the replicas hold equal gradients after the all-reduce)."""
-        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        square = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for p in params:
-            if id(p) not in self._norm_skip:
-                square += torch.linalg.vector_norm(p.grad.detach(), 2.0, dtype=torch.float32) ** 2
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The ``norm_type``-norm of the whole model's gradients, the same on every rank.
+
+        Each process holds its own stage's gradients only, so Lightning's ``grad_norm(module)`` in a hook
+        reads that stage's norm. This one combines the stages (a tied parameter counted once); it is a
+        collective: call it on every rank, e.g. in ``on_before_optimizer_step``::
+
+            def on_before_optimizer_step(self, optimizer):
+                self.log("grad_norm", self.trainer.strategy.grad_norm())
+
+        Raises:
+            InfeasiblePlanError: (a ``ValueError``) ``norm_type`` is not a positive number or ``inf``.
+        """
+        return self._global_grad_norm([p for p in self._stage_module.parameters() if p.grad is not None], norm_type)
+
+    def _global_grad_norm(self, params: list[Tensor], norm_type: float) -> Tensor:
+        """The stages' norms combined over the replica's pipeline group (the replicas hold equal gradients after the
+        all-reduce)."""
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise InfeasiblePlanError(f"`norm_type` must be a positive number or inf, got {norm_type!r}.", hint="Use 2.0 (the default), 1.0 or float('inf').")
+        p_norm = float(norm_type)
+        norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm, dtype=torch.float32) for p in params if id(p) not in self._norm_skip]
+        if math.isinf(p_norm):
+            total = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float32, device=self.root_device)
+            if self.layout.pp > 1:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._pipe_group)
+            return total
+        total = torch.stack([n**p_norm for n in norms]).sum() if norms else torch.zeros((), dtype=torch.float32, device=self.root_device)
         if self.layout.pp > 1:
-            dist.all_reduce(square, group=self._pipe_group)
-        coef = torch.clamp(clip_val / (square.sqrt() + 1e-6), max=1.0)
+            dist.all_reduce(total, group=self._pipe_group)
+        return total ** (1.0 / p_norm)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model (:meth:`grad_norm`'s 2-norm)."""
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        coef = torch.clamp(clip_val / (self._global_grad_norm(params, 2.0) + 1e-6), max=1.0)
         for p in params:
             p.grad.detach().mul_(coef.to(p.grad.dtype))
 

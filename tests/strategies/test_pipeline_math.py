@@ -336,6 +336,36 @@ def _clipped(world: int, out: str, schedule: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
 
 
+class _NormLoggingGPT2(TinyGPT2):
+    """Records, at its first optimizer step, the strategy's whole-model gradient norms and Lightning's own grad_norm
+    (which reads the process's stage only)."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        if self.global_step == 0:
+            strategy = self.trainer.strategy
+            self.norms = {"2": strategy.grad_norm(), "1": strategy.grad_norm(1.0), "inf": strategy.grad_norm(float("inf")),
+                          "lightning": grad_norm(self, norm_type=2)["grad_2.0_norm_total"]}
+
+
+def _grad_norms(world: int, out: str) -> dict[str, Any]:
+    from lightning_distplan.errors import InfeasiblePlanError
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    torch.manual_seed(1234)
+    model = _NormLoggingGPT2()
+    strategy = PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO)
+    trainer = L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": 1})
+    trainer.fit(model, DataLoader(token_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+    try:
+        strategy.grad_norm(-1)
+        refused = ""
+    except InfeasiblePlanError as err:
+        refused = str(err)
+    return {**{k: float(v) for k, v in model.norms.items()}, "refused": refused}
+
+
 def _short_last_batch(world: int, out: str) -> tuple[str, int, bool, int]:
     """70 samples in batches of 16: the epoch's last batch (6) does not split into 4 micro-batches. The refusal leaves
     the module whole with its starting weights (it held one stage, and a retry was refused), so drop_last=True trains it."""
@@ -725,6 +755,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["summary"] = _model_summary(world, out)
     results["unfreeze"] = _unfreeze_later(world, out)
     results["late_group"] = _param_group_added_during_the_fit(world, out)
+    results["grad_norms"] = _grad_norms(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -1044,6 +1075,22 @@ def test_a_stage_unfrozen_during_the_fit_trains_as_in_one_process(two_rank_run) 
     assert min(moved[k].abs().max() for k in ("model.0.weight", "model.2.weight")) > 1e-3  # stage 0 trained in epoch 1
     for res in results:  # to 1e-6, a thousandth of what stage 0 moved
         torch.testing.assert_close(res["unfreeze"], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_strategy_gives_hooks_the_whole_models_gradient_norm(two_rank_run) -> None:
+    """Lightning's grad_norm(module) in a hook reads the process's own stage; strategy.grad_norm() is the whole model's
+    (GPT-2's tied embedding counted once), the same on both ranks, for the 2-, 1- and inf-norm."""
+    _, results = two_rank_run
+    model = build("gpt2")
+    model.training_step(next(iter(DataLoader(token_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH))), 0).backward()
+    grads = [p.grad.flatten() for p in model.parameters()]  # parameters() yields a tied one once
+    want = {"2": torch.cat(grads).norm(2), "1": torch.cat(grads).norm(1), "inf": torch.cat(grads).abs().max()}
+    got = [res["grad_norms"] for res in results]
+    for res in got:
+        for key, value in want.items():
+            assert res[key] == pytest.approx(float(value), rel=1e-4), (key, res[key], float(value))
+        assert res["refused"].startswith("`norm_type` must be a positive number or inf, got -1.") and "HINT:" in res["refused"]
+    assert min(res["lightning"] for res in got) < 0.9 * float(want["2"])  # a stage's own norm: what the README warns of
 
 
 def test_a_param_group_added_during_the_fit_is_refused_at_the_next_step(two_rank_run) -> None:
