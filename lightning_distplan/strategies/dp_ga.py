@@ -75,6 +75,7 @@ from lightning_distplan.strategies._checkpoint import (
     stored_plan,
 )
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
+from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 
 if TYPE_CHECKING:
@@ -231,6 +232,19 @@ class DPGAStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._rechunk.weigh(super().training_step(*args, **kwargs))
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The ``norm_type``-norm of the model's gradients (each parameter once), as under a pipeline's
+        :meth:`PipelineStrategy.grad_norm`, so a hook that logs it runs under any plan ``auto_plan`` picks. In
+        ``on_before_optimizer_step`` DDP has all-reduced them: every rank gets the same value.
+
+        Raises:
+            InfeasiblePlanError: (a ``ValueError``) ``norm_type`` is not a positive number or ``inf``.
+        """
+        order = norm_order(norm_type)
+        module = self.lightning_module
+        grads = [p.grad for p in module.parameters() if p.grad is not None] if module is not None else []
+        return gradient_norm(grads, order, device=self.root_device)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:

@@ -81,6 +81,7 @@ from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError,
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
+from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import (
     LooseState,
     OptimizerIndex,
@@ -617,24 +618,19 @@ class PipelineStrategy(DDPStrategy):
         Raises:
             InfeasiblePlanError: (a ``ValueError``) ``norm_type`` is not a positive number or ``inf``.
         """
-        return self._global_grad_norm([p for p in self._stage_module.parameters() if p.grad is not None], norm_type)
+        order = norm_order(norm_type)
+        return self._global_grad_norm([p for p in self._stage_module.parameters() if p.grad is not None], order)
 
-    def _global_grad_norm(self, params: list[Tensor], norm_type: float) -> Tensor:
+    def _global_grad_norm(self, params: list[Tensor], order: float) -> Tensor:
         """The stages' norms combined over the replica's pipeline group (the replicas hold equal gradients after the
-        all-reduce)."""
-        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
-            raise InfeasiblePlanError(f"`norm_type` must be a positive number or inf, got {norm_type!r}.", hint="Use 2.0 (the default), 1.0 or float('inf').")
-        p_norm = float(norm_type)
-        norms = [torch.linalg.vector_norm(p.grad.detach(), p_norm, dtype=torch.float32) for p in params if id(p) not in self._norm_skip]
-        if math.isinf(p_norm):
-            total = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float32, device=self.root_device)
+        all-reduce); a tied parameter counts on the first stage that has it."""
+
+        def over_stages(partial: Tensor, is_max: bool) -> None:
             if self.layout.pp > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self._pipe_group)
-            return total
-        total = torch.stack([n**p_norm for n in norms]).sum() if norms else torch.zeros((), dtype=torch.float32, device=self.root_device)
-        if self.layout.pp > 1:
-            dist.all_reduce(total, group=self._pipe_group)
-        return total ** (1.0 / p_norm)
+                dist.all_reduce(partial, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=self._pipe_group)
+
+        grads = [p.grad for p in params if id(p) not in self._norm_skip]
+        return gradient_norm(grads, order, device=self.root_device, combine=over_stages)
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``torch.nn.utils.clip_grad_norm_`` over the whole model (:meth:`grad_norm`'s 2-norm)."""

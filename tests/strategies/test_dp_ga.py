@@ -677,3 +677,32 @@ def test_dataclass_batches_are_cut_into_micro_batches_with_ddps_weights(single_p
         assert trainer.global_step == 10, name
         weights[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert torch.allclose(weights["dp_ga"], weights["ddp"], atol=1e-6) and torch.allclose(weights["auto_plan"], weights["ddp"], atol=1e-6)
+
+
+class _NormLogging(_Regression):
+    """Records the gradient's 2-norm at each optimizer step: torch's, and the strategy's grad_norm() where it has one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[tuple[float, float | None]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        strategy = self.trainer.strategy
+        ours = float(strategy.grad_norm()) if hasattr(strategy, "grad_norm") else None
+        self.norms.append((float(torch.nn.utils.get_total_norm(grads, 2.0)), ours))
+
+
+def test_the_strategy_gradient_norm_in_a_hook_is_ddps(single_process_group: None) -> None:
+    """trainer.strategy.grad_norm() (also a pipeline's) under dp_ga, 4 micro-batches accumulated per loader batch: the
+    norm of the accumulated gradient, which is DDP's on whole loader batches."""
+    got = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
+        model = _NormLogging()
+        L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0)).fit(model)
+        got[name] = model.norms
+    assert len(got["dp_ga"]) == len(got["ddp"]) == 10
+    for (ddp_torch, _), (torch_norm, ours) in zip(got["ddp"], got["dp_ga"]):
+        assert ours == pytest.approx(torch_norm, rel=1e-6) and ours == pytest.approx(ddp_torch, rel=1e-5)
+    with pytest.raises(InfeasiblePlanError, match=r"`norm_type` must be a positive number or inf, got 0\. HINT:"):
+        DPGAStrategy().grad_norm(0)
