@@ -15,7 +15,7 @@ from lightning_distplan.errors import OutputPathError
 __all__ = ["check_output_path", "check_replaceable", "write_text_atomic"]
 
 
-def check_output_path(path: str | Path, option: str) -> Path:
+def check_output_path(path: str | Path, option: str, *, example: str = "out.json") -> Path:
     """``path`` when a file can be written there (its missing parent folders included); else :class:`OutputPathError`.
 
     Example:
@@ -24,7 +24,7 @@ def check_output_path(path: str | Path, option: str) -> Path:
     """
     path = Path(path)
     if path.is_dir():
-        raise OutputPathError(f"{option} {str(path)!r} is a directory.", hint=f"Name a file, e.g. {option} {path / 'out.json'}.")
+        raise OutputPathError(f"{option} {str(path)!r} is a directory.", hint=f"Name a file, e.g. {option} {path / example}.")
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent

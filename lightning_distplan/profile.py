@@ -421,7 +421,8 @@ class Profile:
             for name in ("param_bytes", "activation_bytes_per_sample", "activation_bytes_fixed", "output_bytes_per_sample",
                          "flops_forward_per_sample", "flops_backward_per_sample"):
                 sizes[f"layers[{i}].{name}"] = getattr(layer, name)
-            if layer.trainable_param_bytes is not None:
+            if layer.trainable_param_bytes is not None and not (isinstance(layer.param_bytes, (int, float)) and layer.param_bytes < 0):
+                # (a negative param_bytes is named by the check on every size below, not blamed on this one)
                 if not isinstance(layer.trainable_param_bytes, int) or isinstance(layer.trainable_param_bytes, bool) or layer.trainable_param_bytes > layer.param_bytes:
                     raise ProfileFormatError(
                         f"{source!r} has layers[{i}].trainable_param_bytes {layer.trainable_param_bytes!r}; it must be a whole number of bytes "

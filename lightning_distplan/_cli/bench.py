@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -103,6 +104,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+_ERROR_START = re.compile(r"(?=distplan bench: (?:error:|interrupted))")
 
 
 def _run_torchrun(cmd: list[str]) -> int:
@@ -119,13 +121,18 @@ def _run_torchrun(cmd: list[str]) -> int:
     assert proc.stderr is not None
     errors: list[str] = []
     try:
-        for line in proc.stderr:
-            if line.startswith("distplan bench: error:") or line.startswith("distplan bench: interrupted"):
-                if line not in errors:
-                    errors.append(line)
+        for chunk in proc.stderr:
+            # two ranks failing at once may write their error lines into one line of the pipe
+            for line in _ERROR_START.split(chunk):
+                if not line:
+                    continue
+                if _ERROR_START.match(line):
+                    line = line if line.endswith("\n") else line + "\n"
+                    if line not in errors:
+                        errors.append(line)
+                        sys.stderr.write(line)
+                elif not errors:  # after a worker's own error line, the rest is torchrun's report of that failure
                     sys.stderr.write(line)
-            elif not errors:  # after a worker's own error line, the rest is torchrun's report of that failure
-                sys.stderr.write(line)
         code = proc.wait()
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)
@@ -143,6 +150,33 @@ def _quiet_lightning() -> None:
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval|isinstance\\(treespec, LeafSpec\\)|PipelineStrategy runs the pipeline itself).*")
+
+
+def _check_before_launch(args: argparse.Namespace, init_args: dict[str, Any], dm_args: dict[str, Any]) -> None:
+    """What each rank would refuse at once, refused here in one sentence before torchrun starts them: the device, the
+    classes and the arguments their constructors take (the ranks build them; building here could take minutes)."""
+    import inspect
+
+    from lightning_distplan._cli.profile import _load_class, build_error
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():  # is_available makes no CUDA context in this process, which runs no plan
+            from lightning_distplan.profiling._device import resolve_device
+
+            resolve_device("cuda")
+    checks = [(args.model, "model", "", init_args, "--init-args")]
+    if args.datamodule:
+        checks.append((args.datamodule, "datamodule", "--datamodule ", dm_args, "--datamodule-args"))
+    for path, what, option, kwargs, kwargs_option in checks:
+        cls = _load_class(path, what=what, option=option)
+        try:
+            inspect.signature(cls).bind(**kwargs)
+        except TypeError as err:
+            raise build_error(what, path, kwargs, err, kwargs_option) from None
+        except ValueError:  # a signature inspect cannot read: the ranks will say
+            pass
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,9 +199,11 @@ def run(args: argparse.Namespace) -> int:
     init_args = _json_kwargs(args.init_args, "--init-args")
     dm_args = _json_kwargs(args.datamodule_args, "--datamodule-args")
     sizes = _sizes(args.micro_batch_sizes)
-    for option, value in (("--out", args.out), ("--plot", args.plot)):
+    if args.profile_repeats < 1:  # before torchrun starts the ranks (each would refuse it, in the profiler's words)
+        raise BenchError(f"--profile-repeats must be >= 1, got {args.profile_repeats}.", hint="Use e.g. --profile-repeats 3.")
+    for option, value, example in (("--out", args.out, "bench.json"), ("--plot", args.plot, "bench.png")):
         if value is not None:
-            check_output_path(value, option)  # before the runs, which take minutes
+            check_output_path(value, option, example=example)  # before the runs, which take minutes
     if args.out is not None:
         check_replaceable(args.out, "--out", what="distplan bench result",
                           is_ours=lambda d: isinstance(d, dict) and str(d.get("schema", "")).startswith("distplan-bench"))
@@ -186,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             hint="Drop --print-launch to run it, or pass --world-size 2 or more.",
         )
     if args.world_size > 1 and not _inside_torchrun():
+        _check_before_launch(args, init_args, dm_args)
         cmd = torchrun_command(args)
         if args.print_launch:
             print(shlex.join(cmd))

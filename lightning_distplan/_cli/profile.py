@@ -114,16 +114,22 @@ def _sizes(text: str | None) -> list[int] | None:
     return sizes
 
 
+def build_error(what: str, path: str, kwargs: dict[str, Any], err: Exception, option: str) -> ProfilingError:
+    """The one sentence for a constructor that refused ``kwargs``."""
+    reason = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
+    return ProfilingError(
+        f"Building {what} {path} with {kwargs!r} failed: {type(err).__name__}{': ' + reason if reason else ''}.",
+        hint=f"Pass the constructor's required arguments with {option} JSON.",
+    )
+
+
 def _build(cls: type, kwargs: dict[str, Any], what: str, path: str, option: str) -> Any:
     try:
         return cls(**kwargs)
     except DistPlanError:
         raise
     except Exception as err:
-        raise ProfilingError(
-            f"Building {what} {path} with {kwargs!r} failed: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}",
-            hint=f"Pass the constructor's required arguments with {option} JSON.",
-        ) from None
+        raise build_error(what, path, kwargs, err, option) from None
 
 
 def run(args: argparse.Namespace) -> int:

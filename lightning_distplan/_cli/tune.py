@@ -78,7 +78,8 @@ def _table(result: dict[str, Any]) -> str:
     header = f"{'n':>3}   {'instance':<20} {'plan':<38} {'time/step':>10} {'band':<19} {'cost/step':>16} {'peak memory':>12}"
     lines = [
         f"study {result['study_name']!r} in {result['storage']}: {result['n_trials']} trials, {result['n_evaluations']} configurations priced "
-        f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); objective C + w*T, w={result['time_weight']:g}; "
+        f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); "
+        f"{'objectives (C, T), best by ' if result.get('multi_objective') else 'objective '}C + w*T, w={result['time_weight']:g}; "
         f"{result.get('pricing', 'on-demand')} prices of catalog {result['catalog']}",
         "",
         "best:",

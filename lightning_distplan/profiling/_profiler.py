@@ -588,9 +588,12 @@ def profile_module(
     except (DistPlanError, KeyboardInterrupt):
         raise
     except Exception as err:  # the user's training_step / loss failed: say where, keep the chain
+        out_of_range = isinstance(err, IndexError) and "index out of range" in str(err)
         raise ProfilingError(
-            f"Profiling {name} failed in its training step with {type(err).__name__}: {first_line(err)}",
-            hint="Check that training_step runs on a batch of the loader outside a Trainer (e.g. it must not need self.trainer); "
+            f"Profiling {name} failed in its training step with {type(err).__name__}: {first_line(err).rstrip('.')}.",
+            hint=("If an embedding met an id beyond its table, make the model's vocabulary (vocab_size, num_embeddings) "
+                  "cover the data's token ids. " if out_of_range else "")
+            + "Check that training_step runs on a batch of the loader outside a Trainer (e.g. it must not need self.trainer); "
             "the original traceback is chained to this error.",
         ) from err
     finally:

@@ -65,6 +65,12 @@ class StudyConflictError(DistPlanError, ValueError):
     """A study of that name exists with different settings (it is left untouched)."""
 
 
+OBJECTIVES = {
+    False: "C + w*T per optimizer step (seed 000 §IV-D)",
+    True: "(C, T) per optimizer step (NSGA-II); best: the lowest C + w*T among the configurations found",
+}
+"""What a search minimised, by ``multi_objective``, as the JSON result says it."""
+
 @dataclass(frozen=True, kw_only=True)
 class TuneResult:
     """What :func:`tune` found."""
@@ -94,6 +100,8 @@ class TuneResult:
     """The sampler's class, and ``+ local search (N trials)`` when :func:`_polish` ran."""
     pricing: str = "on-demand"
     """Which price the costs use: ``"on-demand"`` or ``"spot"``."""
+    multi_objective: bool = False
+    """The search minimised (C, T) with NSGA-II; :attr:`best` is still the lowest ``C + w·T`` it found."""
     projections: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Instance type -> projection summary (target, compute scale, uncertainty band and its basis)."""
 
@@ -103,7 +111,8 @@ class TuneResult:
             "pareto": [c.to_dict() for c in self.pareto],
             "study_name": self.study_name,
             "storage": self.storage,
-            "objective": "C + w*T per optimizer step (seed 000 §IV-D)",
+            "objective": OBJECTIVES[self.multi_objective],
+            "multi_objective": self.multi_objective,
             "time_weight": self.time_weight,
             "currency": self.currency,
             "catalog": self.catalog,
@@ -498,7 +507,7 @@ def tune(
         time_weight: w in C + w·T (seed 000 §IV-D uses 0, 2^8, 2^12, 2^16); C is in the catalog currency.
         n_trials: trials to run in this call.
         storage: any Optuna RDB URL; SQLite by default.
-        study_name: default ``distplan-<catalog>-B<global batch>-w<weight>``. An existing study with the same
+        study_name: default ``distplan-<catalog>-B<global batch>-w<weight>`` (``-mo`` after it with ``multi_objective``). An existing study with the same
             settings is extended; one with different settings is refused (:class:`StudyConflictError`).
         seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``). A single-objective search of
             20 or more trials keeps the last fifth (:data:`POLISH_SHARE`) for a local search from TPE's best plan
@@ -600,7 +609,8 @@ def _tune(
         "precision": precision,
         "seed": seed,
     }
-    name = study_name or f"distplan-{catalog.name}-B{global_batch_size}-w{time_weight:g}"
+    # a multi-objective study has two values per trial: its own default name, so one never meets the other
+    name = study_name or f"distplan-{catalog.name}-B{global_batch_size}-w{time_weight:g}" + ("-mo" if multi_objective else "")
     store = open_storage(storage)
     with _reading_study(storage, name):
         existing = _existing_study(store, name)
@@ -716,7 +726,7 @@ def _tune(
                 ) from None
             created = True
             target.set_user_attr(SETTINGS_ATTR, settings)
-            target.set_user_attr("objective", "C + w*T per optimizer step (seed 000 §IV-D)" if not multi_objective else "(C, T) per optimizer step")
+            target.set_user_attr("objective", "C + w*T per optimizer step (seed 000 §IV-D)" if not multi_objective else "(C, T) per optimizer step")  # as studies made before
             target.set_user_attr("currency", catalog.currency)
             target.set_user_attr("catalog", {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
                                              "instances": [i.to_dict() for i in catalog.instances]})
@@ -771,6 +781,7 @@ def _tune(
         sampler=type(sampler).__name__ + (f" + local search ({used} trials)" if used else ""),
         projections=projections,
         pricing=catalog.pricing,
+        multi_objective=bool(multi_objective),
     )
 
 

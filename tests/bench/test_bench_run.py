@@ -143,7 +143,13 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
      (["--min-time", "-1"], "--min-time"), (["--min-time", "nan"], "--min-time"), (["--min-time", "inf"], "finite number of seconds"),
      (["--rank-timeout", "0"], "--rank-timeout"), (["--rank-timeout", "inf"], "--rank-timeout"),
      (["--world-size", "0"], "--world-size"), (["--plot", "bench.json", "--out", "bench.json"], "name the same file"),
-     (["--plot", "bench.txt"], "no image suffix")],
+     (["--plot", "bench.txt"], "no image suffix"), (["--plot", "."], "is a directory. HINT: Name a file, e.g. --plot bench.png."),
+     # refused before torchrun starts the ranks (they each refused it, into one line of the pipe)
+     (["--world-size", "2", "--profile-repeats", "0"], "--profile-repeats must be >= 1, got 0."),
+     (["--world-size", "2", "--init-args", '{"nosuch": 1}'], "failed: TypeError: got an unexpected keyword argument 'nosuch'."),
+     (["--world-size", "2", "--init-args", "{}", "--datamodule-args", '{"nosuch": 1}'], "Building datamodule"),
+     pytest.param(["--world-size", "2", "--device", "cuda"], "torch sees no CUDA GPU", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU")),
+     ],
 )
 def test_bench_bad_input_one_line_error(capsys, args, message):
     from lightning_distplan.cli import main
@@ -155,6 +161,14 @@ def test_bench_bad_input_one_line_error(capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "HINT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_two_ranks_error_lines_run_together_in_the_pipe_are_shown_once(capfd):
+    from lightning_distplan._cli.bench import _run_torchrun
+
+    line = "distplan bench: error: Bad. HINT: Fix it."
+    code = _run_torchrun([sys.executable, "-c", f"import sys; sys.stderr.write({line!r} * 2 + '\\n'); sys.exit(1)"])
+    assert code == 2 and capfd.readouterr().err == line + "\n"
 
 
 def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path):

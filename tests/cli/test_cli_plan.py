@@ -147,6 +147,9 @@ def test_table_output_and_options(profile_path, capsys):
         # semantically corrupt profiles are refused on load, not planned with
         ({"micro_batch_sizes": [0, 2]}, ["--world-size", "2", "--global-batch-size", "8"], "each must be a positive integer"),
         ({"layers": [_layer(0, param_bytes=-4)]}, ["--world-size", "2", "--global-batch-size", "8"], "has a negative layers[0].param_bytes (-4)"),
+        # with trainable_param_bytes present (every profile since the field), the negative one is still the one named
+        ({"layers": [{**_layer(0, param_bytes=-4), "trainable_param_bytes": 4_000_000}]}, ["--world-size", "2", "--global-batch-size", "8"],
+         "has a negative layers[0].param_bytes (-4)"),
         # every number is finite (JSON NaN parses), and times, sizes and FLOPs are never negative
         ({"optimizer": {"name": "AdamW", "state_bytes": 0, "step_time_s": float("nan")}}, ["--world-size", "2", "--global-batch-size", "8"],
          "holds a non-finite number at optimizer.step_time_s"),

@@ -211,3 +211,21 @@ def test_restoring_attributes_keeps_odd_containers_and_modules_built_during_prof
     assert model.labels == Counter({"cat": 10, "dog": 5}) and model.last == {"a": 1}
     assert isinstance(model.head, nn.Linear) and "head" not in vars(model) and "head.weight" in model.state_dict()
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_token_ids_beyond_the_vocabulary_are_named_in_the_hint() -> None:
+    """The package's TinyGPT2LM (vocab 4096) on RandomTokenData (vocab 33278) failed with torch's bare
+    'index out of range in self'."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Embeds(BoringModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Sequential(torch.nn.Embedding(8, 2))
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            return self.layer(batch).sum()
+
+    with pytest.raises(ValueError, match=r"with IndexError: index out of range in self\. HINT: If an embedding met an id beyond its table, "
+                                         r"make the model's vocabulary"):
+        profile_module(Embeds(), [torch.tensor([9, 10])], micro_batch_sizes=[1], repeats=1)

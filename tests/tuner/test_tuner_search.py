@@ -274,6 +274,14 @@ def test_multi_objective_nsga2(tmp_path, profile):
     study = optuna.load_study(study_name="mo", storage=_url(tmp_path))
     assert len(study.directions) == 2 and result.sampler == "NSGAIISampler" and result.pareto
     assert result.currency == "USD"
+    data = result.to_dict()
+    assert data["multi_objective"] and data["objective"].startswith("(C, T) per optimizer step")
+    assert result.best.objective == min(c.objective for c in result.pareto)  # best: the lowest C + w*T found
+    # the default names differ, so a single-objective run and a multi-objective one never meet in one study
+    single = tune(profile, catalog="aws-2026", global_batch_size=B, n_trials=5, storage=_url(tmp_path), max_instances=2, progress=False)
+    multi = tune(profile, catalog="aws-2026", global_batch_size=B, n_trials=5, storage=_url(tmp_path), max_instances=2, multi_objective=True,
+                 progress=False)
+    assert multi.study_name == single.study_name + "-mo" and not single.to_dict()["multi_objective"]
 
 
 def test_exhaustive_covers_exactly_the_enumerated_space(profile):
