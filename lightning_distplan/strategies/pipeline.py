@@ -469,11 +469,14 @@ class PipelineStrategy(DDPStrategy):
         self._spec = spec
 
         # Every rank creates every group, in the same order (a requirement of new_group).
-        pipe_groups = [dist.new_group(layout.pipeline_ranks(r)) for r in range(layout.dp)]
+        # Every group waits as long as the user's timeout (default_pg_timeout otherwise), as the default group does:
+        # without it a stage stalled in its peer's p2p kept the others waiting torch's 30 minutes.
+        timeout = self._timeout
+        pipe_groups = [dist.new_group(layout.pipeline_ranks(r), timeout=timeout) for r in range(layout.dp)]
         self._pipe_group = pipe_groups[layout.replica]
         self._dp_group = None
         if layout.dp > 1:
-            dp_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
+            dp_groups = [dist.new_group(layout.stage_ranks(s), timeout=timeout) for s in range(layout.pp)]
             self._dp_group = dp_groups[k]
         # Parameters used on several stages (tied embeddings): their gradient is the sum over those stages.
         self._shared: list[tuple[list[nn.Parameter], Any]] = []
@@ -483,7 +486,7 @@ class PipelineStrategy(DDPStrategy):
                 by_stages.setdefault(tuple(sorted(s)), []).append(p)
         for s_tuple in sorted(by_stages):
             ranks = sorted(r * layout.pp + s for r in range(layout.dp) for s in s_tuple)
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if k in s_tuple:
                 self._shared.append((by_stages[s_tuple], group))
         shared_ids = {id(p) for params, _ in self._shared for p in params}
@@ -491,7 +494,7 @@ class PipelineStrategy(DDPStrategy):
         self._norm_skip = {id(p) for s_tuple, params in by_stages.items() if k in s_tuple and k != min(s_tuple) for p in params}
         self._stage_params = [p for p in self._stage_module.parameters() if id(p) not in shared_ids]
         # The whole module goes back to every rank after a run as pickled CPU objects: over gloo, never the GPUs.
-        self._object_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        self._object_group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
         self._built = True
         self._built_for = weakref.ref(module)
         rank_zero_info(
