@@ -101,7 +101,14 @@ def _reduce(value: float, op: str) -> float:
     backend = str(dist.get_backend())
     dev = torch.device("cuda", torch.cuda.current_device()) if ("nccl" in backend and "gloo" not in backend) else torch.device("cpu")
     t = torch.tensor([value], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    try:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    except RuntimeError as err:  # gloo's 'Connection closed by peer', a timeout, NCCL's abort: not this rank's training_step
+        raise ProfilingError(
+            f"Another process of this run failed or left while the processes were profiling together ({type(err).__name__}: "
+            f"{first_line(err)[:200].rstrip('.')}).",
+            hint="Its own error is in its output (under torchrun, look for the first rank that failed); fix that one and re-run.",
+        ) from err
     return float(t.item())
 
 

@@ -112,3 +112,39 @@ def test_pipeline_slot_is_timed_by_the_first_two_ranks_and_shared_with_all(tmp_p
     # a two-stage schedule of Linear(8, 8) stages costs a fraction of a millisecond to a few per micro-batch
     assert 1e-5 < measured < 0.05
     assert beyond_a_1_s_hand_over == 0.0  # what the model already charges is taken off, never below zero
+
+
+def _one_rank_fails(rank: int, world: int, port: int, out_dir: str) -> None:
+    sys.path.insert(0, str(HERE))
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from _profiling_models import OOMAbove
+
+    from lightning_distplan.profiling import profile_module
+
+    class FailsOnRank1(OOMAbove):
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            if rank == 1:
+                raise ValueError("a bug in rank 1's data")
+            return super().training_step(batch, batch_idx)
+
+    data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(4)]
+    try:
+        profile_module(FailsOnRank1(limit=8), data, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False)
+        said = "profiled"
+    except Exception as err:  # noqa: BLE001 — what each rank says is the result
+        said = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.txt").write_text(said)
+    dist.destroy_process_group()  # rank 1 leaves: rank 0, in a collective of the profiler, sees its peer gone
+    _exit_now()
+
+
+def test_a_rank_failing_while_profiling_is_not_blamed_on_the_others_training_step(tmp_path: Path) -> None:
+    """Rank 0's own training_step was fine, but its error said it failed there (with gloo's 'Connection closed by
+    peer') and hinted at self.trainer."""
+    mp.spawn(_one_rank_fails, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    assert said[1].startswith("ProfilingError: Profiling FailsOnRank1 failed in its training step with ValueError: a bug in rank 1's data."), said[1]
+    assert said[0].startswith("ProfilingError: Another process of this run failed or left while the processes were profiling together"), said[0]
+    assert "HINT: Its own error is in its output" in said[0] and "training step" not in said[0]
