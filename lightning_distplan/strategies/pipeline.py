@@ -54,6 +54,7 @@ the last stage the targets).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Iterator, Mapping
@@ -443,6 +444,8 @@ class PipelineStrategy(DDPStrategy):
                     param_stages.setdefault(p, set()).add(k)
                 for t in layer.buffers():
                     tensor_stages.setdefault(id(t), set()).add(k)
+        if module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
+            self._check_loss_before_cut(module.trainer, spec, tensor_stages)
         self._ownership = StateOwnership.of(module, tensor_stages)
         # every stage's parameters, on every rank: which stages train decides which activations carry a gradient
         self._params_by_stage = [tuple(p for layer in layers[a:b] for p in layer.parameters()) for a, b in ranges]
@@ -546,6 +549,55 @@ class PipelineStrategy(DDPStrategy):
                 hint="Define pipeline_loss(self, output, batch) returning what training_step computes from the last "
                 "layer's output, or train with strategy='dp_ga' / 'ddp'.",
             )
+
+    def _check_loss_before_cut(self, trainer: pl.Trainer, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
+        """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every
+        rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
+        stage's layer, or one that is not a scalar): raised there alone, the other stages only saw their peer gone."""
+        from lightning_distplan._layers import chain_output
+        from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
+        from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
+        from lightning_distplan.profiling._snapshot import ModuleSnapshot
+        from lightning_distplan.strategies._auto_planning import fresh_train_loader
+
+        module = self.lightning_module
+        last = self.layout.pp - 1
+        elsewhere = {id(t): name for name, t in _named_tensors(module) if id(t) in tensor_stages and last not in tensor_stages[id(t)]}
+        refusal: Exception | None = None
+        try:
+            batch = next(iter(fresh_train_loader(trainer)))
+        except Exception:  # noqa: BLE001 - no batch to check on here: the fit reports its loader's own error
+            batch = None
+        n = find_batch_size(batch) if batch is not None else None
+        if n:
+            first = next(module.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+            batch = self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device))
+
+            def checked_loss(output: Any, targets: Any) -> Tensor:
+                with _RefuseTensors(elsewhere, stage=last):
+                    loss = spec.loss(output, targets)
+                _check_scalar_loss(loss)
+                return loss
+
+            snapshot = ModuleSnapshot.take(module, weights=False)  # buffers and counters the loss moves go back
+            try:
+                with torch.no_grad(), _quiet_logging(module), self.precision_plugin.forward_context():
+                    chain_output(dataclasses.replace(spec, loss=checked_loss), batch)
+            except (ModelSplitError, BatchFormatError) as err:
+                refusal = err
+            except Exception:  # noqa: BLE001 - anything else is the model's own error: the first step reports it as it is
+                pass
+            finally:
+                snapshot.restore()
+        if _reduce(float(refusal is not None), "max"):  # every rank raises, the same error where they agree
+            if refusal is None:
+                raise ModelSplitError(
+                    "PipelineStrategy cannot run this fit: PipelineSpec.loss failed on another rank's first samples before the "
+                    "model was cut.",
+                    hint="Its error is in that rank's output.",
+                )
+            raise refusal
 
     def _maybe_defer_batchnorm(self, module: nn.Module) -> None:
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
@@ -728,12 +780,7 @@ class PipelineStrategy(DDPStrategy):
                 }
                 with _RefuseTensors(freed, stage=self.layout.stage):
                     loss = self._spec.loss(output, targets)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else f"a {type(loss).__name__}"
-            raise BatchFormatError(
-                f"PipelineSpec.loss returned {what}; it must return the micro-batch's mean loss as a scalar tensor.",
-                hint="Reduce the loss in PipelineSpec.loss, e.g. F.cross_entropy(..., reduction='mean') or loss.mean().",
-            )
+        _check_scalar_loss(loss)
         return loss
 
     @contextmanager
@@ -1103,6 +1150,15 @@ def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tenso
         n = p.numel()
         grads[p] = flat[offset : offset + n].view_as(p).clone()
         offset += n
+
+
+def _check_scalar_loss(loss: Any) -> None:
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else f"a {type(loss).__name__}"
+        raise BatchFormatError(
+            f"PipelineSpec.loss returned {what}; it must return the micro-batch's mean loss as a scalar tensor.",
+            hint="Reduce the loss in PipelineSpec.loss, e.g. F.cross_entropy(..., reduction='mean') or loss.mean().",
+        )
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:

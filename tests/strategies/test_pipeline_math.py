@@ -591,6 +591,34 @@ def _param_group_added_during_the_fit(world: int, out: str) -> str:
     return f"{trainer.global_step}: {verdict}"
 
 
+class _PenaltyLossMLP(TinyMLP):
+    def pipeline_loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:  # a penalty on stage 0's first weight
+        return F.mse_loss(out, batch[1]) + 1e-4 * self.model[0].weight.pow(2).sum()
+
+
+class _VectorLossMLP(TinyMLP):
+    def pipeline_loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
+        return F.mse_loss(out, batch[1], reduction="none")
+
+
+def _losses_the_last_stage_cannot_compute(world: int, out: str) -> list[str]:
+    """Refused at the first step on the last stage alone, they left the other stages with gloo's 'Connection closed
+    by peer' (and, had the last stage's process lived on, waiting the timeout out)."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    got = []
+    for model in (_PenaltyLossMLP(), _VectorLossMLP()):
+        whole = sum(p.numel() for p in model.parameters())
+        trainer = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out))
+        try:
+            trainer.fit(model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+            verdict = "trained"
+        except (ValueError, TypeError) as err:  # ModelSplitError, BatchFormatError
+            verdict = f"{type(err).__name__}: {err}"
+        got.append(f"{trainer.global_step} {sum(p.numel() for p in model.parameters()) == whole}: {verdict}")
+    return got
+
+
 class _Center(nn.Module):
     """A linear layer that keeps a running mean of its output by *re-assigning* a buffer (not in place)."""
 
@@ -756,6 +784,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["unfreeze"] = _unfreeze_later(world, out)
     results["late_group"] = _param_group_added_during_the_fit(world, out)
     results["grad_norms"] = _grad_norms(world, out)
+    results["bad_losses"] = _losses_the_last_stage_cannot_compute(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -1091,6 +1120,15 @@ def test_the_strategy_gives_hooks_the_whole_models_gradient_norm(two_rank_run) -
             assert res[key] == pytest.approx(float(value), rel=1e-4), (key, res[key], float(value))
         assert res["refused"].startswith("`norm_type` must be a positive number or inf, got -1.") and "HINT:" in res["refused"]
     assert min(res["lightning"] for res in got) < 0.9 * float(want["2"])  # a stage's own norm: what the README warns of
+
+
+def test_a_loss_the_last_stage_cannot_compute_is_refused_on_every_rank_before_the_cut(two_rank_run) -> None:
+    _, results = two_rank_run
+    for res in results:  # the same error on both ranks, global_step 0, the module whole
+        penalty, vector = res["bad_losses"]
+        assert penalty.startswith("0 True: ModelSplitError: PipelineSpec.loss uses `model.0.weight`, which belongs to a layer of another "
+                                  "pipeline stage; the last stage (stage 1)"), penalty
+        assert vector.startswith("0 True: BatchFormatError: PipelineSpec.loss returned a tensor of shape (4, 4); it must return"), vector
 
 
 def test_a_param_group_added_during_the_fit_is_refused_at_the_next_step(two_rank_run) -> None:
