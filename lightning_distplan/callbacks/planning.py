@@ -28,6 +28,7 @@ from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
+    check_artifact_dir,
     choose_plan,
     ddp_bucket_bytes,
     describe_for_user,
@@ -224,6 +225,7 @@ def plan_micro_batching(
     of the user's train loader to profile with (default: one made here)."""
     strategy = trainer.strategy
     world = trainer.world_size
+    check_artifact_dir(trainer, "PlanningCallback")
     t0 = time.perf_counter()
     profile, loader = profile_in_fit(
         trainer, module, device=strategy.root_device, repeats=repeats, measure_links=world > 1, log_prefix="PlanningCallback", loader=loader

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_distplan._files import write_text_atomic
 from lightning_distplan.costmodel import Hardware
 from lightning_distplan.costmodel._hardware import format_bytes
-from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.errors import InfeasiblePlanError, OutputPathError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import Candidate, explain, rank_plans
 from lightning_distplan.profile import unsplittable
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PlanningOutcome",
+    "check_artifact_dir",
     "TrainerCounters",
     "fresh_train_loader",
     "user_global_batch",
@@ -90,6 +91,26 @@ class PlanningOutcome:
 def distplan_dir(trainer: pl.Trainer) -> Path:
     """``<trainer.default_root_dir>/distplan`` (DESIGN §5)."""
     return Path(trainer.default_root_dir) / "distplan"
+
+
+def check_artifact_dir(trainer: pl.Trainer, who: str) -> None:
+    """Collective: refuse on every rank, before minutes of profiling, a fit whose ``plan.json`` global rank 0 could not
+    write (:func:`distplan_dir` under a file, or not writable). Found at the write, it failed rank 0 alone with a
+    bare ``FileExistsError`` after the profiling, and the other ranks with their peer gone."""
+    from lightning_distplan._files import check_output_path
+
+    problem: OutputPathError | None = None
+    if trainer.is_global_zero:
+        try:
+            check_output_path(distplan_dir(trainer) / "plan.json", f"{who}'s plan file")
+        except OutputPathError as err:
+            problem = OutputPathError(
+                str(err).split(" HINT: ")[0],
+                hint=f"Set Trainer(default_root_dir=...) to a writable folder: {who} writes profile.json and plan.json in its distplan/.",
+            )
+    problem = trainer.strategy.broadcast(problem)
+    if problem is not None:
+        raise problem
 
 
 # -- trainer state ----------------------------------------------------------------------------------

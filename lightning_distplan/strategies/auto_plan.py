@@ -301,11 +301,12 @@ class AutoPlanStrategy(DDPStrategy):
         return None
 
     def _decide(self, trainer: pl.Trainer) -> PlanningOutcome:
-        from lightning_distplan.strategies._auto_planning import fresh_train_loader
+        from lightning_distplan.strategies._auto_planning import check_artifact_dir, fresh_train_loader
 
         world = self.world_size
         module = self.lightning_module
         assert module is not None
+        check_artifact_dir(trainer, "auto_plan")
         stored = self._checkpoint_plan
         strategies = self._strategies_allowed(trainer)
         if stored is not None and (stored.strategy not in strategies or not satisfies_pins(stored, self._pins)):

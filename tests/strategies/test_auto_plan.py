@@ -134,6 +134,21 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     tail, _ = _fit(ChainMLP(**{**PP_MODEL, "n_samples": 70}), os.path.join(root, "pp_tail"),
                    lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins), world, max_epochs=1)
     out["pp_tail_steps"] = tail.global_step
+
+    # -- 4. <default_root_dir>/distplan is a file: plan.json cannot be written ---------------------------
+    blocked = os.path.join(root, "blocked")
+    os.makedirs(blocked, exist_ok=True)
+    if rank == 0:
+        Path(blocked, "distplan").write_text("a file of the user's")
+    t0 = time.perf_counter()
+    trainer = L.Trainer(**trainer_kwargs(blocked, strategy="auto_plan", devices=world, max_steps=STEPS))
+    try:
+        trainer.fit(ChainMLP(**DP_MODEL))
+        out["blocked"] = "trained"
+    except ValueError as err:
+        out["blocked"] = f"{type(err).__name__}: {err}"
+    out["blocked_s"] = time.perf_counter() - t0
+    out["blocked_file"] = Path(blocked, "distplan").read_text()
     return out
 
 
@@ -208,3 +223,11 @@ def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(result
     assert r0["pp_limit"] == r1["pp_limit"] == (3, 3, True)  # 3 steps, as ddp; the user's setting restored after fit
     assert r0["pp_val_limit"] == r1["pp_val_limit"] == (4, 16, 2, True)  # DDP's 16 validation samples; the user's 2 restored
     assert r0["pp_tail_steps"] == r1["pp_tail_steps"] == 8
+
+
+def test_a_root_dir_where_plan_json_cannot_go_is_refused_on_every_rank_before_profiling(results: dict[str, Any]) -> None:
+    """It failed on rank 0 alone, after the profiling, with a bare FileExistsError (the other rank: its peer gone)."""
+    for out in results["ranks"]:
+        assert out["blocked"].startswith("OutputPathError: auto_plan's plan file ") and "which is a file" in out["blocked"], out["blocked"]
+        assert "HINT: Set Trainer(default_root_dir=...) to a writable folder" in out["blocked"]
+        assert out["blocked_file"] == "a file of the user's"
