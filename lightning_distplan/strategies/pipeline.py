@@ -389,9 +389,13 @@ class PipelineStrategy(DDPStrategy):
         if not self._built:
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
-            if trainer.state.fn == TrainerFn.FITTING:
-                self._check_guessed_loss(trainer)
-            self._build_pipeline()
+            self._samples_memo: list[Any] = []  # one fresh loader for both loss checks
+            try:
+                if trainer.state.fn == TrainerFn.FITTING:
+                    self._check_guessed_loss(trainer)
+                self._build_pipeline()
+            finally:
+                self._samples_memo = []
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
             self._unpruned = []
@@ -511,10 +515,8 @@ class PipelineStrategy(DDPStrategy):
         silently. Compared on the first 4 samples of a fresh train loader, as the profiler compares them for auto_plan;
         every rank takes the same verdict."""
         from lightning_distplan._layers import chain_output, find_pipeline_spec
-        from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce, loss_difference
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
-        from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
         module = self.lightning_module
         if callable(getattr(module, "pipeline_spec", None)) or callable(getattr(module, "pipeline_loss", None)):
@@ -522,16 +524,9 @@ class PipelineStrategy(DDPStrategy):
         spec = find_pipeline_spec(module)[0]
         differs: str | None = None
         if spec is not None:
-            try:
-                batch = next(iter(fresh_train_loader(trainer)))
-            except Exception:  # noqa: BLE001 - no batch to compare on here: the fit reports its loader's own error
-                batch = None
-            n = find_batch_size(batch) if batch is not None else None
-            if n:
-                first = next(module.parameters(), None)
-                device = first.device if first is not None else torch.device("cpu")
-                batch = self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device))
-
+            first_samples = self._first_samples(trainer)
+            if first_samples is not None:
+                batch, device = first_samples
                 # training_step may count, log or update metrics: put them back (no optimizer steps: the weights stay)
                 snapshot = ModuleSnapshot.take(module, weights=False)
                 try:
@@ -550,29 +545,44 @@ class PipelineStrategy(DDPStrategy):
                 "layer's output, or train with strategy='dp_ga' / 'ddp'.",
             )
 
+    def _first_samples(self, trainer: pl.Trainer) -> tuple[Any, torch.device] | None:
+        """Up to 4 samples of a fresh train loader's first batch, on the module's device, converted for the precision
+        (and that device); None when there is no batch to check a loss on here (the fit reports its loader's error)."""
+        from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
+        from lightning_distplan.strategies._auto_planning import fresh_train_loader
+
+        memo = getattr(self, "_samples_memo", None)
+        if memo:
+            return memo[0]
+        try:
+            batch = next(iter(fresh_train_loader(trainer)))
+        except Exception:  # noqa: BLE001
+            batch = None
+        n = find_batch_size(batch) if batch is not None else None
+        found = None
+        if n:
+            first = next(self.lightning_module.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+            found = self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device)), device
+        if memo is not None:
+            memo.append(found)
+        return found
+
     def _check_loss_before_cut(self, trainer: pl.Trainer, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
         """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar): raised there alone, the other stages only saw their peer gone."""
         from lightning_distplan._layers import chain_output
-        from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
-        from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
         module = self.lightning_module
         last = self.layout.pp - 1
         elsewhere = {id(t): name for name, t in _named_tensors(module) if id(t) in tensor_stages and last not in tensor_stages[id(t)]}
         refusal: Exception | None = None
-        try:
-            batch = next(iter(fresh_train_loader(trainer)))
-        except Exception:  # noqa: BLE001 - no batch to check on here: the fit reports its loader's own error
-            batch = None
-        n = find_batch_size(batch) if batch is not None else None
-        if n:
-            first = next(module.parameters(), None)
-            device = first.device if first is not None else torch.device("cpu")
-            batch = self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device))
+        first_samples = self._first_samples(trainer)
+        if first_samples is not None:
+            batch = first_samples[0]
 
             def checked_loss(output: Any, targets: Any) -> Tensor:
                 with _RefuseTensors(elsewhere, stage=last):
