@@ -421,12 +421,10 @@ class Profile:
             for name in ("param_bytes", "activation_bytes_per_sample", "activation_bytes_fixed", "output_bytes_per_sample",
                          "flops_forward_per_sample", "flops_backward_per_sample"):
                 sizes[f"layers[{i}].{name}"] = getattr(layer, name)
-            if layer.trainable_param_bytes is not None and not (isinstance(layer.param_bytes, (int, float)) and layer.param_bytes < 0):
-                # (a negative param_bytes is named by the check on every size below, not blamed on this one)
-                if not isinstance(layer.trainable_param_bytes, int) or isinstance(layer.trainable_param_bytes, bool) or layer.trainable_param_bytes > layer.param_bytes:
+            if layer.trainable_param_bytes is not None:
+                if not isinstance(layer.trainable_param_bytes, int) or isinstance(layer.trainable_param_bytes, bool):
                     raise ProfileFormatError(
-                        f"{source!r} has layers[{i}].trainable_param_bytes {layer.trainable_param_bytes!r}; it must be a whole number of bytes "
-                        f"no larger than that layer's param_bytes ({layer.param_bytes}).",
+                        f"{source!r} has layers[{i}].trainable_param_bytes {layer.trainable_param_bytes!r}; it must be a whole number of bytes.",
                         hint=hint,
                     )
                 sizes[f"layers[{i}].trainable_param_bytes"] = layer.trainable_param_bytes
@@ -451,6 +449,13 @@ class Profile:
         negative = next((name for name, x in sizes.items() if x < 0), None)
         if negative is not None:
             raise ProfileFormatError(f"{source!r} has a negative {negative} ({sizes[negative]!r}); sizes, FLOPs and times are never negative.", hint=hint)
+        for i, layer in enumerate(self.layers):  # after the sign check, which names a negative param_bytes as such
+            if layer.trainable_param_bytes is not None and layer.trainable_param_bytes > layer.param_bytes:
+                raise ProfileFormatError(
+                    f"{source!r} has layers[{i}].trainable_param_bytes {layer.trainable_param_bytes!r}; it must be a whole number of bytes "
+                    f"no larger than that layer's param_bytes ({layer.param_bytes}).",
+                    hint=hint,
+                )
         if self.device.type not in ("cuda", "cpu"):
             raise ProfileFormatError(f"{source!r} has device type {self.device.type!r}; expected 'cuda' or 'cpu'.", hint=hint)
         if dtype_bytes(self.device.dtype) is None:

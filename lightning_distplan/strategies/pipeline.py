@@ -389,13 +389,11 @@ class PipelineStrategy(DDPStrategy):
         if not self._built:
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
-            self._samples_memo: list[Any] = []  # one fresh loader for both loss checks
-            try:
-                if trainer.state.fn == TrainerFn.FITTING:
-                    self._check_guessed_loss(trainer)
-                self._build_pipeline()
-            finally:
-                self._samples_memo = []
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            samples = self._first_samples(trainer) if fitting else None  # one fresh loader for both loss checks
+            if fitting:
+                self._check_guessed_loss(trainer, samples)
+            self._build_pipeline(samples, check_loss=fitting)
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
             self._unpruned = []
@@ -418,7 +416,9 @@ class PipelineStrategy(DDPStrategy):
 
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _build_pipeline(self) -> None:
+    def _build_pipeline(self, samples: tuple[Any, torch.device] | None = None, *, check_loss: bool = False) -> None:
+        """Cut the module into this rank's stage; ``check_loss``: first refuse, on every rank, a loss the last stage
+        could not compute, run on ``samples`` (:meth:`_first_samples`)."""
         module = self.lightning_module
         assert module is not None
         layout = self.layout
@@ -448,8 +448,8 @@ class PipelineStrategy(DDPStrategy):
                     param_stages.setdefault(p, set()).add(k)
                 for t in layer.buffers():
                     tensor_stages.setdefault(id(t), set()).add(k)
-        if module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
-            self._check_loss_before_cut(module.trainer, spec, tensor_stages)
+        if check_loss:
+            self._check_loss_before_cut(samples, spec, tensor_stages)
         self._ownership = StateOwnership.of(module, tensor_stages)
         # every stage's parameters, on every rank: which stages train decides which activations carry a gradient
         self._params_by_stage = [tuple(p for layer in layers[a:b] for p in layer.parameters()) for a, b in ranges]
@@ -509,7 +509,7 @@ class PipelineStrategy(DDPStrategy):
             f"stage boundaries {list(self._boundaries)}; rank 0 freed {freed / 2**20:.1f} MiB of other stages' tensors."
         )
 
-    def _check_guessed_loss(self, trainer: pl.Trainer) -> None:
+    def _check_guessed_loss(self, trainer: pl.Trainer, samples: tuple[Any, torch.device] | None) -> None:
         """Refuse, before the model is cut, a fit whose pipeline loss is a built-in adapter's guess that differs from
         what ``training_step`` computes (label smoothing, a penalty): the pipeline would train another objective,
         silently. Compared on the first 4 samples of a fresh train loader, as the profiler compares them for auto_plan;
@@ -524,9 +524,8 @@ class PipelineStrategy(DDPStrategy):
         spec = find_pipeline_spec(module)[0]
         differs: str | None = None
         if spec is not None:
-            first_samples = self._first_samples(trainer)
-            if first_samples is not None:
-                batch, device = first_samples
+            if samples is not None:
+                batch, device = samples
                 # training_step may count, log or update metrics: put them back (no optimizer steps: the weights stay)
                 snapshot = ModuleSnapshot.take(module, weights=False)
                 try:
@@ -551,24 +550,18 @@ class PipelineStrategy(DDPStrategy):
         from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
         from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
-        memo = getattr(self, "_samples_memo", None)
-        if memo:
-            return memo[0]
         try:
             batch = next(iter(fresh_train_loader(trainer)))
         except Exception:  # noqa: BLE001
-            batch = None
-        n = find_batch_size(batch) if batch is not None else None
-        found = None
-        if n:
-            first = next(self.lightning_module.parameters(), None)
-            device = first.device if first is not None else torch.device("cpu")
-            found = self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device)), device
-        if memo is not None:
-            memo.append(found)
-        return found
+            return None
+        n = find_batch_size(batch)
+        if not n:
+            return None
+        first = next(self.lightning_module.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        return self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device)), device
 
-    def _check_loss_before_cut(self, trainer: pl.Trainer, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
+    def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
         """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar): raised there alone, the other stages only saw their peer gone."""
@@ -580,9 +573,8 @@ class PipelineStrategy(DDPStrategy):
         last = self.layout.pp - 1
         elsewhere = {id(t): name for name, t in _named_tensors(module) if id(t) in tensor_stages and last not in tensor_stages[id(t)]}
         refusal: Exception | None = None
-        first_samples = self._first_samples(trainer)
-        if first_samples is not None:
-            batch = first_samples[0]
+        if samples is not None:
+            batch = samples[0]
 
             def checked_loss(output: Any, targets: Any) -> Tensor:
                 with _RefuseTensors(elsewhere, stage=last):

@@ -726,7 +726,7 @@ def _tune(
                 ) from None
             created = True
             target.set_user_attr(SETTINGS_ATTR, settings)
-            target.set_user_attr("objective", "C + w*T per optimizer step (seed 000 §IV-D)" if not multi_objective else "(C, T) per optimizer step")  # as studies made before
+            target.set_user_attr("objective", OBJECTIVES[False] if not multi_objective else "(C, T) per optimizer step")  # as studies made before
             target.set_user_attr("currency", catalog.currency)
             target.set_user_attr("catalog", {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
                                              "instances": [i.to_dict() for i in catalog.instances]})
