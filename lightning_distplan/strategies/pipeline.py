@@ -70,6 +70,8 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -921,9 +923,12 @@ class PipelineStrategy(DDPStrategy):
         losses: list[Tensor] = []
         # The schedule accumulates into .grad and then divides ALL of .grad by n, so it must start from
         # None; the gradients already there (last step's, or accumulated ones) go back afterwards and
-        # Lightning's zero_grad decides their fate.
+        # Lightning's zero_grad decides their fate. Where that is sure to be "freed" (see
+        # _zero_grad_frees), last step's are let go now: kept, every stage held two sets of gradients
+        # while its backward ran, where DDP frees the old set before its backward starts.
         params = list(self._stage_module.parameters())
-        previous = [p.grad for p in params]
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        previous = [None if _zero_grad_frees(self.lightning_module, batch_idx) else p.grad for p in params]
         for p in params:
             p.grad = None
         with torch.enable_grad(), self._stage_random():
@@ -1133,6 +1138,25 @@ def _cpu(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _cpu(v) for k, v in obj.items()}
     return obj
+
+
+def _zero_grad_frees(module: Any, batch_idx: Any) -> bool:
+    """Whether Lightning sets every ``.grad`` to None right after this ``training_step``.
+
+    It calls ``zero_grad`` at the first batch of each accumulation cycle
+    (``_AutomaticOptimization._make_zero_grad_fn``); the stock ``optimizer_zero_grad`` calls the
+    optimizer's stock ``zero_grad()``, which sets them to None. A module that overrides either, or a
+    module or callback with an ``on_before_zero_grad`` hook (it may read last step's gradients), keeps
+    them until Lightning's own call.
+    """
+    trainer = module._trainer if module is not None else None
+    if trainer is None or not isinstance(batch_idx, int) or batch_idx % trainer.accumulate_grad_batches != 0:
+        return False
+    if is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module):
+        return False
+    if any(is_overridden("on_before_zero_grad", cb, parent=Callback) for cb in trainer.callbacks):
+        return False
+    return all(type(opt).zero_grad is Optimizer.zero_grad for opt in trainer.optimizers)
 
 
 def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], group: Any, *, divide_by: int) -> None:

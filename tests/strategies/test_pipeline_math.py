@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import pytest
@@ -759,6 +760,50 @@ def _dropout_streams(world: int, out: str) -> dict[str, Any]:
     return {"masks": masks, "after": torch.rand(4)}
 
 
+class _GradientLives(L.Callback):
+    """At the first backward of each step on this stage: how many of the stage's gradients of the previous batch are alive."""
+
+    def __init__(self, read_at_zero_grad: bool = False) -> None:
+        self.refs: list[weakref.ref] = []
+        self.alive: list[tuple[int, int, int]] = []
+        self.batch = -1
+        self.read_at_zero_grad: list[int] | None = [] if read_at_zero_grad else None
+        if read_at_zero_grad:  # a hook Lightning calls before zero_grad: it must still find last step's gradients
+            self.on_before_zero_grad = self._count_gradients  # type: ignore[method-assign]
+
+    def _count_gradients(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        assert self.read_at_zero_grad is not None
+        self.read_at_zero_grad.append(sum(p.grad is not None for p in pl_module.parameters()))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.batch = batch_idx
+        if batch_idx == 0:
+            first = next(m for m in trainer.strategy._stage_module.modules() if isinstance(m, nn.Linear))
+            first.register_full_backward_hook(self._at_backward)
+
+    def _at_backward(self, *_: Any) -> None:
+        if not self.alive or self.alive[-1][0] != self.batch:
+            self.alive.append((self.batch, sum(r() is not None for r in self.refs), len(self.refs)))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.refs = [weakref.ref(p.grad) for p in pl_module.parameters() if p.grad is not None]
+
+
+def _old_gradients(world: int, out: str) -> dict[str, Any]:
+    """Accumulating 2 batches per step over 4 batches, with Lightning's stock zero_grad, then with an on_before_zero_grad hook."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    res: dict[str, Any] = {}
+    for name, probe in (("stock", _GradientLives()), ("hooked", _GradientLives(read_at_zero_grad=True))):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO, stage_boundaries=[MLP_BOUNDARY])
+        kwargs = {**trainer_kwargs(world, strategy, out, callbacks=[probe], accumulate_grad_batches=2), "max_steps": 2}
+        L.Trainer(**kwargs).fit(model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+        res[name] = {"alive": probe.alive, "read_at_zero_grad": probe.read_at_zero_grad, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return res
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     results["shape_inference"] = _shape_inference(world, out)
@@ -785,6 +830,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["late_group"] = _param_group_added_during_the_fit(world, out)
     results["grad_norms"] = _grad_norms(world, out)
     results["bad_losses"] = _losses_the_last_stage_cannot_compute(world, out)
+    results["old_grads"] = _old_gradients(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -1214,3 +1260,19 @@ def test_each_stage_draws_its_own_dropout_masks_and_leaves_the_ranks_generators_
     assert not any(torch.equal(a, b) for a, b in zip(stage0[1:], stage1[1:]))  # were equal: the same seed on both ranks
     assert all(0.3 < m.float().mean().item() < 0.7 for m in stage0 + stage1)  # still p = 0.5 dropout
     torch.testing.assert_close(results[0]["dropout"]["after"], results[1]["dropout"]["after"], rtol=0, atol=0)
+
+
+def test_last_steps_gradients_are_let_go_before_the_next_steps_backward(two_rank_run) -> None:
+    """Lightning frees the gradients (zero_grad, set to None) right after training_step at the first batch of an
+    accumulation cycle; the pipeline runs the whole backward inside training_step, so it lets them go first (DDP's
+    backward never meets them either). Accumulated ones stay, and so do any a hook before zero_grad may read."""
+    _, results = two_rank_run
+    for res in results:
+        stock, hooked = res["old_grads"]["stock"], res["old_grads"]["hooked"]
+        (b1, alive1, n1), (b2, alive2, n2), (b3, alive3, n3) = stock["alive"][1:]
+        assert (b1, b2, b3) == (1, 2, 3) and min(n1, n2, n3) > 0
+        assert alive1 == n1 and alive3 == n3, stock["alive"]  # batch 0's / 2's gradients, still being accumulated
+        assert alive2 == 0, stock["alive"]  # step 1's gradients: gone before step 2's backward
+        assert [alive for _, alive, n in hooked["alive"][1:]] == [n for _, _, n in hooked["alive"][1:]]  # all kept
+        assert hooked["read_at_zero_grad"][1] > 0  # the hook at step 2 read step 1's gradients
+        torch.testing.assert_close(stock["weights"], hooked["weights"], rtol=0, atol=0)
