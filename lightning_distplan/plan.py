@@ -5,6 +5,8 @@ store it. Every plan factors the user's global batch exactly (DESIGN §3.1):
 
 * ``dp_ga``:          B = dp · micro_batch_size · accumulate_grad_batches
 * ``gpipe``/``1f1b``: B = dp · micro_batch_size · n_microbatches  (dp > 1 is hybrid dp×pp)
+  · accumulate_grad_batches, the flushes per optimizer step: 1 in every plan the planner makes;
+  more only where a pipeline runs under ``Trainer(accumulate_grad_batches=k)``
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ class Plan:
     pp: int = 1
     """Pipeline stages (1 for ``dp_ga``)."""
     accumulate_grad_batches: int = 1
-    """Micro-batches accumulated per replica before the all-reduce (``dp_ga`` only)."""
+    """``dp_ga``: micro-batches accumulated per replica before the all-reduce. Pipelines: flushes of
+    ``n_microbatches`` per optimizer step (Lightning's ``accumulate_grad_batches`` under a pipeline
+    strategy; the planner makes pipeline plans of one flush)."""
     n_microbatches: int = 1
     """Micro-batches per pipeline flush (pipelines only)."""
     stage_boundaries: tuple[int, ...] = ()
@@ -108,18 +112,15 @@ class Plan:
                     f"A {self.strategy} plan needs at least 2 pipeline stages, got pp={self.pp}.",
                     hint="Use strategy='dp_ga' for a single stage.",
                 )
-            if self.accumulate_grad_batches != 1:
-                raise InfeasiblePlanError(
-                    f"A pipeline plan accumulates through n_microbatches, got accumulate_grad_batches={self.accumulate_grad_batches}.",
-                    hint="Fold the accumulation into n_microbatches.",
-                )
             if self.strategy == "1f1b" and self.n_microbatches < self.pp:
                 raise InfeasiblePlanError(
                     f"`n_microbatches` ({self.n_microbatches}) must be >= the number of pipeline stages ({self.pp}) for 1F1B.",
                     hint="Raise `n_microbatches` or use strategy='gpipe'.",
                 )
-            product = self.dp * self.micro_batch_size * self.n_microbatches
+            k = self.accumulate_grad_batches
+            product = self.dp * self.micro_batch_size * self.n_microbatches * k
             rule = f"dp ({self.dp}) * micro_batch_size ({self.micro_batch_size}) * n_microbatches ({self.n_microbatches})"
+            rule += f" * accumulate_grad_batches ({k})" if k > 1 else ""
         if product != self.global_batch_size:
             raise InfeasiblePlanError(
                 f"{rule} = {product} does not equal the global batch size ({self.global_batch_size}).",
@@ -157,13 +158,14 @@ class Plan:
     @property
     def steps_per_replica(self) -> int:
         """Micro-batches one replica runs per optimizer step."""
-        return self.accumulate_grad_batches if self.strategy == "dp_ga" else self.n_microbatches
+        return self.accumulate_grad_batches * (1 if self.strategy == "dp_ga" else self.n_microbatches)
 
     def describe(self) -> str:
         if self.strategy == "dp_ga":
             return f"dp_ga dp={self.dp} m={self.micro_batch_size} accumulate={self.accumulate_grad_batches}"
         split = f" split={list(self.stage_boundaries)}" if self.stage_boundaries else ""
-        return f"{self.strategy} dp={self.dp} pp={self.pp} m={self.micro_batch_size} n_microbatches={self.n_microbatches}{split}"
+        flushes = f" accumulate={self.accumulate_grad_batches}" if self.accumulate_grad_batches > 1 else ""
+        return f"{self.strategy} dp={self.dp} pp={self.pp} m={self.micro_batch_size} n_microbatches={self.n_microbatches}{flushes}{split}"
 
     def layout(self) -> dict[str, Any]:
         """The plan's shape as flat JSON fields (DESIGN §5 names), shared by every report that lists plans."""

@@ -18,6 +18,10 @@ def test_derived_fields():
     pipe = Plan(**PIPE)
     assert (pipe.kind, pipe.schedule, pipe.world_size, pipe.steps_per_replica) == ("hybrid", "1f1b", 4, 4)
     assert pipe.describe() == "1f1b dp=2 pp=2 m=2 n_microbatches=4 split=[3]"
+    # a pipeline under Trainer(accumulate_grad_batches=2): two flushes of n micro-batches per optimizer step
+    flushes = Plan(**{**PIPE, "accumulate_grad_batches": 2, "global_batch_size": 32})
+    assert (flushes.steps_per_replica, flushes.describe()) == (8, "1f1b dp=2 pp=2 m=2 n_microbatches=4 accumulate=2 split=[3]")
+    assert Plan.from_json(flushes.to_json()) == flushes
 
 
 @pytest.mark.parametrize(
@@ -30,7 +34,7 @@ def test_derived_fields():
         (dict(pp=4, dp=1, n_microbatches=2, micro_batch_size=8, stage_boundaries=(1, 2, 3)), r"`n_microbatches` \(2\) must be >= the number of pipeline stages \(4\) for 1F1B"),
         (dict(stage_boundaries=(0,)), r"must be 1 strictly increasing positive layer indices"),
         (dict(stage_boundaries=(6,)), r"point past the last of 6 layers"),
-        (dict(accumulate_grad_batches=2), r"accumulates through n_microbatches"),
+        (dict(accumulate_grad_batches=2), r"\* n_microbatches \(4\) \* accumulate_grad_batches \(2\) = 32 does not equal the global batch size \(16\)"),
         (dict(strategy="gpipe", pp=1, dp=4, n_microbatches=2, stage_boundaries=()), r"needs at least 2 pipeline stages"),
     ],
 )

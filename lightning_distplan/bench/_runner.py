@@ -148,6 +148,7 @@ def measure_plan(
         base = _reset_cpu_peak()
     timer = StepTimer()
     error = None
+    flushes = 1 if plan.strategy == "dp_ga" else plan.accumulate_grad_batches  # a pipeline's per step; 1 in planned plans
     try:
         module = make_module()
         trainer = pl_.Trainer(
@@ -159,9 +160,10 @@ def measure_plan(
             max_steps=warmup + steps,
             max_epochs=-1,
             callbacks=[timer],
+            accumulate_grad_batches=flushes,
             **QUIET_FIT,
         )
-        trainer.fit(module, train_dataloaders=make_loader(plan.global_batch_size // plan.dp))
+        trainer.fit(module, train_dataloaders=make_loader(plan.global_batch_size // (plan.dp * flushes)))
         if trainer.global_step != warmup + steps:
             error = f"ran {trainer.global_step} optimizer steps, expected {warmup + steps} (the dataset is too small?)"
     except Exception as err:  # a failed plan is data for the report, not the end of the benchmark

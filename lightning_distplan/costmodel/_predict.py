@@ -434,6 +434,7 @@ def in_flight_microbatches(strategy: str, n: int, p: int, k: int) -> int:
 
 def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
+    k_flush = plan.accumulate_grad_batches  # flushes per optimizer step (Lightning's accumulate_grad_batches; 1 in planned plans)
     n_layers = len(profile.layers)
     c = hw.compute_scale
     fwd_times, bwd_times = _layer_times(profile, m, c)
@@ -561,6 +562,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     # latency-bound), so every rank reports the same train_loss.
     loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     optimizer = c * profile.optimizer.step_time_s * max(stage_train)
+    # Under accumulate_grad_batches = k every flush runs (and hybrid dp×pp all-reduces its gradients, as
+    # PipelineStrategy.backward does at each) k times per optimizer step; the optimizer steps once.
+    compute, bubble, p2p, allreduce = (k_flush * x for x in (compute, bubble, p2p, allreduce))
     busy = compute + bubble + optimizer
     # measured over the profiled process group where there was one (FrameworkProfile.pipeline_slot_s)
     measured_slot = profile.framework.pipeline_slot_s
@@ -575,9 +579,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # Lightning sees one training batch per step: the schedule runs the n micro-batches inside it
         # the runtime's own work adds the same to every stage's slot, so it never changes which stage
         # is slowest: n slots on the slowest stage plus one in each of the p − 1 others (fill and drain)
-        "framework": _loop_time(profile, hw, 1, w * p, busy) + loss_allreduce + (n + p - 1) * slot,
+        "framework": _loop_time(profile, hw, k_flush, w * p, busy) + k_flush * loss_allreduce + k_flush * (n + p - 1) * slot,
         # each of the n + p − 1 slots ends when the slowest of the p stages hands over
-        "sync_wait": (n + p - 1) * expected_max_excess(p) * profile.step.spread * slot_compute,
+        "sync_wait": k_flush * (n + p - 1) * expected_max_excess(p) * profile.step.spread * slot_compute,
     }
     step = sum(breakdown.values())
 
@@ -600,7 +604,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         per_stage.append(
             {
                 "params": int(round(share * profile.memory.param_bytes)),
-                "grads": int(round(trained * profile.memory.grad_bytes)),
+                # Under accumulate_grad_batches > 1 the gradients summed over the earlier flushes are held
+                # aside while the flush builds its own (PipelineStrategy.training_step), so two sets.
+                "grads": int(round(trained * profile.memory.grad_bytes)) * (2 if k_flush > 1 else 1),
                 "optimizer": int(round(trained * opt_bytes)),
                 # DESIGN §4: GPipe keeps n micro-batches of the stage's activations, 1F1B min(n, p − k).
                 "activations": int(round(in_flight_microbatches(plan.strategy, n, p, k) * stage_act[k])),

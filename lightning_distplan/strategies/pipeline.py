@@ -293,6 +293,7 @@ class PipelineStrategy(DDPStrategy):
         self._norm_skip: set[int] = set()
         self._n: int | None = n_microbatches if isinstance(n_microbatches, int) else None
         self._per_replica_batch: int | None = None
+        self._flushes = 1  # flushes per optimizer step: the Trainer's accumulate_grad_batches at the first batch
         self._schedules: dict[tuple, Any] = {}
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
@@ -320,7 +321,9 @@ class PipelineStrategy(DDPStrategy):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan being run: known once the first training batch fixed the per-replica batch."""
+        """The plan being run: known once the first training batch fixed the per-replica batch. Under
+        ``Trainer(accumulate_grad_batches=k)`` each optimizer step runs k flushes: the plan's
+        ``accumulate_grad_batches``, with ``global_batch_size`` the samples of all k."""
         if self._per_replica_batch is None or self._n is None or not self._built:
             return self._plan_arg
         layout = self.layout
@@ -330,7 +333,8 @@ class PipelineStrategy(DDPStrategy):
             pp=layout.pp,
             micro_batch_size=self._per_replica_batch // self._n,
             n_microbatches=self._n,
-            global_batch_size=layout.dp * self._per_replica_batch,
+            accumulate_grad_batches=self._flushes,
+            global_batch_size=layout.dp * self._per_replica_batch * self._flushes,
             stage_boundaries=self._boundaries,
             layer_names=self._layer_names,
         )
@@ -358,6 +362,13 @@ class PipelineStrategy(DDPStrategy):
                 hint="Train on 2 or more devices (Trainer(devices=2)), or use strategy='dp_ga' / 'ddp' on one.",
             )
         self.accelerator.setup(trainer)
+        plan = self._plan_arg
+        if plan is not None and trainer.state.fn == TrainerFn.FITTING and plan.accumulate_grad_batches != trainer.accumulate_grad_batches:
+            raise InfeasiblePlanError(
+                f"The plan runs {plan.accumulate_grad_batches} pipeline flush(es) per optimizer step, but "
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) gives {trainer.accumulate_grad_batches}.",
+                hint=f"Pass Trainer(accumulate_grad_batches={plan.accumulate_grad_batches}) with this plan.",
+            )
         if str(trainer.precision) not in PIPELINE_PRECISIONS:
             raise InfeasiblePlanError(
                 f"PipelineStrategy supports precision '32-true', 'bf16-mixed' and 'bf16-true', got {trainer.precision!r}.",
@@ -918,6 +929,7 @@ class PipelineStrategy(DDPStrategy):
                 _check_1f1b(self._n, self.layout.pp)
         if self._per_replica_batch is None:
             self._per_replica_batch = size
+            self._flushes = self.lightning_module.trainer.accumulate_grad_batches
         schedule = self._schedule_for("train", self._n, batch)
         mb_kwargs = self._prepare(batch, self._n, targets=True, what="per-replica batch")
         losses: list[Tensor] = []
@@ -951,7 +963,8 @@ class PipelineStrategy(DDPStrategy):
         # This step's gradients are reduced over the replicas and the stages sharing a parameter before they
         # join what earlier accumulation steps left in .grad: reduced after, a tied parameter's earlier
         # gradients were summed over its stages once more at every step.
-        fresh = {p: (grad / accumulate if accumulate > 1 else grad) for p, grad in self._parked.items()}
+        # (in place: the parked gradients are this strategy's alone; a copy held a third set at the end of the step)
+        fresh = {p: (grad.div_(accumulate) if accumulate > 1 else grad) for p, grad in self._parked.items()}
         self._parked.clear()
         layout = self.layout
         if self._dp_group is not None:
@@ -959,7 +972,10 @@ class PipelineStrategy(DDPStrategy):
         for params, group in self._shared:
             _all_reduce_mean(params, fresh, group, divide_by=layout.dp)
         for p, grad in fresh.items():
-            p.grad = grad if p.grad is None else p.grad + grad
+            if p.grad is None:
+                p.grad = grad
+            else:  # as autograd accumulates into .grad
+                p.grad.add_(grad)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         return closure_loss
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -221,6 +222,25 @@ def test_hybrid_adds_per_stage_allreduce():
     # stage 0 holds 3 of 4 equal layers: 3e6 gradient bytes over 2 replicas: 2·1·(1e-4 + 3e6/(2·1e9))
     assert pred.breakdown["exposed_comm"] == pytest.approx(2 * (1e-4 + 1.5e-3), rel=1e-12)
     assert pred.step_time_s - pred.breakdown["framework"] == pytest.approx(0.915 + 0.075 + 0.0032, rel=1e-12)
+
+
+def test_pipeline_flushes_per_step_repeat_everything_but_the_optimizer_step():
+    """A pipeline under Trainer(accumulate_grad_batches=2) runs two flushes per optimizer step, each with its hybrid
+    all-reduce (PipelineStrategy.backward), and steps the optimizer once; it holds the summed gradients beside the
+    flush's own."""
+    one = Plan(strategy="1f1b", dp=2, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=16, stage_boundaries=(3,))
+    two = Plan(strategy="1f1b", dp=2, pp=2, micro_batch_size=2, n_microbatches=4, accumulate_grad_batches=2, global_batch_size=32,
+               stage_boundaries=(3,))
+    profile = pipe_profile()
+    profile = dataclasses.replace(profile, framework=dataclasses.replace(profile.framework, per_batch_s=1e-3, per_step_s=4e-3))
+    a, b = (predict(profile, plan, hw(host_overlap=False)) for plan in (one, two))  # a CPU: the loop adds
+    for key in ("compute", "bubble", "p2p", "exposed_comm", "sync_wait"):
+        assert b.breakdown[key] == pytest.approx(2 * a.breakdown[key], rel=1e-12), key
+    assert b.breakdown["optimizer"] == a.breakdown["optimizer"] > 0
+    # the loop's per-batch cost twice, its per-step cost once
+    assert b.breakdown["framework"] == pytest.approx(2 * a.breakdown["framework"] - profile.framework.per_step_s, rel=1e-12)
+    assert b.memory_breakdown["grads"] == 2 * a.memory_breakdown["grads"] > 0
+    assert b.memory_breakdown["activations"] == a.memory_breakdown["activations"]
 
 
 @pytest.mark.parametrize(

@@ -412,10 +412,13 @@ def _frozen_tied_gpt2() -> L.LightningModule:
 
 def _tied_and_frozen(world: int, out: str) -> dict[str, Any]:
     """GPT-2's tied embedding across the two stages under Trainer(accumulate_grad_batches=2), and frozen."""
+    from lightning_distplan.errors import InfeasiblePlanError
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     model = build("gpt2")
-    kwargs = {**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO), out), "max_steps": STEPS_ACC}
+    seen = _PlanSeen()
+    kwargs = {**trainer_kwargs(world, PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO), out, callbacks=[seen]),
+              "max_steps": STEPS_ACC}
     L.Trainer(**kwargs, accumulate_grad_batches=2).fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     frozen = _frozen_tied_gpt2()
     trainer = L.Trainer(**{**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO), out), "max_steps": 2})
@@ -425,7 +428,18 @@ def _tied_and_frozen(world: int, out: str) -> dict[str, Any]:
     other = _frozen_tied_gpt2()
     trainer.limit_val_batches = 1.0  # the fit ran without validation
     val = trainer.validate(other, DataLoader(token_data(GLOBAL_BATCH, seed=5), batch_size=GLOBAL_BATCH), verbose=False)[0]["val_loss"]
-    return {"accumulated": state(model), "frozen": state(frozen), "other_val_loss": val}
+    # A plan of 2 flushes per step run without Trainer(accumulate_grad_batches=2) would train on half its global batch.
+    try:
+        L.Trainer(**trainer_kwargs(world, PipelineStrategy(plan=seen.plan), out)).fit(build("gpt2"), DataLoader(token_data(), batch_size=GLOBAL_BATCH))
+        refused = "trained"
+    except InfeasiblePlanError as err:
+        refused = str(err)
+    return {"accumulated": state(model), "frozen": state(frozen), "other_val_loss": val, "plan": seen.plan, "refused": refused}
+
+
+class _PlanSeen(L.Callback):
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.plan = trainer.strategy.plan
 
 
 def _reference_accumulated(model: L.LightningModule, steps: int, accumulate: int) -> dict[str, torch.Tensor]:
@@ -928,6 +942,12 @@ def test_tied_parameters_under_accumulation_and_frozen_parameters_match_single_p
     with torch.no_grad():
         expected_val = other.training_step(next(iter(DataLoader(token_data(GLOBAL_BATCH, seed=5), batch_size=GLOBAL_BATCH))), 0).item()
     assert got["other_val_loss"] == pytest.approx(expected_val, rel=1e-5)
+    for res in results:  # two flushes of the loader batch per optimizer step: the plan says so, and its global batch is both's
+        plan = res["tied_frozen"]["plan"]
+        assert (plan.n_microbatches, plan.accumulate_grad_batches, plan.global_batch_size, plan.steps_per_replica) == (N_MICRO, 2, 2 * GLOBAL_BATCH, 2 * N_MICRO)
+        assert res["tied_frozen"]["refused"].startswith(
+            "The plan runs 2 pipeline flush(es) per optimizer step, but Trainer(accumulate_grad_batches=1) gives 1. "
+            "HINT: Pass Trainer(accumulate_grad_batches=2) with this plan."), res["tied_frozen"]["refused"]
 
 
 def test_a_scheduler_monitoring_what_a_pipeline_does_not_log_is_refused_before_training(two_rank_run) -> None:
