@@ -1188,9 +1188,13 @@ def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tenso
     dist.all_reduce(flat, group=group)
     flat /= divide_by
     offset = 0
-    for p in params:
+    for p in params:  # back into the gradients given (this strategy's own), so no second set beside the flat buffer
         n = p.numel()
-        grads[p] = flat[offset : offset + n].view_as(p).clone()
+        chunk = flat[offset : offset + n].view_as(p)
+        if p in grads:
+            grads[p].copy_(chunk)
+        else:
+            grads[p] = chunk.clone()
         offset += n
 
 
