@@ -395,6 +395,8 @@ class PipelineStrategy(DDPStrategy):
                 "the pipeline schedule in place of training_step, so your manual backward and optimizer steps would never run.",
                 hint="Use automatic optimization (return the loss from training_step), or strategy='dp_ga' / 'ddp'.",
             )
+        if trainer.state.fn == TrainerFn.FITTING and module is not None:
+            _warn_stage_local_hooks(module, trainer.callbacks)
         assert self.model is not None
         self.precision_plugin.convert_module(self.model)  # 'bf16-true': bf16 weights, as DDP converts them
         if trainer.state.fn == TrainerFn.FITTING and module is not None:
@@ -1154,6 +1156,22 @@ def _cpu(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _cpu(v) for k, v in obj.items()}
     return obj
+
+
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _warn_stage_local_hooks(module: Any, callbacks: Iterable[Any]) -> None:
+    """Warn (rank 0) when the module or a callback defines a hook that reads gradients: it runs in each process on that
+    process's stage only, so a norm it takes there (Lightning's ``grad_norm(self)``) is the stage's."""
+    where = [f"{type(module).__name__}.{hook}" for hook in _GRADIENT_HOOKS if is_overridden(hook, module)]
+    where += [f"{type(cb).__name__}.{hook}" for cb in callbacks for hook in _GRADIENT_HOOKS if is_overridden(hook, cb, parent=Callback)]
+    if where:
+        rank_zero_warn(
+            f"PipelineStrategy: {', '.join(where)} run(s) in each process on its own pipeline stage, so the gradients and "
+            "weights read there are that stage's only (Lightning's grad_norm(self) gives the stage's norm). For the whole "
+            "model's gradient norm call self.trainer.strategy.grad_norm() on every rank."
+        )
 
 
 def _zero_grad_frees(module: Any, batch_idx: Any) -> bool:

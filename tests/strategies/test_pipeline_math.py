@@ -358,13 +358,16 @@ def _grad_norms(world: int, out: str) -> dict[str, Any]:
     model = _NormLoggingGPT2()
     strategy = PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=N_MICRO)
     trainer = L.Trainer(**{**trainer_kwargs(world, strategy, out), "max_steps": 1})
-    trainer.fit(model, DataLoader(token_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(token_data(GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
     try:
         strategy.grad_norm(-1)
         refused = ""
     except InfeasiblePlanError as err:
         refused = str(err)
-    return {**{k: float(v) for k, v in model.norms.items()}, "refused": refused}
+    hook_warnings = [str(w.message) for w in caught if "own pipeline stage" in str(w.message)]
+    return {**{k: float(v) for k, v in model.norms.items()}, "refused": refused, "hook_warnings": hook_warnings}
 
 
 def _short_last_batch(world: int, out: str) -> tuple[str, int, bool, int]:
@@ -813,8 +816,10 @@ def _old_gradients(world: int, out: str) -> dict[str, Any]:
         model = TinyMLP()
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=N_MICRO, stage_boundaries=[MLP_BOUNDARY])
         kwargs = {**trainer_kwargs(world, strategy, out, callbacks=[probe], accumulate_grad_batches=2), "max_steps": 2}
-        L.Trainer(**kwargs).fit(model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
-        res[name] = {"alive": probe.alive, "read_at_zero_grad": probe.read_at_zero_grad, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            L.Trainer(**kwargs).fit(model, DataLoader(mlp_data(4 * GLOBAL_BATCH), batch_size=GLOBAL_BATCH))
+        res[name] = {"hook_warnings": [str(w.message) for w in caught if "own pipeline stage" in str(w.message)], "alive": probe.alive, "read_at_zero_grad": probe.read_at_zero_grad, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
     return res
 
 
@@ -1185,6 +1190,12 @@ def test_the_strategy_gives_hooks_the_whole_models_gradient_norm(two_rank_run) -
         for key, value in want.items():
             assert res[key] == pytest.approx(float(value), rel=1e-4), (key, res[key], float(value))
         assert res["refused"].startswith("`norm_type` must be a positive number or inf, got -1.") and "HINT:" in res["refused"]
+    # the hook reading gradients is named once, on rank 0; a fit whose hooks read none (the probe of the next test) is not warned
+    assert results[0]["grad_norms"]["hook_warnings"] == [
+        "PipelineStrategy: _NormLoggingGPT2.on_before_optimizer_step run(s) in each process on its own pipeline stage, so the "
+        "gradients and weights read there are that stage's only (Lightning's grad_norm(self) gives the stage's norm). For the "
+        "whole model's gradient norm call self.trainer.strategy.grad_norm() on every rank."]
+    assert results[1]["grad_norms"]["hook_warnings"] == [] == results[0]["old_grads"]["stock"]["hook_warnings"]
     assert min(res["lightning"] for res in got) < 0.9 * float(want["2"])  # a stage's own norm: what the README warns of
 
 
