@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.plan import STRATEGIES
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -62,6 +63,15 @@ def refit_compute_scale(prediction: Any, observed_s: float, current_scale: float
     fixed = sum(prediction.breakdown.get(k, 0.0) for k in ("p2p", "exposed_comm", "framework"))
     scaled = max(prediction.step_time_s - fixed, 1e-12)
     return current_scale * max(observed_s - fixed, 1e-12) / scaled
+
+
+def _last_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the fit stops after the epoch now ending (``on_train_epoch_end``: ``current_epoch`` is still its number)."""
+    if trainer.should_stop:
+        return True
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
+        return True
+    return trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
 
 
 class StepTimeMonitor(Callback):
@@ -116,6 +126,7 @@ class StepTimeMonitor(Callback):
         self._replan_s = 0.0
         self._validation_t: float | None = None
         self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
+        self._strategies: tuple[str, ...] = STRATEGIES
 
     def attach(
         self,
@@ -125,9 +136,11 @@ class StepTimeMonitor(Callback):
         pins: dict[str, Any],
         device_memory_bytes: int | None,
         fit_start: float | None,
+        strategies: Sequence[str] = STRATEGIES,
     ) -> None:
-        """Called by ``auto_plan`` once it has decided."""
+        """Called by ``auto_plan`` once it has decided; ``strategies``: those this fit may run (a re-plan ranks only these)."""
         self._outcome = outcome
+        self._strategies = tuple(strategies)
         self._profile = profile
         self._pins = dict(pins)
         self._memory = device_memory_bytes
@@ -145,7 +158,14 @@ class StepTimeMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":  # the same monitor in another Trainer (or a second fit) starts its timing afresh
+        if stage == "fit":  # the same monitor in another Trainer (or a second fit) starts afresh; a checkpoint's state
+            # (re-plans, compute scale, plan) is loaded after this hook
+            self.replans = []
+            self._scale = 1.0
+            self._restored = None
+            self._outcome = None
+            self._profile = None
+            self._predicted = None
             self.history = []
             self._t = None
             self._last_step = -1
@@ -155,7 +175,12 @@ class StepTimeMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.replan == "auto" and self._outcome is not None and self._profile is None:
+        if self.replan == "auto" and self._outcome is None:
+            rank_zero_warn(
+                f"distplan: StepTimeMonitor(replan='auto') re-plans under strategy='auto_plan' only; this fit runs "
+                f"{type(trainer.strategy).__name__}, so the monitor logs the observed step time and does not re-plan."
+            )
+        elif self.replan == "auto" and self._profile is None:
             rank_zero_warn(
                 "distplan: replan='auto' has no profile to re-plan from in this fit (the plan was reused from a "
                 "checkpoint, without profiling), so it will not re-plan. Start a fresh fit to plan and re-plan."
@@ -210,6 +235,9 @@ class StepTimeMonitor(Callback):
         self._pending = None
         if pending is None:
             return
+        if _last_epoch(trainer):  # a plan decided now would never run, yet plan.json would name it
+            rank_zero_info("distplan: the fit ends with this epoch, so it does not re-plan.")
+            return
         t0 = time.perf_counter()
         try:
             self._do_replan(trainer, pending)
@@ -219,7 +247,7 @@ class StepTimeMonitor(Callback):
 
     def _do_replan(self, trainer: pl.Trainer, ratio: float) -> None:
         from lightning_distplan.strategies._auto_concrete import _AutoDPGAStrategy
-        from lightning_distplan.strategies._auto_planning import PlanningOutcome, choose_plan, distplan_dir, write_artifacts
+        from lightning_distplan.strategies._auto_planning import PlanningOutcome, choose_plan, distplan_dir, jsonable_pins, write_artifacts
 
         outcome = self._outcome
         assert outcome is not None
@@ -234,7 +262,7 @@ class StepTimeMonitor(Callback):
             scale = refit_compute_scale(current.prediction, observed, self._scale) if current is not None else self._scale * ratio
             candidates, hardware = choose_plan(
                 self._profile, world_size=running.world_size, global_batch_size=running.global_batch_size, pins=self._pins,
-                hardware=outcome.hardware, compute_scale=scale,
+                hardware=outcome.hardware, compute_scale=scale, strategies=self._strategies,
             )
             decision = (scale, candidates, hardware)
         scale, candidates, hardware = trainer.strategy.broadcast(decision)
@@ -273,7 +301,8 @@ class StepTimeMonitor(Callback):
             )
         rank_zero_info(f"distplan: re-planned with compute scale {scale:.3g} (observed/predicted {ratio:.2f}x): {what}.")
         if trainer.is_global_zero:
-            write_artifacts(distplan_dir(trainer), profile=None, outcome=self._outcome, extra={"replans": self.replans})
+            extra = {"pins": jsonable_pins(self._pins), "replans": self.replans}
+            write_artifacts(distplan_dir(trainer), profile=None, outcome=self._outcome, extra=extra)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

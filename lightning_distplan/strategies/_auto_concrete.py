@@ -53,6 +53,20 @@ class _AutoDPGAStrategy(DPGAStrategy):
         self._requested_plan = plan
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        # A re-plan at this epoch's end (StepTimeMonitor) waits for the next epoch's loader: a checkpoint saved in
+        # between (the epoch-end ModelCheckpoint) is where that epoch starts, so it records the plan it will run.
+        pending, running = self._requested_plan, self._plan
+        if pending is None or running is None or pending == running:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        self._plan = pending
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        finally:
+            self._plan = running
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         plan = self._requested_plan

@@ -378,6 +378,11 @@ def pins_from(**values: Any) -> dict[str, Any]:
     return pins
 
 
+def jsonable_pins(pins: Mapping[str, Any]) -> dict[str, Any]:
+    """``pins`` as ``plan.json`` records them (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in pins.items()}
+
+
 def ddp_bucket_bytes(strategy: Any) -> int | None:
     """The gradient bucket size a DDP strategy was given (``bucket_cap_mb``, MiB, as torch reads it) in bytes, or
     ``None`` for DDP's defaults (or a strategy that is not DDP)."""

@@ -52,6 +52,7 @@ from lightning_distplan.strategies._auto_planning import (
     choose_plan,
     ddp_bucket_bytes,
     distplan_dir,
+    jsonable_pins,
     log_outcome,
     pins_from,
     profile_in_fit,
@@ -190,6 +191,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._concrete: Strategy | None = None
         self._monitor: Any = None
         self._fit_start: float | None = None
+        self._strategies: tuple[str, ...] = STRATEGIES  # what this fit may run (_strategies_allowed); a re-plan ranks these only
 
     # -- public --------------------------------------------------------------------------------
     @property
@@ -308,7 +310,7 @@ class AutoPlanStrategy(DDPStrategy):
         assert module is not None
         check_artifact_dir(trainer, "auto_plan")
         stored = self._checkpoint_plan
-        strategies = self._strategies_allowed(trainer)
+        strategies = self._strategies = self._strategies_allowed(trainer)
         if stored is not None and (stored.strategy not in strategies or not satisfies_pins(stored, self._pins)):
             why = f"this fit allows {', '.join(strategies)} only" if stored.strategy not in strategies else f"it does not match the pins {self._pins}"
             rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
@@ -372,7 +374,7 @@ class AutoPlanStrategy(DDPStrategy):
             profiling_s=profiling_s, planning_s=time.perf_counter() - t1,
         )
         if self.is_global_zero:
-            write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra={"pins": _jsonable(self._pins)})
+            write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra={"pins": jsonable_pins(self._pins)})
         log_outcome(outcome, prefix="auto_plan")
         return outcome
 
@@ -428,7 +430,7 @@ class AutoPlanStrategy(DDPStrategy):
         monitor = self._monitor_for(trainer)
         monitor.attach(
             outcome=outcome, profile=self._profile, pins=self._pins, device_memory_bytes=self._device_memory_bytes,
-            fit_start=self._fit_start,
+            fit_start=self._fit_start, strategies=self._strategies,
         )
         self._monitor = monitor
 
@@ -437,7 +439,3 @@ _DDP_BASE_ARGS = (
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
     "process_group_backend", "timeout", "start_method",
 )
-
-
-def _jsonable(pins: dict[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in pins.items()}

@@ -164,6 +164,54 @@ def test_replan_after_a_sustained_slowdown(tmp_path: Path) -> None:
     assert monitor.overhead_s is not None and monitor.run_s is not None and monitor.overhead_s < monitor.run_s
 
 
+class _MonitorsMyMetric(L.Callback):
+    monitor = "my_metric"  # a metric a pipeline does not log: this fit runs data parallel only
+
+
+def test_a_replan_is_recorded_where_it_runs_and_only_among_the_strategies_the_fit_allows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced switch (the re-plan pins micro_batch_size=2) at the end of epoch 0: the epoch-end checkpoint, where
+    epoch 1 starts, records the plan epoch 1 runs; plan.json keeps the pins; the re-plan ranks data parallel only,
+    as the first decision did. The same monitor in a one-epoch fit then starts with no re-plans counted and does not
+    re-plan at the fit's last epoch end."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_distplan.strategies._auto_planning as planning
+
+    asked: list[Any] = []
+    real = planning.choose_plan
+
+    def choose(profile: Any, **kwargs: Any) -> Any:
+        if kwargs.get("compute_scale") is not None:  # the re-plan
+            asked.append(kwargs.get("strategies"))
+            kwargs["pins"] = {**kwargs.get("pins", {}), "micro_batch_size": 2}
+        return real(profile, **kwargs)
+
+    monkeypatch.setattr(planning, "choose_plan", choose)
+    monitor = StepTimeMonitor(warmup_steps=1, window=3, max_replans=1)
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{epoch}", save_top_k=-1)
+    trainer = L.Trainer(**trainer_kwargs(  # m=8 pinned first, so that the forced m=2 is a switch however noisy the profile
+        str(tmp_path), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1, micro_batch_size=8), devices=1, max_epochs=2,
+        callbacks=[monitor, checkpoints, _MonitorsMyMetric()], enable_checkpointing=True,
+    ))
+    trainer.fit(_small(n_samples=80, loader_batch=8, slow_after=3, slow_s=0.04))
+    assert asked == [("dp_ga",)]
+    assert [r["applied"] for r in monitor.replans] == [True] and trainer.strategy.plan.micro_batch_size == 2
+    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0.ckpt", weights_only=False)
+    assert ckpt["distplan_plan"]["micro_batch_size"] == 2  # was the m=8 plan epoch 0 ran
+    monitor_state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("StepTimeMonitor"))
+    assert monitor_state["plan"] == ckpt["distplan_plan"]
+    record = json.loads((tmp_path / "distplan" / "plan.json").read_text())
+    assert record["source"] == "replanned" and record["pins"] == {"micro_batch_size": 8} and record["plan"]["micro_batch_size"] == 2
+    torch.distributed.destroy_process_group()
+
+    one_epoch = L.Trainer(**trainer_kwargs(
+        str(tmp_path / "again"), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1), devices=1, max_epochs=1, callbacks=[monitor],
+    ))
+    one_epoch.fit(_small(n_samples=80, loader_batch=8, slow_after=3, slow_s=0.04))
+    assert monitor.replans == [] and len(asked) == 1  # a fresh count, and no plan decided that would never run
+    assert json.loads((tmp_path / "again" / "distplan" / "plan.json").read_text())["source"] == "profiled"
+
+
 def test_resume_restores_the_monitor_it_added_without_a_callback_warning(tmp_path: Path) -> None:
     """auto_plan adds its StepTimeMonitor before Lightning restores callback states, so a resumed fit
     gets the monitor's state back instead of Lightning asking the user to add a callback they never made."""
@@ -223,6 +271,19 @@ def test_monitor_times_each_fit_afresh_and_leaves_validation_out(tmp_path: Path)
         assert [h["step"] for h in monitor.history] == list(range(1, steps + 1))
         # a step is ~0.03 s here; 0.45 s leaves a busy host room and still catches a 0.6 s validation counted in a step
         assert max(h["observed_s"] for h in monitor.history) < 0.45, monitor.history
+
+
+def test_a_monitor_asked_to_replan_without_auto_plan_says_it_will_not(tmp_path: Path) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[StepTimeMonitor(replan="auto")], default_root_dir=str(tmp_path),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(BoringModel())
+    assert [str(w.message) for w in caught if "StepTimeMonitor(replan='auto')" in str(w.message)] == [
+        "distplan: StepTimeMonitor(replan='auto') re-plans under strategy='auto_plan' only; this fit runs SingleDeviceStrategy, "
+        "so the monitor logs the observed step time and does not re-plan."]
 
 
 def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
