@@ -22,6 +22,7 @@ applied mid-run (it needs the model re-sharded: resume the last checkpoint with 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, Literal, Sequence
@@ -32,6 +33,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES
+from lightning_distplan.strategies._auto_planning import check_count
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -96,11 +98,11 @@ class StepTimeMonitor(Callback):
     ) -> None:
         if replan not in ("off", "auto"):
             raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' or 'off'.")
-        if threshold <= 1.0:
-            raise InfeasiblePlanError(f"`threshold` must be > 1, got {threshold!r}.", hint="Use e.g. threshold=1.5 (50% off).")
-        for name, value in (("warmup_steps", warmup_steps), ("window", window), ("max_replans", max_replans)):
-            if not isinstance(value, int) or value < 0 or (name == "window" and value < 1):
-                raise InfeasiblePlanError(f"`{name}` must be a non-negative integer (window >= 1), got {value!r}.", hint="Use the defaults.")
+        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 1.0 < threshold < math.inf:
+            raise InfeasiblePlanError(f"`threshold` must be a number above 1, got {threshold!r}.", hint="Use e.g. threshold=1.5 (50% off).")
+        check_count("warmup_steps", warmup_steps, low=0)
+        check_count("window", window)
+        check_count("max_replans", max_replans, low=0)
         self.replan = replan
         self.warmup_steps = warmup_steps
         self.window = window

@@ -29,6 +29,8 @@ from lightning_distplan.plan import Plan
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_artifact_dir,
+    check_count,
+    check_memory,
     choose_plan,
     ddp_bucket_bytes,
     describe_for_user,
@@ -81,9 +83,12 @@ class PlanningCallback(Callback):
         profile_repeats: int = 1,
         apply: bool = True,
     ) -> None:
-        for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches), ("profile_repeats", profile_repeats)):
-            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=4.")
+        check_count("micro_batch_size", micro_batch_size, auto=True)
+        check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
+        check_count("profile_repeats", profile_repeats)
+        check_memory("device_memory_bytes", device_memory_bytes)
+        if not isinstance(apply, bool):
+            raise InfeasiblePlanError(f"`apply` must be True or False, got {apply!r}.", hint="Pass apply=False to only report the plan.")
         self._pins = pins_from(micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)
         self._memory = device_memory_bytes
         self._repeats = profile_repeats

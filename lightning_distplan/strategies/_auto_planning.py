@@ -378,6 +378,33 @@ def pins_from(**values: Any) -> dict[str, Any]:
     return pins
 
 
+def check_count(name: str, value: Any, *, auto: bool = False, low: int = 1) -> None:
+    """Refuse ``value`` unless it is an int ``>= low`` (or ``"auto"`` where ``auto``), in one sentence with a HINT."""
+    if auto and isinstance(value, str) and value == "auto":
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        what = ("a positive integer" if low == 1 else f"an integer >= {low}") + (" or 'auto'" if auto else "")
+        example = f"{name}={max(low, 2)}" + (" or leave it 'auto'" if auto else "")
+        raise InfeasiblePlanError(f"`{name}` must be {what}, got {value!r}.", hint=f"Pass e.g. {example}.")
+
+
+def check_sizes(name: str, value: Any) -> list[int] | None:
+    """``value`` (None, or a list of positive micro-batch sizes) as a list, or refused in one sentence with a HINT."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or any(
+        not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value
+    ):
+        raise InfeasiblePlanError(f"`{name}` must be a list of positive micro-batch sizes, got {value!r}.", hint=f"Pass e.g. {name}=[2, 4, 8].")
+    return list(value)
+
+
+def check_memory(name: str, value: Any) -> None:
+    """Refuse a device memory that is not None or a positive number of bytes, in one sentence with a HINT."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise InfeasiblePlanError(f"`{name}` must be a positive number of bytes, got {value!r}.", hint=f"Pass e.g. {name}=8 * 2**30 for 8 GiB.")
+
+
 def jsonable_pins(pins: Mapping[str, Any]) -> dict[str, Any]:
     """``pins`` as ``plan.json`` records them (tuples as lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in pins.items()}

@@ -49,6 +49,9 @@ from lightning_distplan.profile import unsplittable
 from lightning_distplan.strategies._auto_concrete import build_concrete
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
+    check_count,
+    check_memory,
+    check_sizes,
     choose_plan,
     ddp_bucket_bytes,
     distplan_dir,
@@ -146,12 +149,12 @@ class AutoPlanStrategy(DDPStrategy):
             raise InfeasiblePlanError(f"Unknown schedule {schedule!r}.", hint="Use 'auto', 'none', 'gpipe' or '1f1b'.")
         for name, value in (
             ("stages", stages), ("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches),
-            ("n_microbatches", n_microbatches), ("global_batch_size", global_batch_size), ("profile_repeats", profile_repeats),
+            ("n_microbatches", n_microbatches), ("global_batch_size", global_batch_size),
         ):
-            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=2 or leave it 'auto'.")
-        if device_memory_bytes is not None and (not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0):
-            raise InfeasiblePlanError(f"`device_memory_bytes` must be a positive integer, got {device_memory_bytes!r}.", hint="Pass e.g. 8 * 2**30.")
+            check_count(name, value, auto=True)
+        check_count("profile_repeats", profile_repeats)
+        profile_sizes = check_sizes("profile_micro_batch_sizes", profile_micro_batch_sizes)
+        check_memory("device_memory_bytes", device_memory_bytes)
         if strategy != "auto" and schedule != "auto" and schedule != ("none" if strategy == "dp_ga" else strategy):
             raise InfeasiblePlanError(
                 f"strategy={strategy!r} contradicts schedule={schedule!r}.",
@@ -180,7 +183,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._device_memory_bytes = device_memory_bytes
         self._replan = replan
         self._profile_repeats = profile_repeats
-        self._profile_sizes = None if profile_micro_batch_sizes is None else list(profile_micro_batch_sizes)
+        self._profile_sizes = profile_sizes
         self._extra_ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k not in _DDP_BASE_ARGS}
         self._pipeline_kwargs = {"deferred_batchnorm": deferred_batchnorm}
         self._checkpoint_plan: Plan | None = None

@@ -260,10 +260,33 @@ def test_report_names_a_faster_pipeline_without_forcing_it() -> None:
     assert rank_micro_batching(fast, world_size=2, global_batch_size=32)[2] is None
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"replan": "on"}, "replan"), ({"threshold": 1.0}, "threshold"), ({"window": 0}, "window")])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"replan": "on"}, "`replan`"), ({"threshold": 1.0}, "`threshold` must be a number above 1, got 1.0"),
+        ({"window": 0}, "`window` must be a positive integer, got 0"), ({"threshold": "2"}, "`threshold` must be a number above 1, got '2'"),
+        ({"threshold": None}, "`threshold` must be a number above 1, got None"),
+        ({"threshold": float("nan")}, "`threshold` must be a number above 1, got nan"), ({"warmup_steps": True}, "`warmup_steps` must be an integer >= 0, got True"),
+    ],
+)
 def test_monitor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(InfeasiblePlanError, match=match):
+    with pytest.raises(InfeasiblePlanError, match=f"^{match}.*HINT: "):
         StepTimeMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"device_memory_bytes": "8GB"}, "`device_memory_bytes` must be a positive number of bytes, got '8GB'"),
+        ({"device_memory_bytes": -5}, "`device_memory_bytes` must be a positive number of bytes, got -5"),
+        ({"profile_repeats": "auto"}, "`profile_repeats` must be a positive integer, got 'auto'"),
+        ({"apply": "no"}, "`apply` must be True or False, got 'no'"),
+        ({"micro_batch_size": 0}, "`micro_batch_size` must be a positive integer or 'auto', got 0"),
+    ],
+)
+def test_callback_rejects_bad_arguments_before_the_fit(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(InfeasiblePlanError, match=f"^{match}.*HINT: "):
+        PlanningCallback(**kwargs)
 
 
 class LateNet(L.LightningModule):

@@ -102,6 +102,10 @@ def test_memory_cap_no_plan_fits_is_explained(tmp_path: Path) -> None:
         ({"stage_boundaries": [4, 2]}, "`stage_boundaries`.*got \\[4, 2\\].*HINT"),
         ({"deferred_batchnorm": "yes"}, "`deferred_batchnorm` must be True or False.*HINT"),
         ({"bucket_capmb": 25}, "keyword argument\\(s\\) 'bucket_capmb' that neither.*HINT"),
+        ({"profile_micro_batch_sizes": 4}, "`profile_micro_batch_sizes` must be a list of positive micro-batch sizes, got 4.*HINT"),
+        ({"profile_micro_batch_sizes": [0, 2]}, "`profile_micro_batch_sizes` must be a list.*got \\[0, 2\\].*HINT"),
+        ({"profile_repeats": "auto"}, "`profile_repeats` must be a positive integer, got 'auto'.*HINT"),
+        ({"device_memory_bytes": 1.5}, "`device_memory_bytes` must be a positive number of bytes.*HINT"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
