@@ -12,7 +12,10 @@ from typing import Any, Callable
 
 from lightning_distplan.errors import OutputPathError
 
-__all__ = ["check_output_path", "check_replaceable", "write_text_atomic"]
+__all__ = ["check_output_path", "check_replaceable", "check_replaceable_figure", "save_figure_atomic", "write_text_atomic"]
+
+FIGURE_MARK = "distplan figure"
+"""Written into every figure we save (PNG/SVG/PDF metadata, a JPEG comment): a later run may replace such a file."""
 
 
 def check_output_path(path: str | Path, option: str, *, example: str = "out.json") -> Path:
@@ -62,6 +65,41 @@ def check_replaceable(path: str | Path, option: str, *, what: str, is_ours: Call
             f"{option} {str(path)!r} exists and is not a {what}; it is left as it is.",
             hint=f"Name a new file for {option} (or delete that one first if you mean to replace it).",
         )
+
+
+def check_replaceable_figure(path: str | Path, option: str) -> None:
+    """Refuse to replace an existing file at ``path`` that is not a figure we saved (:func:`save_figure_atomic`)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        ours = FIGURE_MARK.encode() in path.read_bytes()
+    except OSError:
+        ours = False
+    if not ours:
+        raise OutputPathError(
+            f"{option} {str(path)!r} exists and is not a figure distplan saved; it is left as it is.",
+            hint=f"Name a new file for {option} (or delete that one first if you mean to replace it).",
+        )
+
+
+def save_figure_atomic(fig: Any, path: str | Path, **savefig_kwargs: Any) -> Path:
+    """``fig.savefig`` to ``path`` through a temporary file in the same folder and a rename, marked as ours."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = path.suffix.lower().lstrip(".") or "png"
+    fmt = "jpeg" if fmt == "jpg" else fmt
+    if fmt == "jpeg":
+        savefig_kwargs.setdefault("pil_kwargs", {}).setdefault("comment", FIGURE_MARK.encode())
+    else:
+        savefig_kwargs.setdefault("metadata", {})["Software" if fmt == "png" else "Creator"] = FIGURE_MARK
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        fig.savefig(tmp, format=fmt, **savefig_kwargs)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -120,6 +120,11 @@ def _run_torchrun(cmd: list[str]) -> int:
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
     assert proc.stderr is not None
     errors: list[str] = []
+
+    def terminated(signum: int, frame: Any) -> None:  # `kill <pid>`: stop the job as a Ctrl-C does, not leave it running
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         for chunk in proc.stderr:
             # two ranks failing at once may write their error lines into one line of the pipe
@@ -134,15 +139,25 @@ def _run_torchrun(cmd: list[str]) -> int:
                 elif not errors:  # after a worker's own error line, the rest is torchrun's report of that failure
                     sys.stderr.write(line)
         code = proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
+    except (KeyboardInterrupt, _Terminated) as stop:
+        # torchrun passes either signal on to its workers and waits for them
+        proc.send_signal(signal.SIGINT if isinstance(stop, KeyboardInterrupt) else signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        raise
+        if isinstance(stop, KeyboardInterrupt):
+            raise
+        print("distplan bench: terminated; no result file was written", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 2 if code != 0 and errors else code
+
+
+class _Terminated(Exception):
+    """SIGTERM reached ``distplan bench`` while its torchrun job ran."""
 
 
 def _quiet_lightning() -> None:
@@ -181,7 +196,7 @@ def _check_before_launch(args: argparse.Namespace, init_args: dict[str, Any], dm
 
 def run(args: argparse.Namespace) -> int:
     from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes, train_loader
-    from lightning_distplan._files import check_output_path, check_replaceable, write_text_atomic
+    from lightning_distplan._files import check_output_path, check_replaceable, check_replaceable_figure, write_text_atomic
     from lightning_distplan.bench._bench import RANK_TIMEOUT_S, BenchError, check_counts, parse_plans_spec
 
     if args.world_size < 1 or args.global_batch_size < 1:
@@ -216,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
             raise BenchError(
                 f"--plot {args.plot!r} has no image suffix matplotlib writes ({', '.join(PLOT_SUFFIXES)}).", hint="Use e.g. --plot bench.png."
             )
+        check_replaceable_figure(args.plot, "--plot")
     if args.print_launch and args.world_size == 1:
         raise BenchError(
             "--print-launch prints the torchrun command of a multi-process bench, but --world-size 1 runs in this process without one.",

@@ -55,10 +55,12 @@ def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None
     :func:`~lightning_distplan.planner.rank_plans` orders them; ``tie`` is the near-tie margin
     (default the planner's, :data:`~lightning_distplan.planner.NEAR_TIE`; 0 ranks by predicted time alone).
     """
-    from lightning_distplan.costmodel import predict
+    from lightning_distplan.costmodel import Hardware, predict
     from lightning_distplan.planner import NEAR_TIE, rank_order
 
-    preds = [predict(profile, plan) for plan in plans]
+    # one Hardware for all the plans: a profile without a measured link is said once, and only where a link is used
+    hw = Hardware.from_profile(profile, warn_default_links=any(plan.world_size > 1 for plan in plans))
+    preds = [predict(profile, plan, hw) for plan in plans]
     ranks = [0] * len(plans)
     for position, i in enumerate(rank_order(plans, preds, tie=NEAR_TIE if tie is None else tie), 1):
         ranks[i] = position

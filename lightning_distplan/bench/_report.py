@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from lightning_distplan._files import save_figure_atomic
+
 __all__ = ["format_table", "plot_result"]
 
 
@@ -137,11 +139,10 @@ def plot_result(result: Mapping[str, Any] | list[Mapping[str, Any]], path: str |
     fig, ax = plt.subplots(figsize=(6, 6))
     draw_result(ax, results, title=title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure_atomic(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def draw_result(ax: Any, results: list[Mapping[str, Any]], *, title: str | None = None) -> None:
@@ -153,6 +154,7 @@ def draw_result(ax: Any, results: list[Mapping[str, Any]], *, title: str | None 
     shapes = ("o", "s", "^", "D", "v", "P")
     rates = list(dict.fromkeys(str(res["rate"]) for res in results if "rate" in res))
     failed: list[float] = []  # predicted step times of plans without a measurement (out of memory, ...)
+    pick_drawn = False
     for res in results:
         marker = shapes[rates.index(str(res["rate"])) % len(shapes)] if "rate" in res else "o"
         pick = (res["summary"].get("pick") or {}).get("rank")
@@ -169,6 +171,7 @@ def draw_result(ax: Any, results: list[Mapping[str, Any]], *, title: str | None 
             ax.scatter([x], [y], s=22, marker=marker, color=colours.get(r["strategy"], "gray"), label=label, alpha=0.8)
             if r["rank"] == pick:
                 ax.scatter([x], [y], s=110, facecolors="none", edgecolors="black", linewidths=1.2)
+                pick_drawn = True
     if xs_all:
         lo, hi = min(xs_all) / 1.3, max(xs_all) * 1.3
         ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="y = x")
@@ -197,5 +200,7 @@ def draw_result(ax: Any, results: list[Mapping[str, Any]], *, title: str | None 
     ax.set_xlabel("measured step time [s]")
     ax.set_ylabel("predicted step time [s]")
     ax.set_title(title or (f"{results[0]['model']}: predicted vs measured" if len(results) == 1 else "predicted vs measured"), fontsize=9)
-    ax.legend(fontsize=8, loc="upper left")
+    if pick_drawn:
+        ax.scatter([], [], s=110, facecolors="none", edgecolors="black", linewidths=1.2, label="planner's pick")
+    ax.legend(fontsize=8, loc="best")  # where it hides fewest points (a fixed corner hid an over-predicted plan)
     ax.grid(True, which="both", alpha=0.2)

@@ -29,6 +29,7 @@ import ctypes
 import gc
 import logging
 import os
+import signal
 import statistics
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -163,7 +164,15 @@ def measure_plan(
             accumulate_grad_batches=flushes,
             **QUIET_FIT,
         )
-        trainer.fit(module, train_dataloaders=make_loader(plan.global_batch_size // (plan.dp * flushes)))
+        try:
+            trainer.fit(module, train_dataloaders=make_loader(plan.global_batch_size // (plan.dp * flushes)))
+        except SystemExit:
+            if not trainer.interrupted:
+                raise
+            # Lightning turns a Ctrl-C into sys.exit(1) with SIGINT ignored: it stops the whole bench, as one
+            # during profiling does ("interrupted; no result file was written", status 130), not a bare exit 1.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt from None
         if trainer.global_step != warmup + steps:
             error = f"ran {trainer.global_step} optimizer steps, expected {warmup + steps} (the dataset is too small?)"
     except Exception as err:  # a failed plan is data for the report, not the end of the benchmark

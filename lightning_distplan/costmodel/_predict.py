@@ -205,7 +205,7 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
             f"({len(plan.layer_names)} against {len(names)} layers).",
             hint="Plan again from this profile, or drop the plan's stage_boundaries to have them split afresh.",
         )
-    hw = hardware if hardware is not None else Hardware.from_profile(profile)
+    hw = hardware if hardware is not None else Hardware.from_profile(profile, warn_default_links=plan.world_size > 1)  # one device: no link
     if plan.strategy == "dp_ga":
         return _predict_dp(profile, plan, hw)
     return _predict_pipeline(profile, plan, hw)

@@ -123,6 +123,7 @@ def test_table_and_plot(tmp_path):
     assert "confirmation (1 more pass(es)): the pick FAILED (OutOfMemoryError); within 5%: False" in text
     png = plot_result(result, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png"]  # written through a temporary file, none left
     # the rank by the first profile (what --plans N,M names) is shown where the final ranking moved a plan
     moved = [{**plans[0], "first_profile": {"rank": 2}}, {**plans[1], "first_profile": {"rank": 1}}]
     text = format_table({**result, "plans": moved})
@@ -148,6 +149,12 @@ def test_table_and_plot(tmp_path):
 
     labels, texts, ticks = drawn(oom)
     assert "failed (at the right edge)" in labels and not texts and len(ticks) >= 2, ticks
+    labels, _, _ = drawn(plans)
+    assert "planner's pick" in labels  # the circle has a legend entry; the legend goes where it hides fewest points
+    fig, ax = plt.subplots()
+    draw_result(ax, [result])
+    assert ax.get_legend()._loc == 0  # matplotlib's code for loc="best"
+    plt.close(fig)
     labels, texts, _ = drawn([{**p, "measured_step_time_s": None, "error": "OutOfMemoryError"} for p in plans])
     assert "failed (at the right edge)" in labels and texts == ["no plan produced a measurement"]
 
@@ -176,3 +183,23 @@ def test_combine_passes_failure_is_the_result():
     got = combine_passes([_run([1.0]), _run([], error="RuntimeError: out of memory")])
     assert got["error"] == "RuntimeError: out of memory" and got["measured_step_time_s"] is None
     assert got["measured_step_times_s"] == [] and got["measured_peak_memory_bytes"] is None
+
+
+def test_a_profile_without_links_is_warned_of_once_and_only_where_plans_use_a_link(caplog):
+    """bench priced each plan with its own default Hardware: one process printed "measured no all-reduce or p2p link"
+    once per plan and pass, though no plan of one process uses a link."""
+    import logging
+
+    from lightning_distplan.bench import predict_ranked
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=1000, activation_bytes_per_sample=1e3,
+                                           output_bytes_per_sample=1e3)] * 2)
+    one = [Plan(strategy="dp_ga", micro_batch_size=m, accumulate_grad_batches=4 // m, global_batch_size=4) for m in (1, 2, 4)]
+    two = [Plan(strategy="dp_ga", dp=2, micro_batch_size=m, accumulate_grad_batches=2 // m, global_batch_size=4) for m in (1, 2)]
+    with caplog.at_level(logging.WARNING):
+        predict_ranked(profile, one)
+        assert not [r for r in caplog.records if "measured no" in r.getMessage()]
+        predict_ranked(profile, two)
+    assert len([r for r in caplog.records if "measured no" in r.getMessage()]) == 1

@@ -112,6 +112,10 @@ def test_bench_world_size_1(tmp_path):
     assert {r["strategy"] for r in result["plans"]} == {"dp_ga"}  # one process: no pipeline
     assert {(r["micro_batch_size"], r["accumulate_grad_batches"]) for r in result["plans"]} <= {(4, 1), (2, 2), (1, 4)}
     assert (tmp_path / "p.png").stat().st_size > 1000
+    from lightning_distplan._files import FIGURE_MARK, check_replaceable_figure
+
+    assert FIGURE_MARK.encode() in (tmp_path / "p.png").read_bytes()
+    check_replaceable_figure(tmp_path / "p.png", "--plot")  # a later run may replace the plot it made
     assert result["links"] == []  # nothing to measure on one process
 
 
@@ -161,6 +165,17 @@ def test_bench_bad_input_one_line_error(capsys, args, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "HINT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_plot_does_not_replace_a_file_it_did_not_make(tmp_path, capsys):
+    from lightning_distplan.cli import main
+
+    mine = tmp_path / "figure.pdf"
+    mine.write_bytes(b"%PDF-1.4 the user's own figure")
+    assert main(["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--plot", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert f"--plot '{mine}' exists and is not a figure distplan saved; it is left as it is. HINT:" in err and len(err.strip().splitlines()) == 1
+    assert mine.read_bytes() == b"%PDF-1.4 the user's own figure"
 
 
 def test_two_ranks_error_lines_run_together_in_the_pipe_are_shown_once(capfd):
@@ -345,3 +360,60 @@ def test_a_pick_that_runs_out_of_memory_is_a_failed_pick_and_no_measurement_exit
     failing.update(others=1, more=2)
     assert main(args) == 1
     assert "distplan bench: no plan produced a measurement" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_while_a_plan_trains_stops_the_bench_with_status_130(monkeypatch, capsys, no_group_left):
+    """Lightning turns a Ctrl-C inside fit into sys.exit(1) with SIGINT ignored; the bench says it was interrupted,
+    exits 130 as during profiling, and Ctrl-C works again afterwards."""
+    import signal
+
+    from lightning_distplan.bench.models import WideMLP
+    from lightning_distplan.cli import main
+
+    original = WideMLP.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self._trainer is not None and type(self.trainer.strategy).__name__ == "DPGAStrategy":
+            raise KeyboardInterrupt
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(WideMLP, "training_step", training_step)
+    args = ["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:1", "--steps", "1", "--warmup", "1",
+            "--passes", "1", "--profile-repeats", "1", "--quiet"]
+    try:
+        assert main(args) == 130
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "distplan bench: interrupted; no result file was written"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_sigterm_to_a_two_process_bench_stops_its_workers_and_writes_nothing(tmp_path):
+    """`kill <pid>` of `distplan bench --world-size 2`: torchrun and its workers stop with it, and no --out appears
+    later (they ran on and wrote a complete-looking result after distplan itself had died)."""
+    import signal
+    import time
+
+    out = tmp_path / "term.json"
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "2",
+           "--steps", "200", "--warmup", "1", "--threads", "1", "--profile-repeats", "1", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None and "launching 2 processes with torchrun" in proc.stdout.readline()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until both workers are up (they carry --out in their command line)
+            workers = subprocess.run(["pgrep", "-f", f"lightning_distplan.cli bench .*{out}"], capture_output=True, text=True).stdout.split()
+            if len([w for w in workers if int(w) != proc.pid]) >= 2:
+                break
+            time.sleep(0.5)
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == "distplan bench: terminated; no result file was written"
+    time.sleep(3)
+    left = subprocess.run(["pgrep", "-f", f"bench .*{out}"], capture_output=True, text=True).stdout.split()
+    assert left == [] and not out.exists()
