@@ -44,6 +44,7 @@ __all__ = [
     "DemoArgumentError",
     "OutputPathError",
     "PlanningCallback",
+    "StepTimeMonitor",
 ]
 
 
@@ -65,8 +66,8 @@ _register_strategies()
 
 
 def __getattr__(name: str):  # lazy: keep `import lightning_distplan` light
-    if name == "PlanningCallback":
-        from lightning_distplan.callbacks import PlanningCallback
+    if name in ("PlanningCallback", "StepTimeMonitor"):
+        from lightning_distplan import callbacks
 
-        return PlanningCallback
+        return getattr(callbacks, name)
     raise AttributeError(f"module 'lightning_distplan' has no attribute {name!r}")

@@ -43,3 +43,14 @@ def test_trainer_builds_with_dp_ga_by_name() -> None:
     if "1f1b" in StrategyRegistry:
         assert StrategyRegistry["1f1b"]["init_params"] == {"schedule": "1f1b"}
         assert StrategyRegistry["gpipe"]["init_params"] == {"schedule": "gpipe"}
+
+
+def test_every_public_name_resolves():
+    import lightning_distplan
+
+    for name in lightning_distplan.__all__:
+        assert getattr(lightning_distplan, name) is not None, name
+    from lightning_distplan import StepTimeMonitor
+    from lightning_distplan.callbacks import StepTimeMonitor as same
+
+    assert StepTimeMonitor is same
