@@ -28,11 +28,16 @@ Usage::
 
     sudo .venv/bin/python benchmarks/cpu_cluster_sweep.py                 # the full sweep
     sudo .venv/bin/python benchmarks/cpu_cluster_sweep.py --quick --rates unlimited --models mlp   # smoke test
+
+The full sweep writes ``benchmarks/results/cpu_cluster_sweep.json`` (the README's table is made from it);
+``--quick`` writes ``runs/cpu_cluster_sweep_quick.json``, never the committed results. Ctrl-C or SIGTERM
+stops the nodes, removes the namespaces and keeps the settings measured so far in ``<out>.partial.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -101,7 +106,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="confirmation passes of the contenders for the measured best; the pick's confirmed regret is judged on them alone")
     p.add_argument("--plans", default="all")
     p.add_argument("--timeout", type=int, default=420, help="seconds per model x rate job")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu_cluster_sweep.json"))
+    p.add_argument("--out", default=None,
+                   help="result JSON (default benchmarks/results/cpu_cluster_sweep.json; with --quick runs/cpu_cluster_sweep_quick.json)")
     p.add_argument("--plot", default=None, help="PNG (default: next to --out)")
     p.add_argument("--quick", action="store_true", help="a tiny model and batch, for a smoke test of the set-up")
     return p.parse_args(argv)
@@ -131,6 +137,24 @@ def _node_cmd(node: int, spec: dict[str, Any], args: argparse.Namespace, out: Pa
     ]
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
@@ -149,12 +173,18 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
         finally:
             for p in procs:  # only the two torchrun agents this function started (and their workers)
                 if p.poll() is None:
+                    # torchrun's workers run in sessions of their own, and a worker in a fit ignores SIGTERM
+                    # (Lightning's handler); one whose agent was killed ran on as an orphan
+                    workers = _descendants(p.pid)
                     os.killpg(p.pid, signal.SIGTERM)
                     try:
                         p.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         os.killpg(p.pid, signal.SIGKILL)
                         p.wait()
+                    for pid in workers:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
         wall = time.perf_counter() - t0
         codes = [p.returncode for p in procs]
         if codes != [0, 0] or not out.exists():
@@ -358,51 +388,45 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in catalog] + [r for r in rates if r not in RATES]
     if bad:
         raise SystemExit(f"cpu_cluster_sweep: unknown model(s)/rate(s) {bad}. HINT: models {list(catalog)}, rates {list(RATES)}.")
+    out = Path(args.out) if args.out else ROOT / ("runs/cpu_cluster_sweep_quick.json" if args.quick else "benchmarks/results/cpu_cluster_sweep.json")
     started = datetime.now(timezone.utc)
     load_before = os.getloadavg()
     settings: list[dict[str, Any]] = []
     port = 29600
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill`: the same clean-up as a Ctrl-C (the nodes run in sessions of their own)
     try:
-        for rate in rates:  # slow link first: where DP vs pipeline differs most
-            print(_sh("up", "--rate", rate), flush=True)
-            for name in names:
-                port += 1
-                print(f"--- {name} @ {rate} ---", flush=True)
-                settings.append(_run_setting(name, catalog[name], rate, args, port))
-    finally:
-        print(_sh("down"), flush=True)
+        try:
+            for rate in rates:  # slow link first: where DP vs pipeline differs most
+                print(_sh("up", "--rate", rate), flush=True)
+                for name in names:
+                    port += 1
+                    print(f"--- {name} @ {rate} ---", flush=True)
+                    settings.append(_run_setting(name, catalog[name], rate, args, port))
+        finally:
+            print(_sh("down"), flush=True)
+    except KeyboardInterrupt:
+        kept = ""
+        if settings:
+            partial = out.with_name(out.stem + ".partial.json")
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            doc = {"schema": "distplan-cpu-cluster-sweep/1", "stopped": "interrupted", "settings": settings,
+                   "provenance": _provenance(argv, args, rates, catalog, names, started, load_before)}
+            partial.write_text(json.dumps(doc, indent=1))
+            kept = f"; the {len(settings)} setting(s) measured are in {partial}"
+        print(f"cpu_cluster_sweep: interrupted; the nodes were stopped and the namespaces removed{kept}.", file=sys.stderr)
+        return 130
     try:
         summary, lines = summarize_sweep(settings, rates)
     except Exception as err:  # the measurements took minutes: keep them even when the summary fails
         summary, lines = {"error": repr(err)}, [f"cpu_cluster_sweep: the summary failed ({err!r}); the settings are written as measured."]
     print("\n".join(lines), flush=True)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema": "distplan-cpu-cluster-sweep/1",
         "summary": summary,
         "summary_text": lines,
         "settings": settings,
-        "provenance": {
-            "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["cpu_cluster_sweep.py", *argv]),
-            "date_start": started.isoformat(timespec="seconds"),
-            "date_end": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": _versions(),
-            "git_commit": _git_commit(),
-            "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "kernel": platform.release(), "host": platform.node()},
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "rates": rates,
-            "cluster": "2 network namespaces (scripts/netns_cluster.sh), veth 10.77.0.1 <-> 10.77.0.2, tc tbf on both ends; "
-            "torchrun --nnodes 2 --nproc-per-node 1, gloo over the veth, 1 torch thread per rank; both 'nodes' share this machine's cores",
-            "models": {n: catalog[n] for n in names},
-            "global_batch_size": args.global_batch_size,
-            "steps": args.steps,
-            "min_time_s": args.min_time,
-            "warmup": args.warmup,
-            "passes": args.passes,
-            "confirm_passes": args.confirm,
-        },
+        "provenance": _provenance(argv, args, rates, catalog, names, started, load_before),
     }
     out.write_text(json.dumps(doc, indent=1))
     try:
@@ -415,6 +439,34 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # the JSON is the result; a missing plot is not fatal
         print(f"wrote {out} (plot failed: {err})")
     return 0 if all("summary" in s for s in settings) else 1
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _provenance(argv: list[str] | None, args: argparse.Namespace, rates: list[str], catalog: dict[str, Any], names: list[str],
+                started: datetime, load_before: tuple[float, ...]) -> dict[str, Any]:
+    return {
+        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["cpu_cluster_sweep.py", *argv]),
+        "date_start": started.isoformat(timespec="seconds"),
+        "date_end": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": _versions(),
+        "git_commit": _git_commit(),
+        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "kernel": platform.release(), "host": platform.node()},
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "rates": rates,
+        "cluster": "2 network namespaces (scripts/netns_cluster.sh), veth 10.77.0.1 <-> 10.77.0.2, tc tbf on both ends; "
+        "torchrun --nnodes 2 --nproc-per-node 1, gloo over the veth, 1 torch thread per rank; both 'nodes' share this machine's cores",
+        "models": {n: catalog[n] for n in names},
+        "global_batch_size": args.global_batch_size,
+        "steps": args.steps,
+        "min_time_s": args.min_time,
+        "warmup": args.warmup,
+        "passes": args.passes,
+        "confirm_passes": args.confirm,
+    }
 
 
 if __name__ == "__main__":

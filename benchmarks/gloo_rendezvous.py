@@ -39,11 +39,13 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "netns_cluster.sh"
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return 77
     if up.returncode != 0:
         raise SystemExit(f"gloo_rendezvous: could not set up the namespace cluster: {up.stderr.strip()}")
+    procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` (a test's timeout): clean up as a Ctrl-C does
     try:
         procs = [
             subprocess.Popen(
@@ -128,7 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             for r in (0, 1)
         ]
         outs = [p.communicate(timeout=300) for p in procs]
+    except KeyboardInterrupt:
+        print("gloo_rendezvous: interrupted; the ranks were stopped and the namespaces removed.", file=sys.stderr)
+        return 130
     finally:
+        for p in procs:  # a rank still running (interrupted, timed out) would keep its namespace in use
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         subprocess.run(["bash", str(SCRIPT), "down"], capture_output=True, text=True)
     if any(p.returncode for p in procs):
         raise SystemExit(f"gloo_rendezvous: a rank failed: {outs[0][1][-500:]} {outs[1][1][-500:]}")
@@ -162,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

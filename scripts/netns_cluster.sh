@@ -35,7 +35,18 @@ usage() {
     exit 2
 }
 
-die() { echo "netns_cluster: error: $*" >&2; exit 1; }
+# die MESSAGE [HINT]: one line on stderr, exit 1
+die() { echo "netns_cluster: error: $1${2:+ HINT: $2}" >&2; exit 1; }
+
+check_prefix() {
+    # Namespace names become files under /run/netns, interface names are at most 15 characters ("${PREFIX}0v").
+    if ! [[ "$PREFIX" =~ ^[A-Za-z0-9_-]+$ ]]; then
+        die "DISTPLAN_NETNS_PREFIX='$PREFIX' must hold only letters, digits, '_' and '-'." "use e.g. DISTPLAN_NETNS_PREFIX=distplan_n"
+    fi
+    if [ ${#PREFIX} -gt 13 ]; then
+        die "DISTPLAN_NETNS_PREFIX='$PREFIX' is ${#PREFIX} characters; the interface '${PREFIX}0v' must fit in 15." "use a prefix of 13 characters or fewer"
+    fi
+}
 
 check_permitted() {
     if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
@@ -50,10 +61,14 @@ check_permitted() {
         exit $SKIP
     fi
     # Capabilities can still be filtered (containers, seccomp): probe with a throw-away namespace.
-    local probe="${PREFIX}_probe$$"
-    if ! ip netns add "$probe" 2>/dev/null; then
-        echo "netns_cluster: skipped: 'ip netns add' is not permitted here (container without CAP_SYS_ADMIN?). HINT: run on a host or a privileged container." >&2
-        exit $SKIP
+    local probe="${PREFIX}_probe$$" err
+    if ! err=$(ip netns add "$probe" 2>&1); then
+        case "$err" in
+            *"ermission"*|*"not permitted"*)  # EPERM / EACCES: a container without CAP_SYS_ADMIN, seccomp
+                echo "netns_cluster: skipped: 'ip netns add' is not permitted here ($err). HINT: run on a host or a privileged container." >&2
+                exit $SKIP ;;
+            *) die "'ip netns add $probe' failed: $err" "check DISTPLAN_NETNS_PREFIX and /run/netns" ;;
+        esac
     fi
     ip netns del "$probe" 2>/dev/null || true
 }
@@ -72,7 +87,7 @@ tbf_args() {
     case "$1" in
         100mbit) echo "rate 100mbit burst 16k latency 50ms" ;;
         1gbit) echo "rate 1gbit burst 128k latency 50ms" ;;
-        *) die "unknown rate '$1'" ;;
+        *) die "unknown rate '$1'" "use 100mbit, 1gbit or unlimited" ;;
     esac
 }
 
@@ -162,19 +177,20 @@ main() {
     local rate="unlimited"
     while [ $# -gt 0 ]; do
         case "$1" in
-            --rate) [ $# -ge 2 ] || die "--rate needs a value (100mbit, 1gbit or unlimited)"; rate="$2"; shift 2 ;;
+            --rate) [ $# -ge 2 ] || die "--rate needs a value." "use --rate 100mbit, 1gbit or unlimited"; rate="$2"; shift 2 ;;
             --rate=*) rate="${1#--rate=}"; shift ;;
             -h|--help) usage ;;
-            *) die "unknown argument '$1' (expected --rate 100mbit|1gbit|unlimited)" ;;
+            *) die "unknown argument '$1'." "the only option is --rate 100mbit|1gbit|unlimited" ;;
         esac
     done
-    case "$rate" in 100mbit|1gbit|unlimited) ;; *) die "--rate must be 100mbit, 1gbit or unlimited, got '$rate'" ;; esac
+    case "$rate" in 100mbit|1gbit|unlimited) ;; *) die "--rate must be 100mbit, 1gbit or unlimited, got '$rate'." "use e.g. --rate 100mbit" ;; esac
+    check_prefix
     case "$action" in
         up) check_permitted; cmd_up "$rate" ;;
         down) check_permitted; cmd_down ;;
         status) cmd_status ;;
         -h|--help|help) usage ;;
-        *) die "unknown action '$action' (expected up, down or status)" ;;
+        *) die "unknown action '$action'." "use up, down or status" ;;
     esac
 }
 

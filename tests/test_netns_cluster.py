@@ -74,6 +74,25 @@ def _transfer_seconds(port: int) -> float:
             server.wait()
 
 
+def _run_cleaning_up(cmd: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+    """Run a script that sets up this test's namespaces; past ``timeout`` it gets a SIGTERM (so it removes them itself,
+    where subprocess.run's SIGKILL left them behind), and whatever is left is removed afterwards anyway."""
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    finally:
+        _sh("down", check=False)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.fixture
 def cluster():
     probe = _sh("status", check=False)
@@ -114,9 +133,14 @@ def test_up_limit_down_round_trip(cluster):
 
 def test_bad_arguments_fail_clearly():
     bad = _sh("up", "--rate", "10gbit", check=False)
-    assert bad.returncode != 0 and "--rate must be 100mbit, 1gbit or unlimited" in bad.stderr
+    assert bad.returncode == 1 and "--rate must be 100mbit, 1gbit or unlimited" in bad.stderr and "HINT" in bad.stderr
     bad = _sh("sideways", check=False)
-    assert bad.returncode != 0 and "unknown action" in bad.stderr
+    assert bad.returncode == 1 and "unknown action" in bad.stderr and "HINT" in bad.stderr
+    # a prefix ip cannot use is an error, not "namespaces are not permitted here" (exit 77, which skips the tests)
+    for prefix, why in (("run/x", "must hold only letters, digits"), ("p" * 14, "is 14 characters; the interface")):
+        res = subprocess.run(["bash", str(SCRIPT), "up"], env={**ENV, "DISTPLAN_NETNS_PREFIX": prefix}, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and why in res.stderr and "HINT" in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
 
 
 def test_skip_message_without_privileges():
@@ -146,8 +170,8 @@ def test_gloo_hand_over_crosses_the_link_only_once_the_receiver_posts(tmp_path):
     import json
 
     out = tmp_path / "rdv.json"
-    res = subprocess.run([sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "gloo_rendezvous.py"), "--delay", "0.2", "--port", "29519", "--out", str(out)],
-                         env=ENV, capture_output=True, text=True, timeout=240)
+    res = _run_cleaning_up([sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "gloo_rendezvous.py"), "--delay", "0.2", "--port", "29519",
+                            "--out", str(out)], timeout=240)
     if res.returncode == 77:
         pytest.skip(res.stderr.strip())
     assert res.returncode == 0, res.stderr[-2000:]
