@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
+from lightning_distplan.planner import satisfies_pins
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_artifact_dir,
@@ -34,15 +35,18 @@ from lightning_distplan.strategies._auto_planning import (
     choose_plan,
     ddp_bucket_bytes,
     describe_for_user,
+    device_memory,
     distplan_dir,
     faster_alternative,
     fresh_train_loader,
     log_outcome,
+    made_for_another_run,
     pins_from,
     profile_in_fit,
     user_global_batch,
     write_artifacts,
 )
+from lightning_distplan.strategies._checkpoint import PLAN_KEY, add_portable_state, stored_plan, stored_plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, accumulation_scheduled, loader_batch_size
 
@@ -102,6 +106,7 @@ class PlanningCallback(Callback):
         self._applied: AppliedPlan | None = None
         self._fit_start: float | None = None
         self._resuming: dict[str, Any] | None = None
+        self._memory_limit: int | None = None  # the device memory the running plan was made for (stored with it)
 
     @property
     def plan(self) -> Plan | None:
@@ -169,14 +174,45 @@ class PlanningCallback(Callback):
                 "the fit runs your loader as it is. Give the DataLoader a batch_size to have it planned."
             )
             return
-        self.outcome, self.alternative = plan_micro_batching(
-            trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats, loader=loader
-        )
+        reused = self._checkpoint_plan(trainer, loader) if self._apply else None
+        if reused is not None:  # DESIGN §3.5: a resumed fit keeps the plan it ran, without profiling again
+            self.outcome, self.alternative = PlanningOutcome(plan=reused, source="checkpoint"), None
+            limit = stored_plan_context(self._resuming or {}).get("memory_limit_bytes")
+            self._memory_limit = limit if isinstance(limit, int) else None
+            rank_zero_info(f"PlanningCallback: resuming with the checkpoint's plan {reused.describe()}; not profiling again.")
+        else:
+            self.outcome, self.alternative = plan_micro_batching(
+                trainer, pl_module, pins=self._pins, device_memory_bytes=self._memory, repeats=self._repeats, loader=loader
+            )
+            hardware = self.outcome.hardware
+            self._memory_limit = None if hardware is None else int(hardware.device_memory_bytes)
         if self._apply:
             self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
             if self._resuming is not None:  # the checkpoint was restored before the plan existed
                 self._applied.rechunk.resumed(self._resuming)
         self._resuming = None
+
+    def _checkpoint_plan(self, trainer: pl.Trainer, loader: Any) -> Plan | None:
+        """The plan stored in the checkpoint this fit resumes from, when it suits this fit (decided on rank 0), else None."""
+        checkpoint = self._resuming
+        stored = None if checkpoint is None else stored_plan(checkpoint)
+        why = None
+        if stored is not None:
+            global_batch = user_global_batch(loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches,
+                                             world_size=trainer.world_size)
+            if stored.strategy != "dp_ga" or stored.dp != trainer.world_size or stored.global_batch_size != global_batch:
+                why = f"it does not fit this run ({trainer.world_size} devices, global batch {global_batch})"
+            elif not satisfies_pins(stored, self._pins):
+                why = f"it does not match the pins {self._pins}"
+            else:
+                why = made_for_another_run(
+                    stored_plan_context(checkpoint), precision=getattr(trainer.strategy.precision_plugin, "precision", None),
+                    memory_bytes=device_memory(self._memory, trainer.strategy.root_device),
+                )
+            why = trainer.strategy.broadcast(why)
+            if why is not None:
+                rank_zero_info(f"PlanningCallback: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
+        return stored if stored is not None and why is None else None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -187,6 +223,11 @@ class PlanningCallback(Callback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._applied is not None:  # the epoch's progress in the user's loader batches, not our micro-batches
             self._applied.rechunk.progress_to_user_units(checkpoint)
+            if self.outcome is not None and PLAN_KEY not in checkpoint:  # the plan that ran, and what it was made for
+                context: dict[str, Any] = {"precision": getattr(trainer.strategy.precision_plugin, "precision", None)}
+                if self._memory_limit is not None:
+                    context["memory_limit_bytes"] = self._memory_limit
+                add_portable_state(checkpoint, plan=self.outcome.plan, optimizer_states_by_name=None, context=context)
 
     @override
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -405,6 +405,28 @@ def check_memory(name: str, value: Any) -> None:
         raise InfeasiblePlanError(f"`{name}` must be a positive number of bytes, got {value!r}.", hint=f"Pass e.g. {name}=8 * 2**30 for 8 GiB.")
 
 
+def made_for_another_run(context: Mapping[str, Any], *, precision: Any, memory_bytes: int | None) -> str | None:
+    """Why a checkpoint's plan, made in ``context`` (its precision and the device memory it had to fit), does not
+    suit a fit in ``precision`` with ``memory_bytes`` of device memory (None: unknown), or None."""
+    was = context.get("precision")
+    if was is not None and precision is not None and str(was) != str(precision):
+        return f"it was made for precision={was!r} and this fit runs {precision!r}"
+    limit = context.get("memory_limit_bytes")
+    # 5%: NVML and torch report one card's memory 0.6% apart (an H100: 85.5 GB against 85.0 GB)
+    if isinstance(limit, int) and memory_bytes is not None and memory_bytes < 0.95 * limit:
+        return f"it was made for {format_bytes(limit)} of device memory and this fit has {format_bytes(memory_bytes)}"
+    return None
+
+
+def device_memory(given: int | None, device: torch.device) -> int | None:
+    """``given``, else a CUDA device's total memory, else None (a CPU fit's limit is what the plan was made for)."""
+    if given is None and device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return given
+
+
 def jsonable_pins(pins: Mapping[str, Any]) -> dict[str, Any]:
     """``pins`` as ``plan.json`` records them (tuples as lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in pins.items()}

@@ -35,13 +35,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import satisfies_pins
@@ -54,9 +52,11 @@ from lightning_distplan.strategies._auto_planning import (
     check_sizes,
     choose_plan,
     ddp_bucket_bytes,
+    device_memory,
     distplan_dir,
     jsonable_pins,
     log_outcome,
+    made_for_another_run,
     pins_from,
     profile_in_fit,
     user_global_batch,
@@ -292,18 +292,10 @@ class AutoPlanStrategy(DDPStrategy):
     # -- planning ------------------------------------------------------------------------------
     def _made_for_another_run(self) -> str | None:
         """Why the checkpoint's plan was made for another run than this one (precision, less device memory), or None."""
-        context = self._checkpoint_context
-        was, now = context.get("precision"), getattr(self.precision_plugin, "precision", None)
-        if was is not None and now is not None and str(was) != str(now):
-            return f"it was made for precision={was!r} and this fit runs {now!r}"
-        limit = context.get("memory_limit_bytes")
-        memory = self._device_memory_bytes
-        if memory is None and self.root_device.type == "cuda":
-            memory = torch.cuda.get_device_properties(self.root_device).total_memory
-        # 5%: NVML and torch report one card's memory 0.6% apart (an H100: 85.5 GB against 85.0 GB)
-        if isinstance(limit, int) and memory is not None and memory < 0.95 * limit:
-            return f"it was made for {format_bytes(limit)} of device memory and this fit has {format_bytes(memory)}"
-        return None
+        return made_for_another_run(
+            self._checkpoint_context, precision=getattr(self.precision_plugin, "precision", None),
+            memory_bytes=device_memory(self._device_memory_bytes, self.root_device),
+        )
 
     def _decide(self, trainer: pl.Trainer) -> PlanningOutcome:
         from lightning_distplan.strategies._auto_planning import check_artifact_dir, fresh_train_loader

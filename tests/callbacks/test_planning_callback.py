@@ -185,15 +185,26 @@ def test_callback_mid_epoch_checkpoint_resumes_at_the_same_place_with_or_without
     every = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, filename="mid")
     L.Trainer(**{**_kwargs(tmp_path, max_steps=3, callbacks=[PlanningCallback(micro_batch_size=4), every]), "enable_checkpointing": True}).fit(Net())
     mid = str(tmp_path / "ck" / "mid.ckpt")
-    assert torch.load(mid, weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 3
+    saved = torch.load(mid, weights_only=False)
+    assert saved["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] == 3
+    # the plan that ran is in the checkpoint (DESIGN §3.5), with what it was made for
+    assert (saved["distplan_plan"]["micro_batch_size"], saved["distplan_plan"]["accumulate_grad_batches"]) == (4, 4)
+    assert saved["distplan_plan_context"]["precision"] == "32-true" and saved["distplan_plan_context"]["memory_limit_bytes"] > 0
     states = []
-    for callbacks in ([PlanningCallback(micro_batch_size=4)], []):
+    for callbacks in ([PlanningCallback(micro_batch_size=4)], [PlanningCallback()], []):
         model = Net()
         trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=1, callbacks=callbacks))
         trainer.fit(model, ckpt_path=mid)
         assert trainer.global_step == 8, callbacks
+        if callbacks:  # resumed with the checkpoint's plan, not profiled and planned again
+            assert callbacks[0].outcome.source == "checkpoint" and callbacks[0].plan.micro_batch_size == 4
         states.append(model.state_dict())
-    torch.testing.assert_close(states[0], states[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(states[0], states[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(states[1], states[2], rtol=1e-5, atol=1e-6)
+    # a pin the checkpoint's plan breaks: planned again
+    other = PlanningCallback(micro_batch_size=2)
+    L.Trainer(**_kwargs(tmp_path, max_epochs=1, callbacks=[other])).fit(Net(), ckpt_path=mid)
+    assert other.outcome.source == "profiled" and other.plan.micro_batch_size == 2
 
 
 def test_callback_apply_false_only_reports(tmp_path: Path) -> None:
