@@ -187,7 +187,7 @@ def _control_group(timeout_s: float) -> Any:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str) -> list[dict[str, Any]]:
+def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str, others: Sequence[int] = ()) -> list[dict[str, Any]]:
     """Every rank's numbers for one plan's run, gathered over ``group`` (:func:`_control_group`).
 
     Raises:
@@ -203,7 +203,7 @@ def _gather_run(obj: dict[str, Any], group: Any, *, timeout_s: float, plan: str)
         raise BenchError(
             f"Plan {plan} did not finish on every rank within {timeout_s:g} s of the others, so the benchmark stops: a rank that "
             "fails alone (e.g. one GPU out of memory first) leaves the others waiting in a collective; each rank's error is above.",
-            hint="Leave this plan out by listing the planner ranks to run with --plans (e.g. --plans 1,2,4), "
+            hint=f"Leave this plan out by listing the planner ranks to run with --plans (e.g. --plans {','.join(map(str, others[:3])) or '1,2,4'}), "
             "or raise --rank-timeout if a rank is only slow (e.g. building a large model).",
         ) from None
 
@@ -470,8 +470,9 @@ def run_bench(
             accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision,
         )
         try:
-            got = combine_ranks(_gather_run(mine, control, timeout_s=rank_timeout_s, plan=f"{plan.describe()} (planner rank {chosen[i].rank})"),
-                                warmup=warmup)
+            others = [c.rank for c in chosen if c.rank != chosen[i].rank]  # what the hint suggests running instead
+            got = combine_ranks(_gather_run(mine, control, timeout_s=rank_timeout_s, plan=f"{plan.describe()} (planner rank {chosen[i].rank})",
+                                            others=others), warmup=warmup)
         except BenchError as err:
             # A rank failed alone and the others wait in a collective: no further plan can run in this group. The
             # group goes (no collective runs after this), and the plans measured so far are the result.

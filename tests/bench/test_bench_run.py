@@ -227,6 +227,7 @@ def test_a_plan_failing_on_one_rank_stops_the_bench_within_the_rank_timeout(tmp_
     errors = [line for line in res.stderr.splitlines() if line.startswith("distplan bench: error:") or "Traceback" in line]
     assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
     assert "did not finish on every rank within 10 s" in errors[0] and "HINT" in errors[0] and "--rank-timeout" in errors[0]
+    assert "(e.g. --plans 1)" in errors[0]  # the other plans run, not the one that failed (it suggested 1,2,4)
     assert "failed on rank 1: OutOfMemoryError: CUDA out of memory (simulated, rank 1 only)" in res.stderr
     assert "STOPPED EARLY: Plan" in res.stdout  # rank 0 reported (rank 1 ended with status 0 so torchrun did not end it first)
     result = json.loads(out.read_text())
