@@ -6,21 +6,28 @@
 
 Each runs through the console script's entry point (``_distplan_cli.main``, what ``distplan`` calls).
 
-Run:  python benchmarks/cli_timings.py   ->  benchmarks/results/cli_timings_<device>.json
+Each command runs ``--runs`` times (default 3; a shared host varies by a third from one run to the
+next: 25.7 s, then 18.7 s for the same profile on an idle machine); the JSON keeps every run and
+the README shows the median and the range.
+
+Run:  python benchmarks/cli_timings.py [--runs 3]   ->  benchmarks/results/cli_timings_<device>.json
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DISTPLAN = [sys.executable, "-c", "import sys, _distplan_cli; sys.exit(_distplan_cli.main())"]
@@ -35,8 +42,8 @@ def _run(args: list[str]) -> tuple[float, str]:
     return wall, done.stdout
 
 
-def main() -> int:
-    load_start = list(os.getloadavg())
+def _once() -> tuple[dict[str, float], dict]:
+    """One run of the three commands: their wall times (and the profiling time the profile command reports), the profile."""
     with tempfile.TemporaryDirectory() as tmp:
         profile = Path(tmp) / "profile.json"
         profile_wall, out = _run([
@@ -51,11 +58,35 @@ def main() -> int:
             "--study-name", "timing", "--format", "json", "--no-progress",
         ])
         plan_wall, _ = _run(["plan", "--profile", str(profile), "--world-size", "8", "--global-batch-size", "256", "--format", "json"])
+    profiling = float(reported.group(1)) if reported else doc.get("profiling_time_s")
+    return {"profile": profile_wall, "profiling": profiling, "tune": tune_wall, "plan": plan_wall}, doc
+
+
+def _stats(values: list[float]) -> dict[str, Any]:
+    return {"runs_s": [round(v, 2) for v in values], "median_s": round(statistics.median(values), 2),
+            "min_s": round(min(values), 2), "max_s": round(max(values), 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Wall time of distplan profile / tune / plan.")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each command (default 3)")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        raise SystemExit(f"cli_timings: --runs must be >= 1, got {args.runs}. HINT: use e.g. --runs 3.")
+    load_start = list(os.getloadavg())
+    runs = []
+    for i in range(args.runs):
+        walls, doc = _once()
+        runs.append(walls)
+        print(f"run {i + 1}/{args.runs}: profile {walls['profile']:.1f} s (profiling {walls['profiling']} s), "
+              f"tune {walls['tune']:.1f} s, plan {walls['plan']:.1f} s", flush=True)
     import torch
+
+    column = {key: [r[key] for r in runs] for key in runs[0]}
 
     result = {
         "benchmark": "cli_timings",
-        "command": "python benchmarks/cli_timings.py",
+        "command": "python benchmarks/cli_timings.py" + (f" --runs {args.runs}" if argv is None and args.runs != 3 else ""),
         "entry_point": "_distplan_cli.main (the distplan console script)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": doc["device"],
@@ -63,21 +94,25 @@ def main() -> int:
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "load_average_at_start": load_start,
         "load_average_at_end": list(os.getloadavg()),
+        "runs": args.runs,
         "profile": {
-            "wall_s": round(profile_wall, 2),
-            "profiling_time_s_reported": float(reported.group(1)) if reported else doc.get("profiling_time_s"),
+            "wall_s": round(statistics.median(column["profile"]), 2),
+            **_stats(column["profile"]),
+            "profiling_time_s_reported": round(statistics.median(column["profiling"]), 2),
+            "profiling_runs_s": column["profiling"],
             "micro_batch_sizes": doc["micro_batch_sizes"],
             "step_fit_r2": {"forward": doc["step"]["forward"]["r2"], "backward": doc["step"]["backward"]["r2"]},
             "target_s": 30.0,
         },
-        "tune_300_trials": {"wall_s": round(tune_wall, 2), "target_s": 30.0},
-        "plan_8_devices": {"wall_s": round(plan_wall, 2)},
+        "tune_300_trials": {"wall_s": round(statistics.median(column["tune"]), 2), **_stats(column["tune"]), "target_s": 30.0},
+        "plan_8_devices": {"wall_s": round(statistics.median(column["plan"]), 2), **_stats(column["plan"])},
     }
     device = doc["device"]["type"]
     out_path = ROOT / "benchmarks" / "results" / f"cli_timings_{device}.json"
     out_path.write_text(json.dumps(result, indent=2))
-    print(f"distplan profile: {profile_wall:.1f} s wall (profiling {result['profile']['profiling_time_s_reported']} s); "
-          f"distplan tune 300 trials: {tune_wall:.1f} s wall; distplan plan: {plan_wall:.1f} s wall -> {out_path}")
+    print(f"medians of {args.runs}: distplan profile {result['profile']['wall_s']:.1f} s wall (profiling "
+          f"{result['profile']['profiling_time_s_reported']} s); distplan tune 300 trials {result['tune_300_trials']['wall_s']:.1f} s; "
+          f"distplan plan {result['plan_8_devices']['wall_s']:.1f} s -> {out_path}")
     return 0
 
 

@@ -16,6 +16,7 @@ import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -96,11 +97,18 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     d = _load("cli_timings_cpu.json")
     if d:
         plan = d.get("plan_8_devices")  # measured since the console script plans without torch / lightning
+        runs = d.get("runs", 1)
+
+        def spread(part: dict[str, Any]) -> str:  # the range of the runs, where several were taken
+            return f" ({part['min_s']:.1f}–{part['max_s']:.1f})" if runs > 1 else ""
+
         out.append((
             "`distplan profile` of the demo Transformer / `distplan tune` 300 trials"
-            + (" / `distplan plan` on 8 devices" if plan else "") + " (whole commands)",
-            f"{d['profile']['wall_s']:.1f} s (profiling {d['profile']['profiling_time_s_reported']:.1f} s) / "
-            f"{d['tune_300_trials']['wall_s']:.1f} s" + (f" / {plan['wall_s']:.1f} s" if plan else "") + "; targets ≤ 30 s / < 30 s",
+            + (" / `distplan plan` on 8 devices" if plan else "") + " (whole commands"
+            + (f"; median of {runs} runs, range in brackets)" if runs > 1 else ")"),
+            f"{d['profile']['wall_s']:.1f} s{spread(d['profile'])} (profiling {d['profile']['profiling_time_s_reported']:.1f} s) / "
+            f"{d['tune_300_trials']['wall_s']:.1f} s{spread(d['tune_300_trials'])}"
+            + (f" / {plan['wall_s']:.1f} s{spread(plan)}" if plan else "") + "; targets ≤ 30 s / < 30 s",
             f"CPU; load {d['load_average_at_start'][0]:.1f} at start", _date(d), "`benchmarks/cli_timings.py`",
         ))
 
