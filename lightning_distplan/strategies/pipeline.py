@@ -950,7 +950,7 @@ class PipelineStrategy(DDPStrategy):
         # Lightning calls zero_grad between training_step and backward: park the new gradients until backward.
         for p, old in zip(params, previous):
             if p.grad is not None:
-                self._parked[p] = p.grad
+                self._parked[p] = _owned(p.grad)
             p.grad = old
         loss = self._global_mean(losses)
         self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=size, sync_dist=False)
@@ -1172,6 +1172,15 @@ def _warn_stage_local_hooks(module: Any, callbacks: Iterable[Any]) -> None:
             "weights read there are that stage's only (Lightning's grad_norm(self) gives the stage's norm). For the whole "
             "model's gradient norm call self.trainer.strategy.grad_norm() on every rank."
         )
+
+
+def _owned(grad: Tensor) -> Tensor:
+    """A copy of ``grad`` in storage of its own. Autograd may keep a parameter's gradient in the storage of the gradient
+    it received (a parameter used as ``x + b.view(1, -1)`` gets the incoming gradient's storage, and ``_is_view()`` does
+    not say so); on a pipeline stage that is the runtime's receive buffer, which the next flush receives into,
+    overwriting the gradients kept for accumulation (up to 0.40 off in a 2-flush test) or zeroed in place. The copy is
+    made one tensor at a time, as the original is let go, so it holds at most one extra tensor."""
+    return grad.clone()
 
 
 def _zero_grad_frees(module: Any, batch_idx: Any) -> bool:
