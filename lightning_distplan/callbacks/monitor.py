@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -68,12 +69,22 @@ def refit_compute_scale(prediction: Any, observed_s: float, current_scale: float
 
 
 def _last_epoch(trainer: pl.Trainer) -> bool:
-    """Whether the fit stops after the epoch now ending (``on_train_epoch_end``: ``current_epoch`` is still its number)."""
+    """Whether the fit stops after the epoch now ending (``current_epoch`` is still its number): ``max_steps`` or
+    ``max_epochs`` reached, or a stop asked for that ``min_epochs`` / ``min_steps`` no longer hold back (as
+    ``_FitLoop._can_stop_early`` decides)."""
+    if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    if trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1:
+        return True
     if trainer.should_stop:
-        return True
-    if trainer.max_steps is not None and trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
-        return True
-    return trainer.max_epochs is not None and trainer.max_epochs >= 0 and trainer.current_epoch + 1 >= trainer.max_epochs
+        loop = trainer.fit_loop
+        return trainer.current_epoch + 1 >= (loop.min_epochs or 0) and trainer.global_step >= (loop.min_steps or 0)
+    return False
+
+
+def _epoch_end_validation(trainer: pl.Trainer) -> bool:
+    """Whether the validation now ending is the one at the end of a training epoch (after its last batch)."""
+    return trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
 class StepTimeMonitor(Callback):
@@ -197,6 +208,10 @@ class StepTimeMonitor(Callback):
         if self._t is not None and self._validation_t is not None:  # validation inside an accumulation: not the step's
             self._t += time.perf_counter() - self._validation_t
         self._validation_t = None
+        if _epoch_end_validation(trainer):
+            # ModelCheckpoint saves here when it saves after validation (val_check_interval < 1, ...), before
+            # on_train_epoch_end: re-plan first, so that the checkpoint where the next epoch starts holds its plan
+            self._replan_at_epoch_end(trainer)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -230,6 +245,9 @@ class StepTimeMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._replan_at_epoch_end(trainer)  # a no-op where the epoch's last validation re-planned already
+
+    def _replan_at_epoch_end(self, trainer: pl.Trainer) -> None:
         if self.replan != "auto" or self._outcome is None:
             return
         # Ranks observe slightly different times: rank 0's view decides, every rank follows.

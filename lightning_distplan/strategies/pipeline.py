@@ -293,7 +293,7 @@ class PipelineStrategy(DDPStrategy):
         self._norm_skip: set[int] = set()
         self._n: int | None = n_microbatches if isinstance(n_microbatches, int) else None
         self._per_replica_batch: int | None = None
-        self._flushes = 1  # flushes per optimizer step: the Trainer's accumulate_grad_batches at the first batch
+        self._flushes = 1  # flushes per optimizer step: the Trainer's accumulate_grad_batches at the last training batch
         self._schedules: dict[tuple, Any] = {}
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
@@ -931,7 +931,7 @@ class PipelineStrategy(DDPStrategy):
                 _check_1f1b(self._n, self.layout.pp)
         if self._per_replica_batch is None:
             self._per_replica_batch = size
-            self._flushes = self.lightning_module.trainer.accumulate_grad_batches
+        self._flushes = self.lightning_module.trainer.accumulate_grad_batches  # a GradientAccumulationScheduler changes it
         schedule = self._schedule_for("train", self._n, batch)
         mb_kwargs = self._prepare(batch, self._n, targets=True, what="per-replica batch")
         losses: list[Tensor] = []

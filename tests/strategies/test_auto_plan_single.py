@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import lightning as L
 import pytest
 import torch
-from _auto_plan_models import ChainMLP, trainer_kwargs
+from _auto_plan_models import ChainMLP, regression_data, trainer_kwargs
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_distplan  # noqa: F401
@@ -172,11 +172,23 @@ class _MonitorsMyMetric(L.Callback):
     monitor = "my_metric"  # a metric a pipeline does not log: this fit runs data parallel only
 
 
-def test_a_replan_is_recorded_where_it_runs_and_only_among_the_strategies_the_fit_allows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forced switch (the re-plan pins micro_batch_size=2) at the end of epoch 0: the epoch-end checkpoint, where
-    epoch 1 starts, records the plan epoch 1 runs; plan.json keeps the pins; the re-plan ranks data parallel only,
-    as the first decision did. The same monitor in a one-epoch fit then starts with no re-plans counted and does not
-    re-plan at the fit's last epoch end."""
+class _Validated(ChainMLP):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(regression_data(16, seed=1), batch_size=8)
+
+
+@pytest.mark.parametrize("validation", [False, True], ids=["no-validation", "validation-twice-an-epoch"])
+def test_a_replan_is_recorded_where_it_runs_and_only_among_the_strategies_the_fit_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, validation: bool
+) -> None:
+    """A forced switch (the re-plan pins micro_batch_size=2) at the end of epoch 0: the checkpoint saved at that
+    epoch's end, where epoch 1 starts, records the plan epoch 1 runs, also where ModelCheckpoint saves after the
+    epoch's last validation (val_check_interval=0.5), before on_train_epoch_end; plan.json keeps the pins; the
+    re-plan ranks data parallel only, as the first decision did. The same monitor in a one-epoch fit then starts with
+    no re-plans counted and does not re-plan at the fit's last epoch end."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import lightning_distplan.strategies._auto_planning as planning
@@ -192,15 +204,17 @@ def test_a_replan_is_recorded_where_it_runs_and_only_among_the_strategies_the_fi
 
     monkeypatch.setattr(planning, "choose_plan", choose)
     monitor = StepTimeMonitor(warmup_steps=1, window=3, max_replans=1)
-    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{epoch}", save_top_k=-1)
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{epoch}-{step}", save_top_k=-1)
+    extra = dict(limit_val_batches=2, val_check_interval=0.5) if validation else {}
     trainer = L.Trainer(**trainer_kwargs(  # m=8 pinned first, so that the forced m=2 is a switch however noisy the profile
         str(tmp_path), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1, micro_batch_size=8), devices=1, max_epochs=2,
-        callbacks=[monitor, checkpoints, _MonitorsMyMetric()], enable_checkpointing=True,
+        callbacks=[monitor, checkpoints, _MonitorsMyMetric()], enable_checkpointing=True, **extra,
     ))
-    trainer.fit(_small(n_samples=80, loader_batch=8, slow_after=3, slow_s=0.04))
+    model_kwargs = dict(width=16, depth=3, n_samples=80, loader_batch=8, dropout=0.0, slow_after=3, slow_s=0.04)
+    trainer.fit(_Validated(**model_kwargs) if validation else ChainMLP(**model_kwargs))
     assert asked == [("dp_ga",)]
     assert [r["applied"] for r in monitor.replans] == [True] and trainer.strategy.plan.micro_batch_size == 2
-    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0.ckpt", weights_only=False)
+    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=10.ckpt", weights_only=False)  # the last of epoch 0
     assert ckpt["distplan_plan"]["micro_batch_size"] == 2  # was the m=8 plan epoch 0 ran
     monitor_state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("StepTimeMonitor"))
     assert monitor_state["plan"] == ckpt["distplan_plan"]
@@ -531,3 +545,25 @@ def test_the_plan_is_priced_with_the_strategys_ddp_bucket_size():
     _, hardware = choose_plan(profile, world_size=2, global_batch_size=8, ddp_bucket_bytes=4 << 20)
     assert hardware.ddp_bucket_bytes == 4 << 20
     assert choose_plan(profile, world_size=2, global_batch_size=8)[1].ddp_bucket_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("state", "last"),
+    [
+        (dict(current_epoch=0, max_epochs=2), False), (dict(current_epoch=1, max_epochs=2), True),
+        (dict(global_step=10, max_steps=10), True), (dict(global_step=9, max_steps=10), False),
+        (dict(should_stop=True), True),
+        (dict(should_stop=True, min_epochs=3), False),  # min_epochs keeps the fit going: Lightning's _can_stop_early
+        (dict(should_stop=True, min_epochs=3, current_epoch=2), True),
+        (dict(should_stop=True, min_steps=20, global_step=10), False),
+    ],
+)
+def test_the_monitor_knows_the_fits_last_epoch(state: dict[str, Any], last: bool) -> None:
+    from types import SimpleNamespace
+
+    from lightning_distplan.callbacks.monitor import _last_epoch
+
+    base = dict(current_epoch=0, max_epochs=5, global_step=3, max_steps=-1, should_stop=False, min_epochs=None, min_steps=None)
+    base.update(state)
+    trainer = SimpleNamespace(**base, fit_loop=SimpleNamespace(min_epochs=base["min_epochs"], min_steps=base["min_steps"]))
+    assert _last_epoch(trainer) is last

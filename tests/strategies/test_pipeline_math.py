@@ -887,6 +887,41 @@ def _gradients_in_receive_buffers(world: int, out: str) -> dict[tuple[bool, int]
     return res
 
 
+class _PlanEachEpoch(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        plan = trainer.strategy.plan
+        self.seen.append((trainer.accumulate_grad_batches, plan.accumulate_grad_batches, plan.global_batch_size))
+
+
+def _flushes_that_change_and_a_resume_under_auto_plan(world: int, out: str) -> dict[str, Any]:
+    """A GradientAccumulationScheduler takes a registered pipeline from 1 to 2 flushes per step in epoch 1; the fit
+    resumed from its checkpoint under auto_plan (same global batch) plans again, since auto_plan runs one flush a step."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    seen = _PlanEachEpoch()
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY])
+    kwargs = {**trainer_kwargs(world, strategy, out, callbacks=[GradientAccumulationScheduler({0: 1, 1: 2}), seen]), "max_steps": -1,
+              "max_epochs": 2}
+    trainer = L.Trainer(**kwargs)
+    trainer.fit(TinyMLP(), DataLoader(mlp_data(32), batch_size=8))
+    ckpt = os.path.join(out, "flushes.ckpt")
+    trainer.save_checkpoint(ckpt)
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    auto = AutoPlanStrategy(profile_repeats=1)
+    resumed = L.Trainer(**{**trainer_kwargs(world, auto, out, accumulate_grad_batches=2), "max_steps": -1, "max_epochs": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit(TinyMLP(), DataLoader(mlp_data(32), batch_size=4), ckpt_path=ckpt)
+    return {"seen": seen.seen, "stored": torch.load(ckpt, weights_only=False)["distplan_plan"], "resumed": resumed.strategy.plan,
+            "resumed_source": auto.outcome.source, "resumed_steps": resumed.global_step}
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     results["shape_inference"] = _shape_inference(world, out)
@@ -915,6 +950,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["bad_losses"] = _losses_the_last_stage_cannot_compute(world, out)
     results["old_grads"] = _old_gradients(world, out)
     results["receive_buffers"] = _gradients_in_receive_buffers(world, out)
+    results["flushes"] = _flushes_that_change_and_a_resume_under_auto_plan(world, out)
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -1382,3 +1418,14 @@ def test_gradients_kept_in_the_pipelines_receive_buffers_are_not_overwritten_by_
     got = results[0]["receive_buffers"]
     for (keep_zeros, accumulate), state in got.items():
         torch.testing.assert_close(state, _view_bias_reference(keep_zeros, accumulate), rtol=1e-5, atol=2e-6, msg=f"{keep_zeros} {accumulate}")
+
+
+def test_the_plan_follows_a_changing_accumulation_and_auto_plan_does_not_resume_a_plan_of_several_flushes(two_rank_run) -> None:
+    _, results = two_rank_run
+    for res in results:
+        got = res["flushes"]
+        # (trainer's accumulation, the plan's flushes, its global batch) at each epoch's end: the plan followed the scheduler
+        assert got["seen"] == [(1, 1, 8), (2, 2, 16)], got["seen"]
+        assert (got["stored"]["accumulate_grad_batches"], got["stored"]["global_batch_size"]) == (2, 16)
+        # auto_plan's global batch is 4 x 2 x 2 = 16 too, but it runs one flush a step: planned again, and trained on
+        assert got["resumed_source"] == "profiled" and got["resumed"].global_batch_size == 16 and got["resumed_steps"] > 6
