@@ -40,8 +40,8 @@ die() { echo "netns_cluster: error: $1${2:+ HINT: $2}" >&2; exit 1; }
 
 check_prefix() {
     # Namespace names become files under /run/netns, interface names are at most 15 characters ("${PREFIX}0v").
-    if ! [[ "$PREFIX" =~ ^[A-Za-z0-9_-]+$ ]]; then
-        die "DISTPLAN_NETNS_PREFIX='$PREFIX' must hold only letters, digits, '_' and '-'." "use e.g. DISTPLAN_NETNS_PREFIX=distplan_n"
+    if ! [[ "$PREFIX" =~ ^[A-Za-z0-9][A-Za-z0-9_-]*$ ]]; then
+        die "DISTPLAN_NETNS_PREFIX='$PREFIX' must start with a letter or digit and hold only letters, digits, '_' and '-'." "use e.g. DISTPLAN_NETNS_PREFIX=distplan_n"
     fi
     if [ ${#PREFIX} -gt 13 ]; then
         die "DISTPLAN_NETNS_PREFIX='$PREFIX' is ${#PREFIX} characters; the interface '${PREFIX}0v' must fit in 15." "use a prefix of 13 characters or fewer"
@@ -73,7 +73,7 @@ check_permitted() {
     ip netns del "$probe" 2>/dev/null || true
 }
 
-ns_exists() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$1"; }
+ns_exists() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx -e "$1"; }
 
 # tc tbf arguments for a rate. The burst is about 1 ms of line time (at least 16 KiB), so the link
 # behaves like a wire of that rate: every message pays bytes/rate. A large bucket is not a wire: a

@@ -137,7 +137,8 @@ def test_bad_arguments_fail_clearly():
     bad = _sh("sideways", check=False)
     assert bad.returncode == 1 and "unknown action" in bad.stderr and "HINT" in bad.stderr
     # a prefix ip cannot use is an error, not "namespaces are not permitted here" (exit 77, which skips the tests)
-    for prefix, why in (("run/x", "must hold only letters, digits"), ("p" * 14, "is 14 characters; the interface")):
+    for prefix, why in (("run/x", "must start with a letter or digit and hold only"), ("-x", "must start with a letter or digit"),
+                        ("p" * 14, "is 14 characters; the interface")):
         res = subprocess.run(["bash", str(SCRIPT), "up"], env={**ENV, "DISTPLAN_NETNS_PREFIX": prefix}, capture_output=True, text=True, timeout=60)
         assert res.returncode == 1 and why in res.stderr and "HINT" in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1

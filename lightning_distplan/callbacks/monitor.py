@@ -23,6 +23,7 @@ applied mid-run (it needs the model re-sharded: resume the last checkpoint with 
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 import time
 from typing import TYPE_CHECKING, Any, Literal, Sequence
@@ -109,8 +110,9 @@ class StepTimeMonitor(Callback):
     ) -> None:
         if replan not in ("off", "auto"):
             raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' or 'off'.")
-        if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 1.0 < threshold < math.inf:
+        if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not 1.0 < threshold < math.inf:
             raise InfeasiblePlanError(f"`threshold` must be a number above 1, got {threshold!r}.", hint="Use e.g. threshold=1.5 (50% off).")
+        threshold = float(threshold)  # a numpy number too
         check_count("warmup_steps", warmup_steps, low=0)
         check_count("window", window)
         check_count("max_replans", max_replans, low=0)
