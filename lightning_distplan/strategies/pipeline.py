@@ -1163,7 +1163,8 @@ _GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
 
 def _warn_stage_local_hooks(module: Any, callbacks: Iterable[Any]) -> None:
     """Warn (rank 0) when the module or a callback defines a hook that reads gradients: it runs in each process on that
-    process's stage only, so a norm it takes there (Lightning's ``grad_norm(self)``) is the stage's."""
+    process's stage only, so a norm it takes there (Lightning's ``grad_norm(self)``) is the stage's. Whether the hook
+    already calls ``strategy.grad_norm()`` cannot be told, so it is warned too; Python shows the warning once per process."""
     where = [f"{type(module).__name__}.{hook}" for hook in _GRADIENT_HOOKS if is_overridden(hook, module)]
     where += [f"{type(cb).__name__}.{hook}" for cb in callbacks for hook in _GRADIENT_HOOKS if is_overridden(hook, cb, parent=Callback)]
     if where:
