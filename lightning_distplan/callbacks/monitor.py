@@ -142,6 +142,7 @@ class StepTimeMonitor(Callback):
         self._validation_t: float | None = None
         self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
         self._strategies: tuple[str, ...] = STRATEGIES
+        self._replannable = True
 
     def attach(
         self,
@@ -152,9 +153,13 @@ class StepTimeMonitor(Callback):
         device_memory_bytes: int | None,
         fit_start: float | None,
         strategies: Sequence[str] = STRATEGIES,
+        replannable: bool = True,
     ) -> None:
-        """Called by ``auto_plan`` once it has decided; ``strategies``: those this fit may run (a re-plan ranks only these)."""
+        """Called by ``auto_plan`` once it has decided (and by ``PlanningCallback``, whose plan the monitor can set
+        beside the steps but not change: ``replannable=False``); ``strategies``: those this fit may run (a re-plan
+        ranks only these)."""
         self._outcome = outcome
+        self._replannable = replannable
         self._strategies = tuple(strategies)
         self._profile = profile
         self._pins = dict(pins)
@@ -181,6 +186,7 @@ class StepTimeMonitor(Callback):
             self._outcome = None
             self._profile = None
             self._predicted = None
+            self._replannable = True
             self.history = []
             self._t = None
             self._last_step = -1
@@ -190,10 +196,10 @@ class StepTimeMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.replan == "auto" and self._outcome is None:
+        if self.replan == "auto" and (self._outcome is None or not self._replannable):
             rank_zero_warn(
                 f"distplan: StepTimeMonitor(replan='auto') re-plans under strategy='auto_plan' only; this fit runs "
-                f"{type(trainer.strategy).__name__}, so the monitor logs the observed step time and does not re-plan."
+                f"{type(trainer.strategy).__name__}, so the monitor logs step times and does not re-plan."
             )
         elif self.replan == "auto" and self._profile is None:
             rank_zero_warn(
@@ -235,7 +241,7 @@ class StepTimeMonitor(Callback):
             pl_module.log("distplan/predicted_step_time_s", self._predicted, on_step=True, on_epoch=False, batch_size=1)
         if len(self.history) > self.warmup_steps:
             self._observed.append(observed)
-        can_replan = self._predicted is not None and self._profile is not None
+        can_replan = self._predicted is not None and self._profile is not None and self._replannable
         if self.replan == "auto" and can_replan and self._pending is None and len(self.replans) < self.max_replans:
             ratio = departure(self._predicted, self._observed, threshold=self.threshold, window=self.window)
             if ratio is not None:

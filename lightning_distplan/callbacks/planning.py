@@ -188,6 +188,12 @@ class PlanningCallback(Callback):
             self._memory_limit = None if hardware is None else int(hardware.device_memory_bytes)
         if self._apply:
             self._applied = apply_dp_ga_plan(trainer, self.outcome.plan)
+            from lightning_distplan.callbacks.monitor import StepTimeMonitor
+
+            for monitor in (cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)):
+                # the steps set beside the plan's prediction (no fit_start: this callback reports its own overhead)
+                monitor.attach(outcome=self.outcome, profile=None, pins=self._pins, device_memory_bytes=self._memory, fit_start=None,
+                               replannable=False)
             if self._resuming is not None:  # the checkpoint was restored before the plan existed
                 self._applied.rechunk.resumed(self._resuming)
         self._resuming = None

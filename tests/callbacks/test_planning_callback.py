@@ -207,6 +207,22 @@ def test_callback_mid_epoch_checkpoint_resumes_at_the_same_place_with_or_without
     assert other.outcome.source == "profiled" and other.plan.micro_batch_size == 2
 
 
+def test_a_step_time_monitor_beside_the_callback_sets_the_steps_beside_its_prediction(tmp_path: Path) -> None:
+    """The callback's plan comes with a prediction: a StepTimeMonitor logs it beside the observed steps (it logged the
+    observed time only), and says that it re-plans under auto_plan only."""
+    import warnings
+
+    callback, monitor = PlanningCallback(micro_batch_size=4), StepTimeMonitor(replan="auto", warmup_steps=0)
+    trainer = L.Trainer(**_kwargs(tmp_path, max_steps=3, callbacks=[callback, monitor]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Net())
+    predicted = callback.outcome.prediction.step_time_s
+    assert [h["predicted_s"] for h in monitor.history] == [predicted] * 3 and monitor.replans == []
+    assert trainer.logged_metrics["distplan/predicted_step_time_s"] == pytest.approx(predicted)
+    assert [w for w in caught if "re-plans under strategy='auto_plan' only" in str(w.message)]
+
+
 def test_callback_apply_false_only_reports(tmp_path: Path) -> None:
     model = Net(loader_batch=16)
     callback, sizes = PlanningCallback(micro_batch_size=2, apply=False), Sizes()

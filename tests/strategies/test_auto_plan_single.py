@@ -301,7 +301,7 @@ def test_a_monitor_asked_to_replan_without_auto_plan_says_it_will_not(tmp_path: 
         trainer.fit(BoringModel())
     assert [str(w.message) for w in caught if "StepTimeMonitor(replan='auto')" in str(w.message)] == [
         "distplan: StepTimeMonitor(replan='auto') re-plans under strategy='auto_plan' only; this fit runs SingleDeviceStrategy, "
-        "so the monitor logs the observed step time and does not re-plan."]
+        "so the monitor logs step times and does not re-plan."]
 
 
 def test_profile_in_fit_leaves_counters_rng_and_weights(tmp_path: Path) -> None:
