@@ -26,7 +26,6 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
-from lightning_distplan.planner import satisfies_pins
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_artifact_dir,
@@ -43,6 +42,7 @@ from lightning_distplan.strategies._auto_planning import (
     made_for_another_run,
     pins_from,
     profile_in_fit,
+    unsuited_plan,
     user_global_batch,
     write_artifacts,
 )
@@ -206,11 +206,10 @@ class PlanningCallback(Callback):
         if stored is not None:
             global_batch = user_global_batch(loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches,
                                              world_size=trainer.world_size)
-            if stored.strategy != "dp_ga" or stored.dp != trainer.world_size or stored.global_batch_size != global_batch:
+            why = unsuited_plan(stored, strategies=("dp_ga",), pins=self._pins)
+            if why is None and (stored.dp != trainer.world_size or stored.global_batch_size != global_batch):
                 why = f"it does not fit this run ({trainer.world_size} devices, global batch {global_batch})"
-            elif not satisfies_pins(stored, self._pins):
-                why = f"it does not match the pins {self._pins}"
-            else:
+            if why is None:
                 why = made_for_another_run(
                     stored_plan_context(checkpoint), precision=getattr(trainer.strategy.precision_plugin, "precision", None),
                     memory_bytes=device_memory(self._memory, trainer.strategy.root_device),

@@ -27,7 +27,7 @@ from lightning_distplan.costmodel import Hardware
 from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError, OutputPathError
 from lightning_distplan.plan import STRATEGIES, Plan
-from lightning_distplan.planner import Candidate, explain, rank_plans
+from lightning_distplan.planner import Candidate, explain, rank_plans, satisfies_pins
 from lightning_distplan.profile import unsplittable
 
 if TYPE_CHECKING:
@@ -403,6 +403,18 @@ def check_memory(name: str, value: Any) -> None:
     """Refuse a device memory that is not None or a positive number of bytes, in one sentence with a HINT."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise InfeasiblePlanError(f"`{name}` must be a positive number of bytes, got {value!r}.", hint=f"Pass e.g. {name}=8 * 2**30 for 8 GiB.")
+
+
+def unsuited_plan(stored: Plan, *, strategies: Sequence[str], pins: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint's plan cannot run in a fit that allows ``strategies`` under ``pins``, or None (the parts that
+    do not depend on the run's size: see :func:`made_for_another_run` and the world size / global batch)."""
+    if stored.strategy != "dp_ga" and stored.accumulate_grad_batches > 1:  # a registered pipeline under accumulation wrote it
+        return f"it runs {stored.accumulate_grad_batches} pipeline flushes per optimizer step, and a plan made here runs one"
+    if stored.strategy not in strategies:
+        return f"this fit allows {', '.join(strategies)} only"
+    if not satisfies_pins(stored, dict(pins)):
+        return f"it does not match the pins {dict(pins)}"
+    return None
 
 
 def made_for_another_run(context: Mapping[str, Any], *, precision: Any, memory_bytes: int | None) -> str | None:

@@ -42,7 +42,6 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
-from lightning_distplan.planner import satisfies_pins
 from lightning_distplan.profile import unsplittable
 from lightning_distplan.strategies._auto_concrete import build_concrete
 from lightning_distplan.strategies._auto_planning import (
@@ -59,6 +58,7 @@ from lightning_distplan.strategies._auto_planning import (
     made_for_another_run,
     pins_from,
     profile_in_fit,
+    unsuited_plan,
     user_global_batch,
     write_artifacts,
 )
@@ -306,14 +306,7 @@ class AutoPlanStrategy(DDPStrategy):
         check_artifact_dir(trainer, "auto_plan")
         stored = self._checkpoint_plan
         strategies = self._strategies = self._strategies_allowed(trainer)
-        flushes = stored is not None and stored.strategy != "dp_ga" and stored.accumulate_grad_batches > 1
-        if stored is not None and (stored.strategy not in strategies or not satisfies_pins(stored, self._pins) or flushes):
-            if flushes:  # a registered pipeline under Trainer(accumulate_grad_batches=k) wrote it; auto_plan runs one flush a step
-                why = f"it runs {stored.accumulate_grad_batches} pipeline flushes per optimizer step, and auto_plan plans one"
-            elif stored.strategy not in strategies:
-                why = f"this fit allows {', '.join(strategies)} only"
-            else:
-                why = f"it does not match the pins {self._pins}"
+        if stored is not None and (why := unsuited_plan(stored, strategies=strategies, pins=self._pins)):
             rank_zero_info(f"auto_plan: not resuming with the checkpoint's plan {stored.describe()}: {why}; profiling and planning again.")
             stored = None
         # decided on rank 0 for all: a rank that re-profiled while another reused the plan would wait in a collective

@@ -66,6 +66,7 @@ from typing_extensions import override
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, slice_samples
+from lightning_distplan.strategies._auto_planning import check_count
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
     add_portable_state,
@@ -122,9 +123,8 @@ class DPGAStrategy(DDPStrategy):
     ) -> None:
         check_ddp_kwargs(ddp_kwargs, type(self).__name__)
         super().__init__(**ddp_kwargs)
-        for name, value in (("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches)):
-            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise InfeasiblePlanError(f"`{name}` must be a positive integer or 'auto', got {value!r}.", hint=f"Pass e.g. {name}=4.")
+        check_count("micro_batch_size", micro_batch_size, auto=True)
+        check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
         if plan is not None and plan.strategy != "dp_ga":
             raise InfeasiblePlanError(
                 f"DPGAStrategy runs dp_ga plans, got a {plan.strategy} plan ({plan.describe()}).",

@@ -1165,8 +1165,7 @@ def _warn_stage_local_hooks(module: Any, callbacks: Iterable[Any]) -> None:
     """Warn (rank 0) when the module or a callback defines a hook that reads gradients: it runs in each process on that
     process's stage only, so a norm it takes there (Lightning's ``grad_norm(self)``) is the stage's. Whether the hook
     already calls ``strategy.grad_norm()`` cannot be told, so it is warned too; Python shows the warning once per process."""
-    where = [f"{type(module).__name__}.{hook}" for hook in _GRADIENT_HOOKS if is_overridden(hook, module)]
-    where += [f"{type(cb).__name__}.{hook}" for cb in callbacks for hook in _GRADIENT_HOOKS if is_overridden(hook, cb, parent=Callback)]
+    where = _hooks_defined(module, callbacks, _GRADIENT_HOOKS)
     if where:
         rank_zero_warn(
             f"PipelineStrategy: {', '.join(where)} run(s) in each process on its own pipeline stage, so the gradients and "
@@ -1196,11 +1195,15 @@ def _zero_grad_frees(module: Any, batch_idx: Any) -> bool:
     trainer = module._trainer if module is not None else None
     if trainer is None or not isinstance(batch_idx, int) or batch_idx % trainer.accumulate_grad_batches != 0:
         return False
-    if is_overridden("optimizer_zero_grad", module) or is_overridden("on_before_zero_grad", module):
-        return False
-    if any(is_overridden("on_before_zero_grad", cb, parent=Callback) for cb in trainer.callbacks):
+    if is_overridden("optimizer_zero_grad", module) or _hooks_defined(module, trainer.callbacks, ("on_before_zero_grad",)):
         return False
     return all(type(opt).zero_grad is Optimizer.zero_grad for opt in trainer.optimizers)
+
+
+def _hooks_defined(module: Any, callbacks: Iterable[Any], hooks: Sequence[str]) -> list[str]:
+    """``"Class.hook"`` for each of ``hooks`` that the LightningModule or a callback defines."""
+    where = [f"{type(module).__name__}.{hook}" for hook in hooks if is_overridden(hook, module)]
+    return where + [f"{type(cb).__name__}.{hook}" for cb in callbacks for hook in hooks if is_overridden(hook, cb, parent=Callback)]
 
 
 def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], group: Any, *, divide_by: int) -> None:
