@@ -12,6 +12,7 @@ store it. Every plan factors the user's global batch exactly (DESIGN §3.1):
 from __future__ import annotations
 
 import json
+import numbers
 import operator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -32,6 +33,13 @@ def whole_indices(value: object) -> tuple[int, ...] | None:
         return None
     whole = tuple(_whole(b) for b in value)  # type: ignore[attr-defined]
     return None if None in whole else whole  # type: ignore[return-value]
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as an int when it is an integer (a Python or numpy integer, not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return operator.index(value)
 
 
 def _whole(value: object) -> int | None:
@@ -83,9 +91,10 @@ class Plan:
                 f"Unknown strategy {self.strategy!r}.", hint=f"Use one of {', '.join(STRATEGIES)}."
             )
         for name in ("global_batch_size", "micro_batch_size", "dp", "pp", "accumulate_grad_batches", "n_microbatches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InfeasiblePlanError(f"`{name}` must be a positive integer, got {value!r}.", hint="Check the plan.")
+            value = as_int(getattr(self, name))
+            if value is None or value < 1:
+                raise InfeasiblePlanError(f"`{name}` must be a positive integer, got {getattr(self, name)!r}.", hint="Check the plan.")
+            object.__setattr__(self, name, value)  # a numpy integer as a Python one (plan.json, checkpoints)
         boundaries = self.stage_boundaries
         whole = whole_indices(boundaries)
         if whole is None:

@@ -100,3 +100,13 @@ def test_whole_numbers_of_any_integer_type_are_boundaries():
 def test_plan_json_text_that_is_not_an_object_is_not_taken_for_a_path():
     with pytest.raises(ProfileFormatError, match="must be a JSON object, got list"):
         Plan.from_json("[1]")
+
+
+def test_numpy_integers_become_python_ints():
+    """Counts computed with numpy are taken, and stored as Python ints (plan.json, checkpoints, equality)."""
+    np = pytest.importorskip("numpy")
+    plan = Plan(**{**PIPE, "dp": np.int64(2), "micro_batch_size": np.int32(2), "global_batch_size": np.int64(16), "stage_boundaries": [np.int64(3)]})
+    assert plan == Plan(**PIPE) and all(type(v) is int for v in (plan.dp, plan.micro_batch_size, plan.global_batch_size, *plan.stage_boundaries))
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(InfeasiblePlanError, match=r"`dp` must be a positive integer, got np.float64\(2.0\)"):
+        Plan(**{**PIPE, "dp": np.float64(2)})

@@ -113,9 +113,9 @@ class StepTimeMonitor(Callback):
         if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not 1.0 < threshold < math.inf:
             raise InfeasiblePlanError(f"`threshold` must be a number above 1, got {threshold!r}.", hint="Use e.g. threshold=1.5 (50% off).")
         threshold = float(threshold)  # a numpy number too
-        check_count("warmup_steps", warmup_steps, low=0)
-        check_count("window", window)
-        check_count("max_replans", max_replans, low=0)
+        warmup_steps = check_count("warmup_steps", warmup_steps, low=0)
+        window = check_count("window", window)
+        max_replans = check_count("max_replans", max_replans, low=0)
         self.replan = replan
         self.warmup_steps = warmup_steps
         self.window = window

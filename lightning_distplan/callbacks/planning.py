@@ -87,10 +87,10 @@ class PlanningCallback(Callback):
         profile_repeats: int = 1,
         apply: bool = True,
     ) -> None:
-        check_count("micro_batch_size", micro_batch_size, auto=True)
-        check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
-        check_count("profile_repeats", profile_repeats)
-        check_memory("device_memory_bytes", device_memory_bytes)
+        micro_batch_size = check_count("micro_batch_size", micro_batch_size, auto=True)
+        accumulate_grad_batches = check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
+        profile_repeats = check_count("profile_repeats", profile_repeats)
+        device_memory_bytes = check_memory("device_memory_bytes", device_memory_bytes)
         if not isinstance(apply, bool):
             raise InfeasiblePlanError(f"`apply` must be True or False, got {apply!r}.", hint="Pass apply=False to only report the plan.")
         self._pins = pins_from(micro_batch_size=micro_batch_size, accumulate_grad_batches=accumulate_grad_batches)

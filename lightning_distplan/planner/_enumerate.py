@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
-from lightning_distplan.plan import STRATEGIES, Plan, whole_indices
+from lightning_distplan.plan import STRATEGIES, Plan, as_int, whole_indices
 from lightning_distplan.profile import unsplittable
 
 if TYPE_CHECKING:
@@ -41,19 +41,23 @@ def _divisors(x: int) -> list[int]:
     return sorted({*small, *(x // d for d in small)})
 
 
-def _check_sizes(world_size: Any, global_batch_size: Any) -> None:
-    for name, value in (("world_size", world_size), ("global_batch_size", global_batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def _check_sizes(world_size: Any, global_batch_size: Any) -> tuple[int, int]:
+    """The world size and global batch as Python ints (numpy integers taken), or refused in one sentence."""
+    checked = []
+    for name, value, limit in (("world_size", world_size, MAX_WORLD_SIZE), ("global_batch_size", global_batch_size, MAX_GLOBAL_BATCH)):
+        count = as_int(value)
+        if count is None or count < 1:
             raise InfeasiblePlanError(
                 f"`{name}` must be a positive integer, got {value!r}.",
                 hint="Pass the number of devices (--world-size) and the samples per optimizer step (--global-batch-size), both >= 1.",
             )
-    for name, value, limit in (("world_size", world_size, MAX_WORLD_SIZE), ("global_batch_size", global_batch_size, MAX_GLOBAL_BATCH)):
-        if value > limit:
+        if count > limit:
             raise InfeasiblePlanError(
-                f"`{name}` {value} is above the {limit} this planner handles.",
+                f"`{name}` {count} is above the {limit} this planner handles.",
                 hint="Check the number: it counts devices (--world-size) and samples per optimizer step (--global-batch-size).",
             )
+        checked.append(count)
+    return checked[0], checked[1]
 
 
 def _check_strategies(strategies: Iterable[str]) -> tuple[str, ...]:
@@ -64,9 +68,13 @@ def _check_strategies(strategies: Iterable[str]) -> tuple[str, ...]:
     return chosen
 
 
-def _check_max_pp(max_pp: Any) -> None:
-    if max_pp is not None and (not isinstance(max_pp, int) or isinstance(max_pp, bool) or max_pp < 1):
+def _check_max_pp(max_pp: Any) -> int | None:
+    if max_pp is None:
+        return None
+    count = as_int(max_pp)
+    if count is None or count < 1:
         raise InfeasiblePlanError(f"`max_pp` must be a positive integer or None, got {max_pp!r}.", hint="Pass e.g. --max-pp 4, or leave it out.")
+    return count
 
 
 def _no_pipeline_reason(profile: Profile, world_size: int, max_pp: int | None) -> str | None:
@@ -209,6 +217,8 @@ def _normalise_pins(pins: dict[str, Any] | None) -> dict[str, Any]:
     for key in ("dp", "pp", "micro_batch_size", "accumulate_grad_batches", "n_microbatches"):
         if isinstance(out.get(key), bool):  # True == 1: a flag given where a count belongs
             raise InfeasiblePlanError(f"The pin {names[key]}={out[key]!r} is not a count.", hint=f"Pin {names[key]} to a positive integer.")
+        if key in out and (count := as_int(out[key])) is not None:
+            out[key] = count  # a numpy integer as a Python one
     if "stage_boundaries" in out:
         whole = whole_indices(out["stage_boundaries"])
         if whole is None:
@@ -350,9 +360,9 @@ def enumerate_plans(
             pipelines are allowed and none can exist on ``world_size`` devices (says why: the model cannot
             be split, more stages than layers, a single device).
     """
-    _check_sizes(world_size, global_batch_size)
+    world_size, global_batch_size = _check_sizes(world_size, global_batch_size)
     strategies = _check_strategies(strategies)
-    _check_max_pp(max_pp)
+    max_pp = _check_max_pp(max_pp)
     names = _pin_names(pins)
     pins = _normalise_pins(pins)
     plans = _raw_plans(profile, world_size, global_batch_size, strategies, max_pp)

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -26,7 +26,7 @@ from lightning_distplan._files import write_text_atomic
 from lightning_distplan.costmodel import Hardware
 from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError, OutputPathError
-from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.plan import STRATEGIES, Plan, as_int
 from lightning_distplan.planner import Candidate, explain, rank_plans, satisfies_pins
 from lightning_distplan.profile import unsplittable
 
@@ -378,31 +378,37 @@ def pins_from(**values: Any) -> dict[str, Any]:
     return pins
 
 
-def check_count(name: str, value: Any, *, auto: bool = False, low: int = 1) -> None:
-    """Refuse ``value`` unless it is an int ``>= low`` (or ``"auto"`` where ``auto``), in one sentence with a HINT."""
+def check_count(name: str, value: Any, *, auto: bool = False, low: int = 1) -> Any:
+    """``value`` as an int ``>= low`` (a numpy integer taken; or ``"auto"`` where ``auto``), or refused in one sentence
+    with a HINT."""
     if auto and isinstance(value, str) and value == "auto":
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        return value
+    count = as_int(value)
+    if count is None or count < low:
         what = ("a positive integer" if low == 1 else f"an integer >= {low}") + (" or 'auto'" if auto else "")
         example = f"{name}={max(low, 2)}" + (" or leave it 'auto'" if auto else "")
         raise InfeasiblePlanError(f"`{name}` must be {what}, got {value!r}.", hint=f"Pass e.g. {example}.")
+    return count
 
 
 def check_sizes(name: str, value: Any) -> list[int] | None:
-    """``value`` (None, or a list of positive micro-batch sizes) as a list, or refused in one sentence with a HINT."""
+    """``value`` (None, or a list of positive micro-batch sizes) as a list of ints, or refused in one sentence with a HINT."""
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or any(
-        not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value
-    ):
+    sizes = None if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable) else [as_int(v) for v in value]
+    if not sizes or any(v is None or v < 1 for v in sizes):
         raise InfeasiblePlanError(f"`{name}` must be a list of positive micro-batch sizes, got {value!r}.", hint=f"Pass e.g. {name}=[2, 4, 8].")
-    return list(value)
+    return sizes  # type: ignore[return-value]
 
 
-def check_memory(name: str, value: Any) -> None:
-    """Refuse a device memory that is not None or a positive number of bytes, in one sentence with a HINT."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+def check_memory(name: str, value: Any) -> int | None:
+    """``value`` as a positive number of bytes (an int, numpy integers taken) or None, or refused in one sentence with a HINT."""
+    if value is None:
+        return None
+    count = as_int(value)
+    if count is None or count <= 0:
         raise InfeasiblePlanError(f"`{name}` must be a positive number of bytes, got {value!r}.", hint=f"Pass e.g. {name}=8 * 2**30 for 8 GiB.")
+    return count
 
 
 def unsuited_plan(stored: Plan, *, strategies: Sequence[str], pins: Mapping[str, Any]) -> str | None:

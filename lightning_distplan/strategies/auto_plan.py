@@ -32,7 +32,7 @@ the two depart.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
-from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.plan import STRATEGIES, Plan, as_int
 from lightning_distplan.profile import unsplittable
 from lightning_distplan.strategies._auto_concrete import build_concrete
 from lightning_distplan.strategies._auto_planning import (
@@ -147,24 +147,25 @@ class AutoPlanStrategy(DDPStrategy):
             raise InfeasiblePlanError(f"Unknown strategy {strategy!r}.", hint=f"Use 'auto' or one of {', '.join(STRATEGIES)}.")
         if schedule not in ("auto", "none", "gpipe", "1f1b"):
             raise InfeasiblePlanError(f"Unknown schedule {schedule!r}.", hint="Use 'auto', 'none', 'gpipe' or '1f1b'.")
-        for name, value in (
-            ("stages", stages), ("micro_batch_size", micro_batch_size), ("accumulate_grad_batches", accumulate_grad_batches),
-            ("n_microbatches", n_microbatches), ("global_batch_size", global_batch_size),
-        ):
-            check_count(name, value, auto=True)
-        check_count("profile_repeats", profile_repeats)
+        stages = check_count("stages", stages, auto=True)
+        micro_batch_size = check_count("micro_batch_size", micro_batch_size, auto=True)
+        accumulate_grad_batches = check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
+        n_microbatches = check_count("n_microbatches", n_microbatches, auto=True)
+        global_batch_size = check_count("global_batch_size", global_batch_size, auto=True)
+        profile_repeats = check_count("profile_repeats", profile_repeats)
         profile_sizes = check_sizes("profile_micro_batch_sizes", profile_micro_batch_sizes)
-        check_memory("device_memory_bytes", device_memory_bytes)
+        device_memory_bytes = check_memory("device_memory_bytes", device_memory_bytes)
         if strategy != "auto" and schedule != "auto" and schedule != ("none" if strategy == "dp_ga" else strategy):
             raise InfeasiblePlanError(
                 f"strategy={strategy!r} contradicts schedule={schedule!r}.",
                 hint="Pin one of them: strategy='dp_ga' is schedule='none', strategy='gpipe' / '1f1b' the schedule of that name.",
             )
+        boundaries = (
+            None if isinstance(stage_boundaries, (str, bytes, Mapping)) or not isinstance(stage_boundaries, Iterable)
+            else [as_int(b) for b in stage_boundaries]
+        )
         if stage_boundaries != "auto" and (
-            isinstance(stage_boundaries, (str, bytes))
-            or not isinstance(stage_boundaries, Sequence)
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in stage_boundaries)
-            or list(stage_boundaries) != sorted(set(stage_boundaries))
+            boundaries is None or any(b is None or b < 1 for b in boundaries) or boundaries != sorted(set(boundaries))
         ):
             raise InfeasiblePlanError(
                 f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {stage_boundaries!r}.",
@@ -177,7 +178,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._pins = pins_from(
             strategy=strategy, schedule=schedule, stages=stages, micro_batch_size=micro_batch_size,
             accumulate_grad_batches=accumulate_grad_batches, n_microbatches=n_microbatches,
-            stage_boundaries=None if stage_boundaries == "auto" else stage_boundaries,
+            stage_boundaries=None if stage_boundaries == "auto" else boundaries,
         )
         self._global_batch_arg = None if global_batch_size == "auto" else global_batch_size
         self._device_memory_bytes = device_memory_bytes

@@ -123,8 +123,8 @@ class DPGAStrategy(DDPStrategy):
     ) -> None:
         check_ddp_kwargs(ddp_kwargs, type(self).__name__)
         super().__init__(**ddp_kwargs)
-        check_count("micro_batch_size", micro_batch_size, auto=True)
-        check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
+        micro_batch_size = check_count("micro_batch_size", micro_batch_size, auto=True)
+        accumulate_grad_batches = check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
         if plan is not None and plan.strategy != "dp_ga":
             raise InfeasiblePlanError(
                 f"DPGAStrategy runs dp_ga plans, got a {plan.strategy} plan ({plan.describe()}).",

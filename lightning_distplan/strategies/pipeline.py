@@ -81,7 +81,7 @@ from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
-from lightning_distplan.plan import Plan
+from lightning_distplan.plan import Plan, as_int
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
@@ -255,9 +255,13 @@ class PipelineStrategy(DDPStrategy):
         )
         if schedule not in ("auto", *_SCHEDULES):
             raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
+        counts = []
         for name, value, low in (("n_microbatches", n_microbatches, 1), ("stages", stages, 2)):
-            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            count = value if isinstance(value, str) and value == "auto" else as_int(value)
+            if count is None or (count != "auto" and count < low):
                 raise InfeasiblePlanError(f"`{name}` must be 'auto' or an integer >= {low}, got {value!r}.", hint=f"Pass {name}='auto'.")
+            counts.append(count)
+        n_microbatches, stages = counts
         if plan is not None:
             if plan.strategy not in _SCHEDULES:
                 raise InfeasiblePlanError(

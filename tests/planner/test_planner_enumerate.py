@@ -249,3 +249,10 @@ def test_nearest_valid_batch_sizes_equal_a_scan_and_stay_fast_on_huge_worlds():
     huge = dataclasses.replace(prof(n_layers=8), rejected_micro_batch_sizes=(1, 2, 3))
     assert nearest_valid_batch_sizes(huge, world_size=65521, global_batch_size=1000) == (None, 4 * 65521)
     assert nearest_valid_batch_sizes(huge, world_size=60000, global_batch_size=70001, strategies=("dp_ga",)) == (None, 240000)
+
+
+def test_numpy_sizes_and_pins_plan_as_python_ints():
+    np = pytest.importorskip("numpy")
+    plans = enumerate_plans(prof(), world_size=np.int64(4), global_batch_size=np.int64(32), max_pp=np.int32(2), pins={"micro_batch_size": np.int64(4)})
+    assert plans == enumerate_plans(prof(), world_size=4, global_batch_size=32, max_pp=2, pins={"micro_batch_size": 4})
+    assert plans and all(p.micro_batch_size == 4 and type(p.global_batch_size) is int for p in plans)

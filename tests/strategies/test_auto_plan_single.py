@@ -78,6 +78,23 @@ def test_given_global_batch_size(tmp_path: Path, global_batch: int, m: int, s: i
     assert trainer.accumulate_grad_batches == 1
 
 
+def test_numpy_integers_are_taken_as_counts_and_written_as_json_numbers(tmp_path: Path) -> None:
+    """Sizes computed with numpy (np.int64, an array of sizes) plan as Python ints would, and plan.json stays JSON."""
+    import numpy as np
+
+    strategy = AutoPlanStrategy(
+        global_batch_size=np.int64(32), micro_batch_size=np.int64(8), profile_micro_batch_sizes=np.array([4, 8]),
+        device_memory_bytes=np.int64(2**34), profile_repeats=np.int32(1),
+    )
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=1))
+    trainer.fit(_small(n_samples=128))
+    plan = trainer.strategy.plan
+    assert (plan.global_batch_size, plan.micro_batch_size, plan.accumulate_grad_batches) == (32, 8, 4)
+    assert all(type(getattr(plan, k)) is int for k in ("global_batch_size", "micro_batch_size", "accumulate_grad_batches"))
+    written = json.loads((tmp_path / "distplan" / "plan.json").read_text())
+    assert written["pins"] == {"micro_batch_size": 8} and written["plan"]["global_batch_size"] == 32
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
