@@ -23,7 +23,8 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["stage_order", "stage_program", "schedule_time"]
 
@@ -66,46 +67,53 @@ def stage_program(strategy: str, n: int, p: int, k: int) -> list[tuple]:
         [('post', [('recv', ('F', 0, 0))]), ('wait', [('recv', ('F', 0, 0))]), ('run', 'F', 0), ('run', 'B', 0), ('post', [('send', ('B', 0, 0))]), ('wait', [('send', ('B', 0, 0))])]
     """
 
-    def fwd_recv(i: int) -> list[Op]:
-        return [("recv", ("F", i, k - 1))] if k > 0 else []
+    return _program(strategy, n, p, k, lambda kind, message: (kind, message), lambda pass_, i: ("run", pass_, i), "post", "wait")
 
-    def fwd_send(i: int) -> list[Op]:
-        return [("send", ("F", i, k))] if k < p - 1 else []
 
-    def bwd_recv(i: int) -> list[Op]:
-        return [("recv", ("B", i, k))] if k < p - 1 else []
+def _program(strategy: str, n: int, p: int, k: int, op: Callable, run: Callable, post_step: Any, wait_step: Any) -> list[tuple]:
+    """:func:`stage_program` with its ops made by ``op(kind, message)``, its computations by ``run(pass, i)`` and
+    its posts and waits tagged ``post_step`` / ``wait_step`` (:func:`_compiled_programs` makes integers)."""
 
-    def bwd_send(i: int) -> list[Op]:
-        return [("send", ("B", i, k - 1))] if k > 0 else []
+    def fwd_recv(i: int) -> list:
+        return [op("recv", ("F", i, k - 1))] if k > 0 else []
+
+    def fwd_send(i: int) -> list:
+        return [op("send", ("F", i, k))] if k < p - 1 else []
+
+    def bwd_recv(i: int) -> list:
+        return [op("recv", ("B", i, k))] if k < p - 1 else []
+
+    def bwd_send(i: int) -> list:
+        return [op("send", ("B", i, k - 1))] if k > 0 else []
 
     program: list[tuple] = []
 
-    def post_wait(ops: list[Op]) -> None:
+    def post_wait(ops: list) -> None:
         if ops:
-            program.extend([("post", ops), ("wait", ops)])
+            program.extend([(post_step, ops), (wait_step, ops)])
 
-    def post(ops: list[Op]) -> None:
+    def post(ops: list) -> None:
         if ops:
-            program.append(("post", ops))
+            program.append((post_step, ops))
 
-    def wait(ops: list[Op]) -> None:
+    def wait(ops: list) -> None:
         if ops:
-            program.append(("wait", ops))
+            program.append((wait_step, ops))
 
     if strategy == "gpipe":
-        for run, recv, send in (("F", fwd_recv, fwd_send), ("B", bwd_recv, bwd_send)):
+        for pass_, recv, send in (("F", fwd_recv, fwd_send), ("B", bwd_recv, bwd_send)):
             for i in range(n):
                 post_wait(recv(i))
-                program.append(("run", run, i))
+                program.append(run(pass_, i))
                 post(send(i))
             for i in range(n):  # the pass's sends, waited one by one at its end
                 wait(send(i))
         return program
     warmup = min(n, p - k)
-    in_flight: list[Op] = []
+    in_flight: list = []
     for i in range(warmup):
         post_wait(fwd_recv(i))
-        program.append(("run", "F", i))
+        program.append(run("F", i))
         wait(in_flight)
         in_flight = []
         if i != warmup - 1:
@@ -114,18 +122,18 @@ def stage_program(strategy: str, n: int, p: int, k: int) -> list[tuple]:
     forwards, pending = warmup, fwd_send(warmup - 1)
     for b in range(n):
         post_wait(pending + bwd_recv(b))
-        program.append(("run", "B", b))
+        program.append(run("B", b))
         pending = bwd_send(b)
         if forwards == n:
             break
         post_wait(pending + fwd_recv(forwards))
-        program.append(("run", "F", forwards))
+        program.append(run("F", forwards))
         pending = fwd_send(forwards)
         forwards += 1
     post(pending)
     for b in range(b + 1, n):
         post_wait(bwd_recv(b))
-        program.append(("run", "B", b))
+        program.append(run("B", b))
         wait(pending)
         pending = bwd_send(b)
         post(pending)
@@ -217,15 +225,14 @@ def _compiled_programs(strategy: str, n: int, p: int) -> tuple[tuple[tuple[int, 
     (wait). A message ``(kind, i, b)`` is ``2·(i·(p − 1) + b) + (kind == "B")``; an op is
     ``2·message + (op is a recv)``. Plans that differ only in their micro-batch's size share them.
     """
-    def code(op: Op) -> int:
-        kind, (pass_, i, b) = op
+    def code(kind: str, message: Message) -> int:
+        pass_, i, b = message
         return 2 * (2 * (i * (p - 1) + b) + (pass_ == "B")) + (kind == "recv")
 
+    forward, backward = (0, 0), (0, 1)
     return tuple(
-        tuple(
-            (0, int(step[1] == "B")) if step[0] == "run" else (1 if step[0] == "post" else 2, tuple(code(op) for op in step[1]))
-            for step in stage_program(strategy, n, p, k)
-        )
+        tuple((step[0], tuple(step[1])) if step[0] else step
+              for step in _program(strategy, n, p, k, code, lambda pass_, i: backward if pass_ == "B" else forward, 1, 2))
         for k in range(p)
     )
 
