@@ -6,6 +6,10 @@ Shared by the dp_ga and checkpoint tests; module-level so spawned ranks can impo
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import lightning as L
@@ -67,10 +71,20 @@ def cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
+def _scratch_root() -> str:
+    """One temporary folder for what fits write (auto_plan's distplan/plan.json), never the cwd; ranks a test starts
+    inherit it through the environment, and the process that made it removes it at exit."""
+    root = os.environ.get("DISTPLAN_TEST_ROOT")
+    if root is None:
+        root = os.environ["DISTPLAN_TEST_ROOT"] = tempfile.mkdtemp(prefix="distplan-test-")
+        atexit.register(shutil.rmtree, root, True)
+    return root
+
+
 def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
     kw: dict[str, Any] = dict(
         accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=_scratch_root(),
     )
     kw.update(overrides)
     return kw
