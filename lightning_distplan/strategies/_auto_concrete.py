@@ -17,10 +17,11 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator
 
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
@@ -41,16 +42,67 @@ if TYPE_CHECKING:
 __all__ = ["build_concrete", "_AutoDPGAStrategy", "_AutoPipelineStrategy", "_FullBatchLoader"]
 
 
+class _LaterFits:
+    """What a later ``fit`` on the same Trainer must keep for the plan ``auto_plan`` made in the first: the module it
+    planned and, unless the user gave ``global_batch_size``, the global batch (the plan would silently run the first
+    fit's). ``auto_plan`` plans once per Trainer: the concrete strategy is the Trainer's strategy from then on."""
+
+    def __init__(self, plan: Plan, user_accumulate: int) -> None:
+        self.plan = plan
+        self.user_accumulate = user_accumulate
+        self.given_global_batch = False  # set by auto_plan: the plan's global batch is the user's argument
+        self.fits = 0
+        self.module: Any = None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Count a fit; refuse a later one that trains another module than the one planned."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self.fits += 1
+        if self.fits == 1:
+            self.module = trainer.lightning_module
+        elif trainer.lightning_module is not self.module:
+            raise InfeasiblePlanError(
+                f"This Trainer's auto_plan planned {type(self.module).__name__} in its first fit ({self.plan.describe()}), "
+                f"and this fit trains another module.",
+                hint=_NEW_TRAINER,
+            )
+
+    def check_loader(self, dataloader: object, world_size: int) -> None:
+        """Refuse a later fit whose loader makes another global batch than the plan's."""
+        b = loader_batch_size(dataloader)
+        if self.fits < 2 or self.given_global_batch or b is None:
+            return
+        now = b * self.user_accumulate * world_size
+        if now != self.plan.global_batch_size:
+            raise InfeasiblePlanError(
+                f"This Trainer's auto_plan made its plan ({self.plan.describe()}) for the first fit's global batch of "
+                f"{self.plan.global_batch_size}, and this fit's loader makes {now} ({b} x accumulate {self.user_accumulate} x {world_size} "
+                f"device{'s' if world_size != 1 else ''}).",
+                hint=_NEW_TRAINER,
+            )
+
+
+_NEW_TRAINER = "Use a new Trainer(strategy='auto_plan') for a fit of another model or batch size: it plans again."
+
+
 class _AutoDPGAStrategy(DPGAStrategy):
     """:class:`DPGAStrategy` running a plan chosen by ``auto_plan`` (may change at an epoch boundary)."""
 
     def __init__(self, *, plan: Plan, user_accumulate: int, **kwargs: Any) -> None:
         super().__init__(plan=plan, **kwargs)
         self._auto_user_accumulate = user_accumulate
+        self.later_fits = _LaterFits(plan, user_accumulate)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.later_fits.setup(trainer)
+        super().setup(trainer)
 
     def replace_plan(self, plan: Plan) -> None:
         """Run ``plan`` from the next time the train loader is processed (the next epoch boundary)."""
         self._requested_plan = plan
+        self.later_fits.plan = plan
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -70,6 +122,8 @@ class _AutoDPGAStrategy(DPGAStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         plan = self._requested_plan
+        if trainer.state.stage == RunningStage.TRAINING:
+            self.later_fits.check_loader(dataloader, self.world_size)
         if trainer.state.stage == RunningStage.TRAINING and plan is not None:
             b = loader_batch_size(dataloader)
             per_replica = plan.global_batch_size // plan.dp
@@ -120,9 +174,11 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._auto_user_accumulate = user_accumulate
         self._rechunk = Rechunking()
         self._user_eval_limits: dict[str, Any] = {}
+        self.later_fits = _LaterFits(plan, user_accumulate)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self.later_fits.setup(trainer)
         # One schedule (n micro-batches) is one optimizer step; the accumulation is in the schedule.
         trainer.accumulate_grad_batches = 1
         self._rechunk.remember(trainer)
@@ -145,6 +201,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
             if trainer.state.stage is not None and trainer.state.stage.dataloader_prefix in _EVAL_PREFIXES:
                 self._count_eval_limit_per_replica(trainer, trainer.state.stage.dataloader_prefix)
             return dataloader
+        self.later_fits.check_loader(dataloader, self.world_size)
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches

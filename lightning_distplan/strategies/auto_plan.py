@@ -280,6 +280,7 @@ class AutoPlanStrategy(DDPStrategy):
             pipeline_kwargs=self._pipeline_kwargs,
         )
         self._concrete = concrete
+        concrete.later_fits.given_global_batch = self._global_batch_arg is not None  # type: ignore[union-attr]  # both kinds
         # what the plan was made for, stored with it in checkpoints (a reused plan keeps its own)
         concrete.plan_memory_limit_bytes = (  # type: ignore[attr-defined]  # both concrete kinds have it
             outcome.hardware.device_memory_bytes if outcome.hardware is not None else self._checkpoint_context.get("memory_limit_bytes")

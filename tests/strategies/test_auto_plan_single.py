@@ -95,6 +95,26 @@ def test_numpy_integers_are_taken_as_counts_and_written_as_json_numbers(tmp_path
     assert written["pins"] == {"micro_batch_size": 8} and written["plan"]["global_batch_size"] == 32
 
 
+def test_a_later_fit_on_the_same_trainer_keeps_the_plan_or_says_why_it_cannot(tmp_path: Path) -> None:
+    """auto_plan plans once per Trainer: a later fit of the same module and global batch runs that plan on; one whose
+    loader makes another global batch, or that trains another module, is refused (it ran the first fit's batch)."""
+    model = _small(n_samples=64)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=4), devices=1, max_epochs=1))
+    trainer.fit(model)
+    plan, steps = trainer.strategy.plan, trainer.global_step
+    assert (plan.global_batch_size, steps) == (8, 8)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model)  # the same module and loader: one more epoch of the same plan
+    assert trainer.strategy.plan == plan and trainer.global_step == 16
+    model.hparams.loader_batch = 16
+    trainer.fit_loop.max_epochs = 3
+    with pytest.raises(InfeasiblePlanError, match=r"for the first fit's global batch of 8, and this fit's loader makes 16 .*HINT: Use a new Trainer"):
+        trainer.fit(model)
+    with pytest.raises(InfeasiblePlanError, match=r"planned ChainMLP in its first fit .* this fit trains another module.*HINT: Use a new Trainer"):
+        trainer.fit(_small(n_samples=64))
+    assert trainer.global_step == 16
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
