@@ -147,14 +147,14 @@ class _FullBatchLoader(_MicroBatchLoader):
     """Yields exactly ``micro_batch_size`` samples per batch; a trailing short batch is dropped (a
     pipeline schedule needs ``n`` equal micro-batches), with one warning when an epoch starts."""
 
-    def _iterate(self, limit: int | None) -> Iterator[Any]:
+    def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         n = _samples_per_epoch(self._loader)
         if n is not None and limit is None and n % self.micro_batch_size:
             rank_zero_warn(
                 f"auto_plan: the epoch's last {n % self.micro_batch_size} samples per replica do not fill a pipeline step of "
                 f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
             )
-        for batch in _rebatch(self._batches(limit), self.micro_batch_size):
+        for batch in _rebatch(batches, self.micro_batch_size):
             if _batch_n(batch) == self.micro_batch_size:
                 yield batch
 

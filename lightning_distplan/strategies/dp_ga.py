@@ -877,13 +877,15 @@ class _MicroBatchLoader:
         if self._resume is not None:
             self._resume_began = True
             limit = self._resume[0]
-        return self._iterate(limit)
-
-    def _iterate(self, limit: int | None) -> Iterator[Any]:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
+        # The loader's own iterator now, as iter(loader) makes it: a DataLoader draws its workers' base seed from the
+        # global random stream then, and Lightning calls iter() on it once more than it uses (the first is dropped).
+        return self._iterate(iter(self._batches(limit)), limit)
+
+    def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         expected = loader_batch_size(self._loader)
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        for batch, pieces in _rebatch_pieces(self._watch_labels(self._batches(limit)), self.micro_batch_size, expected):
+        for batch, pieces in _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected):
             sources = [(i, n) for i, n, _, _ in pieces]
             if expected is None:
                 expected = sources[0][1]

@@ -91,6 +91,20 @@ def test_callback_applies_plan_same_math_and_restores(tmp_path: Path) -> None:
     assert (tmp_path / "distplan" / "profile.json").is_file()
 
 
+def test_reloaded_loaders_draw_the_random_stream_as_the_plain_run_does(tmp_path: Path) -> None:
+    """With reload_dataloaders_every_n_epochs=1 Lightning calls iter() on the train loader twice per epoch and drops
+    the first; each DataLoader iterator draws a seed from the global random stream when it is made. The micro-batch
+    loader makes its loader's iterator when iter() is called, so shuffling and dropout follow the plain run's, bit
+    for bit, over three epochs (they parted from the second epoch when it made it at the first batch)."""
+    model = Net(loader_batch=16)
+    trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=3, reload_dataloaders_every_n_epochs=1, callbacks=[PlanningCallback(micro_batch_size=4)]))
+    trainer.fit(model)
+    reference = Net(loader_batch=4)
+    L.Trainer(**_kwargs(tmp_path / "ref", max_epochs=3, reload_dataloaders_every_n_epochs=1, accumulate_grad_batches=4)).fit(reference)
+    assert trainer.global_step == 24
+    torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=0, atol=0)
+
+
 class OneCycleNet(Net):
     """Sizes OneCycleLR with trainer.estimated_stepping_batches, as Lightning's docs show."""
 
