@@ -31,6 +31,7 @@ the two depart.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies import Strategy
 
+    from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
 __all__ = ["AutoPlanStrategy"]
@@ -358,6 +360,8 @@ class AutoPlanStrategy(DDPStrategy):
                     profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
                     device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
                 )
+                if not self._pipeline_pinned() and trainer.limit_train_batches == 1.0:
+                    candidates = whole_epochs_first(candidates, loader)
                 decision = ("ok", candidates, hardware)
             except Exception as err:  # every rank must raise, not only rank 0
                 decision = ("error", err)
@@ -435,3 +439,47 @@ _DDP_BASE_ARGS = (
     "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
     "process_group_backend", "timeout", "start_method",
 )
+
+
+def skipped_samples(plan: Plan, loader: object) -> int:
+    """Samples per replica and epoch a pipeline plan would skip: its step of ``m·n`` samples (per flush) does not divide
+    what the replica's ``DistributedSampler`` shard yields (the epoch's last samples, as ``drop_last``); 0 for dp_ga,
+    which trains the short last batch, or where the loader's length is unknown."""
+    samples, b = _samples_per_epoch_of(loader)
+    if plan.strategy == "dp_ga" or samples is None or b is None:
+        return 0
+    per_replica = -(-samples[0] // plan.dp)  # the sampler pads every shard to the same length
+    if samples[1]:  # drop_last: the replica's loader yields whole batches only
+        per_replica -= per_replica % b
+    return per_replica % (plan.micro_batch_size * plan.n_microbatches)
+
+
+def _samples_per_epoch_of(loader: object) -> tuple[tuple[int, bool] | None, int | None]:
+    """(samples in the sampler, the batch sampler's drop_last) of the user's un-sharded loader, and its batch size."""
+    b = loader_batch_size(loader)
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None)
+    drop_last = getattr(batch_sampler, "drop_last", getattr(loader, "drop_last", None))
+    try:
+        n = len(sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None, b
+    return (None if drop_last is None else (n, bool(drop_last))), b
+
+
+def whole_epochs_first(candidates: Sequence[Candidate], loader: object) -> list[Candidate]:
+    """``candidates`` with the feasible pipelines that would skip an epoch's last samples moved behind the other feasible
+    plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered."""
+    feasible = [c for c in candidates if c.prediction.feasible]
+    keep = [c for c in feasible if not skipped_samples(c.plan, loader)]
+    if not feasible or not keep or keep[0] is feasible[0]:
+        return list(candidates)
+    first = feasible[0]
+    rank_zero_info(
+        f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): it would skip the "
+        f"epoch's last {skipped_samples(first.plan, loader)} samples per replica, which your run trains; running "
+        f"{keep[0].plan.describe()} (predicted {keep[0].prediction.step_time_s:.4g} s/step). Pin the pipeline to run it anyway."
+    )
+    kept = {id(c) for c in keep}
+    order = keep + [c for c in feasible if id(c) not in kept] + [c for c in candidates if not c.prediction.feasible]
+    return [dataclasses.replace(c, rank=i + 1) for i, c in enumerate(order)]

@@ -115,6 +115,38 @@ def test_a_later_fit_on_the_same_trainer_keeps_the_plan_or_says_why_it_cannot(tm
     assert trainer.global_step == 16
 
 
+def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plans_that_train_them() -> None:
+    """60 samples on 2 devices: DDP trains each replica's 30 (a short last batch); a dp=1 pipeline's step of 16 samples
+    would skip 12 of every epoch's 60. auto_plan runs the best plan that trains them all (the math stays the user's),
+    and where none does, the ranking as it was."""
+    import dataclasses
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+    from lightning_distplan.strategies.auto_plan import skipped_samples, whole_epochs_first
+
+    # large weights over a slow all-reduce: the pipelines rank first
+    profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=256 << 20, activation_bytes_per_sample=1e3,
+                                           output_bytes_per_sample=1e3)] * 4)
+    hw = dataclasses.replace(Hardware.from_profile(profile, warn_default_links=False), allreduce_bandwidth_bytes_per_s=1e7, p2p_bandwidth_bytes_per_s=1e9)
+    ranked = rank_plans(profile, world_size=2, global_batch_size=16, hardware=hw)
+    assert ranked[0].plan.strategy != "dp_ga"
+    loader = DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8)
+    assert skipped_samples(ranked[0].plan, loader) == 12  # 60 % 16
+    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(64, 2)), batch_size=8)) == 0
+    # drop_last: each replica's shard of 30 yields 24 in whole batches of 8, still 8 past a step of 16
+    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8, drop_last=True)) == 8
+    first_whole = next(c for c in ranked if c.prediction.feasible and c.plan.strategy == "dp_ga")
+    chosen = whole_epochs_first(ranked, loader)
+    assert chosen[0].plan == first_whole.plan and [c.rank for c in chosen] == list(range(1, len(ranked) + 1))
+    assert sorted(id(c.plan) for c in chosen) == sorted(id(c.plan) for c in ranked)  # the same plans, reordered
+    pipelines_only = [c for c in ranked if c.plan.strategy != "dp_ga"]
+    assert whole_epochs_first(pipelines_only, loader) == pipelines_only
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
