@@ -99,6 +99,10 @@ class _AutoDPGAStrategy(DPGAStrategy):
         self.later_fits.setup(trainer)
         super().setup(trainer)
 
+    @property
+    def user_facing_name(self) -> str:
+        return "AutoPlanStrategy"
+
     def replace_plan(self, plan: Plan) -> None:
         """Run ``plan`` from the next time the train loader is processed (the next epoch boundary)."""
         self._requested_plan = plan

@@ -231,7 +231,24 @@ class DPGAStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._rechunk.weigh(super().training_step(*args, **kwargs))
+        try:
+            loss = super().training_step(*args, **kwargs)
+        except RuntimeError as err:
+            # DDP (which wraps even one device here) found parameters the last step's loss did not use; its own advice
+            # (Lightning's strategy='ddp_find_unused_parameters_true') would drop this strategy.
+            if "find_unused_parameters" in str(err) and not self._ddp_kwargs.get("find_unused_parameters"):
+                raise InfeasiblePlanError(
+                    f"{type(self.lightning_module).__name__} has parameters its training_step's loss does not use (a head used "
+                    "only in predict_step?), which DistributedDataParallel, wrapping the model under this strategy, refuses.",
+                    hint=f"Pass {self.user_facing_name}(find_unused_parameters=True), or set requires_grad=False on them.",
+                ) from err
+            raise
+        return self._rechunk.weigh(loss)
+
+    @property
+    def user_facing_name(self) -> str:
+        """The strategy class a user constructs (``auto_plan``'s concrete strategy says AutoPlanStrategy)."""
+        return type(self).__name__
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The ``norm_type``-norm of the model's gradients (each parameter once), as under a pipeline's

@@ -147,6 +147,26 @@ def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plan
     assert whole_epochs_first(pipelines_only, loader) == pipelines_only
 
 
+class _UnusedHead(ChainMLP):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**{**dict(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0), **kw})
+        self.aux_head = torch.nn.Linear(16, 3)  # used by no loss (say, predict_step only)
+
+
+def test_parameters_the_loss_does_not_use_get_the_argument_that_keeps_auto_plan(tmp_path: Path) -> None:
+    """auto_plan wraps even one device in DDP, which refuses unused parameters at the second step and advises
+    Lightning's strategy='ddp_find_unused_parameters_true' (dropping auto_plan): the error names the argument instead,
+    and with it the fit runs."""
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=8), devices=1, max_steps=3))
+    with pytest.raises(InfeasiblePlanError, match=r"^_UnusedHead has parameters its training_step's loss does not use .* HINT: Pass "
+                       r"AutoPlanStrategy\(find_unused_parameters=True\)"):
+        trainer.fit(_UnusedHead())
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=8, find_unused_parameters=True),
+                                         devices=1, max_steps=3))
+    trainer.fit(_UnusedHead())
+    assert trainer.global_step == 3
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
