@@ -268,12 +268,15 @@ def _pin_reason(
     return f"no plan with B={global_batch_size} on {world_size} devices has it"
 
 
-def check_pins_before_profiling(pins: dict[str, Any] | None, *, world_size: int, split_reason: str | None = None) -> None:
+def check_pins_before_profiling(
+    pins: dict[str, Any] | None, *, world_size: int, split_reason: str | None = None, global_batch_size: int | None = None
+) -> None:
     """Refuse the pins that no profile could make possible, before one is taken (profiling a large model takes minutes).
 
     What the world size alone decides: ``dp`` / ``stages`` must divide it, stage boundaries must make
     a number of stages that divides it, a pipeline needs 2 devices; and, with ``split_reason`` (why the
-    model cannot be split, when it cannot), no pipeline pin at all. The rest waits for the profile.
+    model cannot be split, when it cannot), no pipeline pin at all; with ``global_batch_size``, the counts that must
+    divide it (micro-batch size, accumulation, micro-batches per flush). The rest waits for the profile.
 
     Raises:
         InfeasiblePlanError: the pin named as the user gave it, and why (the message :func:`enumerate_plans` gives).
@@ -291,6 +294,10 @@ def check_pins_before_profiling(pins: dict[str, Any] | None, *, world_size: int,
             raise _impossible_pin(names[key], pins[key], _NEEDS_TWO)
         if split_reason is not None:
             raise _impossible_pin(names[key], pins[key], unsplittable(split_reason))
+    if global_batch_size is not None:
+        for key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches"):
+            if key in pins and (not isinstance(pins[key], int) or pins[key] < 1 or global_batch_size % pins[key]):
+                raise _impossible_pin(names[key], pins[key], f"it must be a positive divisor of the global batch size {global_batch_size}")
 
 
 _NEEDS_TWO = "a pipeline needs at least 2 devices"

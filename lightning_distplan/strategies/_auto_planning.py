@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -238,6 +238,7 @@ def profile_in_fit(
     measure_links: bool = True,
     log_prefix: str = "distplan",
     loader: Any = None,
+    global_batch_of: Callable[[Any], int] | None = None,
 ) -> tuple[Profile, Any]:
     """Profile ``module`` on ``device`` with real batches of the user's train loader, leaving no trace.
 
@@ -253,7 +254,8 @@ def profile_in_fit(
     precisions, the weights and inputs converted for ``"bf16-true"`` and the like), as the fit will.
 
     ``loader``: a fresh instance of the user's train loader (:func:`fresh_train_loader`) when the
-    caller already made one.
+    caller already made one. ``global_batch_of(loader)``: the fit's global batch, read before anything is profiled
+    (it raises where it cannot be read); without a loader batch size the sizes profiled follow its share per device.
 
     Returns:
         (the profile, the fresh loader it drew from — its ``batch_size`` is the user's loader batch)
@@ -277,13 +279,15 @@ def profile_in_fit(
     try:
         if loader is None:
             loader = fresh_train_loader(trainer)
+        global_batch = None if global_batch_of is None else global_batch_of(loader)
         # The weights in the dtype the fit trains them in ('bf16-true', '64-true', ...): the strategy's
         # setup converts them the same way anyway (a no-op for 32-true and the mixed precisions).
         trainer.precision_plugin.convert_module(module)
         if micro_batch_sizes is None:
             from lightning_distplan.strategies.dp_ga import loader_batch_size
 
-            micro_batch_sizes = in_fit_micro_batch_sizes(loader_batch_size(loader) or 1)
+            share = None if global_batch is None else max(1, global_batch // trainer.world_size)
+            micro_batch_sizes = in_fit_micro_batch_sizes(loader_batch_size(loader) or share or 1)
         attached = not trainer.strategy.optimizers  # before the fit's own exist (mid-fit, training_step has those)
         optimizer = _attach_optimizers(trainer, module) if attached else None
         profile = profile_module(

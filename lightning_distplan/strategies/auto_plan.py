@@ -339,18 +339,26 @@ class AutoPlanStrategy(DDPStrategy):
             spec, why = find_pipeline_spec(module) if self._pipeline_pinned() else (None, None)
             check_pins_before_profiling(self._pins, world_size=world, split_reason=why if spec is None else None)
         t0 = time.perf_counter()
+        def global_batch_of(loader: Any) -> int:
+            global_batch = user_global_batch(
+                loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
+                given=self._global_batch_arg,
+            )
+            if self._pins:  # the counts the global batch alone refuses, before minutes of profiling
+                from lightning_distplan.planner import check_pins_before_profiling
+
+                check_pins_before_profiling(self._pins, world_size=world, global_batch_size=global_batch)
+            return global_batch
+
         profile, loader = profile_in_fit(
             trainer, module, device=self.root_device, micro_batch_sizes=self._profile_sizes, repeats=self._profile_repeats,
-            log_prefix="auto_plan",
+            log_prefix="auto_plan", global_batch_of=global_batch_of,
         )
         profiling_s = time.perf_counter() - t0
         self._profile = profile
         if world > 1 and not profile.splittable and not self._pipeline_pinned():  # a pinned one gets the planner's error
             rank_zero_info(f"auto_plan: planning data parallel only: {unsplittable(profile.split_reason)}.")
-        global_batch = user_global_batch(
-            loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches, world_size=world,
-            given=self._global_batch_arg,
-        )
+        global_batch = global_batch_of(loader)
         # Decide once, on global rank 0, and broadcast: timings differ slightly between ranks, the plan must not.
         t1 = time.perf_counter()
         decision: Any = None

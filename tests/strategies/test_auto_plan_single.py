@@ -167,11 +167,35 @@ def test_parameters_the_loss_does_not_use_get_the_argument_that_keeps_auto_plan(
     assert trainer.global_step == 3
 
 
+class _PreBatched(ChainMLP):
+    """A loader with batch_size=None over a dataset of ready batches of 8: no batch size to read."""
+
+    def train_dataloader(self) -> Any:
+        x, y = regression_data(64).tensors
+        return torch.utils.data.DataLoader([(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)], batch_size=None)
+
+
+def test_a_loader_without_a_batch_size_is_refused_before_profiling_or_profiled_at_the_given_batch(tmp_path: Path) -> None:
+    model = _PreBatched(width=16, depth=3, dropout=0.0)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(), devices=1, max_steps=1))
+    with pytest.raises(InfeasiblePlanError, match=r"batch size cannot be read.*HINT: Pass global_batch_size="):
+        trainer.fit(model)
+    assert trainer.strategy._profile is None and not (tmp_path / "distplan" / "profile.json").exists()  # minutes on a real model
+    strategy = AutoPlanStrategy(global_batch_size=8)
+    L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=1)).fit(model)
+    assert strategy.profile is not None and strategy.profile.micro_batch_sizes == (2, 4, 8)  # the given batch's share per device, not guessed from 1
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
         trainer.fit(_small())
     # refused before profiling: what the world size alone rules out needs no profile (minutes on a large model)
+    assert trainer.strategy._profile is None and not (tmp_path / "distplan" / "profile.json").exists()
+    # and what the global batch alone rules out (8 = loader 8 x 1 device)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=3), devices=1, max_steps=1))
+    with pytest.raises(InfeasiblePlanError, match=r"pin micro_batch_size=3 is impossible: it must be a positive divisor of the global batch size 8.*HINT"):
+        trainer.fit(_small())
     assert trainer.strategy._profile is None and not (tmp_path / "distplan" / "profile.json").exists()
 
 
