@@ -717,6 +717,9 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             split_reason = differs or "the pipeline's loss differs from training_step's on another rank's batch"
             prof.say(f"not splittable: {split_reason}")
             log.warning("Pipelines are left out of the plans: %s.", split_reason)
+            # Profiled as a module that cannot be split: the per-layer pass runs training_step, as the plans will,
+            # not the pipeline's chain (which may not even run on these batches: a dict fed to an nn.Sequential).
+            prof.spec = None
 
     # -- main loop: whole step, then per layer ---------------------------------------------------
     param_storages = {_storage_key(t)[0] for t in list(module.parameters()) + list(module.buffers())}

@@ -98,3 +98,34 @@ def test_a_training_step_that_differentiates_is_compared_with_gradients_on() -> 
     torch.manual_seed(0)
     profile = profile_module(Penalised("resnet18", num_classes=10), data.train_dataloader(), micro_batch_sizes=[1, 2, 4], repeats=1)
     assert not profile.splittable and "training_step" in profile.split_reason
+
+
+def test_a_pipeline_that_cannot_run_on_the_batches_is_profiled_as_not_splittable() -> None:
+    """An nn.Sequential `net` with a correct pipeline_loss but dict batches: the pipeline's chain feeds the dict to the
+    first layer and fails, so pipelines are left out; the per-layer pass then runs training_step (which works), as for
+    a module without pipeline_loss, instead of the chain that just failed."""
+    import lightning.pytorch as L
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    class DictPL(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch["x"]), batch["y"])
+
+        def pipeline_loss(self, output, batch):
+            return F.cross_entropy(output, batch["y"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    loader = DataLoader([{"x": torch.randn(16), "y": torch.tensor(1)} for _ in range(32)], batch_size=4)
+    profile = profile_module(DictPL(), loader, micro_batch_sizes=[1, 2, 4], repeats=1)
+    assert not profile.splittable
+    assert "comparing the pipeline's loss with training_step's in eval mode failed (TypeError" in profile.split_reason
+    assert [layer.name for layer in profile.layers] == ["net.0", "net.1", "net.2"]
+    assert profile.layers[0].flops_forward_per_sample > 0  # the layers were run (by training_step) and measured
