@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from lightning_distplan._files import check_output_path, check_replaceable
-from lightning_distplan.errors import DataLoadingError, DistPlanError, ProfilingError
+from lightning_distplan.errors import DataLoadingError, DistPlanError, ProfilingError, first_line
 from lightning_distplan.profile import PRECISIONS
 
 __all__ = ["add_parser", "run"]
@@ -60,10 +60,23 @@ def _load_class(path: str, *, what: str, option: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
+        if err.name and err.name != module_name and not module_name.startswith(err.name + "."):
+            # the module was found, but something it imports is not installed
+            raise ProfilingError(
+                f"Importing module {module_name!r} for {what} {path!r} failed: it imports {err.name!r}, which is not installed ({reason(err)}).",
+                hint=f"Install the package that provides {err.name!r} in this environment, or put it on PYTHONPATH.",
+            ) from err
         raise ProfilingError(
             f"Cannot import module {module_name!r} for {what} {path!r} ({err}).",
             hint="Check the spelling and that the package is installed in this environment (or on PYTHONPATH).",
         ) from None
+    except (Exception, SystemExit) as err:  # the module's own code failed while it was imported (not a Ctrl-C)
+        found = f"called sys.exit({err.code!r})" if isinstance(err, SystemExit) else f"{type(err).__name__}: {reason(err)}"
+        raise ProfilingError(
+            f"Importing module {module_name!r} for {what} {path!r} failed while running its code: {found}"
+            + ("" if found.endswith((".", "!", "?")) else "."),
+            hint=f"Fix the error in that module; `python -c 'import {module_name}'` shows its traceback.",
+        ) from err
     if ":" not in path and _is_module(path):  # a dotted path naming a module (imported or not)
         raise ProfilingError(f"{what} path {path!r} names a module, not a class.", hint=f"Add the class after a colon: {option}{path}:ClassName.")
     obj = module
@@ -78,6 +91,12 @@ def _load_class(path: str, *, what: str, option: str) -> type:
     if not isinstance(obj, type):
         raise ProfilingError(f"{path!r} is a {type(obj).__name__}, not a class.", hint=f"Name the {what} class itself.")
     return obj
+
+
+def reason(err: BaseException) -> str:
+    """The first line of ``err``'s message without a HINT of its own (ours follows it: one HINT per error)."""
+    first = first_line(err) if str(err).strip() else "(no message)"
+    return first.split(" HINT:")[0]
 
 
 def _is_module(path: str) -> bool:

@@ -175,3 +175,50 @@ def test_profile_precision_plugin_is_the_trainers(name):
     ours = precision_plugin(name, torch.device("cpu"))
     assert type(ours) is type(trainer.precision_plugin)
     assert getattr(ours, "precision", None) == getattr(trainer.precision_plugin, "precision", None)
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("def f(:\n    pass\n", r"SyntaxError: invalid syntax \(.*\.py, line 1\)"),
+        ("x = 1 / 0\n", r"ZeroDivisionError: division by zero"),
+        ("raise AttributeError('attr at import')\n", r"AttributeError: attr at import"),
+        ("undefined_name\n", r"NameError: name 'undefined_name' is not defined"),
+        ("raise ValueError('import-time failure')\n", r"ValueError: import-time failure"),
+        ("from os import no_such_name\n", r"ImportError: cannot import name 'no_such_name' from 'os'"),
+        ("import sys\nsys.exit(3)\n", r"called sys\.exit\(3\)"),
+        ("raise RuntimeError('needs a token HINT: run login first')\n", r"RuntimeError: needs a token\."),  # its HINT gives way to ours
+    ],
+)
+@pytest.mark.parametrize("command", ["profile", "profile --datamodule", "bench"])
+def test_an_error_while_importing_the_users_module_is_one_line(
+    source: str, found: str, command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The user's module failing at import (any error, sys.exit too) is one line naming the module, that the error came
+    while importing it, and the original error, with a HINT; exit 2, no traceback."""
+    name = f"broken_{abs(hash((source, command))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    if command == "profile":
+        argv = ["profile", f"{name}:Model", "--out", str(tmp_path / "p.json")]
+    elif command == "profile --datamodule":
+        argv = ["profile", "lightning.pytorch.demos.transformer:LightningTransformer", "--datamodule", f"{name}:Data", "--out", str(tmp_path / "p.json")]
+    else:
+        argv = ["bench", f"{name}:Model", "--world-size", "1", "--global-batch-size", "4", "--out", str(tmp_path / "b.json")]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    what = "datamodule" if "--datamodule" in command else "model"
+    assert re.search(rf"error: Importing module '{name}' for {what} '{name}:\w+' failed while running its code: {found}", lines[0]), lines[0]
+    assert lines[0].count("HINT:") == 1 and f"python -c 'import {name}'" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.py"]  # nothing written
+
+
+def test_a_module_whose_dependency_is_missing_names_the_dependency(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "needs_dep_mod.py").write_text("import nonexistent_dep_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "needs_dep_mod:Model", "--out", str(tmp_path / "p.json")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "Importing module 'needs_dep_mod' for model 'needs_dep_mod:Model' failed: it imports 'nonexistent_dep_xyz', which is not installed" in line
+    assert "HINT: Install the package that provides 'nonexistent_dep_xyz'" in line and "\n" not in line
