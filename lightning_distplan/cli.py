@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from typing import Sequence
 
 __all__ = ["main"]
@@ -53,18 +55,37 @@ def _short_warnings(command: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        parser = _parser()  # imports the package (torch and lightning too, unless the console script defers them): seconds on a cold start
-    except KeyboardInterrupt:
-        print("distplan: interrupted while starting; nothing was run", file=sys.stderr)
-        return 130
-    args = parser.parse_args(argv)
-    from lightning_distplan import _register_strategies
-    from lightning_distplan.errors import DistPlanError
+    # Starting imports torch and lightning (the parser imports the package; the console script defers the
+    # strategies to _register_strategies below): seconds on a cold start, in which a Ctrl-C must end with one line.
+    # A library being imported may turn the KeyboardInterrupt into an error of its own (see _distplan_cli), so the
+    # handler records that the user stopped it.
+    interrupted: list[int] = []
 
-    if args.command in _LIGHTNING_COMMANDS:
-        _register_strategies()  # the console script imported the package without (see _distplan_cli.starting)
-    _short_warnings(args.command)  # after lightning's import, which installs a format of its own
+    def on_sigint(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.getsignal(signal.SIGINT)
+    ours = previous is signal.default_int_handler and threading.current_thread() is threading.main_thread()
+    if ours:  # not where SIGINT is ignored (a background job) or handled by the caller
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        parser = _parser()
+        args = parser.parse_args(argv)
+        from lightning_distplan import _register_strategies
+        from lightning_distplan.errors import DistPlanError
+
+        if args.command in _LIGHTNING_COMMANDS:
+            _register_strategies()  # the console script imported the package without (see _distplan_cli.starting)
+        _short_warnings(args.command)  # after lightning's import, which installs a format of its own
+    except BaseException as err:
+        if interrupted or isinstance(err, KeyboardInterrupt):
+            print("distplan: interrupted while starting; nothing was run", file=sys.stderr)
+            return 130
+        raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
 
     try:
         return int(args.run(args) or 0)

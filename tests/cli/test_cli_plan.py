@@ -277,6 +277,28 @@ def test_ctrl_c_while_the_real_command_imports_is_one_line():
     assert res.returncode == 130 and res.stderr.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"], res.stderr[-1500:]
 
 
+@pytest.mark.parametrize("command", ["profile", "bench"])
+def test_a_real_ctrl_c_while_profile_or_bench_starts_is_one_line(command, tmp_path):
+    """`distplan profile` and `distplan bench` import torch and lightning after the console script's own start
+    (registering the strategies: seconds on any machine). A real SIGINT one second in lands there, or, on a fast
+    machine, in the command before it has done any work: wherever it lands, one line, exit 130, no traceback and
+    nothing written."""
+    import signal
+    import time
+
+    out = tmp_path / "out.json"
+    argv = ["lightning_distplan.bench.models:WideMLP", "--out", str(out)] + (["--world-size", "1", "--global-batch-size", "8"] if command == "bench" else [])
+    child = "import sys, _distplan_cli\nsys.argv[0] = 'distplan'\nsys.exit(_distplan_cli.main())\n"
+    proc = subprocess.Popen([sys.executable, "-c", child, command, *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-1500:]
+    assert lines and lines[-1].startswith("distplan") and "interrupted" in lines[-1], err[-1500:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_the_console_script_plans_without_torch_or_lightning(tmp_path):
     """`plan` (like `tune` and `dashboard`) reads a profile and runs the pure core: through the console script it
     imports neither torch nor lightning (seconds on a cold start), and prints what `main` prints in-process.
