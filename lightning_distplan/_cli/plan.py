@@ -6,8 +6,14 @@ import argparse
 import json
 import math
 import sys
+from typing import TYPE_CHECKING
 
+from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES
+
+if TYPE_CHECKING:
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.profile import Profile
 
 __all__ = ["add_parser", "run"]
 
@@ -65,11 +71,68 @@ def parse_pins(items: list[str]) -> dict[str, object]:
     return pins
 
 
+_MAX_DEVICE_MEMORY_BYTES = 2**60
+"""The most --device-memory-gb may give (1 EiB, a million times today's largest GPU): beyond it bytes are no count."""
+
+# The options whose size can carry a prediction past what a float holds, and their defaults.
+_SCALES = (("compute_scale", 1.0), ("latency_us", None), ("bandwidth_gbps", None), ("price_per_hour", None), ("time_weight", 0.0))
+
+
+def _given_scales(args: argparse.Namespace) -> str:
+    given = [f"--{name.replace('_', '-')} {getattr(args, name):g}" for name, default in _SCALES if getattr(args, name) != default]
+    return ", ".join(given) or "this profile"
+
+
+def _check_magnitudes(profile: Profile, args: argparse.Namespace, hardware: Hardware) -> None:
+    """Refuse options that would carry a prediction past what a float holds, before the planner computes with them.
+
+    The bound is every profiled time at the whole global batch on one device, scaled, plus every byte a plan could
+    send over the slower link and a latency per message, with a million-fold margin (schedules add stage times
+    up; costs multiply by the devices): far beyond any real plan, and far below overflow for any real option."""
+    gb, n = args.global_batch_size, len(profile.layers)
+    fits = [profile.step.forward, profile.step.backward] + [fit for layer in profile.layers for fit in (layer.forward, layer.backward)]
+    compute = sum(abs(fit.alpha) * gb + abs(fit.beta) for fit in fits) + profile.optimizer.step_time_s
+    sent = 2 * profile.memory.param_bytes + gb * sum(layer.output_bytes_per_sample for layer in profile.layers)
+    bandwidth = min(hardware.allreduce_bandwidth_bytes_per_s, hardware.p2p_bandwidth_bytes_per_s)
+    latency = max(hardware.allreduce_latency_s, hardware.p2p_latency_s)
+    bound = 1e6 * (compute * hardware.compute_scale + 2 * sent / bandwidth + 4 * (n + 1) * gb * latency)
+    cost = bound * args.world_size * (args.price_per_hour or 0.0) / 3600
+    if not (math.isfinite(bound) and math.isfinite(cost) and math.isfinite(cost + args.time_weight * bound)):
+        raise InfeasiblePlanError(
+            f"The predicted step {'cost' if math.isfinite(bound) else 'time'} overflows what a float holds with {_given_scales(args)}.",
+            hint="Pass values in a realistic range (e.g. --compute-scale 0.5, --latency-us 20, --price-per-hour 3, --time-weight 4096).",
+        )
+
+
+def _check_finite(candidates: list, args: argparse.Namespace) -> None:
+    """Refuse a ranking whose predictions overflowed (``--compute-scale 1e308``): it would print inf, which no JSON reader takes."""
+    for candidate in candidates:
+        bad = _non_finite(candidate.to_dict())
+        if bad is not None:
+            field, value = bad
+            raise InfeasiblePlanError(
+                f"Plan {candidate.plan.describe()} predicts {field} = {value} with {_given_scales(args)}: the numbers "
+                "overflow what a float holds.",
+                hint="Pass values in a realistic range (e.g. --compute-scale 0.5, --price-per-hour 3, --time-weight 4096).",
+            )
+
+
+def _non_finite(value: object, field: str = "") -> tuple[str, float] | None:
+    """The first (field, value) in ``value`` that is an infinite or NaN float, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (field, value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _non_finite(item, key if isinstance(key, str) and not field else f"{field}.{key}" if isinstance(key, str) else f"{field}[{key}]")
+        if found is not None:
+            return found
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from lightning_distplan.costmodel import Hardware
-    from lightning_distplan.errors import InfeasiblePlanError
     from lightning_distplan.planner import enumerate_plans, explain, rank_plans
     from lightning_distplan.profile import Profile
 
@@ -89,6 +152,19 @@ def run(args: argparse.Namespace) -> int:
             at_least = "zero or more" if flag == "latency_us" else "positive"
             option = "--" + flag.replace("_", "-")
             raise InfeasiblePlanError(f"{option} must be a finite number, {at_least}, got {value}.", hint=f"Pass e.g. {option} {example}.")
+    if args.device_memory_gb is not None and args.device_memory_gb * 2**30 > _MAX_DEVICE_MEMORY_BYTES:
+        raise InfeasiblePlanError(
+            f"--device-memory-gb {args.device_memory_gb:g} is more than any device holds (the limit here is {_MAX_DEVICE_MEMORY_BYTES // 2**30} GiB, 2**60 bytes).",
+            hint="Pass the memory of one device in GiB, e.g. --device-memory-gb 80.",
+        )
+    if args.bandwidth_gbps is not None:
+        # the largest message a plan sends: the gradients' all-reduce, or one layer's output for the whole global batch
+        largest = max([1, profile.memory.param_bytes] + [layer.output_bytes_per_sample * args.global_batch_size for layer in profile.layers])
+        if not math.isfinite(largest / (args.bandwidth_gbps * 1e9 / 8)):
+            raise InfeasiblePlanError(
+                f"--bandwidth-gbps {args.bandwidth_gbps:g} is so small that sending this model's {largest:.4g} bytes would take longer than a float can hold.",
+                hint="Pass the interconnect's bandwidth in Gbit/s, e.g. --bandwidth-gbps 10.",
+            )
     if not (math.isfinite(args.compute_scale) and args.compute_scale > 0):
         raise InfeasiblePlanError(f"--compute-scale must be positive, got {args.compute_scale}.", hint="Pass e.g. 0.5 for a device twice as fast.")
     if not 0 < args.memory_margin <= 1:
@@ -107,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
     )
     hardware = replace(hardware, compute_scale=args.compute_scale, memory_margin=args.memory_margin)
+    _check_magnitudes(profile, args, hardware)
     candidates = rank_plans(
         profile,
         world_size=args.world_size,
@@ -118,9 +195,10 @@ def run(args: argparse.Namespace) -> int:
         max_pp=args.max_pp,
         pins=pins,
     )
+    _check_finite(candidates, args)
     if args.format == "json":
         shown = candidates if args.top is None else candidates[: args.top]
-        print(json.dumps([c.to_dict() for c in shown], indent=1))
+        print(json.dumps([c.to_dict() for c in shown], indent=1, allow_nan=False))  # standard JSON: _check_finite refused inf and NaN
     else:
         print(explain(candidates, top=10 if args.top is None else args.top))
     if not any(c.prediction.feasible for c in candidates):

@@ -179,6 +179,14 @@ def test_table_output_and_options(profile_path, capsys):
         # shared parameters count under their first user, so they cannot hold more than it does
         ({"shared_parameters": [{"layers": [1, 3], "param_bytes": 4_000_001}]}, ["--world-size", "2", "--global-batch-size", "8"],
          "4000001 bytes of shared parameters first used by layers[1], which holds 4000000 bytes"),
+        # numbers so large or small that the arithmetic overflows: refused naming the option, never inf printed or a crash
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--device-memory-gb", "1e300"], "--device-memory-gb 1e+300 is more than any device holds"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--bandwidth-gbps", "1e-320"], "--bandwidth-gbps 9.99989e-321 is so small"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--format", "json", "--compute-scale", "1e308", "--price-per-hour", "1e308"],
+         "The predicted step time overflows what a float holds with --compute-scale 1e+308, --price-per-hour 1e+308"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--latency-us", "1e308"], "step time overflows what a float holds with --latency-us 1e+308"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--price-per-hour", "1e308", "--time-weight", "1e308"],
+         "step cost overflows what a float holds with --price-per-hour 1e+308, --time-weight 1e+308"),
     ],
 )
 def test_bad_input_is_one_line_with_hint_exit_2(tmp_path, capsys, mutate, args, message):
@@ -346,3 +354,25 @@ def test_our_warnings_print_as_one_line_naming_the_command(monkeypatch):
         cli._short_warnings(command)
         assert warnings.formatwarning("slow step", UserWarning, ours, 766) == f"distplan {command}: warning: slow step\n"
     assert warnings.formatwarning("x", UserWarning, "/elsewhere/mod.py", 3) == "/elsewhere/mod.py:3: UserWarning: x\n"
+
+
+def test_json_output_is_standard_json_with_extreme_but_finite_options(profile_path, capsys):
+    """Options far from any real device that still give finite predictions are planned, and the JSON is standard
+    (no Infinity or NaN, which json.loads with a strict parse_constant refuses)."""
+    assert main(["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--format", "json",
+                 "--compute-scale", "1e200", "--price-per-hour", "1e100"]) == 0
+    out = capsys.readouterr().out
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    ranked = json.loads(out, parse_constant=refuse)
+    assert ranked and all(c["predicted_step_time_s"] > 1e195 for c in ranked)
+
+
+def test_the_plan_commands_finiteness_check_finds_nested_values():
+    from lightning_distplan._cli.plan import _non_finite
+
+    assert _non_finite({"a": 1.0, "b": [0.5, {"c": 2.0}]}) is None
+    assert _non_finite({"a": 1.0, "breakdown": {"compute": float("inf")}}) == ("breakdown.compute", float("inf"))
+    assert _non_finite({"stage_times_s": [1.0, float("-inf")]}) == ("stage_times_s[1]", float("-inf"))
