@@ -241,6 +241,9 @@ def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_pat
         ) from None
     if loader is None:
         raise DataLoadingError(f"{datamodule_path or model_path} returned no train_dataloader().", hint=_DEMO_HINT)
+    from lightning_distplan.profiling._batches import refuse_several_loaders  # torch: not imported by `distplan plan`'s parser
+
+    refuse_several_loaders(loader, hint=f"Return one DataLoader from {datamodule_path or model_path}.train_dataloader(), or pass --datamodule with one.")
     return loader
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from lightning_distplan.errors import BatchFormatError
+from lightning_distplan.errors import BatchFormatError, InfeasiblePlanError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
 __all__ = ["BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
@@ -38,6 +38,24 @@ def _rebuild_record(like: Any, items: dict[str, Any]) -> Any:
     for name, value in items.items():
         object.__setattr__(record, name, value)
     return record
+
+
+def refuse_several_loaders(loader: Any, *, hint: str) -> None:
+    """Refuse what a ``train_dataloader()`` hook returns when it is several loaders (a dict, list or tuple of them, or a
+    ``CombinedLoader``): ``training_step`` then gets their combined batch, which profiling one loader's batches would
+    not give it, and one plan cannot re-chunk loaders of different batch sizes.
+
+    Raises:
+        InfeasiblePlanError: ``loader`` is several loaders.
+    """
+    from lightning.pytorch.utilities import CombinedLoader
+
+    if isinstance(loader, (CombinedLoader, Mapping, list, tuple)):
+        raise InfeasiblePlanError(
+            f"The fit has a {type(loader).__name__} of train dataloaders, and planning profiles one train loader with the batches "
+            "training_step gets.",
+            hint=hint,
+        )
 
 
 def tensors_in(batch: Any) -> Iterator[Tensor]:

@@ -191,7 +191,8 @@ def fresh_train_loader(trainer: pl.Trainer) -> Any:
             ``CombinedLoader``: ``training_step`` gets their combined batch).
     """
     from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
-    from lightning.pytorch.utilities import CombinedLoader
+
+    from lightning_distplan.profiling._batches import refuse_several_loaders
 
     source = trainer.fit_loop._data_source
     if not source.is_defined():
@@ -200,14 +201,7 @@ def fresh_train_loader(trainer: pl.Trainer) -> Any:
             hint="Pass train_dataloaders= or a datamodule to trainer.fit, or define train_dataloader().",
         )
     loader = _request_dataloader(source)
-    if isinstance(loader, (CombinedLoader, Mapping, list, tuple)):
-        # training_step gets the combined batch (a dict / list of the loaders' batches): profiling one loader's
-        # batches would call it with another structure, and one plan cannot re-chunk loaders of different batch sizes.
-        raise InfeasiblePlanError(
-            f"The fit has a {type(loader).__name__} of train dataloaders, and planning profiles one train loader with the batches "
-            "training_step gets.",
-            hint="Pass one train DataLoader, or use strategy='ddp' (without PlanningCallback), which runs your loaders as they are.",
-        )
+    refuse_several_loaders(loader, hint="Pass one train DataLoader, or use strategy='ddp' (without PlanningCallback), which runs your loaders as they are.")
     return loader
 
 

@@ -102,6 +102,10 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
             class NotAModule:
                 pass
+
+            class TwoLoaders(NeedsDownload):
+                def train_dataloader(self):  # Lightning combines them: training_step gets {"a": batch, "b": batch}
+                    return {"a": DataLoader(torch.ones(8, 2), batch_size=2), "b": DataLoader(torch.ones(8, 2), batch_size=2)}
             """
         )
     )
@@ -124,6 +128,8 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "2,x"], r"--micro-batch-sizes"),
         (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "4,4"], r"names one size; the time and memory lines need two or more"),
         (["cli_profile_fixtures:NoParams", "--datamodule", "cli_profile_fixtures:NotAModule"], r"is not a LightningDataModule"),
+        (["cli_profile_fixtures:TwoLoaders"], r"The fit has a dict of train dataloaders, and planning profiles one train loader .*"
+                                              r"HINT: Return one DataLoader from cli_profile_fixtures:TwoLoaders\.train_dataloader\(\)"),
     ],
 )
 def test_errors_exit_2_with_hint(
