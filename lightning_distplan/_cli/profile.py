@@ -7,6 +7,8 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -57,6 +59,22 @@ def _load_class(path: str, *, what: str, option: str) -> type:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise ProfilingError(f"{what} path {path!r} is not of the form package.module:ClassName.", hint=f"Pass e.g. {option}lightning.pytorch.demos.transformer:LightningTransformer.")
+    if module_name.startswith(".") or module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        # a file path (mymods.py:Tiny, ./mymods.py:Tiny) or a relative import: importlib would say 'No module named
+        # mymods.py' or ask for a package; the module's import name is what is wanted
+        parts = [part for part in module_name.removesuffix(".py").replace(os.sep, "/").split("/") if part not in ("", ".")]
+        name = parts[-1].lstrip(".") if ".." in parts or os.path.isabs(module_name) else ".".join(parts).lstrip(".")
+        found = "names a file, not a module to import" if module_name.endswith(".py") or "/" in module_name or os.sep in module_name \
+            else "is a relative module name; the module is imported by its absolute name"
+        raise ProfilingError(
+            f"{what} path {path!r} {found}.",
+            hint=f"Name the module as Python imports it, from the folder that holds it: {option}{name or 'mymodule'}:{attr}.",
+        )
+    # The console script's sys.path[0] is its own folder: put the current one first, as `python -m` does, so a model
+    # in the folder the command runs from imports (uvicorn and flask do the same).
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:

@@ -128,6 +128,10 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "2,x"], r"--micro-batch-sizes"),
         (["cli_profile_fixtures:NoParams", "--micro-batch-sizes", "4,4"], r"names one size; the time and memory lines need two or more"),
         (["cli_profile_fixtures:NoParams", "--datamodule", "cli_profile_fixtures:NotAModule"], r"is not a LightningDataModule"),
+        (["cli_profile_fixtures.py:NoParams"], r"model path 'cli_profile_fixtures\.py:NoParams' names a file, not a module to import\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
+        (["./cli_profile_fixtures.py:NoParams"], r"names a file, not a module to import\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
+        (["sub/cli_profile_fixtures.py:NoParams"], r"names a file, not a module to import\. HINT: .*: sub\.cli_profile_fixtures:NoParams\.$"),
+        ([".cli_profile_fixtures:NoParams"], r"is a relative module name; the module is imported by its absolute name\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
         (["cli_profile_fixtures:TwoLoaders"], r"The fit has a dict of train dataloaders, and planning profiles one train loader .*"
                                               r"HINT: Return one DataLoader from cli_profile_fixtures:TwoLoaders\.train_dataloader\(\)"),
     ],
@@ -228,3 +232,33 @@ def test_a_module_whose_dependency_is_missing_names_the_dependency(tmp_path: Pat
     line = capsys.readouterr().err.strip()
     assert "Importing module 'needs_dep_mod' for model 'needs_dep_mod:Model' failed: it imports 'nonexistent_dep_xyz', which is not installed" in line
     assert "HINT: Install the package that provides 'nonexistent_dep_xyz'" in line and "\n" not in line
+
+
+def test_a_model_in_the_current_folder_imports_as_under_python_m(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The console script's sys.path[0] is its own folder, not the current one (which `python -m` puts first): a
+    model module in the folder the command runs from imports all the same."""
+    import sys
+
+    (tmp_path / "model_in_cwd.py").write_text(textwrap.dedent(
+        """
+        import torch
+        from lightning.pytorch import LightningModule
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Tiny(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            def training_step(self, batch, batch_idx):
+                return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+            def train_dataloader(self):
+                return DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
+        """
+    ))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), ".")])  # as under the console script
+    rc, out, err = _run(["model_in_cwd:Tiny", "--micro-batch-sizes", "1,2", "--repeats", "1", "--device", "cpu", "--out", "p.json"], capsys)
+    assert rc == 0, err
+    assert Profile.load(tmp_path / "p.json").model == "model_in_cwd:Tiny"
