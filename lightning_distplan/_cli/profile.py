@@ -153,9 +153,9 @@ def _sizes(text: str | None) -> list[int] | None:
 
 def build_error(what: str, path: str, kwargs: dict[str, Any], err: Exception, option: str) -> ProfilingError:
     """The one sentence for a constructor that refused ``kwargs``."""
-    reason = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
+    why = reason(err).rstrip(".") if str(err).strip() else ""
     return ProfilingError(
-        f"Building {what} {path} with {kwargs!r} failed: {type(err).__name__}{': ' + reason if reason else ''}.",
+        f"Building {what} {path} with {kwargs!r} failed: {type(err).__name__}{': ' + why if why else ''}.",
         hint=f"Pass the constructor's required arguments with {option} JSON.",
     )
 
@@ -251,8 +251,7 @@ def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_pat
         raise
     except Exception as err:
         source = datamodule_path or f"{model_path}.train_dataloader()"
-        first = str(err).strip().splitlines()[0] if str(err).strip() else "(no message)"
-        first = first.split(" HINT:")[0]  # one HINT per error: ours, which names the way around the download
+        first = reason(err)  # one HINT per error: ours, which names the way around the download
         raise DataLoadingError(
             f"Getting the training data from {source} failed with {type(err).__name__}: {first}" + ("" if first.endswith((".", "!", "?")) else "."),
             hint=_data_hint(err),

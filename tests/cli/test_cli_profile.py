@@ -132,6 +132,9 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["./cli_profile_fixtures.py:NoParams"], r"names a file, not a module to import\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
         (["sub/cli_profile_fixtures.py:NoParams"], r"names a file, not a module to import\. HINT: .*: sub\.cli_profile_fixtures:NoParams\.$"),
         ([".cli_profile_fixtures:NoParams"], r"is a relative module name; the module is imported by its absolute name\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
+        # the constructor's own HINT gives way to ours: one HINT per line
+        (["cli_profile_fixtures:NoParams", "--datamodule", "lightning_distplan.bench.models:RandomVectorData", "--datamodule-args", '{"in_features": 0}'],
+         r"Building datamodule .*RandomVectorData with \{'in_features': 0\} failed: ValueError: `in_features` \(0\) must be a positive integer\. HINT: Pass"),
         (["cli_profile_fixtures:TwoLoaders"], r"The fit has a dict of train dataloaders, and planning profiles one train loader .*"
                                               r"HINT: Return one DataLoader from cli_profile_fixtures:TwoLoaders\.train_dataloader\(\)"),
     ],
