@@ -91,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except DistPlanError as err:
         print(f"distplan {args.command}: error: {err}", file=sys.stderr)
+        import os
+
+        if os.environ.get("DISTPLAN_DEBUG"):  # the traceback, with the original error chained where there is one
+            raise
         return 2
     except BrokenPipeError:
         # the reader of our output went away (`distplan plan ... | head`): end quietly, as a killed writer does

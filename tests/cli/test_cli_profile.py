@@ -265,3 +265,21 @@ def test_a_model_in_the_current_folder_imports_as_under_python_m(tmp_path: Path,
     rc, out, err = _run(["model_in_cwd:Tiny", "--micro-batch-sizes", "1,2", "--repeats", "1", "--device", "cpu", "--out", "p.json"], capsys)
     assert rc == 0, err
     assert Profile.load(tmp_path / "p.json").model == "model_in_cwd:Tiny"
+
+
+def test_distplan_debug_shows_the_traceback_of_our_own_errors_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """DISTPLAN_DEBUG=1 re-raises the package's own errors after their line (as it does for others), so the traceback
+    shows, with the user's original error chained; without it, the line and exit 2."""
+    from lightning_distplan.errors import DistPlanError, ProfilingError
+
+    (tmp_path / "zerodiv_at_import.py").write_text("x = 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["profile", "zerodiv_at_import:Model", "--out", str(tmp_path / "p.json")]
+    assert main(argv) == 2
+    monkeypatch.setenv("DISTPLAN_DEBUG", "1")
+    with pytest.raises(ProfilingError, match="while running its code: ZeroDivisionError") as info:
+        main(argv)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert "error: Importing module 'zerodiv_at_import'" in capsys.readouterr().err
+    with pytest.raises(DistPlanError):  # one that chains nothing
+        main(["plan", "--profile", str(tmp_path / "missing.json"), "--world-size", "2", "--global-batch-size", "8"])
