@@ -212,7 +212,10 @@ def run(args: argparse.Namespace) -> int:
     profile = dataclasses.replace(profile, model=args.model if ":" in args.model else profile.model)
     path = profile.save(args.out)
     total = time.perf_counter() - start
-    _summary(profile, path, total)
+    try:
+        _summary(profile, path, total)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"the profile was written to {path}") from None  # main says what was kept
     return 0
 
 

@@ -283,3 +283,28 @@ def test_distplan_debug_shows_the_traceback_of_our_own_errors_too(tmp_path: Path
     assert "error: Importing module 'zerodiv_at_import'" in capsys.readouterr().err
     with pytest.raises(DistPlanError):  # one that chains nothing
         main(["plan", "--profile", str(tmp_path / "missing.json"), "--world-size", "2", "--global-batch-size", "8"])
+
+
+def test_a_ctrl_c_after_the_profile_was_written_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Ctrl-C while the summary prints (the profile already saved) must not claim that no profile was written."""
+    import io
+    import sys
+
+    class CtrlCOnSummary(io.StringIO):
+        def write(self, text: str) -> int:
+            if "written to" in text:  # the key lands as the summary's first line prints
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    out_file = tmp_path / "p.json"
+    argv = [
+        "lightning.pytorch.demos.transformer:LightningTransformer", "--init-args", json.dumps({"vocab_size": 16}),
+        *_TINY, "--datamodule-args", json.dumps({"vocab_size": 16, "block_size": 4, "batch_size": 2, "num_samples": 8}),
+        "--micro-batch-sizes", "1,2", "--repeats", "1", "--device", "cpu", "--quiet", "--out", str(out_file),
+    ]
+    monkeypatch.setattr(sys, "stdout", CtrlCOnSummary())
+    rc = main(["profile", *argv])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err.strip().splitlines()[-1] == f"distplan profile: interrupted; the profile was written to {out_file}"
+    assert Profile.load(out_file).micro_batch_sizes == (1, 2)
