@@ -36,7 +36,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from lightning_distplan.errors import ProfileFormatError
+from lightning_distplan.errors import ProfileFormatError, first_line
 
 #: the ``Trainer(precision=...)`` names ``distplan profile`` and ``distplan bench`` accept
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
@@ -358,8 +358,17 @@ class Profile:
             raise ProfileFormatError(f"Profile file {str(path)!r} does not exist.", hint="Create one with `distplan profile package.module:ClassName --out FILE`.")
         try:
             data = json.loads(path.read_text())
+        except RecursionError:  # arrays or objects nested thousands deep: no profile is
+            raise ProfileFormatError(
+                f"Profile file {str(path)!r} is not a profile (its JSON is nested too deeply to read).", hint="The file is corrupt; re-create it with `distplan profile`."
+            ) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ProfileFormatError(f"Profile file {str(path)!r} is not valid JSON ({err}).", hint="The file is corrupt; re-create it with `distplan profile`.") from None
+        except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits(), 4300)
+            raise ProfileFormatError(
+                f"Profile file {str(path)!r} holds a number too long to be a profile's ({str(err).split(':')[0]}).",
+                hint="The file is corrupt; re-create it with `distplan profile`.",
+            ) from None
         except OSError as err:
             raise ProfileFormatError(f"Profile file {str(path)!r} cannot be read ({err.strerror or err}).", hint="Check the file's permissions.") from None
         return cls.from_dict(data, source=str(path))
@@ -379,8 +388,8 @@ class Profile:
             )
         try:
             profile = _build(cls, data)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise ProfileFormatError(f"{source!r} is not a valid profile ({type(err).__name__}: {err}).", hint=hint) from None
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as err:
+            raise ProfileFormatError(f"{source!r} is not a valid profile ({type(err).__name__}: {first_line(err)}).", hint=hint) from None
         profile.validate(source)
         return profile
 
@@ -401,6 +410,9 @@ class Profile:
             raise ProfileFormatError(f"{source!r} holds a non-finite number at {bad}.", hint=hint)
         if not self.layers:
             raise ProfileFormatError(f"{source!r} has no layers.", hint=hint)
+        named = next((i for i, layer in enumerate(self.layers) if not isinstance(layer.name, str)), None)
+        if named is not None:  # here, not in the plan built from these names, which would blame the plan
+            raise ProfileFormatError(f"{source!r} has layers[{named}].name = {self.layers[named].name!r}; a layer's name is a string.", hint=hint)
         if not self.micro_batch_sizes:
             raise ProfileFormatError(f"{source!r} has no profiled micro-batch sizes.", hint=hint)
         if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.micro_batch_sizes):
@@ -434,12 +446,6 @@ class Profile:
             raise ProfileFormatError(f"{source!r} has {huge} = {numbers[huge]!r}, beyond any device.", hint=hint)
         if not isinstance(self.splittable, bool):
             raise ProfileFormatError(f"{source!r} has splittable = {self.splittable!r}; it must be true or false.", hint=hint)
-        if self.memory.grad_bytes > self.memory.param_bytes:
-            raise ProfileFormatError(
-                f"{source!r} has more gradient bytes ({self.memory.grad_bytes}) than parameter bytes ({self.memory.param_bytes}); "
-                "gradients exist only for trainable parameters.",
-                hint=hint,
-            )
         if self.infeasible_micro_batch_sizes and min(self.infeasible_micro_batch_sizes) <= max(self.micro_batch_sizes):
             raise ProfileFormatError(
                 f"{source!r} lists micro-batch {min(self.infeasible_micro_batch_sizes)} as out of memory but profiled "
@@ -449,6 +455,12 @@ class Profile:
         negative = next((name for name, x in sizes.items() if x < 0), None)
         if negative is not None:
             raise ProfileFormatError(f"{source!r} has a negative {negative} ({sizes[negative]!r}); sizes, FLOPs and times are never negative.", hint=hint)
+        if self.memory.grad_bytes > self.memory.param_bytes:  # after the sign check: a negative param_bytes is named as such
+            raise ProfileFormatError(
+                f"{source!r} has more gradient bytes ({self.memory.grad_bytes}) than parameter bytes ({self.memory.param_bytes}); "
+                "gradients exist only for trainable parameters.",
+                hint=hint,
+            )
         for i, layer in enumerate(self.layers):  # after the sign check, which names a negative param_bytes as such
             if layer.trainable_param_bytes is not None and layer.trainable_param_bytes > layer.param_bytes:
                 raise ProfileFormatError(

@@ -179,6 +179,13 @@ def test_table_output_and_options(profile_path, capsys):
         # shared parameters count under their first user, so they cannot hold more than it does
         ({"shared_parameters": [{"layers": [1, 3], "param_bytes": 4_000_001}]}, ["--world-size", "2", "--global-batch-size", "8"],
          "4000001 bytes of shared parameters first used by layers[1], which holds 4000000 bytes"),
+        # the sign check comes first: a negative param_bytes is named as such, not as fewer bytes than the gradients'
+        ({"memory": {**profile_json()["memory"], "param_bytes": -5}}, ["--world-size", "2", "--global-batch-size", "8"],
+         "has a negative memory.param_bytes (-5); sizes, FLOPs and times are never negative"),
+        # a layer name that is not a string is the profile's fault (it named the plan before)
+        ({"layers": [{**_layer(0), "name": 5}, _layer(1)]}, ["--world-size", "2", "--global-batch-size", "8"],
+         "has layers[0].name = 5; a layer's name is a string. HINT: Re-create it with `distplan profile`"),
+        ({"layers": [_layer(0), {**_layer(1), "name": ["a"]}]}, ["--world-size", "2", "--global-batch-size", "8"], "has layers[1].name = ['a']"),
         # numbers so large or small that the arithmetic overflows: refused naming the option, never inf printed or a crash
         (None, ["--world-size", "4", "--global-batch-size", "32", "--device-memory-gb", "1e300"], "--device-memory-gb 1e+300 is more than any device holds"),
         (None, ["--world-size", "4", "--global-batch-size", "32", "--bandwidth-gbps", "1e-320"], "--bandwidth-gbps 9.99989e-321 is so small"),
@@ -376,3 +383,20 @@ def test_the_plan_commands_finiteness_check_finds_nested_values():
     assert _non_finite({"a": 1.0, "b": [0.5, {"c": 2.0}]}) is None
     assert _non_finite({"a": 1.0, "breakdown": {"compute": float("inf")}}) == ("breakdown.compute", float("inf"))
     assert _non_finite({"stage_times_s": [1.0, float("-inf")]}) == ("stage_times_s[1]", float("-inf"))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "is not a profile (its JSON is nested too deeply to read)"),
+        ('{"schema_version": 1, "model": "m", "micro_batch_sizes": [' + "7" * 5000 + "]}",
+         "holds a number too long to be a profile's (Exceeds the limit (4300 digits) for integer string conversion)"),
+    ],
+)
+def test_a_profile_file_json_cannot_hold_is_named_with_the_profile_hint(tmp_path, capsys, text, message):
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    assert main(["plan", "--profile", str(path), "--world-size", "2", "--global-batch-size", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"Profile file {str(path)!r} {message}" in err[0], err
+    assert err[0].endswith("HINT: The file is corrupt; re-create it with `distplan profile`.")
