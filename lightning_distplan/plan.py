@@ -205,7 +205,7 @@ class Plan:
         if not isinstance(data, dict):
             raise ProfileFormatError(f"A plan must be a JSON object, got {type(data).__name__}.", hint="Pass a plan.json written by distplan.")
         version = data.get("schema_version", PLAN_SCHEMA_VERSION)
-        if version != PLAN_SCHEMA_VERSION:
+        if type(version) is not int or version != PLAN_SCHEMA_VERSION:  # True == 1 == 1.0 in Python; Profile refuses them too
             raise ProfileFormatError(
                 f"Plan schema version {version!r} is not supported (this is version {PLAN_SCHEMA_VERSION}).",
                 hint="Re-plan with this version of lightning_distplan.",
@@ -219,7 +219,10 @@ class Plan:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:
-            Path(path).write_text(text)
+            from lightning_distplan._files import check_output_path, write_text_atomic
+
+            # atomic, as Profile.save: an interrupted write never leaves a half-written plan where one was
+            write_text_atomic(check_output_path(path, "the plan path"), text)
         return text
 
     @classmethod

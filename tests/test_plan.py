@@ -69,6 +69,9 @@ def test_json_round_trip_from_text_and_file(tmp_path: Path):
         ("dir", r"does not exist or is not a file"),
         ('{"strategy": ', r"The plan is not valid JSON"),
         ('{"schema_version": 7}', r"Plan schema version 7 is not supported"),
+        # a version that equals 1 in Python but is not the integer 1 (Profile refuses these the same way)
+        ('{"schema_version": true, "strategy": "dp_ga", "global_batch_size": 4, "micro_batch_size": 4}', r"Plan schema version True is not supported"),
+        ('{"schema_version": 1.0, "strategy": "dp_ga", "global_batch_size": 4, "micro_batch_size": 4}', r"Plan schema version 1\.0 is not supported"),
         ('{"strategy": "dp_ga"}', r"The plan has no global_batch_size, micro_batch_size\."),
         ('{"plan": {"strategy": "dp_ga"}, "prediction": {}}', r"The plan has no global_batch_size, micro_batch_size\."),
     ],
@@ -110,3 +113,23 @@ def test_numpy_integers_become_python_ints():
     assert Plan.from_json(plan.to_json()) == plan
     with pytest.raises(InfeasiblePlanError, match=r"`dp` must be a positive integer, got np.float64\(2.0\)"):
         Plan(**{**PIPE, "dp": np.float64(2)})
+
+
+def test_to_json_writes_atomically_and_refuses_a_folder(tmp_path: Path):
+    """Plan.to_json(path) replaces the file by a rename from a temporary one (as Profile.save): the old plan stays
+    whole until the new one is complete, and no temporary file is left; a folder as the path is refused."""
+    import json
+    import os
+
+    from lightning_distplan.errors import OutputPathError
+
+    plan = Plan(**PIPE)
+    path = tmp_path / "plan.json"
+    path.write_text("old plan")
+    before = os.stat(path).st_ino
+    plan.to_json(path)
+    assert os.stat(path).st_ino != before  # a new file renamed over the old, not the old one rewritten in place
+    assert Plan.from_json(path) == plan and json.loads(path.read_text())["schema_version"] == PLAN_SCHEMA_VERSION
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    with pytest.raises(OutputPathError, match="is a directory"):
+        plan.to_json(tmp_path)
