@@ -149,12 +149,23 @@ times float32's rounding of the same arithmetic in another order (label smoothin
 loss by 7e-4); 1e-2 when the weights or the precision are 16-bit, which catches only larger differences."""
 
 
-def _pipeline_loss_difference(prof: _Profiler, m: int) -> str | None:
-    """:func:`loss_difference` on the profiler's micro-batch of ``m`` samples."""
-    return loss_difference(
-        prof.module, lambda: prof.step_output(m), lambda: prof.chain_output(m), devices=[prof.device] if prof.cuda else [],
+def _pipeline_loss_difference(prof: _Profiler, m: int) -> tuple[str | None, bool]:
+    """:func:`loss_difference` on the profiler's micro-batch of ``m`` samples, and whether the pipeline's chain itself
+    raised (it cannot run on these batches: a dict fed to an ``nn.Sequential``)."""
+    chain_failed: list[bool] = []
+
+    def chain() -> Any:
+        try:
+            return prof.chain_output(m)
+        except Exception:
+            chain_failed.append(True)
+            raise
+
+    differs = loss_difference(
+        prof.module, lambda: prof.step_output(m), chain, devices=[prof.device] if prof.cuda else [],
         params=prof.params, precision=str(getattr(prof.precision_plugin, "precision", "32-true")),
     )
+    return differs, bool(chain_failed)
 
 
 def loss_difference(
@@ -712,13 +723,15 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
 
     split_reason = discovered.split_reason
     if prof.spec is not None:
-        differs = _pipeline_loss_difference(prof, m0)
+        differs, chain_failed = _pipeline_loss_difference(prof, m0)
         if _reduce(float(differs is not None), "max"):  # every rank plans with the same answer
             split_reason = differs or "the pipeline's loss differs from training_step's on another rank's batch"
             prof.say(f"not splittable: {split_reason}")
             log.warning("Pipelines are left out of the plans: %s.", split_reason)
-            # Profiled as a module that cannot be split: the per-layer pass runs training_step, as the plans will,
-            # not the pipeline's chain (which may not even run on these batches: a dict fed to an nn.Sequential).
+        if _reduce(float(chain_failed), "max"):
+            # The chain cannot run on these batches (a dict fed to an nn.Sequential): the per-layer pass runs
+            # training_step instead, as for a module that cannot be split. A chain that runs but computes another
+            # loss stays the pass's path (training_step may call autograd.grad, which the layer hooks do not take).
             prof.spec = None
 
     # -- main loop: whole step, then per layer ---------------------------------------------------
