@@ -33,7 +33,8 @@ def add_parser(subparsers: Any) -> None:
             "measure per-layer time, memory and FLOPs on CUDA when present else CPU, and write the Profile JSON."
         ),
     )
-    parser.add_argument("model", metavar="package.module:ClassName", help="import path of the LightningModule class")
+    parser.add_argument("model", metavar="package.module:ClassName",
+                        help="import path of the LightningModule class (modules in the current folder import, as under python -m)")
     parser.add_argument("--out", required=True, help="where to write the Profile JSON")
     parser.add_argument("--init-args", default="{}", metavar="JSON", help="keyword arguments for the model's constructor")
     parser.add_argument("--datamodule", default=None, metavar="package.module:ClassName", help="LightningDataModule class giving the batches")
