@@ -42,6 +42,14 @@ def as_int(value: object) -> int | None:
     return operator.index(value)
 
 
+def as_indices(value: object) -> tuple[int, ...] | None:
+    """``value`` as a tuple of ints when it is a list, tuple or array of integers (not floats or bools), else None."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        return None
+    indices = tuple(as_int(v) for v in value)  # type: ignore[attr-defined]
+    return None if None in indices else indices  # type: ignore[return-value]
+
+
 def _whole(value: object) -> int | None:
     """``value`` as an int when it is a whole number (an int, numpy integer or integral float), else None."""
     if isinstance(value, bool):

@@ -306,6 +306,9 @@ class StepTimeMonitor(Callback):
             plan=nxt, candidates=tuple(candidates), hardware=hardware, source="replanned",
             profiling_s=outcome.profiling_s, planning_s=outcome.planning_s,
         )
+        later = getattr(trainer.strategy, "later_fits", None)
+        if later is not None:  # a later fit of this Trainer runs (and monitors) the plan as re-planned
+            later.outcome = self._outcome
         self._predicted = self._outcome.prediction.step_time_s if self._outcome.prediction is not None else None
         record = {
             "step": trainer.global_step,

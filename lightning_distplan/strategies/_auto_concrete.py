@@ -14,11 +14,10 @@
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
@@ -30,7 +29,6 @@ from lightning_distplan.strategies.dp_ga import (
     _is_count,
     _MicroBatchLoader,
     _rebatch,
-    _samples_per_epoch,
     loader_batch_size,
 )
 from lightning_distplan.strategies.pipeline import PipelineStrategy
@@ -53,6 +51,8 @@ class _LaterFits:
         self.given_global_batch = False  # set by auto_plan: the plan's global batch is the user's argument
         self.fits = 0
         self.module: Any = None
+        self.outcome: Any = None  # the plan's PlanningOutcome, as the last re-plan left it (StepTimeMonitor sets it)
+        self.attach: Callable[[pl.Trainer, Any], None] | None = None  # auto_plan's: attach its StepTimeMonitor again
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Count a fit; refuse a later one that trains another module than the one planned."""
@@ -67,6 +67,8 @@ class _LaterFits:
                 f"and this fit trains another module.",
                 hint=_NEW_TRAINER,
             )
+        elif self.attach is not None and self.outcome is not None:
+            self.attach(trainer, self.outcome)  # the monitor started afresh in its setup: it logs (and re-plans) this fit too
 
     def check_loader(self, dataloader: object, world_size: int) -> None:
         """Refuse a later fit whose loader makes another global batch than the plan's."""
@@ -147,20 +149,55 @@ class _AutoDPGAStrategy(DPGAStrategy):
             module.trainer.accumulate_grad_batches = self._auto_user_accumulate
 
 
+def pipeline_shortfall(n: int, b: int, drop_last: bool, *, world: int, dp: int, step: int) -> int:
+    """Samples per replica and epoch a pipeline of ``dp`` replicas, each training ``step`` samples per step, trains
+    fewer than DDP's ``world`` processes do over a dataset of ``n`` in loader batches of ``b``.
+
+    ``DistributedSampler`` pads each shard to ``ceil(n / shards)``; under ``drop_last`` each process of DDP (each
+    replica of the pipeline, whose stages read its shard together) trains whole loader batches only, and a pipeline
+    step takes whole steps of what its replica's loader yields.
+
+    Example:
+        >>> pipeline_shortfall(60, 8, False, world=2, dp=1, step=16)  # DDP: 30 + 30 (short last batches); 3 steps of 16
+        12
+        >>> pipeline_shortfall(60, 8, True, world=2, dp=1, step=16)  # DDP: 24 + 24 in whole batches; 3 steps of 16
+        0
+    """
+
+    def trained(shards: int) -> int:
+        shard = -(-n // shards)
+        return shard - shard % b if drop_last else shard
+
+    replica = trained(dp)
+    return max(0, world * trained(world) - dp * (replica - replica % step)) // dp
+
+
 class _FullBatchLoader(_MicroBatchLoader):
     """Yields exactly ``micro_batch_size`` samples per batch; a trailing short batch is dropped (a
-    pipeline schedule needs ``n`` equal micro-batches), with one warning when an epoch starts."""
+    pipeline schedule needs ``n`` equal micro-batches). ``shortfall`` (set by the strategy: samples per replica and
+    epoch that DDP would train and this does not, None where the loader's length is unknown) is warned about when an
+    epoch starts; an unknown one when the epoch ends short."""
+
+    shortfall: int | None = None
+    _OWN = _MicroBatchLoader._OWN | {"shortfall"}  # its own attribute, not the wrapped loader's
 
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
-        n = _samples_per_epoch(self._loader)
-        if n is not None and limit is None and n % self.micro_batch_size:
-            rank_zero_warn(
-                f"auto_plan: the epoch's last {n % self.micro_batch_size} samples per replica do not fill a pipeline step of "
-                f"{self.micro_batch_size} samples and are skipped (as with drop_last=True)."
+        if self.shortfall and limit is None:
+            self._warn_once(
+                "shortfall", f"auto_plan: the epoch's last {self.shortfall} samples per replica do not fill a pipeline step of "
+                f"{self.micro_batch_size} samples and are skipped (a run of your loader under DDP trains them)."
             )
+        dropped = 0
         for batch in _rebatch(batches, self.micro_batch_size):
             if _batch_n(batch) == self.micro_batch_size:
                 yield batch
+            else:
+                dropped += _batch_n(batch)
+        if dropped and self.shortfall is None and limit is None:
+            self._warn_once(
+                "dropped", f"auto_plan: the epoch's last {dropped} samples of this replica did not fill a pipeline step of "
+                f"{self.micro_batch_size} samples and were skipped (the loader's length is unknown, so this could not be said before)."
+            )
 
     def __len__(self) -> int:
         return self._samples() // self.micro_batch_size
@@ -209,7 +246,10 @@ class _AutoPipelineStrategy(PipelineStrategy):
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches
-        return self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp)
+        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp)
+        if isinstance(wrapped, _FullBatchLoader):
+            wrapped.shortfall = loader_shortfall(dataloader, plan, sharded=True)
+        return wrapped
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -225,6 +265,22 @@ class _AutoPipelineStrategy(PipelineStrategy):
             self._rechunk.restore(module.trainer)
             for prefix, value in self._user_eval_limits.items():
                 setattr(module.trainer, f"limit_{prefix}_batches", value)
+
+
+def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool) -> int | None:
+    """:func:`pipeline_shortfall` of a pipeline ``plan`` for the user's train loader, or None where its length is unknown;
+    ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own."""
+    b = loader_batch_size(dataloader)
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
+    drop_last = getattr(batch_sampler, "drop_last", getattr(dataloader, "drop_last", None))
+    try:
+        n = len(getattr(sampler, "dataset", None) if sharded else sampler)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if b is None or drop_last is None:
+        return None
+    return pipeline_shortfall(n, b, bool(drop_last), world=plan.world_size, dp=plan.dp, step=plan.micro_batch_size * plan.n_microbatches)
 
 
 def build_concrete(

@@ -114,7 +114,7 @@ def resolve_boundaries(
             f"Cannot split {n_layers} layer{'s' if n_layers != 1 else ''} into {stages} pipeline stages (more stages than layers).",
             hint=f"Use at most {n_layers} stage{'s' if n_layers != 1 else ''}, or expose finer blocks through `pipeline_spec()`.",
         )
-    if stage_boundaries != "auto":
+    if not isinstance(stage_boundaries, str):  # given, checked by PipelineStrategy
         b = tuple(int(x) for x in stage_boundaries)  # type: ignore[union-attr]
         if len(b) != stages - 1 or any(x <= 0 for x in b) or any(x >= y for x, y in zip(b, b[1:])) or (b and b[-1] >= n_layers):
             raise InfeasiblePlanError(

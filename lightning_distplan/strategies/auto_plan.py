@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -42,9 +42,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
-from lightning_distplan.plan import STRATEGIES, Plan, as_int
+from lightning_distplan.plan import STRATEGIES, Plan, as_indices
 from lightning_distplan.profile import unsplittable
-from lightning_distplan.strategies._auto_concrete import build_concrete
+from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_count,
@@ -66,7 +66,13 @@ from lightning_distplan.strategies._auto_planning import (
 from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan, stored_plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
-from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, accumulation_scheduled, check_ddp_kwargs, loader_batch_size
+from lightning_distplan.strategies.dp_ga import (
+    PROGRESS_KEY,
+    accumulation_scheduled,
+    check_ddp_kwargs,
+    loader_batch_size,
+    unused_parameters_named,
+)
 from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS, pipeline_callback_conflicts
 
 if TYPE_CHECKING:
@@ -162,13 +168,9 @@ class AutoPlanStrategy(DDPStrategy):
                 f"strategy={strategy!r} contradicts schedule={schedule!r}.",
                 hint="Pin one of them: strategy='dp_ga' is schedule='none', strategy='gpipe' / '1f1b' the schedule of that name.",
             )
-        boundaries = (
-            None if isinstance(stage_boundaries, (str, bytes, Mapping)) or not isinstance(stage_boundaries, Iterable)
-            else [as_int(b) for b in stage_boundaries]
-        )
-        if stage_boundaries != "auto" and (
-            boundaries is None or any(b is None or b < 1 for b in boundaries) or boundaries != sorted(set(boundaries))
-        ):
+        auto_split = isinstance(stage_boundaries, str) and stage_boundaries == "auto"
+        boundaries = None if auto_split else as_indices(stage_boundaries)
+        if not auto_split and (boundaries is None or any(b < 1 for b in boundaries) or list(boundaries) != sorted(set(boundaries))):
             raise InfeasiblePlanError(
                 f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {stage_boundaries!r}.",
                 hint="Pass e.g. stage_boundaries=[6] for two stages split before profiled layer 6.",
@@ -180,7 +182,7 @@ class AutoPlanStrategy(DDPStrategy):
         self._pins = pins_from(
             strategy=strategy, schedule=schedule, stages=stages, micro_batch_size=micro_batch_size,
             accumulate_grad_batches=accumulate_grad_batches, n_microbatches=n_microbatches,
-            stage_boundaries=None if stage_boundaries == "auto" else boundaries,
+            stage_boundaries=boundaries,
         )
         self._global_batch_arg = None if global_batch_size == "auto" else global_batch_size
         self._device_memory_bytes = device_memory_bytes
@@ -282,16 +284,23 @@ class AutoPlanStrategy(DDPStrategy):
             pipeline_kwargs=self._pipeline_kwargs,
         )
         self._concrete = concrete
-        concrete.later_fits.given_global_batch = self._global_batch_arg is not None  # type: ignore[union-attr]  # both kinds
+        later = concrete.later_fits  # type: ignore[union-attr]  # both concrete kinds have it
+        later.given_global_batch, later.outcome, later.attach = self._global_batch_arg is not None, outcome, self._attach_again
         # what the plan was made for, stored with it in checkpoints (a reused plan keeps its own)
         concrete.plan_memory_limit_bytes = (  # type: ignore[attr-defined]  # both concrete kinds have it
             outcome.hardware.device_memory_bytes if outcome.hardware is not None else self._checkpoint_context.get("memory_limit_bytes")
         )
         if self._resuming is not None:
             concrete._rechunk.resumed(self._resuming)  # type: ignore[union-attr]  # both concrete kinds re-chunk the loader
-        self._attach_monitor(trainer, outcome)
+        self._attach_monitor(trainer, outcome, fit_start=self._fit_start)
         trainer._accelerator_connector.strategy = concrete
         concrete.setup(trainer)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # runs only where auto_plan fell back to plain DDP (the plan's strategy takes the Trainer's place otherwise)
+        with unused_parameters_named(self, "AutoPlanStrategy"):
+            return super().training_step(*args, **kwargs)
 
     # -- planning ------------------------------------------------------------------------------
     def _made_for_another_run(self) -> str | None:
@@ -368,7 +377,8 @@ class AutoPlanStrategy(DDPStrategy):
                     profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
                     device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
                 )
-                if not self._pipeline_pinned() and trainer.limit_train_batches == 1.0:
+                whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
+                if not self._pipeline_pinned() and whole_epoch:
                     candidates = whole_epochs_first(candidates, loader)
                 decision = ("ok", candidates, hardware)
             except Exception as err:  # every rank must raise, not only rank 0
@@ -434,13 +444,17 @@ class AutoPlanStrategy(DDPStrategy):
         trainer.callbacks.append(monitor)
         return monitor
 
-    def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome) -> None:
+    def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome, *, fit_start: float | None = None) -> None:
         monitor = self._monitor_for(trainer)
         monitor.attach(
             outcome=outcome, profile=self._profile, pins=self._pins, device_memory_bytes=self._device_memory_bytes,
-            fit_start=self._fit_start, strategies=self._strategies,
+            fit_start=fit_start, strategies=self._strategies,
         )
         self._monitor = monitor
+
+    def _attach_again(self, trainer: pl.Trainer, outcome: PlanningOutcome) -> None:
+        """A later fit of the same Trainer runs ``outcome``'s plan on: no planning overhead to report for it."""
+        self._attach_monitor(trainer, outcome, fit_start=None)
 
 
 _DDP_BASE_ARGS = (
@@ -450,29 +464,10 @@ _DDP_BASE_ARGS = (
 
 
 def skipped_samples(plan: Plan, loader: object) -> int:
-    """Samples per replica and epoch a pipeline plan would skip: its step of ``m·n`` samples (per flush) does not divide
-    what the replica's ``DistributedSampler`` shard yields (the epoch's last samples, as ``drop_last``); 0 for dp_ga,
-    which trains the short last batch, or where the loader's length is unknown."""
-    samples, b = _samples_per_epoch_of(loader)
-    if plan.strategy == "dp_ga" or samples is None or b is None:
-        return 0
-    per_replica = -(-samples[0] // plan.dp)  # the sampler pads every shard to the same length
-    if samples[1]:  # drop_last: the replica's loader yields whole batches only
-        per_replica -= per_replica % b
-    return per_replica % (plan.micro_batch_size * plan.n_microbatches)
-
-
-def _samples_per_epoch_of(loader: object) -> tuple[tuple[int, bool] | None, int | None]:
-    """(samples in the sampler, the batch sampler's drop_last) of the user's un-sharded loader, and its batch size."""
-    b = loader_batch_size(loader)
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) or getattr(loader, "sampler", None)
-    drop_last = getattr(batch_sampler, "drop_last", getattr(loader, "drop_last", None))
-    try:
-        n = len(sampler)  # type: ignore[arg-type]
-    except TypeError:
-        return None, b
-    return (None if drop_last is None else (n, bool(drop_last))), b
+    """Samples per replica and epoch a pipeline plan would not train that a DDP run of the user's ``loader`` (not yet
+    sharded) trains (:func:`~lightning_distplan.strategies._auto_concrete.pipeline_shortfall`); 0 for dp_ga, which
+    trains the short last batch, or where the loader's length is unknown."""
+    return 0 if plan.strategy == "dp_ga" else loader_shortfall(loader, plan, sharded=False) or 0
 
 
 def whole_epochs_first(candidates: Sequence[Candidate], loader: object) -> list[Candidate]:

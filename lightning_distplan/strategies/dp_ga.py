@@ -46,6 +46,7 @@ The ``batch_idx`` that hooks receive counts micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -231,18 +232,8 @@ class DPGAStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        try:
+        with unused_parameters_named(self, self.user_facing_name):
             loss = super().training_step(*args, **kwargs)
-        except RuntimeError as err:
-            # DDP (which wraps even one device here) found parameters the last step's loss did not use; its own advice
-            # (Lightning's strategy='ddp_find_unused_parameters_true') would drop this strategy.
-            if "find_unused_parameters" in str(err) and not self._ddp_kwargs.get("find_unused_parameters"):
-                raise InfeasiblePlanError(
-                    f"{type(self.lightning_module).__name__} has parameters its training_step's loss does not use (a head used "
-                    "only in predict_step?), which DistributedDataParallel, wrapping the model under this strategy, refuses.",
-                    hint=f"Pass {self.user_facing_name}(find_unused_parameters=True), or set requires_grad=False on them.",
-                ) from err
-            raise
         return self._rechunk.weigh(loss)
 
     @property
@@ -964,15 +955,33 @@ class _MicroBatchLoader:
     _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began"})
 
     def __getattr__(self, name: str) -> Any:
-        if name in _MicroBatchLoader._OWN:  # during unpickling, before __init__ ran
+        if name in type(self)._OWN:  # during unpickling, before __init__ ran
             raise AttributeError(name)
         return getattr(self._loader, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _MicroBatchLoader._OWN:
+        if name in type(self)._OWN:
             object.__setattr__(self, name, value)
         else:  # e.g. Lightning's worker_init_fn injection belongs to the real loader
             setattr(self._loader, name, value)
+
+
+@contextlib.contextmanager
+def unused_parameters_named(strategy: DDPStrategy, name: str) -> Iterator[None]:
+    """Turn DDP's error about parameters the last step's loss did not use into one sentence naming the argument that
+    keeps ``name`` (DDP wraps even one device under these strategies; its own advice, Lightning's
+    ``strategy='ddp_find_unused_parameters_true'``, would drop it)."""
+    try:
+        yield
+    except RuntimeError as err:
+        if "find_unused_parameters" not in str(err) or strategy._ddp_kwargs.get("find_unused_parameters"):
+            raise
+        module = strategy.lightning_module
+        raise InfeasiblePlanError(
+            f"{type(module).__name__} has parameters its training_step's loss does not use (a head used only in "
+            "predict_step?), which DistributedDataParallel, wrapping the model under this strategy, refuses.",
+            hint=f"Pass {name}(find_unused_parameters=True), or set requires_grad=False on them.",
+        ) from err
 
 
 def _batch_n(batch: Any, sizer: BatchSizer | None = None) -> int:

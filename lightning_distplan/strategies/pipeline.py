@@ -81,7 +81,7 @@ from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
-from lightning_distplan.plan import Plan, as_int
+from lightning_distplan.plan import Plan, as_indices, as_int
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
@@ -253,6 +253,14 @@ class PipelineStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        if not (isinstance(stage_boundaries, str) and stage_boundaries == "auto"):
+            given = as_indices(stage_boundaries)
+            if given is None or any(b < 1 for b in given) or list(given) != sorted(set(given)):
+                raise InfeasiblePlanError(
+                    f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {stage_boundaries!r}.",
+                    hint="Pass e.g. stage_boundaries=[6] for two stages split before layer 6 of the pipeline spec.",
+                )
+            stage_boundaries = given
         if schedule not in ("auto", *_SCHEDULES):
             raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
         counts = []
@@ -275,7 +283,7 @@ class PipelineStrategy(DDPStrategy):
                 if mine != "auto" and mine != theirs:
                     raise InfeasiblePlanError(f"`{name}`={mine!r} contradicts the plan's {theirs!r}.", hint=f"Leave `{name}`='auto' to run the plan.")
             schedule, n_microbatches, stages = plan.strategy, plan.n_microbatches, plan.pp
-            if stage_boundaries == "auto" and plan.stage_boundaries:
+            if isinstance(stage_boundaries, str) and plan.stage_boundaries:  # "auto"
                 stage_boundaries = plan.stage_boundaries
         self._schedule_name: str = "1f1b" if schedule == "auto" else schedule
         self._n_arg = n_microbatches

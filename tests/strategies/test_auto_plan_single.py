@@ -99,13 +99,17 @@ def test_a_later_fit_on_the_same_trainer_keeps_the_plan_or_says_why_it_cannot(tm
     """auto_plan plans once per Trainer: a later fit of the same module and global batch runs that plan on; one whose
     loader makes another global batch, or that trains another module, is refused (it ran the first fit's batch)."""
     model = _small(n_samples=64)
-    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=4), devices=1, max_epochs=1))
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=4, replan="auto"), devices=1, max_epochs=1))
     trainer.fit(model)
     plan, steps = trainer.strategy.plan, trainer.global_step
     assert (plan.global_batch_size, steps) == (8, 8)
     trainer.fit_loop.max_epochs = 2
-    trainer.fit(model)  # the same module and loader: one more epoch of the same plan
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*re-plans under strategy='auto_plan' only")  # the monitor is auto_plan's again
+        trainer.fit(model)  # the same module and loader: one more epoch of the same plan
     assert trainer.strategy.plan == plan and trainer.global_step == 16
+    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor))
+    assert monitor.history and all(r["predicted_s"] is not None for r in monitor.history)  # the plan's prediction, this fit too
     model.hparams.loader_batch = 16
     trainer.fit_loop.max_epochs = 3
     with pytest.raises(InfeasiblePlanError, match=r"for the first fit's global batch of 8, and this fit's loader makes 16 .*HINT: Use a new Trainer"):
@@ -126,6 +130,7 @@ def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plan
     from lightning_distplan.costmodel import Hardware
     from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
     from lightning_distplan.planner import rank_plans
+    from lightning_distplan.strategies._auto_concrete import pipeline_shortfall
     from lightning_distplan.strategies.auto_plan import skipped_samples, whole_epochs_first
 
     # large weights over a slow all-reduce: the pipelines rank first
@@ -137,8 +142,10 @@ def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plan
     loader = DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8)
     assert skipped_samples(ranked[0].plan, loader) == 12  # 60 % 16
     assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(64, 2)), batch_size=8)) == 0
-    # drop_last: each replica's shard of 30 yields 24 in whole batches of 8, still 8 past a step of 16
-    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8, drop_last=True)) == 8
+    # drop_last: DDP's two processes train 24 each in whole batches of 8; the pipeline's 3 steps of 16 the same 48
+    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8, drop_last=True)) == 0
+    # 4 processes as dp=2 x pp=2 (counted on 4 gloo ranks): DDP trains 4 x 15 (short batches of 7), the pipeline 2 x 16
+    assert pipeline_shortfall(60, 8, False, world=4, dp=2, step=16) == 14 and pipeline_shortfall(60, 8, True, world=4, dp=2, step=16) == 0
     first_whole = next(c for c in ranked if c.prediction.feasible and c.plan.strategy == "dp_ga")
     chosen = whole_epochs_first(ranked, loader)
     assert chosen[0].plan == first_whole.plan and [c.rank for c in chosen] == list(range(1, len(ranked) + 1))
@@ -165,6 +172,13 @@ def test_parameters_the_loss_does_not_use_get_the_argument_that_keeps_auto_plan(
                                          devices=1, max_steps=3))
     trainer.fit(_UnusedHead())
     assert trainer.global_step == 3
+    # where auto_plan runs as plain DDP (a GradientAccumulationScheduler leaves nothing to plan): the same sentence
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(), devices=1, max_steps=3,
+                                         callbacks=[GradientAccumulationScheduler({0: 1})]))
+    with pytest.raises(InfeasiblePlanError, match=r"does not use .* HINT: Pass AutoPlanStrategy\(find_unused_parameters=True\)"):
+        trainer.fit(_UnusedHead())
 
 
 class _PreBatched(ChainMLP):
@@ -184,6 +198,28 @@ def test_a_loader_without_a_batch_size_is_refused_before_profiling_or_profiled_a
     strategy = AutoPlanStrategy(global_batch_size=8)
     L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_steps=1)).fit(model)
     assert strategy.profile is not None and strategy.profile.micro_batch_sizes == (2, 4, 8)  # the given batch's share per device, not guessed from 1
+
+
+def test_a_pipeline_loader_warns_of_the_samples_it_skips_known_before_the_epoch_or_seen_at_its_end() -> None:
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader
+
+    data = TensorDataset(torch.arange(60.0).view(60, 1))
+    known = _FullBatchLoader(DataLoader(data, batch_size=8), 16)
+    known.shortfall = 12
+    assert "shortfall" not in vars(known._loader)  # the wrapper's own, not set on the user's loader
+    with pytest.warns(UserWarning, match=r"the epoch's last 12 samples per replica do not fill a pipeline step of 16 samples"):
+        sizes = [len(b[0]) for b in known]
+    assert sizes == [16, 16, 16]
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([torch.tensor([float(i)]) for i in range(60)])
+
+    unknown = _FullBatchLoader(DataLoader(Stream(), batch_size=8), 16)
+    with pytest.warns(UserWarning, match=r"the epoch's last 12 samples of this replica did not fill a pipeline step of 16 samples and were skipped"):
+        assert [len(b) for b in unknown] == [16, 16, 16]
 
 
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 import sys
 
 import pytest
@@ -23,6 +24,7 @@ from lightning_distplan.strategies._pipeline_split import (  # noqa: E402
     resolve_boundaries,
     split_microbatches,
 )
+from lightning_distplan.strategies.auto_plan import AutoPlanStrategy  # noqa: E402
 from lightning_distplan.strategies.pipeline import PipelineStrategy  # noqa: E402
 
 
@@ -30,6 +32,18 @@ def test_pipeline_1f1b_needs_enough_microbatches() -> None:
     with pytest.raises(InfeasiblePlanError, match=r"`n_microbatches` \(2\) must be >= the number of pipeline stages \(4\) for 1F1B.*HINT"):
         PipelineStrategy(schedule="1f1b", n_microbatches=2, stages=4)
     PipelineStrategy(schedule="gpipe", n_microbatches=2, stages=4)  # GPipe has no such rule
+
+
+@pytest.mark.parametrize("boundaries", [[2.5], [True], [3, 1], "x", [0]])
+def test_pipeline_stage_boundaries_that_are_no_layer_indices_are_refused_at_construction(boundaries: Any) -> None:
+    with pytest.raises(InfeasiblePlanError, match=r"^`stage_boundaries` must be increasing positive layer indices or 'auto'.*HINT"):
+        PipelineStrategy(stages=2, stage_boundaries=boundaries)
+
+
+def test_numpy_stage_boundaries_are_layer_indices() -> None:
+    np = pytest.importorskip("numpy")
+    assert PipelineStrategy(stages=3, stage_boundaries=np.array([1, 2]))._boundaries_arg == (1, 2)
+    assert AutoPlanStrategy(stage_boundaries=np.array([1, 2])).pins["stage_boundaries"] == (1, 2)
 
 
 def test_pipeline_more_stages_than_layers() -> None:
