@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,17 +104,28 @@ def save_figure_atomic(fig: Any, path: str | Path, **savefig_kwargs: Any) -> Pat
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a uniquely named temporary file in the same folder and a rename."""
+    """Write ``text`` to ``path`` through a uniquely named temporary file in the same folder and a rename.
+
+    A symbolic link is written through (its target is replaced, the link stays); an existing file keeps its
+    permission bits; an existing file that is not a regular one (``/dev/stdout``, a FIFO) is written in place, as
+    ``open(path, "w")`` would. A hard link's other names keep the old content (the rename makes a new file).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if target.exists() and not target.is_file() and not target.is_dir():
+        target.write_text(text)
+        return path
+    target.parent.mkdir(parents=True, exist_ok=True)
     # A unique name made with mode 0666 less the umask, as open() would (mkstemp's 0600 left the results
     # unreadable to the group on a shared cluster).
-    tmp = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+    tmp = str(target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+        if target.is_file():
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+        os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

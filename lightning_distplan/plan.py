@@ -230,7 +230,7 @@ class Plan:
             from lightning_distplan._files import check_output_path, write_text_atomic
 
             # atomic, as Profile.save: an interrupted write never leaves a half-written plan where one was
-            write_text_atomic(check_output_path(path, "the plan path"), text)
+            write_text_atomic(check_output_path(path, "the plan path", example="plan.json"), text)
         return text
 
     @classmethod

@@ -343,7 +343,7 @@ class Profile:
         from lightning_distplan._files import check_output_path, write_text_atomic
 
         # atomic: a crash never leaves a half-written profile
-        return write_text_atomic(check_output_path(path, "the profile path"), json.dumps(self.to_dict(), indent=1))
+        return write_text_atomic(check_output_path(path, "the profile path", example="profile.json"), json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

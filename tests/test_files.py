@@ -23,6 +23,31 @@ def test_written_file_follows_the_umask(tmp_path: Path, umask: int, mode: int) -
     assert [p.name for p in path.parent.iterdir()] == ["plan.json"]  # no temporary file left behind
 
 
+def test_a_link_its_target_a_files_mode_and_a_device_are_written_through(tmp_path: Path) -> None:
+    """The rename replaced a symbolic link with a file (the shared target kept the old content), reset a 0640 file to
+    the umask's mode, and replaced a character device with a file."""
+    (tmp_path / "shared").mkdir()
+    target = tmp_path / "shared" / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_text_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    kept = tmp_path / "kept.json"
+    kept.write_text("old")
+    kept.chmod(0o640)
+    write_text_atomic(kept, "new")
+    assert kept.read_text() == "new" and stat.S_IMODE(kept.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept.json", "link.json", "real.json", "shared"]  # no temporary file
+    null = tmp_path / "null"  # a /dev/null of our own (root may make one; others skip this part)
+    try:
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        return
+    write_text_atomic(null, "nothing")  # written to, as open() would, not replaced by a file
+    assert stat.S_ISCHR(null.stat().st_mode)
+
+
 def test_profile_out_never_replaces_a_file_that_is_not_a_profile(tmp_path, capsys):
     """`distplan profile --out victim.py` replaced the user's source file with JSON."""
     from lightning_distplan.cli import main

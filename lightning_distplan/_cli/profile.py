@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from lightning_distplan.profiling._precision import precision_plugin
 
     device = resolve_device(args.device)  # fail fast on --device cuda without a GPU
-    check_output_path(args.out, "--out")  # before profiling, not after
+    check_output_path(args.out, "--out", example="profile.json")  # before profiling, not after
     check_replaceable(args.out, "--out", what="profile JSON", is_ours=lambda d: isinstance(d, dict) and "schema_version" in d and "layers" in d)
     sizes = _sizes(args.micro_batch_sizes)
     if args.repeats < 1 or args.warmup < 0:
