@@ -256,6 +256,10 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ProfileFormatError(f"The plan is not valid JSON ({err.msg} at line {err.lineno}).", hint="Re-create it with distplan.") from None
+        except RecursionError:  # arrays nested thousands deep: no plan is
+            raise ProfileFormatError("The plan is not a plan (its JSON is nested too deeply to read).", hint="Re-create it with distplan.") from None
+        except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits())
+            raise ProfileFormatError(f"The plan holds a number too long to be a plan's ({str(err).split(':')[0]}).", hint="Re-create it with distplan.") from None
         if isinstance(data, dict) and "strategy" not in data and isinstance(data.get("plan"), dict):
             data = data["plan"]  # auto_plan's plan.json: the plan with its prediction and alternatives
         return cls.from_dict(data)

@@ -74,6 +74,8 @@ def test_json_round_trip_from_text_and_file(tmp_path: Path):
         ('{"schema_version": 1.0, "strategy": "dp_ga", "global_batch_size": 4, "micro_batch_size": 4}', r"Plan schema version 1\.0 is not supported"),
         ('{"strategy": "dp_ga"}', r"The plan has no global_batch_size, micro_batch_size\."),
         ('{"plan": {"strategy": "dp_ga"}, "prediction": {}}', r"The plan has no global_batch_size, micro_batch_size\."),
+        ("[" * 100_000 + "]" * 100_000, r"The plan is not a plan \(its JSON is nested too deeply to read\)"),
+        ('{"global_batch_size": ' + "9" * 5000 + "}", r"The plan holds a number too long to be a plan's"),
     ],
 )
 def test_bad_plan_files_are_format_errors(tmp_path: Path, source: str, match: str):
