@@ -54,6 +54,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _load_class(path: str, *, what: str, option: str) -> type:
+    if ":" not in path and path.endswith(".py"):  # a file, and no class: mymodel.py
+        stem = os.path.basename(path).removesuffix(".py") or "mymodule"
+        raise ProfilingError(
+            f"{what} path {path!r} names a file, not a module and class to import.",
+            hint=f"Name the module as Python imports it and the class after a colon: {option}{stem}:ClassName.",
+        )
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
@@ -80,10 +86,22 @@ def _load_class(path: str, *, what: str, option: str) -> type:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and err.name != module_name and not module_name.startswith(err.name + "."):
-            # the module was found, but something it imports is not installed
+            # the module was found, but something it imports is not: another package, or a part of its own
+            package = module_name.split(".")[0]
+            if err.name.split(".")[0] == package:
+                raise ProfilingError(
+                    f"Importing module {module_name!r} for {what} {path!r} failed: it imports {err.name!r}, which its package "
+                    f"{package!r} does not have ({reason(err)}).",
+                    hint=f"Check that import in {module_name!r} (a misspelt module of your own?).",
+                ) from err
             raise ProfilingError(
                 f"Importing module {module_name!r} for {what} {path!r} failed: it imports {err.name!r}, which is not installed ({reason(err)}).",
                 hint=f"Install the package that provides {err.name!r} in this environment, or put it on PYTHONPATH.",
+            ) from err
+        if err.name is None:  # raised by the module's own code, naming no module
+            raise ProfilingError(
+                f"Importing module {module_name!r} for {what} {path!r} failed while running its code: ModuleNotFoundError: {reason(err)}.",
+                hint=f"Fix the error in that module; `python -c 'import {module_name}'` shows its traceback.",
             ) from err
         raise ProfilingError(
             f"Cannot import module {module_name!r} for {what} {path!r} ({err}).",

@@ -130,6 +130,7 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         (["cli_profile_fixtures:NoParams", "--datamodule", "cli_profile_fixtures:NotAModule"], r"is not a LightningDataModule"),
         (["cli_profile_fixtures.py:NoParams"], r"model path 'cli_profile_fixtures\.py:NoParams' names a file, not a module to import\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
         (["./cli_profile_fixtures.py:NoParams"], r"names a file, not a module to import\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
+        (["cli_profile_fixtures.py"], r"model path 'cli_profile_fixtures\.py' names a file, not a module and class to import\. HINT: .*: cli_profile_fixtures:ClassName\.$"),
         (["sub/cli_profile_fixtures.py:NoParams"], r"names a file, not a module to import\. HINT: .*: sub\.cli_profile_fixtures:NoParams\.$"),
         ([".cli_profile_fixtures:NoParams"], r"is a relative module name; the module is imported by its absolute name\. HINT: .*: cli_profile_fixtures:NoParams\.$"),
         # the constructor's own HINT gives way to ours: one HINT per line
@@ -201,6 +202,7 @@ def test_profile_precision_plugin_is_the_trainers(name):
         ("from os import no_such_name\n", r"ImportError: cannot import name 'no_such_name' from 'os'"),
         ("import sys\nsys.exit(3)\n", r"called sys\.exit\(3\)"),
         ("raise RuntimeError('needs a token HINT: run login first')\n", r"RuntimeError: needs a token\."),  # its HINT gives way to ours
+        ("raise ModuleNotFoundError('optional backend missing')\n", r"ModuleNotFoundError: optional backend missing\."),  # found, then raised
     ],
 )
 @pytest.mark.parametrize("command", ["profile", "profile --datamodule", "bench"])
@@ -235,6 +237,19 @@ def test_a_module_whose_dependency_is_missing_names_the_dependency(tmp_path: Pat
     line = capsys.readouterr().err.strip()
     assert "Importing module 'needs_dep_mod' for model 'needs_dep_mod:Model' failed: it imports 'nonexistent_dep_xyz', which is not installed" in line
     assert "HINT: Install the package that provides 'nonexistent_dep_xyz'" in line and "\n" not in line
+
+
+def test_a_missing_module_of_the_users_own_package_is_not_called_uninstalled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "own_pkg_xyz").mkdir()
+    (tmp_path / "own_pkg_xyz" / "__init__.py").write_text("")
+    (tmp_path / "own_pkg_xyz" / "models.py").write_text("from .layerz import Block\n")  # a typo for .layers
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["profile", "own_pkg_xyz.models:Net", "--out", str(tmp_path / "p.json")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "it imports 'own_pkg_xyz.layerz', which its package 'own_pkg_xyz' does not have" in line and "not installed" not in line
+    assert "HINT: Check that import in 'own_pkg_xyz.models'" in line and "\n" not in line
 
 
 def test_a_model_in_the_current_folder_imports_as_under_python_m(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
