@@ -313,11 +313,16 @@ def run(args: argparse.Namespace) -> int:
                 print(format_table(result), flush=True)
             if args.out:
                 write_text_atomic(args.out, json.dumps(result, indent=1))
-            if args.plot:
-                plot_result(result, args.plot)
-            if args.format == "table" and (args.out or args.plot):
-                written = [f"result written to {args.out}"] if args.out else []
-                print(", ".join(written + ([f"plot to {args.plot}"] if args.plot else [])))
+            try:
+                if args.plot:
+                    plot_result(result, args.plot)
+                if args.format == "table" and (args.out or args.plot):
+                    written = [f"result written to {args.out}"] if args.out else []
+                    print(", ".join(written + ([f"plot to {args.plot}"] if args.plot else [])))
+            except KeyboardInterrupt:
+                if args.out:  # main says what was kept
+                    raise KeyboardInterrupt(f"the result was written to {args.out}") from None
+                raise
     finally:
         if created_group and dist.is_initialized():
             dist.destroy_process_group()

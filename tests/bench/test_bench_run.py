@@ -418,3 +418,24 @@ def test_sigterm_to_a_two_process_bench_stops_its_workers_and_writes_nothing(tmp
     time.sleep(3)
     left = subprocess.run(["pgrep", "-f", f"bench .*{out}"], capture_output=True, text=True).stdout.split()
     assert left == [] and not out.exists()
+
+
+def test_a_ctrl_c_after_the_result_was_written_says_so(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the last line prints (the result already saved) must not claim that no result file was written."""
+    import io
+
+    from lightning_distplan.cli import main
+
+    class CtrlCOnLastLine(io.StringIO):
+        def write(self, text: str) -> int:
+            if "result written to" in text:
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(sys, "stdout", CtrlCOnLastLine())
+    rc = main(["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--plans", "1", "--steps", "2", "--warmup", "1",
+               "--passes", "1", "--threads", "1", "--device", "cpu", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 130 and err.strip().splitlines()[-1] == f"distplan bench: interrupted; the result was written to {out}"
+    assert json.loads(out.read_text())["summary"]["n_measured"] == 1
