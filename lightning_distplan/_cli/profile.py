@@ -282,7 +282,10 @@ def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_pat
         raise DataLoadingError(f"{datamodule_path or model_path} returned no train_dataloader().", hint=_DEMO_HINT)
     from lightning_distplan.profiling._batches import refuse_several_loaders  # torch: not imported by `distplan plan`'s parser
 
-    refuse_several_loaders(loader, hint=f"Return one DataLoader from {datamodule_path or model_path}.train_dataloader(), or pass --datamodule with one.")
+    refuse_several_loaders(
+        loader, source=f"{datamodule_path or model_path}.train_dataloader() returns",
+        hint=f"Return one DataLoader from {datamodule_path or model_path}.train_dataloader(), or pass --datamodule with one.",
+    )
     return loader
 
 

@@ -40,10 +40,12 @@ def _rebuild_record(like: Any, items: dict[str, Any]) -> Any:
     return record
 
 
-def refuse_several_loaders(loader: Any, *, hint: str) -> None:
+def refuse_several_loaders(loader: Any, *, hint: str, source: str = "The fit has") -> None:
     """Refuse what a ``train_dataloader()`` hook returns when it is several loaders (a dict, list or tuple of them, or a
     ``CombinedLoader``): ``training_step`` then gets their combined batch, which profiling one loader's batches would
     not give it, and one plan cannot re-chunk loaders of different batch sizes.
+
+    ``source`` begins the sentence (the CLI names the hook that returned them).
 
     Raises:
         InfeasiblePlanError: ``loader`` is several loaders.
@@ -52,7 +54,7 @@ def refuse_several_loaders(loader: Any, *, hint: str) -> None:
 
     if isinstance(loader, (CombinedLoader, Mapping, list, tuple)):
         raise InfeasiblePlanError(
-            f"The fit has a {type(loader).__name__} of train dataloaders, and planning profiles one train loader with the batches "
+            f"{source} a {type(loader).__name__} of train dataloaders, and planning profiles one train loader with the batches "
             "training_step gets.",
             hint=hint,
         )

@@ -136,7 +136,7 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         # the constructor's own HINT gives way to ours: one HINT per line
         (["cli_profile_fixtures:NoParams", "--datamodule", "lightning_distplan.bench.models:RandomVectorData", "--datamodule-args", '{"in_features": 0}'],
          r"Building datamodule .*RandomVectorData with \{'in_features': 0\} failed: ValueError: `in_features` \(0\) must be a positive integer\. HINT: Pass"),
-        (["cli_profile_fixtures:TwoLoaders"], r"The fit has a dict of train dataloaders, and planning profiles one train loader .*"
+        (["cli_profile_fixtures:TwoLoaders"], r"cli_profile_fixtures:TwoLoaders.train_dataloader\(\) returns a dict of train dataloaders, and planning profiles one train loader .*"
                                               r"HINT: Return one DataLoader from cli_profile_fixtures:TwoLoaders\.train_dataloader\(\)"),
     ],
 )
