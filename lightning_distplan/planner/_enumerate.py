@@ -253,10 +253,8 @@ def _pin_reason(
             return profile.pipeline_refusal
         if value > n_layers:
             return f"the profile has only {n_layers} layer{'s' if n_layers != 1 else ''}, so at most {n_layers} stage{'s' if n_layers != 1 else ''}"
-    if key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches") and (
-        not isinstance(value, int) or value < 1 or global_batch_size % value
-    ):
-        return f"it must be a positive divisor of the global batch size {global_batch_size}"
+    if reason := _divisor_reason(key, value, global_batch_size):
+        return reason
     if key == "stage_boundaries":
         b = value
         if not _valid_boundaries(b, n_layers):
@@ -296,11 +294,20 @@ def check_pins_before_profiling(
             raise _impossible_pin(names[key], pins[key], unsplittable(split_reason))
     if global_batch_size is not None:
         for key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches"):
-            if key in pins and (not isinstance(pins[key], int) or pins[key] < 1 or global_batch_size % pins[key]):
-                raise _impossible_pin(names[key], pins[key], f"it must be a positive divisor of the global batch size {global_batch_size}")
+            if key in pins and (reason := _divisor_reason(key, pins[key], global_batch_size)):
+                raise _impossible_pin(names[key], pins[key], reason)
 
 
 _NEEDS_TWO = "a pipeline needs at least 2 devices"
+
+
+def _divisor_reason(key: str, value: Any, global_batch_size: int) -> str | None:
+    """Why a micro-batch / accumulation / micro-batches-per-flush pin cannot divide the global batch, or None."""
+    if key in ("micro_batch_size", "accumulate_grad_batches", "n_microbatches") and (
+        not isinstance(value, int) or value < 1 or global_batch_size % value
+    ):
+        return f"it must be a positive divisor of the global batch size {global_batch_size}"
+    return None
 
 
 def _world_size_reason(key: str, value: Any, world_size: int, name: str) -> str | None:

@@ -30,6 +30,7 @@ from lightning_distplan.strategies.dp_ga import (
     _MicroBatchLoader,
     _rebatch,
     loader_batch_size,
+    loader_sampler,
 )
 from lightning_distplan.strategies.pipeline import PipelineStrategy
 
@@ -93,8 +94,7 @@ class _AutoDPGAStrategy(DPGAStrategy):
 
     def __init__(self, *, plan: Plan, user_accumulate: int, **kwargs: Any) -> None:
         super().__init__(plan=plan, **kwargs)
-        self._auto_user_accumulate = user_accumulate
-        self.later_fits = _LaterFits(plan, user_accumulate)
+        self.later_fits = _LaterFits(plan, user_accumulate)  # also the user's accumulation, put back at teardown
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -130,10 +130,9 @@ class _AutoDPGAStrategy(DPGAStrategy):
         plan = self._requested_plan
         if trainer.state.stage == RunningStage.TRAINING:
             self.later_fits.check_loader(dataloader, self.world_size)
-        if trainer.state.stage == RunningStage.TRAINING and plan is not None:
             b = loader_batch_size(dataloader)
-            per_replica = plan.global_batch_size // plan.dp
-            if b is not None:
+            if plan is not None and b is not None:
+                per_replica = plan.global_batch_size // plan.dp
                 # DPGAStrategy reads the user's global batch as loader batch x world x accumulation; a
                 # plan for an explicitly given global batch is presented through the accumulation,
                 # a fraction where the loader batch does not divide the per-replica batch (the
@@ -146,7 +145,7 @@ class _AutoDPGAStrategy(DPGAStrategy):
         super().teardown()
         module = self.lightning_module
         if module is not None and module._trainer is not None:
-            module.trainer.accumulate_grad_batches = self._auto_user_accumulate
+            module.trainer.accumulate_grad_batches = self.later_fits.user_accumulate
 
 
 def pipeline_shortfall(n: int, b: int, drop_last: bool, *, world: int, dp: int, step: int) -> int:
@@ -212,7 +211,6 @@ class _AutoPipelineStrategy(PipelineStrategy):
     def __init__(self, *, plan: Plan, user_accumulate: int, **kwargs: Any) -> None:
         super().__init__(plan=plan, **kwargs)
         self._auto_plan = plan
-        self._auto_user_accumulate = user_accumulate
         self._rechunk = Rechunking()
         self._user_eval_limits: dict[str, Any] = {}
         self.later_fits = _LaterFits(plan, user_accumulate)
@@ -261,7 +259,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         module = self.lightning_module
         super().teardown()
         if module is not None and module._trainer is not None:
-            module.trainer.accumulate_grad_batches = self._auto_user_accumulate
+            module.trainer.accumulate_grad_batches = self.later_fits.user_accumulate
             self._rechunk.restore(module.trainer)
             for prefix, value in self._user_eval_limits.items():
                 setattr(module.trainer, f"limit_{prefix}_batches", value)
@@ -271,9 +269,7 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool) -> int | 
     """:func:`pipeline_shortfall` of a pipeline ``plan`` for the user's train loader, or None where its length is unknown;
     ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own."""
     b = loader_batch_size(dataloader)
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
-    drop_last = getattr(batch_sampler, "drop_last", getattr(dataloader, "drop_last", None))
+    sampler, drop_last = loader_sampler(dataloader)
     try:
         n = len(getattr(sampler, "dataset", None) if sharded else sampler)  # type: ignore[arg-type]
     except TypeError:

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -26,7 +26,7 @@ from lightning_distplan._files import write_text_atomic
 from lightning_distplan.costmodel import Hardware
 from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError, OutputPathError
-from lightning_distplan.plan import STRATEGIES, Plan, as_int
+from lightning_distplan.plan import STRATEGIES, Plan, as_indices, as_int
 from lightning_distplan.planner import Candidate, explain, rank_plans, satisfies_pins
 from lightning_distplan.profile import unsplittable
 
@@ -393,10 +393,24 @@ def check_sizes(name: str, value: Any) -> list[int] | None:
     """``value`` (None, or a list of positive micro-batch sizes) as a list of ints, or refused in one sentence with a HINT."""
     if value is None:
         return None
-    sizes = None if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable) else [as_int(v) for v in value]
-    if not sizes or any(v is None or v < 1 for v in sizes):
+    sizes = as_indices(value)
+    if not sizes or any(v < 1 for v in sizes):
         raise InfeasiblePlanError(f"`{name}` must be a list of positive micro-batch sizes, got {value!r}.", hint=f"Pass e.g. {name}=[2, 4, 8].")
-    return sizes  # type: ignore[return-value]
+    return list(sizes)
+
+
+def check_boundaries(value: Any) -> tuple[int, ...] | None:
+    """``stage_boundaries`` as a tuple of increasing positive layer indices (numpy integers taken), None for
+    ``"auto"``, or refused in one sentence with a HINT."""
+    if isinstance(value, str) and value == "auto":
+        return None
+    given = as_indices(value)
+    if given is None or any(b < 1 for b in given) or list(given) != sorted(set(given)):
+        raise InfeasiblePlanError(
+            f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {value!r}.",
+            hint="Pass e.g. stage_boundaries=[6] for two stages split before layer 6.",
+        )
+    return given
 
 
 def check_memory(name: str, value: Any) -> int | None:

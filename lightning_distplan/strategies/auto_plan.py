@@ -42,11 +42,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
-from lightning_distplan.plan import STRATEGIES, Plan, as_indices
+from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import unsplittable
 from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
+    check_boundaries,
     check_count,
     check_memory,
     check_sizes,
@@ -168,13 +169,7 @@ class AutoPlanStrategy(DDPStrategy):
                 f"strategy={strategy!r} contradicts schedule={schedule!r}.",
                 hint="Pin one of them: strategy='dp_ga' is schedule='none', strategy='gpipe' / '1f1b' the schedule of that name.",
             )
-        auto_split = isinstance(stage_boundaries, str) and stage_boundaries == "auto"
-        boundaries = None if auto_split else as_indices(stage_boundaries)
-        if not auto_split and (boundaries is None or any(b < 1 for b in boundaries) or list(boundaries) != sorted(set(boundaries))):
-            raise InfeasiblePlanError(
-                f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {stage_boundaries!r}.",
-                hint="Pass e.g. stage_boundaries=[6] for two stages split before profiled layer 6.",
-            )
+        boundaries = check_boundaries(stage_boundaries)
         if not isinstance(deferred_batchnorm, bool):
             raise InfeasiblePlanError(f"`deferred_batchnorm` must be True or False, got {deferred_batchnorm!r}.", hint="Pass deferred_batchnorm=True.")
         if replan not in ("off", "auto"):

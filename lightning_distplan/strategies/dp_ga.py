@@ -840,11 +840,16 @@ def loader_batch_size(dataloader: object) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-def _samples_per_epoch(dataloader: object) -> int | None:
-    batch = loader_batch_size(dataloader)
+def loader_sampler(dataloader: object) -> tuple[Any, bool | None]:
+    """The sampler behind a DataLoader's batches and whether its batches drop the short last one (None: unknown)."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
-    drop_last = getattr(batch_sampler, "drop_last", getattr(dataloader, "drop_last", None))
+    return sampler, getattr(batch_sampler, "drop_last", getattr(dataloader, "drop_last", None))
+
+
+def _samples_per_epoch(dataloader: object) -> int | None:
+    batch = loader_batch_size(dataloader)
+    sampler, drop_last = loader_sampler(dataloader)
     if batch is None or drop_last is None:
         return None
     try:

@@ -81,7 +81,8 @@ from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
-from lightning_distplan.plan import Plan, as_indices, as_int
+from lightning_distplan.plan import Plan
+from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
@@ -253,23 +254,12 @@ class PipelineStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        if not (isinstance(stage_boundaries, str) and stage_boundaries == "auto"):
-            given = as_indices(stage_boundaries)
-            if given is None or any(b < 1 for b in given) or list(given) != sorted(set(given)):
-                raise InfeasiblePlanError(
-                    f"`stage_boundaries` must be increasing positive layer indices or 'auto', got {stage_boundaries!r}.",
-                    hint="Pass e.g. stage_boundaries=[6] for two stages split before layer 6 of the pipeline spec.",
-                )
-            stage_boundaries = given
+        given = check_boundaries(stage_boundaries)
+        stage_boundaries = "auto" if given is None else given
         if schedule not in ("auto", *_SCHEDULES):
             raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
-        counts = []
-        for name, value, low in (("n_microbatches", n_microbatches, 1), ("stages", stages, 2)):
-            count = value if isinstance(value, str) and value == "auto" else as_int(value)
-            if count is None or (count != "auto" and count < low):
-                raise InfeasiblePlanError(f"`{name}` must be 'auto' or an integer >= {low}, got {value!r}.", hint=f"Pass {name}='auto'.")
-            counts.append(count)
-        n_microbatches, stages = counts
+        n_microbatches = check_count("n_microbatches", n_microbatches, auto=True)
+        stages = check_count("stages", stages, auto=True, low=2)
         if plan is not None:
             if plan.strategy not in _SCHEDULES:
                 raise InfeasiblePlanError(
