@@ -165,34 +165,45 @@ def read_only_problem(url: str) -> str | None:
 
 @contextlib.contextmanager
 def _sqlite_creation_lock(url: str) -> Any:
-    """Hold an exclusive lock, per SQLite file, while Optuna opens it: two runs creating one new file at once
-    otherwise both create Optuna's schema, and one fails ("table ... already exists", "UNIQUE constraint failed").
+    """Hold an exclusive lock on the SQLite file's folder while Optuna opens it: two runs creating one new file
+    at once otherwise both create Optuna's schema, and one fails ("table ... already exists", "UNIQUE constraint
+    failed").
 
-    The lock is a file of its own in the temporary folder (keyed by the database's absolute path), not the
-    database: closing a descriptor of the database would drop SQLite's own locks held by this process."""
+    The lock is on the folder, not the database (closing a descriptor of the database would drop SQLite's own
+    locks held by this process) and not on a lock file of our own (one per database, left behind in the
+    temporary folder: a test suite made thousands). Runs opening other databases in the same folder wait for
+    each other for the second or so an open takes. Where the folder cannot be locked (not POSIX, a file system
+    without flock) the open goes on without it, which is Optuna's own behaviour."""
+    folder = _lock_folder(url)
+    try:
+        yield
+    finally:
+        if folder is not None:
+            import fcntl
+
+            fcntl.flock(folder, fcntl.LOCK_UN)
+            os.close(folder)
+
+
+def _lock_folder(url: str) -> int | None:
+    """A descriptor of the SQLite file's folder, exclusively locked; None where there is no file or no lock."""
     path = sqlite_path(url)
     try:
         import fcntl
-    except ImportError:  # not POSIX: no lock (Optuna's own behaviour)
-        fcntl = None  # type: ignore[assignment]
-    if path is None or fcntl is None:
-        yield
-        return
-    import hashlib
-    import tempfile
-
-    key = hashlib.sha256(str(path.expanduser().resolve()).encode()).hexdigest()[:20]
+    except ImportError:
+        return None
+    if path is None:
+        return None
     try:
-        handle = open(Path(tempfile.gettempdir()) / f"distplan-sqlite-{key}.lock", "a")  # noqa: SIM115 - held over the yield
-    except OSError:  # another user's lock file, a full disk: open without it
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        folder = os.open(path.expanduser().resolve().parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # no such folder (SQLite's own error follows), or one this user cannot read
+        return None
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+    except OSError:  # a file system without flock
+        os.close(folder)
+        return None
+    return folder
 
 
 def open_storage(url: Any) -> Any:

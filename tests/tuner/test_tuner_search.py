@@ -434,6 +434,24 @@ def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
         assert len(optuna.load_study(study_name="s", storage=opened[3]).trials) == 2  # one schema, shared
 
 
+def test_opening_a_sqlite_study_leaves_no_lock_file_behind(tmp_path, monkeypatch):
+    """The creation lock is taken on the database's folder: each new study file left a lock file of its own in
+    the temporary folder before (a test suite had made 1,658 of them in /tmp)."""
+    import tempfile
+
+    from lightning_distplan.tuner._storage import open_storage
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for k in range(3):
+        open_storage(f"sqlite:///{studies / f'new{k}.db'}")
+    assert sorted(p.name for p in temporary.iterdir()) == []
+    assert sorted(p.name for p in studies.iterdir()) == ["new0.db", "new1.db", "new2.db"]
+
+
 def test_a_damaged_study_file_is_one_storage_error_and_left_as_it_was(tmp_path):
     """A SQLite study file damaged after its first page: opening answers, reading the study fails. One sentence with
     a HINT (not Optuna's StorageInternalError traceback), nothing searched or written."""
