@@ -22,6 +22,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import warnings
 from typing import Any
 
@@ -95,10 +96,11 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def torchrun_command(args: argparse.Namespace) -> list[str]:
-    """The single-node torchrun command that runs this benchmark on ``--world-size`` processes."""
+def torchrun_command(args: argparse.Namespace, log_dir: str | None = None) -> list[str]:
+    """The single-node torchrun command that runs this benchmark on ``--world-size`` processes (its logs under ``log_dir``)."""
+    logs = [] if log_dir is None else ["--log-dir", log_dir]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world_size),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world_size), *logs,
         "-m", "lightning_distplan.cli", "bench", *_forwarded(args),
     ]
 
@@ -239,13 +241,16 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.world_size > 1 and not _inside_torchrun():
         _check_before_launch(args, init_args, dm_args)
-        cmd = torchrun_command(args)
         if args.print_launch:
-            print(shlex.join(cmd))
+            print(shlex.join(torchrun_command(args)))
             return 0
-        if not args.quiet:
-            print(f"distplan bench: launching {args.world_size} processes with torchrun: {shlex.join(cmd)}", flush=True)
-        return _run_torchrun(cmd)
+        # torchrun keeps a log folder per run (torchelastic_* in the temporary folder) unless told where: one of
+        # ours, removed when the job ends
+        with tempfile.TemporaryDirectory(prefix="distplan-bench-torchrun-") as logs:
+            cmd = torchrun_command(args, logs)
+            if not args.quiet:
+                print(f"distplan bench: launching {args.world_size} processes with torchrun: {shlex.join(cmd)}", flush=True)
+            return _run_torchrun(cmd)
 
     from lightning.pytorch import LightningDataModule, LightningModule
 

@@ -29,7 +29,9 @@ def _bench(tmp_path, *extra: str) -> dict:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--steps", "2", "--warmup", "1", "--threads", "1",
            "--profile-repeats", "1", "--out", str(out), "--quiet", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    temporary = tmp_path / "tmp"  # the run's temporary folder, looked at afterwards
+    temporary.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temporary)}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -139,6 +141,9 @@ def test_bench_world_size_2_torchrun_loopback(tmp_path):
     # every plan ran in the same two processes and the same (reused) default process group
     assert len({tuple(rec["rank_pids"]) for rec in result["plans"]}) == 1 and len(result["plans"][0]["rank_pids"]) == 2
     assert len({tuple(rec["process_groups"]) for rec in result["plans"]}) == 1 and None not in result["plans"][0]["process_groups"]
+    # torchrun's log folder (torchelastic_*, one per run, kept by torchrun) went with the run (torch's own
+    # compile cache, torchinductor_<user>, is meant to stay)
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 @pytest.mark.parametrize(
