@@ -1128,9 +1128,25 @@ class _PipelineMultiProcessingLauncher(_MultiProcessingLauncher):
             return None
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            weights_path = os.path.join(tempfile.mkdtemp(prefix=_WEIGHTS_FOLDER), ".temp.ckpt")
             strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        """Lightning's, then the folder the weights crossed in goes too (Lightning removes only the file)."""
+        import os
+        import shutil
+
+        try:
+            super()._recover_results_in_main_process(worker_output, trainer)
+        finally:
+            path = worker_output.weights_path
+            if path is not None and os.path.basename(os.path.dirname(path)).startswith(_WEIGHTS_FOLDER):
+                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+_WEIGHTS_FOLDER = "distplan-pipeline-weights-"
 
 
 def _no_module() -> None:

@@ -1331,20 +1331,28 @@ def test_a_failed_pipeline_fit_leaves_a_partial_module_that_is_not_trained_again
         assert "HINT: Load the whole model from the last checkpoint" in res["failed"]["refused"]
 
 
-def test_pipeline_spawn_start_method_returns_full_weights(tmp_path) -> None:
+def test_pipeline_spawn_start_method_returns_full_weights(tmp_path, monkeypatch) -> None:
     """``start_method="spawn"`` from this (plain, non-distributed) process: Lightning's own spawn launcher.
 
     Each worker holds one stage; the launcher gathers the full weights and loads them into the
-    caller's model, which then equals the single-process result.
+    caller's model, which then equals the single-process result. The folder the weights crossed in
+    goes with them (it stayed, empty, in the temporary folder after each fit).
     """
+    import tempfile
+
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))  # the spawned workers' temporary folder
+    monkeypatch.setattr(tempfile, "tempdir", None)
     model = build("transformer")
     strategy = PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=8, start_method="spawn")
     trainer = L.Trainer(**trainer_kwargs(2, strategy, str(tmp_path)))
     trainer.fit(model, DataLoader(token_data(), batch_size=GLOBAL_BATCH))
     torch.testing.assert_close(model.state_dict(), reference_weights("transformer"), rtol=1e-5, atol=2e-6)
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    assert [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_shape_inference_leaves_no_trace_in_buffers_ids_or_the_loss(two_rank_run) -> None:
