@@ -295,6 +295,10 @@ class Profile:
     """Why the model can or cannot be split into pipeline stages (from ``_layers.discover_layers``)."""
     shared_parameters: tuple[SharedParameters, ...] = ()
     """Parameters several layers use (see :class:`SharedParameters`)."""
+    unused_parameters: tuple[str, ...] = ()
+    """Trainable parameters (names, in module order) that a profiled ``training_step``'s loss gave no gradient,
+    e.g. a head only ``predict_step`` uses: DistributedDataParallel trains such a model only with
+    ``find_unused_parameters=True``, which ``auto_plan`` then turns on."""
     framework: FrameworkProfile = field(default_factory=FrameworkProfile)
     """The training loop's own cost (see :class:`FrameworkProfile`)."""
     profiling_time_s: float = 0.0
@@ -423,6 +427,8 @@ class Profile:
                 f"{list(self.rejected_micro_batch_sizes)}; each must be a positive integer.",
                 hint=hint,
             )
+        if any(not isinstance(name, str) for name in self.unused_parameters):
+            raise ProfileFormatError(f"{source!r} lists unused parameters {list(self.unused_parameters)[:5]}; each is a parameter's name.", hint=hint)
         sizes = {
             "memory.device_total_bytes": self.memory.device_total_bytes,
             "memory.param_bytes": self.memory.param_bytes, "memory.grad_bytes": self.memory.grad_bytes,

@@ -468,6 +468,7 @@ def run_bench(
         mine = measure_plan(
             plan, make_module=seeded_module, make_loader=make_loader, steps=counts[i], warmup=warmup,
             accelerator=accelerator, devices=local, num_nodes=nodes, precision=precision,
+            find_unused_parameters=bool(profile.unused_parameters),
         )
         try:
             others = [c.rank for c in chosen if c.rank != chosen[i].rank]  # what the hint suggests running instead

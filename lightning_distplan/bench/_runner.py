@@ -95,12 +95,14 @@ def settle_cuda_memory(device: torch.device) -> int:
     return int(torch.cuda.memory_allocated(device))
 
 
-def build_strategy(plan: Plan) -> Any:
-    """This package's Lightning strategy for ``plan`` (dp_ga, or gpipe / 1f1b incl. hybrid dp×pp)."""
+def build_strategy(plan: Plan, *, find_unused_parameters: bool = False) -> Any:
+    """This package's Lightning strategy for ``plan`` (dp_ga, or gpipe / 1f1b incl. hybrid dp×pp); a dp_ga plan's
+    DistributedDataParallel looks for parameters the loss leaves without a gradient when told to (as auto_plan does
+    for a model whose profile found some)."""
     if plan.strategy == "dp_ga":
         from lightning_distplan.strategies import DPGAStrategy
 
-        return DPGAStrategy(plan=plan)
+        return DPGAStrategy(plan=plan, find_unused_parameters=True) if find_unused_parameters else DPGAStrategy(plan=plan)
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     return PipelineStrategy(plan=plan, schedule=plan.strategy)
@@ -117,6 +119,7 @@ def measure_plan(
     devices: int,
     num_nodes: int,
     precision: str = "32-true",
+    find_unused_parameters: bool = False,
 ) -> dict[str, Any]:
     """Train ``plan`` for ``warmup + steps`` optimizer steps with a fresh module and Trainer on this rank.
 
@@ -130,6 +133,7 @@ def measure_plan(
         devices: processes per node.
         num_nodes: nodes.
         precision: ``Trainer(precision=...)``.
+        find_unused_parameters: see :func:`build_strategy`.
 
     Returns:
         This rank's raw numbers: ``step_times_s`` (all steps, warm-up included), ``peak_memory_bytes``,
@@ -157,7 +161,7 @@ def measure_plan(
             devices=devices,
             num_nodes=num_nodes,
             precision=precision,
-            strategy=build_strategy(plan),
+            strategy=build_strategy(plan, find_unused_parameters=find_unused_parameters),
             max_steps=warmup + steps,
             max_epochs=-1,
             callbacks=[timer],

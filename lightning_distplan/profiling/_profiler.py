@@ -290,6 +290,8 @@ class _Profiler:
         ]
         self.pass_batch_idx = len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional)
         self.params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
+        self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.unused: dict[str, None] = {}  # trainable parameters a step's loss gave no gradient, in module order
         self._batch_cache: dict[int, Any] = {}
         self.spec: Any = None
         self.flop_sizes = flop_sizes
@@ -350,6 +352,13 @@ class _Profiler:
         for p in self.params:
             p.grad = None
 
+    def note_unused(self) -> None:
+        """After ``training_step``'s backward (from cleared gradients): note the trainable parameters it gave no
+        gradient, which DistributedDataParallel refuses unless told (``find_unused_parameters=True``)."""
+        for name, p in self.named_params:
+            if p.grad is None:
+                self.unused.setdefault(name)
+
     def after_oom(self) -> None:
         self.clear_grads()
         self._batch_cache = {}
@@ -393,6 +402,7 @@ class _Profiler:
             self.sync()
             c = time.perf_counter()
             del loss
+            self.note_unused()
             if i >= warmup:
                 fwd.append(b - a)
                 bwd.append(c - b)
@@ -676,6 +686,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             loss = prof.loss(m0)
             loss.backward()
             del loss
+            prof.note_unused()
         except SkippedBatchError:
             # training_step skipped these samples (returned None): cut the micro-batches from the next ones
             if prof.bank.start + m0 >= prof.bank.collected:
@@ -961,6 +972,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         rejected_micro_batch_sizes=tuple(sorted(set(skipped))),
         splittable=discovered.spec is not None and split_reason == discovered.split_reason,
         split_reason=split_reason,
+        unused_parameters=tuple(prof.unused),
         profiling_time_s=elapsed,
         versions=_versions(),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),

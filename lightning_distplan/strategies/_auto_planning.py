@@ -74,6 +74,8 @@ class PlanningOutcome:
     """Seconds spent profiling (0 when reused)."""
     planning_s: float = 0.0
     """Seconds spent ranking plans."""
+    unused_parameters: tuple[str, ...] = ()
+    """Trainable parameters the profiled steps' loss gave no gradient (or the checkpoint's plan recorded)."""
 
     @property
     def prediction(self) -> Any:

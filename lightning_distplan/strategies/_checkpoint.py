@@ -14,7 +14,9 @@ can load:
 * ``checkpoint["distplan_plan"]``: ``Plan.to_dict()`` of the plan that was running. Resume reuses it
   (DESIGN §3.5: resume does not re-plan unless asked).
 * ``checkpoint["distplan_plan_context"]``: what the plan was made for: the Trainer's ``precision``
-  and, for a plan ``auto_plan`` chose, the device memory it had to fit (``memory_limit_bytes``).
+  and, for a plan ``auto_plan`` chose, the device memory it had to fit (``memory_limit_bytes``) and the
+  trainable parameters its profile found without a gradient (``unused_parameters``, when any: a resumed
+  fit that reuses the plan runs DDP with ``find_unused_parameters=True`` again without profiling).
   ``auto_plan`` reuses the stored plan only in the same precision and no less memory.
 
 The helpers are pure functions over optimizers and plain dicts so they test in milliseconds.
@@ -270,6 +272,8 @@ def plan_context(strategy: Any) -> dict[str, Any]:
     limit = strategy.plan_memory_limit_bytes
     if limit is not None:
         context["memory_limit_bytes"] = int(limit)
+    if strategy.plan_unused_parameters:  # a resumed fit that reuses the plan does not profile, so cannot find them again
+        context["unused_parameters"] = list(strategy.plan_unused_parameters)
     return context
 
 

@@ -275,10 +275,11 @@ class AutoPlanStrategy(DDPStrategy):
             self,
             outcome.plan,
             user_accumulate=trainer.accumulate_grad_batches,
-            ddp_kwargs=self._extra_ddp_kwargs,
+            ddp_kwargs=self._ddp_kwargs_for(outcome),
             pipeline_kwargs=self._pipeline_kwargs,
         )
         self._concrete = concrete
+        concrete.plan_unused_parameters = outcome.unused_parameters  # type: ignore[union-attr]  # both concrete kinds have it
         later = concrete.later_fits  # type: ignore[union-attr]  # both concrete kinds have it
         later.given_global_batch, later.outcome, later.attach = self._global_batch_arg is not None, outcome, self._attach_again
         # what the plan was made for, stored with it in checkpoints (a reused plan keeps its own)
@@ -296,6 +297,21 @@ class AutoPlanStrategy(DDPStrategy):
         # runs only where auto_plan fell back to plain DDP (the plan's strategy takes the Trainer's place otherwise)
         with unused_parameters_named(self, "AutoPlanStrategy"):
             return super().training_step(*args, **kwargs)
+
+    def _ddp_kwargs_for(self, outcome: PlanningOutcome) -> dict[str, Any]:
+        """The DistributedDataParallel arguments of the plan's strategy: the user's, and ``find_unused_parameters=True``
+        where the profiled loss left trainable parameters without a gradient (DDP refuses those at the second step
+        otherwise), unless the user set it."""
+        kwargs = self._extra_ddp_kwargs
+        unused = outcome.unused_parameters
+        if not unused or outcome.plan.strategy != "dp_ga" or "find_unused_parameters" in kwargs:
+            return kwargs
+        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+        rank_zero_info(
+            f"auto_plan: training_step's loss gives no gradient to {len(unused)} trainable parameter(s) ({shown}); "
+            "running DistributedDataParallel with find_unused_parameters=True, which looks for them after every backward."
+        )
+        return {**kwargs, "find_unused_parameters": True}
 
     # -- planning ------------------------------------------------------------------------------
     def _made_for_another_run(self) -> str | None:
@@ -329,7 +345,9 @@ class AutoPlanStrategy(DDPStrategy):
                 given=self._global_batch_arg,
             )
             if stored.world_size == world and stored.global_batch_size == global_batch:
-                outcome = PlanningOutcome(plan=stored, source="checkpoint")
+                unused = self._checkpoint_context.get("unused_parameters", [])
+                unused = tuple(unused) if isinstance(unused, list) and all(isinstance(n, str) for n in unused) else ()
+                outcome = PlanningOutcome(plan=stored, source="checkpoint", unused_parameters=unused)
                 rank_zero_info(f"auto_plan: resuming with the checkpoint's plan {stored.describe()}; not profiling again.")
                 return outcome
             rank_zero_warn(
@@ -375,16 +393,16 @@ class AutoPlanStrategy(DDPStrategy):
                 whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
                 if not self._pipeline_pinned() and whole_epoch:
                     candidates = whole_epochs_first(candidates, loader)
-                decision = ("ok", candidates, hardware)
+                decision = ("ok", candidates, hardware, profile.unused_parameters)
             except Exception as err:  # every rank must raise, not only rank 0
                 decision = ("error", err)
         decision = self.broadcast(decision)
         if decision[0] == "error":
             raise decision[1]
-        _, candidates, hardware = decision
+        _, candidates, hardware, unused = decision
         outcome = PlanningOutcome(
             plan=candidates[0].plan, candidates=tuple(candidates), hardware=hardware, source="profiled",
-            profiling_s=profiling_s, planning_s=time.perf_counter() - t1,
+            profiling_s=profiling_s, planning_s=time.perf_counter() - t1, unused_parameters=unused,
         )
         if self.is_global_zero:
             write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra={"pins": jsonable_pins(self._pins)})

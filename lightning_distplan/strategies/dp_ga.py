@@ -114,6 +114,8 @@ class DPGAStrategy(DDPStrategy):
     strategy_name = "dp_ga"
     plan_memory_limit_bytes: int | None = None
     """The device memory the running plan was made for, when ``auto_plan`` made it (stored with it in checkpoints)."""
+    plan_unused_parameters: tuple[str, ...] = ()
+    """Trainable parameters the profiled loss gave no gradient, when ``auto_plan`` found them (stored with the plan in checkpoints)."""
 
     def __init__(
         self,

@@ -450,3 +450,30 @@ def test_a_ctrl_c_after_the_result_was_written_says_so(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert rc == 130 and err.strip().splitlines()[-1] == f"distplan bench: interrupted; the result was written to {out}"
     assert json.loads(out.read_text())["summary"]["n_measured"] == 1
+
+
+_UNUSED_HEAD = """
+import torch
+from lightning_distplan.bench.models import WideMLP
+
+
+class UnusedHead(WideMLP):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.aux_head = torch.nn.Linear(kw.get("in_features", 16), 3)  # used by no loss (say, predict_step only)
+"""
+
+
+def test_bench_runs_a_model_whose_loss_leaves_parameters_unused(tmp_path):
+    """The profile lists the parameters the loss gives no gradient, and the dp_ga runs tell DDP to look for them
+    (each plan failed at its second step with DDP's refusal before)."""
+    (tmp_path / "unusedhead.py").write_text(_UNUSED_HEAD)
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", "unusedhead:UnusedHead", *MODEL[1:], "--world-size", "1",
+           "--global-batch-size", "4", "--plans", "top:2", "--steps", "2", "--warmup", "1", "--threads", "1", "--passes", "1",
+           "--profile-once", "--profile-repeats", "1", "--out", str(out), "--quiet"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["profile"]["unused_parameters"] == ["aux_head.weight", "aux_head.bias"]
+    assert [rec["error"] for rec in result["plans"]] == [None, None] and {rec["strategy"] for rec in result["plans"]} == {"dp_ga"}

@@ -160,18 +160,42 @@ class _UnusedHead(ChainMLP):
         self.aux_head = torch.nn.Linear(16, 3)  # used by no loss (say, predict_step only)
 
 
+def test_parameters_the_loss_does_not_use_are_found_while_profiling_and_the_fit_runs(tmp_path: Path) -> None:
+    """auto_plan wraps even one device in DDP, which refuses parameters the loss does not use at the second step
+    (advising Lightning's strategy='ddp_find_unused_parameters_true', which drops auto_plan). The profile finds
+    them, and auto_plan runs DDP with find_unused_parameters=True: the fit trains as that strategy does, and a
+    resumed fit that reuses the plan (no profiling) keeps the setting from the checkpoint."""
+    torch.manual_seed(0)
+    model = _UnusedHead()
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path / "auto"), strategy=AutoPlanStrategy(micro_batch_size=8), devices=1, max_steps=3))
+    trainer.fit(model)
+    assert trainer.global_step == 3 and trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
+    profile = json.loads((tmp_path / "auto" / "distplan" / "profile.json").read_text())
+    assert profile["unused_parameters"] == ["aux_head.weight", "aux_head.bias"]
+    ckpt = str(tmp_path / "step3.ckpt")
+    trainer.save_checkpoint(ckpt)
+    torch.distributed.destroy_process_group()
+    torch.manual_seed(0)
+    reference = _UnusedHead()
+    L.Trainer(**trainer_kwargs(str(tmp_path / "ddp"), strategy="ddp_find_unused_parameters_true", devices=1, max_steps=3)).fit(reference)
+    torch.distributed.destroy_process_group()
+    torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=0, atol=1e-7)
+
+    resumed = L.Trainer(**trainer_kwargs(str(tmp_path / "resumed"), strategy=AutoPlanStrategy(micro_batch_size=8), devices=1, max_steps=5))
+    resumed.fit(_UnusedHead(), ckpt_path=ckpt)
+    assert not (tmp_path / "resumed" / "distplan" / "profile.json").exists()  # the checkpoint's plan, not profiled again
+    assert resumed.global_step == 5 and resumed.strategy._ddp_kwargs["find_unused_parameters"] is True
+    torch.distributed.destroy_process_group()
+
+
 def test_parameters_the_loss_does_not_use_get_the_argument_that_keeps_auto_plan(tmp_path: Path) -> None:
-    """auto_plan wraps even one device in DDP, which refuses unused parameters at the second step and advises
-    Lightning's strategy='ddp_find_unused_parameters_true' (dropping auto_plan): the error names the argument instead,
-    and with it the fit runs."""
-    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=8), devices=1, max_steps=3))
+    """Where auto_plan does not turn find_unused_parameters on (the user set it False; auto_plan runs as plain DDP,
+    with nothing profiled), DDP's refusal at the second step names the argument that keeps auto_plan."""
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=8, find_unused_parameters=False),
+                                         devices=1, max_steps=3))
     with pytest.raises(InfeasiblePlanError, match=r"^_UnusedHead has parameters its training_step's loss does not use .* HINT: Pass "
                        r"AutoPlanStrategy\(find_unused_parameters=True\)"):
         trainer.fit(_UnusedHead())
-    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=8, find_unused_parameters=True),
-                                         devices=1, max_steps=3))
-    trainer.fit(_UnusedHead())
-    assert trainer.global_step == 3
     # where auto_plan runs as plain DDP (a GradientAccumulationScheduler leaves nothing to plan): the same sentence
     from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
