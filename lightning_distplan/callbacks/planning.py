@@ -48,7 +48,7 @@ from lightning_distplan.strategies._auto_planning import (
 )
 from lightning_distplan.strategies._checkpoint import PLAN_KEY, add_portable_state, stored_plan, stored_plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
-from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, accumulation_scheduled, loader_batch_size
+from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, accumulation_scheduled, few_names, loader_batch_size
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -307,6 +307,13 @@ def plan_micro_batching(
     if trainer.is_global_zero:
         write_artifacts(distplan_dir(trainer), profile=profile, outcome=outcome, extra=extra)
     log_outcome(outcome, prefix="PlanningCallback")
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", None)  # a DDPStrategy's arguments for DistributedDataParallel
+    if profile.unused_parameters and isinstance(ddp_kwargs, dict) and not ddp_kwargs.get("find_unused_parameters"):
+        rank_zero_warn(
+            f"PlanningCallback: training_step's loss gives no gradient to {few_names(profile.unused_parameters)}, which "
+            f"{type(strategy).__name__}'s DistributedDataParallel refuses at the second step. HINT: Use "
+            "strategy='ddp_find_unused_parameters_true' (or the strategy's find_unused_parameters=True), or set requires_grad=False on them."
+        )
     if alternative is not None:
         rank_zero_warn(f"PlanningCallback: {extra['faster_alternative']['message']} (running {outcome.plan.describe()}).")
     return outcome, alternative

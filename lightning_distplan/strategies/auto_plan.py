@@ -71,6 +71,7 @@ from lightning_distplan.strategies.dp_ga import (
     PROGRESS_KEY,
     accumulation_scheduled,
     check_ddp_kwargs,
+    few_names,
     loader_batch_size,
     unused_parameters_named,
 )
@@ -306,9 +307,8 @@ class AutoPlanStrategy(DDPStrategy):
         unused = outcome.unused_parameters
         if not unused or outcome.plan.strategy != "dp_ga" or "find_unused_parameters" in kwargs:
             return kwargs
-        shown = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
         rank_zero_info(
-            f"auto_plan: training_step's loss gives no gradient to {len(unused)} trainable parameter(s) ({shown}); "
+            f"auto_plan: training_step's loss gives no gradient to {few_names(unused)}; "
             "running DistributedDataParallel with find_unused_parameters=True, which looks for them after every backward."
         )
         return {**kwargs, "find_unused_parameters": True}

@@ -52,7 +52,7 @@ import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
@@ -971,6 +971,12 @@ class _MicroBatchLoader:
             object.__setattr__(self, name, value)
         else:  # e.g. Lightning's worker_init_fn injection belongs to the real loader
             setattr(self._loader, name, value)
+
+
+def few_names(names: Sequence[str]) -> str:
+    """``"2 trainable parameter(s) (head.weight, head.bias)"``: the count and the first three names."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{len(names)} trainable parameter(s) ({', '.join(names[:3])}{more})"
 
 
 @contextlib.contextmanager

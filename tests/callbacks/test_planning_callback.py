@@ -91,6 +91,31 @@ def test_callback_applies_plan_same_math_and_restores(tmp_path: Path) -> None:
     assert (tmp_path / "distplan" / "profile.json").is_file()
 
 
+class _UnusedHead(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux_head = nn.Linear(8, 2)  # used by no loss (say, predict_step only)
+
+
+def test_a_ddp_strategy_that_would_refuse_parameters_the_loss_does_not_use_is_warned_about(tmp_path: Path) -> None:
+    """The callback keeps the user's strategy: under DDP without find_unused_parameters the profile's unused
+    parameters get a warning with the strategy that trains them before the step that fails; none where DDP is told."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"PlanningCallback: training_step's loss gives no gradient to 2 trainable parameter\(s\) "
+                      r"\(aux_head.weight, aux_head.bias\), which DDPStrategy's .* HINT: Use strategy='ddp_find_unused_parameters_true'"):
+        L.Trainer(**_kwargs(tmp_path / "ddp", strategy="ddp", max_steps=1, callbacks=[PlanningCallback(micro_batch_size=4)])).fit(_UnusedHead())
+    torch.distributed.destroy_process_group()
+    for strategy in ("ddp_find_unused_parameters_true", "auto"):  # DDP told, and no DDP at all
+        trainer = L.Trainer(**_kwargs(tmp_path / strategy, strategy=strategy, max_steps=2, callbacks=[PlanningCallback(micro_batch_size=4)]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_UnusedHead())
+        assert not [w for w in caught if "no gradient" in str(w.message)] and trainer.global_step == 2
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_reloaded_loaders_draw_the_random_stream_as_the_plain_run_does(tmp_path: Path) -> None:
     """With reload_dataloaders_every_n_epochs=1 Lightning calls iter() on the train loader twice per epoch and drops
     the first; each DataLoader iterator draws a seed from the global random stream when it is made. The micro-batch
