@@ -119,7 +119,11 @@ def _run_torchrun(cmd: list[str]) -> int:
     """
     import signal
 
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+    # The workers start as `python -m lightning_distplan.cli`, which puts the current folder first on sys.path before
+    # anything is imported: a torch.py or json.py there would replace the real one. PYTHONSAFEPATH (Python >= 3.11)
+    # leaves it off, and the command adds it after its own imports, for the model, as the `distplan` script does.
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
     assert proc.stderr is not None
     errors: list[str] = []
 

@@ -11,6 +11,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,14 +26,16 @@ PLAN_KEYS = {
 SUMMARY_KEYS = {"median_abs_error", "p90_abs_error", "pick", "measured_best", "pick_is_best", "pick_within", "regret"}
 
 
-def _bench(tmp_path, *extra: str) -> dict:
+def _bench(tmp_path, *extra: str, cwd=None) -> dict:
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--steps", "2", "--warmup", "1", "--threads", "1",
+    # from another folder, the console script (`python -m` would import from that folder itself)
+    command = [sys.executable, "-m", "lightning_distplan.cli"] if cwd is None else [str(Path(sys.executable).parent / "distplan")]
+    cmd = [*command, "bench", *MODEL, "--steps", "2", "--warmup", "1", "--threads", "1",
            "--profile-repeats", "1", "--out", str(out), "--quiet", *extra]
     temporary = tmp_path / "tmp"  # the run's temporary folder, looked at afterwards
     temporary.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temporary)}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=cwd)
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert "step time |error|: median" in res.stdout and "host speed:" in res.stdout  # the readable table was printed
@@ -122,7 +125,12 @@ def test_bench_world_size_1(tmp_path):
 
 
 def test_bench_world_size_2_torchrun_loopback(tmp_path):
-    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1", "--profile-once", "--min-time", "0.05")
+    # run from a folder whose torch.py and json.py would replace the real ones if the workers imported from it first
+    (tmp_path / "here").mkdir()
+    for name in ("torch.py", "json.py"):
+        (tmp_path / "here" / name).write_text("raise SystemExit('the current folder shadowed a module')\n")
+    result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1", "--profile-once", "--min-time", "0.05",
+                    cwd=tmp_path / "here")
     _check(result, 2)
     # --min-time reached the torchrun workers: the tiny model's plans (a few ms a step) ran more than --steps 2
     assert result["min_time_s"] == 0.05 and max(r["timed_steps_per_pass"] for r in result["plans"]) > 2
@@ -193,7 +201,9 @@ def test_two_ranks_error_lines_run_together_in_the_pipe_are_shown_once(capfd):
 
 def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path):
     """--plans 99 is known wrong only once the plans are ranked, inside every worker: one line, not torchrun's traceback."""
-    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "4",
+    # from another folder, the console script (`python -m` would import from that folder itself)
+    command = [sys.executable, "-m", "lightning_distplan.cli"] if cwd is None else [str(Path(sys.executable).parent / "distplan")]
+    cmd = [*command, "bench", *MODEL, "--world-size", "2", "--global-batch-size", "4",
            "--plans", "99", "--profile-repeats", "1", "--threads", "1", "--quiet"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     errors = [line for line in res.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
@@ -401,7 +411,9 @@ def test_sigterm_to_a_two_process_bench_stops_its_workers_and_writes_nothing(tmp
     import time
 
     out = tmp_path / "term.json"
-    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "2",
+    # from another folder, the console script (`python -m` would import from that folder itself)
+    command = [sys.executable, "-m", "lightning_distplan.cli"] if cwd is None else [str(Path(sys.executable).parent / "distplan")]
+    cmd = [*command, "bench", *MODEL, "--world-size", "2", "--global-batch-size", "2",
            "--steps", "200", "--warmup", "1", "--threads", "1", "--profile-repeats", "1", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
