@@ -201,9 +201,7 @@ def test_two_ranks_error_lines_run_together_in_the_pipe_are_shown_once(capfd):
 
 def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path):
     """--plans 99 is known wrong only once the plans are ranked, inside every worker: one line, not torchrun's traceback."""
-    # from another folder, the console script (`python -m` would import from that folder itself)
-    command = [sys.executable, "-m", "lightning_distplan.cli"] if cwd is None else [str(Path(sys.executable).parent / "distplan")]
-    cmd = [*command, "bench", *MODEL, "--world-size", "2", "--global-batch-size", "4",
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "4",
            "--plans", "99", "--profile-repeats", "1", "--threads", "1", "--quiet"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
     errors = [line for line in res.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
@@ -411,9 +409,7 @@ def test_sigterm_to_a_two_process_bench_stops_its_workers_and_writes_nothing(tmp
     import time
 
     out = tmp_path / "term.json"
-    # from another folder, the console script (`python -m` would import from that folder itself)
-    command = [sys.executable, "-m", "lightning_distplan.cli"] if cwd is None else [str(Path(sys.executable).parent / "distplan")]
-    cmd = [*command, "bench", *MODEL, "--world-size", "2", "--global-batch-size", "2",
+    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "2",
            "--steps", "200", "--warmup", "1", "--threads", "1", "--profile-repeats", "1", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
