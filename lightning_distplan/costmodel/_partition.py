@@ -17,6 +17,8 @@ import math
 from itertools import accumulate
 from typing import Sequence
 
+import numpy as np
+
 from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
 __all__ = ["partition_layers", "partition_pipeline", "stage_sums"]
@@ -50,16 +52,7 @@ def partition_layers(
         (3,)
     """
     n_layers = len(layer_times)
-    if not isinstance(pp, int) or pp < 1:
-        raise ModelSplitError(f"The number of pipeline stages must be a positive integer, got {pp!r}.", hint="Use pp >= 1.")
-    if pp > n_layers:
-        raise ModelSplitError(
-            f"Cannot split {n_layers} profiled layers into {pp} pipeline stages (pp > number of layers).",
-            hint=f"Use at most {n_layers} stages, or expose finer layers through the model's `pipeline_spec()`.",
-        )
-    times = [float(t) for t in layer_times]
-    if any(not math.isfinite(t) or t < 0 for t in times):
-        raise ModelSplitError(f"Layer times must be finite and non-negative, got {times}.", hint="Pass the profiled per-layer times (seconds >= 0).")
+    times = _checked_times(layer_times, pp)
     if (layer_memory is None) != (memory_cap is None):
         raise ModelSplitError(
             f"`layer_memory` and `memory_cap` go together, got layer_memory={'None' if layer_memory is None else 'a list'} and memory_cap={memory_cap!r}.",
@@ -123,6 +116,22 @@ def partition_layers(
     return tuple(starts[1:])
 
 
+def _checked_times(layer_times: Sequence[float], pp: int) -> list[float]:
+    """The layer times as floats, after the checks of ``pp`` and the times both partitions make."""
+    n_layers = len(layer_times)
+    if not isinstance(pp, int) or pp < 1:
+        raise ModelSplitError(f"The number of pipeline stages must be a positive integer, got {pp!r}.", hint="Use pp >= 1.")
+    if pp > n_layers:
+        raise ModelSplitError(
+            f"Cannot split {n_layers} profiled layers into {pp} pipeline stages (pp > number of layers).",
+            hint=f"Use at most {n_layers} stages, or expose finer layers through the model's `pipeline_spec()`.",
+        )
+    times = [float(t) for t in layer_times]
+    if any(not math.isfinite(t) or t < 0 for t in times):
+        raise ModelSplitError(f"Layer times must be finite and non-negative, got {times}.", hint="Pass the profiled per-layer times (seconds >= 0).")
+    return times
+
+
 def partition_pipeline(
     layer_times: Sequence[float],
     pp: int,
@@ -148,8 +157,10 @@ def partition_pipeline(
     stages hold different numbers of micro-batches, which the compute-only
     :func:`partition_layers` does not see.
 
-    Exact dynamic programme over (stages, first layer not yet covered), O(pp · L²); among splits
-    with the same slowest stage, the one with the cheapest hand-overs (then the first found). The
+    Exact dynamic programme over (stages, first layer not yet covered): O(pp · L²) float operations,
+    done stage by stage as numpy array operations over every (first layer, end) pair, so O(pp) Python
+    steps; among splits with the same slowest stage, the one with the cheapest hand-overs (then the
+    first found: the smallest first layer for each stage the programme extends). The
     slowest stage is a proxy: the step time ``predict()`` prices depends on every stage (the
     schedule's fill and bubble), so another split can occasionally price a few percent lower.
 
@@ -171,7 +182,11 @@ def partition_pipeline(
         InfeasiblePlanError: no split keeps every stage under ``memory_cap``.
     """
     n_layers = len(layer_times)
-    partition_layers(layer_times, pp)  # the same checks of pp and the times
+    pt = [0.0, *accumulate(_checked_times(layer_times, pp))]
+    if not math.isfinite(pt[-1]):
+        # Times summing past the float range. What ran here before for its checks,
+        # partition_layers' search, can then fail by itself; kept so that such input fails as it did.
+        partition_layers(layer_times, pp)
     lists = {"cut_times": cut_times, "static_memory": static_memory, "activation_memory": activation_memory, "cut_memory": cut_memory}
     for what, values in lists.items():
         if len(values) != n_layers or any(not math.isfinite(float(v)) or float(v) < 0 for v in values):
@@ -191,46 +206,11 @@ def partition_pipeline(
         groups.append((where[0], users, float(nbytes)))
     barred = {int(j) for j in no_cut}
     cap = math.inf if memory_cap is None else float(memory_cap)
-    pt = [0.0, *accumulate(float(t) for t in layer_times)]
-    ps = [0.0, *accumulate(float(x) for x in static_memory)]
-    pa = [0.0, *accumulate(float(x) for x in activation_memory)]
-    cuts = [float(x) for x in cut_times]
-    held = [float(x) for x in cut_memory]
-    inf = math.inf
-    # best[j]: (slowest stage, hand-over seconds) of the best split of layers [0, j) into the stages so far
-    best: list[tuple[float, float]] = [(inf, inf)] * (n_layers + 1)
-    best[0] = (0.0, 0.0)
-    choice: list[list[int]] = []
-    for k in range(pp):
-        last = k == pp - 1
-        nxt: list[tuple[float, float]] = [(inf, inf)] * (n_layers + 1)
-        arg = [-1] * (n_layers + 1)
-        # stage k covers [i, j): at least one layer, and one layer left for each later stage
-        for j in range(k + 1, n_layers - (pp - 1 - k) + 1):
-            if last and j != n_layers:
-                continue
-            send = 0.0 if last else cuts[j - 1]
-            for i in range(k, j):
-                before = best[i]
-                if before[0] == inf:
-                    continue
-                receive = cuts[i - 1] if k > 0 else 0.0
-                if k > 0 and i in barred:
-                    continue
-                memory = ps[j] - ps[i] + in_flight[k] * (pa[j] - pa[i] + (held[i - 1] if k > 0 else 0.0))
-                if groups:  # a copy of each tied group this stage uses but an earlier one holds
-                    memory += sum(nbytes for first, users, nbytes in groups if first < i and users[j] > users[i])
-                if memory > cap:
-                    continue
-                stage = pt[j] - pt[i] + receive + send
-                cand = (max(before[0], stage), before[1] + send)
-                if cand < nxt[j]:
-                    nxt[j], arg[j] = cand, i
-        best = nxt
-        choice.append(arg)
-    if best[n_layers][0] == inf:
+    with np.errstate(all="ignore"):  # sums past the float range give inf (bytes: nan, never over the cap), unwarned as in Python
+        choice = _programme(pp, pt, static_memory, activation_memory, cut_times, cut_memory, in_flight, cap, groups, barred)
+    if choice is None:
         if barred:
-            under = "" if cap == inf else f" and keeps every stage under {cap:.4g} bytes"
+            under = "" if cap == math.inf else f" and keeps every stage under {cap:.4g} bytes"
             raise InfeasiblePlanError(
                 f"No split of {n_layers} layers into {pp} stages starts no stage at layers {sorted(barred)}{under}.",
                 hint="Allow more cut points, use fewer stages or devices with more memory.",
@@ -241,9 +221,102 @@ def partition_pipeline(
         )
     starts, j = [], n_layers
     for k in range(pp - 1, 0, -1):
-        j = choice[k][j]
+        j = int(choice[k][j])
         starts.append(j)
     return tuple(reversed(starts))
+
+
+def _programme(
+    pp: int,
+    pt: list[float],
+    static_memory: Sequence[float],
+    activation_memory: Sequence[float],
+    cut_times: Sequence[float],
+    cut_memory: Sequence[float],
+    in_flight: Sequence[int],
+    cap: float,
+    groups: list[tuple[int, list[int], float]],
+    barred: set[int],
+) -> list[np.ndarray] | None:
+    """partition_pipeline's programme: ``choice[k][j]``, the first layer of stage ``k`` in the best split
+    of layers ``[0, j)`` into stages ``0..k``, or None where no split of all layers into ``pp`` stages fits.
+
+    Stage by stage, every (first layer i, end j) pair at once as numpy arrays: O(pp · L²) operations.
+    """
+    n_layers = len(pt) - 1
+    inf = math.inf
+    # Edges 0..L index the arrays: stage [i, j) is row i, column j of the square ones. Each entry is
+    # the float64 operation a scalar loop over (i, j) would do, in its order, so splits and ties are
+    # decided on the same numbers.
+    edge = np.arange(n_layers + 1)
+    span = _block_sums(pt)
+    static = _block_sums([0.0, *accumulate(float(x) for x in static_memory)])
+    activations = _block_sums([0.0, *accumulate(float(x) for x in activation_memory)])
+    handover = np.array([0.0, *(float(x) for x in cut_times)])  # [i]: seconds of the hand-over into layer i
+    received = np.array([0.0, *(float(x) for x in cut_memory)])  # [i]: bytes of layer i - 1's output
+    later = edge[:, None] < edge[None, :]  # [i, j]: i < j, a stage holds at least one layer
+    # a middle stage's seconds (it receives and sends) and bytes per micro-batch (with the received copy)
+    middle = span + handover[:, None] + handover[None, :]
+    held = activations + received[:, None]
+    copies = np.zeros_like(span)  # [i, j]: the tied groups' copies a stage [i, j) holds past their first user's
+    for first, users, nbytes in groups:
+        ahead = np.array(users)
+        copies = copies + np.where((first < edge)[:, None] & (ahead[None, :] > ahead[:, None]), nbytes, 0.0)
+    may_start = np.array([i not in barred for i in range(n_layers + 1)])
+    # best[j], handed[j]: (slowest stage, hand-over seconds) of the best split of layers [0, j) into the
+    # stages so far, inf where there is none; choice[k][j]: the first layer of stage k in it
+    best = np.full(n_layers + 1, inf)
+    handed = np.full(n_layers + 1, inf)
+    best[0] = handed[0] = 0.0
+    choice: list[np.ndarray] = []
+    for k in range(pp):
+        last = k == pp - 1
+        stop = n_layers - (pp - 1 - k)  # stage k ends at most here: one layer left for each later stage
+        cols = slice(n_layers, n_layers + 1) if last else slice(k + 1, stop + 1)
+        ready = best[:stop] < inf
+        if k > 0:
+            ready &= may_start[:stop]
+        starts = np.flatnonzero(ready)
+        if not starts.size:  # no split reaches stage k
+            return None
+        rows = slice(int(starts[0]), int(starts[-1]) + 1)
+        ok = ready[rows, None] & later[rows, cols]
+        factor = in_flight[k] * 1.0  # as the scalar product in_flight[k] * (...) converts it
+        if cap < inf:  # memory > inf (or nan) never holds
+            memory = static[rows, cols] + factor * (held[rows, cols] if k > 0 else activations[rows, cols] + 0.0)
+            if groups:
+                memory = memory + copies[rows, cols]
+            ok &= ~(memory > cap)
+        send = 0.0 if last else handover[cols]
+        if 0 < k < pp - 1:
+            stage = middle[rows, cols]
+        else:
+            stage = span[rows, cols] + (handover[rows, None] if k > 0 else 0.0) + send
+        # A ready row's best and stage are never nan (the first is finite, the second sums a finite
+        # prefix difference and hand-overs), so maximum is max(before, stage) here.
+        slowest = np.where(ok, np.maximum(best[rows, None], stage), inf)
+        bottleneck = slowest.min(axis=0)
+        at = ok & (slowest == bottleneck)
+        seconds = np.where(at, handed[rows, None] + send, inf)
+        cheapest = seconds.min(axis=0)
+        first_i = rows.start + (at & (seconds == cheapest)).argmax(axis=0)  # the smallest i of a tie
+        reached = bottleneck < inf  # a split whose slowest stage is inf is none: no later stage extends it
+        best = np.full(n_layers + 1, inf)
+        handed = np.full(n_layers + 1, inf)
+        arg = np.full(n_layers + 1, -1)
+        best[cols] = np.where(reached, bottleneck, inf)
+        handed[cols] = np.where(reached, cheapest, inf)
+        arg[cols] = np.where(reached, first_i, -1)
+        choice.append(arg)
+    if best[n_layers] == inf:
+        return None
+    return choice
+
+
+def _block_sums(prefix: list[float]) -> np.ndarray:
+    """``[i, j] = prefix[j] - prefix[i]``: the sum over layers ``[i, j)`` for ``i < j``."""
+    edges = np.array(prefix)
+    return edges[None, :] - edges[:, None]
 
 
 def stage_sums(values: Sequence[float], boundaries: Sequence[int]) -> tuple[float, ...]:
