@@ -5,16 +5,18 @@ Hand-built profiles (``costmodel.synthetic_profile``: stated layer fits, no meas
 (``costmodel._schedule``), which is what grows with stages × micro-batches. Each case is planned
 twice: links as over gloo (one TCP stream per pair: 1F1B takes the event queue) and as over NCCL.
 
-Run:  python benchmarks/planning_scale.py   ->  benchmarks/results/planning_scale_cpu.json
+Run:  python benchmarks/planning_scale.py [--out FILE]   ->  benchmarks/results/planning_scale_cpu.json
+(the committed result the README's table reads; it says so before replacing it)
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
-import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -23,11 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _results import result_path, shown, write_result  # noqa: E402
 from lightning_distplan.costmodel import Hardware  # noqa: E402
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile  # noqa: E402
 from lightning_distplan.planner import rank_plans  # noqa: E402
 
 CASES = [(32, 16, 256), (64, 64, 512), (96, 128, 1024), (96, 64, 2048)]  # layers, devices, global batch
+RESULT = ROOT / "benchmarks" / "results" / "planning_scale_cpu.json"
 
 
 def _profile(n_layers: int):
@@ -42,7 +46,11 @@ def _profile(n_layers: int):
     return synthetic_profile(layers, micro_batch_sizes=(1, 2, 4, 8, 16), device_memory_bytes=80 << 30)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help=f"result JSON (default {shown(RESULT)}, the committed result)")
+    args = parser.parse_args(argv)
+    out = result_path(args.out, RESULT, script="planning_scale")
     load_start = list(os.getloadavg())
     cases = []
     for n_layers, world, batch in CASES:
@@ -69,7 +77,7 @@ def main() -> int:
         commit = ""
     result = {
         "benchmark": "planning_scale",
-        "command": "python benchmarks/planning_scale.py",
+        "command": shlex.join(["python", "benchmarks/planning_scale.py", *(sys.argv[1:] if argv is None else argv)]),
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": {"type": "cpu", "what": "planning runs on the host CPU (one thread, pure Python)"},
@@ -80,8 +88,7 @@ def main() -> int:
         "cases": cases,
         "max_wall_s": max(c["wall_s"] for c in cases),
     }
-    out = ROOT / "benchmarks" / "results" / "planning_scale_cpu.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, indent=2)
     print(f"slowest: {result['max_wall_s']:.2f} s -> {out}")
     return 0
 

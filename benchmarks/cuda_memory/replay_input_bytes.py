@@ -9,8 +9,8 @@ activation slope, predicts every measured point again and sets old and new error
 A replay, not a measurement: the measured peaks are the committed ones.
 
 Run from the repository root:
-``python benchmarks/cuda_memory/replay_input_bytes.py`` (writes
-``benchmarks/results/cuda_memory_replay_input_bytes_h100.json``).
+``python benchmarks/cuda_memory/replay_input_bytes.py [--out FILE]`` (writes
+``benchmarks/results/cuda_memory_replay_input_bytes_h100.json``, the committed result, and says so first).
 """
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ import os
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
+import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
+import shlex  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_validation as gv  # noqa: E402
+from _results import result_path, shown, write_result  # noqa: E402
 from lightning_distplan.costmodel import Hardware, predict  # noqa: E402
 from lightning_distplan.plan import Plan  # noqa: E402
 from lightning_distplan.profile import Profile  # noqa: E402
@@ -80,17 +83,21 @@ def replay(path: str) -> dict:
             "before": stats("error_before"), "with_input": stats("error_with_input"), "points": rows}
 
 
-def main() -> None:
-    result = {"benchmark": "replay_input_bytes", "command": "python benchmarks/cuda_memory/replay_input_bytes.py",
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/cuda_memory_replay_input_bytes_h100.json, the committed result)")
+    args = parser.parse_args(argv)
+    out = result_path(args.out, OUT, script="replay_input_bytes")
+    result = {"benchmark": "replay_input_bytes", "command": shlex.join(["python", "benchmarks/cuda_memory/replay_input_bytes.py", *(sys.argv[1:] if argv is None else argv)]),
               "date": datetime.date.today().isoformat(), "what": __doc__.split("\n\n")[0], "replays": [replay(p) for p in RUNS]}
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result)
     for r in result["replays"]:
         print(f"{r['run']}: before {r['before']}, with input {r['with_input']}")
         for p in r["points"]:
             if abs(p["error_before"]) > 0.045 or abs(p["error_with_input"]) > 0.045:
                 print(f"   {p['model']} m={p['micro_batch_size']} s={p['accumulate_grad_batches']}: "
                       f"{p['error_before']:+.2%} -> {p['error_with_input']:+.2%}")
-    print("wrote", OUT.relative_to(ROOT))
+    print("wrote", shown(out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,66 @@
+"""Where a benchmark script writes its result file.
+
+Most scripts here write, by default, the committed result under ``benchmarks/results/`` that the
+README's accuracy table is made from: running one again regenerates that evidence.
+:func:`result_path` is called before the measurements start. It refuses a path that cannot be
+written, or an existing file that is not a JSON result, with one line and a HINT (not a traceback
+after minutes of measuring), and when no ``--out`` was given and the default file exists it says,
+before the run, that the run will replace it and how to keep it. :func:`write_result` replaces the
+file atomically, so a run stopped while writing never leaves half a result.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from lightning_distplan._files import check_output_path, check_replaceable, write_text_atomic  # noqa: E402
+from lightning_distplan.errors import OutputPathError  # noqa: E402
+
+__all__ = ["result_path", "write_result", "shown"]
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the repository root where it lies in it (as the scripts' docstrings name files)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _committed(path: Path) -> bool:
+    """Whether git tracks ``path`` in this repository (False where git or the repository is missing)."""
+    try:
+        done = subprocess.run(["git", "ls-files", "--error-unmatch", str(path.resolve())], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return False
+    return done.returncode == 0
+
+
+def result_path(out: str | Path | None, default: str | Path, *, script: str, option: str = "--out") -> Path:
+    """The file to write: ``out`` when given, else ``default``; refused with one line (``SystemExit``) when it
+    cannot be written or is an existing file other than a JSON result. With ``out`` not given and ``default``
+    present, prints (stderr) that the run replaces it when it ends."""
+    path = Path(out if out is not None else default)
+    try:
+        check_output_path(path, option, example=Path(default).name)
+        check_replaceable(path, option, what="JSON result file", is_ours=lambda doc: isinstance(doc, dict))
+    except OutputPathError as err:
+        raise SystemExit(f"{script}: {err}") from None
+    if out is None and path.is_file():
+        what = "the committed result" if _committed(path) else "the result file"
+        print(
+            f"{script}: this run replaces {what} {shown(path)} when it ends; pass {option} FILE to keep it"
+            + (f" (git checkout -- {shown(path)} restores it)." if what == "the committed result" else "."),
+            file=sys.stderr, flush=True,
+        )
+    return path
+
+
+def write_result(path: str | Path, doc: dict, *, indent: int = 1) -> Path:
+    """``doc`` as JSON to ``path`` through a temporary file and a rename (never half written)."""
+    return write_text_atomic(path, json.dumps(doc, indent=indent) + "\n")

@@ -1,0 +1,66 @@
+"""Benchmark scripts and their result files: a script refuses a bad output path before it measures, says so
+before it replaces a committed result, writes atomically, and ``--help`` only prints the usage."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "cuda_memory"))
+from _results import result_path, write_result  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_a_bad_output_path_is_one_line_with_a_hint(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "notes.txt").write_text("my notes")
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "file" / "r.json", "which is a file"),
+                     (tmp_path / "notes.txt", "exists and is not a JSON result file")):
+        with pytest.raises(SystemExit) as info:
+            result_path(bad, tmp_path / "default.json", script="bench")
+        message = str(info.value.code)
+        assert message.startswith(f"bench: --out '{bad}'") and why in message and "HINT:" in message and "\n" not in message
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+
+
+def test_the_default_result_is_named_before_it_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    default = tmp_path / "result.json"
+    assert result_path(None, default, script="bench") == default  # nothing to replace: nothing said
+    assert capsys.readouterr().err == ""
+    write_result(default, {"a": 1})
+    assert json.loads(default.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+    result_path(None, default, script="bench")
+    assert f"bench: this run replaces the result file {default} when it ends; pass --out FILE to keep it." in capsys.readouterr().err
+    result_path(tmp_path / "mine.json", default, script="bench")  # a file of the user's choosing: nothing to say
+    result_path(default, default, script="bench")
+    assert capsys.readouterr().err == ""
+    committed = RESULTS / "planning_scale_cpu.json"
+    result_path(None, committed, script="bench")
+    assert ("this run replaces the committed result benchmarks/results/planning_scale_cpu.json when it ends; pass --out FILE "
+            "to keep it (git checkout -- benchmarks/results/planning_scale_cpu.json restores it).") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["planning_scale", "replay_input_bytes"])
+def test_help_prints_the_usage_and_writes_nothing(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """These two took no arguments: ``--help`` ran the benchmark and replaced the committed result."""
+    script = __import__(module)
+    before = {p: p.stat().st_mtime_ns for p in RESULTS.glob("*.json")}
+    with pytest.raises(SystemExit) as info:
+        script.main(["--help"])
+    assert info.value.code == 0 and "--out" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in RESULTS.glob("*.json")} == before
+
+
+def test_replay_input_bytes_writes_where_it_is_told(tmp_path: Path) -> None:
+    import replay_input_bytes
+
+    replay_input_bytes.main(["--out", str(tmp_path / "replay.json")])
+    doc = json.loads((tmp_path / "replay.json").read_text())
+    committed = json.loads(replay_input_bytes.OUT.read_text())
+    assert doc["replays"] == committed["replays"] and doc["command"].endswith(f"replay_input_bytes.py --out {tmp_path / 'replay.json'}")
