@@ -31,7 +31,9 @@ Run:  python benchmarks/gpu_validation.py [--models gpt2,bert_large,resnet101] [
       python benchmarks/gpu_validation.py --no-oom-search        # the points only (~5 min on an H100)
       python benchmarks/gpu_validation.py --oom-only --out benchmarks/results/gpu_validation_<device>_oom.json
       python benchmarks/gpu_validation.py --tiny --device cpu     # a smoke run, no GPU
-Result: benchmarks/results/gpu_validation_<device name>.json (provenance included); the JSON is
+Result: benchmarks/results/gpu_validation_<device name>.json (``_oom.json`` for ``--oom-only``; provenance
+included), the committed result the README's GPU rows are made from (the script says so before it
+replaces one); a run on a CPU or with ``--tiny`` goes to runs/ instead, never among them. The JSON is
 rewritten after every measurement, so a run cut short keeps what it measured.
 """
 
@@ -47,7 +49,6 @@ import argparse
 import copy
 import datetime
 import gc
-import json
 import multiprocessing
 import platform
 import statistics
@@ -70,6 +71,11 @@ from lightning_distplan.demos import RandomImageData, RandomTokenData, Torchvisi
 from lightning_distplan.plan import Plan
 from lightning_distplan.profile import Profile
 from lightning_distplan.profiling import profile_module
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import result_path, write_result  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -403,6 +409,15 @@ def summarize(models: dict) -> dict:
     return out
 
 
+def default_out(device: str, device_name: str, *, tiny: bool, oom_only: bool) -> Path:
+    """Where a run without ``--out`` writes: ``benchmarks/results/`` for a full-size CUDA run (the committed
+    results the README's GPU rows are made from), ``runs/`` for a run on a CPU or with ``--tiny`` (a smoke run
+    whose numbers must not appear there as a GPU's); ``_oom`` names a run of the boundary search alone."""
+    slug = "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
+    name = f"gpu_validation_{slug}{'_tiny' if tiny else ''}{'_oom' if oom_only else ''}.json"
+    return (ROOT / "benchmarks" / "results" if device == "cuda" and not tiny else ROOT / "runs") / name
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,bert_large,resnet101", help=f"comma-separated, from {', '.join(MODELS)}")
@@ -442,14 +457,20 @@ def main() -> int:
         "float32_matmul_precision": args.matmul_precision, "tiny": args.tiny,
         "steps": args.steps, "warmup": args.warmup, "models": {},
     }
+    if args.out:
+        result_path(args.out, "gpu_validation.json", script="gpu_validation")  # a bad --out is refused before the first profile
+
     def out_path() -> Path:
-        slug = "".join(c if c.isalnum() else "_" for c in result["device"]["name"].lower()).strip("_")
-        return Path(args.out or Path(__file__).parent / "results" / f"gpu_validation_{slug}.json")
+        return Path(args.out) if args.out else default_out(device, result["device"]["name"], tiny=args.tiny, oom_only=args.oom_only)
+
+    said: list[bool] = []
 
     def save() -> None:
         result["summary"] = summarize(result["models"])
-        out_path().parent.mkdir(parents=True, exist_ok=True)
-        out_path().write_text(json.dumps(result, indent=1))
+        if not said:  # the first save: the file's name is known once the first profile has named the device
+            result_path(args.out, out_path(), script="gpu_validation")
+            said.append(True)
+        write_result(out_path(), result)
 
     for name in names:
         run_model(name, MODELS[name](args.tiny), args, device, result, save)

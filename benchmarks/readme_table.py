@@ -222,7 +222,15 @@ def rows() -> list[tuple[str, str, str, str, str]]:
 
 def _gpu_row(d: dict, stem: str = "") -> tuple[str, str, str, str, str]:
     """One single-GPU validation run: step time, peak memory, OOM boundary, profiling cost (``stem``: the
-    file's name, whose ``_runN`` ending names a repeat run and ``_oom`` a run of the boundary search alone)."""
+    file's name, whose ``_runN`` ending names a repeat run and ``_oom`` a run of the boundary search alone).
+    A run on a CPU or of the ``--tiny`` models is refused: its row would give its numbers as a GPU's, for the
+    full-size models."""
+    if d["device"]["type"] != "cuda" or d.get("tiny"):
+        raise SystemExit(
+            f"readme_table: benchmarks/results/{stem}.json is a {'--tiny ' if d.get('tiny') else ''}run on {d['device']['type']} "
+            f"({d['device']['name']}), not a GPU result, and the README's GPU rows would show its numbers as one. "
+            "HINT: move it out of benchmarks/results/ (gpu_validation.py writes such runs under runs/ unless --out says otherwise)."
+        )
     s, models = d["summary"], d["models"]
     oom = "; ".join(
         f"{name} {o['predicted_largest_micro_batch_planner']} / {o['predicted_largest_micro_batch_whole_device']} vs {o['measured_largest_micro_batch']} "

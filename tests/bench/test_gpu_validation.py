@@ -177,3 +177,21 @@ def test_committed_input_bytes_replay_reproduces() -> None:
         assert all(p["input_bytes_per_sample"] == 3 * 224 * 224 * 4 + 8 for p in resnet)  # one float32 image and its int64 label
         assert all(p["predicted_with_input"] - p["predicted_before"] == pytest.approx(p["micro_batch_size"] * p["input_bytes_per_sample"], abs=2)
                    for p in again["points"])  # dp holds one micro-batch: the term adds m samples' input, nothing else
+
+
+def test_a_smoke_run_never_lands_among_the_gpu_results(tmp_path: Path) -> None:
+    """``gpu_validation.py --tiny --device cpu`` (the docstring's smoke run) wrote benchmarks/results/gpu_validation_x86_64.json,
+    which the README's table then showed as "1 GPU, run 1" with the full-size models' labels."""
+    from gpu_validation import default_out
+
+    results, runs = ROOT / "benchmarks" / "results", ROOT / "runs"
+    assert default_out("cuda", "NVIDIA H100 80GB HBM3", tiny=False, oom_only=False) == results / "gpu_validation_nvidia_h100_80gb_hbm3.json"
+    assert default_out("cuda", "NVIDIA H100 80GB HBM3", tiny=False, oom_only=True) == results / "gpu_validation_nvidia_h100_80gb_hbm3_oom.json"
+    assert default_out("cuda", "NVIDIA H100 80GB HBM3", tiny=True, oom_only=False) == runs / "gpu_validation_nvidia_h100_80gb_hbm3_tiny.json"
+    assert default_out("cpu", "x86_64", tiny=True, oom_only=False) == runs / "gpu_validation_x86_64_tiny.json"
+    assert default_out("cpu", "x86_64", tiny=False, oom_only=False) == runs / "gpu_validation_x86_64.json"
+    doc = json.loads(GPU_RESULTS[0].read_text())
+    for device, tiny in (("cpu", False), ("cuda", True)):
+        smoke = {**doc, "device": {**doc["device"], "type": device, "name": "x86_64" if device == "cpu" else doc["device"]["name"]}, "tiny": tiny}
+        with pytest.raises(SystemExit, match=r"^readme_table: benchmarks/results/gpu_validation_x\.json is a .*not a GPU result.* HINT: move it out"):
+            _gpu_row(smoke, "gpu_validation_x")
