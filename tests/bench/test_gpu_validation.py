@@ -195,3 +195,19 @@ def test_a_smoke_run_never_lands_among_the_gpu_results(tmp_path: Path) -> None:
         smoke = {**doc, "device": {**doc["device"], "type": device, "name": "x86_64" if device == "cpu" else doc["device"]["name"]}, "tiny": tiny}
         with pytest.raises(SystemExit, match=r"^readme_table: benchmarks/results/gpu_validation_x\.json is a .*not a GPU result.* HINT: move it out"):
             _gpu_row(smoke, "gpu_validation_x")
+
+
+def test_p90_is_within_the_errors_and_taken_as_the_cpu_sweeps_take_it() -> None:
+    """statistics.quantiles (the summary's p90 until 2026-11-25) put the p90 of three points above the largest."""
+    from gpu_validation import summarize
+
+    from lightning_distplan.bench import percentile
+
+    def point(error: float) -> dict:
+        return {"measured_step_time_s": 1.0, "step_time_error": error, "memory_error": None, "predicted_feasible": True}
+
+    errors = [0.1, -0.2, 3.5]
+    s = summarize({"m": {"points": [point(e) for e in errors]}})
+    assert s["p90_abs_step_time_error"] == pytest.approx(0.2 + 0.8 * (3.5 - 0.2)) == percentile([abs(e) for e in errors], 90)
+    assert s["p90_abs_step_time_error"] <= s["max_abs_step_time_error"] == 3.5
+    assert summarize({"m": {"points": [point(0.3)]}})["p90_abs_step_time_error"] == 0.3
