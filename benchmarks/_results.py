@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_distplan._files import check_output_path, check_replaceable, write_text_atomic  # noqa: E402
 from lightning_distplan.errors import OutputPathError  # noqa: E402
 
-__all__ = ["result_path", "write_result", "shown"]
+__all__ = ["result_path", "figure_path", "write_result", "shown"]
 
 
 def shown(path: Path) -> str:
@@ -59,6 +59,14 @@ def result_path(out: str | Path | None, default: str | Path, *, script: str, opt
             file=sys.stderr, flush=True,
         )
     return path
+
+
+def figure_path(out: str | Path, *, script: str, option: str) -> Path:
+    """``out`` when a figure can be written there; else ``SystemExit`` with one line (before the run, not after it)."""
+    try:
+        return check_output_path(out, option, example="figure.png")
+    except OutputPathError as err:
+        raise SystemExit(f"{script}: {err}") from None
 
 
 def write_result(path: str | Path, doc: dict, *, indent: int = 1) -> Path:

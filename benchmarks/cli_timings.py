@@ -10,7 +10,8 @@ Each command runs ``--runs`` times (default 3; a shared host varies by a third f
 next: 25.7 s, then 18.7 s for the same profile on an idle machine); the JSON keeps every run and
 the README shows the median and the range.
 
-Run:  python benchmarks/cli_timings.py [--runs 3]   ->  benchmarks/results/cli_timings_<device>.json
+Run:  python benchmarks/cli_timings.py [--runs 3] [--out FILE]   ->  benchmarks/results/cli_timings_<device>.json
+(the committed result the README's table reads; it says so before replacing it)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -30,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import result_path, write_result  # noqa: E402
+
 DISTPLAN = [sys.executable, "-c", "import sys, _distplan_cli; sys.exit(_distplan_cli.main())"]
 
 
@@ -70,9 +75,14 @@ def _stats(values: list[float]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Wall time of distplan profile / tune / plan.")
     parser.add_argument("--runs", type=int, default=3, help="runs of each command (default 3)")
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/cli_timings_<device>.json, the committed result)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         raise SystemExit(f"cli_timings: --runs must be >= 1, got {args.runs}. HINT: use e.g. --runs 3.")
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where distplan profile profiles (CUDA when present)
+    out_path = result_path(args.out, ROOT / "benchmarks" / "results" / f"cli_timings_{device}.json", script="cli_timings")
     load_start = list(os.getloadavg())
     runs = []
     for i in range(args.runs):
@@ -80,13 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(walls)
         print(f"run {i + 1}/{args.runs}: profile {walls['profile']:.1f} s (profiling {walls['profiling']} s), "
               f"tune {walls['tune']:.1f} s, plan {walls['plan']:.1f} s", flush=True)
-    import torch
-
     column = {key: [r[key] for r in runs] for key in runs[0]}
 
     result = {
         "benchmark": "cli_timings",
-        "command": "python benchmarks/cli_timings.py" + (f" --runs {args.runs}" if argv is None and args.runs != 3 else ""),
+        "command": shlex.join(["python", "benchmarks/cli_timings.py", *(sys.argv[1:] if argv is None else argv)]),
         "entry_point": "_distplan_cli.main (the distplan console script)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": doc["device"],
@@ -107,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         "tune_300_trials": {"wall_s": round(statistics.median(column["tune"]), 2), **_stats(column["tune"]), "target_s": 30.0},
         "plan_8_devices": {"wall_s": round(statistics.median(column["plan"]), 2), **_stats(column["plan"])},
     }
-    device = doc["device"]["type"]
-    out_path = ROOT / "benchmarks" / "results" / f"cli_timings_{device}.json"
-    out_path.write_text(json.dumps(result, indent=2))
+    write_result(out_path, result, indent=2)
     print(f"medians of {args.runs}: distplan profile {result['profile']['wall_s']:.1f} s wall (profiling "
           f"{result['profile']['profiling_time_s_reported']} s); distplan tune 300 trials {result['tune_300_trials']['wall_s']:.1f} s; "
           f"distplan plan {result['plan_8_devices']['wall_s']:.1f} s -> {out_path}")

@@ -29,8 +29,9 @@ Usage::
     sudo .venv/bin/python benchmarks/cpu_cluster_sweep.py                 # the full sweep
     sudo .venv/bin/python benchmarks/cpu_cluster_sweep.py --quick --rates unlimited --models mlp   # smoke test
 
-The full sweep writes ``benchmarks/results/cpu_cluster_sweep.json`` (the README's table is made from it);
-``--quick`` writes ``runs/cpu_cluster_sweep_quick.json``, never the committed results. Ctrl-C or SIGTERM
+The full sweep writes ``benchmarks/results/cpu_cluster_sweep.json`` (the README's table is made from it; the
+script says so before it replaces that committed run 1); ``--quick`` writes ``runs/cpu_cluster_sweep_quick.json``,
+never the committed results. Ctrl-C or SIGTERM
 stops the nodes, removes the namespaces and keeps the settings measured so far in ``<out>.partial.json``.
 """
 
@@ -54,6 +55,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _results import figure_path, result_path, write_result  # noqa: E402
 from lightning_distplan.bench import first_profile_view  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "netns_cluster.sh"
@@ -388,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in catalog] + [r for r in rates if r not in RATES]
     if bad:
         raise SystemExit(f"cpu_cluster_sweep: unknown model(s)/rate(s) {bad}. HINT: models {list(catalog)}, rates {list(RATES)}.")
-    out = Path(args.out) if args.out else ROOT / ("runs/cpu_cluster_sweep_quick.json" if args.quick else "benchmarks/results/cpu_cluster_sweep.json")
+    out = result_path(args.out, ROOT / ("runs/cpu_cluster_sweep_quick.json" if args.quick else "benchmarks/results/cpu_cluster_sweep.json"),
+                      script="cpu_cluster_sweep")
+    if args.plot:
+        figure_path(args.plot, script="cpu_cluster_sweep", option="--plot")
     started = datetime.now(timezone.utc)
     load_before = os.getloadavg()
     settings: list[dict[str, Any]] = []
@@ -408,10 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         kept = ""
         if settings:
             partial = out.with_name(out.stem + ".partial.json")
-            partial.parent.mkdir(parents=True, exist_ok=True)
             doc = {"schema": "distplan-cpu-cluster-sweep/1", "stopped": "interrupted", "settings": settings,
                    "provenance": _provenance(argv, args, rates, catalog, names, started, load_before)}
-            partial.write_text(json.dumps(doc, indent=1))
+            write_result(partial, doc)
             kept = f"; the {len(settings)} setting(s) measured are in {partial}"
         print(f"cpu_cluster_sweep: interrupted; the nodes were stopped and the namespaces removed{kept}.", file=sys.stderr)
         return 130
@@ -420,7 +424,6 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # the measurements took minutes: keep them even when the summary fails
         summary, lines = {"error": repr(err)}, [f"cpu_cluster_sweep: the summary failed ({err!r}); the settings are written as measured."]
     print("\n".join(lines), flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "schema": "distplan-cpu-cluster-sweep/1",
         "summary": summary,
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": settings,
         "provenance": _provenance(argv, args, rates, catalog, names, started, load_before),
     }
-    out.write_text(json.dumps(doc, indent=1))
+    write_result(out, doc)
     try:
         sys.path.insert(0, str(ROOT))
         from lightning_distplan.bench import plot_result

@@ -18,14 +18,14 @@ alternating repeats (AB, BA, AB, ...) so drift on a shared machine hits both var
 
 Run (it re-launches itself with torchrun):
     python benchmarks/dp_ga_overhead.py [--steps 30 --warmup 5 --repeats 3]
-Writes benchmarks/results/dp_ga_overhead_cpu.json (rank 0) and prints a summary.
+Writes benchmarks/results/dp_ga_overhead_cpu.json (rank 0; the committed result the README's table reads, and
+it says so before replacing it; ``--out FILE`` writes elsewhere) and prints a summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import shlex
@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 RESULT = Path(__file__).resolve().parent / "results" / "dp_ga_overhead_cpu.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import result_path, write_result  # noqa: E402
 M, S, WORLD = 8, 4, 2  # the plan under test: micro-batch 8, accumulate 4, 2 ranks (global batch 64)
 
 
@@ -45,7 +47,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="optimizer steps dropped before measuring")
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats of (dp_ga, ddp)")
-    p.add_argument("--out", type=Path, default=RESULT)
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/dp_ga_overhead_cpu.json, the committed result)")
     return p.parse_args()
 
 
@@ -142,15 +144,15 @@ def _worker(args: argparse.Namespace) -> None:
         "note": "Shared 2-core machine: other engineers' jobs ran at the same time (see loadavg); "
                 "repeats alternate the order so drift hits both variants.",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or RESULT  # checked by the launcher (main) before the ranks started
+    write_result(out, result, indent=2)
     for x in repeats:
         print(f"repeat {x['order']}: dp_ga {x['dp_ga_median_step_s'] * 1e3:.1f} ms  ddp {x['ddp_median_step_s'] * 1e3:.1f} ms "
               f"({x['dp_ga_vs_ddp_pct']:+.2f} %)  dp_ga_rechunk {x['dp_ga_rechunk_median_step_s'] * 1e3:.1f} ms "
               f"({x['dp_ga_rechunk_vs_ddp_pct']:+.2f} %)")
     print(f"median of repeats: dp_ga {dp_ga * 1e3:.1f} ms/step, ddp {ddp * 1e3:.1f} ms/step ({result['dp_ga_vs_ddp_pct']:+.2f} %), "
           f"dp_ga_rechunk {rechunk * 1e3:.1f} ms/step ({result['dp_ga_rechunk_vs_ddp_pct']:+.2f} %); "
-          f"re-chunking costs {result['rechunk_cost_us_per_micro_batch']:.1f} us per micro-batch -> {args.out}")
+          f"re-chunking costs {result['rechunk_cost_us_per_micro_batch']:.1f} us per micro-batch -> {out}")
 
 
 def _rechunk_cost_us(n_batches: int = 2000) -> float:
@@ -175,6 +177,7 @@ def main() -> int:
     if "RANK" in os.environ:  # launched by torchrun
         _worker(args)
         return 0
+    result_path(args.out, RESULT, script="dp_ga_overhead")
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__, *sys.argv[1:]]
     return subprocess.call(launch, env={**os.environ, "DISTPLAN_BENCH_COMMAND": command, "OMP_NUM_THREADS": "1"})

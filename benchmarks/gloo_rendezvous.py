@@ -29,7 +29,8 @@ Needs root (network namespaces). The cluster is torn down at the end.
 
 Run:
     sudo .venv/bin/python benchmarks/gloo_rendezvous.py [--rate 100mbit] [--delay 0.3] [--exchange-delay 0.05]
-Writes benchmarks/results/gloo_rendezvous_cpu.json and prints one line per size and delay.
+Writes benchmarks/results/gloo_rendezvous_cpu.json (the committed result the README cites; it says so before
+replacing it; ``--out FILE`` writes elsewhere) and prints one line per size and delay.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exchange-delay", type=float, default=0.05,
                         help="seconds after rank 0 that rank 1 posts its batched send and recv (default 0.05)")
     parser.add_argument("--port", type=int, default=29588)
-    parser.add_argument("--out", default=str(RESULT))
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/gloo_rendezvous_cpu.json, the committed result)")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # internal: run one rank
     args = parser.parse_args(argv)
     if args.rank is not None:
@@ -113,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, value, example in (("--delay", args.delay, 0.3), ("--exchange-delay", args.exchange_delay, 0.05)):
         if not value > 0:
             raise SystemExit(f"gloo_rendezvous: {name} ({value}) must be > 0 seconds. HINT: use e.g. {name} {example}.")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _results import result_path, write_result  # here, not at the top: the ranks need neither it nor lightning
+
+    out = result_path(args.out, RESULT, script="gloo_rendezvous")
     up = subprocess.run(["bash", str(SCRIPT), "up", "--rate", args.rate], capture_output=True, text=True)
     if up.returncode == 77:  # namespaces not permitted here: the cluster script's own one-line reason
         print(f"gloo_rendezvous: {up.stderr.strip()}", file=sys.stderr)
@@ -170,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             "cluster": "2 network namespaces (scripts/netns_cluster.sh), veth, tc tbf on both ends; gloo over the veth",
         },
     }
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(out, doc)
+    print(f"wrote {out}")
     return 0
 
 

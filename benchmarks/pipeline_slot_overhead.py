@@ -21,7 +21,8 @@ micro-batch and 1.60 to 1.78 ms per GPipe micro-batch: the host's noise is of th
 
 Run:
     python benchmarks/pipeline_slot_overhead.py [--steps 30]
-Writes benchmarks/results/pipeline_slot_overhead_cpu.json and prints a summary.
+Writes benchmarks/results/pipeline_slot_overhead_cpu.json (the committed result the README quotes; it says so
+before replacing it; ``--out FILE`` writes elsewhere) and prints a summary.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import sys
 from pathlib import Path
 
 RESULT = Path(__file__).resolve().parent / "results" / "pipeline_slot_overhead_cpu.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import result_path, write_result  # noqa: E402
 MICRO_BATCHES = (2, 8, 16)
 
 
@@ -67,10 +70,11 @@ def _worker(rank: int, port: int, steps: int, out: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="timed steps per schedule and micro-batch count")
-    parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/pipeline_slot_overhead_cpu.json, the committed result)")
     args = parser.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1. HINT: use the default, 30.")
+    out = result_path(args.out, RESULT, script="pipeline_slot_overhead")
 
     import torch
     import torch.multiprocessing as mp
@@ -78,7 +82,7 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    raw = args.out.with_suffix(".raw.json")
+    raw = out.with_suffix(".raw.json")
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     load = os.getloadavg()
     mp.spawn(_worker, args=(port, args.steps, str(raw)), nprocs=2, join=True)
@@ -103,12 +107,12 @@ def main() -> int:
             "steps": args.steps,
         },
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result, indent=2)
     for name, v in per_mb.items():
         steps = ", ".join(f"n={n}: {measured['step_ms'][name][str(n)]:.2f} ms" for n in MICRO_BATCHES)
         print(f"{name}: {steps}; {v:.2f} ms per micro-batch")
     print(f"the model charges 2·L = {modelled:.2f} ms per micro-batch (p2p L {measured['p2p_latency_ms'] * 1e3:.0f} us)")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

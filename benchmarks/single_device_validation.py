@@ -9,14 +9,14 @@ Acceptance (issue 2): the median |error| over the 12 points (2 models × 3 sizes
 is ≤ 15%.
 
 Run:  .venv/bin/python benchmarks/single_device_validation.py [--device cpu|cuda] [--out FILE]
-Result: benchmarks/results/single_device_validation_<device>.json (provenance included).
+Result: benchmarks/results/single_device_validation_<device>.json (provenance included), the committed result the
+README's table reads (it says so before replacing it; ``--out FILE`` writes elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -34,6 +34,9 @@ from lightning_distplan.demos import RandomImageData, RandomTokenData, Torchvisi
 from lightning_distplan.plan import Plan
 from lightning_distplan.profiling import StepTimer, profile_module
 from lightning_distplan.strategies import DPGAStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import result_path, write_result  # noqa: E402
 
 
 class OfflineTransformer(LightningTransformer):
@@ -99,9 +102,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (profiling and training alike); 1 keeps timings stable on a shared host")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/single_device_validation_<device>.json, the committed result)")
     args = parser.parse_args()
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    out = result_path(args.out, Path(__file__).parent / "results" / f"single_device_validation_{device}.json", script="single_device_validation")
     accelerator = "gpu" if device == "cuda" else "cpu"
     if device == "cpu":
         # Lightning's DDP-family strategies call torch.set_num_threads(cpu_count // processes) unless
@@ -155,9 +159,7 @@ def main() -> int:
         "target_median_abs_error": 0.15,
         "passed": median <= 0.15,
     }
-    out = Path(args.out or Path(__file__).parent / "results" / f"single_device_validation_{device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_result(out, result, indent=2)
     print(f"\nmedian |error| over {len(rows)} points: {median:.1%} (max {max(abs_errors):.1%}); target ≤ 15% -> {'PASS' if median <= 0.15 else 'FAIL'}")
     print(f"wrote {out}")
     return 0

@@ -9,7 +9,8 @@ It also times a default 300-trial search (the ``distplan tune`` acceptance: < 30
     python benchmarks/tuner_vs_exhaustive.py --profile P --out benchmarks/results/tuner_vs_exhaustive.json
 
 Without ``--profile`` it uses benchmarks/results/tuner_vs_exhaustive_profile.json (committed next
-to the result so the run can be repeated).
+to the result so the run can be repeated). Without ``--out`` it writes benchmarks/results/tuner_vs_exhaustive.json,
+the committed result the README's table reads, and says so before it starts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_PROFILE = HERE / "results" / "tuner_vs_exhaustive_profile.json"
+sys.path.insert(0, str(HERE))
+from _results import result_path, write_result  # noqa: E402
 
 
 def _versions() -> dict[str, str]:
@@ -50,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--budget-fraction", type=float, default=0.10)
     parser.add_argument("--tolerance-pct", type=float, default=1.0)
-    parser.add_argument("--out", default=str(HERE / "results" / "tuner_vs_exhaustive.json"))
+    parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/tuner_vs_exhaustive.json, the committed result)")
     args = parser.parse_args(argv)
+    args.out = result_path(args.out, HERE / "results" / "tuner_vs_exhaustive.json", script="tuner_vs_exhaustive")
 
     from lightning_distplan.profile import Profile
     from lightning_distplan.tuner import exhaustive, load_catalog, tune
@@ -131,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "tune_300_trials": {"elapsed_s_in_process": round(t300, 2), "space_size": r300.space_size, "n_evaluations": r300.n_evaluations,
                             "note": "tune() wall time incl. projection, 300 TPE trials and the SQLite write; excludes interpreter + package import"},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result["summary"], indent=1))
     print(f"300-trial tune: {t300:.2f} s; wrote {args.out}")
     return 0

@@ -64,3 +64,27 @@ def test_replay_input_bytes_writes_where_it_is_told(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "replay.json").read_text())
     committed = json.loads(replay_input_bytes.OUT.read_text())
     assert doc["replays"] == committed["replays"] and doc["command"].endswith(f"replay_input_bytes.py --out {tmp_path / 'replay.json'}")
+
+
+SCRIPTS = {  # script: arguments besides --out that let it reach its output check
+    "cli_timings": [], "cpu_cluster_sweep": ["--quick"], "dp_ga_overhead": [], "gloo_rendezvous": [], "gpu_validation": ["--device", "cpu"],
+    "pipeline_slot_overhead": [], "planning_scale": [], "reproduce_seed000_ga": [], "single_device_validation": ["--device", "cpu"],
+    "tuner_vs_exhaustive": [],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_each_script_refuses_a_bad_output_before_it_measures(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each wrote its result only at the end, with a traceback there for a folder or a path under a file, after minutes of
+    measuring (and replaced, say, README.md given as --out)."""
+    script = __import__(name)
+    (tmp_path / "notes.md").write_text("mine")
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "notes.md", "is not a JSON result file")):
+        argv = [*SCRIPTS[name], "--out", str(bad)]
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        with pytest.raises(SystemExit) as info:
+            script.main(argv) if "argv" in script.main.__code__.co_varnames else script.main()
+        message = str(info.value.code)
+        assert message.startswith(f"{name}: --out '{bad}'") and why in message and "HINT:" in message, message
+    assert (tmp_path / "notes.md").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
