@@ -30,7 +30,9 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 
 import lightning_distplan  # noqa: F401  (registers "auto_plan")
 from lightning_distplan.callbacks import StepTimeMonitor
+from lightning_distplan._files import check_output_path
 from lightning_distplan.demos import RandomTokenData
+from lightning_distplan.errors import OutputPathError
 
 
 SCHEMA = "distplan-auto-plan-overhead/1"
@@ -61,7 +63,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="add this run to the result JSON file's 'runs' (created when missing)")
     args = parser.parse_args()
     if args.out and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        _existing(Path(args.out))  # before the fit, not after it
+        try:  # before the fit, not after it
+            check_output_path(args.out, "--out", example="auto_plan_overhead_cpu.json")
+        except OutputPathError as err:
+            raise SystemExit(str(err)) from None
+        _existing(Path(args.out))
     load_start = os.getloadavg()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
@@ -77,20 +83,27 @@ def main() -> None:
     wall = time.perf_counter() - t0
     if trainer.is_global_zero:
         monitor = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor))
-        steps = [h["observed_s"] for h in monitor.history[monitor.warmup_steps:]]  # after warm-up, as the monitor judges
-        run = {
-            "plan": trainer.strategy.plan.describe(),
-            "overhead_s": round(monitor.overhead_s, 3),
-            "fit_s": round(monitor.run_s, 3),
-            "overhead_pct": round(100 * monitor.overhead_s / monitor.run_s, 2),
-            "fit_wall_s": round(wall, 3),
-            "steps": len(steps),
-            "predicted_step_s": monitor.predicted_step_time_s,
-            "median_observed_step_s": sorted(steps)[len(steps) // 2] if steps else None,
-        }
+        run = run_record(trainer.strategy.plan.describe(), monitor, wall)
         print(json.dumps(run))
         if args.out:
             _record(Path(args.out), run, args, load_start)
+
+
+def run_record(plan: str, monitor: StepTimeMonitor, wall: float) -> dict:
+    """One run's numbers: ``steps`` is the fit's optimizer steps (the epoch the overhead is a share of; README's row
+    says "one CPU epoch (N steps)"), the median observed step is taken over those after the monitor's warm-up."""
+    observed = [h["observed_s"] for h in monitor.history[monitor.warmup_steps:]]  # after warm-up, as the monitor judges
+    return {
+        "plan": plan,
+        "overhead_s": round(monitor.overhead_s, 3),
+        "fit_s": round(monitor.run_s, 3),
+        "overhead_pct": round(100 * monitor.overhead_s / monitor.run_s, 2),
+        "fit_wall_s": round(wall, 3),
+        "steps": len(monitor.history),
+        "observed_steps": len(observed),
+        "predicted_step_s": monitor.predicted_step_time_s,
+        "median_observed_step_s": sorted(observed)[len(observed) // 2] if observed else None,
+    }
 
 
 def _existing(path: Path) -> dict:

@@ -1,0 +1,32 @@
+"""examples/: what the overhead example records for the README's row."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import auto_plan_overhead  # noqa: E402
+
+
+def test_overhead_run_counts_the_epochs_steps_and_takes_the_median_after_warm_up() -> None:
+    """``steps`` is the epoch's optimizer steps (README: "one CPU epoch (256 steps)"); it had become the count after the
+    monitor's warm-up (253 for that epoch) when the median moved past the warm-up."""
+    history = [{"observed_s": 9.0}] * 3 + [{"observed_s": x} for x in (0.1, 0.3, 0.2, 0.4, 0.5, 0.6, 0.7)]
+    monitor = SimpleNamespace(history=history, warmup_steps=3, overhead_s=1.0, run_s=20.0, predicted_step_time_s=0.25)
+    run = auto_plan_overhead.run_record("dp_ga dp=2 m=16 accumulate=1", monitor, 25.0)
+    assert run["steps"] == 10 and run["observed_steps"] == 7
+    assert run["median_observed_step_s"] == 0.4 and run["overhead_pct"] == 5.0 and run["plan"] == "dp_ga dp=2 m=16 accumulate=1"
+
+
+def test_overhead_out_path_is_refused_before_the_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "overhead.json"
+    monkeypatch.setattr(sys, "argv", ["auto_plan_overhead.py", "--out", str(bad)])
+    monkeypatch.setattr(auto_plan_overhead.L, "Trainer", lambda *a, **k: pytest.fail("the fit started"))
+    with pytest.raises(SystemExit, match=r"^--out '.*overhead\.json' lies under '.*file', which is a file\. HINT:"):
+        auto_plan_overhead.main()
