@@ -144,6 +144,12 @@ def main() -> int:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return 0
 
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("first_fit_swing.py needs a CUDA GPU with --device cuda (the default), and torch sees none here. "
+                     "HINT: run it on a machine with an NVIDIA GPU, or pass --device cpu for a plumbing check.")
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

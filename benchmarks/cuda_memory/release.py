@@ -8,6 +8,8 @@ printing what is allocated after each fit, after a barrier, an all-reduce, 1 s, 
 """
 import gc, os, sys, time
 import torch
+if not torch.cuda.is_available():
+    sys.exit("release.py needs a CUDA GPU, and torch sees none here. HINT: run it on a machine with an NVIDIA GPU (benchmarks/cuda_memory/README.md); replay_input_bytes.py is the one that needs none.")
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import gpu_validation as gv
 import torch.distributed as dist

@@ -33,6 +33,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    sys.exit("small_batch_gap.py needs a CUDA GPU, and torch sees none here. HINT: run it on a machine with an NVIDIA GPU (benchmarks/cuda_memory/README.md); replay_input_bytes.py is the one that needs none.")
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import lightning.pytorch as pl  # noqa: E402

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+if not torch.cuda.is_available():
+    sys.exit("trace_peaks.py needs a CUDA GPU, and torch sees none here. HINT: run it on a machine with an NVIDIA GPU (benchmarks/cuda_memory/README.md); replay_input_bytes.py is the one that needs none.")
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import lightning.pytorch as pl  # noqa: E402
