@@ -6,7 +6,10 @@ README's accuracy table is made from: running one again regenerates that evidenc
 written, or an existing file that is not a JSON result, with one line and a HINT (not a traceback
 after minutes of measuring), and when no ``--out`` was given and the default file exists it says,
 before the run, that the run will replace it and how to keep it. :func:`write_result` replaces the
-file atomically, so a run stopped while writing never leaves half a result.
+file atomically, so a run stopped while writing never leaves half a result. :func:`read_sweep` reads a CPU
+cluster sweep's result for the scripts that replay or summarise one, and refuses any other file in one line.
+
+It imports ``lightning_distplan`` (torch, lightning) only where it writes, so a script that only reads stays light.
 """
 
 from __future__ import annotations
@@ -18,10 +21,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from lightning_distplan._files import check_output_path, check_replaceable, write_text_atomic  # noqa: E402
-from lightning_distplan.errors import OutputPathError  # noqa: E402
 
-__all__ = ["result_path", "figure_path", "write_result", "shown"]
+__all__ = ["result_path", "figure_path", "write_result", "read_sweep", "shown", "positive_ints"]
+SWEEP_SCHEMA = "distplan-cpu-cluster-sweep/1"
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type`` for a comma-separated list of positive integers ("1,4"); a bad one is argparse's one-line error."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers (e.g. 1,4)")
+    return values
 
 
 def shown(path: Path) -> str:
@@ -45,6 +60,9 @@ def result_path(out: str | Path | None, default: str | Path, *, script: str, opt
     """The file to write: ``out`` when given, else ``default``; refused with one line (``SystemExit``) when it
     cannot be written or is an existing file other than a JSON result. With ``out`` not given and ``default``
     present, prints (stderr) that the run replaces it when it ends."""
+    from lightning_distplan._files import check_output_path, check_replaceable
+    from lightning_distplan.errors import OutputPathError
+
     path = Path(out if out is not None else default)
     try:
         check_output_path(path, option, example=Path(default).name)
@@ -63,6 +81,9 @@ def result_path(out: str | Path | None, default: str | Path, *, script: str, opt
 
 def figure_path(out: str | Path, *, script: str, option: str) -> Path:
     """``out`` when a figure can be written there; else ``SystemExit`` with one line (before the run, not after it)."""
+    from lightning_distplan._files import check_output_path
+    from lightning_distplan.errors import OutputPathError
+
     try:
         return check_output_path(out, option, example="figure.png")
     except OutputPathError as err:
@@ -71,4 +92,20 @@ def figure_path(out: str | Path, *, script: str, option: str) -> Path:
 
 def write_result(path: str | Path, doc: dict, *, indent: int = 1) -> Path:
     """``doc`` as JSON to ``path`` through a temporary file and a rename (never half written)."""
+    from lightning_distplan._files import write_text_atomic
+
     return write_text_atomic(path, json.dumps(doc, indent=indent) + "\n")
+
+
+def read_sweep(path: str | Path, *, script: str) -> dict:
+    """The result of ``cpu_cluster_sweep.py`` at ``path``; ``SystemExit`` with one line for a missing file or another file."""
+    hint = "HINT: pass sweep results written by benchmarks/cpu_cluster_sweep.py, e.g. benchmarks/results/cpu_cluster_sweep*.json."
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{script}: {path} does not exist. {hint}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise SystemExit(f"{script}: {path} cannot be read as JSON ({type(err).__name__}: {str(err).splitlines()[0]}). {hint}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SWEEP_SCHEMA or not isinstance(doc.get("settings"), list):
+        raise SystemExit(f"{script}: {path} is not a CPU cluster sweep result ({SWEEP_SCHEMA}). {hint}")
+    return doc

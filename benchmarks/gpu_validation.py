@@ -74,7 +74,7 @@ from lightning_distplan.profile import Profile
 from lightning_distplan.profiling import profile_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import result_path, write_result  # noqa: E402
+from _results import positive_ints, result_path, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -425,7 +425,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2,bert_large,resnet101", help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--accumulations", default="1,4")
+    parser.add_argument("--accumulations", type=positive_ints, default=[1, 4], help="comma-separated, e.g. 1,4")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per point (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
     parser.add_argument("--matmul-precision", default="high", choices=["highest", "high", "medium"])
@@ -436,7 +436,6 @@ def main() -> int:
                         help="fork: profile and run each plan in a process of its own (default); none: all in this process")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    args.accumulations = [int(x) for x in args.accumulations.split(",")]
     names = args.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:

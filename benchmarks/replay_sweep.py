@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _results import read_sweep  # noqa: E402
 from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 
 from lightning_distplan.bench import first_profile_view, predict_ranked, relative_error, summarize  # noqa: E402
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     pooled: list[dict[str, Any]] = []
     rates: list[str] = []
     for path in args.sweeps:
-        doc = json.loads(Path(path).read_text())
-        settings = [s for s in doc.get("settings", []) if "profile" in s and "summary" in s]
+        doc = read_sweep(path, script="replay_sweep")
+        settings = [s for s in doc["settings"] if "profile" in s and "summary" in s]
         if not settings:
             raise SystemExit(f"{path}: no setting with a stored profile and measurements; it cannot be replayed.")
         sweep_rates = doc.get("provenance", {}).get("rates") or list(dict.fromkeys(s["rate"] for s in settings))

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import read_sweep  # noqa: E402
 from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 from replay_sweep import replay_setting, stored_profiles  # noqa: E402
 
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
     parser.add_argument("--gpipe-slot-ms", type=float, default=None, help="the slot variant's cost for GPipe plans (default: --slot-ms)")
     args = parser.parse_args(argv)
-    docs = [json.loads(p.read_text()) for p in args.sweeps]
+    docs = [read_sweep(p, script="replay_variants") for p in args.sweeps]
     print(f"today's model: {_pooled(docs)}")
     if args.variant == "links":
         again = [refit_links(d) for d in docs]

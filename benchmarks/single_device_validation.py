@@ -36,7 +36,7 @@ from lightning_distplan.profiling import StepTimer, profile_module
 from lightning_distplan.strategies import DPGAStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import result_path, write_result  # noqa: E402
+from _results import positive_ints, result_path, write_result  # noqa: E402
 
 
 class OfflineTransformer(LightningTransformer):
@@ -44,6 +44,9 @@ class OfflineTransformer(LightningTransformer):
 
     def prepare_data(self) -> None:
         pass
+
+
+MODELS = ("demo_transformer", "resnet18")
 
 
 def _model(name: str):
@@ -96,14 +99,17 @@ def _unprofiled_sizes(profiled: list[int]) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--models", default="demo_transformer,resnet18")
-    parser.add_argument("--accumulations", default="1,4")
+    parser.add_argument("--models", default="demo_transformer,resnet18", help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--accumulations", type=positive_ints, default=[1, 4], help="comma-separated, e.g. 1,4")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads for torch (profiling and training alike); 1 keeps timings stable on a shared host")
     parser.add_argument("--out", default=None, help="result JSON (default benchmarks/results/single_device_validation_<device>.json, the committed result)")
     args = parser.parse_args()
+    unknown = [n for n in args.models.split(",") if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
     out = result_path(args.out, Path(__file__).parent / "results" / f"single_device_validation_{device}.json", script="single_device_validation")
     accelerator = "gpu" if device == "cuda" else "cpu"
@@ -112,7 +118,7 @@ def main() -> int:
         # OMP_NUM_THREADS is set; pin it so profiling and training use the same thread count.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
-    accumulations = [int(x) for x in args.accumulations.split(",")]
+    accumulations = args.accumulations
 
     load_at_start = list(os.getloadavg())
     rows = []

@@ -16,10 +16,13 @@ Run:  python benchmarks/sweep_stats.py benchmarks/results/cpu_cluster_sweep*.jso
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import read_sweep  # noqa: E402
 
 
 def p90(values: list[float]) -> float:
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files")
     args = parser.parse_args(argv)
-    s = sweep_stats([json.loads(p.read_text()) for p in args.sweeps])
+    s = sweep_stats([read_sweep(p, script="sweep_stats") for p in args.sweeps])
     worst, where = s["spread_max"]
     print(f"pass-median spread: median {s['spread_median']:.2f}x, p90 {s['spread_p90']:.2f}x, largest {worst:.2f}x ({where})")
     if s["timed_steps"]:

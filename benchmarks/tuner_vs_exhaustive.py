@@ -44,6 +44,15 @@ def _versions() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lightning_distplan.errors import DistPlanError
+
+    try:
+        return _main(argv)
+    except DistPlanError as err:  # a bad profile, catalog or batch: its sentence and HINT, not a traceback
+        raise SystemExit(f"tuner_vs_exhaustive: {err}") from None
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--catalog", default="alicloud-2023")

@@ -88,3 +88,36 @@ def test_each_script_refuses_a_bad_output_before_it_measures(name: str, tmp_path
         assert message.startswith(f"{name}: --out '{bad}'") and why in message and "HINT:" in message, message
     assert (tmp_path / "notes.md").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
+
+
+@pytest.mark.parametrize("name", ["replay_sweep", "replay_variants", "sweep_stats"])
+def test_replay_scripts_refuse_a_file_that_is_no_sweep_in_one_line(name: str, tmp_path: Path) -> None:
+    """They ended in FileNotFoundError / JSONDecodeError / KeyError tracebacks."""
+    script = __import__(name)
+    (tmp_path / "notes.md").write_text("# notes")
+    lead = ["links"] if name == "replay_variants" else []
+    for path, why in ((tmp_path / "missing.json", "does not exist"), (tmp_path / "notes.md", "cannot be read as JSON"),
+                      (RESULTS / "seed000_ga.json", "is not a CPU cluster sweep result")):
+        with pytest.raises(SystemExit) as info:
+            script.main([*lead, str(path)])
+        message = str(info.value.code)
+        assert message.startswith(f"{name}: {path} {why}") and "HINT: pass sweep results" in message and "\n" not in message
+
+
+def test_bad_arguments_of_the_validation_scripts_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import tuner_vs_exhaustive
+
+    with pytest.raises(SystemExit) as info:
+        tuner_vs_exhaustive.main(["--profile", str(tmp_path / "missing.json"), "--out", str(tmp_path / "t.json")])
+    assert str(info.value.code).startswith(f"tuner_vs_exhaustive: Profile file '{tmp_path / 'missing.json'}' does not exist. HINT:")
+    with pytest.raises(SystemExit) as info:
+        tuner_vs_exhaustive.main(["--global-batch-size", "0", "--weights", "0", "--seeds", "0", "--out", str(tmp_path / "t.json")])
+    assert str(info.value.code).startswith("tuner_vs_exhaustive: `global_batch_size` must be an integer >= 1, got 0. HINT:")
+    for name, argv, said in (("single_device_validation", ["--models", "nope"], "unknown model(s) ['nope']"),
+                             ("single_device_validation", ["--accumulations", "1,x"], "'1,x' is not a comma-separated list of positive integers"),
+                             ("gpu_validation", ["--accumulations", "0"], "'0' is not a comma-separated list of positive integers")):
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv, "--out", str(tmp_path / "r.json")])
+        with pytest.raises(SystemExit) as info:
+            __import__(name).main()
+        assert info.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not list(tmp_path.iterdir())
