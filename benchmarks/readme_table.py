@@ -210,11 +210,20 @@ def rows() -> list[tuple[str, str, str, str, str]]:
 
     d = _load("seed000_ga.json")
     if d:
-        s = d["summary"]
+        s, paper = d["summary"], d["summary"]["paper"]
+        # the summary's mean is over the global batch sizes (the cheapest configuration of the whole catalog at each), and
+        # alicloud-2023 is seed 000's IaaS catalog: its IaaS range is the comparison, its FaaS average is another setting
+        w0 = [(r["global_batch_size"], next(i for i in r["by_weight"] if i["time_weight"] == 0.0)) for r in d["results"]]
+        w0 = [(b, i) for b, i in w0 if "cost_change_pct" in i]
+        iaas, faas = paper["DP_IaaS_range"], paper["DP_FaaS_average"]
         out.append((
             "Seed 000 finding: DP with accumulation vs without (alicloud-2023, analytical BERT-Large profile, w=0)",
-            f"mean cost change {s['w0_mean_cost_change_pct']:+.1f}%, time {s['w0_mean_time_change_pct']:+.1f}% over the whole catalog "
-            f"(paper, FaaS average: −31.2% cost, +17.3% time); per-instance results in the JSON",
+            f"cheapest configuration with accumulation vs without, on the whole catalog: cost {s['w0_mean_cost_change_pct']:+.1f}%, "
+            f"time {s['w0_mean_time_change_pct']:+.1f}%, the mean over B = {', '.join(str(b) for b, _ in w0)} "
+            f"(B = {w0[-1][0]}: {w0[-1][1]['cost_change_pct']:+.1f}%, {w0[-1][1]['time_change_pct']:+.1f}%); "
+            f"paper, IaaS: cost {min(iaas['cost_change_pct']):+.1f}% to {max(iaas['cost_change_pct']):+.1f}%, time up to "
+            f"{iaas['time_change_pct_max']:+.1f}% (FaaS average: {faas['cost_change_pct']:+.1f}% cost, {faas['time_change_pct']:+.1f}% time); "
+            "per-instance results in the JSON",
             "model only", _date(d), "`benchmarks/reproduce_seed000_ga.py`",
         ))
     return out
