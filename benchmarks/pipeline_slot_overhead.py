@@ -10,7 +10,7 @@ schedule: the link latency once forward and once backward (2·L, L from ``profil
 on the same ranks). Today's model runs the schedule's own posts and waits
 (``costmodel._schedule.schedule_time``), where over gloo the activation and the gradient the two
 stages exchange cross one after the other: two L per micro-batch
-(``profiling._links.trivial_pipeline_links``), and the rest of the measured 1F1B cost, 0.90 − 0.20
+(``profiling._links.trivial_pipeline_links``), and the rest of the measured 1F1B cost, 0.90 − 0.21
 ms, as the runtime's own work per slot (``costmodel.PIPELINE_SLOT_S``, 0.7 ms).
 
 The steps are timed by ``profiling._links.time_trivial_pipeline``, the same code the profiler's

@@ -76,7 +76,7 @@ PIPELINE_SLOT_S = 0.7e-3
 # benchmarks/results/pipeline_slot_overhead_cpu.json: a two-stage torch.distributed.pipelining 1F1B
 # schedule of two Linear(8, 8) stages over gloo costs 0.90 ms per micro-batch on the 2-vCPU sweep host
 # (forward/backward bookkeeping, batch_isend_irecv and its waits), of which the model's hand-overs price
-# twice the link latency, 0.20 ms (profiling._links.trivial_pipeline_links: over gloo the activation
+# twice the link latency, 0.21 ms (profiling._links.trivial_pipeline_links: over gloo the activation
 # and the gradient the stages exchange cross one after the other). Either value is charged only where
 # the host's work is not hidden behind a device (Hardware.host_overlap False, i.e. CPU training).
 

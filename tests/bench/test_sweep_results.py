@@ -215,3 +215,13 @@ def test_readme_accuracy_section_is_what_the_committed_results_give() -> None:
     from readme_table import section
 
     assert section() in (ROOT / "README.md").read_text(), "run python benchmarks/readme_table.py --write"
+
+
+def test_readme_pipeline_slot_figures_are_those_of_their_result_file() -> None:
+    """README quoted the hand-overs the model charged as 0.20 ms where the file has 0.209 ms."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "pipeline_slot_overhead_cpu.json").read_text())
+    one, gpipe, handover = doc["per_microbatch_ms"]["1f1b"], doc["per_microbatch_ms"]["gpipe"], doc["modelled_per_microbatch_ms"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"({one:.2f} ms per micro-batch, less {handover:.2f} ms of hand-overs)" in readme
+    assert f"measured {one:.2f} against GPipe's {gpipe:.2f} ms per micro-batch" in readme
+    assert f"({gpipe:.2f} against {one:.2f} ms per micro-batch)" in readme
