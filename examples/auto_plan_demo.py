@@ -63,16 +63,33 @@ class LossHistory(Callback):
             self.losses.append(float(loss))
 
 
+def positive(text: str) -> int:
+    """An argparse ``type``: a bad count is one line from argparse before the fit, not a traceback after it."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0 (currency per second of step time)")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=None, help="default: all GPUs, else 2 CPU processes")
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--devices", type=positive, default=None, help="default: all GPUs, else 2 CPU processes")
+    parser.add_argument("--epochs", type=positive, default=1)
     # 8192 samples = 256 steps of 16 per process on 2 CPU processes: a short but real epoch, so the
     # planning overhead the run reports (a few seconds) is measured against a realistic fit
-    parser.add_argument("--samples", type=int, default=8192)
-    parser.add_argument("--batch-size", type=int, default=16, help="loader batch per process")
-    parser.add_argument("--trials", type=int, default=300)
-    parser.add_argument("--time-weight", type=float, default=4096.0)
+    parser.add_argument("--samples", type=positive, default=8192)
+    parser.add_argument("--batch-size", type=positive, default=16, help="loader batch per process")
+    parser.add_argument("--trials", type=positive, default=300)
+    parser.add_argument("--time-weight", type=weight, default=4096.0)
     parser.add_argument("--root", default="runs/example")
     args = parser.parse_args()
 

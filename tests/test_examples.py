@@ -30,3 +30,22 @@ def test_overhead_out_path_is_refused_before_the_fit(tmp_path: Path, monkeypatch
     monkeypatch.setattr(auto_plan_overhead.L, "Trainer", lambda *a, **k: pytest.fail("the fit started"))
     with pytest.raises(SystemExit, match=r"^--out '.*overhead\.json' lies under '.*file', which is a file\. HINT:"):
         auto_plan_overhead.main()
+
+
+@pytest.mark.parametrize(("option", "value", "said"), [
+    ("--trials", "0", "argument --trials: '0' is not a positive integer"),
+    ("--batch-size", "0", "argument --batch-size: '0' is not a positive integer"),
+    ("--devices", "-2", "argument --devices: '-2' is not a positive integer"),
+    ("--time-weight", "-1", "argument --time-weight: '-1' is not a number >= 0"),
+])
+def test_demo_refuses_a_bad_option_before_it_trains(option: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """--trials 0 trained for minutes and then ended in a traceback from tune(); --batch-size 0 in one from the data module."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import auto_plan_demo
+
+    monkeypatch.setattr(sys, "argv", ["auto_plan_demo.py", option, value])
+    monkeypatch.setattr(auto_plan_demo.L, "Trainer", lambda *a, **k: pytest.fail("the fit started"))
+    with pytest.raises(SystemExit) as info:
+        auto_plan_demo.main()
+    assert info.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
