@@ -20,11 +20,11 @@ replay, then prints the pooled median / p90 |step-time error| and picks next to 
   bandwidth are fitted again from its stored (bytes, seconds) medians with
   ``lightning_distplan.profiling._links._fit``, for sweeps measured before the fit changed.
 
-Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/*.json
-      python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/*.json
+Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/cpu_cluster_sweep_*.json
+      python benchmarks/replay_variants.py slot --slot-ms 0.8 benchmarks/results/earlier/cpu_cluster_sweep_*.json
       python benchmarks/replay_variants.py side-by-side benchmarks/results/cpu_cluster_sweep*.json benchmarks/results/earlier/cpu_cluster_sweep*.json
       python benchmarks/replay_variants.py no-1f1b-preference benchmarks/results/cpu_cluster_sweep*.json
-      python benchmarks/replay_variants.py links benchmarks/results/earlier/*.json
+      python benchmarks/replay_variants.py links benchmarks/results/earlier/cpu_cluster_sweep_*.json
 """
 
 from __future__ import annotations

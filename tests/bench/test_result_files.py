@@ -121,3 +121,23 @@ def test_bad_arguments_of_the_validation_scripts_are_one_line(tmp_path: Path, ca
             __import__(name).main()
         assert info.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["replay_sweep", "replay_variants", "sweep_stats"])
+def test_the_commands_a_replay_scripts_docstring_gives_name_sweeps_only(name: str) -> None:
+    """replay_variants' docstring ran over benchmarks/results/earlier/*.json, where the earlier GPU results lie too:
+    each of its commands ended in KeyError: 'settings'."""
+    import glob
+    import shlex
+
+    from _results import read_sweep
+
+    script = __import__(name)
+    commands = [line.split("python ", 1)[1] for line in script.__doc__.splitlines() if f"python benchmarks/{name}.py" in line]
+    assert commands
+    for command in commands:
+        files = [a for a in shlex.split(command)[1:] if a.endswith(".json")]
+        paths = [p for a in files for p in sorted(glob.glob(str(ROOT / a)))]
+        assert files and paths, command
+        for path in paths:
+            read_sweep(path, script=name)  # a SystemExit names the file that is no sweep
