@@ -47,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_distplan.errors import DistPlanError
 
     try:
-        return _main(argv)
+        with tempfile.TemporaryDirectory(prefix="distplan-bench-") as tmp:  # the searches' SQLite studies, gone afterwards
+            return _main(argv, tmp)
     except DistPlanError as err:  # a bad profile, catalog or batch: its sentence and HINT, not a traceback
         raise SystemExit(f"tuner_vs_exhaustive: {err}") from None
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str] | None, tmp: str) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--catalog", default="alicloud-2023")
@@ -72,7 +73,6 @@ def _main(argv: list[str] | None) -> int:
     profile = Profile.load(args.profile)
     catalog = load_catalog(args.catalog)
     runs = []
-    tmp = tempfile.mkdtemp(prefix="distplan-bench-")
     for w in args.weights:
         ex = exhaustive(profile, catalog, global_batch_size=args.global_batch_size, time_weight=w, max_instances=args.max_instances)
         space = ex.n_evaluations

@@ -141,3 +141,15 @@ def test_the_commands_a_replay_scripts_docstring_gives_name_sweeps_only(name: st
         assert files and paths, command
         for path in paths:
             read_sweep(path, script=name)  # a SystemExit names the file that is no sweep
+
+
+def test_tuner_benchmark_leaves_no_studies_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run left a distplan-bench-* folder of SQLite studies (1-2 MB) in the temporary folder."""
+    import tempfile
+
+    import tuner_vs_exhaustive
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(SystemExit):  # a failing run: after the folder was made
+        tuner_vs_exhaustive.main(["--global-batch-size", "0", "--weights", "0", "--seeds", "0", "--out", str(tmp_path / "t.json")])
+    assert not list(tmp_path.glob("distplan-bench-*")) and not (tmp_path / "t.json").exists()
