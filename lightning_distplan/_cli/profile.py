@@ -301,4 +301,9 @@ def _summary(profile: Any, path: Any, total: float) -> None:
         f"  memory: params {mem.param_bytes / 2**20:.1f} MiB, grads {mem.grad_bytes / 2**20:.1f} MiB, "
         f"{profile.optimizer.name} state {mem.optimizer_state_bytes / 2**20:.1f} MiB, activations {mem.activation.alpha / 2**20:.2f} MiB/sample"
     )
+    if profile.unused_parameters:
+        from lightning_distplan.strategies.dp_ga import few_names
+
+        print(f"  unused: the loss gives no gradient to {few_names(profile.unused_parameters)}; data parallel training needs "
+              "find_unused_parameters=True (auto_plan and distplan bench set it)")
     print(f"  time: profiling {profile.profiling_time_s:.1f} s, total {total:.1f} s")

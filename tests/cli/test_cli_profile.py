@@ -282,6 +282,28 @@ def test_a_model_in_the_current_folder_imports_as_under_python_m(tmp_path: Path,
     assert Profile.load(tmp_path / "p.json").model == "model_in_cwd:Tiny"
 
 
+def test_the_summary_names_parameters_the_loss_does_not_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A profile whose loss leaves trainable parameters without a gradient says so, with what data parallel needs."""
+    (tmp_path / "model_unused_head.py").write_text(textwrap.dedent(
+        """
+        import torch
+        from lightning_distplan.bench.models import WideMLP
+
+        class UnusedHead(WideMLP):
+            def __init__(self, **kw):
+                super().__init__(**kw)
+                self.aux_head = torch.nn.Linear(16, 3)  # used by no loss
+        """
+    ))
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(["model_unused_head:UnusedHead", "--init-args", '{"in_features": 16, "hidden": 8, "depth": 1}',
+                         "--datamodule", "lightning_distplan.bench.models:RandomVectorData", "--datamodule-args", '{"in_features": 16, "batch_size": 4}',
+                         "--micro-batch-sizes", "1,2", "--repeats", "1", "--device", "cpu", "--out", "p.json"], capsys)
+    assert rc == 0, err
+    assert Profile.load(tmp_path / "p.json").unused_parameters == ("aux_head.weight", "aux_head.bias")
+    assert "unused: the loss gives no gradient to 2 trainable parameter(s) (aux_head.weight, aux_head.bias); data parallel training needs find_unused_parameters=True" in out
+
+
 def test_distplan_debug_shows_the_traceback_of_our_own_errors_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """DISTPLAN_DEBUG=1 re-raises the package's own errors after their line (as it does for others), so the traceback
     shows, with the user's original error chained; without it, the line and exit 2."""
