@@ -30,7 +30,7 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 
 import lightning_distplan  # noqa: F401  (registers "auto_plan")
 from lightning_distplan.callbacks import StepTimeMonitor
-from lightning_distplan._files import check_output_path
+from lightning_distplan._files import check_output_path, write_text_atomic
 from lightning_distplan.demos import RandomTokenData
 from lightning_distplan.errors import OutputPathError
 
@@ -135,10 +135,7 @@ def _record(path: Path, run: dict, args: argparse.Namespace, load_start: tuple[f
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__},
         "config": {k: getattr(args, k) for k in ("devices", "samples", "batch_size", "vocab", "block", "width", "layers")},
     })
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,3 +50,28 @@ def test_demo_refuses_a_bad_option_before_it_trains(option: str, value: str, sai
     with pytest.raises(SystemExit) as info:
         auto_plan_demo.main()
     assert info.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_overhead_record_is_written_as_the_package_writes_its_files(tmp_path: Path) -> None:
+    """``_record`` had an atomic write of its own: it replaced a symbolic link ``--out`` with a plain file (the link's
+    target kept the old runs), made the file 0600-or-umask instead of keeping its mode, and wrote through a fixed
+    ``<name>.tmp`` beside it, replacing a file of that name."""
+    import os
+    import stat
+
+    target = tmp_path / "kept" / "overhead.json"
+    target.parent.mkdir()
+    auto_plan_overhead._record(target, {"plan": "a"}, _overhead_args(), (0.0, 0.0, 0.0))
+    os.chmod(target, 0o640)
+    link = tmp_path / "overhead.json"
+    link.symlink_to(target)
+    (tmp_path / "overhead.tmp").write_text("mine")
+    auto_plan_overhead._record(link, {"plan": "b"}, _overhead_args(), (0.0, 0.0, 0.0))
+    assert link.is_symlink() and [r["plan"] for r in json.loads(target.read_text())["runs"]] == ["a", "b"]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert (tmp_path / "overhead.tmp").read_text() == "mine"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["overhead.json"]
+
+
+def _overhead_args() -> SimpleNamespace:
+    return SimpleNamespace(devices=2, samples=64, batch_size=16, vocab=32, block=8, width=16, layers=1)
