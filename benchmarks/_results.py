@@ -80,14 +80,21 @@ def result_path(out: str | Path | None, default: str | Path, *, script: str, opt
 
 
 def figure_path(out: str | Path, *, script: str, option: str) -> Path:
-    """``out`` when a figure can be written there; else ``SystemExit`` with one line (before the run, not after it)."""
-    from lightning_distplan._files import check_output_path
+    """``out`` when a figure can be written there; else ``SystemExit`` with one line (before the run, not after it).
+
+    An existing file is replaced only when it is a figure distplan saved (:func:`~lightning_distplan._files.save_figure_atomic`
+    marks them) or a committed one (git restores it; the committed figures predate the mark): ``--figure photo.png``
+    would otherwise replace the user's picture."""
+    from lightning_distplan._files import check_output_path, check_replaceable_figure
     from lightning_distplan.errors import OutputPathError
 
     try:
-        return check_output_path(out, option, example="figure.png")
+        path = check_output_path(out, option, example="figure.png")
+        if not _committed(path):
+            check_replaceable_figure(path, option)
     except OutputPathError as err:
         raise SystemExit(f"{script}: {err}") from None
+    return path
 
 
 def write_result(path: str | Path, doc: dict, *, indent: int = 1) -> Path:

@@ -392,8 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"cpu_cluster_sweep: unknown model(s)/rate(s) {bad}. HINT: models {list(catalog)}, rates {list(RATES)}.")
     out = result_path(args.out, ROOT / ("runs/cpu_cluster_sweep_quick.json" if args.quick else "benchmarks/results/cpu_cluster_sweep.json"),
                       script="cpu_cluster_sweep")
-    if args.plot:
-        figure_path(args.plot, script="cpu_cluster_sweep", option="--plot")
+    figure_path(args.plot or out.with_suffix(".png"), script="cpu_cluster_sweep", option="--plot")  # the plot goes beside the JSON by default
     started = datetime.now(timezone.utc)
     load_before = os.getloadavg()
     settings: list[dict[str, Any]] = []

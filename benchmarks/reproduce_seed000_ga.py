@@ -182,6 +182,8 @@ def run(global_batch_sizes: list[int], weights: list[float], max_instances: int)
 def _figure(results: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.figure import Figure
 
+    from lightning_distplan._files import save_figure_atomic
+
     w0 = [(r["global_batch_size"], next(i for i in r["by_weight"] if i["time_weight"] == 0.0)) for r in results]
     w0 = [(b, i) for b, i in w0 if i["with_ga"] and i["without_ga"]]
     fig = Figure(figsize=(12, 4.8), dpi=110, layout="constrained")
@@ -210,8 +212,7 @@ def _figure(results: list[dict[str, Any]], path: Path) -> None:
     ax_w.grid(axis="y", alpha=0.3)
     ax_w.margins(y=0.35)
     fig.suptitle("Seed 000 §III-A on alicloud-2023, w = 0: cheapest DP plan with vs without gradient accumulation\n(analytical BERT-Large profile, model predictions — not measurements)", fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    save_figure_atomic(fig, path)
 
 
 def _versions() -> dict[str, str]:

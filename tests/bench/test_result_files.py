@@ -153,3 +153,38 @@ def test_tuner_benchmark_leaves_no_studies_behind(tmp_path: Path, monkeypatch: p
     with pytest.raises(SystemExit):  # a failing run: after the folder was made
         tuner_vs_exhaustive.main(["--global-batch-size", "0", "--weights", "0", "--seeds", "0", "--out", str(tmp_path / "t.json")])
     assert not list(tmp_path.glob("distplan-bench-*")) and not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize(("name", "argv"), [
+    ("reproduce_seed000_ga", ["--figure", "{picture}"]),
+    ("cpu_cluster_sweep", ["--quick", "--plot", "{picture}"]),
+    ("cpu_cluster_sweep", ["--quick"]),  # the plot beside --out's JSON: picture.png for picture.json
+])
+def test_a_figure_option_never_replaces_a_file_that_is_no_figure(name: str, argv: list[str], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--figure / --plot were checked for a folder only: ``reproduce_seed000_ga.py --figure photo.png`` replaced the
+    user's picture with the seed-000 chart, no word said."""
+    from _results import figure_path
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\nmy picture")
+    argv = [a.format(picture=picture) for a in argv] + ["--out", str(tmp_path / "picture.json")]
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+    with pytest.raises(SystemExit) as info:
+        __import__(name).main(argv)
+    message = str(info.value.code)
+    assert message.startswith(f"{name}: --plot '{picture}'" if name == "cpu_cluster_sweep" else f"{name}: --figure '{picture}'"), message
+    assert "is not a figure distplan saved" in message and "HINT:" in message and "\n" not in message
+    assert picture.read_bytes() == b"\x89PNG\r\n\x1a\nmy picture" and sorted(p.name for p in tmp_path.iterdir()) == ["picture.png"]
+    # what may be replaced: a new path, a committed figure (git restores it), one distplan saved
+    assert figure_path(tmp_path / "new.png", script="x", option="--figure") == tmp_path / "new.png"
+    assert figure_path(RESULTS / "seed000_ga.png", script="x", option="--figure") == RESULTS / "seed000_ga.png"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from lightning_distplan._files import save_figure_atomic
+
+    save_figure_atomic(Figure(), tmp_path / "ours.png")
+    assert figure_path(tmp_path / "ours.png", script="x", option="--figure") == tmp_path / "ours.png"
