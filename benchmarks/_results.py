@@ -56,10 +56,11 @@ def _committed(path: Path) -> bool:
     return done.returncode == 0
 
 
-def result_path(out: str | Path | None, default: str | Path, *, script: str, option: str = "--out") -> Path:
+def result_path(out: str | Path | None, default: str | Path, *, script: str, option: str = "--out", now: bool = False) -> Path:
     """The file to write: ``out`` when given, else ``default``; refused with one line (``SystemExit``) when it
     cannot be written or is an existing file other than a JSON result. With ``out`` not given and ``default``
-    present, prints (stderr) that the run replaces it when it ends."""
+    present, prints (stderr) that the run replaces it when it ends (``now``: that it is being replaced, for a run
+    that writes as it goes and learns the default's name only then, too late to keep the file with ``option``)."""
     from lightning_distplan._files import check_output_path, check_replaceable
     from lightning_distplan.errors import OutputPathError
 
@@ -71,11 +72,12 @@ def result_path(out: str | Path | None, default: str | Path, *, script: str, opt
         raise SystemExit(f"{script}: {err}") from None
     if out is None and path.is_file():
         what = "the committed result" if _committed(path) else "the result file"
-        print(
-            f"{script}: this run replaces {what} {shown(path)} when it ends; pass {option} FILE to keep it"
-            + (f" (git checkout -- {shown(path)} restores it)." if what == "the committed result" else "."),
-            file=sys.stderr, flush=True,
-        )
+        restore = f"git checkout -- {shown(path)} restores it" if what == "the committed result" else ""
+        if now:
+            told = f"this run is replacing {what} {shown(path)} (it writes after each part)" + (f"; {restore}." if restore else ".")
+        else:
+            told = f"this run replaces {what} {shown(path)} when it ends; pass {option} FILE to keep it" + (f" ({restore})." if restore else ".")
+        print(f"{script}: {told}", file=sys.stderr, flush=True)
     return path
 
 

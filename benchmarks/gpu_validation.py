@@ -470,7 +470,7 @@ def main() -> int:
     def save() -> None:
         result["summary"] = summarize(result["models"])
         if not said:  # the first save: the file's name is known once the first profile has named the device
-            result_path(args.out, out_path(), script="gpu_validation")
+            result_path(args.out, out_path(), script="gpu_validation", now=True)
             said.append(True)
         write_result(out_path(), result)
 

@@ -44,6 +44,10 @@ def test_the_default_result_is_named_before_it_is_replaced(tmp_path: Path, capsy
     result_path(None, committed, script="bench")
     assert ("this run replaces the committed result benchmarks/results/planning_scale_cpu.json when it ends; pass --out FILE "
             "to keep it (git checkout -- benchmarks/results/planning_scale_cpu.json restores it).") in capsys.readouterr().err
+    # a run that writes as it goes (gpu_validation, after each model) and names its default only then: too late for --out
+    result_path(None, committed, script="gpu_validation", now=True)
+    assert ("gpu_validation: this run is replacing the committed result benchmarks/results/planning_scale_cpu.json (it writes after "
+            "each part); git checkout -- benchmarks/results/planning_scale_cpu.json restores it.") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", ["planning_scale", "replay_input_bytes"])
