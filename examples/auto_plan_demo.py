@@ -65,7 +65,7 @@ class LossHistory(Callback):
 
 def positive(text: str) -> int:
     """An argparse ``type``: a bad count is one line from argparse before the fit, not a traceback after it."""
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # "²" is a digit to str.isdigit, not to int()
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
 

@@ -37,6 +37,7 @@ def test_overhead_out_path_is_refused_before_the_fit(tmp_path: Path, monkeypatch
     ("--trials", "0", "argument --trials: '0' is not a positive integer"),
     ("--batch-size", "0", "argument --batch-size: '0' is not a positive integer"),
     ("--devices", "-2", "argument --devices: '-2' is not a positive integer"),
+    ("--trials", "²", "argument --trials: '²' is not a positive integer"),  # a digit to str.isdigit, not to int()
     ("--time-weight", "-1", "argument --time-weight: '-1' is not a number >= 0"),
 ])
 def test_demo_refuses_a_bad_option_before_it_trains(option: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch,
