@@ -1229,22 +1229,27 @@ def _hooks_defined(module: Any, callbacks: Iterable[Any], hooks: Sequence[str]) 
 def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], group: Any, *, divide_by: int) -> None:
     """Sum ``grads`` of the trainable ``params`` over ``group`` in one flat buffer and divide by ``divide_by``, in place.
 
-    A trainable parameter without a gradient here takes part with zeros (another rank may have one); a frozen
-    one (``requires_grad=False``) takes no part and gets no gradient, so no optimizer moves it (weight decay would).
+    A trainable parameter without a gradient here takes part with zeros (another rank may have one); one that no
+    rank of the group has a gradient for gets none, as DistributedDataParallel(find_unused_parameters=True) leaves
+    it, so no optimizer's weight decay or momentum moves it (a zero gradient would). A frozen one
+    (``requires_grad=False``) takes no part and gets no gradient either.
     """
     params = [p for p in params if p.requires_grad]
     if not params:
         return
-    flat = torch.cat([(grads[p] if p in grads else torch.zeros_like(p)).reshape(-1) for p in params])
+    # how many ranks have each parameter's gradient travels at the end of the same buffer (one number per parameter)
+    have = torch.tensor([float(p in grads) for p in params], dtype=params[0].dtype, device=params[0].device)
+    flat = torch.cat([*((grads[p] if p in grads else torch.zeros_like(p)).reshape(-1) for p in params), have])
     dist.all_reduce(flat, group=group)
+    used = (flat[-len(params) :] > 0).tolist()
     flat /= divide_by
     offset = 0
-    for p in params:  # back into the gradients given (this strategy's own), so no second set beside the flat buffer
+    for p, anywhere in zip(params, used):  # back into the gradients given (this strategy's own), so no second set beside the flat buffer
         n = p.numel()
         chunk = flat[offset : offset + n].view_as(p)
         if p in grads:
             grads[p].copy_(chunk)
-        else:
+        elif anywhere:
             grads[p] = chunk.clone()
         offset += n
 

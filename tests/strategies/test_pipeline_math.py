@@ -1431,3 +1431,27 @@ def test_the_plan_follows_a_changing_accumulation_and_auto_plan_does_not_resume_
         assert (got["stored"]["accumulate_grad_batches"], got["stored"]["global_batch_size"]) == (2, 16)
         # auto_plan's global batch is 4 x 2 x 2 = 16 too, but it runs one flush a step: planned again, and trained on
         assert got["resumed_source"] == "profiled" and got["resumed"].global_batch_size == 16 and got["resumed_steps"] > 6
+
+
+def _reduce_unused_worker(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from lightning_distplan.strategies.pipeline import _all_reduce_mean
+
+    dist.init_process_group("gloo")
+    used, one_rank, nowhere = (nn.Parameter(torch.zeros(3)) for _ in range(3))
+    grads = {used: torch.full((3,), float(rank + 1))}
+    if rank == 0:
+        grads[one_rank] = torch.full((3,), 4.0)
+    _all_reduce_mean([used, one_rank, nowhere], grads, None, divide_by=world)
+    return {"used": grads[used].tolist(), "one_rank": grads[one_rank].tolist(), "nowhere": nowhere in grads}
+
+
+def test_a_parameter_no_replica_has_a_gradient_for_gets_none_as_under_ddp() -> None:
+    """The hybrid dp x pp gradient reduce: a stage parameter that no replica's loss used (an unused head inside a
+    layer) stays without a gradient, as DistributedDataParallel(find_unused_parameters=True) leaves it; with a zero
+    gradient, weight decay and momentum moved it, unlike a dp_ga fit (dp=2 pp=2: 0.007 after three SGD steps of
+    weight_decay=0.1). One that some replica used gets the mean, zeros counted for the others."""
+    results = run_on_ranks(_reduce_unused_worker, 2, timeout=120)
+    for res in results:
+        assert res == {"used": [1.5] * 3, "one_rank": [2.0] * 3, "nowhere": False}
