@@ -172,8 +172,10 @@ def _sqlite_creation_lock(url: str) -> Any:
     The lock is on the folder, not the database (closing a descriptor of the database would drop SQLite's own
     locks held by this process) and not on a lock file of our own (one per database, left behind in the
     temporary folder: a test suite made thousands). Runs opening other databases in the same folder wait for
-    each other for the second or so an open takes. Where the folder cannot be locked (not POSIX, a file system
-    without flock) the open goes on without it, which is Optuna's own behaviour."""
+    each other for the second or so an open takes. Where the folder cannot be locked (one this user may write
+    but not read, an NFS mount, whose flock needs a descriptor open for writing) the lock is a file of its own
+    in the temporary folder, keyed by the database's path, left there; where neither can be had (not POSIX)
+    the open goes on without one, which is Optuna's own behaviour."""
     folder = _lock_folder(url)
     try:
         yield
@@ -186,7 +188,8 @@ def _sqlite_creation_lock(url: str) -> Any:
 
 
 def _lock_folder(url: str) -> int | None:
-    """A descriptor of the SQLite file's folder, exclusively locked; None where there is no file or no lock."""
+    """A descriptor of the SQLite file's folder (else of its lock file in the temporary folder), exclusively
+    locked; None where there is no file or no lock."""
     path = sqlite_path(url)
     try:
         import fcntl
@@ -194,16 +197,34 @@ def _lock_folder(url: str) -> int | None:
         return None
     if path is None:
         return None
-    try:
-        folder = os.open(path.expanduser().resolve().parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # no such folder (SQLite's own error follows), or one this user cannot read
+    parent = path.expanduser().resolve().parent
+    if not parent.is_dir():  # no such folder: SQLite's own error follows
         return None
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
-    except OSError:  # a file system without flock
-        os.close(folder)
-        return None
-    return folder
+    for opened in (_open_folder, _open_lock_file):
+        try:
+            handle = opened(parent, path)
+        except OSError:  # a folder this user cannot read; a lock file of another user's, a full disk
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system whose flock refuses this descriptor (NFS: a folder, open read-only)
+            os.close(handle)
+            continue
+        return handle
+    return None
+
+
+def _open_folder(parent: Path, path: Path) -> int:
+    return os.open(parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+
+
+def _open_lock_file(parent: Path, path: Path) -> int:
+    """The lock file of the database at ``path`` in the temporary folder (where its folder cannot be locked)."""
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(str(parent / path.name).encode()).hexdigest()[:20]
+    return os.open(Path(tempfile.gettempdir()) / f"distplan-sqlite-{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
 
 
 def open_storage(url: Any) -> Any:

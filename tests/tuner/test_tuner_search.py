@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import sqlite3
 
@@ -432,6 +433,49 @@ def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
         assert failed == [] and len(opened) == 4
         optuna.create_study(study_name="s", storage=opened[0]).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
         assert len(optuna.load_study(study_name="s", storage=opened[3]).trials) == 2  # one schema, shared
+
+
+def test_runs_opening_one_new_sqlite_file_in_a_folder_they_cannot_lock_all_get_the_storage(tmp_path, monkeypatch):
+    """Where the database's folder cannot be opened to lock it (a folder this user may write but not read, mode
+    0o333; on NFS, flock refuses a folder's read-only descriptor), the creation lock is a file in the temporary
+    folder, as before the folder lock: the runs went on without any lock, and most of them failed."""
+    import errno
+    import tempfile
+    import threading
+
+    from lightning_distplan.tuner._storage import open_storage
+
+    real_open = os.open
+
+    def unreadable_folders(path, flags, *args, **kwargs):
+        if flags & getattr(os, "O_DIRECTORY", 0) or os.path.isdir(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    monkeypatch.setattr(os, "open", unreadable_folders)
+    for k in range(3):
+        url = f"sqlite:///{tmp_path / f'new{k}.db'}"
+        barrier = threading.Barrier(4)
+        opened: list = []
+        failed: list[str] = []
+
+        def open_it() -> None:
+            barrier.wait()
+            try:
+                opened.append(open_storage(url))
+            except Exception as err:  # noqa: BLE001 - collected and asserted below
+                failed.append(str(err))
+
+        threads = [threading.Thread(target=open_it) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert failed == [] and len(opened) == 4
+    assert len(list(temporary.glob("distplan-sqlite-*.lock"))) == 3  # one per database, left there
 
 
 def test_opening_a_sqlite_study_leaves_no_lock_file_behind(tmp_path, monkeypatch):
