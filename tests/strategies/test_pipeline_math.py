@@ -1346,6 +1346,9 @@ def test_pipeline_spawn_start_method_returns_full_weights(tmp_path, monkeypatch)
     temporary.mkdir()
     monkeypatch.setenv("TMPDIR", str(temporary))  # the spawned workers' temporary folder
     monkeypatch.setattr(tempfile, "tempdir", None)
+    # a port an earlier test's one-process fit exported (Lightning sets MASTER_PORT) may still be held by its store:
+    # let the launcher find a free one (CI once failed here with EADDRINUSE)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     model = build("transformer")
     strategy = PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=8, start_method="spawn")
     trainer = L.Trainer(**trainer_kwargs(2, strategy, str(tmp_path)))
