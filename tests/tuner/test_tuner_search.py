@@ -405,31 +405,37 @@ def test_a_write_the_database_refuses_leaves_the_study_as_it_was(tmp_path):
     assert child.stdout.strip() == "OperationalError", child.stdout + child.stderr
 
 
-def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
-    """Several `tune` runs (here threads) creating one new SQLite file at the same moment: each opens it. Without
-    a lock around Optuna's schema creation most of them failed ("table ... already exists", "UNIQUE constraint")."""
+def _open_at_once(url: str, runs: int = 4) -> tuple[list, list[str]]:
+    """``open_storage(url)`` from ``runs`` threads released at the same moment: the storages and the errors."""
     import threading
 
     from lightning_distplan.tuner._storage import open_storage
 
+    barrier = threading.Barrier(runs)
+    opened: list = []
+    failed: list[str] = []
+
+    def open_it() -> None:
+        barrier.wait()
+        try:
+            opened.append(open_storage(url))
+        except Exception as err:  # noqa: BLE001 - collected and asserted by the caller
+            failed.append(str(err))
+
+    threads = [threading.Thread(target=open_it) for _ in range(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return opened, failed
+
+
+def test_runs_opening_one_new_sqlite_file_at_once_all_get_the_storage(tmp_path):
+    """Several `tune` runs (here threads) creating one new SQLite file at the same moment: each opens it. Without
+    a lock around Optuna's schema creation most of them failed ("table ... already exists", "UNIQUE constraint")."""
     for k in range(3):
         url = f"sqlite:///{tmp_path / f'new{k}.db'}"
-        barrier = threading.Barrier(4)
-        opened: list = []
-        failed: list[str] = []
-
-        def open_it() -> None:
-            barrier.wait()
-            try:
-                opened.append(open_storage(url))
-            except Exception as err:  # noqa: BLE001 - collected and asserted below
-                failed.append(str(err))
-
-        threads = [threading.Thread(target=open_it) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
+        opened, failed = _open_at_once(url)
         assert failed == [] and len(opened) == 4
         optuna.create_study(study_name="s", storage=opened[0]).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
         assert len(optuna.load_study(study_name="s", storage=opened[3]).trials) == 2  # one schema, shared
@@ -441,9 +447,6 @@ def test_runs_opening_one_new_sqlite_file_in_a_folder_they_cannot_lock_all_get_t
     folder, as before the folder lock: the runs went on without any lock, and most of them failed."""
     import errno
     import tempfile
-    import threading
-
-    from lightning_distplan.tuner._storage import open_storage
 
     real_open = os.open
 
@@ -458,22 +461,7 @@ def test_runs_opening_one_new_sqlite_file_in_a_folder_they_cannot_lock_all_get_t
     monkeypatch.setattr(os, "open", unreadable_folders)
     for k in range(3):
         url = f"sqlite:///{tmp_path / f'new{k}.db'}"
-        barrier = threading.Barrier(4)
-        opened: list = []
-        failed: list[str] = []
-
-        def open_it() -> None:
-            barrier.wait()
-            try:
-                opened.append(open_storage(url))
-            except Exception as err:  # noqa: BLE001 - collected and asserted below
-                failed.append(str(err))
-
-        threads = [threading.Thread(target=open_it) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
+        opened, failed = _open_at_once(url)
         assert failed == [] and len(opened) == 4
     assert len(list(temporary.glob("distplan-sqlite-*.lock"))) == 3  # one per database, left there
 
