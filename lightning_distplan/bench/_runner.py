@@ -102,7 +102,7 @@ def build_strategy(plan: Plan, *, find_unused_parameters: bool = False) -> Any:
     if plan.strategy == "dp_ga":
         from lightning_distplan.strategies import DPGAStrategy
 
-        return DPGAStrategy(plan=plan, find_unused_parameters=True) if find_unused_parameters else DPGAStrategy(plan=plan)
+        return DPGAStrategy(plan=plan, find_unused_parameters=find_unused_parameters)  # False: DDP's own default
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     return PipelineStrategy(plan=plan, schedule=plan.strategy)
