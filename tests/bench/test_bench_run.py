@@ -449,10 +449,15 @@ def test_a_ctrl_c_after_the_result_was_written_says_so(tmp_path, monkeypatch, ca
 
     out = tmp_path / "b.json"
     monkeypatch.setattr(sys, "stdout", CtrlCOnLastLine())
+    # The command sets OMP_NUM_THREADS and torch's threads for its run (its process ends); in the test's process they
+    # would reach every later test (an equivalence check read 4e-6 apart at one thread): both go back at the end.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
     try:
         rc = main(["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--plans", "1", "--steps", "2", "--warmup", "1",
                    "--passes", "1", "--threads", "1", "--device", "cpu", "--out", str(out)])
     finally:  # the one-process fit's group would be left to the next test (a command ends its process)
+        torch.set_num_threads(threads)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     err = capsys.readouterr().err
