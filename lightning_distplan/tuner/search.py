@@ -162,11 +162,14 @@ def _fingerprint(data: Any) -> str:
 
 
 def _profile_fingerprint(profile: Profile) -> str:
-    """The profile's fingerprint; fields added since (left at None in an older file) do not change it."""
+    """The profile's fingerprint; fields added since, at the value an older file loads with, do not change it
+    (else every study made by an earlier version is refused as made from another profile)."""
     data = profile.to_dict()
     for layer in data["layers"]:
         if layer.get("trainable_param_bytes") is None:
             layer.pop("trainable_param_bytes", None)
+    if not data.get("unused_parameters"):  # added 2026-11-25
+        data.pop("unused_parameters", None)
     return _fingerprint(data)
 
 

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sqlite3
+from pathlib import Path
 
 import optuna
 import pytest
@@ -14,6 +15,7 @@ from tuner_profile_factory import make_profile
 
 from lightning_distplan.errors import CatalogError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.planner import enumerate_plans
+from lightning_distplan.profile import Profile
 from lightning_distplan.tuner import (
     ConfigSpace,
     StudyConflictError,
@@ -538,12 +540,23 @@ def test_a_study_made_by_the_previous_version_is_extended(tmp_path, profile):
     profile_dict = profile.to_dict()
     for layer in profile_dict["layers"]:
         del layer["trainable_param_bytes"]  # the field did not exist
+    del profile_dict["unused_parameters"]  # nor did this one
     assert old["profile"] == old_fingerprint(profile_dict)
     old["catalog_fingerprint"] = old_fingerprint([i.to_dict() for i in load_catalog("aws-2026").instances])
     old["strategies"] = ["gpipe", "dp_ga"]  # as typed
     study.set_user_attr(SETTINGS_ATTR, old)
     again = tune(profile, catalog="aws-2026", strategies=("gpipe", "dp_ga"), **common)
     assert again.resumed and again.n_study_trials == 10
+
+
+def test_a_profile_file_keeps_the_fingerprint_earlier_versions_gave_it():
+    """The fingerprint e16835b (2026-11-25, before `unused_parameters`) stored for a committed profile: a field added
+    since must not change it, or `tune` refuses to extend every study made before (it did, at 22d8473)."""
+    from lightning_distplan.tuner.search import _profile_fingerprint
+
+    committed = Profile.load(Path(__file__).parents[2] / "benchmarks/results/tuner_vs_exhaustive_profile.json")
+    assert not committed.unused_parameters
+    assert _profile_fingerprint(committed) == "0f9b3831d8dc548b"
 
 
 def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
