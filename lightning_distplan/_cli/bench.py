@@ -24,9 +24,10 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser", "run", "torchrun_command"]
+__all__ = ["add_parser", "run", "torchrun_command", "worker_env"]
 
 
 def add_parser(subparsers: Any) -> None:
@@ -105,6 +106,29 @@ def torchrun_command(args: argparse.Namespace, log_dir: str | None = None) -> li
     ]
 
 
+def worker_env() -> dict[str, str]:
+    """What the torchrun workers' environment adds to this process's.
+
+    The workers start as ``python -m lightning_distplan.cli``, which puts the current folder first on sys.path before
+    anything is imported: a torch.py or json.py there would replace the real one. PYTHONSAFEPATH (Python >= 3.11)
+    leaves it off, and the command adds it after its own imports, for the model, as the ``distplan`` script does.
+    Where this process imported the package from the current folder (``python -m`` in a source checkout), that folder
+    goes on PYTHONPATH instead, so that the workers run this same code and not another copy installed (or none).
+    """
+    import lightning_distplan
+
+    env = {"PYTHONSAFEPATH": "1"}
+    root = Path(lightning_distplan.__file__).resolve().parents[1]
+    if root == Path.cwd().resolve():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _launch_line(cmd: list[str]) -> str:
+    """The torchrun command as a shell line, with what the workers' environment adds."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in worker_env().items()), shlex.join(cmd)])
+
+
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 _ERROR_START = re.compile(r"(?=distplan bench: (?:error:|interrupted))")
 
@@ -119,10 +143,7 @@ def _run_torchrun(cmd: list[str]) -> int:
     """
     import signal
 
-    # The workers start as `python -m lightning_distplan.cli`, which puts the current folder first on sys.path before
-    # anything is imported: a torch.py or json.py there would replace the real one. PYTHONSAFEPATH (Python >= 3.11)
-    # leaves it off, and the command adds it after its own imports, for the model, as the `distplan` script does.
-    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, **worker_env()}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1, env=env)
     assert proc.stderr is not None
     errors: list[str] = []
@@ -246,14 +267,14 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size > 1 and not _inside_torchrun():
         _check_before_launch(args, init_args, dm_args)
         if args.print_launch:
-            print(shlex.join(torchrun_command(args)))
+            print(_launch_line(torchrun_command(args)))
             return 0
         # torchrun keeps a log folder per run (torchelastic_* in the temporary folder) unless told where: one of
         # ours, removed when the job ends
         with tempfile.TemporaryDirectory(prefix="distplan-bench-torchrun-") as logs:
             cmd = torchrun_command(args, logs)
             if not args.quiet:
-                print(f"distplan bench: launching {args.world_size} processes with torchrun: {shlex.join(cmd)}", flush=True)
+                print(f"distplan bench: launching {args.world_size} processes with torchrun: {_launch_line(cmd)}", flush=True)
             return _run_torchrun(cmd)
 
     from lightning.pytorch import LightningDataModule, LightningModule

@@ -126,8 +126,9 @@ def test_bench_world_size_1(tmp_path):
 
 def test_bench_world_size_2_torchrun_loopback(tmp_path):
     # run from a folder whose torch.py and json.py would replace the real ones if the workers imported from it first
+    # (PYTHONSAFEPATH keeps it off their path from Python 3.11; before, `python -m` always puts it first)
     (tmp_path / "here").mkdir()
-    for name in ("torch.py", "json.py"):
+    for name in ("torch.py", "json.py") if sys.version_info >= (3, 11) else ():
         (tmp_path / "here" / name).write_text("raise SystemExit('the current folder shadowed a module')\n")
     result = _bench(tmp_path, "--world-size", "2", "--global-batch-size", "2", "--plans", "all", "--passes", "1", "--profile-once", "--min-time", "0.05",
                     cwd=tmp_path / "here")
@@ -258,12 +259,30 @@ def test_print_launch_names_torchrun(capsys, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert main(["bench", *MODEL, "--world-size", "4", "--global-batch-size", "8", "--precision", "bf16-mixed", "--print-launch"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith("PYTHONSAFEPATH=1 ")  # the command the bench runs, the workers' environment included
     assert "-m torch.distributed.run --standalone --nproc-per-node 4 -m lightning_distplan.cli bench" in out
     assert "--precision bf16-mixed" in out  # every worker runs in it
     # One process has no torchrun command: said, instead of running the bench in this process.
     assert main(["bench", *MODEL, "--world-size", "1", "--global-batch-size", "8", "--print-launch"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "--world-size 1 runs in this process without one. HINT" in captured.err
+
+
+def test_workers_import_the_package_this_process_imported_from_the_current_folder(tmp_path, monkeypatch):
+    """`python -m lightning_distplan.cli bench` in a source checkout imports the package from the current folder,
+    which PYTHONSAFEPATH leaves off the workers' path: that folder goes on their PYTHONPATH (else they failed with
+    "No module named 'lightning_distplan'", or ran another copy installed); from any other folder nothing is added."""
+    import lightning_distplan
+    from lightning_distplan._cli.bench import worker_env
+
+    checkout = Path(lightning_distplan.__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.chdir(checkout)
+    assert worker_env() == {"PYTHONSAFEPATH": "1", "PYTHONPATH": f"{checkout}{os.pathsep}/elsewhere"}
+    monkeypatch.delenv("PYTHONPATH")
+    assert worker_env() == {"PYTHONSAFEPATH": "1", "PYTHONPATH": str(checkout)}
+    monkeypatch.chdir(tmp_path)  # a torch.py here must stay off the workers' path
+    assert worker_env() == {"PYTHONSAFEPATH": "1"}
 
 
 def test_timed_steps_lasts_min_time_within_bounds():
