@@ -209,6 +209,10 @@ def project_profile(
     new_opt = OptimizerProfile(name=profile.optimizer.name, state_bytes=profile.optimizer.state_bytes, step_time_s=profile.optimizer.step_time_s * opt_scale)
 
     new_memory = replace(profile.memory, device_total_bytes=int(target.memory_bytes), device_total_source=f"spec table: {target.source}")
+    # A size that ran out of memory on the profiled device says nothing of a larger one (the memory model decides
+    # there); on one no larger it stays out, as on the profiled device (DESIGN §3.4).
+    profiled_memory = profile.memory.device_total_bytes or profile.device.total_memory_bytes
+    out_of_memory = profile.infeasible_micro_batch_sizes if int(target.memory_bytes) <= profiled_memory else ()
     new_device = DeviceProfile(
         type="cuda",
         name=target.name,
@@ -219,7 +223,8 @@ def project_profile(
     )
     versions = dict(profile.versions)
     versions["projection"] = f"{profile.device.name} -> {target.name} ({precision}, roofline ratio)"
-    projected = replace(profile, device=new_device, layers=tuple(new_layers), step=new_step, optimizer=new_opt, memory=new_memory, versions=versions)
+    projected = replace(profile, device=new_device, layers=tuple(new_layers), step=new_step, optimizer=new_opt, memory=new_memory, versions=versions,
+                        infeasible_micro_batch_sizes=out_of_memory)
 
     pct, band, why = _uncertainty(source, target, bounds)
     info = ProjectionInfo(

@@ -136,6 +136,22 @@ def test_bf16_on_parts_without_bf16_tensor_cores_runs_at_the_fp32_rate():
     assert a100.compute_scale == pytest.approx(989 / 312, rel=1e-6)
 
 
+def test_a_size_that_ran_out_of_memory_stays_out_only_on_a_device_no_larger():
+    """m = 16 ran out of memory on a 16 GiB device: on an 80 GiB A100 the memory model decides (it kept every m >= 16
+    out, so a 28%-dearer plan was picked); on a 15 GiB T4 it stays out."""
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.plan import Plan
+
+    profile = make_profile(infeasible=(16,))
+    assert profile.memory.device_total_bytes == 16 * 2**30
+    big, _ = project_profile(profile, GPUS["A100-80GB"])
+    small, _ = project_profile(profile, replace(GPUS["T4"], memory_bytes=15 * 2**30))
+    assert big.infeasible_micro_batch_sizes == () and small.infeasible_micro_batch_sizes == (16,)
+    plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=16, accumulate_grad_batches=1, global_batch_size=16)
+    on_a100 = predict(big, plan, Hardware.from_profile(big))
+    assert on_a100.feasible, on_a100.reason
+
+
 def test_cpu_profile_estimates_host_peak_from_the_profile_and_says_it_is_coarse():
     profile = make_profile(device_type="cpu", device_name="x86_64")
     spec, basis = source_spec(profile)
