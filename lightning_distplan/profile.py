@@ -141,6 +141,11 @@ class LayerProfile:
     """Bytes of this layer's output per sample: what a pipeline sends when a stage ends here."""
     flops_forward_per_sample: float = 0.0
     flops_backward_per_sample: float = 0.0
+    conv_flops_forward_per_sample: float = 0.0
+    """The part of ``flops_forward_per_sample`` in convolutions (0 in profiles written before 2026-11-28): cuDNN's
+    TF32 switch (``DeviceProfile.tf32_conv``) is not the matmuls', so a projection needs the split."""
+    conv_flops_backward_per_sample: float = 0.0
+    """The part of ``flops_backward_per_sample`` in convolutions."""
     samples: tuple[TimingSample, ...] = ()
 
     def time(self, m: float) -> float:
@@ -245,6 +250,13 @@ class DeviceProfile:
     dtype: str = "float32"
     count: int = 1
     """Devices (ranks) that took part in profiling."""
+    tf32_matmul: bool | None = None
+    """Whether float32 matmuls were allowed TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32``, which
+    ``torch.set_float32_matmul_precision("high")`` turns on) while profiling. It describes the process, so it is
+    recorded on a CPU too: the same script sets it on the GPU it is projected to. None: not recorded (profiles
+    written before 2026-11-28)."""
+    tf32_conv: bool | None = None
+    """Whether float32 convolutions were allowed TF32 (``torch.backends.cudnn.allow_tf32``, on by PyTorch's default)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -427,6 +439,10 @@ class Profile:
                 f"{list(self.rejected_micro_batch_sizes)}; each must be a positive integer.",
                 hint=hint,
             )
+        flags = {"device.tf32_matmul": self.device.tf32_matmul, "device.tf32_conv": self.device.tf32_conv}
+        odd = next((name for name, flag in flags.items() if flag is not None and not isinstance(flag, bool)), None)
+        if odd is not None:
+            raise ProfileFormatError(f"{source!r} has {odd} = {flags[odd]!r}; it must be true, false or null.", hint=hint)
         if any(not isinstance(name, str) for name in self.unused_parameters):
             raise ProfileFormatError(f"{source!r} lists unused parameters {list(self.unused_parameters)[:5]}; each is a parameter's name.", hint=hint)
         sizes = {
@@ -437,7 +453,7 @@ class Profile:
         }
         for i, layer in enumerate(self.layers):
             for name in ("param_bytes", "activation_bytes_per_sample", "activation_bytes_fixed", "output_bytes_per_sample",
-                         "flops_forward_per_sample", "flops_backward_per_sample"):
+                         "flops_forward_per_sample", "flops_backward_per_sample", "conv_flops_forward_per_sample", "conv_flops_backward_per_sample"):
                 sizes[f"layers[{i}].{name}"] = getattr(layer, name)
             if layer.trainable_param_bytes is not None:
                 if not isinstance(layer.trainable_param_bytes, int) or isinstance(layer.trainable_param_bytes, bool):
@@ -468,6 +484,14 @@ class Profile:
                 hint=hint,
             )
         for i, layer in enumerate(self.layers):  # after the sign check, which names a negative param_bytes as such
+            for part in ("forward", "backward"):
+                conv, total = getattr(layer, f"conv_flops_{part}_per_sample"), getattr(layer, f"flops_{part}_per_sample")
+                if conv > total * (1 + 1e-9):
+                    raise ProfileFormatError(
+                        f"{source!r} has layers[{i}].conv_flops_{part}_per_sample {conv!r} above its flops_{part}_per_sample ({total!r}); "
+                        "convolutions are part of a layer's FLOPs.",
+                        hint=hint,
+                    )
             if layer.trainable_param_bytes is not None and layer.trainable_param_bytes > layer.param_bytes:
                 raise ProfileFormatError(
                     f"{source!r} has layers[{i}].trainable_param_bytes {layer.trainable_param_bytes!r}; it must be a whole number of bytes "

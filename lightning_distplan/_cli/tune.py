@@ -51,7 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "are left out; the built-in catalogs have none). Spot instances can be taken back at any time: the search prices a "
         "step, not the restarts",
     )
-    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto", help="math assumed on the target GPUs (auto: the profile's dtype)")
+    parser.add_argument(
+        "--precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
+        help="math assumed on the target GPUs (auto: the profile's dtype, and for float32 TF32 where the profiled run allowed it; "
+        "fp32: no TF32; tf32: TF32 for every float32 matmul and convolution, as set_float32_matmul_precision('high'))",
+    )
     parser.add_argument("--multi-objective", action="store_true", help="optimise (cost, time) with NSGA-II instead of C + w*T with TPE")
     parser.add_argument(
         "--plots", action="store_true",

@@ -1,8 +1,11 @@
 """GPU peak numbers for the roofline projection, each row with its source.
 
-Pure Python (no torch). Peaks are *dense* (no structured sparsity). "tensor" is the BF16/FP16
-tensor-core rate (FP16 where the part has no BF16); "fp32" is the plain (non-tensor-core) FP32 rate
-that a float32 PyTorch matmul gets when TF32 is off (PyTorch's default for matmuls).
+Pure Python (no torch). Peaks are *dense* (no structured sparsity; a datasheet's figure marked
+"with sparsity" is halved). "tensor" is the BF16/FP16 tensor-core rate (FP16 where the part has no
+BF16); "fp32" is the plain (non-tensor-core) FP32 rate that a float32 PyTorch matmul gets when TF32 is
+off (PyTorch's default for matmuls); "tf32" is the TF32 tensor-core rate a float32 matmul or
+convolution gets where TF32 is allowed (PyTorch's default for cuDNN convolutions), on Ampere and later
+parts only.
 
 The profiled device needs peaks too: the roofline ratio divides the target's bound by the source's
 (DESIGN §4). :func:`source_spec` maps a CUDA profile's device name to a row, and for a CPU profile
@@ -53,6 +56,11 @@ class GpuSpec:
     """Share of the physical device (time-sliced / vGPU instances sell 1/12 .. 1/2 of an A10)."""
     bf16: bool = True
     """Whether the tensor cores take BF16 (T4 and V100 take FP16 only: BF16 runs at the FP32 rate there)."""
+    tf32_flops: float | None = None
+    """Dense TF32 tensor-core FLOP/s; None on parts without TF32 (T4, V100, a CPU), where float32 runs at ``fp32_flops``."""
+    ecc_fraction: float = 0.0
+    """Share of the memory a datasheet (and an instance listing) gives that ECC takes: 1/16 on GDDR parts, which run
+    with ECC on; ``memory_bytes`` is already net of it."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_flops", "fp32_flops", "memory_bandwidth_bytes_per_s", "interconnect_bytes_per_s"):
@@ -61,17 +69,35 @@ class GpuSpec:
                     f"GpuSpec {self.name!r}: `{name}` must be > 0, got {getattr(self, name)!r}.",
                     hint="Give the datasheet's dense peak in FLOP/s or bytes/s (e.g. 65e12 for 65 TFLOP/s), a positive number.",
                 )
+        if self.tf32_flops is not None and not self.tf32_flops > 0:
+            raise CatalogError(
+                f"GpuSpec {self.name!r}: `tf32_flops` must be > 0 or None, got {self.tf32_flops!r}.",
+                hint="Give the datasheet's dense TF32 tensor-core peak in FLOP/s, or None for a part without TF32.",
+            )
+        if not 0 <= self.ecc_fraction < 1:
+            raise CatalogError(
+                f"GpuSpec {self.name!r}: `ecc_fraction` must be in [0, 1), got {self.ecc_fraction!r}.",
+                hint="Use 1/16 for GDDR memory with ECC on, else 0.",
+            )
         if not 0 < self.fraction <= 1:
             raise CatalogError(
                 f"GpuSpec {self.name!r}: `fraction` must be in (0, 1], got {self.fraction!r}.",
                 hint="Use the share of one card the instance sells, e.g. 0.5 for half a GPU, or 1 for a whole one.",
             )
 
-    def peak_flops(self, precision: Literal["fp32", "bf16", "fp16"]) -> float:
+    @property
+    def listed_memory_gib(self) -> float:
+        """The memory the datasheet (or an instance listing) gives, in GiB: ``memory_bytes`` before ECC's share."""
+        return self.memory_bytes / (1 - self.ecc_fraction) / _GIB
+
+    def peak_flops(self, precision: Literal["fp32", "tf32", "bf16", "fp16"]) -> float:
         """Peak FLOP/s for the given math: ``"fp16"`` on tensor cores, ``"bf16"`` too where they take BF16
-        (else the FP32 rate: an assumption, bf16 has no faster path there), ``"fp32"`` without them."""
+        (else the FP32 rate: an assumption, bf16 has no faster path there), ``"tf32"`` on tensor cores where
+        the part has TF32 (else the FP32 rate, as float32 runs there), ``"fp32"`` without them."""
         if precision == "fp16" or (precision == "bf16" and self.bf16):
             return self.tensor_flops
+        if precision == "tf32" and self.tf32_flops is not None:
+            return self.tf32_flops
         return self.fp32_flops
 
     def share(self, fraction: float, *, memory_bytes: int | None = None) -> GpuSpec:
@@ -87,6 +113,7 @@ class GpuSpec:
             name=f"{self.name}x{fraction:.3g}",
             tensor_flops=self.tensor_flops * fraction,
             fp32_flops=self.fp32_flops * fraction,
+            tf32_flops=None if self.tf32_flops is None else self.tf32_flops * fraction,
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * fraction,
             memory_bytes=memory_bytes if memory_bytes is not None else int(self.memory_bytes * fraction),
             fraction=self.fraction * fraction,
@@ -95,49 +122,62 @@ class GpuSpec:
         )
 
 
+# source: NVIDIA CUDA C++ Best Practices Guide ("On GPUs with GDDR memory with ECC enabled the available DRAM is
+# reduced by 6.25%"); assumption: ECC is on, as these data-center boards ship and as clouds run them.
+GDDR_ECC_FRACTION = 1 / 16
+
+
 def _row(
-    name: str, tensor_tf: float, fp32_tf: float, bw_gbs: float, mem_gb: float, ic_gbs: float, source: str, *, estimate: bool = False, bf16: bool = True
+    name: str, tensor_tf: float, fp32_tf: float, tf32_tf: float | None, bw_gbs: float, mem_gb: float, ic_gbs: float, source: str, *,
+    estimate: bool = False, bf16: bool = True, gddr: bool = False,
 ) -> GpuSpec:
+    ecc = GDDR_ECC_FRACTION if gddr else 0.0
     return GpuSpec(
         name=name,
         tensor_flops=tensor_tf * _TB,
         fp32_flops=fp32_tf * _TB,
+        tf32_flops=None if tf32_tf is None else tf32_tf * _TB,
         memory_bandwidth_bytes_per_s=bw_gbs * _GB,
         # Marketing "GB" on these datasheets is GiB-sized HBM/GDDR; torch reports e.g. 79.2 GiB usable on an 80 GB part.
-        memory_bytes=int(mem_gb * _GIB),
+        # GDDR with ECC on gives up 1/16 of it (a 16 GB T4: 15 GiB).
+        memory_bytes=int(mem_gb * _GIB * (1 - ecc)),
         interconnect_bytes_per_s=ic_gbs * _GB,
         source=source,
         estimate=estimate,
         bf16=bf16,
+        ecc_fraction=ecc,
     )
 
 
 # Interconnect per direction: NVLink total / 2 on SXM parts, else the PCIe slot (Gen3 x16 ≈ 16 GB/s,
 # Gen4 x16 ≈ 32 GB/s, Gen5 x16 ≈ 64 GB/s per direction; source: PCI-SIG link rates).
 GPUS: dict[str, GpuSpec] = {
-    # source: NVIDIA T4 datasheet (65 FP16 tensor TFLOPS mixed precision, 8.1 FP32, 320 GB/s, 16 GB, PCIe Gen3 x16); no BF16.
-    "T4": _row("T4", 65, 8.1, 320, 16, 16, "NVIDIA T4 datasheet", bf16=False),
-    # source: NVIDIA A10 datasheet (125 BF16 dense / 250 sparse, 31.2 FP32, 600 GB/s, 24 GB, PCIe Gen4 x16).
-    "A10": _row("A10", 125, 31.2, 600, 24, 32, "NVIDIA A10 datasheet"),
+    # source: NVIDIA T4 datasheet (65 FP16 tensor TFLOPS mixed precision, 8.1 FP32, 320 GB/s, 16 GB GDDR6, PCIe Gen3 x16); no BF16, no TF32.
+    "T4": _row("T4", 65, 8.1, None, 320, 16, 16, "NVIDIA T4 datasheet", bf16=False, gddr=True),
+    # source: NVIDIA A10 datasheet (125 BF16 dense / 250 sparse, 62.5 TF32 dense / 125 sparse, 31.2 FP32, 600 GB/s, 24 GB GDDR6, PCIe Gen4 x16).
+    "A10": _row("A10", 125, 31.2, 62.5, 600, 24, 32, "NVIDIA A10 datasheet", gddr=True),
     # source: ESTIMATE - AWS publishes no A10G datasheet; ~70 tensor TFLOPS from vendor tables (unconfirmed),
-    # FP32 assumed equal to the A10's 31.2 (same GA102 die), 600 GB/s and 24 GB per AWS G5 documentation.
-    "A10G": _row("A10G", 70, 31.2, 600, 24, 32, "vendor tables, unconfirmed estimate", estimate=True),
-    # source: NVIDIA L4 datasheet (242 FP16/BF16 with sparsity -> 121 dense, 30.3 FP32, 300 GB/s, 24 GB, PCIe Gen4 x16).
-    "L4": _row("L4", 121, 30.3, 300, 24, 32, "NVIDIA L4 datasheet"),
-    # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16.
-    "V100": _row("V100", 125, 15.7, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)", bf16=False),
-    # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
-    "A100-40GB": _row("A100-40GB", 312, 19.5, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
-    # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
-    "A100-80GB": _row("A100-80GB", 312, 19.5, 2039, 80, 300, "NVIDIA A100 datasheet (80 GB SXM)"),
-    # source: NVIDIA L40S datasheet (362.05 BF16 dense / 733 sparse, 91.6 FP32, 864 GB/s, 48 GB, PCIe Gen4 x16).
-    "L40S": _row("L40S", 362, 91.6, 864, 48, 32, "NVIDIA L40S datasheet"),
-    # source: NVIDIA H100 datasheet, SXM5 (989 BF16 dense / 1,979 sparse, 67 FP32, 3.35 TB/s, 80 GB, NVLink 900 GB/s total).
-    "H100-SXM": _row("H100-SXM", 989, 67, 3350, 80, 450, "NVIDIA H100 datasheet (SXM5)"),
-    # source: NVIDIA H100 datasheet, PCIe (756 BF16 dense, 51 FP32, 2.0 TB/s, 80 GB, PCIe Gen5 x16).
-    "H100-PCIe": _row("H100-PCIe", 756, 51, 2000, 80, 64, "NVIDIA H100 datasheet (PCIe)"),
-    # source: NVIDIA H200 datasheet, SXM (989 BF16 dense, 67 FP32, 4.8 TB/s, 141 GB, NVLink 900 GB/s total).
-    "H200": _row("H200", 989, 67, 4800, 141, 450, "NVIDIA H200 datasheet (SXM)"),
+    # TF32 half of that as on the A10, FP32 assumed equal to the A10's 31.2 (same GA102 die), 600 GB/s and 24 GB GDDR6 per AWS G5 documentation.
+    "A10G": _row("A10G", 70, 31.2, 35, 600, 24, 32, "vendor tables, unconfirmed estimate", estimate=True, gddr=True),
+    # source: NVIDIA L4 datasheet (242 FP16/BF16 with sparsity -> 121 dense, 120 TF32 with sparsity -> 60 dense, 30.3 FP32, 300 GB/s,
+    # 24 GB GDDR6, PCIe Gen4 x16).
+    "L4": _row("L4", 121, 30.3, 60, 300, 24, 32, "NVIDIA L4 datasheet", gddr=True),
+    # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16, no TF32.
+    "V100": _row("V100", 125, 15.7, None, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)", bf16=False),
+    # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
+    "A100-40GB": _row("A100-40GB", 312, 19.5, 156, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
+    # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
+    "A100-80GB": _row("A100-80GB", 312, 19.5, 156, 2039, 80, 300, "NVIDIA A100 datasheet (80 GB SXM)"),
+    # source: NVIDIA L40S datasheet (362.05 BF16 dense / 733 sparse, 183 TF32 dense / 366 sparse, 91.6 FP32, 864 GB/s, 48 GB GDDR6,
+    # PCIe Gen4 x16).
+    "L40S": _row("L40S", 362, 91.6, 183, 864, 48, 32, "NVIDIA L40S datasheet", gddr=True),
+    # source: NVIDIA H100 datasheet, SXM5 (989 BF16 dense / 1,979 sparse, 989 TF32 with sparsity -> 494.5 dense, 67 FP32, 3.35 TB/s,
+    # 80 GB, NVLink 900 GB/s total).
+    "H100-SXM": _row("H100-SXM", 989, 67, 494.5, 3350, 80, 450, "NVIDIA H100 datasheet (SXM5)"),
+    # source: NVIDIA H100 datasheet, PCIe (756 BF16 dense, 756 TF32 with sparsity -> 378 dense, 51 FP32, 2.0 TB/s, 80 GB, PCIe Gen5 x16).
+    "H100-PCIe": _row("H100-PCIe", 756, 51, 378, 2000, 80, 64, "NVIDIA H100 datasheet (PCIe)"),
+    # source: NVIDIA H200 datasheet, SXM (989 BF16 dense, 989 TF32 with sparsity -> 494.5 dense, 67 FP32, 4.8 TB/s, 141 GB, NVLink 900 GB/s total).
+    "H200": _row("H200", 989, 67, 494.5, 4800, 141, 450, "NVIDIA H200 datasheet (SXM)"),
 }
 
 # Names people and catalogs use -> canonical row. SkyPilot's catalogs say "A100" for the 40 GB part and
@@ -199,7 +239,7 @@ def match_gpu_name(name: str) -> str | None:
     canonical = known[max(hits, key=len)]
     # A memory size in the name that the row does not have ("V100-32GB" against the 16 GB row) is another part.
     sizes = {int(m) for w in words for m in re.findall(r"^(\d+)GB$", w)}
-    if sizes and round(GPUS[canonical].memory_bytes / _GIB) not in sizes:
+    if sizes and round(GPUS[canonical].listed_memory_gib) not in sizes:
         return None
     return canonical
 

@@ -6,7 +6,12 @@ Pure Python. For each profiled layer and micro-batch size m (DESIGN §4, "Other 
 
 with F the layer's FLOPs (``flops_*_per_sample · m`` from the profile), Q an estimate of the bytes
 it moves (below), P the peak FLOP/s and BW the memory bandwidth of each device
-(:mod:`lightning_distplan.costmodel.gpus`). The projected times at the profiled sizes are refitted
+(:mod:`lightning_distplan.costmodel.gpus`). In float32, F/P is the sum over the math each part ran in:
+F_tf32/P_tf32 + (F − F_tf32)/P_fp32, where F_tf32 are the FLOPs TF32 was allowed for (convolutions
+under ``torch.backends.cudnn.allow_tf32``, on by PyTorch's default; the rest, matmuls, under
+``torch.backends.cuda.matmul.allow_tf32``, which ``set_float32_matmul_precision("high")`` turns on),
+as the profile recorded for its own run and as the target is told to assume; P_tf32 is P_fp32 on
+parts without TF32 (T4, V100, CPUs). The projected times at the profiled sizes are refitted
 as t(m) = α·m + β (seed 000 §III-B), so the cost model reads a projected Profile exactly like a
 measured one. The ratio keeps the measured device's inefficiencies (a layer that reached 30% of
 peak is assumed to reach 30% of the target's bound) — that is what makes it better than
@@ -33,7 +38,7 @@ from lightning_distplan.profile import DeviceProfile, LayerProfile, LinearFit, O
 
 __all__ = ["ProjectionInfo", "project_profile", "roofline_ratio", "layer_bytes"]
 
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["fp32", "tf32", "bf16"]
 
 @dataclass(frozen=True, kw_only=True)
 class ProjectionInfo:
@@ -48,7 +53,12 @@ class ProjectionInfo:
     target_source: str
     """Datasheet / estimate the target row cites."""
     precision: Precision
-    """Math the target is assumed to run: ``fp32`` (non-tensor) or ``bf16`` (tensor cores)."""
+    """Math the target is assumed to run: ``fp32`` (float32, with TF32 where :attr:`tf32` says), ``tf32`` (float32,
+    TF32 for every matmul and convolution) or ``bf16`` (tensor cores)."""
+    tf32: tuple[str, ...] = ()
+    """Which float32 work runs on TF32 tensor cores on the target (``"matmul"``, ``"conv"``), where it has them."""
+    source_tf32: tuple[str, ...] = ()
+    """The same for the profiled run, as its profile recorded (none in profiles written before 2026-11-28)."""
     reference_micro_batch_size: int
     """Micro-batch size at which the scales below are reported (the largest profiled one)."""
     compute_scale: float
@@ -71,6 +81,8 @@ class ProjectionInfo:
         d["layer_scales"] = list(self.layer_scales)
         d["layer_bounds"] = list(self.layer_bounds)
         d["band"] = list(self.band)
+        d["tf32"] = list(self.tf32)
+        d["source_tf32"] = list(self.source_tf32)
         return d
 
 
@@ -88,18 +100,41 @@ def layer_bytes(layer: LayerProfile, m: float, *, input_bytes_per_sample: float 
     return fwd, bwd
 
 
-def roofline_ratio(flops: float, nbytes: float, source: GpuSpec, target: GpuSpec, *, source_precision: Precision, precision: Precision, target_bytes: float | None = None) -> tuple[float, str]:
+def compute_seconds(flops: float, spec: GpuSpec, math: Any, *, tf32_flops: float = 0.0) -> float:
+    """``flops`` at ``spec``'s peak for ``math``; in ``"fp32"``, ``tf32_flops`` of them at its TF32 peak."""
+    if math != "fp32":
+        return flops / spec.peak_flops(math)
+    return (flops - tf32_flops) / spec.peak_flops("fp32") + tf32_flops / spec.peak_flops("tf32")
+
+
+def roofline_ratio(
+    flops: float, nbytes: float, source: GpuSpec, target: GpuSpec, *, source_precision: Any, precision: Any, target_bytes: float | None = None,
+    source_tf32_flops: float = 0.0, target_tf32_flops: float = 0.0,
+) -> tuple[float, str]:
     """``max(F/P_t, Q/BW_t) / max(F/P_s, Q/BW_s)`` and the bound on the target (DESIGN §4).
 
-    With neither FLOPs nor bytes known, falls back to the ratio of peak FLOP/s (``"unknown"``).
+    ``*_tf32_flops``: in ``"fp32"`` math, the part of ``flops`` that runs on TF32 tensor cores on each device
+    (see :func:`compute_seconds`). With neither FLOPs nor bytes known, falls back to the ratio of peak FLOP/s
+    (``"unknown"``).
     """
     q_t = nbytes if target_bytes is None else target_bytes
-    src = max(flops / source.peak_flops(source_precision), nbytes / source.memory_bandwidth_bytes_per_s)
-    tgt_compute = flops / target.peak_flops(precision)
+    src = max(compute_seconds(flops, source, source_precision, tf32_flops=source_tf32_flops), nbytes / source.memory_bandwidth_bytes_per_s)
+    tgt_compute = compute_seconds(flops, target, precision, tf32_flops=target_tf32_flops)
     tgt_memory = q_t / target.memory_bandwidth_bytes_per_s
     if src <= 0:
         return source.peak_flops(source_precision) / target.peak_flops(precision), "unknown"
     return max(tgt_compute, tgt_memory) / src, ("compute" if tgt_compute >= tgt_memory else "memory")
+
+
+def _tf32_flops(layer: LayerProfile, part: str, m: float, tf32: tuple[str, ...]) -> float:
+    """The FLOPs of ``layer``'s forward or backward at ``m`` that TF32 is allowed for (``tf32``: "matmul", "conv")."""
+    total = getattr(layer, f"flops_{part}_per_sample") * m
+    conv = min(getattr(layer, f"conv_flops_{part}_per_sample") * m, total)
+    return ("conv" in tf32) * conv + ("matmul" in tf32) * (total - conv)
+
+
+def _switches(matmul: bool | None, conv: bool | None) -> tuple[str, ...]:
+    return tuple(name for name, on in (("matmul", matmul), ("conv", conv)) if on)
 
 
 def project_profile(
@@ -114,10 +149,12 @@ def project_profile(
     Args:
         profile: a measured profile (CUDA or CPU).
         target: the GPU to project to (``gpus.GPUS[...]``, possibly ``.share(fraction)``).
-        precision: math on the target. ``"auto"`` keeps the profile's dtype (float32 → ``fp32``
-            non-tensor peak, bf16/fp16 → ``bf16`` tensor peak); ``"bf16"`` on a float32 profile
-            also halves the activation bytes (memory sizes stay as profiled: conservative); ``"fp32"``
-            on a 16-bit profile is refused (its sizes would count half).
+        precision: math on the target. ``"auto"`` keeps the profile's dtype (float32 → ``fp32``, with TF32 for
+            what the profiled run allowed it: convolutions by PyTorch's default; bf16/fp16 → ``bf16`` tensor
+            peak); ``"fp32"`` is float32 without TF32; ``"tf32"`` float32 with TF32 for every matmul and
+            convolution (``torch.set_float32_matmul_precision("high")``); ``"bf16"`` on a float32 profile
+            also halves the activation bytes (memory sizes stay as profiled: conservative); ``"fp32"`` or
+            ``"tf32"`` on a 16-bit profile is refused (its sizes would count half).
         source: peaks of the profiled device; default :func:`gpus.source_spec`.
 
     Returns:
@@ -148,9 +185,9 @@ def project_profile(
     auto = precision == "auto"
     if auto:
         precision = source_precision
-    if precision not in ("fp32", "bf16"):
-        raise CatalogError(f"Unknown projection precision {precision!r}.", hint="Use 'auto', 'fp32' or 'bf16'.")
-    if precision == "fp32" and profile_bytes == 2:
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise CatalogError(f"Unknown projection precision {precision!r}.", hint="Use 'auto', 'fp32', 'tf32' or 'bf16'.")
+    if precision in ("fp32", "tf32") and profile_bytes == 2:
         # memory sizes are kept as profiled: 16-bit activations (and weights, for '-true') would count half their fp32 size
         raise CatalogError(
             f"The profile was measured in {profile.device.dtype}, so its memory sizes are 16-bit ones; fp32 training needs up to twice "
@@ -158,8 +195,12 @@ def project_profile(
             hint="Profile the model in float32 (distplan profile --precision 32-true) for fp32 predictions, or project with 'bf16' / 'auto'.",
         )
     source_math: Any = "fp16" if float16 else source_precision
-    math_on_target: Any = "fp16" if float16 and auto else precision
+    math_on_target: Any = "fp16" if float16 and auto else ("fp32" if precision == "tf32" else precision)
     act_scale = (2 if precision == "bf16" else 4) / profile_bytes
+    # What ran on TF32 while profiling (a profile from before the switches were recorded: nothing, as it was read then),
+    # and what is assumed to on the target: the same switches, unless told.
+    source_tf32 = _switches(profile.device.tf32_matmul, profile.device.tf32_conv) if source_math == "fp32" else ()
+    target_tf32 = {"auto": source_tf32, "fp32": (), "tf32": ("matmul", "conv")}.get("auto" if auto else precision, ()) if math_on_target == "fp32" else ()
 
     sizes = sorted(set(profile.micro_batch_sizes))
     m_ref = sizes[-1]
@@ -174,8 +215,10 @@ def project_profile(
         for m in sizes:
             fb, bb = layer_bytes(layer, m, input_bytes_per_sample=prev_out)
             fb_t, bb_t = layer_bytes(layer, m, input_bytes_per_sample=prev_out, activation_scale=act_scale)
-            rf, bound_f = roofline_ratio(layer.flops_forward_per_sample * m, fb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=fb_t)
-            rb, _ = roofline_ratio(layer.flops_backward_per_sample * m, bb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=bb_t)
+            rf, bound_f = roofline_ratio(layer.flops_forward_per_sample * m, fb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=fb_t,
+                                         source_tf32_flops=_tf32_flops(layer, "forward", m, source_tf32), target_tf32_flops=_tf32_flops(layer, "forward", m, target_tf32))
+            rb, _ = roofline_ratio(layer.flops_backward_per_sample * m, bb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=bb_t,
+                                   source_tf32_flops=_tf32_flops(layer, "backward", m, source_tf32), target_tf32_flops=_tf32_flops(layer, "backward", m, target_tf32))
             fwd_pts.append(max(layer.forward(m), 0.0) * rf)
             bwd_pts.append(max(layer.backward(m), 0.0) * rb)
             if m == m_ref:
@@ -220,6 +263,8 @@ def project_profile(
         memory_source=f"spec table: {target.source}",
         dtype="bfloat16" if precision == "bf16" else "float32",
         count=profile.device.count,
+        tf32_matmul="matmul" in target_tf32,
+        tf32_conv="conv" in target_tf32,
     )
     versions = dict(profile.versions)
     versions["projection"] = f"{profile.device.name} -> {target.name} ({precision}, roofline ratio)"
@@ -233,6 +278,8 @@ def project_profile(
         target=target.name,
         target_source=target.source,
         precision=precision,
+        tf32=target_tf32,
+        source_tf32=source_tf32,
         reference_micro_batch_size=m_ref,
         compute_scale=compute_scale,
         layer_scales=tuple(scales),

@@ -11,9 +11,29 @@ import torch
 
 from lightning_distplan.profile import DeviceProfile
 
-__all__ = ["device_info", "resolve_device"]
+__all__ = ["device_info", "resolve_device", "tf32_switches"]
 
 log = logging.getLogger(__name__)
+
+
+def tf32_switches() -> tuple[bool | None, bool | None]:
+    """Whether this process lets float32 (matmuls, convolutions) run on TF32 tensor cores; None where it cannot tell.
+
+    torch >= 2.9 has ``fp32_precision`` per backend ("tf32", "ieee", or "none": the older switch decides) next to the
+    older ``allow_tf32``, and reading ``allow_tf32`` raises once both were used to set one: the newer is read first.
+    """
+
+    def switch(newer: object, older: object) -> bool | None:
+        precision = getattr(newer, "fp32_precision", "none")
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+        try:
+            return bool(older.allow_tf32)  # type: ignore[attr-defined]
+        except (RuntimeError, AttributeError):
+            return None
+
+    matmul = torch.backends.cuda.matmul
+    return switch(matmul, matmul), switch(getattr(torch.backends.cudnn, "conv", None), torch.backends.cudnn)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -32,7 +32,7 @@ from lightning_distplan.profile import (
     TimingSample,
 )
 from lightning_distplan.profiling._batches import SampleBank, device_bytes, move_to
-from lightning_distplan.profiling._device import device_info, resolve_device
+from lightning_distplan.profiling._device import device_info, resolve_device, tf32_switches
 from lightning_distplan.profiling._errors import ProfilingError
 from lightning_distplan.profiling._recorder import LayerRecorder, RunRecord, _storage_key
 from lightning_distplan.profiling._snapshot import ModuleSnapshot, OptimizerSnapshot, RNGSnapshot
@@ -861,6 +861,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         act = LinearFit.fit(feasible, saved)
         out_fit = LinearFit.fit(feasible, outs)
         flops_f, flops_b = _per_sample(flop_records, i)
+        conv_f, conv_b = _per_sample(flop_records, i, conv=True)
         layers.append(
             LayerProfile(
                 name=layer_names[i],
@@ -876,6 +877,9 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 output_bytes_per_sample=max(0.0, out_fit.alpha),
                 flops_forward_per_sample=flops_f,
                 flops_backward_per_sample=flops_b,
+                # the same line's slope for the convolutions alone cannot pass the whole's by more than rounding
+                conv_flops_forward_per_sample=min(conv_f, flops_f),
+                conv_flops_backward_per_sample=min(conv_b, flops_b),
                 samples=tuple(TimingSample(micro_batch_size=m, forward_s=a, backward_s=c) for m, a, c in zip(feasible, fwd, bwd)),
             )
         )
@@ -936,6 +940,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     else:
         prof.say("no peak memory on CPU: fixed overhead recorded as 0 (the model's parts are counted, not measured)")
     info = device_info(dev)
+    tf32_matmul, tf32_conv = tf32_switches()
     dtypes = [p.dtype for p in all_params]
     dtype = str(max(set(dtypes), key=dtypes.count)).replace("torch.", "") if dtypes else "float32"
     mixed = getattr(prof.precision_plugin, "precision", None)
@@ -959,7 +964,8 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     elapsed = time.perf_counter() - prof.t0
     profile = Profile(
         model=f"{type(module).__module__}:{type(module).__qualname__}",
-        device=dataclasses.replace(info, dtype=dtype, count=world),
+        # the process's TF32 switches, which decide what a float32 matmul or convolution runs on (the projection's peaks)
+        device=dataclasses.replace(info, dtype=dtype, count=world, tf32_matmul=tf32_matmul, tf32_conv=tf32_conv),
         micro_batch_sizes=tuple(feasible),
         step=step,
         layers=tuple(layers),
@@ -1056,16 +1062,22 @@ def _execution_order(counted: dict[int, RunRecord], n: int) -> list[int]:
     return order + [i for i in range(n) if i not in order]  # never-called layers last (zero time)
 
 
-def _per_sample(records: dict[int, RunRecord], i: int) -> tuple[float, float]:
+def _per_sample(records: dict[int, RunRecord], i: int, *, conv: bool = False) -> tuple[float, float]:
+    """Layer ``i``'s (forward, backward) FLOPs per sample (``conv``: those of its convolutions)."""
     if not records:
         return 0.0, 0.0
+
+    def counts(m: int) -> tuple[int, int]:
+        r = records[m]
+        return (r.conv_flops_forward[i], r.conv_flops_backward[i]) if conv else (r.flops_forward[i], r.flops_backward[i])
+
     sizes = sorted(records)
     if len(sizes) == 1:
         m = sizes[0]
-        return records[m].flops_forward[i] / m, records[m].flops_backward[i] / m
+        return counts(m)[0] / m, counts(m)[1] / m
     a, b = sizes[0], sizes[1]
-    f = (records[b].flops_forward[i] - records[a].flops_forward[i]) / (b - a)
-    g = (records[b].flops_backward[i] - records[a].flops_backward[i]) / (b - a)
+    f = (counts(b)[0] - counts(a)[0]) / (b - a)
+    g = (counts(b)[1] - counts(a)[1]) / (b - a)
     return max(0.0, float(f)), max(0.0, float(g))
 
 

@@ -99,6 +99,9 @@ class RunRecord:
         self.output_bytes = [0] * n
         self.flops_forward = [0] * n
         self.flops_backward = [0] * n
+        self.conv_flops_forward = [0] * n
+        """The part of ``flops_forward`` in convolutions (cuDNN's TF32 switch is not the matmuls')."""
+        self.conv_flops_backward = [0] * n
         self.first_call: list[int] = []
         """Layer indices in order of their first forward call."""
         self.total_saved_bytes = 0
@@ -136,8 +139,8 @@ class LayerRecorder:
         self._handles.clear()
 
     def _reset(self) -> None:
-        self._fwd_events: list[tuple[Any, int, int]] = []  # (clock mark, owner layer or -1, flops)
-        self._bwd_events: list[tuple[Any, int, int]] = []
+        self._fwd_events: list[tuple[Any, int, tuple[int, int]]] = []  # (clock mark, owner layer or -1, (flops, conv flops))
+        self._bwd_events: list[tuple[Any, int, tuple[int, int]]] = []
         self._stack: list[int] = []
         self._last_done = -1
         self._first_call: list[int] = []
@@ -146,8 +149,12 @@ class LayerRecorder:
         self._saved_before_first = 0
         self._outputs = [0] * len(self.modules)
 
-    def _flop_total(self) -> int:
-        return self._flops.get_total_flops() if self._flops is not None else 0
+    def _flop_total(self) -> tuple[int, int]:
+        """FLOPs counted so far: all of them, and those of convolutions."""
+        if self._flops is None:
+            return 0, 0
+        ops = self._flops.get_flop_counts().get("Global", {})
+        return self._flops.get_total_flops(), sum(n for op, n in ops.items() if "conv" in str(op))
 
     def _owner(self) -> int:
         if self._stack:
@@ -249,9 +256,9 @@ class LayerRecorder:
             self._active = False
             self._flops = None
         first = self._first_call[0] if self._first_call else 0
-        self._attribute([begin, *self._fwd_events, end_fwd], first, rec.forward_s, rec.flops_forward)
+        self._attribute([begin, *self._fwd_events, end_fwd], first, rec.forward_s, rec.flops_forward, rec.conv_flops_forward)
         first_bwd = self._bwd_events[0][1] if self._bwd_events else (self._first_call[-1] if self._first_call else 0)
-        self._attribute([bbegin, *self._bwd_events, end_bwd], first_bwd, rec.backward_s, rec.flops_backward)
+        self._attribute([bbegin, *self._bwd_events, end_bwd], first_bwd, rec.backward_s, rec.flops_backward, rec.conv_flops_backward)
         rec.first_call = list(self._first_call)
         if count_saved:
             self._saved[first] += self._saved_before_first
@@ -260,7 +267,7 @@ class LayerRecorder:
             rec.total_saved_bytes = sum(self._saved)
         return rec
 
-    def _attribute(self, events: list[tuple[Any, int, int]], first: int, seconds: list[float], flops: list[int]) -> None:
+    def _attribute(self, events: list[tuple[Any, int, tuple[int, int]]], first: int, seconds: list[float], flops: list[int], conv: list[int]) -> None:
         owner = first
         for (mark_a, who, flop_a), (mark_b, _, flop_b) in zip(events, events[1:]):
             if who >= 0:
@@ -268,4 +275,5 @@ class LayerRecorder:
             elif who == -2:
                 owner = first
             seconds[owner] += self.clock.seconds(mark_a, mark_b)
-            flops[owner] += flop_b - flop_a
+            flops[owner] += flop_b[0] - flop_a[0]
+            conv[owner] += flop_b[1] - flop_a[1]

@@ -80,7 +80,7 @@ class Instance:
                 f"Instance {self.instance_type!r}: {self.gpus_per_instance} GPUs per instance is neither whole nor a share of one GPU.",
                 hint="Use a whole number of GPUs, or a fraction below 1 for a shared GPU.",
             )
-        card = gpu_spec(self.gpu).memory_bytes / _GIB
+        card = gpu_spec(self.gpu).listed_memory_gib
         # A typo (800 for 80, or the instance's total) would price plans on memory no card has. The spec table
         # names one variant per GPU, and others sell more (V100 32 GB on a 16 GB row, H100 NVL 94 GB on the
         # 80 GB H100-PCIe row): up to twice the row's memory passes.
@@ -101,9 +101,10 @@ class Instance:
         return count * self.devices_per_instance
 
     def gpu_spec(self) -> GpuSpec:
-        """The GPU one rank gets: the spec row, sliced for a shared GPU, with the memory the instance sells."""
+        """The GPU one rank gets: the spec row, sliced for a shared GPU, with the memory the instance sells (less ECC's
+        share on GDDR parts, as on the spec row: a listing gives the board's memory)."""
         spec = gpu_spec(self.gpu)
-        memory = int(self.gpu_memory_gb * _GIB)
+        memory = int(self.gpu_memory_gb * _GIB * (1 - spec.ecc_fraction))
         if self.gpus_per_instance < 1:
             return spec.share(self.gpus_per_instance, memory_bytes=memory)
         return spec.share(1.0, memory_bytes=memory)
@@ -436,7 +437,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         if mem_text:
             gpu_mem = _number(mem_text, column="GpuMemoryGiB", where=where)
         else:
-            gpu_mem = spec.memory_bytes / _GIB * min(count, 1.0)
+            gpu_mem = spec.listed_memory_gib * min(count, 1.0)
         vcpus_text, mem_host_text = cell(row, "vCPUs"), cell(row, "MemoryGiB")
         region = cell(row, "Region")
         currency = cell(row, "Currency") or "USD"

@@ -165,11 +165,16 @@ def _profile_fingerprint(profile: Profile) -> str:
     """The profile's fingerprint; fields added since, at the value an older file loads with, do not change it
     (else every study made by an earlier version is refused as made from another profile)."""
     data = profile.to_dict()
-    for layer in data["layers"]:
-        if layer.get("trainable_param_bytes") is None:
-            layer.pop("trainable_param_bytes", None)
-    if not data.get("unused_parameters"):  # added 2026-11-25
-        data.pop("unused_parameters", None)
+    added = [  # (where, field, the value an older file loads with)
+        *((layer, "trainable_param_bytes", None) for layer in data["layers"]),
+        (data, "unused_parameters", ()),  # 2026-11-25
+        *((layer, f"conv_flops_{part}_per_sample", 0.0) for layer in data["layers"] for part in ("forward", "backward")),  # 2026-11-28
+        (data["device"], "tf32_matmul", None),
+        (data["device"], "tf32_conv", None),
+    ]
+    for where, name, old in added:
+        if name in where and where[name] == old:
+            del where[name]
     return _fingerprint(data)
 
 

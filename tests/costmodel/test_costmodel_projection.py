@@ -40,6 +40,10 @@ def test_every_row_has_a_source_and_the_estimate_is_marked():
     for name, spec in GPUS.items():
         assert spec.source, name
         assert spec.tensor_flops >= spec.fp32_flops > 0
+        # TF32 on Ampere and later parts, between the FP32 and the 16-bit tensor rates; none on T4 and V100
+        assert (spec.tf32_flops is None) == (name in ("T4", "V100")), name
+        assert spec.tf32_flops is None or spec.fp32_flops < spec.tf32_flops < spec.tensor_flops, name
+        assert spec.peak_flops("tf32") == (spec.tf32_flops or spec.fp32_flops)
     assert GPUS["A10G"].estimate and not GPUS["A10"].estimate
     assert GPUS["H100-SXM"].tensor_flops == pytest.approx(989e12)
     assert GPUS["H200"].memory_bandwidth_bytes_per_s == pytest.approx(4.8e12)
@@ -50,6 +54,20 @@ def test_every_row_has_a_source_and_the_estimate_is_marked():
         row = text.index(f'"{name}": _row(')
         assert "# source:" in text[previous:row], name
         previous = row
+
+
+def test_gddr_parts_give_ecc_its_sixteenth_of_the_memory():
+    """CUDA's Best Practices Guide: ECC on GDDR memory takes 6.25% of it (a 16 GB T4 shows 15 GiB); HBM parts keep
+    all of theirs. Names still match the datasheet's size, and the 90% headroom is taken of what is left."""
+    for name in ("T4", "A10", "A10G", "L4", "L40S"):
+        spec = GPUS[name]
+        assert spec.ecc_fraction == 1 / 16 and spec.memory_bytes == int(spec.listed_memory_gib * 2**30 * 15 / 16), name
+    assert GPUS["T4"].memory_bytes == 15 * 2**30 and GPUS["T4"].listed_memory_gib == 16
+    for name in ("V100", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200"):
+        assert GPUS[name].ecc_fraction == 0 and GPUS[name].memory_bytes == GPUS[name].listed_memory_gib * 2**30, name
+    assert match_gpu_name("NVIDIA T4 16GB") == "T4" and match_gpu_name("NVIDIA A10 24GB") == "A10"
+    half = GPUS["A10"].share(0.5)
+    assert half.memory_bytes == GPUS["A10"].memory_bytes // 2 and half.ecc_fraction == 1 / 16
 
 
 def test_shared_gpu_scales_peaks_and_takes_the_sold_memory():
@@ -136,6 +154,48 @@ def test_bf16_on_parts_without_bf16_tensor_cores_runs_at_the_fp32_rate():
     assert a100.compute_scale == pytest.approx(989 / 312, rel=1e-6)
 
 
+def _tf32_profile(*, matmul: bool | None, conv: bool | None, conv_share: float = 0.0, device_name: str = "NVIDIA H100 80GB HBM3") -> Profile:
+    """A compute-bound float32 profile (small parameters) whose layers spend ``conv_share`` of their FLOPs in convolutions."""
+    base = make_profile(param_bytes_per_layer=1_000_000, device_name=device_name)
+    layers = tuple(replace(layer, conv_flops_forward_per_sample=conv_share * layer.flops_forward_per_sample,
+                           conv_flops_backward_per_sample=conv_share * layer.flops_backward_per_sample) for layer in base.layers)
+    return replace(base, layers=layers, device=replace(base.device, tf32_matmul=matmul, tf32_conv=conv))
+
+
+def test_float32_work_that_ran_on_tf32_is_projected_from_the_tf32_peak():
+    """A float32 H100 profile whose matmuls ran on TF32 (set_float32_matmul_precision("high")) took the H100's TF32
+    rate (494.5 dense), not its plain FP32 one (67): a T4, which has no TF32, is 494.5 / 8.1 = 61x slower, not 8.3x."""
+    _, ran_tf32 = project_profile(_tf32_profile(matmul=True, conv=True), GPUS["T4"])
+    assert ran_tf32.compute_scale == pytest.approx(494.5 / 8.1, rel=1e-6)
+    assert ran_tf32.source_tf32 == ("matmul", "conv") and ran_tf32.tf32 == ("matmul", "conv")
+    # the same run with TF32 off, and a profile written before the switches were recorded (read as nothing on TF32)
+    for matmul in (False, None):
+        _, plain = project_profile(_tf32_profile(matmul=matmul, conv=matmul), GPUS["T4"])
+        assert plain.compute_scale == pytest.approx(67 / 8.1, rel=1e-6) and plain.source_tf32 == ()
+    # on an A100 the target runs what the profiled run allowed on TF32 too ("auto"), or what it is told to
+    _, a100 = project_profile(_tf32_profile(matmul=True, conv=True), GPUS["A100-80GB"])
+    assert a100.compute_scale == pytest.approx(494.5 / 156, rel=1e-6)
+    _, strict = project_profile(_tf32_profile(matmul=True, conv=True), GPUS["A100-80GB"], precision="fp32")
+    assert strict.compute_scale == pytest.approx(494.5 / 19.5, rel=1e-6) and strict.tf32 == ()
+    _, told = project_profile(_tf32_profile(matmul=False, conv=False), GPUS["A100-80GB"], precision="tf32")
+    assert told.compute_scale == pytest.approx(67 / 156, rel=1e-6) and told.tf32 == ("matmul", "conv") and told.precision == "tf32"
+    # bf16 on the target: the source side still ran TF32
+    _, bf16 = project_profile(_tf32_profile(matmul=True, conv=True), GPUS["A100-80GB"], precision="bf16")
+    assert bf16.compute_scale == pytest.approx(494.5 / 312, rel=1e-6) and bf16.tf32 == ()
+
+
+def test_convolutions_and_matmuls_follow_their_own_tf32_switch():
+    """PyTorch's defaults: convolutions on TF32 (cuDNN), matmuls not. A layer with 3/4 of its FLOPs in convolutions
+    takes F·(3/4)/P_tf32 + F·(1/4)/P_fp32 on each device (the sum of the two maths' times)."""
+    _, info = project_profile(_tf32_profile(matmul=False, conv=True, conv_share=0.75), GPUS["A10"])
+    h100 = 0.75 / 494.5 + 0.25 / 67
+    a10 = 0.75 / 62.5 + 0.25 / 31.2
+    assert info.compute_scale == pytest.approx(a10 / h100, rel=1e-6) and info.source_tf32 == ("conv",) and info.tf32 == ("conv",)
+    projected, _ = project_profile(_tf32_profile(matmul=False, conv=True, conv_share=0.75), GPUS["A10"])
+    assert (projected.device.tf32_matmul, projected.device.tf32_conv) == (False, True)
+    Profile.from_dict(projected.to_dict())  # the projected profile stays a valid one
+
+
 def test_a_size_that_ran_out_of_memory_stays_out_only_on_a_device_no_larger():
     """m = 16 ran out of memory on a 16 GiB device: on an 80 GiB A100 the memory model decides (it kept every m >= 16
     out, so a 28%-dearer plan was picked); on a 15 GiB T4 it stays out."""
@@ -145,11 +205,17 @@ def test_a_size_that_ran_out_of_memory_stays_out_only_on_a_device_no_larger():
     profile = make_profile(infeasible=(16,))
     assert profile.memory.device_total_bytes == 16 * 2**30
     big, _ = project_profile(profile, GPUS["A100-80GB"])
-    small, _ = project_profile(profile, replace(GPUS["T4"], memory_bytes=15 * 2**30))
+    small, _ = project_profile(profile, GPUS["T4"])
     assert big.infeasible_micro_batch_sizes == () and small.infeasible_micro_batch_sizes == (16,)
     plan = Plan(strategy="dp_ga", dp=1, micro_batch_size=16, accumulate_grad_batches=1, global_batch_size=16)
     on_a100 = predict(big, plan, Hardware.from_profile(big))
     assert on_a100.feasible, on_a100.reason
+
+
+def test_a_16_bit_profile_is_not_projected_to_tf32_either():
+    profile = make_profile(device_name="NVIDIA H100 80GB HBM3")
+    with pytest.raises(CatalogError, match=r"16-bit ones.*HINT:"):
+        project_profile(replace(profile, device=replace(profile.device, dtype="bf16-mixed")), GPUS["A100-80GB"], precision="tf32")
 
 
 def test_cpu_profile_estimates_host_peak_from_the_profile_and_says_it_is_coarse():

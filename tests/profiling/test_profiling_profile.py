@@ -188,12 +188,42 @@ def test_flops_of_grouped_convolutions_and_cpu_attention_match_hand_counts() -> 
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     batches = [(torch.randn(4, T, d),) for _ in range(4)]
-    layers = {layer.name: layer for layer in profile_module(Net(), batches, micro_batch_sizes=[2, 4, 8], repeats=1).layers}
+    profile = profile_module(Net(), batches, micro_batch_sizes=[2, 4, 8], repeats=1)
+    layers = {layer.name: layer for layer in profile.layers}
     grouped_forward = 2 * d * T * (T // 4) * 3
     assert layers["grouped"].flops_forward_per_sample == pytest.approx(grouped_forward)
     assert layers["grouped"].flops_backward_per_sample == pytest.approx(2 * grouped_forward)  # input and weight gradients
     attention = 2 * 2 * heads * T * T * (d // heads)  # Q·Kᵀ and P·V
     assert layers["attn"].flops_forward_per_sample == pytest.approx(2 * T * d * 3 * d + attention)
+    # The convolutions' share, which follows cuDNN's TF32 switch and not the matmuls' (the projection's peaks)
+    for name in ("conv", "grouped"):
+        assert layers[name].conv_flops_forward_per_sample == layers[name].flops_forward_per_sample > 0
+        assert layers[name].conv_flops_backward_per_sample == layers[name].flops_backward_per_sample > 0
+    assert layers["attn"].conv_flops_forward_per_sample == layers["attn"].conv_flops_backward_per_sample == 0
+    from lightning_distplan.profiling._device import tf32_switches
+
+    assert (profile.device.tf32_matmul, profile.device.tf32_conv) == tf32_switches() == (False, True)  # PyTorch's defaults
+
+
+def test_tf32_switches_read_both_of_torchs_interfaces() -> None:
+    """torch >= 2.9 sets TF32 per backend with `fp32_precision`; reading the older `allow_tf32` after that raises, so
+    the newer is read first. set_float32_matmul_precision("high") is the usual way to TF32 matmuls."""
+    from lightning_distplan.profiling._device import tf32_switches
+
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (torch.get_float32_matmul_precision(), getattr(matmul, "fp32_precision", None), getattr(getattr(cudnn, "conv", None), "fp32_precision", None))
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert tf32_switches() == (True, True)
+        if saved[1] is not None:
+            matmul.fp32_precision = "ieee"
+            cudnn.conv.fp32_precision = "ieee"
+            assert tf32_switches() == (False, False)
+    finally:
+        if saved[1] is not None:
+            matmul.fp32_precision, cudnn.conv.fp32_precision = saved[1], saved[2]
+        torch.set_float32_matmul_precision(saved[0])
+    assert tf32_switches() == (False, True)
 
 
 def test_hand_edited_profiles_that_cannot_be_are_refused(mlp_profile: Profile) -> None:

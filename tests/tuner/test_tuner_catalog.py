@@ -24,8 +24,10 @@ def test_alicloud_2023_is_seed_000_table_iii():
     assert rows["gn6v.2xlarge"].network_gbps == 2.5 and rows["gn6v.2xlarge"].gpu == "V100"
     assert rows["gn7e.4xlarge"].gpu == "A100-80GB" and rows["gn7e.4xlarge"].price_per_hour == 34.742
     assert all("Table III" in i.source and i.date for i in cat.instances)
-    # a shared GPU is one rank with that share of the card
-    assert vws.world_size(3) == 3 and vws.gpu_spec().memory_bytes == 4 * 1024**3
+    # a shared GPU is one rank with that share of the card, the 4 GB it lists less ECC's 1/16 (GDDR6)
+    assert vws.world_size(3) == 3 and vws.gpu_spec().memory_bytes == 4 * 1024**3 * 15 // 16
+    assert gn6i.gpu_spec().memory_bytes == 15 * 1024**3  # a 16 GB T4: 15 GiB with ECC on
+    assert rows["gn7e.4xlarge"].gpu_spec().memory_bytes == 80 * 1024**3  # HBM: ECC takes none of it
 
 
 def test_aws_2026_rows_are_dated_and_priced_in_usd():

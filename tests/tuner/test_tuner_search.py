@@ -540,7 +540,8 @@ def test_a_study_made_by_the_previous_version_is_extended(tmp_path, profile):
     profile_dict = profile.to_dict()
     for layer in profile_dict["layers"]:
         del layer["trainable_param_bytes"]  # the field did not exist
-    del profile_dict["unused_parameters"]  # nor did this one
+        del layer["conv_flops_forward_per_sample"], layer["conv_flops_backward_per_sample"]  # nor did these
+    del profile_dict["unused_parameters"], profile_dict["device"]["tf32_matmul"], profile_dict["device"]["tf32_conv"]
     assert old["profile"] == old_fingerprint(profile_dict)
     old["catalog_fingerprint"] = old_fingerprint([i.to_dict() for i in load_catalog("aws-2026").instances])
     old["strategies"] = ["gpipe", "dp_ga"]  # as typed
