@@ -32,7 +32,8 @@ reproduces the paper's *mechanism*, not a measurement. Run::
 
     .venv/bin/python benchmarks/reproduce_seed000_ga.py            # writes benchmarks/results/seed000_ga.{json,png}
 
-(the committed result the README's table reads; it says so before replacing it; ``--out`` / ``--figure`` write elsewhere)
+(the committed result the README's table reads; it says so before replacing it). ``--out FILE.json`` keeps
+it: the figure then goes beside that file (``FILE.png``) unless ``--figure`` names another.
 """
 
 from __future__ import annotations
@@ -233,10 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", type=float, nargs="+", default=[0.0, 2.0**8, 2.0**12, 2.0**16])
     parser.add_argument("--max-instances", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None, help="result JSON (default benchmarks/results/seed000_ga.json, the committed result)")
-    parser.add_argument("--figure", type=Path, default=ROOT / "results" / "seed000_ga.png")
+    parser.add_argument("--figure", type=Path, default=None, help="PNG (default: beside --out, same name; without --out benchmarks/results/seed000_ga.png)")
     args = parser.parse_args(argv)
     args.out = result_path(args.out, ROOT / "results" / "seed000_ga.json", script="reproduce_seed000_ga")
-    figure_path(args.figure, script="reproduce_seed000_ga", option="--figure")
+    # beside the JSON by default (as cpu_cluster_sweep.py's plot): with only --out, a fixed default replaced the
+    # committed figure, which then no longer matched the committed JSON that --out had kept
+    args.figure = figure_path(args.figure or args.out.with_suffix(".png"), script="reproduce_seed000_ga", option="--figure")
     out = run(args.global_batch_sizes, args.weights, args.max_instances)
     profile: Profile = out["profile"]
     results = out["results"]

@@ -192,3 +192,30 @@ def test_a_figure_option_never_replaces_a_file_that_is_no_figure(name: str, argv
 
     save_figure_atomic(Figure(), tmp_path / "ours.png")
     assert figure_path(tmp_path / "ours.png", script="x", option="--figure") == tmp_path / "ours.png"
+
+
+def test_seed000_figure_goes_beside_out_and_leaves_the_default_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """With --out and no --figure, reproduce_seed000_ga.py wrote its figure to the committed seed000_ga.png, no word
+    said, while it told the user that --out kept the committed result. The script's folder is moved to tmp_path here, so
+    the defaults lie there and a failing run replaces no committed file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    import reproduce_seed000_ga
+    from lightning_distplan._files import FIGURE_MARK, save_figure_atomic
+
+    monkeypatch.setattr(reproduce_seed000_ga, "ROOT", tmp_path)
+    default_png = save_figure_atomic(Figure(), tmp_path / "results" / "seed000_ga.png")
+    before = default_png.read_bytes()
+    quick = ["--global-batch-sizes", "64", "--weights", "0"]
+    assert reproduce_seed000_ga.main([*quick, "--out", str(tmp_path / "elsewhere.json")]) == 0
+    assert default_png.read_bytes() == before
+    assert FIGURE_MARK.encode() in (tmp_path / "elsewhere.png").read_bytes() and json.loads((tmp_path / "elsewhere.json").read_text())["results"]
+    assert f"wrote {tmp_path / 'elsewhere.json'} and {tmp_path / 'elsewhere.png'}" in capsys.readouterr().out
+    # without --out both defaults are written, the figure beside the JSON as before
+    assert reproduce_seed000_ga.main(quick) == 0
+    assert default_png.read_bytes() != before and (tmp_path / "results" / "seed000_ga.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["seed000_ga.json", "seed000_ga.png"]
