@@ -3,7 +3,7 @@
 Most scripts here write, by default, the committed result under ``benchmarks/results/`` that the
 README's accuracy table is made from: running one again regenerates that evidence.
 :func:`result_path` is called before the measurements start. It refuses a path that cannot be
-written, or an existing file that is not a JSON result, with one line and a HINT (not a traceback
+written, or an existing file that is not a result of these scripts (:func:`is_result`), with one line and a HINT (not a traceback
 after minutes of measuring), and when no ``--out`` was given and the default file exists it says,
 before the run, that the run will replace it and how to keep it. :func:`write_result` replaces the
 file atomically, so a run stopped while writing never leaves half a result. :func:`read_sweep` reads a CPU
@@ -22,8 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-__all__ = ["result_path", "figure_path", "write_result", "read_sweep", "shown", "positive_ints"]
+__all__ = ["is_result", "result_path", "figure_path", "write_result", "read_sweep", "shown", "positive_ints"]
 SWEEP_SCHEMA = "distplan-cpu-cluster-sweep/1"
+# examples/auto_plan_overhead.py writes it into benchmarks/results/ (with a check of its own)
+RESULT_SCHEMAS = (SWEEP_SCHEMA, "distplan-auto-plan-overhead/1")
 
 
 def positive_ints(text: str) -> list[int]:
@@ -56,9 +58,23 @@ def _committed(path: Path) -> bool:
     return done.returncode == 0
 
 
+def is_result(doc: object) -> bool:
+    """Whether ``doc`` (a parsed JSON file) is a result these scripts write: a ``"benchmark"`` name, one of our result
+    ``"schema"`` names, or a ``"provenance"`` with the ``"command"`` that made it.
+
+    Every committed result under ``benchmarks/results/`` (``earlier/`` too) has one of the three; no one key is in all of
+    them. Any JSON object passed before, so ``--out package.json`` or ``--out runs/distplan/profile.json`` was replaced
+    without a word."""
+    if not isinstance(doc, dict):
+        return False
+    provenance = doc.get("provenance")
+    return (isinstance(doc.get("benchmark"), str) or doc.get("schema") in RESULT_SCHEMAS
+            or (isinstance(provenance, dict) and isinstance(provenance.get("command"), str)))
+
+
 def result_path(out: str | Path | None, default: str | Path, *, script: str, option: str = "--out", now: bool = False) -> Path:
     """The file to write: ``out`` when given, else ``default``; refused with one line (``SystemExit``) when it
-    cannot be written or is an existing file other than a JSON result. With ``out`` not given and ``default``
+    cannot be written or is an existing file other than a result of these scripts (:func:`is_result`). With ``out`` not given and ``default``
     present, prints (stderr) that the run replaces it when it ends (``now``: that it is being replaced, for a run
     that writes as it goes and learns the default's name only then, too late to keep the file with ``option``)."""
     from lightning_distplan._files import check_output_path, check_replaceable
@@ -67,7 +83,7 @@ def result_path(out: str | Path | None, default: str | Path, *, script: str, opt
     path = Path(out if out is not None else default)
     try:
         check_output_path(path, option, example=Path(default).name)
-        check_replaceable(path, option, what="JSON result file", is_ours=lambda doc: isinstance(doc, dict))
+        check_replaceable(path, option, what="JSON result file", is_ours=is_result)
     except OutputPathError as err:
         raise SystemExit(f"{script}: {err}") from None
     if out is None and path.is_file():

@@ -33,8 +33,8 @@ def test_the_default_result_is_named_before_it_is_replaced(tmp_path: Path, capsy
     default = tmp_path / "result.json"
     assert result_path(None, default, script="bench") == default  # nothing to replace: nothing said
     assert capsys.readouterr().err == ""
-    write_result(default, {"a": 1})
-    assert json.loads(default.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+    write_result(default, {"benchmark": "bench"})
+    assert json.loads(default.read_text()) == {"benchmark": "bench"} and [p.name for p in tmp_path.iterdir()] == ["result.json"]
     result_path(None, default, script="bench")
     assert f"bench: this run replaces the result file {default} when it ends; pass --out FILE to keep it." in capsys.readouterr().err
     result_path(tmp_path / "mine.json", default, script="bench")  # a file of the user's choosing: nothing to say
@@ -48,6 +48,29 @@ def test_the_default_result_is_named_before_it_is_replaced(tmp_path: Path, capsy
     result_path(None, committed, script="gpu_validation", now=True)
     assert ("gpu_validation: this run is replacing the committed result benchmarks/results/planning_scale_cpu.json (it writes after "
             "each part); git checkout -- benchmarks/results/planning_scale_cpu.json restores it.") in capsys.readouterr().err
+
+
+def test_only_a_result_file_is_replaced(tmp_path: Path) -> None:
+    """Any JSON object counted as a result: ``--out package.json`` or ``--out runs/distplan/profile.json`` was replaced
+    without a word. A result is known by a "benchmark" name, one of our result schemas, or a provenance command."""
+    from _results import is_result
+
+    committed = [p for p in sorted(RESULTS.rglob("*.json")) if not p.name.endswith(("_profile.json", "_profile_synthetic.json"))]
+    assert len(committed) > 40 and [p.name for p in committed if not is_result(json.loads(p.read_text()))] == []
+    profile = RESULTS / "tuner_vs_exhaustive_profile.json"  # a distplan profile: the benchmark's input, no result
+    others = {"package.json": '{"name": "app", "version": "1.0.0"}\n', "profile.json": profile.read_text(), "list.json": "[1, 2]\n",
+              "provenance.json": '{"provenance": "mine"}\n'}
+    for name, text in others.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit) as info:
+            result_path(tmp_path / name, tmp_path / "default.json", script="bench")
+        message = str(info.value.code)
+        assert message.startswith(f"bench: --out '{tmp_path / name}' exists and is not a JSON result file; it is left as it is. HINT:"), message
+        assert "\n" not in message and (tmp_path / name).read_text() == text
+    for source in (RESULTS / "seed000_ga.json", RESULTS / "planning_scale_cpu.json", RESULTS / "cpu_cluster_sweep.json",
+                   RESULTS / "auto_plan_overhead_cpu.json"):  # provenance, benchmark, schema (two)
+        (tmp_path / source.name).write_text(source.read_text())
+        assert result_path(tmp_path / source.name, tmp_path / "default.json", script="bench") == tmp_path / source.name
 
 
 @pytest.mark.parametrize("module", ["planning_scale", "replay_input_bytes"])
