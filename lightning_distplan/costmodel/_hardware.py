@@ -161,7 +161,8 @@ class Hardware:
                 (bandwidth_bytes_per_s if given_bw else DEFAULT_BANDWIDTH_BYTES_PER_S) * 8 / 1e9,
                 " (given)" if given_bw else " (seed 000 Table III, gn6i)",
                 latency_s * 1e6 if given_lat else DEFAULT_LATENCY_S * 1e6,
-                " (given)" if given_lat else " (seed 000 Table III, gn6i)",
+                # seed 000 Table III lists bandwidths but no latency: the 50 µs is our assumption (see DEFAULT_LATENCY_S)
+                " (given)" if given_lat else " (assumed; seed 000 lists no latency)",
             )
         source = "default" if "default" in used else ("measured" if "measured" in used else "given")
         cpu = profile.device.type == "cpu"

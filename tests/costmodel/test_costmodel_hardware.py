@@ -72,6 +72,10 @@ def test_given_numbers_win_and_defaults_are_explicit(caplog):
     with caplog.at_level(logging.WARNING):  # the warning states the numbers used, given or defaulted
         Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]), latency_s=1e-5)
     assert "assuming 4 Gbit/s (seed 000 Table III, gn6i) and 10 µs (given)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # seed 000 Table III has no latency column: the 50 µs is called an assumption
+        Hardware.from_profile(synthetic_profile([LayerSpec(fwd_alpha=1.0)]))
+    assert "assuming 4 Gbit/s (seed 000 Table III, gn6i) and 50 µs (assumed; seed 000 lists no latency)" in caplog.text
 
 
 def test_device_memory_must_be_positive_not_silently_the_profiled_one():
