@@ -16,7 +16,8 @@ workloads, SQuAD fine-tuning, sequence length 384), built from published sizes:
   2 LayerNorms), 4 bytes each (fp32) → 24 layers = 1,209 MB = 1,153 MiB — seed 000 Table II lists
   1153 MB for BERT-Large; the embeddings (31.8 M parameters) come on top;
 * activation saved for backward: seed 000 Table II, 263 MB per sample, split evenly over the 24
-  layers (the embedding and head are small and get none);
+  layers (the embedding and head are small and get none); the table's "MB" are MiB (its 170 MB for
+  ResNet-101 is 169.9 MiB, its 1153 MB above 1,153 MiB), so 263 MiB = 263 · 2^20 bytes;
 * FLOPs per sample and layer (forward): 2·(4H² + 2·H·F)·S + 4·S²·H = 10.27 GFLOP at S=384 (matmuls
   only, the usual 2 FLOPs per multiply-add); backward = 2 × forward;
 * times "as if profiled" on a Tesla T4 in fp32: t(m) = α·m + β with α = FLOPs / (50% of the T4's
@@ -61,7 +62,7 @@ T4_FP32_FLOPS = 8.1e12  # source: NVIDIA T4 datasheet (8.1 TFLOPS FP32)
 T4_MEM_BW = 320e9  # source: NVIDIA T4 datasheet (320 GB/s)
 EFFICIENCY = 0.5  # ASSUMED fraction of fp32 peak reached by the encoder's matmuls
 LAUNCH_S = 3e-4  # ASSUMED fixed time per layer and pass
-ACT_PER_SAMPLE_TOTAL = 263e6  # source: seed 000 Table II (BERT-Large, 263 MB per sample)
+ACT_PER_SAMPLE_TOTAL = 263 * 2**20  # source: seed 000 Table II (BERT-Large, 263 "MB" per sample: MiB, as the table's parameter sizes show)
 FIXED_OVERHEAD = 600 * 2**20  # ASSUMED CUDA context + workspace
 
 
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "sources": {
                 "architecture": "Devlin et al. 2019, BERT-Large (L=24, H=1024, A=16)",
                 "param_bytes_check": "seed 000 Table II: 1153 MB (our 24 encoder layers: 1153 MiB; + embeddings)",
-                "activation_bytes_per_sample": "seed 000 Table II: 263 MB",
+                "activation_bytes_per_sample": "seed 000 Table II: 263 MB (the table's MB are MiB: 263 * 2**20 bytes)",
                 "T4_fp32_peak": "NVIDIA T4 datasheet: 8.1 TFLOPS, 320 GB/s",
                 "assumed": {"matmul_efficiency": EFFICIENCY, "per_layer_launch_s": LAUNCH_S, "fixed_overhead_bytes": FIXED_OVERHEAD, "adamw_bytes_per_param": 16},
             },

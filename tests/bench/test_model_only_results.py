@@ -68,3 +68,15 @@ def test_readme_row_says_what_the_seed000_mean_is_over_and_compares_with_the_pap
     batches = ", ".join(str(r["global_batch_size"]) for r in doc["results"])
     assert f"cost {doc['summary']['w0_mean_cost_change_pct']:+.1f}%, time {doc['summary']['w0_mean_time_change_pct']:+.1f}%, the mean over B = {batches}" in result
     assert "paper, IaaS: cost -21.5% to -3.8%, time up to +75.4%" in result and "over the whole catalog" not in result
+
+
+def test_seed000_profile_reads_table_ii_in_one_unit() -> None:
+    """Seed 000 Table II's "MB" are MiB (BERT-Large's 1153 MB is its encoder's 1,153 MiB; ResNet-101's 170 MB is
+    169.9 MiB); the script read its 263 MB of activations per sample as 263e6 bytes, 4.6% short of 263 MiB."""
+    profile = reproduce_seed000_ga.bert_large_profile()
+    encoder = [x for x in profile.layers if ".encoder." in x.name]
+    assert len(encoder) == 24 and round(sum(x.param_bytes for x in encoder) / 2**20) == 1153  # Table II's parameter size, in MiB
+    assert profile.memory.activation.alpha == 263 * 2**20  # Table II's activation size, in the same unit
+    assert sum(x.activation_bytes_per_sample for x in profile.layers) == pytest.approx(263 * 2**20, rel=1e-12)
+    doc = json.loads((ROOT / "benchmarks" / "results" / "seed000_ga.json").read_text())
+    assert doc["profile_numbers"]["activation_bytes_per_sample"] == 263 * 2**20  # the committed result was made with it
