@@ -25,7 +25,7 @@ workloads, SQuAD fine-tuning, sequence length 384), built from published sizes:
   layer and pass (ASSUMED kernel-launch overhead); other GPUs by the cost model's roofline
   projection (costmodel/projection.py);
 * AdamW: state = 2 × parameters; its step reads/writes ~16 bytes per parameter from T4 memory
-  (320 GB/s datasheet) → ASSUMED 0.067 s; fixed memory overhead ASSUMED 600 MB (CUDA context,
+  (320 GB/s datasheet) → ASSUMED 0.0167 s; fixed memory overhead ASSUMED 600 MB (CUDA context,
   workspace).
 
 So the numbers below are what our model predicts for such a workload — a check that the product
