@@ -168,6 +168,10 @@ GPUS: dict[str, GpuSpec] = {
     "A100-40GB": _row("A100-40GB", 312, 19.5, 156, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
     # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
     "A100-80GB": _row("A100-80GB", 312, 19.5, 156, 2039, 80, 300, "NVIDIA A100 datasheet (80 GB SXM)"),
+    # source: NVIDIA A100 datasheet, 40 GB PCIe (the SXM part's peaks, 1,555 GB/s, PCIe Gen4 x16; an NVLink bridge pairs two at most).
+    "A100-PCIe-40GB": _row("A100-PCIe-40GB", 312, 19.5, 156, 1555, 40, 32, "NVIDIA A100 datasheet (40 GB PCIe)"),
+    # source: NVIDIA A100 datasheet, 80 GB PCIe (the SXM part's peaks, 1,935 GB/s, PCIe Gen4 x16; an NVLink bridge pairs two at most).
+    "A100-PCIe-80GB": _row("A100-PCIe-80GB", 312, 19.5, 156, 1935, 80, 32, "NVIDIA A100 datasheet (80 GB PCIe)"),
     # source: NVIDIA L40S datasheet (362.05 BF16 dense / 733 sparse, 183 TF32 dense / 366 sparse, 91.6 FP32, 864 GB/s, 48 GB GDDR6,
     # PCIe Gen4 x16).
     "L40S": _row("L40S", 362, 91.6, 183, 864, 48, 32, "NVIDIA L40S datasheet", gddr=True),
@@ -176,26 +180,32 @@ GPUS: dict[str, GpuSpec] = {
     "H100-SXM": _row("H100-SXM", 989, 67, 494.5, 3350, 80, 450, "NVIDIA H100 datasheet (SXM5)"),
     # source: NVIDIA H100 datasheet, PCIe (756 BF16 dense, 756 TF32 with sparsity -> 378 dense, 51 FP32, 2.0 TB/s, 80 GB, PCIe Gen5 x16).
     "H100-PCIe": _row("H100-PCIe", 756, 51, 378, 2000, 80, 64, "NVIDIA H100 datasheet (PCIe)"),
+    # source: NVIDIA H100 datasheet, NVL (1,671 BF16 with sparsity -> 835.5 dense, 835 TF32 with sparsity -> 417.5 dense, 60 FP32,
+    # 3.9 TB/s, 94 GB, PCIe Gen5 x16; an NVLink bridge pairs two at most).
+    "H100-NVL": _row("H100-NVL", 835.5, 60, 417.5, 3900, 94, 64, "NVIDIA H100 datasheet (NVL)"),
     # source: NVIDIA H200 datasheet, SXM (989 BF16 dense, 989 TF32 with sparsity -> 494.5 dense, 67 FP32, 4.8 TB/s, 141 GB, NVLink 900 GB/s total).
     "H200": _row("H200", 989, 67, 494.5, 4800, 141, 450, "NVIDIA H200 datasheet (SXM)"),
 }
 
 # Names people and catalogs use -> canonical row. SkyPilot's catalogs say "A100" for the 40 GB part and
-# "A100-80GB" for the 80 GB one; AWS p5 instances carry H100 SXM.
+# "A100-80GB" for the 80 GB one (SXM or PCIe alike: the SXM row); AWS p5 instances carry H100 SXM. torch names the
+# PCIe parts ("NVIDIA A100 80GB PCIe", "NVIDIA H100 NVL"), which have rows of their own.
 _ALIASES: dict[str, str] = {
     "A100": "A100-40GB",
     "A10040GB": "A100-40GB",
     "A100SXM440GB": "A100-40GB",
-    "A100PCIE40GB": "A100-40GB",
+    "A100PCIE40GB": "A100-PCIe-40GB",
+    "A10040GBPCIE": "A100-PCIe-40GB",
     "A10080GB": "A100-80GB",
     "A100SXM480GB": "A100-80GB",
-    "A100PCIE80GB": "A100-80GB",
+    "A100PCIE80GB": "A100-PCIe-80GB",
+    "A10080GBPCIE": "A100-PCIe-80GB",
     "H100": "H100-SXM",
     "H100SXM": "H100-SXM",
     "H10080GBHBM3": "H100-SXM",
     "H100SXM580GB": "H100-SXM",
     "H100PCIE": "H100-PCIe",
-    "H100NVL": "H100-PCIe",
+    "H100NVL": "H100-NVL",
     "H200": "H200",
     "H200141GBHBM3E": "H200",
     "V100": "V100",

@@ -82,8 +82,8 @@ class Instance:
             )
         card = gpu_spec(self.gpu).listed_memory_gib
         # A typo (800 for 80, or the instance's total) would price plans on memory no card has. The spec table
-        # names one variant per GPU, and others sell more (V100 32 GB on a 16 GB row, H100 NVL 94 GB on the
-        # 80 GB H100-PCIe row): up to twice the row's memory passes.
+        # names one variant per GPU, and others sell more (V100 32 GB on a 16 GB row, A100 80 GB PCIe listed as an
+        # "A100" in some catalogs): up to twice the row's memory passes.
         if self.gpu_memory_gb > 2 * card:
             raise CatalogError(
                 f"Instance {self.instance_type!r}: {self.gpu_memory_gb:g} GiB of GPU memory per GPU is more than twice what the "

@@ -29,6 +29,10 @@ def test_gpu_names_match_catalog_and_torch_spellings():
     assert match_gpu_name("NVIDIA L40S") == "L40S"
     assert match_gpu_name("Radeon 7900") is None
     assert match_gpu_name("Tesla V100-SXM2-16GB") == "V100" and match_gpu_name("NVIDIA H200 141GB HBM3e") == "H200"
+    # PCIe parts are their own rows (not the SXM ones: less bandwidth, no NVLink), as torch names them
+    assert match_gpu_name("NVIDIA A100-PCIE-40GB") == "A100-PCIe-40GB" and match_gpu_name("NVIDIA A100 80GB PCIe") == "A100-PCIe-80GB"
+    assert match_gpu_name("NVIDIA H100 NVL") == "H100-NVL" and GPUS["H100-NVL"].memory_bandwidth_bytes_per_s == pytest.approx(3.9e12)
+    assert GPUS["A100-PCIe-80GB"].interconnect_bytes_per_s < GPUS["A100-80GB"].interconnect_bytes_per_s
     # Whole words only, and a memory size the row does not have is another part: refused, not taken for a neighbour.
     for other in ("NVIDIA L40", "L40", "GH200", "NVIDIA GH200 480GB", "V100-32GB"):
         assert match_gpu_name(other) is None, other
