@@ -445,9 +445,6 @@ def main() -> int:
         parser.error("--device cuda but torch sees no CUDA device")
     if args.oom_only and (device != "cuda" or args.no_oom_search):
         parser.error("--oom-only searches a CUDA device's out-of-memory boundary: it needs --device cuda (or a GPU) and no --no-oom-search")
-    torch.set_float32_matmul_precision(args.matmul_precision)
-    _quiet_lightning()
-
     result: dict[str, Any] = {
         "benchmark": "gpu_validation",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -461,6 +458,9 @@ def main() -> int:
     }
     if args.out:
         result_path(args.out, "gpu_validation.json", script="gpu_validation")  # a bad --out is refused before the first profile
+    # after the checks: a refused run leaves the process's settings as they were (the tests call main() in theirs)
+    torch.set_float32_matmul_precision(args.matmul_precision)
+    _quiet_lightning()
 
     def out_path() -> Path:
         return Path(args.out) if args.out else default_out(device, result["device"]["name"], tiny=args.tiny, oom_only=args.oom_only)
