@@ -161,13 +161,14 @@ def _fingerprint(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _profile_fingerprint(profile: Profile) -> str:
+def _profile_fingerprint(profile: Profile, *, with_empty_unused: bool = False) -> str:
     """The profile's fingerprint; fields added since, at the value an older file loads with, do not change it
-    (else every study made by an earlier version is refused as made from another profile)."""
+    (else every study made by an earlier version is refused as made from another profile). ``with_empty_unused``:
+    as versions of 2026-11-25 to 11-28 fingerprinted it, an empty ``unused_parameters`` included."""
     data = profile.to_dict()
     added = [  # (where, field, the value an older file loads with)
         *((layer, "trainable_param_bytes", None) for layer in data["layers"]),
-        (data, "unused_parameters", ()),  # 2026-11-25
+        *(() if with_empty_unused else ((data, "unused_parameters", ()),)),  # 2026-11-25
         *((layer, f"conv_flops_{part}_per_sample", 0.0) for layer in data["layers"] for part in ("forward", "backward")),  # 2026-11-28
         (data["device"], "tf32_matmul", None),
         (data["device"], "tf32_conv", None),
@@ -184,9 +185,10 @@ def _catalog_fingerprint(catalog: Catalog, *, with_sources: bool = False) -> str
     return _fingerprint([{k: v for k, v in i.to_dict().items() if with_sources or k != "source"} for i in catalog.instances])
 
 
-def _as_now(old: Any, catalog: Catalog) -> Any:
+def _as_now(old: Any, catalog: Catalog, profile: Profile) -> Any:
     """A study's stored settings as this version writes them, so a study made by an earlier one is extended:
-    strategies in one order, and the catalog fingerprinted without each row's source (the path as typed)."""
+    strategies in one order, the catalog fingerprinted without each row's source (the path as typed), and the
+    profile without an empty ``unused_parameters``."""
     if not isinstance(old, dict):
         return old
     old = dict(old)
@@ -194,6 +196,8 @@ def _as_now(old: Any, catalog: Catalog) -> Any:
         old["strategies"] = [s for s in STRATEGIES if s in old["strategies"]] + [s for s in old["strategies"] if s not in STRATEGIES]
     if old.get("catalog_fingerprint") == _catalog_fingerprint(catalog, with_sources=True):
         old["catalog_fingerprint"] = _catalog_fingerprint(catalog)
+    if old.get("profile") == _profile_fingerprint(profile, with_empty_unused=True):
+        old["profile"] = _profile_fingerprint(profile)
     return old
 
 
@@ -622,7 +626,7 @@ def _tune(
     store = open_storage(storage)
     with _reading_study(storage, name):
         existing = _existing_study(store, name)
-        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog) if existing is not None else None
+        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
         previous = existing.get_trials(deepcopy=False) if existing is not None else []
     if existing is not None:
         if old != settings:

@@ -558,6 +558,25 @@ def test_a_profile_file_keeps_the_fingerprint_earlier_versions_gave_it():
     committed = Profile.load(Path(__file__).parents[2] / "benchmarks/results/tuner_vs_exhaustive_profile.json")
     assert not committed.unused_parameters
     assert _profile_fingerprint(committed) == "0f9b3831d8dc548b"
+    # and the one versions of 22d8473 to f3ca23f (2026-11-25 to 28) stored, with "unused_parameters": [] in it
+    assert _profile_fingerprint(committed, with_empty_unused=True) == "5611c9a9f3daae89"
+
+
+def test_a_study_whose_fingerprint_has_an_empty_unused_parameters_list_is_extended(tmp_path, profile):
+    """Studies made from 22d8473 to f3ca23f fingerprinted the profile with its empty `unused_parameters`; leaving it out
+    (e70ec85) refused them all as made from another profile. They are read as this version writes them."""
+    from lightning_distplan.tuner.search import SETTINGS_ATTR, _profile_fingerprint
+
+    url = _url(tmp_path)
+    common = dict(global_batch_size=B, n_trials=5, storage=url, study_name="s", max_instances=2, progress=False)
+    tune(profile, catalog="aws-2026", **common)
+    study = optuna.load_study(study_name="s", storage=url)
+    settings = dict(study.user_attrs[SETTINGS_ATTR])
+    settings["profile"] = _profile_fingerprint(profile, with_empty_unused=True)
+    assert settings["profile"] != _profile_fingerprint(profile)
+    study.set_user_attr(SETTINGS_ATTR, settings)
+    again = tune(profile, catalog="aws-2026", **common)
+    assert again.resumed and again.n_study_trials == 10
 
 
 def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
