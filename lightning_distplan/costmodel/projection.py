@@ -109,20 +109,20 @@ def compute_seconds(flops: float, spec: GpuSpec, math: Any, *, tf32_flops: float
 
 def roofline_ratio(
     flops: float, nbytes: float, source: GpuSpec, target: GpuSpec, *, source_precision: Any, precision: Any, target_bytes: float | None = None,
-    source_tf32_flops: float = 0.0, target_tf32_flops: float = 0.0,
+    source_tf32_flops: float = 0.0, target_tf32_flops: float = 0.0, source_peak_math: Any = None, target_peak_math: Any = None,
 ) -> tuple[float, str]:
     """``max(F/P_t, Q/BW_t) / max(F/P_s, Q/BW_s)`` and the bound on the target (DESIGN §4).
 
     ``*_tf32_flops``: in ``"fp32"`` math, the part of ``flops`` that runs on TF32 tensor cores on each device
     (see :func:`compute_seconds`). With neither FLOPs nor bytes known, falls back to the ratio of peak FLOP/s
-    (``"unknown"``).
+    (``"unknown"``), of ``*_peak_math`` on each device (default: the precisions).
     """
     q_t = nbytes if target_bytes is None else target_bytes
     src = max(compute_seconds(flops, source, source_precision, tf32_flops=source_tf32_flops), nbytes / source.memory_bandwidth_bytes_per_s)
     tgt_compute = compute_seconds(flops, target, precision, tf32_flops=target_tf32_flops)
     tgt_memory = q_t / target.memory_bandwidth_bytes_per_s
     if src <= 0:
-        return source.peak_flops(source_precision) / target.peak_flops(precision), "unknown"
+        return source.peak_flops(source_peak_math or source_precision) / target.peak_flops(target_peak_math or precision), "unknown"
     return max(tgt_compute, tgt_memory) / src, ("compute" if tgt_compute >= tgt_memory else "memory")
 
 
@@ -201,6 +201,10 @@ def project_profile(
     # and what is assumed to on the target: the same switches, unless told.
     source_tf32 = _switches(profile.device.tf32_matmul, profile.device.tf32_conv) if source_math == "fp32" else ()
     target_tf32 = {"auto": source_tf32, "fp32": (), "tf32": ("matmul", "conv")}.get("auto" if auto else precision, ()) if math_on_target == "fp32" else ()
+    # where no FLOPs tell the maths apart (a layer with neither FLOPs nor bytes, or no layer time at all): the peaks of
+    # the math matmuls ran in, most of a model's work
+    source_peak: Any = "tf32" if "matmul" in source_tf32 else source_math
+    target_peak: Any = "tf32" if "matmul" in target_tf32 else math_on_target
 
     sizes = sorted(set(profile.micro_batch_sizes))
     m_ref = sizes[-1]
@@ -216,9 +220,11 @@ def project_profile(
             fb, bb = layer_bytes(layer, m, input_bytes_per_sample=prev_out)
             fb_t, bb_t = layer_bytes(layer, m, input_bytes_per_sample=prev_out, activation_scale=act_scale)
             rf, bound_f = roofline_ratio(layer.flops_forward_per_sample * m, fb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=fb_t,
-                                         source_tf32_flops=_tf32_flops(layer, "forward", m, source_tf32), target_tf32_flops=_tf32_flops(layer, "forward", m, target_tf32))
+                                         source_tf32_flops=_tf32_flops(layer, "forward", m, source_tf32), target_tf32_flops=_tf32_flops(layer, "forward", m, target_tf32),
+                                         source_peak_math=source_peak, target_peak_math=target_peak)
             rb, _ = roofline_ratio(layer.flops_backward_per_sample * m, bb, source, target, source_precision=source_math, precision=math_on_target, target_bytes=bb_t,
-                                   source_tf32_flops=_tf32_flops(layer, "backward", m, source_tf32), target_tf32_flops=_tf32_flops(layer, "backward", m, target_tf32))
+                                   source_tf32_flops=_tf32_flops(layer, "backward", m, source_tf32), target_tf32_flops=_tf32_flops(layer, "backward", m, target_tf32),
+                                   source_peak_math=source_peak, target_peak_math=target_peak)
             fwd_pts.append(max(layer.forward(m), 0.0) * rf)
             bwd_pts.append(max(layer.backward(m), 0.0) * rb)
             if m == m_ref:
@@ -241,7 +247,7 @@ def project_profile(
         for part in ("forward", "backward"):
             before = layer_sum(profile.layers, m, part)
             after = layer_sum(new_layers, m, part)
-            r = after / before if before > 0 else source.peak_flops(source_math) / target.peak_flops(math_on_target)
+            r = after / before if before > 0 else source.peak_flops(source_peak) / target.peak_flops(target_peak)
             step_pts[part].append(max(getattr(profile.step, part)(m), 0.0) * r)
     new_step = StepProfile(forward=_refit(profile.step.forward, sizes, step_pts["forward"]), backward=_refit(profile.step.backward, sizes, step_pts["backward"]))
     step_before = profile.step.time(m_ref)

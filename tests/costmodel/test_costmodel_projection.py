@@ -33,6 +33,7 @@ def test_gpu_names_match_catalog_and_torch_spellings():
     assert match_gpu_name("NVIDIA A100-PCIE-40GB") == "A100-PCIe-40GB" and match_gpu_name("NVIDIA A100 80GB PCIe") == "A100-PCIe-80GB"
     assert match_gpu_name("NVIDIA H100 NVL") == "H100-NVL" and GPUS["H100-NVL"].memory_bandwidth_bytes_per_s == pytest.approx(3.9e12)
     assert GPUS["A100-PCIe-80GB"].interconnect_bytes_per_s < GPUS["A100-80GB"].interconnect_bytes_per_s
+    assert match_gpu_name("NVIDIA H200 NVL") == "H200-NVL" and match_gpu_name("Tesla V100-PCIE-16GB") == "V100-PCIe"
     # Whole words only, and a memory size the row does not have is another part: refused, not taken for a neighbour.
     for other in ("NVIDIA L40", "L40", "GH200", "NVIDIA GH200 480GB", "V100-32GB"):
         assert match_gpu_name(other) is None, other
@@ -45,7 +46,7 @@ def test_every_row_has_a_source_and_the_estimate_is_marked():
         assert spec.source, name
         assert spec.tensor_flops >= spec.fp32_flops > 0
         # TF32 on Ampere and later parts, between the FP32 and the 16-bit tensor rates; none on T4 and V100
-        assert (spec.tf32_flops is None) == (name in ("T4", "V100")), name
+        assert (spec.tf32_flops is None) == (name in ("T4", "V100", "V100-PCIe")), name
         assert spec.tf32_flops is None or spec.fp32_flops < spec.tf32_flops < spec.tensor_flops, name
         assert spec.peak_flops("tf32") == (spec.tf32_flops or spec.fp32_flops)
     assert GPUS["A10G"].estimate and not GPUS["A10"].estimate
@@ -67,7 +68,7 @@ def test_gddr_parts_give_ecc_its_sixteenth_of_the_memory():
         spec = GPUS[name]
         assert spec.ecc_fraction == 1 / 16 and spec.memory_bytes == int(spec.listed_memory_gib * 2**30 * 15 / 16), name
     assert GPUS["T4"].memory_bytes == 15 * 2**30 and GPUS["T4"].listed_memory_gib == 16
-    for name in ("V100", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200"):
+    for name in ("V100", "V100-PCIe", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200"):
         assert GPUS[name].ecc_fraction == 0 and GPUS[name].memory_bytes == GPUS[name].listed_memory_gib * 2**30, name
     assert match_gpu_name("NVIDIA T4 16GB") == "T4" and match_gpu_name("NVIDIA A10 24GB") == "A10"
     half = GPUS["A10"].share(0.5)
@@ -186,6 +187,17 @@ def test_float32_work_that_ran_on_tf32_is_projected_from_the_tf32_peak():
     # bf16 on the target: the source side still ran TF32
     _, bf16 = project_profile(_tf32_profile(matmul=True, conv=True), GPUS["A100-80GB"], precision="bf16")
     assert bf16.compute_scale == pytest.approx(494.5 / 312, rel=1e-6) and bf16.tf32 == ()
+
+
+def test_a_layer_with_neither_flops_nor_bytes_takes_the_peaks_of_the_math_matmuls_ran_in():
+    """No FLOPs, no bytes: the ratio of peaks, of TF32 where matmuls ran (or are to run) on it, as the rest of the model."""
+    base = _tf32_profile(matmul=False, conv=False)
+    empty = replace(base.layers[0], param_bytes=0, param_count=0, activation_bytes_per_sample=0.0, output_bytes_per_sample=0.0,
+                    flops_forward_per_sample=0.0, flops_backward_per_sample=0.0)
+    profile = replace(base, layers=(empty,))
+    for matmul, precision, ratio in ((False, "auto", 67 / 19.5), (True, "auto", 494.5 / 156), (False, "tf32", 67 / 156), (True, "fp32", 494.5 / 19.5)):
+        _, info = project_profile(replace(profile, device=replace(profile.device, tf32_matmul=matmul)), GPUS["A100-80GB"], precision=precision)
+        assert info.layer_bounds == ("unknown",) and info.layer_scales[0] == pytest.approx(ratio, rel=1e-6), (matmul, precision)
 
 
 def test_convolutions_and_matmuls_follow_their_own_tf32_switch():
