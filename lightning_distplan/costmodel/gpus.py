@@ -164,6 +164,8 @@ GPUS: dict[str, GpuSpec] = {
     "L4": _row("L4", 121, 30.3, 60, 300, 24, 32, "NVIDIA L4 datasheet", gddr=True),
     # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16, no TF32.
     "V100": _row("V100", 125, 15.7, None, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)", bf16=False),
+    # source: NVIDIA V100 datasheet, PCIe (112 FP16 tensor, 14 FP32, 900 GB/s, 16 GB, PCIe Gen3 x16); no BF16, no TF32.
+    "V100-PCIe": _row("V100-PCIe", 112, 14, None, 900, 16, 16, "NVIDIA V100 datasheet (PCIe 16 GB)", bf16=False),
     # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
     "A100-40GB": _row("A100-40GB", 312, 19.5, 156, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
     # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
@@ -185,6 +187,9 @@ GPUS: dict[str, GpuSpec] = {
     "H100-NVL": _row("H100-NVL", 835.5, 60, 417.5, 3900, 94, 64, "NVIDIA H100 datasheet (NVL)"),
     # source: NVIDIA H200 datasheet, SXM (989 BF16 dense, 989 TF32 with sparsity -> 494.5 dense, 67 FP32, 4.8 TB/s, 141 GB, NVLink 900 GB/s total).
     "H200": _row("H200", 989, 67, 494.5, 4800, 141, 450, "NVIDIA H200 datasheet (SXM)"),
+    # source: NVIDIA H200 datasheet, NVL (1,671 BF16 with sparsity -> 835.5 dense, 835 TF32 with sparsity -> 417.5 dense, 60 FP32,
+    # 4.8 TB/s, 141 GB, PCIe Gen5 x16; an NVLink bridge joins two or four at most).
+    "H200-NVL": _row("H200-NVL", 835.5, 60, 417.5, 4800, 141, 64, "NVIDIA H200 datasheet (NVL)"),
 }
 
 # Names people and catalogs use -> canonical row. SkyPilot's catalogs say "A100" for the 40 GB part and
@@ -208,10 +213,12 @@ _ALIASES: dict[str, str] = {
     "H100NVL": "H100-NVL",
     "H200": "H200",
     "H200141GBHBM3E": "H200",
+    "H200NVL": "H200-NVL",
     "V100": "V100",
     "V10016GB": "V100",
     "V100SXM216GB": "V100",
     "TESLAV100SXM216GB": "V100",
+    "V100PCIE": "V100-PCIe",
     "TESLAT4": "T4",
     "T4": "T4",
     "L4": "L4",
