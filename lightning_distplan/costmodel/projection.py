@@ -36,7 +36,7 @@ from lightning_distplan.costmodel.gpus import GpuSpec, source_spec
 from lightning_distplan.errors import CatalogError
 from lightning_distplan.profile import DeviceProfile, LayerProfile, LinearFit, OptimizerProfile, Profile, StepProfile, dtype_bytes
 
-__all__ = ["ProjectionInfo", "project_profile", "roofline_ratio", "layer_bytes"]
+__all__ = ["ProjectionInfo", "project_profile", "roofline_ratio", "compute_seconds", "layer_bytes"]
 
 Precision = Literal["fp32", "tf32", "bf16"]
 
@@ -200,7 +200,10 @@ def project_profile(
     # What ran on TF32 while profiling (a profile from before the switches were recorded: nothing, as it was read then),
     # and what is assumed to on the target: the same switches, unless told.
     source_tf32 = _switches(profile.device.tf32_matmul, profile.device.tf32_conv) if source_math == "fp32" else ()
-    target_tf32 = {"auto": source_tf32, "fp32": (), "tf32": ("matmul", "conv")}.get("auto" if auto else precision, ()) if math_on_target == "fp32" else ()
+    if math_on_target != "fp32":
+        target_tf32: tuple[str, ...] = ()
+    else:
+        target_tf32 = source_tf32 if auto else ("matmul", "conv") if precision == "tf32" else ()
     # where no FLOPs tell the maths apart (a layer with neither FLOPs nor bytes, or no layer time at all): the peaks of
     # the math matmuls ran in, most of a model's work
     source_peak: Any = "tf32" if "matmul" in source_tf32 else source_math
