@@ -1073,12 +1073,11 @@ def _per_sample(records: dict[int, RunRecord], i: int, *, conv: bool = False) ->
 
     sizes = sorted(records)
     if len(sizes) == 1:
-        m = sizes[0]
-        return counts(m)[0] / m, counts(m)[1] / m
+        (f, g), m = counts(sizes[0]), sizes[0]
+        return f / m, g / m
     a, b = sizes[0], sizes[1]
-    f = (counts(b)[0] - counts(a)[0]) / (b - a)
-    g = (counts(b)[1] - counts(a)[1]) / (b - a)
-    return max(0.0, float(f)), max(0.0, float(g))
+    (fa, ga), (fb, gb) = counts(a), counts(b)
+    return max(0.0, float((fb - fa) / (b - a))), max(0.0, float((gb - ga) / (b - a)))
 
 
 def _versions() -> dict[str, str]:

@@ -153,8 +153,10 @@ class LayerRecorder:
         """FLOPs counted so far: all of them, and those of convolutions."""
         if self._flops is None:
             return 0, 0
-        ops = self._flops.get_flop_counts().get("Global", {})
-        return self._flops.get_total_flops(), sum(n for op, n in ops.items() if "conv" in str(op))
+        # the counter's running totals per op (what its get_total_flops sums), read without get_flop_counts(), which
+        # copies every module's counts at each of these hook events
+        ops = self._flops.flop_counts["Global"]
+        return sum(ops.values()), sum(n for op, n in ops.items() if "conv" in str(op))
 
     def _owner(self) -> int:
         if self._stack:
