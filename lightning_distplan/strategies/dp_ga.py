@@ -441,6 +441,7 @@ class Rechunking:
         self._resumed_counts: tuple[Fraction, Fraction] | None = None  # the resumed checkpoint's (epoch, fit) loader batches
         self._whole_epoch: int | None = None  # Lightning's count of an epoch's batches, set back at a resumed epoch's end
         self._val_check_next: int | None = None  # ... and its val_check_batch, set back after that
+        self._frequencies: list[tuple[Any, int]] | None = None  # (config, user's frequency) of the step schedulers steered
 
     def remember(self, trainer: pl.Trainer) -> None:
         # Lightning has no val_check_interval attribute when it is a time ("00:00:05:00", a dict): nothing to convert then
@@ -546,6 +547,7 @@ class Rechunking:
             self._done_epoch = int(resumed[0] if resumed and loop.batch_idx else loop.batch_idx * self._per_user_batch)
         if self._val_every is not None:
             self._steer_validation(ends)
+        self._steer_schedulers(ends)
         self._done_epoch += ends  # the user's loader batches this micro-batch completes (what a checkpoint counts)
         self._done_total += ends
 
@@ -617,6 +619,34 @@ class Rechunking:
         index = loop.batch_idx if by_epoch else loop.total_batch_idx
         trainer.val_check_batch = index + 1 if validate else index + 2
 
+    def _steer_schedulers(self, ends: int) -> None:
+        """Step a learning-rate scheduler with ``interval="step"`` and a ``frequency`` above 1 after this micro-batch
+        exactly when the user's run steps it after the loader batch that ends in it.
+
+        Lightning consults such a scheduler at each optimizer step and steps it when ``(batch_idx + 1) % frequency == 0``,
+        ``batch_idx`` counting the epoch's batches: the user's loader batches in their run, micro-batches here, so a
+        plan with another count of batches per step stepped it at other steps (``frequency=2`` with 2 micro-batches per
+        step: every step instead of every second). The user's run checks it at the optimizer step that ends with their
+        loader batch ``done + ends`` of the epoch, so ``frequency`` is set before each micro-batch to the index + 1
+        (step it) or + 2 (not); :meth:`restore` puts the user's back.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        if self._frequencies is None:
+            configs = getattr(trainer.strategy, "lr_scheduler_configs", None) or []
+            self._frequencies = [(c, c.frequency) for c in configs if c.interval == "step" and _is_count(c.frequency) and c.frequency > 1]
+        if not self._frequencies:
+            return
+        index = trainer.fit_loop.epoch_loop.batch_idx
+        done = self._done_epoch + ends  # the user's loader batches of this epoch trained once this micro-batch is
+        for config, frequency in self._frequencies:
+            config.frequency = index + 1 if done % frequency == 0 else index + 2
+
+    def _restore_frequencies(self) -> None:
+        for config, frequency in self._frequencies or ():
+            config.frequency = frequency
+        self._frequencies = None
+
     def weigh(self, output: Any) -> Any:
         """``training_step``'s output, its loss weighted as the user's run weighs those samples."""
         if output is None and self._loader is not None and not self._warned_skip:
@@ -635,6 +665,7 @@ class Rechunking:
         return _scale_loss(output, self._weight) if self._weight != 1.0 else output
 
     def restore(self, trainer: pl.Trainer) -> None:
+        self._restore_frequencies()
         if self._whole_epoch is not None:  # the fit stopped inside a resumed epoch (max_steps)
             _count_epochs_as(trainer, self._whole_epoch)
             self._whole_epoch = None

@@ -708,3 +708,59 @@ def test_the_strategy_gradient_norm_in_a_hook_is_ddps(single_process_group: None
         assert ours == pytest.approx(torch_norm, rel=1e-6) and ours == pytest.approx(ddp_torch, rel=1e-5)
     with pytest.raises(InfeasiblePlanError, match=r"`norm_type` must be a positive number or inf, got 0\. HINT:"):
         DPGAStrategy().grad_norm(0)
+
+
+class _StepScheduled(_ShortTail):
+    """A step-interval scheduler stepped every ``frequency`` batches; records the learning rate of each optimizer step."""
+
+    def __init__(self, frequency: int) -> None:
+        super().__init__()
+        self.frequency = frequency
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": self.frequency}}
+
+
+@pytest.mark.parametrize(("frequency", "accumulate", "m"), [(2, 1, 4), (3, 1, 2), (2, 2, 4), (2, 2, 16), (3, 2, 16)])
+def test_a_step_scheduler_with_a_frequency_steps_where_ddp_steps_it(frequency: int, accumulate: int, m: int, tmp_path: Any,
+                                                                     single_process_group: None) -> None:
+    """Lightning steps a scheduler with interval='step' when (batch_idx + 1) % frequency == 0 at an optimizer step, and
+    batch_idx counts dp_ga's micro-batches: with frequency=2 and two micro-batches per step it stepped at every step
+    (DDP: every second), with m=16 over batches of 8 at every second where DDP stepped at every one. The learning rate
+    of every step, also after a resume from a mid-epoch checkpoint of either, is DDP's, and the user's frequency is
+    back on the scheduler's config after the fit."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=m)}
+    runs = {}
+    for name in make:
+        model = _StepScheduled(frequency)
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, accumulate_grad_batches=accumulate, strategy=make[name]()))
+        trainer.fit(model)
+        runs[name] = model.lrs
+        assert trainer.lr_scheduler_configs[0].frequency == frequency
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert len(runs["ddp"]) == 2 * -(-10 // accumulate)
+    assert runs["dp_ga"] == runs["ddp"]
+    resumed = {}
+    for first, then in (("ddp", "dp_ga"), ("dp_ga", "dp_ga"), ("dp_ga", "ddp")):
+        ckpt = tmp_path / f"{first}_{then}"
+        L.Trainer(**trainer_kwargs(devices=1, max_steps=3, accumulate_grad_batches=accumulate, enable_checkpointing=True, strategy=make[first](),
+                                   callbacks=[ModelCheckpoint(dirpath=ckpt, filename="c", every_n_train_steps=3)])).fit(_StepScheduled(frequency))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        model = _StepScheduled(frequency)
+        L.Trainer(**trainer_kwargs(devices=1, max_epochs=2, accumulate_grad_batches=accumulate, strategy=make[then]())).fit(
+            model, ckpt_path=str(ckpt / "c.ckpt"))
+        resumed[(first, then)] = model.lrs
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    for key, lrs in resumed.items():
+        assert lrs == runs["ddp"][3:], key
