@@ -454,7 +454,13 @@ class AutoPlanStrategy(DDPStrategy):
                 rank_zero_info("auto_plan: your StepTimeMonitor re-plans (replan='auto'), as AutoPlanStrategy(replan='auto') asks.")
             return existing[0]
         monitor = StepTimeMonitor(replan=self._replan)
-        trainer.callbacks.append(monitor)
+        # Before the checkpoint callbacks, which Lightning has put last: where ModelCheckpoint saves after the epoch's
+        # last validation (val_check_interval < 1), the monitor re-plans in the same on_validation_end, and the checkpoint
+        # where the next epoch starts must hold the plan that epoch runs (appended, it held the ending epoch's).
+        from lightning.pytorch.callbacks import Checkpoint
+
+        at = next((i for i, cb in enumerate(trainer.callbacks) if isinstance(cb, Checkpoint)), len(trainer.callbacks))
+        trainer.callbacks.insert(at, monitor)
         return monitor
 
     def _attach_monitor(self, trainer: pl.Trainer, outcome: PlanningOutcome, *, fit_start: float | None = None) -> None:

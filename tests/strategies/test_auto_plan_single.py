@@ -740,3 +740,36 @@ def test_the_monitor_knows_the_fits_last_epoch(state: dict[str, Any], last: bool
     base.update(state)
     trainer = SimpleNamespace(**base, fit_loop=SimpleNamespace(min_epochs=base["min_epochs"], min_steps=base["min_steps"]))
     assert _last_epoch(trainer) is last
+
+
+def test_the_monitor_auto_plan_adds_replans_before_modelcheckpoint_saves_after_the_epochs_last_validation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AutoPlanStrategy(replan='auto') with no StepTimeMonitor of the user's: the one it adds re-plans before
+    ModelCheckpoint saves at the epoch's last validation (val_check_interval=0.5), so the checkpoint where epoch 1
+    starts holds the plan epoch 1 runs. Appended after the checkpoint callbacks (which Lightning puts last), it re-planned
+    after that save, and the checkpoint held epoch 0's plan (m=8 where epoch 1 ran m=2)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_distplan.strategies._auto_planning as planning
+
+    real = planning.choose_plan
+
+    def choose(profile: Any, **kwargs: Any) -> Any:
+        if kwargs.get("compute_scale") is not None:  # the re-plan: forced to a switch
+            kwargs["pins"] = {**kwargs.get("pins", {}), "micro_batch_size": 2}
+        return real(profile, **kwargs)
+
+    monkeypatch.setattr(planning, "choose_plan", choose)
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="{epoch}-{step}", save_top_k=-1)
+    trainer = L.Trainer(**trainer_kwargs(
+        str(tmp_path), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1, micro_batch_size=8), devices=1, max_epochs=2,
+        callbacks=[checkpoints], enable_checkpointing=True, limit_val_batches=2, val_check_interval=0.5,
+    ))
+    # the auto-added monitor's defaults (warmup 3, window 5) see the slowdown within epoch 0's 10 steps
+    trainer.fit(_Validated(width=16, depth=3, n_samples=80, loader_batch=8, dropout=0.0, slow_after=3, slow_s=0.04))
+    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor))
+    assert trainer.callbacks.index(monitor) < trainer.callbacks.index(checkpoints)
+    assert [r["applied"] for r in monitor.replans] == [True] and trainer.strategy.plan.micro_batch_size == 2
+    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=10.ckpt", weights_only=False)  # saved after epoch 0's last validation
+    assert ckpt["distplan_plan"]["micro_batch_size"] == 2
