@@ -128,6 +128,12 @@ class DPGAStrategy(DDPStrategy):
         super().__init__(**ddp_kwargs)
         micro_batch_size = check_count("micro_batch_size", micro_batch_size, auto=True)
         accumulate_grad_batches = check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
+        if plan is not None and not isinstance(plan, Plan):
+            raise InfeasiblePlanError(
+                f"DPGAStrategy(plan=...) takes a lightning_distplan.Plan, got a {type(plan).__name__}.",
+                hint="Read a saved plan with Plan.from_json('<default_root_dir>/distplan/plan.json') (a path or its JSON text), "
+                "or Plan.from_dict(...) for a dict.",
+            )
         if plan is not None and plan.strategy != "dp_ga":
             raise InfeasiblePlanError(
                 f"DPGAStrategy runs dp_ga plans, got a {plan.strategy} plan ({plan.describe()}).",

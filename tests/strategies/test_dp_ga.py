@@ -142,6 +142,9 @@ def test_bad_inputs_raise_with_hint() -> None:
     pipe = Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=8, global_batch_size=32)
     with pytest.raises(InfeasiblePlanError, match=r"runs dp_ga plans, got a 1f1b plan.*HINT: Use Trainer\(strategy='1f1b'\)"):
         DPGAStrategy(plan=pipe)
+    for not_a_plan in (pipe.to_dict(), "runs/distplan/plan.json"):  # an AttributeError ('dict' object has no attribute 'strategy')
+        with pytest.raises(InfeasiblePlanError, match=r"takes a lightning_distplan.Plan, got a (dict|str).*HINT: .*Plan.from_json"):
+            DPGAStrategy(plan=not_a_plan)  # type: ignore[arg-type]
     with pytest.raises(InfeasiblePlanError, match=r"`micro_batch_size` must be a positive integer or 'auto', got 0.*HINT"):
         DPGAStrategy(micro_batch_size=0)
     with pytest.raises(InfeasiblePlanError, match="cannot be read.*HINT"):
