@@ -63,10 +63,17 @@ def refit_compute_scale(prediction: Any, observed_s: float, current_scale: float
     Compute, bubble and optimizer time scale with the device speed; p2p sends, exposed all-reduce
     time (seed 000 §III: T = compute + communication terms) and the training loop's own cost
     (``framework``: host-side, measured apart from the device) do not.
+
+    A step faster than predicted scales compute by the whole step's ratio, ``observed_s / predicted``: the
+    parts held fixed may have sped up as well (on a CPU the loop runs on the cores that compute), and
+    holding them fixed claims a larger speed-up of compute than the step showed, down to compute priced
+    as free (a scale of 1e-12, written to ``plan.json``) for a step observed at or below them.
     """
+    predicted = prediction.step_time_s
+    if predicted > 0 and observed_s < predicted:
+        return current_scale * observed_s / predicted
     fixed = sum(prediction.breakdown.get(k, 0.0) for k in ("p2p", "exposed_comm", "framework"))
-    scaled = max(prediction.step_time_s - fixed, 1e-12)
-    return current_scale * max(observed_s - fixed, 1e-12) / scaled
+    return current_scale * max(observed_s - fixed, 1e-12) / max(predicted - fixed, 1e-12)
 
 
 def _last_epoch(trainer: pl.Trainer) -> bool:
