@@ -248,6 +248,7 @@ class StepTimeMonitor(Callback):
             pl_module.log("distplan/predicted_step_time_s", self._predicted, on_step=True, on_epoch=False, batch_size=1)
         if len(self.history) > self.warmup_steps:
             self._observed.append(observed)
+            del self._observed[: -self.window]  # only the last window decides: a long fit must not grow it by a float a step
         can_replan = self._predicted is not None and self._profile is not None and self._replannable
         if self.replan == "auto" and can_replan and self._pending is None and len(self.replans) < self.max_replans:
             ratio = departure(self._predicted, self._observed, threshold=self.threshold, window=self.window)
