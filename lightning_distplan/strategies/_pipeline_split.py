@@ -59,10 +59,29 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleList(layers)
         self.forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         """What the blocks run in: the precision plugin's forward context (autocast for 'bf16-mixed')."""
+        self.copy_inputs = False
+        """Whether the blocks get a copy of the received activations (set once a block overwrote them in place)."""
 
     def forward(self, *args: Any) -> Any:
+        if not self.copy_inputs:
+            try:
+                return self._run(args)
+            except RuntimeError as err:
+                if not _is_in_place_on_input(err):
+                    raise
+                # A first block that works in place on what it receives (nn.ReLU(inplace=True) right after the cut, as
+                # the VGG adapter's and many nn.Sequential stages start): the received activation is a leaf of this
+                # stage's graph, which autograd does not let an op overwrite. From now on the stage works on a copy.
+                # torch's shape inference runs each new stage's first forward (its buffer updates put back by
+                # GuardedStage), so the step that meets this first repeats no buffer update.
+                self.copy_inputs = True
+        return self._run(args)
+
+    def _run(self, args: tuple[Any, ...]) -> Any:
         # p2p send/recv need contiguous buffers: make boundary activations and their gradients contiguous.
         x: Any = tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
+        if self.copy_inputs:
+            x = tuple(a.clone() if isinstance(a, Tensor) and a.requires_grad else a for a in x)
         with self.forward_context():
             for block in self.blocks:
                 x = call_layer(block, x)
@@ -77,6 +96,12 @@ class StageModule(nn.Module):
         if isinstance(x, tuple):
             return tuple(t.contiguous() if isinstance(t, Tensor) else t for t in x)
         return x.contiguous() if isinstance(x, Tensor) else x
+
+
+def _is_in_place_on_input(err: RuntimeError) -> bool:
+    """Whether autograd refused an in-place op on a stage's received activation (a view :class:`_ContiguousGrad` made)."""
+    text = str(err)
+    return "modified inplace" in text and "custom Function" in text
 
 
 class _ContiguousGrad(torch.autograd.Function):

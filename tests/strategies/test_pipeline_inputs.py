@@ -330,6 +330,36 @@ def test_spec_and_inputs_that_cannot_cross_stages_are_named() -> None:
     assert isinstance(StageModule([Pair()])(torch.ones(3)), tuple)  # what crosses to the next stage
 
 
+def test_a_stage_that_starts_in_place_on_what_it_receives_trains_on_a_copy() -> None:
+    """A stage whose first block overwrites the received activation (nn.ReLU(inplace=True) right after the cut, where
+    the automatic split puts the cut of Sequential(Linear(8, 16), ReLU(inplace=True), Linear(16, 4)) and of the VGG
+    adapter's layers): the received tensor is a leaf that needs a gradient, as torch's PipelineStage hands it over.
+    It failed at the first step with autograd's 'Output 0 of _ContiguousGrad is a view and is being modified inplace'
+    (and 'Connection closed by peer' on the other stage); now the blocks get a copy, and the output and the gradient
+    sent back are a single process's."""
+    torch.manual_seed(0)
+    relu, linear = nn.ReLU(inplace=True), nn.Linear(4, 3)
+    stage = StageModule([relu, linear])
+    received = torch.randn(5, 4).requires_grad_()  # the runtime's receive buffer
+    before = received.detach().clone()
+    out = stage(received)
+    out.sum().backward()
+    expected_input = before.clone().requires_grad_()
+    expected = linear(torch.relu(expected_input))
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(received.grad, expected_input.grad)
+    assert torch.equal(received.detach(), before)  # the receive buffer is not overwritten
+    assert stage.copy_inputs
+    # a stage that does not overwrite its input works on the received tensor itself (no copy, no second activation)
+    plain = StageModule([nn.Linear(4, 3)])
+    plain(torch.randn(5, 4).requires_grad_()).sum().backward()
+    assert not plain.copy_inputs
+    # other errors of a block are not taken for it
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        StageModule([nn.Linear(7, 3)])(torch.randn(5, 4).requires_grad_())
+
+
 def test_a_loss_that_uses_another_stages_weight_is_named() -> None:
     """A tied output projection computed in the loss (``h @ embed.weight.T``) on the last stage, whose copy of the
     embedding was freed: the loss's first call names the tensor instead of failing on a size mismatch."""
