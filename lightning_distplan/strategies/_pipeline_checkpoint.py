@@ -90,24 +90,28 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _gather_to_zero(local: Any) -> list[Any] | None:
-    world = dist.get_world_size()
+def _gather_to_zero(local: Any, group: Any = None) -> list[Any] | None:
+    """``local`` of every rank, on global rank 0 (None elsewhere), as pickled objects over ``group`` (None: the default
+    group). Over an NCCL group torch pickles each rank's object into a CUDA tensor and rank 0 holds them all there at
+    once: pass a gloo group so that a whole model's state never lands on rank 0's GPU."""
+    world = dist.get_world_size(group)
     out: list[Any] | None = [None] * world if dist.get_rank() == 0 else None
-    dist.gather_object(local, out, dst=0)
+    dist.gather_object(local, out, dst=0, group=group)
     return out
 
 
 def gather_full_state_dict(
-    module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, moved: frozenset[str] = frozenset()
+    module: nn.Module, ownership: StateOwnership, *, stage: int, replica: int, moved: frozenset[str] = frozenset(), group: Any = None
 ) -> dict[str, Any]:
     """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty elsewhere).
 
     ``moved``: the loose entries this rank changed (:meth:`LooseState.moved`); they replace stage 0's copy.
+    ``group``: the group of all ranks the pickled entries travel over (a gloo group on GPUs; None: the default group).
     """
     mine = {}
     if replica == 0:  # replicas hold identical weights; one copy is enough (replica 0's loose entries, as DDP broadcasts rank 0's buffers)
         mine = _replica_zero_entries(module.state_dict(), ownership, stage, moved)
-    parts = _gather_to_zero(mine)
+    parts = _gather_to_zero(mine, group)
     if parts is None:
         return {}
     merged: dict[str, Any] = {}
@@ -182,8 +186,9 @@ def _full_param_groups(local_groups: Iterable[dict[str, Any]], sizes: tuple[int,
     return groups
 
 
-def gather_full_optimizer_state(optimizer: Optimizer, index: OptimizerIndex, *, replica: int) -> dict[str, Any]:
-    """Collective: the state dict of the un-pruned optimizer, on global rank 0 (empty elsewhere)."""
+def gather_full_optimizer_state(optimizer: Optimizer, index: OptimizerIndex, *, replica: int, group: Any = None) -> dict[str, Any]:
+    """Collective: the state dict of the un-pruned optimizer, on global rank 0 (empty elsewhere); ``group`` as for
+    :func:`gather_full_state_dict`."""
     local = optimizer.state_dict()
     mine: dict[int, Any] = {}
     if replica == 0:
@@ -191,7 +196,7 @@ def gather_full_optimizer_state(optimizer: Optimizer, index: OptimizerIndex, *, 
             full_idx = index.local_to_full[local_idx]
             if full_idx in index.provided:
                 mine[full_idx] = _to_cpu(state)
-    parts = _gather_to_zero(mine)
+    parts = _gather_to_zero(mine, group)
     if parts is None:
         return {}
     state: dict[int, Any] = {}

@@ -519,7 +519,9 @@ class PipelineStrategy(DDPStrategy):
         # a tied parameter counts once in the global gradient norm: on the first stage that has it
         self._norm_skip = {id(p) for s_tuple, params in by_stages.items() if k in s_tuple and k != min(s_tuple) for p in params}
         self._stage_params = [p for p in self._stage_module.parameters() if id(p) not in shared_ids]
-        # The whole module goes back to every rank after a run as pickled CPU objects: over gloo, never the GPUs.
+        # The whole module goes back to every rank after a run, and to rank 0 for a checkpoint, as pickled CPU objects:
+        # over gloo, never the GPUs (torch's object collectives over NCCL pickle into CUDA tensors, and rank 0's gather
+        # held every stage's weights and optimizer state on its GPU at once).
         self._object_group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_backend() != "gloo" else None
         self._built = True
         self._built_for = weakref.ref(module)
@@ -1039,7 +1041,8 @@ class PipelineStrategy(DDPStrategy):
         """Collective: the LightningModule's full ``state_dict`` on global rank 0 (empty on other ranks)."""
         layout = self.layout
         module = self.lightning_module
-        return gather_full_state_dict(module, self._ownership, stage=layout.stage, replica=layout.replica, moved=self._loose.moved(module))
+        return gather_full_state_dict(module, self._ownership, stage=layout.stage, replica=layout.replica, moved=self._loose.moved(module),
+                                      group=self._object_group)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -1054,7 +1057,7 @@ class PipelineStrategy(DDPStrategy):
         if index is None:
             return optimizer.state_dict()
         self._check_param_groups(optimizer)
-        return gather_full_optimizer_state(optimizer, index, replica=self.layout.replica)
+        return gather_full_optimizer_state(optimizer, index, replica=self.layout.replica, group=self._object_group)
 
     def _check_param_groups(self, optimizer: Optimizer) -> None:
         """Refuse an optimizer whose param groups changed in number since the pipeline took its stage's share."""
