@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -214,6 +215,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._rechunk = Rechunking()
         self._user_eval_limits: dict[str, Any] = {}
         self.later_fits = _LaterFits(plan, user_accumulate)
+        self._frequencies: list[tuple[Any, int]] = []  # (scheduler config, the user's frequency) changed for this fit
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -223,6 +225,24 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._rechunk.remember(trainer)
         self._user_eval_limits = {p: getattr(trainer, f"limit_{p}_batches") for p in _EVAL_PREFIXES}
         super().setup(trainer)
+        self._count_scheduler_frequencies_in_steps()
+
+    def _count_scheduler_frequencies_in_steps(self) -> None:
+        """A scheduler with ``interval="step"`` and ``frequency`` f steps where the user's run steps it.
+
+        Lightning steps it when ``(batch_idx + 1) % f == 0``, ``batch_idx`` counting the epoch's batches: the user's
+        loader batches under DDP, where optimizer step j ends with batch ``j·A`` (``A``: their
+        ``accumulate_grad_batches``), but optimizer steps here (one batch is one step). ``j·A`` is a multiple of f
+        exactly when j is a multiple of ``f / gcd(A, f)``. :meth:`teardown` puts the user's frequencies back.
+        """
+        accumulate = self.later_fits.user_accumulate
+        self._frequencies = []
+        if not _is_count(accumulate) or accumulate <= 1:
+            return
+        for config in self.lr_scheduler_configs:
+            if config.interval == "step" and _is_count(config.frequency) and config.frequency > 1:
+                self._frequencies.append((config, config.frequency))
+                config.frequency //= math.gcd(accumulate, config.frequency)
 
     def _count_eval_limit_per_replica(self, trainer: pl.Trainer, prefix: str) -> None:
         """An integer ``limit_val_batches`` (test, predict) counts one process's loader batches under DDP, where every
@@ -261,6 +281,9 @@ class _AutoPipelineStrategy(PipelineStrategy):
         if module is not None and module._trainer is not None:
             module.trainer.accumulate_grad_batches = self.later_fits.user_accumulate
             self._rechunk.restore(module.trainer)
+            for config, frequency in self._frequencies:
+                config.frequency = frequency
+            self._frequencies = []
             for prefix, value in self._user_eval_limits.items():
                 setattr(module.trainer, f"limit_{prefix}_batches", value)
 

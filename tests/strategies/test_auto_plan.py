@@ -58,6 +58,32 @@ class ValidationSamples(L.Callback):
             self.samples += len(batch[0])
 
 
+class ScheduledChainMLP(ChainMLP):
+    """ChainMLP whose learning rate halves when Lightning steps its scheduler: every 4th of the epoch's batches."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 4}}
+
+
+class StepRates(L.Callback):
+    """The learning rate each optimizer step ran with, and the scheduler configs' frequencies after the fit."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+        self.frequencies: list[int] = []
+        self._step = -1
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.frequencies = [c.frequency for c in trainer.strategy.lr_scheduler_configs]
+
+
 def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, **kw: Any) -> tuple[L.Trainer, LossRecorder]:
     rec = LossRecorder()
     trainer = L.Trainer(**trainer_kwargs(tmp, strategy=strategy, devices=world, callbacks=[rec], **kw))
@@ -134,6 +160,15 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     tail, _ = _fit(ChainMLP(**{**PP_MODEL, "n_samples": 70}), os.path.join(root, "pp_tail"),
                    lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins), world, max_epochs=1)
     out["pp_tail_steps"] = tail.global_step
+    # A step scheduler with frequency 4 and the user's accumulate 2: under DDP step j ends with loader batch 2j, so the
+    # scheduler steps after every second optimizer step; a pipeline step is one of Lightning's batches (it stepped every 4th).
+    rates = {}
+    for name, strategy in (("ddp", "ddp"), ("pp", lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins))):
+        seen_rates = StepRates()
+        L.Trainer(**trainer_kwargs(os.path.join(root, f"sched_{name}"), strategy=strategy, devices=world, callbacks=[seen_rates],
+                                   max_epochs=1, accumulate_grad_batches=2)).fit(ScheduledChainMLP(**PP_MODEL))
+        rates[name] = (seen_rates.rates, seen_rates.frequencies)
+    out["pp_scheduler"] = rates
 
     # -- 4. <default_root_dir>/distplan is a file: plan.json cannot be written ---------------------------
     blocked = os.path.join(root, "blocked")
@@ -223,6 +258,10 @@ def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(result
     assert r0["pp_limit"] == r1["pp_limit"] == (3, 3, True)  # 3 steps, as ddp; the user's setting restored after fit
     assert r0["pp_val_limit"] == r1["pp_val_limit"] == (4, 16, 2, True)  # DDP's 16 validation samples; the user's 2 restored
     assert r0["pp_tail_steps"] == r1["pp_tail_steps"] == 8
+    # a step scheduler with a frequency steps where DDP steps it, the user's accumulation counted; frequency given back
+    for r in (r0, r1):
+        ddp, pp = r["pp_scheduler"]["ddp"], r["pp_scheduler"]["pp"]
+        assert ddp[0] == [0.05, 0.05, 0.025, 0.025] and pp == ddp == (ddp[0], [4]), r["pp_scheduler"]
 
 
 def test_a_root_dir_where_plan_json_cannot_go_is_refused_on_every_rank_before_profiling(results: dict[str, Any]) -> None:
