@@ -752,8 +752,12 @@ def _tune(
                 optuna.delete_study(study_name=name, storage=store)
             except Exception:  # the original error matters more
                 pass
-        if isinstance(err, optuna.exceptions.StorageInternalError):
-            cause = err.__cause__ or err.__context__ or err
+        from sqlalchemy.exc import SQLAlchemyError
+
+        # Optuna's add_trials wraps the database's error in StorageInternalError; our one-transaction insert
+        # (write_trials) re-raises SQLAlchemy's own (a full disk: OperationalError), after rolling it back.
+        if isinstance(err, (optuna.exceptions.StorageInternalError, SQLAlchemyError)):
+            cause = getattr(err, "orig", None) or err.__cause__ or err.__context__ or err
             raise StudyStorageError(
                 f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
                 f"{'the study was not created' if created else 'the study was left as it was'}.",

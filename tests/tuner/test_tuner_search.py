@@ -223,6 +223,34 @@ def test_a_failed_write_is_one_storage_error_naming_the_cause(tmp_path, profile,
     assert optuna.get_all_study_names(_url(tmp_path)) == []
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_write_the_database_refuses_is_one_storage_error_and_no_trial_is_kept(tmp_path, profile, monkeypatch, existing):
+    """The one-transaction insert (write_trials) re-raises SQLAlchemy's own error when the database refuses it (a full
+    disk: "database or disk is full"), not Optuna's StorageInternalError. tune() mapped only the latter, so a full disk
+    while extending a study, or creating one, ended `distplan tune` in SQLAlchemy's traceback (exit status 1)."""
+    import sqlalchemy.exc
+
+    import lightning_distplan.tuner._storage as storage_module
+
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=4, storage=url, study_name="s", max_instances=2, progress=False)
+    if existing:
+        tune(profile, **kw)
+    before = _snapshot(tmp_path / "study.db") if existing else None
+
+    def full_disk(rdb, study_id, trials):
+        raise sqlalchemy.exc.OperationalError("INSERT INTO trials ...", {}, sqlite3.OperationalError("database or disk is full"))
+
+    monkeypatch.setattr(storage_module, "_bulk_insert", full_disk)
+    left = "the study was left as it was" if existing else "the study was not created"
+    with pytest.raises(StudyStorageError, match=rf"Writing this run's 4 trials to .* failed \(OperationalError: database or disk is full\); {left}\..*HINT"):
+        tune(profile, **kw)
+    if existing:
+        assert _snapshot(tmp_path / "study.db") == before
+    else:
+        assert optuna.get_all_study_names(url) == []
+
+
 def test_same_settings_resume_the_study(tmp_path, profile):
     url = _url(tmp_path)
     kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=url, study_name="s", max_instances=2, progress=False)
