@@ -75,7 +75,7 @@ def _table(result: dict[str, Any]) -> str:
         band = f"[{lo:.3g}-{hi:.3g}]"
         cost = f"{c['predicted_cost_per_step']:.5g} {cur}"
         return (
-            f"{c['count']:>3} x {c['instance_type']:<20} {plan:<38} {c['predicted_step_time_s']:>9.4f}s {band:<19} "
+            f"{c['count']:>3} x {c['instance_type']:<20} {plan:<38} {c['predicted_step_time_s']:>9.4g}s {band:<19} "
             f"{cost:>16} {c['predicted_peak_memory_bytes'] / 2**30:>8.2f} GiB"
         )
 

@@ -50,6 +50,26 @@ def test_tune_table_format(tmp_path, profile_path, capsys):
     assert len(header) == len(lines[lines.index("best:") + 2])
 
 
+def test_tune_table_shows_step_times_to_four_significant_digits(tmp_path, capsys):
+    """The table printed step times with 4 decimals: a sub-millisecond Pareto front (a small model on an 8-GPU
+    instance) showed 0.0002s for both its points, so the faster one looked no faster than the cheaper one, where
+    the JSON has 0.000225 and 0.000156 s."""
+    from lightning_distplan._cli.tune import _table
+
+    profile = make_profile()
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    from lightning_distplan.tuner import tune
+
+    data = tune(profile, catalog="aws-2026", global_batch_size=32, n_trials=8, storage=url, study_name="s", max_instances=2,
+                progress=False).to_dict()
+    fast, slow = (dict(data["best"], predicted_step_time_s=t, predicted_step_time_band_s=[t / 3, t * 3]) for t in (0.000156391, 0.000225203))
+    text = _table(dict(data, best=fast, pareto=[slow, fast]))
+    rows = [line for line in text.splitlines() if " x " in line]
+    assert [row.split()[8] for row in rows] == ["0.0001564s", "0.0002252s", "0.0001564s"]
+    header = text.splitlines()[text.splitlines().index("best:") + 1]
+    assert all(len(row) == len(header) for row in rows)
+
+
 def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, profile_path, capsys):
     """--bandwidth-gbps (as in plan) and --quiet (as in profile, bench); --bandwidth and --no-progress remain."""
     outs = []
