@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
-    "StudyStorageError", "folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "StudyStorageError", "damage_problem", "folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
     "is_optuna_database", "shown_url", "write_trials",
 ]
 
@@ -131,6 +131,26 @@ def foreign_database_problem(url: str) -> tuple[str, str] | None:
                 "study's; the search would add Optuna's tables to it (it was left unchanged).",
                 "Name a file of its own for the studies, e.g. --storage sqlite:///distplan.db.")
     return None
+
+
+def damage_problem(url: str) -> tuple[str, str] | None:
+    """(message, hint) when a SQLite URL names an existing file that SQLite's ``quick_check`` finds damaged.
+
+    A file damaged past its first page still opens and lists its tables, and a study that lies on undamaged pages
+    still reads: without this check a search wrote a new study into it and reported success (writes into a damaged
+    b-tree can spread the damage; the user heard nothing of it)."""
+    path = sqlite_path(url)
+    if path is None or not path.is_file() or path.stat().st_size == 0:
+        return None
+    damage = sqlite_damage(path)
+    if damage is None:
+        return None
+    return (
+        f"The SQLite file {str(path)!r} named by the storage URL {shown_url(url)!r} is damaged (quick_check: {damage[:200]}); "
+        "nothing was searched or written.",
+        f"Keep a copy, then restore it from a backup or copy what is readable with `sqlite3 {path} .dump | sqlite3 recovered.db`, "
+        "or pass another --storage.",
+    )
 
 
 def folder_problem(url: str) -> tuple[str, str] | None:
@@ -250,6 +270,9 @@ def open_storage(url: Any) -> Any:
     foreign = foreign_database_problem(url)
     if foreign is not None:
         raise StudyStorageError(foreign[0], hint=foreign[1])
+    damage = damage_problem(url)
+    if damage is not None:
+        raise StudyStorageError(damage[0], hint=damage[1])
     read_only = read_only_problem(url)
     if read_only is not None:
         raise StudyStorageError(read_only, hint="Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")

@@ -529,9 +529,28 @@ def test_a_damaged_study_file_is_one_storage_error_and_left_as_it_was(tmp_path):
     calls = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ConfigSpace, "evaluate", lambda *a, **k: calls.append(a))
-        with pytest.raises(StudyStorageError, match=r"Reading study 's' from .* failed \(DatabaseError: .*malformed.*nothing was searched or written.*HINT"):
+        with pytest.raises(StudyStorageError, match=r"(is damaged \(quick_check: .*\)|Reading study 's' from .* failed \(DatabaseError: .*malformed.*); nothing was searched or written.*HINT"):
             tune(profile, n_trials=5, **common)
     assert calls == [] and db.read_bytes() == before
+
+
+def test_a_new_study_is_not_written_into_a_damaged_file(tmp_path):
+    """Damage in the middle of a study file (pages of the trials' rows): the file opens, lists its tables, and a new
+    study name reads nothing damaged. The search then wrote its study into the damaged file and reported success;
+    the file is refused now as the dashboard refuses it (quick_check), and left as it was."""
+    profile = make_profile()
+    url = _url(tmp_path)
+    common = dict(catalog="aws-2026", global_batch_size=64, storage=url, max_instances=4, progress=False)
+    tune(profile, n_trials=100, study_name="s", **common)
+    db = tmp_path / "study.db"
+    size = db.stat().st_size
+    with open(db, "r+b") as f:
+        f.seek(size // 2 // 4096 * 4096)
+        f.write(b"\xff" * 8192)
+    before = db.read_bytes()
+    with pytest.raises(StudyStorageError, match=r"is damaged \(quick_check: .*\); nothing was searched or written\. HINT: Keep a copy"):
+        tune(profile, n_trials=5, study_name="new", **common)
+    assert db.read_bytes() == before
 
 
 def test_the_same_settings_typed_differently_extend_the_study(tmp_path, profile, monkeypatch):
