@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 from lightning_distplan.costmodel import DEFAULT_LATENCY_S, Hardware, cost_per_step, objective, predict
 from lightning_distplan.costmodel.projection import ProjectionInfo, project_profile
-from lightning_distplan.errors import BatchNotFactorableError, DistPlanError, InfeasiblePlanError, ModelSplitError
+from lightning_distplan.errors import BatchNotFactorableError, CatalogError, DistPlanError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.planner import enumerate_plans
 from lightning_distplan.planner._enumerate import MAX_WORLD_SIZE
@@ -143,6 +143,12 @@ class ConfigSpace:
         self.time_weight = time_weight
         self.max_instances = max_instances
         widest = max(getattr(catalog, "instances", ()), key=lambda inst: inst.world_size(max_instances), default=None)
+        if widest is not None and widest.devices_per_instance > MAX_WORLD_SIZE:  # one instance is past it: the row is wrong
+            raise CatalogError(
+                f"Instance {widest.instance_type!r} of catalog {catalog.name!r} has {widest.devices_per_instance} GPUs, above the "
+                f"{MAX_WORLD_SIZE} devices this planner handles.",
+                hint="Fix that row's AcceleratorCount (GPUs per instance, e.g. 8), or leave the row out.",
+            )
         if widest is not None and widest.world_size(max_instances) > MAX_WORLD_SIZE:  # the planner's limit, in this command's terms
             raise InfeasiblePlanError(
                 f"--max-instances {max_instances} of {widest.instance_type} ({widest.devices_per_instance} devices each) makes "

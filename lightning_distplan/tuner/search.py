@@ -273,6 +273,13 @@ def _validate(profile: Profile, global_batch_size: Any, time_weight: Any, n_tria
             raise InfeasiblePlanError(f"`{name}` must be an integer >= {low}, got {value!r}.", hint=f"Pass {name}= as an integer >= {low}, e.g. {name}={max(low, 1)}.")
     if seed > SEED_MAX:
         raise InfeasiblePlanError(f"`seed` must be at most 2**32 - 1 ({SEED_MAX}), got {seed}.", hint="Pass a smaller seed, e.g. seed=0.")
+    from lightning_distplan.planner._enumerate import MAX_GLOBAL_BATCH
+
+    if global_batch_size > MAX_GLOBAL_BATCH:  # the planner's limit, in this command's terms (its own names --world-size)
+        raise InfeasiblePlanError(
+            f"`global_batch_size` {global_batch_size} is above the {MAX_GLOBAL_BATCH} samples per optimizer step this planner handles.",
+            hint="Check the number: --global-batch-size (global_batch_size=) counts the samples of one optimizer step over all devices.",
+        )
     if not isinstance(time_weight, (int, float)) or not math.isfinite(time_weight) or time_weight < 0:
         raise InfeasiblePlanError(f"`time_weight` must be a non-negative number, got {time_weight!r}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
 

@@ -95,6 +95,10 @@ def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, pr
         # the planner's device limit in this command's terms (it named --world-size, a flag tune does not have)
         (["--catalog", "aws-2026", "--max-instances", "16384"],
          r"--max-instances 16384 of \S+ \(8 devices each\) makes 131072 devices, above the 65536 .*HINT: Lower --max-instances \(at most 8192"),
+        # the same for a catalog row past the limit alone (the HINT said "at most 0" instances) and for the global batch
+        (["--catalog", "{tmp}/wide.csv"],
+         r"Instance 'wide' of catalog 'wide' has 100000 GPUs, above the 65536 devices .*HINT: Fix that row's AcceleratorCount"),
+        (["--global-batch-size", "1000000000"], r"`global_batch_size` 1000000000 is above the 16777216 samples .*HINT: Check the number: --global-batch-size"),
         # Optuna's seed range (it failed through the generic fallback, after the SQLite file was made); --max-pp below 1
         (["--seed", "99999999999999"], r"--seed must be at most 2\*\*32 - 1, got 99999999999999\. HINT: Use e\.g\. --seed 0"),
         (["--max-pp", "-1", "--strategy", "gpipe"], r"--max-pp must be an integer >= 1, got -1\. HINT"),
@@ -106,6 +110,7 @@ def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, pr
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, profile_path, capsys, extra, match):
+    (tmp_path / "wide.csv").write_text("InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\nwide,A100,100000,1,10\n")
     args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "5", "--no-progress",
             "--storage", f"sqlite:///{tmp_path / 'e.db'}", *[e.format(tmp=tmp_path) for e in extra]]
     rc = main(args)
