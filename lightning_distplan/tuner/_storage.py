@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
-    "StudyStorageError", "damage_problem", "folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "StudyStorageError", "damage_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
     "is_optuna_database", "shown_url", "write_trials",
 ]
 
@@ -131,6 +131,21 @@ def foreign_database_problem(url: str) -> tuple[str, str] | None:
                 "study's; the search would add Optuna's tables to it (it was left unchanged).",
                 "Name a file of its own for the studies, e.g. --storage sqlite:///distplan.db.")
     return None
+
+
+def missing_folder_problem(url: str) -> tuple[str, str] | None:
+    """(message, hint) when a SQLite URL names a file in a folder that does not exist: SQLite creates the file, not
+    its folder, and says only "unable to open database file". A ``~`` is not expanded (SQLite takes it as a name)."""
+    path = sqlite_path(url)
+    if path is None or path.parent.is_dir():
+        return None
+    tilde = " (a ~ in a storage URL is not your home folder; write the path out)" if "~" in path.parts[0] else ""
+    if tilde:
+        home = Path.home() / Path(*path.parts[1:])
+        hint = f"Write the path out, e.g. sqlite:///{home}."
+    else:
+        hint = f"Create the folder first (mkdir -p {str(path.parent)!r}), or name a file in an existing one, e.g. sqlite:///distplan.db."
+    return (f"The folder {str(path.parent)!r} of the storage URL {url!r} does not exist{tilde}; SQLite creates the database file, not its folder.", hint)
 
 
 def damage_problem(url: str) -> tuple[str, str] | None:
@@ -267,6 +282,9 @@ def open_storage(url: Any) -> Any:
             f"The storage URL {url!r} is an in-memory SQLite database, which vanishes with this process, study and all.",
             hint="Name a file, e.g. --storage sqlite:///distplan.db.",
         )
+    missing = missing_folder_problem(url)
+    if missing is not None:
+        raise StudyStorageError(missing[0], hint=missing[1])
     foreign = foreign_database_problem(url)
     if foreign is not None:
         raise StudyStorageError(foreign[0], hint=foreign[1])

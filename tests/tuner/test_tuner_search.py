@@ -95,7 +95,11 @@ def test_infeasible_configurations_are_pruned_with_the_reason(tmp_path):
     ("url", "match"),
     [
         ("distplan.db", r"Storage 'distplan.db' is not a database URL.*HINT"),
-        ("sqlite:////nonexistent-dir/x/study.db", r"Cannot open the study storage 'sqlite:////nonexistent-dir/x/study.db'.*HINT"),
+        # SQLite said only "unable to open database file"
+        ("sqlite:////nonexistent-dir/x/study.db",
+         r"The folder '/nonexistent-dir/x' of the storage URL 'sqlite:////nonexistent-dir/x/study.db' does not exist; SQLite creates the "
+         r"database file, not its folder\. HINT: Create the folder first"),
+        ("sqlite:///~/study.db", r"The folder '~' of .* does not exist \(a ~ in a storage URL is not your home folder; write the path out\).*HINT: Write the path out, e.g. sqlite:////"),
         ("nosuchdialect://host/db", r"Cannot open the study storage 'nosuchdialect://host/db'.*HINT"),
         ("sqlite://", r"in-memory SQLite database, which vanishes with this process.*HINT: Name a file"),
         ("sqlite:///:memory:", r"in-memory SQLite database.*HINT"),
