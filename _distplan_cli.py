@@ -42,4 +42,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Run as a file (python _distplan_cli.py ...) this module is __main__, and lightning_distplan looks for the
+    # `starting` flag on the module named _distplan_cli: without this it imported torch and lightning for every command.
+    sys.modules.setdefault("_distplan_cli", sys.modules[__name__])
     sys.exit(main())

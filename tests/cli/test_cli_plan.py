@@ -337,6 +337,28 @@ def test_the_console_script_plans_without_torch_or_lightning(tmp_path):
     assert json.loads(res.stdout) == _plan_json(path)
 
 
+def test_the_entry_point_file_run_as_a_script_plans_without_torch_or_lightning(tmp_path):
+    """`python _distplan_cli.py plan ...` (the file run as __main__, as from a source checkout) set its `starting`
+    flag on __main__, where the package does not look: it imported torch and lightning (11 s on a busy host,
+    against 0.3 s), which the console script does not."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile_json()))
+    script = Path(__file__).resolve().parents[2] / "_distplan_cli.py"
+    child = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(script)!r}, 'plan', '--profile', {str(path)!r}, '--world-size', '4', '--global-batch-size', '32', '--format', 'json']\n"
+        "try:\n"
+        f"    runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "except SystemExit as stop:\n"
+        "    rc = stop.code\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'lightning.pytorch') if m in sys.modules)\n"
+        "print('HEAVY', heavy, rc, file=sys.stderr)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert "HEAVY [] 0" in res.stderr, res.stderr[-1500:]
+    assert json.loads(res.stdout) == _plan_json(path)
+
+
 def _plan_json(path):
     import contextlib
     import io
