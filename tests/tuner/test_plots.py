@@ -150,6 +150,16 @@ def test_summary_markdown_names_best_and_front(study: optuna.Study) -> None:
         assert f"| {p.trial_number} | {p.hardware} | `{p.plan}` |" in text
 
 
+def test_summary_markdown_tells_sub_millisecond_front_points_apart() -> None:
+    """The note printed times with one decimal of a millisecond: a small model's two-point front (0.2252 and
+    0.1564 ms) read 0.2 ms twice, so the faster point looked no faster than the cheaper one."""
+    slow = {**config_attrs("gn7i.2xlarge", 1, 8, 1), "step_time_s": 0.000225203, "cost_per_step": 6.29e-08}
+    fast = {**config_attrs("gn7e.4xlarge", 1, 8, 1), "step_time_s": 0.000156391, "cost_per_step": 8.08e-08}
+    text = summary_markdown([_trial(slow), _trial(fast)], time_weight=2.0**16)
+    assert "0.1564 ms/step" in text and "| 0.2252 ms |" in text and "| 0.1564 ms |" in text
+    assert plots._fmt_time(3.95195) == "3.952 s" and plots._fmt_time(0.0599797) == "59.98 ms"
+
+
 def test_attach_to_study_stores_note_plots_and_png_artifacts(tmp_path: Path) -> None:
     from optuna_dashboard import get_note
 
