@@ -35,7 +35,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300)")
     parser.add_argument("--storage", default="sqlite:///distplan.db", help="Optuna RDB URL (default sqlite:///distplan.db)")
-    parser.add_argument("--study-name", default=None, help="study name (default distplan-<catalog>-B<batch>-w<weight>); an existing one with the same settings is extended")
+    parser.add_argument(
+        "--study-name", default=None,
+        help="study name (default distplan-<catalog>-B<batch>-w<weight>, with -mo after it for --multi-objective; <catalog> is "
+        "<name>-spot with --pricing spot); an existing one with the same settings is extended",
+    )
     parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or a readable table")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     parser.add_argument("--max-instances", type=int, default=8, help="most instances of one type (default 8)")

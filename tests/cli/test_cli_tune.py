@@ -70,6 +70,27 @@ def test_tune_table_shows_step_times_to_four_significant_digits(tmp_path, capsys
     assert all(len(row) == len(header) for row in rows)
 
 
+def test_the_default_study_names_are_the_ones_help_describes(tmp_path, profile_path, capsys):
+    """--help gave distplan-<catalog>-B<batch>-w<weight> alone; --multi-objective adds -mo and --pricing spot names
+    the catalog <name>-spot, so a user looking for the study under the name --help gave found none."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "distplan-<catalog>-B<batch>-w<weight>, with -mo after it for --multi-objective; <catalog> is <name>-spot with --pricing spot" in text
+    csv = tmp_path / "cat.csv"
+    csv.write_text("InstanceType,AcceleratorName,AcceleratorCount,Price,SpotPrice,NetworkGbps\na,A10,1,1.0,0.4,10\n")
+    names = []
+    for flags in (["--multi-objective"], ["--pricing", "spot", "--catalog", str(csv)]):
+        rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "4", "--max-instances", "2", "--quiet",
+                   "--storage", f"sqlite:///{tmp_path / 'n.db'}", "--time-weight", "256", *flags])
+        assert rc == 0
+        names.append(json.loads(capsys.readouterr().out)["study_name"])
+    assert names == ["distplan-alicloud-2023-B32-w256-mo", "distplan-cat-spot-B32-w256"]
+    assert all(re.fullmatch(r"distplan-[\w.-]+-B32-w256(-mo)?", n) for n in names)
+
+
 def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, profile_path, capsys):
     """--bandwidth-gbps (as in plan) and --quiet (as in profile, bench); --bandwidth and --no-progress remain."""
     outs = []
