@@ -324,6 +324,17 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
+def _existing_study_gone(storage: Any, study_name: str) -> bool:
+    """Whether the study named ``study_name`` is no longer in ``storage`` (False when that cannot be read)."""
+    try:
+        storage.get_study_id_from_name(study_name)
+    except KeyError:
+        return True
+    except Exception:  # noqa: BLE001 - a database that cannot answer: the original error is reported
+        return False
+    return False
+
+
 @contextlib.contextmanager
 def _reading_study(url: str, study_name: str) -> Iterator[None]:
     """Turn a database that fails while the study is read (a damaged SQLite file, a lost server) into one
@@ -769,6 +780,12 @@ def _tune(
                 f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
                 f"{'the study was not created' if created else 'the study was left as it was'}.",
                 hint="Check that the database is writable and reachable, then re-run the same command.",
+            ) from None
+        if isinstance(err, KeyError) and not created and _existing_study_gone(store, name):
+            # Optuna's "Record does not exist": the study this run extends was deleted meanwhile (optuna delete-study)
+            raise StudyConflictError(
+                f"Study {name!r} was deleted from {shown_url(storage)!r} while this run searched; this run's {len(new_trials)} trials were not written.",
+                hint="Re-run the same command: it creates the study anew (or pass another --study-name).",
             ) from None
         raise
     if interrupted:

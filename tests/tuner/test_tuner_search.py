@@ -255,6 +255,25 @@ def test_a_write_the_database_refuses_is_one_storage_error_and_no_trial_is_kept(
         assert optuna.get_all_study_names(url) == []
 
 
+def test_a_study_deleted_while_the_run_searches_is_one_clear_error(tmp_path, profile, monkeypatch):
+    """`optuna delete-study` on the study a run extends, while it searches: the write found no study, and
+    `distplan tune` said "KeyError: Record does not exist. HINT: run with --help for usage" (Optuna's words)."""
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=6, storage=url, study_name="s", max_instances=2, progress=False)
+    tune(profile, **kw)
+    evaluate = ConfigSpace.evaluate
+
+    def delete_then_evaluate(self, *args, **kwargs):
+        if "s" in optuna.get_all_study_names(url):
+            optuna.delete_study(study_name="s", storage=url)
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(ConfigSpace, "evaluate", delete_then_evaluate)
+    with pytest.raises(StudyConflictError, match=r"Study 's' was deleted from .* while this run searched; this run's 6 trials were not written\. HINT: Re-run"):
+        tune(profile, **kw)
+    assert optuna.get_all_study_names(url) == []
+
+
 def test_same_settings_resume_the_study(tmp_path, profile):
     url = _url(tmp_path)
     kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=url, study_name="s", max_instances=2, progress=False)
