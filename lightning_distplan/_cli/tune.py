@@ -102,6 +102,34 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command, with a SIGTERM (``kill``, a scheduler's time limit) handled as a Ctrl-C is: the trials finished
+    before it are written to the study, one line says so, and the exit status is 143 (128 + SIGTERM)."""
+    import signal
+    import sys
+    import threading
+
+    terminated: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    ours = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if ours else None
+    try:
+        return _run(args)
+    except KeyboardInterrupt as err:
+        if not terminated:
+            raise
+        kept = err.args[0] if err.args and isinstance(err.args[0], str) else "the study was left as it was"
+        print(f"distplan tune: terminated; {kept}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     from lightning_distplan.profile import Profile
     from lightning_distplan.tuner import load_catalog, tune
     from lightning_distplan.tuner.search import SEED_MAX

@@ -234,6 +234,35 @@ def test_ctrl_c_is_one_line_and_keeps_the_finished_trials(tmp_path, profile_path
     assert len(optuna.load_study(study_name="fresh", storage=url).trials) == kept + 8
 
 
+def test_sigterm_keeps_the_finished_trials_as_ctrl_c_does(tmp_path, profile_path):
+    """`kill <pid>` (a batch scheduler's time limit) ended the search with Python's default action: every trial lost.
+    In a process of its own: without the handler the SIGTERM ends that process, not the test session."""
+    url = f"sqlite:///{tmp_path / 't.db'}"
+    script = (
+        "import os, signal, sys\n"
+        "import optuna\n"
+        "from lightning_distplan.cli import main\n"
+        "sample, calls = optuna.samplers.TPESampler.sample_relative, []\n"
+        "def sigterm_on_the_third(self, *a, **k):  # a real SIGTERM to this process, in the search\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return sample(self, *a, **k)\n"
+        "optuna.samplers.TPESampler.sample_relative = sigterm_on_the_third\n"
+        "rc = main(sys.argv[1:])\n"
+        "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
+        "sys.exit(rc)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, "tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "40",
+                           "--max-instances", "2", "--storage", url, "--study-name", "t", "--quiet"], capture_output=True, text=True, timeout=300)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-2000:])
+    kept = len(optuna.load_study(study_name="t", storage=url).trials)
+    assert err == [f"distplan tune: terminated; the {kept} trial(s) finished before it were written to study 't'; "
+                   "re-run the same command to search on"], err
+    assert 2 <= kept < 40
+
+
 def test_real_command_line(tmp_path, profile_path):
     # the installed console script, as a user runs it
     exe = Path(sys.executable).with_name("distplan")
