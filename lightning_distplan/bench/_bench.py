@@ -327,7 +327,8 @@ def run_bench(
             ``first_profile`` and are summarised in ``summary_first_profile``. False: the first
             profile alone.
         device: ``"cpu"``/``"cuda"``; default CUDA when present.
-        micro_batch_sizes: sizes to profile; default powers of two up to the global batch.
+        micro_batch_sizes: sizes to profile; default powers of two from 1 up to the global batch, at least three
+            (:func:`default_bench_micro_batch_sizes`).
         profile_repeats: timed runs per profiled size.
         precision: ``Trainer(precision=...)`` of every run, and of the profiling (autocast for the
             mixed precisions, converted weights and inputs for ``"bf16-true"`` and the like).
