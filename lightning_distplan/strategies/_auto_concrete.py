@@ -225,24 +225,25 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._rechunk.remember(trainer)
         self._user_eval_limits = {p: getattr(trainer, f"limit_{p}_batches") for p in _EVAL_PREFIXES}
         super().setup(trainer)
-        self._count_scheduler_frequencies_in_steps()
+        self._frequencies = [(c, c.frequency) for c in self.lr_scheduler_configs
+                             if c.interval == "step" and _is_count(c.frequency) and c.frequency > 1]
+        self._count_scheduler_frequencies_in_steps(self.later_fits.user_accumulate)
 
-    def _count_scheduler_frequencies_in_steps(self) -> None:
+    def _count_scheduler_frequencies_in_steps(self, per_step: Any) -> None:
         """A scheduler with ``interval="step"`` and ``frequency`` f steps where the user's run steps it.
 
         Lightning steps it when ``(batch_idx + 1) % f == 0``, ``batch_idx`` counting the epoch's batches: the user's
-        loader batches under DDP, where optimizer step j ends with batch ``j·A`` (``A``: their
-        ``accumulate_grad_batches``), but optimizer steps here (one batch is one step). ``j·A`` is a multiple of f
-        exactly when j is a multiple of ``f / gcd(A, f)``. :meth:`teardown` puts the user's frequencies back.
+        loader batches under DDP (and under a dp_ga plan, which steers it so), where optimizer step j ends with batch
+        ``j·k`` (``k``: the loader batches of one process one step holds, their ``accumulate_grad_batches`` unless
+        ``global_batch_size`` was given), but optimizer steps here (one batch is one step). ``j·k`` is a multiple of f
+        exactly when j is a multiple of ``f / gcd(k, f)``. Set from the user's frequencies, so a loader processed
+        again sets the same; :meth:`teardown` puts the user's back. A fractional ``k`` (a given global batch that
+        is no whole number of loader batches per process) keeps what the setup set.
         """
-        accumulate = self.later_fits.user_accumulate
-        self._frequencies = []
-        if not _is_count(accumulate) or accumulate <= 1:
+        if not _is_count(per_step) or per_step < 1:
             return
-        for config in self.lr_scheduler_configs:
-            if config.interval == "step" and _is_count(config.frequency) and config.frequency > 1:
-                self._frequencies.append((config, config.frequency))
-                config.frequency //= math.gcd(accumulate, config.frequency)
+        for config, frequency in self._frequencies:
+            config.frequency = frequency // math.gcd(per_step, frequency)
 
     def _count_eval_limit_per_replica(self, trainer: pl.Trainer, prefix: str) -> None:
         """An integer ``limit_val_batches`` (test, predict) counts one process's loader batches under DDP, where every
@@ -265,6 +266,11 @@ class _AutoPipelineStrategy(PipelineStrategy):
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches
         wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp)
+        # one step holds this many of one process's loader batches: the user's accumulation, or what a given
+        # global_batch_size makes of it (a dp_ga plan counts the scheduler's frequency in those loader batches too)
+        per_step = self._rechunk._per_user_batch
+        if per_step is not None and per_step.denominator == 1:
+            self._count_scheduler_frequencies_in_steps(int(per_step))
         if isinstance(wrapped, _FullBatchLoader):
             wrapped.shortfall = loader_shortfall(dataloader, plan, sharded=True)
         return wrapped

@@ -270,3 +270,45 @@ def test_a_root_dir_where_plan_json_cannot_go_is_refused_on_every_rank_before_pr
         assert out["blocked"].startswith("OutputPathError: auto_plan's plan file ") and "which is a file" in out["blocked"], out["blocked"]
         assert "HINT: Set Trainer(default_root_dir=...) to a writable folder" in out["blocked"]
         assert out["blocked_file"] == "a file of the user's"
+
+
+class _Rates(L.Callback):
+    """The learning rate of every optimizer step (on each rank: a pipeline stage's optimizer has the same rate)."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.rates.append(optimizer.param_groups[0]["lr"])
+
+
+def _scheduler_under_a_given_global_batch(rank: int, world: int, root: str) -> dict[str, Any]:
+    import warnings
+
+    import lightning_distplan  # noqa: F401  (registers auto_plan)
+
+    warnings.filterwarnings("ignore")
+    out: dict[str, Any] = {}
+    for name, pins in (("dp_ga", dict(strategy="dp_ga")), ("pp", dict(strategy="gpipe", stages=2))):
+        seen = _Rates()
+        trainer = L.Trainer(**trainer_kwargs(
+            os.path.join(root, name), devices=world, callbacks=[seen], max_epochs=1,
+            strategy=lightning_distplan.strategies.auto_plan.AutoPlanStrategy(global_batch_size=16, profile_repeats=1, **pins),
+        ))
+        trainer.fit(ScheduledChainMLP(width=32, depth=4, n_samples=64, loader_batch=4, dropout=0.0))
+        out[name] = (trainer.strategy.plan.strategy, seen.rates, [c.frequency for c in trainer.strategy.lr_scheduler_configs])
+    return out
+
+
+def test_a_step_schedulers_frequency_under_a_given_global_batch_is_the_same_for_a_pipeline_as_for_dp_ga(tmp_path: Path) -> None:
+    """AutoPlanStrategy(global_batch_size=16) over loader batches of 4 on 2 processes, accumulate_grad_batches=1: one
+    optimizer step holds 2 loader batches of each process. A dp_ga plan counts a step scheduler's frequency (4) in
+    loader batches (Lightning's, or Rechunking's steering), so it steps the scheduler every second step; the pipeline
+    divided the frequency by the Trainer's accumulate_grad_batches (1) and stepped it every fourth: the plan auto_plan
+    picked changed the learning-rate schedule (rates 0.05, 0.05, 0.025, 0.025 against 0.05 x 4)."""
+    ranks = run_on_ranks(_scheduler_under_a_given_global_batch, 2, str(tmp_path), timeout=400)
+    for r in ranks:
+        assert r["dp_ga"][0] == "dp_ga" and r["pp"][0] == "gpipe", r
+        assert r["dp_ga"][1] == [0.05, 0.05, 0.025, 0.025], r
+        assert r["pp"][1] == r["dp_ga"][1], r
+        assert r["pp"][2] == r["dp_ga"][2] == [4], r  # the user's frequency back after the fit
