@@ -62,6 +62,13 @@ def sqlite_path(url: Any) -> Path | None:
     rest = parsed.database or ""
     if parsed.query.get("uri") == "true" and rest.startswith("file:"):  # a URI filename: the path follows "file:"
         rest = rest[len("file:") :]
+        if rest.startswith("//"):  # an authority, which SQLite takes empty or "localhost" (file:///x, file://localhost/x)
+            authority, slash, tail = rest[2:].partition("/")
+            if authority in ("", "localhost"):
+                rest = slash + tail
+        from urllib.parse import unquote
+
+        rest = unquote(rest.split("#", 1)[0])  # SQLite decodes %HH escapes of a URI filename and ends it at a fragment
     if not rest or rest == ":memory:":
         return None
     return Path(rest)

@@ -756,3 +756,19 @@ def test_progress_bar_counts_every_trial_of_the_search_tpe_local_search_and_rest
     assert result.n_trials == 40
     assert "40/40" in err and "best objective" in err, err[-400:]
     assert re.fullmatch(r"TPESampler \+ local search \([1-8] trials\)", result.sampler), result.sampler  # at most a fifth of 40
+
+
+def test_a_sqlite_uri_filename_with_an_authority_or_escapes_names_its_file(tmp_path):
+    """SQLite reads a URI filename (uri=true) with an empty or "localhost" authority and %HH escapes: file://localhost/DIR/x.db
+    and file:DIR/my%20dir/x.db open DIR/x.db and DIR/my dir/x.db. The folder check (5ce8aee) took '//localhost/DIR' and
+    'my%20dir' for folders and refused both as missing, where Optuna opens them."""
+    from lightning_distplan.tuner._storage import open_storage, sqlite_path
+
+    spaced = tmp_path / "my dir"
+    spaced.mkdir()
+    for url, path in ((f"sqlite:///file://localhost{tmp_path}/a.db?uri=true", tmp_path / "a.db"),
+                      (f"sqlite:///file:{tmp_path}/my%20dir/b.db?uri=true", spaced / "b.db"),
+                      (f"sqlite:///file://{tmp_path}/c.db?uri=true", tmp_path / "c.db")):
+        assert sqlite_path(url) == path, url
+        open_storage(url).get_all_studies()
+        assert path.is_file(), url
