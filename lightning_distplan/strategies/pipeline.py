@@ -262,6 +262,12 @@ class PipelineStrategy(DDPStrategy):
             raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
         n_microbatches = check_count("n_microbatches", n_microbatches, auto=True)
         stages = check_count("stages", stages, auto=True, low=2)
+        if plan is not None and not isinstance(plan, Plan):
+            raise InfeasiblePlanError(
+                f"PipelineStrategy(plan=...) takes a lightning_distplan.Plan, got a {type(plan).__name__}.",
+                hint="Read a saved plan with Plan.from_json('<default_root_dir>/distplan/plan.json') (a path or its JSON text), "
+                "or Plan.from_dict(...) for a dict.",
+            )
         if plan is not None:
             if plan.strategy not in _SCHEDULES:
                 raise InfeasiblePlanError(

@@ -40,6 +40,18 @@ def test_pipeline_stage_boundaries_that_are_no_layer_indices_are_refused_at_cons
         PipelineStrategy(stages=2, stage_boundaries=boundaries)
 
 
+def test_a_plan_that_is_no_plan_object_is_refused_with_a_hint() -> None:
+    """What plan.json holds (a dict) or its path: an AttributeError ('dict' object has no attribute 'strategy'), as
+    DPGAStrategy raised before 4fa0303."""
+    from lightning_distplan import Plan
+
+    pipe = Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=8, global_batch_size=32)
+    for not_a_plan in (pipe.to_dict(), "runs/distplan/plan.json"):
+        with pytest.raises(InfeasiblePlanError, match=r"PipelineStrategy\(plan=\.\.\.\) takes a lightning_distplan.Plan, got a (dict|str).*HINT: .*Plan.from_json"):
+            PipelineStrategy(plan=not_a_plan)  # type: ignore[arg-type]
+    PipelineStrategy(plan=pipe)  # a Plan still runs
+
+
 def test_numpy_stage_boundaries_are_layer_indices() -> None:
     np = pytest.importorskip("numpy")
     assert PipelineStrategy(stages=3, stage_boundaries=np.array([1, 2]))._boundaries_arg == (1, 2)
