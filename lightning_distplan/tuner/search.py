@@ -336,6 +336,51 @@ def _existing_study_gone(storage: Any, study_name: str) -> bool:
 
 
 @contextlib.contextmanager
+def _signals_held() -> Iterator[list[int]]:
+    """Hold a Ctrl-C or SIGTERM that arrives in the block (the list collects them) instead of letting it stop a
+    write half-way: a study this run created is deleted again when its write fails, so an interrupt there lost
+    every trial. A second one stops the write at once (the database may be waiting minutes on a lock), as before.
+    Only in the main thread (where Python runs signal handlers); ignored signals stay ignored."""
+    import signal
+    import threading
+
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+
+    def hold(signum: int, frame: object) -> None:
+        caught.append(signum)
+        if len(caught) > 1:
+            raise KeyboardInterrupt
+        print("distplan tune: writing this run's trials first; interrupt again to stop now without them", file=sys.stderr, flush=True)
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(sig)
+            if handler is not None and handler != signal.SIG_IGN:
+                previous[sig] = handler
+                signal.signal(sig, hold)
+    try:
+        yield caught
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _deliver(held: list[int]) -> bool:
+    """Deliver the signals :func:`_signals_held` held to the handlers they would have reached; True when one raised
+    KeyboardInterrupt (Python's Ctrl-C, the tune command's SIGTERM). A SIGTERM nobody handles ends the process, after
+    the write."""
+    import signal
+
+    try:
+        for sig in dict.fromkeys(held):
+            signal.raise_signal(sig)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+@contextlib.contextmanager
 def _reading_study(url: str, study_name: str) -> Iterator[None]:
     """Turn a database that fails while the study is read (a damaged SQLite file, a lost server) into one
     :class:`StudyStorageError`; opening it already went through one round trip (``open_storage``)."""
@@ -743,51 +788,54 @@ def _tune(
     # Write the finished run in one pass; a failure while writing a study this call created removes it
     # again (never one another run created meanwhile under the same name).
     created = False
-    try:
-        target = existing
-        if target is None:
-            try:
-                target = optuna.create_study(storage=store, study_name=name, directions=directions)
-            except optuna.exceptions.DuplicatedStudyError:
-                raise StudyConflictError(
-                    f"Study {name!r} was created in {shown_url(storage)!r} by another run while this one searched; "
-                    f"it was left untouched and this run's {len(new_trials)} trials were not written.",
-                    hint="Re-run the same command to extend that study (same settings), or pass another --study-name.",
-                ) from None
-            created = True
-            target.set_user_attr(SETTINGS_ATTR, settings)
-            target.set_user_attr("objective", OBJECTIVES[False] if not multi_objective else "(C, T) per optimizer step")  # as studies made before
-            target.set_user_attr("currency", catalog.currency)
-            target.set_user_attr("catalog", {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
-                                             "instances": [i.to_dict() for i in catalog.instances]})
-            target.set_user_attr("projections", projections)
-            target.set_user_attr("global_batch_size", global_batch_size)
-            target.set_user_attr("time_weight", float(time_weight))
-        write_trials(target, new_trials)
-    except BaseException as err:
-        if created:
-            try:
-                optuna.delete_study(study_name=name, storage=store)
-            except Exception:  # the original error matters more
-                pass
-        from sqlalchemy.exc import SQLAlchemyError
+    with _signals_held() as held:  # a Ctrl-C or SIGTERM now waits until the trials are written (or refused)
+        try:
+            target = existing
+            if target is None:
+                try:
+                    target = optuna.create_study(storage=store, study_name=name, directions=directions)
+                except optuna.exceptions.DuplicatedStudyError:
+                    raise StudyConflictError(
+                        f"Study {name!r} was created in {shown_url(storage)!r} by another run while this one searched; "
+                        f"it was left untouched and this run's {len(new_trials)} trials were not written.",
+                        hint="Re-run the same command to extend that study (same settings), or pass another --study-name.",
+                    ) from None
+                created = True
+                target.set_user_attr(SETTINGS_ATTR, settings)
+                target.set_user_attr("objective", OBJECTIVES[False] if not multi_objective else "(C, T) per optimizer step")  # as studies made before
+                target.set_user_attr("currency", catalog.currency)
+                target.set_user_attr("catalog", {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
+                                                 "instances": [i.to_dict() for i in catalog.instances]})
+                target.set_user_attr("projections", projections)
+                target.set_user_attr("global_batch_size", global_batch_size)
+                target.set_user_attr("time_weight", float(time_weight))
+            write_trials(target, new_trials)
+        except BaseException as err:
+            if created:
+                try:
+                    optuna.delete_study(study_name=name, storage=store)
+                except Exception:  # the original error matters more
+                    pass
+            from sqlalchemy.exc import SQLAlchemyError
 
-        # Optuna's add_trials wraps the database's error in StorageInternalError; our one-transaction insert
-        # (write_trials) re-raises SQLAlchemy's own (a full disk: OperationalError), after rolling it back.
-        if isinstance(err, (optuna.exceptions.StorageInternalError, SQLAlchemyError)):
-            cause = getattr(err, "orig", None) or err.__cause__ or err.__context__ or err
-            raise StudyStorageError(
-                f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
-                f"{'the study was not created' if created else 'the study was left as it was'}.",
-                hint="Check that the database is writable and reachable, then re-run the same command.",
-            ) from None
-        if isinstance(err, KeyError) and not created and _existing_study_gone(store, name):
-            # Optuna's "Record does not exist": the study this run extends was deleted meanwhile (optuna delete-study)
-            raise StudyConflictError(
-                f"Study {name!r} was deleted from {shown_url(storage)!r} while this run searched; this run's {len(new_trials)} trials were not written.",
-                hint="Re-run the same command: it creates the study anew (or pass another --study-name).",
-            ) from None
-        raise
+            # Optuna's add_trials wraps the database's error in StorageInternalError; our one-transaction insert
+            # (write_trials) re-raises SQLAlchemy's own (a full disk: OperationalError), after rolling it back.
+            if isinstance(err, (optuna.exceptions.StorageInternalError, SQLAlchemyError)):
+                cause = getattr(err, "orig", None) or err.__cause__ or err.__context__ or err
+                raise StudyStorageError(
+                    f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
+                    f"{'the study was not created' if created else 'the study was left as it was'}.",
+                    hint="Check that the database is writable and reachable, then re-run the same command.",
+                ) from None
+            if isinstance(err, KeyError) and not created and _existing_study_gone(store, name):
+                # Optuna's "Record does not exist": the study this run extends was deleted meanwhile (optuna delete-study)
+                raise StudyConflictError(
+                    f"Study {name!r} was deleted from {shown_url(storage)!r} while this run searched; this run's {len(new_trials)} trials were not written.",
+                    hint="Re-run the same command: it creates the study anew (or pass another --study-name).",
+                ) from None
+            raise
+    if held and _deliver(held):
+        interrupted = True
     if interrupted:
         raise KeyboardInterrupt(
             f"the {len(new_trials)} trial(s) finished before it were written to study {name!r}; re-run the same command to search on"

@@ -234,6 +234,37 @@ def test_ctrl_c_is_one_line_and_keeps_the_finished_trials(tmp_path, profile_path
     assert len(optuna.load_study(study_name="fresh", storage=url).trials) == kept + 8
 
 
+def test_a_ctrl_c_while_the_trials_are_written_waits_for_the_write(tmp_path, profile_path, capfd, monkeypatch):
+    """A Ctrl-C in the write of a new study deleted the study again: every trial of the run was lost. It is held
+    until the trials are written now; a second one stops the write at once, as one did before."""
+    import os
+    import signal
+
+    from lightning_distplan.tuner import search
+
+    write = search.write_trials
+    presses = []
+
+    def interrupted_write(study, trials):  # real SIGINTs to this process while the trials are written
+        for _ in presses:
+            os.kill(os.getpid(), signal.SIGINT)
+        return write(study, trials)
+
+    monkeypatch.setattr(search, "write_trials", interrupted_write)
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    args = ["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "8", "--max-instances", "2", "--storage", url, "--quiet"]
+    presses.append(1)
+    assert main([*args, "--study-name", "once"]) == 130
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["distplan tune: writing this run's trials first; interrupt again to stop now without them",
+                   "distplan tune: interrupted; the 8 trial(s) finished before it were written to study 'once'; re-run the same command to search on"]
+    assert len(optuna.load_study(study_name="once", storage=url).trials) == 8
+    presses.append(1)
+    assert main([*args, "--study-name", "twice"]) == 130
+    assert "twice" not in optuna.get_all_study_names(url) and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert capfd.readouterr().err.strip().splitlines()[-1] == "distplan tune: interrupted; the study was left as it was"
+
+
 def test_sigterm_keeps_the_finished_trials_as_ctrl_c_does(tmp_path, profile_path):
     """`kill <pid>` (a batch scheduler's time limit) ended the search with Python's default action: every trial lost.
     In a process of its own: without the handler the SIGTERM ends that process, not the test session."""
