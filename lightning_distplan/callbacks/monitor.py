@@ -64,16 +64,16 @@ def refit_compute_scale(prediction: Any, observed_s: float, current_scale: float
     time (seed 000 §III: T = compute + communication terms) and the training loop's own cost
     (``framework``: host-side, measured apart from the device) do not.
 
-    A step faster than predicted scales compute by the whole step's ratio, ``observed_s / predicted``: the
-    parts held fixed may have sped up as well (on a CPU the loop runs on the cores that compute), and
-    holding them fixed claims a larger speed-up of compute than the step showed, down to compute priced
-    as free (a scale of 1e-12, written to ``plan.json``) for a step observed at or below them.
+    A step observed at or below those fixed parts cannot be matched by any scale (on a CPU the loop runs
+    on the cores that compute, so a faster host speeds it up too): compute then scales by the whole step's
+    ratio, ``observed_s / predicted``, rather than being priced as free (the 1e-12 a plain fit gave, which
+    ``plan.json`` recorded).
     """
     predicted = prediction.step_time_s
-    if predicted > 0 and observed_s < predicted:
-        return current_scale * observed_s / predicted
     fixed = sum(prediction.breakdown.get(k, 0.0) for k in ("p2p", "exposed_comm", "framework"))
-    return current_scale * max(observed_s - fixed, 1e-12) / max(predicted - fixed, 1e-12)
+    if observed_s > fixed and predicted > fixed:
+        return current_scale * (observed_s - fixed) / (predicted - fixed)
+    return current_scale * observed_s / predicted if predicted > 0 else current_scale
 
 
 def _last_epoch(trainer: pl.Trainer) -> bool:
