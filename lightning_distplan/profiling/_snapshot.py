@@ -64,7 +64,8 @@ class ModuleSnapshot:
     device: torch.device | None
     params: dict[str, Tensor] = field(default_factory=dict)
     grads: dict[str, Tensor | None] = field(default_factory=dict)
-    buffers: dict[str, Tensor | None] = field(default_factory=dict)
+    buffers: dict[str, dict[str, Tensor | None]] = field(default_factory=dict)
+    """Per submodule: its registered buffers as they were (None where one was registered as None)."""
     training: dict[str, bool] = field(default_factory=dict)
     attrs: dict[str, dict[str, _Kept]] = field(default_factory=dict)
     """Per submodule: its plain (unregistered) attributes, each object with what it held (:class:`_Kept`)."""
@@ -78,10 +79,11 @@ class ModuleSnapshot:
         for name, p in module.named_parameters(remove_duplicate=True) if weights else ():
             snap.params[name] = _cpu_copy(p)
             snap.grads[name] = None if p.grad is None else _cpu_copy(p.grad)
-        for name, b in module.named_buffers(remove_duplicate=True):
-            snap.buffers[name] = None if b is None else _cpu_copy(b)
         budget = [_MAX_TENSOR_COPIES, _MAX_ELEMENTS]
         for name, sub in module.named_modules(remove_duplicate=True):
+            # each module's own buffer table, a buffer registered as None (a cache filled in forward) included,
+            # which named_buffers() leaves out
+            snap.buffers[name] = {k: None if b is None else _cpu_copy(b) for k, b in sub._buffers.items()}
             snap.training[name] = sub.training
             snap.attrs[name] = {k: _Kept.of(v, budget) for k, v in vars(sub).items() if _is_user_attr(k, v)}
         return snap
@@ -100,10 +102,10 @@ class ModuleSnapshot:
             for name, saved in self.grads.items():
                 p = params[name]
                 p.grad = None if saved is None else saved.to(p.device)
-            buffers = dict(module.named_buffers(remove_duplicate=True))
-            for name, saved in self.buffers.items():
-                if saved is not None and name in buffers:
-                    buffers[name].copy_(saved)
+            subs = dict(module.named_modules(remove_duplicate=True))
+            for name, saved_buffers in self.buffers.items():
+                if name in subs:
+                    _restore_buffers(subs[name], saved_buffers, self.device)
         for name, sub in module.named_modules(remove_duplicate=True):
             if name in self.training:
                 sub.training = self.training[name]
@@ -121,6 +123,25 @@ class ModuleSnapshot:
                         state[key] = kept.restore()
                     except Exception:  # a container whose methods refuse (a frozen or foreign type): put the object back as is
                         state[key] = kept.obj
+
+
+def _restore_buffers(sub: nn.Module, saved: dict[str, Tensor | None], device: torch.device | None) -> None:
+    """Put ``sub``'s buffer table back as it was: values copied into the same tensor where it is still there with its
+    shape and dtype; otherwise (``training_step`` re-assigned it: another shape, a tensor where None was) the saved
+    tensor goes back on the buffer's device, a buffer registered as None is None again, and one registered during
+    profiling is removed."""
+    table = sub._buffers
+    for key in [k for k in table if k not in saved]:
+        del table[key]
+    for key, value in saved.items():
+        now = table.get(key)
+        if value is None:
+            table[key] = None
+        elif isinstance(now, Tensor) and now.shape == value.shape and now.dtype == value.dtype:
+            now.copy_(value)
+        else:
+            where = now.device if isinstance(now, Tensor) else device
+            table[key] = value.to(where) if where is not None else value
 
 
 _MODULE_ATTRS = frozenset(vars(nn.Module()))

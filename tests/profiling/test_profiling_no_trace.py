@@ -213,6 +213,44 @@ def test_restoring_attributes_keeps_odd_containers_and_modules_built_during_prof
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+
+def test_registered_buffers_that_training_step_reassigns_are_put_back() -> None:
+    """A registered buffer re-assigned in training_step with another shape (the last batch's logits), one registered
+    as None and filled lazily (a mask cache) and one registered during profiling go back to what they were. The
+    restore copied saved values into the buffers in place: the first raised a shape mismatch from profile_module's
+    cleanup, after which the module stayed in train mode and the RNG streams were not restored."""
+
+    class Reassigns(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+            self.register_buffer("last_logits", torch.zeros(0, 2))
+            self.register_buffer("mask", None, persistent=False)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.layer(x)
+            self.last_logits = out.detach()
+            if self.mask is None:
+                self.mask = torch.ones(2)
+            if "seen" not in self._buffers:
+                self.register_buffer("seen", torch.zeros(1))
+            return F.cross_entropy(out * self.mask, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = Reassigns().eval()
+    last = model.last_logits
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    rng = torch.get_rng_state()
+    profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1, min_timed_s=0, loop_overhead=False)
+    assert model.last_logits.shape == (0, 2) and model.last_logits.device == last.device
+    assert model.mask is None and "mask" in model._buffers and "seen" not in model._buffers
+    assert not model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+
 def test_token_ids_beyond_the_vocabulary_are_named_in_the_hint() -> None:
     """The package's TinyGPT2LM (vocab 4096) on RandomTokenData (vocab 33278) failed with torch's bare
     'index out of range in self'."""
