@@ -298,6 +298,7 @@ class _Profiler:
         self.loop_overhead = loop_overhead
         self.min_timed_s = max(0.0, float(min_timed_s))
         self.spreads: list[float] = []
+        self.agreed = False  # whether this rank took part in the current size's agreement on its timed runs
 
     # -- helpers ---------------------------------------------------------------------------------
     def say(self, message: str) -> None:
@@ -409,7 +410,7 @@ class _Profiler:
                 if started is None:
                     # A short step is cheap to repeat and noisy to time: repeat it until the timed runs
                     # add up to min_timed_s (at most _MAX_REPEATS runs), so its mean is as steady as a long step's.
-                    started = c - a
+                    started = self.agree_first_run(c - a)
                     runs = warmup + max(self.repeats, min(_MAX_REPEATS, math.ceil(self.min_timed_s / max(started, 1e-6))))
             i += 1
         totals = [x + y for x, y in zip(fwd, bwd)]
@@ -417,6 +418,26 @@ class _Profiler:
             self.spreads.append(statistics.pstdev(totals) / statistics.fmean(totals))
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else 0
         return statistics.fmean(fwd), statistics.fmean(bwd), peak, resident
+
+    def agree_first_run(self, seconds: float | None) -> float:
+        """The first timed run's seconds at this size, the slowest rank's when distributed, so every rank times as many
+        runs of ``training_step``: one that runs a collective itself (SyncBatchNorm, an ``all_gather`` of embeddings for
+        a contrastive loss, a metric synced on step) stays paired across ranks. Each rank sized its loop from its own
+        first run before, and one run more on one rank met the profiler's next all-reduce: gloo aborted the process
+        ("Received data size doesn't match expected size").
+
+        ``None``: this rank raised before its first timed run at this size (out of memory, a skipped batch); it takes
+        part all the same (:meth:`catch_up`), so the profiler's own collectives stay paired too."""
+        self.agreed = True
+        if _dist_group_size() <= 1:
+            return math.inf if seconds is None else seconds
+        return _reduce(math.inf if seconds is None else seconds, "max")
+
+    def catch_up(self) -> None:
+        """Take part in this size's :meth:`agree_first_run` if this rank did not reach it (it raised before); once per size
+        (the main loop clears :attr:`agreed` before each)."""
+        if not self.agreed:
+            self.agree_first_run(None)
 
     def count_layers(self, recorder: LayerRecorder, m: int, *, flops: bool) -> RunRecord:
         """One untimed hooked run at ``m``: bytes saved for backward and output bytes per layer, and
@@ -760,6 +781,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             if m in done or m in infeasible or m in skipped or m in unprofiled:
                 continue
             oom = none_here = False
+            prof.agreed = False
             try:
                 # FLOPs are counted in the counting run of the first flop_sizes sizes only: counting
                 # is slow per op, and FLOPs are linear in m (see flop_sizes in the docstring).
@@ -771,6 +793,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 none_here = True
             except Exception as err:
                 if _is_size_error(err):
+                    prof.catch_up()  # before the `continue`: every rank takes part in this size's agreement once
                     prof.say(f"micro-batch {m}: skipped ({first_line(err)})")
                     skipped.append(m)
                     if not explicit and not queue and len(done) < _MIN_SIZES:
@@ -780,6 +803,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                     raise
                 oom = True
                 prof.after_oom()
+            prof.catch_up()
             if _reduce(float(none_here), "max"):  # on any rank: every rank leaves the size out (the collectives stay paired)
                 # these samples hold one training_step skips: the size is left unprofiled (not rejected: it trains)
                 prof.say(f"micro-batch {m}: training_step skipped it (returned None); not profiled")

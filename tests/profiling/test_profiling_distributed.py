@@ -148,3 +148,61 @@ def test_a_rank_failing_while_profiling_is_not_blamed_on_the_others_training_ste
     assert said[1].startswith("ProfilingError: Profiling FailsOnRank1 failed in its training step with ValueError: a bug in rank 1's data."), said[1]
     assert said[0].startswith("ProfilingError: Another process of this run failed or left while the processes were profiling together"), said[0]
     assert "HINT: Its own error is in its output" in said[0] and "training step" not in said[0]
+
+
+def _collective_in_training_step(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        import time
+
+        from lightning.pytorch import LightningModule
+        from torch import nn
+
+        from lightning_distplan.profiling import profile_module
+
+        class Gathers(LightningModule):
+            """A training_step with a collective of its own, as SyncBatchNorm or a contrastive loss's all_gather has."""
+
+            calls = 0
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(8, 8)
+
+            def training_step(self, batch, batch_idx):
+                z = self.layer(batch[0])
+                if rank == 1:
+                    time.sleep(0.002)  # one rank a little slower: it timed fewer runs from its own first one
+                total = z.detach().sum().reshape(1)
+                dist.all_reduce(total)
+                type(self).calls += 1  # a class counter: the profiler puts the module's own attributes back
+                return z.pow(2).mean() + 0 * total.sum()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        torch.manual_seed(0)
+        data = [(torch.randn(4, 8),) for _ in range(4)]
+        try:
+            profile = profile_module(Gathers(), data, micro_batch_sizes=[2, 4, 8], measure_links=False, loop_overhead=False)
+            said = {"calls": Gathers.calls, "sizes": list(profile.micro_batch_sizes)}
+        except Exception as err:  # noqa: BLE001 - the test reads what each rank got
+            said = {"error": f"{type(err).__name__}: {err}"[:300], "calls": Gathers.calls}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+    _exit_now()
+
+
+def test_a_training_step_with_its_own_collective_runs_as_often_on_every_rank(tmp_path: Path) -> None:
+    """Each rank sized its whole-step timing loop from its own first timed run, so the ranks ran training_step a
+    different number of times, and a collective in it met the profiler's own all-reduce: gloo aborted the process
+    ("Received data size doesn't match expected size"). The ranks now agree on the slowest first run."""
+    mp.spawn(_collective_in_training_step, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all("error" not in s for s in said), said
+    assert said[0]["calls"] == said[1]["calls"] > 0 and said[0]["sizes"] == said[1]["sizes"] == [2, 4, 8], said
