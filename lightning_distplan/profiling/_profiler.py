@@ -233,6 +233,15 @@ def _optimizers_from(conf: Any) -> list[torch.optim.Optimizer]:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else []
 
 
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` has a ``closure`` argument without a default (``torch.optim.LBFGS``)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a builtin or an odd wrapper: call it as the others
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _unique_bytes(tensors: Iterable[Tensor]) -> int:
     seen: set[int] = set()
     total = 0
@@ -461,19 +470,32 @@ class _Profiler:
             timed.append(recorder.run(lambda: self.layer_loss(m), synchronize=self.sync))
         return timed
 
-    def optimizer_phase(self, optimizers: list[torch.optim.Optimizer]) -> tuple[float, int, int]:
-        """Mean ``step()`` + one ``zero_grad()`` with the gradients of the prime step; state bytes; CUDA peak."""
+    def optimizer_phase(self, optimizers: list[torch.optim.Optimizer], m: int) -> tuple[float, int, int]:
+        """Mean ``step()`` + one ``zero_grad()`` with the gradients of the prime step; state bytes; CUDA peak.
+
+        An optimizer whose ``step`` takes a closure it must have (LBFGS, which re-evaluates the model inside its step)
+        gets one, as Lightning gives it: ``training_step`` and backward on the prime micro-batch of ``m`` samples. Its
+        step time then holds those evaluations, as a fit's does. Called without one it raised a TypeError, reported as
+        a failure of ``training_step``, for a model Lightning trains."""
         if not optimizers:
             return 0.0, 0, 0
         times = []
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+
+        def closure() -> Tensor:
+            self.clear_grads()
+            loss = self.loss(m)
+            loss.backward()
+            return loss.detach()
+
+        closures = [closure if _needs_closure(opt) else None for opt in optimizers]
         # gradients stay in place across repeats, so every step does the same work
         for i in range(self.warmup + self.repeats):
             self.sync()
             a = time.perf_counter()
-            for opt in optimizers:
-                opt.step()
+            for opt, given in zip(optimizers, closures):
+                opt.step() if given is None else opt.step(given)
             self.sync()
             if i >= max(1, self.warmup):  # the first step allocates the state: never timed
                 times.append(time.perf_counter() - a)
@@ -739,7 +761,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         queue = [m for m in queue if m < m0] or [max(1, m0 // 2)]
         m0 = queue[0]
     try:
-        opt_time, opt_state, opt_peak = prof.optimizer_phase(optimizers)
+        opt_time, opt_state, opt_peak = prof.optimizer_phase(optimizers, m0)
     except Exception as err:
         if not _is_oom(err):
             raise

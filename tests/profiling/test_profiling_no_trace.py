@@ -251,6 +251,35 @@ def test_registered_buffers_that_training_step_reassigns_are_put_back() -> None:
     assert not model.training
     assert torch.equal(torch.get_rng_state(), rng)
 
+
+def test_an_optimizer_whose_step_needs_a_closure_is_profiled_and_leaves_no_trace() -> None:
+    """LBFGS's step() takes the closure Lightning hands it (training_step and backward, run again inside the step).
+    The profiler called step() without one: a TypeError, reported as a failure of training_step."""
+
+    class LBFGSModel(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.steps = 0
+
+        def training_step(self, batch, batch_idx):
+            self.steps += 1
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+    torch.manual_seed(0)
+    model = LBFGSModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = [(torch.randn(8, 2), torch.randn(8, 1))]
+    rng = torch.get_rng_state()
+    profile = profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1, min_timed_s=0, loop_overhead=False)
+    assert profile.optimizer.name == "LBFGS" and profile.optimizer.step_time_s > 0 and profile.optimizer.state_bytes > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.steps == 0 and all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
 def test_token_ids_beyond_the_vocabulary_are_named_in_the_hint() -> None:
     """The package's TinyGPT2LM (vocab 4096) on RandomTokenData (vocab 33278) failed with torch's bare
     'index out of range in self'."""
