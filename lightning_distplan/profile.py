@@ -30,6 +30,7 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -429,6 +430,9 @@ class Profile:
         named = next((i for i, layer in enumerate(self.layers) if not isinstance(layer.name, str)), None)
         if named is not None:  # here, not in the plan built from these names, which would blame the plan
             raise ProfileFormatError(f"{source!r} has layers[{named}].name = {self.layers[named].name!r}; a layer's name is a string.", hint=hint)
+        wrong = _first_non_string(self, "")
+        if wrong is not None:  # here, not where the cost model reads it ("argument of type 'int' is not iterable")
+            raise ProfileFormatError(f"{source!r} has {wrong[0]} = {wrong[1]!r}; it must be a string.", hint=hint)
         if not self.micro_batch_sizes:
             raise ProfileFormatError(f"{source!r} has no profiled micro-batch sizes.", hint=hint)
         if any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in self.micro_batch_sizes):
@@ -581,6 +585,35 @@ def _first_non_finite(value: Any, path: str) -> str | None:
     elif isinstance(value, dict):
         for key, item in value.items():
             found = _first_non_finite(item, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _string_fields(cls: type) -> frozenset[str]:
+    """The fields of dataclass ``cls`` annotated ``str``."""
+    import typing
+
+    return frozenset(name for name, hint in typing.get_type_hints(cls).items() if hint is str)
+
+
+def _first_non_string(value: Any, path: str) -> tuple[str, Any] | None:
+    """(path, value) of the first field annotated ``str`` that holds something else (``links[1].backend = 3``), None if
+    all do. JSON gives any type where the schema says string; the loader converts numbers only."""
+    if hasattr(value, "__dataclass_fields__"):
+        hints = _string_fields(type(value))
+        for f in fields(value):
+            item = getattr(value, f.name)
+            where = f"{path}.{f.name}" if path else f.name
+            if f.name in hints and not isinstance(item, str):
+                return where, item
+            found = _first_non_string(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            found = _first_non_string(item, f"{path}[{i}]")
             if found is not None:
                 return found
     return None

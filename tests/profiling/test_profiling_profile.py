@@ -250,6 +250,12 @@ def test_hand_edited_profiles_that_cannot_be_are_refused(mlp_profile: Profile) -
         (lambda d: d["layers"][1]["backward"].update(beta=-1e30), r"layers\[1\].backward.beta = -1e\+30, beyond any device"),
         (lambda d: d["framework"].update(per_batch_s=1e300), r"framework.per_batch_s = 1e\+300, beyond any device"),
         (lambda d: d.update(splittable="no"), r"splittable = 'no'; it must be true or false"),
+        # a string field holding another type passed the loader and crashed the planner ("argument of type 'int' is not
+        # iterable" from the link's backend) or the tuner's GPU lookup (the device's name)
+        (lambda d: d.update(links=[{"kind": "p2p", "backend": 3, "world_size": 2, "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}]),
+         r"links\[0\].backend = 3; it must be a string"),
+        (lambda d: d["device"].update(name=["H100"]), r"device.name = \['H100'\]; it must be a string"),
+        (lambda d: d["optimizer"].update(name=None), r"optimizer.name = None; it must be a string"),
     ):
         data = mlp_profile.to_dict()
         edit(data)
