@@ -11,6 +11,7 @@ Copies are kept on the CPU so they do not inflate the device memory that profili
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -170,11 +171,18 @@ class _Kept:
     items: Any = None
     shallow: bool = False
     """``items`` are the container's items as they were, not records of them (past :data:`_MAX_ELEMENTS`, and sets)."""
+    generator: bool = False
+    """``obj`` is a random generator (``torch.Generator``, NumPy's ``Generator`` / ``RandomState``, ``random.Random``)
+    and ``items`` its state: a module's own stream (a diffusion model's timestep sampler, an augmentation's RNG) advances
+    with every profiled training_step, as the global streams do."""
 
     @classmethod
     def of(cls, obj: Any, budget: list[int], depth: int = 3) -> _Kept:
         """``budget``: [bytes of tensor values still to be copied, container items still to be kept one by one]
         (shared by one snapshot, decremented here)."""
+        state = _generator_state(obj)
+        if state is not None:
+            return cls(obj, state, generator=True)
         if isinstance(obj, Tensor):
             size = obj.numel() * obj.element_size()
             if type(obj) is not Tensor or obj.device.type == "meta" or obj.layout != torch.strided or size > budget[0]:
@@ -194,7 +202,9 @@ class _Kept:
         obj, items = self.obj, self.items
         if items is None:
             return obj
-        if isinstance(obj, Tensor):
+        if self.generator:
+            _set_generator_state(obj, items)
+        elif isinstance(obj, Tensor):
             if obj.shape == items.shape:
                 try:
                     with torch.no_grad():
@@ -215,6 +225,34 @@ class _Kept:
             else:
                 base.extend(obj, values)
         return obj
+
+
+def _generator_state(obj: Any) -> Any:
+    """A copy of the state of a random generator (torch, NumPy, Python), None for anything else."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state()
+    if isinstance(obj, random.Random):
+        return obj.getstate()
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for torch
+        return None
+    if isinstance(obj, np.random.Generator):
+        return copy.deepcopy(obj.bit_generator.state)
+    if isinstance(obj, np.random.RandomState):
+        return obj.get_state()
+    return None
+
+
+def _set_generator_state(obj: Any, state: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, random.Random):
+        obj.setstate(state)
+    elif hasattr(obj, "bit_generator"):  # numpy.random.Generator
+        obj.bit_generator.state = copy.deepcopy(state)
+    else:  # numpy.random.RandomState
+        obj.set_state(state)
 
 
 @dataclass

@@ -280,6 +280,37 @@ def test_an_optimizer_whose_step_needs_a_closure_is_profiled_and_leaves_no_trace
     assert model.steps == 0 and all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
 
+
+def test_random_generators_the_module_owns_are_put_back() -> None:
+    """A torch.Generator, a NumPy Generator and RandomState, and a random.Random held by the module (a diffusion model's
+    timestep sampler, an augmentation in training_step) drew hundreds of times while profiling and kept that state:
+    the fit's first draws were not an unprofiled fit's."""
+
+    class OwnStreams(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+            self.gen = torch.Generator().manual_seed(7)
+            self.np_rng = np.random.default_rng(7)
+            self.streams = {"legacy": np.random.RandomState(7), "python": random.Random(7)}
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            t = torch.randint(0, 10, (len(x),), generator=self.gen)
+            scale = float(self.np_rng.uniform()) + self.streams["legacy"].rand() + self.streams["python"].random()
+            return F.cross_entropy(self.layer(x * scale) + 0 * t[:, None], y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    model, fresh = OwnStreams(), OwnStreams()
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))]
+    profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1, min_timed_s=0, loop_overhead=False)
+    assert torch.equal(model.gen.get_state(), fresh.gen.get_state())
+    assert model.np_rng.bit_generator.state == fresh.np_rng.bit_generator.state
+    assert model.streams["legacy"].rand() == fresh.streams["legacy"].rand()
+    assert model.streams["python"].getstate() == fresh.streams["python"].getstate()
+
 def test_token_ids_beyond_the_vocabulary_are_named_in_the_hint() -> None:
     """The package's TinyGPT2LM (vocab 4096) on RandomTokenData (vocab 33278) failed with torch's bare
     'index out of range in self'."""
