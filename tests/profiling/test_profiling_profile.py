@@ -111,6 +111,11 @@ def test_errors_have_hints() -> None:
     manual.automatic_optimization = False
     with pytest.raises(ProfilingError, match="manual optimization.*HINT"):
         profile_module(manual, xy_batches())
+    # a lazy module not run yet: copying its parameters for the snapshot raised torch's own ValueError
+    lazy = MLP()
+    lazy.net[0] = torch.nn.LazyLinear(16)
+    with pytest.raises(ProfilingError, match=r"parameters that are not initialized yet \(net.0.weight, net.0.bias: a lazy module.*HINT: Initialize"):
+        profile_module(lazy, xy_batches())
 
 
 def test_cuda_request_without_gpu() -> None:
