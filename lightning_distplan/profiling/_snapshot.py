@@ -67,6 +67,8 @@ class ModuleSnapshot:
     grads: dict[str, Tensor | None] = field(default_factory=dict)
     buffers: dict[str, dict[str, Tensor | None]] = field(default_factory=dict)
     """Per submodule: its registered buffers as they were (None where one was registered as None)."""
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    """Per name: the submodule it was (a buffer table is put back into that module only, not one that replaced it)."""
     training: dict[str, bool] = field(default_factory=dict)
     attrs: dict[str, dict[str, _Kept]] = field(default_factory=dict)
     """Per submodule: its plain (unregistered) attributes, each object with what it held (:class:`_Kept`)."""
@@ -85,6 +87,7 @@ class ModuleSnapshot:
             # each module's own buffer table, a buffer registered as None (a cache filled in forward) included,
             # which named_buffers() leaves out
             snap.buffers[name] = {k: None if b is None else _cpu_copy(b) for k, b in sub._buffers.items()}
+            snap.modules[name] = sub
             snap.training[name] = sub.training
             snap.attrs[name] = {k: _Kept.of(v, budget) for k, v in vars(sub).items() if _is_user_attr(k, v)}
         return snap
@@ -105,7 +108,7 @@ class ModuleSnapshot:
                 p.grad = None if saved is None else saved.to(p.device)
             subs = dict(module.named_modules(remove_duplicate=True))
             for name, saved_buffers in self.buffers.items():
-                if name in subs:
+                if subs.get(name) is self.modules.get(name):
                     _restore_buffers(subs[name], saved_buffers, self.device)
         for name, sub in module.named_modules(remove_duplicate=True):
             if name in self.training:

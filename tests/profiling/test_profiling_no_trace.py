@@ -226,6 +226,7 @@ def test_registered_buffers_that_training_step_reassigns_are_put_back() -> None:
             self.layer = nn.Linear(4, 2)
             self.register_buffer("last_logits", torch.zeros(0, 2))
             self.register_buffer("mask", None, persistent=False)
+            self.norm = nn.Identity()
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -235,7 +236,9 @@ def test_registered_buffers_that_training_step_reassigns_are_put_back() -> None:
                 self.mask = torch.ones(2)
             if "seen" not in self._buffers:
                 self.register_buffer("seen", torch.zeros(1))
-            return F.cross_entropy(out * self.mask, y)
+            if isinstance(self.norm, nn.Identity):  # a sub-module swapped for another: its own buffers stay its own
+                self.norm = nn.BatchNorm1d(2)
+            return F.cross_entropy(self.norm(out * self.mask), y)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -248,6 +251,7 @@ def test_registered_buffers_that_training_step_reassigns_are_put_back() -> None:
     profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1, min_timed_s=0, loop_overhead=False)
     assert model.last_logits.shape == (0, 2) and model.last_logits.device == last.device
     assert model.mask is None and "mask" in model._buffers and "seen" not in model._buffers
+    assert isinstance(model.norm, nn.BatchNorm1d) and model.norm.running_mean.shape == (2,)
     assert not model.training
     assert torch.equal(torch.get_rng_state(), rng)
 
