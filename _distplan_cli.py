@@ -30,6 +30,9 @@ def main() -> int:
     starting = True
     try:
         from lightning_distplan.cli import main as run
+
+        if interrupted:  # a library swallowed the KeyboardInterrupt (a broad except) and the import went on
+            raise KeyboardInterrupt
     except BaseException:
         if interrupted:
             print("distplan: interrupted while starting; nothing was run", file=sys.stderr)

@@ -78,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in _LIGHTNING_COMMANDS:
             _register_strategies()  # the console script imported the package without (see _distplan_cli.starting)
         _short_warnings(args.command)  # after lightning's import, which installs a format of its own
+        if interrupted:  # a library swallowed the KeyboardInterrupt (a broad except) and went on: the user still stopped it
+            raise KeyboardInterrupt
     except BaseException as err:
         if interrupted or isinstance(err, KeyboardInterrupt):
             print("distplan: interrupted while starting; nothing was run", file=sys.stderr)

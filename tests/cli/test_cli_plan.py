@@ -271,6 +271,26 @@ def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"]
 
 
+def test_a_ctrl_c_a_library_swallows_while_starting_still_stops_the_command(monkeypatch, capsys):
+    """A real SIGINT that lands in a library's broad ``except`` while torch and lightning are imported: the import
+    went on and the command ran to its end (exit 0, a profile written) as if no key had been pressed."""
+    import os
+    import signal
+
+    import lightning_distplan
+
+    def swallowed(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except BaseException:  # noqa: BLE001 - what such a library does
+            pass
+
+    monkeypatch.setattr(lightning_distplan, "_register_strategies", swallowed)
+    assert main(["profile", "lightning_distplan.bench.models:WideMLP", "--out", "never.json"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["distplan: interrupted while starting; nothing was run"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_ctrl_c_while_the_real_command_imports_is_one_line():
     """The console script's entry point: a real SIGINT while it imports the package (seconds of torch and
     lightning on a cold start, before any code in the package could catch it) prints one line and exits 130.
@@ -297,12 +317,14 @@ def test_a_real_ctrl_c_while_profile_or_bench_starts_is_one_line(command, tmp_pa
     """`distplan profile` and `distplan bench` import torch and lightning after the console script's own start
     (registering the strategies: seconds on any machine). A real SIGINT one second in lands there, or, on a fast
     machine, in the command before it has done any work: wherever it lands, one line, exit 130, no traceback and
-    nothing written."""
+    nothing written. The command is a valid one that works for many seconds (without a datamodule it failed at once, and
+    on an idle machine it had printed that error before the SIGINT came: exit 2)."""
     import signal
     import time
 
     out = tmp_path / "out.json"
-    argv = ["lightning_distplan.bench.models:WideMLP", "--out", str(out)] + (["--world-size", "1", "--global-batch-size", "8"] if command == "bench" else [])
+    argv = ["lightning_distplan.bench.models:WideMLP", "--datamodule", "lightning_distplan.bench.models:RandomVectorData", "--out", str(out)]
+    argv += ["--world-size", "1", "--global-batch-size", "8"] if command == "bench" else []
     child = "import sys, _distplan_cli\nsys.argv[0] = 'distplan'\nsys.exit(_distplan_cli.main())\n"
     proc = subprocess.Popen([sys.executable, "-c", child, command, *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)
