@@ -68,7 +68,8 @@ class ModuleSnapshot:
     buffers: dict[str, dict[str, Tensor | None]] = field(default_factory=dict)
     """Per submodule: its registered buffers as they were (None where one was registered as None)."""
     modules: dict[str, nn.Module] = field(default_factory=dict)
-    """Per name: the submodule it was (a buffer table is put back into that module only, not one that replaced it)."""
+    """Per name: the submodule it was (its buffer table and plain attributes are put back into that module object, not
+    into one that replaced it under the same name)."""
     training: dict[str, bool] = field(default_factory=dict)
     attrs: dict[str, dict[str, _Kept]] = field(default_factory=dict)
     """Per submodule: its plain (unregistered) attributes, each object with what it held (:class:`_Kept`)."""
@@ -106,13 +107,16 @@ class ModuleSnapshot:
             for name, saved in self.grads.items():
                 p = params[name]
                 p.grad = None if saved is None else saved.to(p.device)
-            subs = dict(module.named_modules(remove_duplicate=True))
+            # into the module objects the snapshot saw, not by name: a sub-module that training_step swapped in under
+            # a snapshotted name (an nn.Identity placeholder replaced by an nn.BatchNorm1d) keeps its own buffers
             for name, saved_buffers in self.buffers.items():
-                if subs.get(name) is self.modules.get(name):
-                    _restore_buffers(subs[name], saved_buffers, self.device)
+                _restore_buffers(self.modules[name], saved_buffers, self.device)
         for name, sub in module.named_modules(remove_duplicate=True):
             if name in self.training:
                 sub.training = self.training[name]
+        for name, sub in self.modules.items():
+            # plain attributes likewise by object: by name, a swapped-in BatchNorm1d lost eps, momentum, num_features
+            # (not in the placeholder's table, so deleted as "made during profiling") and failed at its next forward
             if name in self.attrs:
                 before = self.attrs[name]
                 state = vars(sub)

@@ -252,6 +252,11 @@ def test_registered_buffers_that_training_step_reassigns_are_put_back() -> None:
     assert model.last_logits.shape == (0, 2) and model.last_logits.device == last.device
     assert model.mask is None and "mask" in model._buffers and "seen" not in model._buffers
     assert isinstance(model.norm, nn.BatchNorm1d) and model.norm.running_mean.shape == (2,)
+    # its plain attributes too (restored by name they were deleted: "'BatchNorm1d' object has no attribute 'momentum'")
+    assert model.norm.momentum == 0.1 and model.norm.eps == 1e-5 and model.norm.num_features == 2
+    model.train()
+    model.training_step(data[0], 0)
+    model.eval()
     assert not model.training
     assert torch.equal(torch.get_rng_state(), rng)
 
