@@ -732,6 +732,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     m0 = queue[0]
     while True:
         oom = False
+        refused: str | None = None
         try:
             prof.clear_grads()
             loss = prof.loss(m0)
@@ -748,15 +749,21 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             continue
         except Exception as err:
             if _is_size_error(err):
-                prof.say(f"micro-batch {m0}: skipped ({first_line(err)})")
-                skipped.append(m0)
-                queue = [m for m in queue if m != m0] or [2 * m0]
-                m0 = queue[0]
-                continue
-            if not _is_oom(err):
+                refused = first_line(err)
+            elif not _is_oom(err):
                 raise
-            oom = True
-            prof.after_oom()
+            else:
+                oom = True
+                prof.after_oom()
+        # a size refused on any rank (its own samples' shapes) is left out on every rank: decided here alone, the
+        # ranks went on with different sizes and their all-reduces paired up across them
+        if _reduce(float(refused is not None), "max"):
+            prof.clear_grads()
+            prof.say(f"micro-batch {m0}: skipped ({refused or 'refused on another rank'})")
+            skipped.append(m0)
+            queue = [m for m in queue if m != m0] or [2 * m0]
+            m0 = queue[0]
+            continue
         if not _reduce(float(oom), "max"):
             break
         infeasible.append(m0)
@@ -811,6 +818,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             if m in done or m in infeasible or m in skipped or m in unprofiled:
                 continue
             oom = none_here = False
+            refused = None
             prof.agreed = False
             try:
                 # FLOPs are counted in the counting run of the first flop_sizes sizes only: counting
@@ -823,17 +831,22 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 none_here = True
             except Exception as err:
                 if _is_size_error(err):
-                    prof.catch_up()  # before the `continue`: every rank takes part in this size's agreement once
-                    prof.say(f"micro-batch {m}: skipped ({first_line(err)})")
-                    skipped.append(m)
-                    if not explicit and not queue and len(done) < _MIN_SIZES:
-                        queue = [2 * max(done + [m])]
-                    continue
-                if not _is_oom(err):
+                    refused = first_line(err)
+                elif not _is_oom(err):
                     raise
-                oom = True
-                prof.after_oom()
+                else:
+                    oom = True
+                    prof.after_oom()
             prof.catch_up()
+            if _reduce(float(refused is not None), "max"):
+                # refused on any rank: every rank leaves the size out. A `continue` on the refusing rank alone skipped
+                # the reductions below that the others made, and the ranks' all-reduces paired up across sizes.
+                prof.clear_grads()
+                prof.say(f"micro-batch {m}: skipped ({refused or 'refused on another rank'})")
+                skipped.append(m)
+                if not explicit and not queue and len(done) < _MIN_SIZES:
+                    queue = [2 * max(done + [m])]
+                continue
             if _reduce(float(none_here), "max"):  # on any rank: every rank leaves the size out (the collectives stay paired)
                 # these samples hold one training_step skips: the size is left unprofiled (not rejected: it trains)
                 prof.say(f"micro-batch {m}: training_step skipped it (returned None); not profiled")

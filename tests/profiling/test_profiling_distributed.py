@@ -206,3 +206,58 @@ def test_a_training_step_with_its_own_collective_runs_as_often_on_every_rank(tmp
     said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("error" not in s for s in said), said
     assert said[0]["calls"] == said[1]["calls"] > 0 and said[0]["sizes"] == said[1]["sizes"] == [2, 4, 8], said
+
+
+def _refused_on_one_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        import torch.nn.functional as F
+        from lightning.pytorch import LightningModule
+        from torch import nn
+
+        from lightning_distplan.profiling import profile_module
+
+        class RefusesOnRank1(LightningModule):
+            """Refuses sizes 2 (the prime size) and 8 on rank 1 only, as BatchNorm does where a rank's own input shapes
+            leave one value per channel."""
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.layer = nn.Linear(4, 1)
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                if rank == 1 and x.shape[0] in (2, 8):
+                    raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size([1, {x.shape[0]}])")
+                return F.mse_loss(self.layer(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        torch.manual_seed(0)
+        data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(8)]
+        try:
+            profile = profile_module(RefusesOnRank1(), data, micro_batch_sizes=[2, 4, 8, 16, 32], repeats=1, min_timed_s=0,
+                                     measure_links=False, loop_overhead=False)
+            said = {"sizes": list(profile.micro_batch_sizes), "rejected": list(profile.rejected_micro_batch_sizes)}
+        except Exception as err:  # noqa: BLE001 - the test reads what each rank got
+            said = {"error": f"{type(err).__name__}: {err}"[:300]}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+    _exit_now()
+
+
+def test_a_size_one_rank_refuses_is_left_out_on_every_rank(tmp_path: Path) -> None:
+    """A micro-batch size refused on one rank only ("Expected more than 1 value per channel") was decided on that rank
+    alone: it `continue`d past the reductions the other rank made, so their all-reduces paired up across sizes (rank 0:
+    "Another process ... failed or left"; rank 1: sizes [2] only). Every rank now leaves such a size out, at the prime
+    size as in the main loop."""
+    mp.spawn(_refused_on_one_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all("error" not in s for s in said), said
+    assert said[0] == said[1] == {"sizes": [4, 16, 32], "rejected": [2, 8]}, said
