@@ -254,13 +254,41 @@ def _unique_bytes(tensors: Iterable[Tensor]) -> int:
 
 
 def _state_tensors(optimizers: Sequence[torch.optim.Optimizer]) -> list[Tensor]:
+    """Every tensor in the optimizers' state, also inside lists, tuples and dicts: LBFGS keeps its history there
+    (``old_dirs``, ``old_stps``, ``ro``, ``al``), up to ``2 * history_size`` copies of the flat parameters."""
     out: list[Tensor] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+        elif isinstance(v, dict):
+            for item in v.values():
+                walk(item)
+
     for opt in optimizers:
         for state in opt.state.values():
-            for v in state.values():
-                if isinstance(v, Tensor):
-                    out.append(v)
+            walk(state)
     return out
+
+
+def _lbfgs_history_to_come(optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """Bytes an LBFGS history adds beyond what the profiled steps left in it: it grows by one direction and one step
+    (each the size of the flat parameters) and one ``ro`` per iteration until ``history_size`` pairs are kept, which
+    a fit reaches after a few steps; the profile's few steps may stop short of that."""
+    extra = 0
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.LBFGS):
+            continue
+        size = int(opt.param_groups[0].get("history_size", 0))
+        for state in opt.state.values():
+            dirs, stps, ro = state.get("old_dirs") or [], state.get("old_stps") or [], state.get("ro") or []
+            if dirs and stps and ro and len(dirs) < size:
+                one = sum(t.numel() * t.element_size() for t in (dirs[0], stps[0], ro[0]))
+                extra += (size - len(dirs)) * one
+    return extra
 
 
 class _Profiler:
@@ -508,7 +536,7 @@ class _Profiler:
             opt.zero_grad(set_to_none=True)
         self.sync()
         zero = time.perf_counter() - a
-        state = _unique_bytes(_state_tensors(optimizers))
+        state = _unique_bytes(_state_tensors(optimizers)) + _lbfgs_history_to_come(optimizers)
         return statistics.fmean(times) + zero, state, peak
 
 

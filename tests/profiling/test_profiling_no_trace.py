@@ -285,6 +285,10 @@ def test_an_optimizer_whose_step_needs_a_closure_is_profiled_and_leaves_no_trace
     rng = torch.get_rng_state()
     profile = profile_module(model, data, micro_batch_sizes=[2, 4, 8], repeats=1, min_timed_s=0, loop_overhead=False)
     assert profile.optimizer.name == "LBFGS" and profile.optimizer.step_time_s > 0 and profile.optimizer.state_bytes > 0
+    # its history (old_dirs, old_stps: lists of flat-parameter copies, history_size=100 pairs in a fit) is state: the
+    # profile counted only the tensors directly in the state dict, 524 bytes for 132 bytes of weights
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert profile.optimizer.state_bytes >= 2 * 100 * param_bytes, (profile.optimizer.state_bytes, param_bytes)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert model.steps == 0 and all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
