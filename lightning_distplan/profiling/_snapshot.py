@@ -235,7 +235,16 @@ class _Kept:
 
 
 def _generator_state(obj: Any) -> Any:
-    """A copy of the state of a random generator (torch, NumPy, Python), None for anything else."""
+    """A copy of the state of a random generator (torch, NumPy, Python), None for anything else, and for a generator
+    without a state to copy (``random.SystemRandom``, a ``random.Random`` subclass whose ``getstate`` raises
+    NotImplementedError): such an object is kept by identity, as before, and the snapshot does not fail on it."""
+    try:
+        return _generator_state_or_raise(obj)
+    except Exception:  # noqa: BLE001 - any generator that cannot give its state: nothing to put back
+        return None
+
+
+def _generator_state_or_raise(obj: Any) -> Any:
     if isinstance(obj, torch.Generator):
         return obj.get_state()
     if isinstance(obj, random.Random):
