@@ -643,10 +643,14 @@ def profile_module(
     name = type(module).__name__
     if not callable(getattr(module, "training_step", None)):
         raise ProfilingError(f"{name} has no training_step to profile.", hint="Pass a LightningModule.")
+    # parameters, and buffers: nn.LazyBatchNorm1d(affine=False) has no parameters, only uninitialized running stats
     lazy = [n for n, p in module.named_parameters() if nn.parameter.is_lazy(p)]
-    if lazy:  # copying them for the snapshot raised torch's ValueError; materialising them here would leave a trace
+    lazy_buffers = [n for n, b in module.named_buffers() if nn.parameter.is_lazy(b)]
+    if lazy or lazy_buffers:  # copying them for the snapshot raised torch's ValueError; materialising them here would leave a trace
+        what = "parameters" if not lazy_buffers else "buffers" if not lazy else "parameters and buffers"
+        lazy += lazy_buffers
         raise ProfilingError(
-            f"{name} has parameters that are not initialized yet ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: a lazy "
+            f"{name} has {what} that are not initialized yet ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: a lazy "
             "module such as nn.LazyLinear), so their sizes, and the model's memory, are not known before a first forward.",
             hint="Initialize them before the fit: run the module once on a dummy batch in __init__, setup() or configure_model() "
             "(as torch advises for lazy modules).",

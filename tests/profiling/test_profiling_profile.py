@@ -116,6 +116,11 @@ def test_errors_have_hints() -> None:
     lazy.net[0] = torch.nn.LazyLinear(16)
     with pytest.raises(ProfilingError, match=r"parameters that are not initialized yet \(net.0.weight, net.0.bias: a lazy module.*HINT: Initialize"):
         profile_module(lazy, xy_batches())
+    # one whose only uninitialized tensors are buffers (a LazyBatchNorm1d without affine weights): the same ValueError
+    lazy = MLP()
+    lazy.net[1] = torch.nn.Sequential(torch.nn.LazyBatchNorm1d(affine=False), lazy.net[1])
+    with pytest.raises(ProfilingError, match=r"not initialized yet \(net.1.0.running_mean, net.1.0.running_var.*HINT: Initialize"):
+        profile_module(lazy, xy_batches())
 
 
 def test_cuda_request_without_gpu() -> None:
