@@ -35,7 +35,7 @@ import json
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from lightning_distplan.errors import ProfileFormatError, first_line
 
@@ -568,26 +568,25 @@ def _fit_terms(fits: dict[str, LinearFit]) -> dict[str, float]:
     return {f"{name}.{term}": getattr(fit, term) for name, fit in fits.items() for term in ("alpha", "beta")}
 
 
-def _first_non_finite(value: Any, path: str) -> str | None:
-    """The path of the first NaN or infinite number in a profile's fields (``"layers[2].forward.alpha"``), None if all are finite."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else path
+def _walk(value: Any, path: str = "", is_str_field: bool = False) -> Iterator[tuple[str, Any, bool]]:
+    """``(path, value, annotated str?)`` for a profile and every field, item and entry inside it, depth first
+    (paths like ``"layers[2].forward.alpha"``)."""
+    yield path, value, is_str_field
     if hasattr(value, "__dataclass_fields__"):
+        hints = _string_fields(type(value))
         for f in fields(value):
-            found = _first_non_finite(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
-            if found is not None:
-                return found
+            yield from _walk(getattr(value, f.name), f"{path}.{f.name}" if path else f.name, f.name in hints)
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
-            found = _first_non_finite(item, f"{path}[{i}]")
-            if found is not None:
-                return found
+            yield from _walk(item, f"{path}[{i}]")
     elif isinstance(value, dict):
         for key, item in value.items():
-            found = _first_non_finite(item, f"{path}[{key!r}]")
-            if found is not None:
-                return found
-    return None
+            yield from _walk(item, f"{path}[{key!r}]")
+
+
+def _first_non_finite(value: Any, path: str) -> str | None:
+    """The path of the first NaN or infinite number in a profile's fields (``"layers[2].forward.alpha"``), None if all are finite."""
+    return next((where for where, item, _ in _walk(value, path) if isinstance(item, float) and not math.isfinite(item)), None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -601,22 +600,7 @@ def _string_fields(cls: type) -> frozenset[str]:
 def _first_non_string(value: Any, path: str) -> tuple[str, Any] | None:
     """(path, value) of the first field annotated ``str`` that holds something else (``links[1].backend = 3``), None if
     all do. JSON gives any type where the schema says string; the loader converts numbers only."""
-    if hasattr(value, "__dataclass_fields__"):
-        hints = _string_fields(type(value))
-        for f in fields(value):
-            item = getattr(value, f.name)
-            where = f"{path}.{f.name}" if path else f.name
-            if f.name in hints and not isinstance(item, str):
-                return where, item
-            found = _first_non_string(item, where)
-            if found is not None:
-                return found
-    elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            found = _first_non_string(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
+    return next(((where, item) for where, item, is_str in _walk(value, path) if is_str and not isinstance(item, str)), None)
 
 
 def _mean(xs: Sequence[float]) -> float:
