@@ -263,3 +263,16 @@ class Plan:
         if isinstance(data, dict) and "strategy" not in data and isinstance(data.get("plan"), dict):
             data = data["plan"]  # auto_plan's plan.json: the plan with its prediction and alternatives
         return cls.from_dict(data)
+
+
+def require_plan(plan: object, owner: str) -> None:
+    """Refuse a ``plan=`` argument of ``owner`` (a strategy's name) that is not a :class:`Plan` (None passes): a
+    ``plan.json`` dict or its path raised a bare AttributeError deep inside the strategy."""
+    if plan is not None and not isinstance(plan, Plan):
+        from lightning_distplan.errors import InfeasiblePlanError
+
+        raise InfeasiblePlanError(
+            f"{owner}(plan=...) takes a lightning_distplan.Plan, got a {type(plan).__name__}.",
+            hint="Read a saved plan with Plan.from_json('<default_root_dir>/distplan/plan.json') (a path or its JSON text), "
+            "or Plan.from_dict(...) for a dict.",
+        )

@@ -32,6 +32,8 @@ from lightning_distplan.strategies.dp_ga import (
     _rebatch,
     loader_batch_size,
     loader_sampler,
+    restore_frequencies,
+    step_frequencies,
 )
 from lightning_distplan.strategies.pipeline import PipelineStrategy
 
@@ -225,8 +227,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._rechunk.remember(trainer)
         self._user_eval_limits = {p: getattr(trainer, f"limit_{p}_batches") for p in _EVAL_PREFIXES}
         super().setup(trainer)
-        self._frequencies = [(c, c.frequency) for c in self.lr_scheduler_configs
-                             if c.interval == "step" and _is_count(c.frequency) and c.frequency > 1]
+        self._frequencies = step_frequencies(self.lr_scheduler_configs)
         self._count_scheduler_frequencies_in_steps(self.later_fits.user_accumulate)
 
     def _count_scheduler_frequencies_in_steps(self, per_step: Any) -> None:
@@ -287,8 +288,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         if module is not None and module._trainer is not None:
             module.trainer.accumulate_grad_batches = self.later_fits.user_accumulate
             self._rechunk.restore(module.trainer)
-            for config, frequency in self._frequencies:
-                config.frequency = frequency
+            restore_frequencies(self._frequencies)
             self._frequencies = []
             for prefix, value in self._user_eval_limits.items():
                 setattr(module.trainer, f"limit_{prefix}_batches", value)

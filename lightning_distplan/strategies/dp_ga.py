@@ -65,7 +65,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
-from lightning_distplan.plan import Plan
+from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, slice_samples
 from lightning_distplan.strategies._auto_planning import check_count
 from lightning_distplan.strategies._checkpoint import (
@@ -128,12 +128,7 @@ class DPGAStrategy(DDPStrategy):
         super().__init__(**ddp_kwargs)
         micro_batch_size = check_count("micro_batch_size", micro_batch_size, auto=True)
         accumulate_grad_batches = check_count("accumulate_grad_batches", accumulate_grad_batches, auto=True)
-        if plan is not None and not isinstance(plan, Plan):
-            raise InfeasiblePlanError(
-                f"DPGAStrategy(plan=...) takes a lightning_distplan.Plan, got a {type(plan).__name__}.",
-                hint="Read a saved plan with Plan.from_json('<default_root_dir>/distplan/plan.json') (a path or its JSON text), "
-                "or Plan.from_dict(...) for a dict.",
-            )
+        require_plan(plan, "DPGAStrategy")
         if plan is not None and plan.strategy != "dp_ga":
             raise InfeasiblePlanError(
                 f"DPGAStrategy runs dp_ga plans, got a {plan.strategy} plan ({plan.describe()}).",
@@ -413,6 +408,18 @@ def _check_plan(plan: Plan, world_size: int) -> Plan:
     return plan
 
 
+def step_frequencies(configs: Any) -> list[tuple[Any, int]]:
+    """``(config, frequency)`` of the learning-rate schedulers with ``interval="step"`` and a whole ``frequency`` above 1:
+    the ones whose frequency Lightning counts in its batches, which a plan re-chunks (see :func:`restore_frequencies`)."""
+    return [(c, c.frequency) for c in configs if c.interval == "step" and _is_count(c.frequency) and c.frequency > 1]
+
+
+def restore_frequencies(frequencies: list[tuple[Any, int]]) -> None:
+    """Give each config of :func:`step_frequencies` the user's frequency back."""
+    for config, frequency in frequencies:
+        config.frequency = frequency
+
+
 class Rechunking:
     """Runs a plan's micro-batches in place of the user's loader batches, keeping what the user's
     Trainer settings mean (the module docstring says how); shared by :class:`DPGAStrategy` and
@@ -639,8 +646,7 @@ class Rechunking:
         trainer = self._trainer
         assert trainer is not None
         if self._frequencies is None:
-            configs = getattr(trainer.strategy, "lr_scheduler_configs", None) or []
-            self._frequencies = [(c, c.frequency) for c in configs if c.interval == "step" and _is_count(c.frequency) and c.frequency > 1]
+            self._frequencies = step_frequencies(getattr(trainer.strategy, "lr_scheduler_configs", None) or [])
         if not self._frequencies:
             return
         index = trainer.fit_loop.epoch_loop.batch_idx
@@ -649,8 +655,7 @@ class Rechunking:
             config.frequency = index + 1 if done % frequency == 0 else index + 2
 
     def _restore_frequencies(self) -> None:
-        for config, frequency in self._frequencies or ():
-            config.frequency = frequency
+        restore_frequencies(self._frequencies or [])
         self._frequencies = None
 
     def weigh(self, output: Any) -> Any:

@@ -81,7 +81,7 @@ from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
-from lightning_distplan.plan import Plan
+from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
@@ -262,12 +262,7 @@ class PipelineStrategy(DDPStrategy):
             raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
         n_microbatches = check_count("n_microbatches", n_microbatches, auto=True)
         stages = check_count("stages", stages, auto=True, low=2)
-        if plan is not None and not isinstance(plan, Plan):
-            raise InfeasiblePlanError(
-                f"PipelineStrategy(plan=...) takes a lightning_distplan.Plan, got a {type(plan).__name__}.",
-                hint="Read a saved plan with Plan.from_json('<default_root_dir>/distplan/plan.json') (a path or its JSON text), "
-                "or Plan.from_dict(...) for a dict.",
-            )
+        require_plan(plan, "PipelineStrategy")
         if plan is not None:
             if plan.strategy not in _SCHEDULES:
                 raise InfeasiblePlanError(

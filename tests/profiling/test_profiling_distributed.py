@@ -150,106 +150,102 @@ def test_a_rank_failing_while_profiling_is_not_blamed_on_the_others_training_ste
     assert "HINT: Its own error is in its output" in said[0] and "training step" not in said[0]
 
 
-def _collective_in_training_step(rank: int, world: int, port: int, out_dir: str) -> None:
+def _profile_case(rank: int, world: int, port: int, out_dir: str, case: str) -> None:
+    """Profile ``case``'s module on this rank of a gloo group and write what it got (or its error) to rank<N>.json."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from datetime import timedelta
 
+    from lightning_distplan.profiling import profile_module
+
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        import time
-
-        from lightning.pytorch import LightningModule
-        from torch import nn
-
-        from lightning_distplan.profiling import profile_module
-
-        class Gathers(LightningModule):
-            """A training_step with a collective of its own, as SyncBatchNorm or a contrastive loss's all_gather has."""
-
-            calls = 0
-
-            def __init__(self) -> None:
-                super().__init__()
-                self.layer = nn.Linear(8, 8)
-
-            def training_step(self, batch, batch_idx):
-                z = self.layer(batch[0])
-                if rank == 1:
-                    time.sleep(0.002)  # one rank a little slower: it timed fewer runs from its own first one
-                total = z.detach().sum().reshape(1)
-                dist.all_reduce(total)
-                type(self).calls += 1  # a class counter: the profiler puts the module's own attributes back
-                return z.pow(2).mean() + 0 * total.sum()
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.1)
-
-        torch.manual_seed(0)
-        data = [(torch.randn(4, 8),) for _ in range(4)]
+        module, data, options, summary = {"collective": _collective_case, "refused": _refused_case}[case](rank)
         try:
-            profile = profile_module(Gathers(), data, micro_batch_sizes=[2, 4, 8], measure_links=False, loop_overhead=False)
-            said = {"calls": Gathers.calls, "sizes": list(profile.micro_batch_sizes)}
+            said = summary(profile_module(module, data, measure_links=False, loop_overhead=False, **options))
         except Exception as err:  # noqa: BLE001 - the test reads what each rank got
-            said = {"error": f"{type(err).__name__}: {err}"[:300], "calls": Gathers.calls}
+            said = {**summary(None), "error": f"{type(err).__name__}: {err}"[:300]}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(said))
     finally:
         dist.destroy_process_group()
     _exit_now()
+
+
+def _collective_case(rank: int):
+    import time
+
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    class Gathers(LightningModule):
+        """A training_step with a collective of its own, as SyncBatchNorm or a contrastive loss's all_gather has."""
+
+        calls = 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def training_step(self, batch, batch_idx):
+            z = self.layer(batch[0])
+            if rank == 1:
+                time.sleep(0.002)  # one rank a little slower: it timed fewer runs from its own first one
+            total = z.detach().sum().reshape(1)
+            dist.all_reduce(total)
+            type(self).calls += 1  # a class counter: the profiler puts the module's own attributes back
+            return z.pow(2).mean() + 0 * total.sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 8),) for _ in range(4)]
+
+    def summary(profile):
+        return {"calls": Gathers.calls} if profile is None else {"calls": Gathers.calls, "sizes": list(profile.micro_batch_sizes)}
+
+    return Gathers(), data, {"micro_batch_sizes": [2, 4, 8]}, summary
 
 
 def test_a_training_step_with_its_own_collective_runs_as_often_on_every_rank(tmp_path: Path) -> None:
     """Each rank sized its whole-step timing loop from its own first timed run, so the ranks ran training_step a
     different number of times, and a collective in it met the profiler's own all-reduce: gloo aborted the process
     ("Received data size doesn't match expected size"). The ranks now agree on the slowest first run."""
-    mp.spawn(_collective_in_training_step, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_profile_case, args=(2, _free_port(), str(tmp_path), "collective"), nprocs=2, join=True)
     said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("error" not in s for s in said), said
     assert said[0]["calls"] == said[1]["calls"] > 0 and said[0]["sizes"] == said[1]["sizes"] == [2, 4, 8], said
 
 
-def _refused_on_one_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from datetime import timedelta
+def _refused_case(rank: int):
+    import torch.nn.functional as F
+    from lightning.pytorch import LightningModule
+    from torch import nn
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        import torch.nn.functional as F
-        from lightning.pytorch import LightningModule
-        from torch import nn
+    class RefusesOnRank1(LightningModule):
+        """Refuses sizes 2 (the prime size) and 8 on rank 1 only, as BatchNorm does where a rank's own input shapes
+        leave one value per channel."""
 
-        from lightning_distplan.profiling import profile_module
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
 
-        class RefusesOnRank1(LightningModule):
-            """Refuses sizes 2 (the prime size) and 8 on rank 1 only, as BatchNorm does where a rank's own input shapes
-            leave one value per channel."""
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            if rank == 1 and x.shape[0] in (2, 8):
+                raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size([1, {x.shape[0]}])")
+            return F.mse_loss(self.layer(x), y)
 
-            def __init__(self) -> None:
-                super().__init__()
-                self.layer = nn.Linear(4, 1)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
 
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                if rank == 1 and x.shape[0] in (2, 8):
-                    raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size([1, {x.shape[0]}])")
-                return F.mse_loss(self.layer(x), y)
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(8)]
 
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.parameters(), lr=0.1)
+    def summary(profile):
+        return {} if profile is None else {"sizes": list(profile.micro_batch_sizes), "rejected": list(profile.rejected_micro_batch_sizes)}
 
-        torch.manual_seed(0)
-        data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(8)]
-        try:
-            profile = profile_module(RefusesOnRank1(), data, micro_batch_sizes=[2, 4, 8, 16, 32], repeats=1, min_timed_s=0,
-                                     measure_links=False, loop_overhead=False)
-            said = {"sizes": list(profile.micro_batch_sizes), "rejected": list(profile.rejected_micro_batch_sizes)}
-        except Exception as err:  # noqa: BLE001 - the test reads what each rank got
-            said = {"error": f"{type(err).__name__}: {err}"[:300]}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(said))
-    finally:
-        dist.destroy_process_group()
-    _exit_now()
+    return RefusesOnRank1(), data, {"micro_batch_sizes": [2, 4, 8, 16, 32], "repeats": 1, "min_timed_s": 0}, summary
 
 
 def test_a_size_one_rank_refuses_is_left_out_on_every_rank(tmp_path: Path) -> None:
@@ -257,7 +253,7 @@ def test_a_size_one_rank_refuses_is_left_out_on_every_rank(tmp_path: Path) -> No
     alone: it `continue`d past the reductions the other rank made, so their all-reduces paired up across sizes (rank 0:
     "Another process ... failed or left"; rank 1: sizes [2] only). Every rank now leaves such a size out, at the prime
     size as in the main loop."""
-    mp.spawn(_refused_on_one_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_profile_case, args=(2, _free_port(), str(tmp_path), "refused"), nprocs=2, join=True)
     said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("error" not in s for s in said), said
     assert said[0] == said[1] == {"sizes": [4, 16, 32], "rejected": [2, 8]}, said
