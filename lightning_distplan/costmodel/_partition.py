@@ -144,6 +144,7 @@ def partition_pipeline(
     memory_cap: float | None,
     tied: Sequence[tuple[Sequence[int], float]] = (),
     no_cut: Sequence[int] = (),
+    receive_buffers: int | None = None,
 ) -> tuple[int, ...]:
     """Split layers into ``pp`` pipeline stages minimising the slowest stage, hand-overs and memory included.
 
@@ -152,7 +153,9 @@ def partition_pipeline(
     (``cut_times[a - 1]``, k > 0) plus the one it sends (``cut_times[b - 1]``, k < pp − 1), and holds
     ``Σ static_memory[a:b] + in_flight[k] · (Σ activation_memory[a:b] + cut_memory[a - 1])`` bytes
     (the received tensor, saved by its first layer, is a second copy on the receiving device), plus
-    a full copy of each ``tied`` group it uses whose first user is on an earlier stage.
+    a full copy of each ``tied`` group it uses whose first user is on an earlier stage. With
+    ``receive_buffers`` r, the received tensor counts r times instead of ``in_flight[k]`` times, and a
+    stage that sends (k < pp − 1) also holds r buffers of its output's size (the gradients it receives back).
     Hand-overs make cutting after a layer with a large output cost both stages time, and 1F1B's
     stages hold different numbers of micro-batches, which the compute-only
     :func:`partition_layers` does not see.
@@ -176,6 +179,9 @@ def partition_pipeline(
         tied: parameters several layers use, as (those layers, bytes of one more copy with its
             gradient and optimizer state); ``static_memory`` counts each once, at its first user.
         no_cut: layers no stage may start at (besides layer 0), e.g. to keep a tied group on one stage.
+        receive_buffers: receive buffers a stage keeps for its input and for its output's gradient, whatever
+            its in-flight count (torch's ``PipelineStage`` allocates one of each per micro-batch); None: the
+            received input counts once per in-flight micro-batch and no gradient buffer is held.
 
     Raises:
         ModelSplitError: ``pp`` below 1 or above the number of layers, or malformed lists.
@@ -207,7 +213,7 @@ def partition_pipeline(
     barred = {int(j) for j in no_cut}
     cap = math.inf if memory_cap is None else float(memory_cap)
     with np.errstate(all="ignore"):  # sums past the float range give inf (bytes: nan, never over the cap), unwarned as in Python
-        choice = _programme(pp, pt, static_memory, activation_memory, cut_times, cut_memory, in_flight, cap, groups, barred)
+        choice = _programme(pp, pt, static_memory, activation_memory, cut_times, cut_memory, in_flight, cap, groups, barred, receive_buffers)
     if choice is None:
         if barred:
             under = "" if cap == math.inf else f" and keeps every stage under {cap:.4g} bytes"
@@ -237,6 +243,7 @@ def _programme(
     cap: float,
     groups: list[tuple[int, list[int], float]],
     barred: set[int],
+    receive_buffers: int | None = None,
 ) -> list[np.ndarray] | None:
     """partition_pipeline's programme: ``choice[k][j]``, the first layer of stage ``k`` in the best split
     of layers ``[0, j)`` into stages ``0..k``, or None where no split of all layers into ``pp`` stages fits.
@@ -283,7 +290,14 @@ def _programme(
         ok = ready[rows, None] & later[rows, cols]
         factor = in_flight[k] * 1.0  # as the scalar product in_flight[k] * (...) converts it
         if cap < inf:  # memory > inf (or nan) never holds
-            memory = static[rows, cols] + factor * (held[rows, cols] if k > 0 else activations[rows, cols] + 0.0)
+            if receive_buffers is None:
+                memory = static[rows, cols] + factor * (held[rows, cols] if k > 0 else activations[rows, cols] + 0.0)
+            else:  # the input's buffers (k > 0) and the output gradient's (k < pp - 1), whatever is in flight
+                memory = static[rows, cols] + factor * activations[rows, cols]
+                if k > 0:
+                    memory = memory + receive_buffers * received[rows, None]
+                if not last:
+                    memory = memory + receive_buffers * received[cols]
             if groups:
                 memory = memory + copies[rows, cols]
             ok &= ~(memory > cap)

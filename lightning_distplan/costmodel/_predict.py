@@ -469,6 +469,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
             cut_memory=outputs,
             in_flight=[in_flight_microbatches(plan.strategy, n, p, k) for k in range(p)],
             tied=[(g.layers, g.param_bytes * copy_bytes) for g in profile.shared_parameters],
+            receive_buffers=n,
         )
         cap = hw.usable_memory_bytes - overhead
         try:
@@ -586,11 +587,16 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     step = sum(breakdown.values())
 
     stage_act = list(stage_sums(acts, boundaries))
-    for k in range(1, p):
-        # A stage's first layer saves the tensor it receives for its backward (Linear, conv,
-        # attention and norms all save their input). On one device that storage was counted once,
-        # under the producing layer; across stages it is a second copy on the receiving device.
-        stage_act[k] += m * profile.layers[edges[k] - 1].output_bytes_per_sample
+    # torch's PipelineStage allocates its receive buffers once per micro-batch and keeps them (they are
+    # reused step after step): n for the activation a stage receives (k > 0) and n for the gradient of
+    # the output it sends (k < p − 1), whatever the schedule keeps in flight. A stage's first layer saves
+    # the tensor it receives for its backward (Linear, conv, attention and norms all save their input):
+    # that is the receive buffer itself, a copy the one-device profile did not hold on this device.
+    buffers = [
+        n * m * ((profile.layers[edges[k] - 1].output_bytes_per_sample if k > 0 else 0.0)
+                 + (profile.layers[edges[k + 1] - 1].output_bytes_per_sample if k < p - 1 else 0.0))
+        for k in range(p)
+    ]
     opt_bytes = _optimizer_state_bytes(profile)
     total_params = max(1, profile.memory.param_bytes)
     total_trained = _trained_bytes(profile)
@@ -608,8 +614,9 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
                 # aside while the flush builds its own (PipelineStrategy.training_step), so two sets.
                 "grads": int(round(trained * profile.memory.grad_bytes)) * (2 if k_flush > 1 else 1),
                 "optimizer": int(round(trained * opt_bytes)),
-                # DESIGN §4: GPipe keeps n micro-batches of the stage's activations, 1F1B min(n, p − k).
-                "activations": int(round(in_flight_microbatches(plan.strategy, n, p, k) * stage_act[k])),
+                # DESIGN §4: GPipe keeps n micro-batches of the stage's activations, 1F1B min(n, p − k);
+                # plus the stage's receive buffers, n of each kind under either schedule.
+                "activations": int(round(in_flight_microbatches(plan.strategy, n, p, k) * stage_act[k] + buffers[k])),
                 "ddp_buckets": 0,  # PipelineStrategy all-reduces its stage gradients itself, without DDP
                 "overhead": overhead,
             }

@@ -133,18 +133,40 @@ def test_extrapolated_micro_batch_is_flagged():
 
 
 def test_receiving_stage_keeps_a_copy_of_the_boundary_activation():
-    # Layer 2 outputs 0.5e6 bytes per sample. On one device that tensor is saved once (by its
-    # producer); across a stage boundary the receiving stage's first layer saves its own copy, per
-    # in-flight micro-batch (measured in tests/strategies/test_pipeline_math.py).
+    # Layer 2 outputs 0.5e6 bytes per sample. On one device that tensor is saved once; across a stage
+    # boundary it lands in the receiving stage's receive buffer, which its first layer saves (measured in
+    # tests/strategies/test_pipeline_math.py). torch's PipelineStage allocates one such buffer per
+    # micro-batch and keeps them all, so the receiver holds n of them under 1F1B too.
     specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=1_000_000, activation_bytes_per_sample=a, output_bytes_per_sample=o)
              for a, o in ((1e6, 0.0), (2e6, 0.0), (3e6, 0.5e6), (4e6, 0.0))]
     prof = synthetic_profile(specs, fixed_overhead_bytes=1_000_000)
     kw = dict(dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8, stage_boundaries=(3,))
     gpipe = predict(prof, Plan(strategy="gpipe", **kw), hw())
     onef = predict(prof, Plan(strategy="1f1b", **kw), hw())
-    # stage 1 activations per micro-batch: 2·4e6 + 2·0.5e6 (received) = 9e6; stage 0 unchanged (12e6)
-    assert gpipe.stage_memory_bytes == (12e6 + 4 * 12e6 + 1e6, 4e6 + 4 * 9e6 + 1e6)
-    assert onef.stage_memory_bytes == (12e6 + 2 * 12e6 + 1e6, 4e6 + 1 * 9e6 + 1e6)
+    # per micro-batch: stage 0 saves 2·(1+2+3)e6 = 12e6, stage 1 2·4e6 = 8e6; the boundary tensor is 2·0.5e6 = 1e6,
+    # with n = 4 buffers of it on each side (stage 1's inputs, stage 0's gradients back)
+    assert gpipe.stage_memory_bytes == (12e6 + 4 * 12e6 + 4 * 1e6 + 1e6, 4e6 + 4 * 8e6 + 4 * 1e6 + 1e6)
+    assert onef.stage_memory_bytes == (12e6 + 2 * 12e6 + 4 * 1e6 + 1e6, 4e6 + 1 * 8e6 + 4 * 1e6 + 1e6)
+
+
+def test_receive_buffers_are_held_per_micro_batch_under_both_schedules():
+    # torch.distributed.pipelining's PipelineStage (_setup_forward_recv_info, _setup_backward_recv_info)
+    # allocates, once and for good, one activation receive buffer per micro-batch on every stage but the
+    # first and one gradient receive buffer per micro-batch on every stage but the last (2 gloo ranks,
+    # Schedule1F1B, n = 8, Linear(64, 64), m = 4: stage 0 held 8 gradient buffers of 1 KiB, stage 1 8
+    # activation buffers of 1 KiB). 1F1B's min(n, p − k) in-flight count bounds saved activations, not them.
+    prof = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, output_bytes_per_sample=1e6) for _ in range(2)])
+    for strategy in ("gpipe", "1f1b"):
+        plan = Plan(strategy=strategy, dp=1, pp=2, micro_batch_size=1, n_microbatches=8, global_batch_size=8, stage_boundaries=(1,))
+        pred = predict(prof, plan, hw())
+        assert pred.stage_memory_bytes == (8_000_000, 8_000_000), strategy
+    # the split sees them too: a cap that holds the buffers of one cut but not of the other steers it
+    specs = [LayerSpec(fwd_alpha=a, bwd_alpha=2 * a, output_bytes_per_sample=o) for a, o in ((0.1, 1e6), (0.1, 4e6), (0.2, 0.0))]
+    prof = synthetic_profile(specs)
+    plan = Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=1, n_microbatches=4, global_batch_size=4)
+    assert predict(prof, plan, hw()).stage_boundaries == (2,)  # the balanced cut, 2:2 against 1:3
+    capped = predict(prof, plan, hw(int(10e6 / 0.9)))  # usable 10e6: cut (2,) holds 4·4e6 per side, (1,) 4·1e6
+    assert capped.stage_boundaries == (1,) and capped.feasible and capped.peak_memory_bytes == 4_000_000
 
 
 def test_a_frozen_stage_holds_no_gradients_or_optimizer_state():

@@ -1199,13 +1199,16 @@ def _cost_model_activations(p: int, n: int) -> tuple[dict[str, list[float]], flo
                     stage_boundaries=(MLP_BOUNDARY,), layer_names=tuple(l.name for l in profile.layers))
         stage_mem[s] = predict(profile, plan).stage_memory_bytes
     predicted: dict[str, list[float]] = {"gpipe": [], "1f1b": []}
+    boundary = m * profile.layers[MLP_BOUNDARY - 1].output_bytes_per_sample
     for k in range(p):
-        # Params, grads, optimizer and overhead are the same under both schedules; the difference is
-        # (n − in_flight_1f1b) micro-batches of this stage's activations.
+        # Params, grads, optimizer, overhead and the n receive buffers are the same under both schedules; the
+        # difference is (n − in_flight_1f1b) micro-batches of this stage's activations. What the meter counts,
+        # saved tensors, holds those and, on stage 1, the receive buffer of each micro-batch in flight (its
+        # first Linear saves its input).
         per_mb = (stage_mem["gpipe"][k] - stage_mem["1f1b"][k]) / (n - in_flight_microbatches("1f1b", n, p, k))
         for s in predicted:
-            predicted[s].append(in_flight_microbatches(s, n, p, k) * per_mb)
-    return predicted, m * profile.layers[MLP_BOUNDARY - 1].output_bytes_per_sample
+            predicted[s].append(in_flight_microbatches(s, n, p, k) * (per_mb + (boundary if k else 0.0)))
+    return predicted, boundary
 
 
 def test_pipeline_costmodel_counts_received_boundary_activation(two_rank_run) -> None:
