@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         device_memory_bytes=None if args.device_memory_gb is None else max(1, int(args.device_memory_gb * 2**30)),
         bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9 / 8,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+        ranks_per_host=args.world_size,  # a CPU profile's memory is the host's RAM, shared by its ranks
     )
     hardware = replace(hardware, compute_scale=args.compute_scale, memory_margin=args.memory_margin)
     _check_magnitudes(profile, args, hardware)

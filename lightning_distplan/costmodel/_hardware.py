@@ -109,6 +109,7 @@ class Hardware:
         bandwidth_bytes_per_s: float | None = None,
         latency_s: float | None = None,
         warn_default_links: bool = True,
+        ranks_per_host: int = 1,
     ) -> Hardware:
         """The profiled device, with its measured links.
 
@@ -122,6 +123,10 @@ class Hardware:
             device_memory_bytes: override the device memory (default: the profiled device's).
             bandwidth_bytes_per_s: interconnect bandwidth for both all-reduce and p2p sends.
             latency_s: interconnect latency for both all-reduce and p2p sends.
+            ranks_per_host: training processes that share one host. On a CPU profile the "device" memory
+                is the host's RAM (or its cgroup limit), which every rank on the host draws from, so each
+                gets its share; GPU ranks each have their own device. A given ``device_memory_bytes`` is
+                taken as one rank's already.
         """
         if device_memory_bytes is not None and device_memory_bytes <= 0:
             raise InfeasiblePlanError(
@@ -134,6 +139,8 @@ class Hardware:
                 "The profile records no device memory and none was given.",
                 hint="Pass device_memory_bytes (CLI: --device-memory-gb).",
             )
+        if device_memory_bytes is None and profile.device.type == "cpu" and ranks_per_host > 1:
+            memory //= ranks_per_host
         used: set[str] = set()
         defaulted: list[str] = []
         links: dict[str, tuple[float, float]] = {}

@@ -205,7 +205,8 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
             f"({len(plan.layer_names)} against {len(names)} layers).",
             hint="Plan again from this profile, or drop the plan's stage_boundaries to have them split afresh.",
         )
-    hw = hardware if hardware is not None else Hardware.from_profile(profile, warn_default_links=plan.world_size > 1)  # one device: no link
+    hw = hardware if hardware is not None else Hardware.from_profile(  # one device: no link; CPU ranks share the host's RAM
+        profile, warn_default_links=plan.world_size > 1, ranks_per_host=plan.world_size)
     if plan.strategy == "dp_ga":
         return _predict_dp(profile, plan, hw)
     return _predict_pipeline(profile, plan, hw)

@@ -102,7 +102,8 @@ def rank_plans(
     plans = enumerate_plans(
         profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp, pins=pins
     )
-    hw = hardware if hardware is not None else Hardware.from_profile(profile, warn_default_links=world_size > 1)  # one device: no link
+    hw = hardware if hardware is not None else Hardware.from_profile(  # one device: no link; CPU ranks share the host's RAM
+        profile, warn_default_links=world_size > 1, ranks_per_host=world_size)
     priced: list[tuple[Plan, Prediction, float, float | None]] = []
     for plan in plans:
         pred = predict(profile, plan, hw)

@@ -492,7 +492,8 @@ def choose_plan(
         BatchNotFactorableError: the global batch cannot be factored over the devices.
     """
     if hardware is None:
-        hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1)
+        hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1,
+                                         ranks_per_host=world_size)  # CPU ranks share the host's RAM (more than needed across nodes)
     if compute_scale != hardware.compute_scale:
         hardware = replace(hardware, compute_scale=compute_scale)
     if ddp_bucket_bytes is not None:

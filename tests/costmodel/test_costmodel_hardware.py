@@ -84,6 +84,23 @@ def test_device_memory_must_be_positive_not_silently_the_profiled_one():
         Hardware.from_profile(prof, device_memory_bytes=0)
 
 
+def test_cpu_ranks_share_the_host_memory():
+    """A CPU profile's memory is the host's RAM; the ranks on that host share it. 4 dp_ga ranks of 5.3 GiB each on an
+    8 GiB host were ranked feasible (21 GiB in all)."""
+    from lightning_distplan.planner import rank_plans
+
+    specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=500 << 20, activation_bytes_per_sample=50 << 20) for _ in range(2)]
+    gpu = synthetic_profile(specs, device_memory_bytes=8 << 30)
+    cpu = replace(gpu, device=replace(gpu.device, type="cpu", memory_source="host RAM (sysconf)"))
+    assert Hardware.from_profile(cpu, ranks_per_host=4).device_memory_bytes == 2 << 30
+    assert Hardware.from_profile(gpu, ranks_per_host=4).device_memory_bytes == 8 << 30  # a GPU per rank
+    assert Hardware.from_profile(cpu, ranks_per_host=4, device_memory_bytes=8 << 30).device_memory_bytes == 8 << 30  # given: one rank's
+    kw = dict(world_size=4, global_batch_size=16, strategies=("dp_ga",), hardware=None)
+    assert not any(c.prediction.feasible for c in rank_plans(cpu, **kw))
+    assert rank_plans(gpu, **kw)[0].prediction.feasible
+    assert rank_plans(cpu, **{**kw, "world_size": 1})[0].prediction.feasible  # one rank has the host to itself
+
+
 def test_format_bytes_picks_the_unit():
     from lightning_distplan.costmodel._hardware import format_bytes
 
