@@ -289,7 +289,8 @@ def plan_micro_batching(
     if trainer.is_global_zero:
         try:
             decision = ("ok", *rank_micro_batching(profile, world_size=world, global_batch_size=global_batch, pins=pins,
-                                                   device_memory_bytes=device_memory_bytes, ddp_bucket_bytes=ddp_bucket_bytes(strategy)))
+                                                   device_memory_bytes=device_memory_bytes, ddp_bucket_bytes=ddp_bucket_bytes(strategy),
+                                                   ranks_per_host=max(1, world // max(1, trainer.num_nodes))))
         except Exception as err:  # every rank raises the same error
             decision = ("error", err)
     decision = strategy.broadcast(decision)
@@ -327,12 +328,14 @@ def rank_micro_batching(
     pins: dict[str, Any] | None = None,
     device_memory_bytes: int | None = None,
     ddp_bucket_bytes: int | None = None,
+    ranks_per_host: int | None = None,
 ) -> tuple[list[Candidate], Hardware, tuple[Candidate, float] | None]:
     """The ranked ``dp_ga`` plans, the hardware they were priced on, and — ranking every strategy on
     the same hardware without pins — a faster plan of another strategy with its speed-up, if any (pure)."""
     dp, hardware = choose_plan(
         profile, world_size=world_size, global_batch_size=global_batch_size, pins=pins,
         device_memory_bytes=device_memory_bytes, strategies=("dp_ga",), ddp_bucket_bytes=ddp_bucket_bytes,
+        ranks_per_host=ranks_per_host,
     )
     try:
         everything, _ = choose_plan(profile, world_size=world_size, global_batch_size=global_batch_size, hardware=hardware)

@@ -482,10 +482,12 @@ def choose_plan(
     compute_scale: float = 1.0,
     hardware: Hardware | None = None,
     ddp_bucket_bytes: int | None = None,
+    ranks_per_host: int | None = None,
 ) -> tuple[list[Candidate], Hardware]:
     """Rank every plan for the user's global batch on ``world_size`` devices; the first is feasible.
 
     ``ddp_bucket_bytes``: the run's DDP gradient bucket size (:func:`ddp_bucket_bytes`), where it sets one.
+    ``ranks_per_host``: processes sharing one host's RAM on a CPU profile (default: all ``world_size``).
 
     Raises:
         InfeasiblePlanError: an impossible pin (from the planner, with its HINT), or no plan fits in memory.
@@ -493,7 +495,7 @@ def choose_plan(
     """
     if hardware is None:
         hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1,
-                                         ranks_per_host=world_size)  # CPU ranks share the host's RAM (more than needed across nodes)
+                                         ranks_per_host=world_size if ranks_per_host is None else ranks_per_host)
     if compute_scale != hardware.compute_scale:
         hardware = replace(hardware, compute_scale=compute_scale)
     if ddp_bucket_bytes is not None:

@@ -389,6 +389,7 @@ class AutoPlanStrategy(DDPStrategy):
                 candidates, hardware = choose_plan(
                     profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
                     device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
+                    ranks_per_host=max(1, world // max(1, trainer.num_nodes)),  # a CPU host's RAM is its ranks'
                 )
                 whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
                 if not self._pipeline_pinned() and whole_epoch:

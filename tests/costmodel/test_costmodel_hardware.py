@@ -9,7 +9,7 @@ import pytest
 
 from lightning_distplan.costmodel import DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_LATENCY_S, Hardware, cost_per_step, objective
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
-from lightning_distplan.errors import CatalogError, DistPlanError
+from lightning_distplan.errors import CatalogError, DistPlanError, InfeasiblePlanError
 from lightning_distplan.profile import LinkProfile
 
 LINKS = (
@@ -99,6 +99,20 @@ def test_cpu_ranks_share_the_host_memory():
     assert not any(c.prediction.feasible for c in rank_plans(cpu, **kw))
     assert rank_plans(gpu, **kw)[0].prediction.feasible
     assert rank_plans(cpu, **{**kw, "world_size": 1})[0].prediction.feasible  # one rank has the host to itself
+
+
+def test_cpu_ranks_on_several_hosts_share_only_their_own_host():
+    """auto_plan and PlanningCallback pass the ranks per node: 4 ranks over 2 CPU hosts of 8 GiB give each 4 GiB, not 2."""
+    from lightning_distplan.strategies._auto_planning import choose_plan
+
+    specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=300 << 20, activation_bytes_per_sample=50 << 20) for _ in range(2)]
+    gpu = synthetic_profile(specs, device_memory_bytes=8 << 30)
+    cpu = replace(gpu, device=replace(gpu.device, type="cpu", memory_source="host RAM (sysconf)"))
+    with pytest.raises(InfeasiblePlanError):
+        choose_plan(cpu, world_size=4, global_batch_size=16, strategies=("dp_ga",))  # 4 ranks on one 8 GiB host
+    candidates, hardware = choose_plan(cpu, world_size=4, global_batch_size=16, strategies=("dp_ga",), ranks_per_host=2)
+    assert hardware.device_memory_bytes == 4 << 30
+    assert candidates[0].prediction.feasible
 
 
 def test_format_bytes_picks_the_unit():
