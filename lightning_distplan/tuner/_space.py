@@ -251,25 +251,35 @@ class ConfigSpace:
             self._projected[key] = project_profile(self.profile, inst.gpu_spec(), precision=self.precision)  # type: ignore[arg-type]
         return self._projected[key]
 
-    def hardware(self, inst: Instance, count: int) -> Hardware:
-        """Devices and links of ``count`` instances: the network between instances, NVLink/PCIe inside one."""
+    def hardware(self, inst: Instance, count: int, plan: Plan | None = None) -> Hardware:
+        """Devices and links of ``count`` instances running ``plan``: the network between instances, NVLink/PCIe
+        inside one."""
         spec = inst.gpu_spec()
         network = inst.network_gbps * 1e9 / 8
+        intra = (spec.interconnect_bytes_per_s, INTRA_NODE_LATENCY_S)
+        intra_source = f"intra-instance GPU link {spec.interconnect_bytes_per_s / 1e9:g} GB/s ({spec.source})"
         if count == 1 and inst.devices_per_instance > 1:
-            bw, lat = spec.interconnect_bytes_per_s, INTRA_NODE_LATENCY_S
-            source = f"intra-instance GPU link {spec.interconnect_bytes_per_s / 1e9:g} GB/s ({spec.source})"
+            (bw, lat), source = intra, intra_source
+            p2p = intra
         else:
             # A ring or a pipeline spanning instances is bound by the slowest link: the instance network
             # (with one device per instance nothing is sent, and the value is unused).
             bw, lat = min(network, spec.interconnect_bytes_per_s), NETWORK_LATENCY_S
             source = f"catalog network {inst.network_gbps:g} Gbit/s ({inst.network_source or inst.source})"
+            p2p = (bw, lat)
+            if plan is not None and plan.pp > 1 and inst.devices_per_instance % plan.pp == 0:
+                # A pipeline's stages are consecutive ranks (stage = rank % pp) and ranks fill one instance before
+                # the next (node-major, as Lightning's launchers number them): with pp dividing the GPUs of an
+                # instance, every pipeline lies inside one, and only the stages' dp all-reduce crosses the network.
+                p2p = intra
+                source += f"; pipeline hand-overs inside an instance: {intra_source}"
         return Hardware(
             name=f"{count}x {inst.instance_type} ({inst.gpu})",
             device_memory_bytes=int(spec.memory_bytes),
             allreduce_latency_s=lat,
             allreduce_bandwidth_bytes_per_s=bw,
-            p2p_latency_s=lat,
-            p2p_bandwidth_bytes_per_s=bw,
+            p2p_latency_s=p2p[1],
+            p2p_bandwidth_bytes_per_s=p2p[0],
             link_source=source,
         )
 
@@ -280,7 +290,7 @@ class ConfigSpace:
             return self._cache[key]
         self.evaluations += 1
         projected, info = self.projection(inst)
-        hw = self.hardware(inst, count)
+        hw = self.hardware(inst, count, plan)
         try:
             pred = predict(projected, plan, hw)
         except DistPlanError as err:
@@ -321,7 +331,7 @@ class ConfigSpace:
     def trial_attrs(self, config: TunedConfig, inst: Instance, *, requested: dict[str, Any] | None = None) -> dict[str, Any]:
         """User attributes stored on a trial: everything needed to read or rebuild the configuration."""
         _, info = self.projection(inst)
-        hw = self.hardware(inst, config.count)
+        hw = self.hardware(inst, config.count, config.plan)
         attrs: dict[str, Any] = {
             "instance_type": config.instance_type,
             "count": config.count,

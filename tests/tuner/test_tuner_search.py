@@ -352,6 +352,29 @@ def test_exhaustive_covers_exactly_the_enumerated_space(profile):
         exhaustive(profile, catalog, global_batch_size=B, max_instances=3, max_configurations=10)
 
 
+def test_a_pipeline_inside_each_instance_hands_over_on_the_gpu_link_not_the_network():
+    """Stages are consecutive ranks, so with pp dividing an instance's GPUs each pipeline stays inside one instance: its
+    hand-overs go over NVLink (p3.16xlarge: 150 GB/s), only the stages' all-reduce over the 25 Gbit/s network."""
+    from lightning_distplan.costmodel.gpus import GPUS
+
+    catalog = load_catalog("aws-2026")
+    inst = catalog.get("p3.16xlarge")
+    space = ConfigSpace(make_profile(n_layers=16), catalog, global_batch_size=B, time_weight=0.0, max_instances=2, strategies=("1f1b",))
+
+    def config(count, pp):
+        plan = next(p for p in space.plans(inst.world_size(count)) if p.pp == pp and p.micro_batch_size == 2)
+        return space.evaluate(inst, count, plan), space.trial_attrs(space.evaluate(inst, count, plan), inst)["hardware"]
+
+    one, _ = config(1, 8)
+    two, links = config(2, 8)
+    assert links["p2p_bandwidth_bytes_per_s"] == GPUS["V100"].interconnect_bytes_per_s
+    assert links["allreduce_bandwidth_bytes_per_s"] == 25e9 / 8
+    # half the micro-batches per pipeline on the same link (was 9x the one-instance time, priced over the network)
+    assert two.breakdown["p2p"] < one.breakdown["p2p"]
+    _, spanning = config(2, 16)  # a 16-stage pipeline crosses from one instance to the other
+    assert spanning["p2p_bandwidth_bytes_per_s"] == 25e9 / 8
+
+
 @pytest.mark.parametrize(("batch", "strategies", "max_pp"), [(64, ("dp_ga", "gpipe", "1f1b"), None), (96, ("1f1b",), 3), (7, ("dp_ga",), None)])
 def test_the_quick_factor_check_never_drops_a_world_the_planner_has_plans_for(profile, batch, strategies, max_pp):
     """The space skips the planner for world sizes with no dp dividing the batch (what made --max-instances 2000 take 30 s)."""
