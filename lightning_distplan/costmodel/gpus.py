@@ -164,6 +164,9 @@ GPUS: dict[str, GpuSpec] = {
     "L4": _row("L4", 121, 30.3, 60, 300, 24, 32, "NVIDIA L4 datasheet", gddr=True),
     # source: NVIDIA V100 datasheet, SXM2 (125 FP16 tensor, 15.7 FP32, 900 GB/s, 16 GB, NVLink 300 GB/s total); no BF16, no TF32.
     "V100": _row("V100", 125, 15.7, None, 900, 16, 150, "NVIDIA V100 datasheet (SXM2 16 GB)", bf16=False),
+    # source: NVIDIA V100 datasheet, SXM2 32 GB (the 16 GB part's peaks: 125 FP16 tensor, 15.7 FP32, 900 GB/s; NVLink 300 GB/s total);
+    # SkyPilot's AWS catalog names it "V100-32GB" (p3dn.24xlarge), torch "Tesla V100-SXM2-32GB".
+    "V100-32GB": _row("V100-32GB", 125, 15.7, None, 900, 32, 150, "NVIDIA V100 datasheet (SXM2 32 GB)", bf16=False),
     # source: NVIDIA V100 datasheet, PCIe (112 FP16 tensor, 14 FP32, 900 GB/s, 16 GB, PCIe Gen3 x16); no BF16, no TF32.
     "V100-PCIe": _row("V100-PCIe", 112, 14, None, 900, 16, 16, "NVIDIA V100 datasheet (PCIe 16 GB)", bf16=False),
     # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
@@ -218,6 +221,8 @@ _ALIASES: dict[str, str] = {
     "V10016GB": "V100",
     "V100SXM216GB": "V100",
     "TESLAV100SXM216GB": "V100",
+    "V100SXM232GB": "V100-32GB",
+    "TESLAV100SXM232GB": "V100-32GB",
     "V100PCIE": "V100-PCIe",
     "TESLAT4": "T4",
     "T4": "T4",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 
+from lightning_distplan.costmodel.gpus import GPUS
 from lightning_distplan.errors import CatalogError
 from lightning_distplan.tuner.catalog import BUILTIN_CATALOGS, load_catalog, parse_catalog_csv, spot_priced
 
@@ -100,6 +102,17 @@ def test_rows_a_plan_cannot_use_are_skipped_with_one_warning(tmp_path):
                                          r"cat.csv line 5: column 'Price' is empty for 'g4dn.xlarge'\); 1 row is used. For the GPUs: the spec table knows T4"):
         cat = parse_catalog_csv(path)
     assert cat.instance_types == ("g5.xlarge",)
+
+
+def test_skypilots_v100_32gb_rows_are_searched_on_32_gb(tmp_path):
+    """SkyPilot's AWS catalog names p3dn.24xlarge's GPU "V100-32GB": it was skipped as an unknown GPU (the 16 GB V100 row
+    refuses a name with another size), so the search never saw the instance."""
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\np3dn.24xlarge,V100-32GB,8,31.212,100\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped
+        inst = parse_catalog_csv(path).get("p3dn.24xlarge")
+    assert inst.gpu == "V100-32GB" and inst.gpu_memory_gb == 32 and inst.gpu_spec().memory_bytes == 32 * 2**30
+    assert inst.gpu_spec().fp32_flops == GPUS["V100"].fp32_flops and inst.gpu_spec().tf32_flops is None
 
 
 @pytest.mark.parametrize(
