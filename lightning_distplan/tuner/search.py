@@ -40,6 +40,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -70,6 +71,9 @@ OBJECTIVES = {
     True: "(C, T) per optimizer step (NSGA-II); best: the lowest C + w*T among the configurations found",
 }
 """What a search minimised, by ``multi_objective``, as the JSON result says it."""
+
+METRIC_NAMES = {False: ("cost_per_step + w*step_time_s",), True: ("cost_per_step", "step_time_s")}
+"""The study's metric names (optuna-dashboard's axis and column labels for the trial values), by ``multi_objective``."""
 
 @dataclass(frozen=True, kw_only=True)
 class TuneResult:
@@ -809,6 +813,9 @@ def _tune(
                 target.set_user_attr("projections", projections)
                 target.set_user_attr("global_batch_size", global_batch_size)
                 target.set_user_attr("time_weight", float(time_weight))
+                with warnings.catch_warnings():  # experimental in Optuna; what optuna-dashboard labels the values with
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    target.set_metric_names(list(METRIC_NAMES[bool(multi_objective)]))
             write_trials(target, new_trials)
         except BaseException as err:
             if created:

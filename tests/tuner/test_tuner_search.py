@@ -336,6 +336,9 @@ def test_multi_objective_nsga2(tmp_path, profile):
     multi = tune(profile, catalog="aws-2026", global_batch_size=B, n_trials=5, storage=_url(tmp_path), max_instances=2, multi_objective=True,
                  progress=False)
     assert multi.study_name == single.study_name + "-mo" and not single.to_dict()["multi_objective"]
+    # optuna-dashboard labels the values (its Pareto-front axes) with the study's metric names: "Objective 0 / 1" without them
+    assert study.metric_names == ["cost_per_step", "step_time_s"]
+    assert optuna.load_study(study_name=single.study_name, storage=_url(tmp_path)).metric_names == ["cost_per_step + w*step_time_s"]
 
 
 def test_exhaustive_covers_exactly_the_enumerated_space(profile):
