@@ -358,8 +358,9 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
 
     Rows without an ``AcceleratorName`` (CPU-only instances in SkyPilot files) are skipped. So are,
     with one warning that counts them and names examples, rows of a GPU the spec table does not know
-    (SkyPilot's files list K80s, Inferentia, Trainium...) and rows without a ``Price`` (not sold
-    on demand there). A row whose ``InstanceType`` repeats in another ``Region`` becomes
+    (SkyPilot's files list K80s, Inferentia, Trainium...), rows without a ``Price`` (not sold
+    on demand there) and accelerators priced without an ``InstanceType`` (SkyPilot's GCP file lists
+    the GPUs attached to an N1 host so). A row whose ``InstanceType`` repeats in another ``Region`` becomes
     ``type@region``; repeats in the same region (availability zones) keep the cheapest.
 
     With ``pricing="spot"`` the ``SpotPrice`` column takes ``Price``'s place: it is required, each instance is
@@ -406,15 +407,20 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
 
     rows: dict[tuple[str, str], Instance] = {}
     no_price = "no spot price" if pricing == "spot" else "no price"
-    skipped: dict[str, list[str]] = {"unknown GPU": [], no_price: []}
+    skipped: dict[str, list[str]] = {"unknown GPU": [], no_price: [], "no instance type": []}
     for lineno, row in enumerate(reader, start=2):
         if not any(c.strip() for c in row):
             continue
         where = f"{path.name} line {lineno}"
         itype = cell(row, "InstanceType")
+        gpu_name = cell(row, "AcceleratorName")
+        if not itype and gpu_name:
+            # an accelerator priced alone: SkyPilot's GCP catalog lists the GPUs (and TPUs) attached to an N1 host so,
+            # the host's price in a row of its own; there is no instance to rent by that row
+            skipped["no instance type"].append(f"{where}: accelerator {gpu_name!r} without an InstanceType")
+            continue
         if not itype:
             raise CatalogError(f"{where}: column 'InstanceType' is empty.", hint="Name the instance type in every row.")
-        gpu_name = cell(row, "AcceleratorName")
         if not gpu_name:
             continue  # a CPU-only instance: nothing to plan on
         canonical = match_gpu_name(gpu_name)
@@ -471,6 +477,9 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
             raise CatalogError(f"{skipped['unknown GPU'][0]} ({_skipped_summary(skipped)}, no usable row); {known}.", hint=gpu_hint)
         if skipped[no_price]:
             raise CatalogError(f"{skipped[no_price][0]} ({_skipped_summary(skipped)}, no usable row).", hint=f"Fill in {price_column} for those rows.")
+        if skipped["no instance type"]:
+            raise CatalogError(f"{skipped['no instance type'][0]} ({_skipped_summary(skipped)}, no usable row).",
+                               hint="Give each GPU instance a row with its InstanceType, AcceleratorName, AcceleratorCount and price.")
         raise CatalogError(f"Catalog file {str(path)!r} has no GPU instance rows.", hint="Add rows with AcceleratorName and AcceleratorCount.")
     if any(skipped.values()):
         examples = "; ".join(lines[0] for lines in skipped.values() if lines)

@@ -104,6 +104,25 @@ def test_rows_a_plan_cannot_use_are_skipped_with_one_warning(tmp_path):
     assert cat.instance_types == ("g5.xlarge",)
 
 
+def test_skypilots_gcp_file_with_accelerators_priced_alone_is_read(tmp_path):
+    """SkyPilot's GCP catalog prices the GPUs (and TPUs) attached to an N1 host in rows without an InstanceType: those
+    rows are skipped with the warning, not the whole file refused at the first of them."""
+    path = _write(
+        tmp_path,
+        "InstanceType,vCPUs,MemoryGiB,AcceleratorName,AcceleratorCount,GpuInfo,Region,AvailabilityZone,Price,SpotPrice\n"
+        "a2-highgpu-1g,12.0,85.0,,,,us-central1,us-central1-a,0.73948,0.29576\n"
+        ",,,T4,1,T4,us-central1,us-central1-a,0.35,0.11\n"
+        ",,,tpu-v5p-8,1,tpu-v5p-8,us-east5,us-east5-c,18547.2,9273.6\n"
+        "g2-standard-4,4.0,16.0,L4,1.0,L4,us-central1,us-central1-a,0.70683,0.2827\n",
+    )
+    with pytest.warns(UserWarning, match=r"2 rows skipped for no instance type \(e.g. cat.csv line 3: accelerator 'T4' without an InstanceType\); 1 row is used"):
+        cat = load_catalog(str(path), bandwidth_gbps=32)
+    assert cat.instance_types == ("g2-standard-4",)
+    only = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\n,T4,1,0.35,16\n", "only.csv")
+    with pytest.raises(CatalogError, match=r"only.csv line 2: accelerator 'T4' without an InstanceType \(1 row skipped for no instance type, no usable row\).*HINT"):
+        parse_catalog_csv(only)
+
+
 def test_skypilots_v100_32gb_rows_are_searched_on_32_gb(tmp_path):
     """SkyPilot's AWS catalog names p3dn.24xlarge's GPU "V100-32GB": it was skipped as an unknown GPU (the 16 GB V100 row
     refuses a name with another size), so the search never saw the instance."""
