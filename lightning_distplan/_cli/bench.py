@@ -73,7 +73,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--profile-repeats", type=int, default=3, help="timed runs per profiled size (default 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: torch's)")
     parser.add_argument("--out", default=None, help="write the result JSON here")
-    parser.add_argument("--format", choices=("table", "json"), default="table", help="what to print (default table)")
+    parser.add_argument("--format", choices=("table", "json"), default="table",
+                        help="what to print (default table); json: the result (less its profiles) alone on stdout, progress lines on stderr")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write a predicted-vs-measured scatter here")
     parser.add_argument("--print-launch", action="store_true", help="with --world-size > 1: print the torchrun command instead of running it")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -187,6 +188,11 @@ class _Terminated(Exception):
     """SIGTERM reached ``distplan bench`` while its torchrun job ran."""
 
 
+def _progress_stream(args: argparse.Namespace) -> Any:
+    """Where progress lines go: stdout beside the table; stderr with ``--format json``, whose stdout is the JSON alone."""
+    return sys.stderr if args.format == "json" else sys.stdout
+
+
 def _quiet_lightning() -> None:
     # One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report.
     for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
@@ -274,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="distplan-bench-torchrun-") as logs:
             cmd = torchrun_command(args, logs)
             if not args.quiet:
-                print(f"distplan bench: launching {args.world_size} processes with torchrun: {_launch_line(cmd)}", flush=True)
+                print(f"distplan bench: launching {args.world_size} processes with torchrun: {_launch_line(cmd)}", flush=True,
+                      file=_progress_stream(args))
             return _run_torchrun(cmd)
 
     from lightning.pytorch import LightningDataModule, LightningModule
@@ -321,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
 
         from lightning_distplan.bench import format_table, plot_result, run_bench
 
-        say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True))
+        stream = _progress_stream(args)
+        say = (lambda line: None) if (args.quiet or rank != 0) else (lambda line: print(line, flush=True, file=stream))
         result = run_bench(
             make_module, loader, world_size=args.world_size, global_batch_size=args.global_batch_size, plans=args.plans,
             steps=args.steps, warmup=args.warmup, passes=args.passes, confirm=args.confirm, min_time_s=args.min_time, rank_timeout_s=args.rank_timeout, reprofile=not args.profile_once, device=None if args.device == "auto" else args.device,
@@ -334,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
             # process ends, so this rank keeps the plans measured so far (rank 0, once freed, writes the same records
             # over them and reports) and then ends with status 0: a non-zero one would have torchrun end rank 0 first.
             write_text_atomic(args.out, json.dumps(result, indent=1))
-            print(f"distplan bench: rank {rank} wrote the plans run before the stop to {args.out}", flush=True)
+            print(f"distplan bench: rank {rank} wrote the plans run before the stop to {args.out}", flush=True, file=_progress_stream(args))
         if rank == 0:
             # The report first: a file that fails to write must not take the measurements with it.
             if args.format == "json":

@@ -509,3 +509,17 @@ def test_bench_runs_a_model_whose_loss_leaves_parameters_unused(tmp_path):
     result = json.loads(out.read_text())
     assert result["profile"]["unused_parameters"] == ["aux_head.weight", "aux_head.bias"]
     assert [rec["error"] for rec in result["plans"]] == [None, None] and {rec["strategy"] for rec in result["plans"]} == {"dp_ga"}
+
+
+def test_format_json_prints_json_alone_on_stdout(capsys, no_group_left):
+    """`distplan bench --format json | jq`: the progress lines go to stderr (they came first on stdout, which then
+    was no JSON)."""
+    from lightning_distplan.cli import main
+
+    args = ["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--plans", "1", "--steps", "1", "--warmup", "0",
+            "--passes", "1", "--profile-once", "--profile-repeats", "1", "--micro-batch-sizes", "1,2,4", "--format", "json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert result["schema"] == "distplan-bench/1" and result["summary"]["n_measured"] == 1 and "profiles" not in result
+    assert "profiling before the runs" in captured.err and "[1/1] rank 1" in captured.err
