@@ -523,3 +523,14 @@ def test_format_json_prints_json_alone_on_stdout(capsys, no_group_left):
     result = json.loads(captured.out)
     assert result["schema"] == "distplan-bench/1" and result["summary"]["n_measured"] == 1 and "profiles" not in result
     assert "profiling before the runs" in captured.err and "[1/1] rank 1" in captured.err
+
+
+def test_every_plan_failing_under_torchrun_is_one_line_with_exit_1(capfd):
+    """Every plan failed (each one's error is in the table): rank 0 exits 1 with one line, and torchrun's report of
+    that exit (its ChildFailedError traceback) is not shown after it."""
+    from lightning_distplan._cli.bench import _run_torchrun
+
+    line = "distplan bench: no plan produced a measurement (each plan's error is in the report)."
+    torchrun_report = "Traceback (most recent call last):\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    code = _run_torchrun([sys.executable, "-c", f"import sys; sys.stderr.write({line!r} + '\\n' + {torchrun_report!r}); sys.exit(1)"])
+    assert code == 1 and capfd.readouterr().err == line + "\n"
