@@ -221,12 +221,24 @@ def _check_before_launch(args: argparse.Namespace, init_args: dict[str, Any], dm
         checks.append((args.datamodule, "datamodule", "--datamodule ", dm_args, "--datamodule-args"))
     for path, what, option, kwargs, kwargs_option in checks:
         cls = _load_class(path, what=what, option=option)
+        _check_kind(cls, path, what)
         try:
             inspect.signature(cls).bind(**kwargs)
         except TypeError as err:
             raise build_error(what, path, kwargs, err, kwargs_option) from None
         except ValueError:  # a signature inspect cannot read: the ranks will say
             pass
+
+
+def _check_kind(cls: type, path: str, what: str) -> None:
+    """Refuse a model class that is no LightningModule, or a datamodule class that is no LightningDataModule."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    from lightning_distplan.bench._bench import BenchError
+
+    base = LightningModule if what == "model" else LightningDataModule
+    if not issubclass(cls, base):
+        raise BenchError(f"{path} is not a {base.__name__}.", hint=f"Name a lightning.pytorch.{base.__name__} subclass.")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -286,16 +298,14 @@ def run(args: argparse.Namespace) -> int:
                       file=_progress_stream(args))
             return _run_torchrun(cmd)
 
-    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch import LightningModule
 
     cls = _load_class(args.model, what="model", option="")
-    if not issubclass(cls, LightningModule):
-        raise BenchError(f"{args.model} is not a LightningModule.", hint="Name a lightning.pytorch.LightningModule subclass.")
+    _check_kind(cls, args.model, "model")
     dm_cls = None
     if args.datamodule:
         dm_cls = _load_class(args.datamodule, what="datamodule", option="--datamodule ")
-        if not issubclass(dm_cls, LightningDataModule):
-            raise BenchError(f"{args.datamodule} is not a LightningDataModule.", hint="Name a lightning.pytorch.LightningDataModule subclass.")
+        _check_kind(dm_cls, args.datamodule, "datamodule")
 
     import torch
     import torch.distributed as dist

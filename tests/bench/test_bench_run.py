@@ -181,6 +181,22 @@ def test_bench_bad_input_one_line_error(capsys, args, message):
     assert message in err and "HINT" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("classes", "message"),
+    [(["lightning_distplan.bench.models:RandomVectorData"], "models:RandomVectorData is not a LightningModule. HINT"),
+     ([MODEL[0], "--datamodule", MODEL[0]], "models:WideMLP is not a LightningDataModule. HINT")],
+)
+def test_a_class_of_the_wrong_kind_is_refused_before_torchrun_starts(capsys, monkeypatch, classes, message):
+    """The ranks refused it once started (and --print-launch printed a command that could only fail)."""
+    from lightning_distplan.cli import main
+
+    for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["bench", *classes, "--world-size", "2", "--global-batch-size", "4", "--print-launch"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
 def test_plot_does_not_replace_a_file_it_did_not_make(tmp_path, capsys):
     from lightning_distplan.cli import main
 
