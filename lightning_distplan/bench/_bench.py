@@ -98,11 +98,7 @@ def check_counts(*, steps: int, warmup: int, passes: int, confirm: int = 0, min_
 def check_dataset_size(n_samples: int, *, global_batch_size: int, warmup: int, timed: int) -> int:
     """The samples a pass reads (at most the dataset's): refused below one global batch (every plan's optimizer step
     reads one, over all replicas), warned about below a whole pass (epochs would end inside the timed steps)."""
-    if n_samples < global_batch_size:
-        raise BenchError(
-            f"The dataset has {n_samples} samples, fewer than one global batch ({global_batch_size}).",
-            hint="Use a bigger dataset (e.g. num_samples in the datamodule's arguments) or a smaller --global-batch-size.",
-        )
+    _check_one_global_batch(n_samples, global_batch_size)
     wanted = (warmup + timed) * global_batch_size
     if n_samples < wanted:
         warnings.warn(
@@ -112,6 +108,14 @@ def check_dataset_size(n_samples: int, *, global_batch_size: int, warmup: int, t
             stacklevel=3,
         )
     return min(n_samples, wanted)
+
+
+def _check_one_global_batch(n_samples: int, global_batch_size: int) -> None:
+    if n_samples < global_batch_size:
+        raise BenchError(
+            f"The dataset has {n_samples} samples, fewer than one global batch ({global_batch_size}).",
+            hint="Use a bigger dataset (e.g. num_samples in the datamodule's arguments) or a smaller --global-batch-size.",
+        )
 
 
 def timed_steps(steps: int, min_time_s: float, predicted_step_time_s: float) -> int:
@@ -381,6 +385,7 @@ def run_bench(
             f"The train DataLoader's dataset ({type(dataset).__name__}) is not a map-style dataset with __len__/__getitem__.",
             hint="Give the benchmark a DataLoader over a map-style Dataset (e.g. --datamodule lightning_distplan.demos:RandomTokenData).",
         )
+    _check_one_global_batch(len(dataset), global_batch_size)  # before the profiling, which takes minutes on a large model
     if precision not in PRECISIONS:
         raise BenchError(f"Unknown precision {precision!r}.", hint=f"Use one of {', '.join(PRECISIONS)}.")
     dev = resolve_device(device)

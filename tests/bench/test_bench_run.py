@@ -327,6 +327,25 @@ def test_dataset_size_is_checked_against_the_global_batch_and_a_whole_pass():
         assert check_dataset_size(512, global_batch_size=8, warmup=1, timed=2) == 24
 
 
+def test_a_dataset_smaller_than_one_global_batch_is_refused_before_the_profiling():
+    """It was refused only once the model had been profiled (and the links measured) and the plans ranked."""
+    from lightning_distplan.bench import run_bench
+    from lightning_distplan.bench._bench import BenchError
+    from lightning_distplan.bench.models import RandomVectorData, WideMLP
+
+    dm = RandomVectorData(in_features=16, batch_size=4, num_samples=6)
+    built: list[WideMLP] = []
+
+    def make_module() -> WideMLP:
+        built.append(WideMLP(in_features=16, hidden=32, depth=2))
+        return built[-1]
+
+    with pytest.raises(BenchError, match=r"The dataset has 6 samples, fewer than one global batch \(8\)\..*HINT"):
+        run_bench(make_module, dm.train_dataloader(), world_size=1, global_batch_size=8, steps=1, warmup=0, passes=1,
+                  profile_repeats=1, micro_batch_sizes=[1, 2, 4], device="cpu")
+    assert built == []  # nothing was built, let alone profiled
+
+
 @pytest.fixture
 def no_group_left():
     """run_bench in this process: each plan's Trainer starts a process group of one, which must not outlive the test."""
