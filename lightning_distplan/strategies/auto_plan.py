@@ -228,7 +228,8 @@ class AutoPlanStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._checkpoint_plan = stored_plan(checkpoint)
         self._checkpoint_context = stored_plan_context(checkpoint)
-        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY) if k in checkpoint}  # not the weights
+        # not the weights; the loops too: Rechunking.resumed tells by their progress whether Lightning restored them yet
+        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY, "loops") if k in checkpoint}
         return checkpoint
 
     @override

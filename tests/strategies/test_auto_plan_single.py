@@ -600,6 +600,45 @@ def test_resume_plans_again_when_the_checkpoints_plan_breaks_a_pin(tmp_path: Pat
         torch.distributed.destroy_process_group()
 
 
+class _Scheduled(ChainMLP):
+    """Reads trainer.estimated_stepping_batches in configure_optimizers (as OneCycleLR is sized) and counts the samples
+    each epoch trains."""
+
+    def __init__(self) -> None:
+        super().__init__(width=16, depth=3, n_samples=80, loader_batch=8, dropout=0.0, shuffle=False)
+        self.trained: list[tuple[int, int]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trained.append((self.current_epoch, batch[0].shape[0]))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        total = self.trainer.estimated_stepping_batches  # loads the train loader before Lightning restores the loops
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / (2 * total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_a_mid_epoch_resume_trains_the_rest_of_the_epoch_when_configure_optimizers_loads_the_loader(tmp_path: Path) -> None:
+    """Saved after 8 of an epoch's 10 batches and resumed under auto_plan with m = 2: the resumed epoch trains the 2
+    batches DDP trains. auto_plan kept the checkpoint's progress, but not the loops' own, so its dp_ga took the loader
+    that estimated_stepping_batches loaded (before Lightning restored the loops) for the resumed one: the epoch trained
+    64 samples, not 16, in 6 optimizer steps too many."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    every = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), filename="c", every_n_train_steps=8)
+    L.Trainer(**trainer_kwargs(str(tmp_path), strategy="ddp", devices=1, max_epochs=1, enable_checkpointing=True, callbacks=[every])).fit(_Scheduled())
+    torch.distributed.destroy_process_group()
+    runs = {}
+    for name, strategy in (("ddp", "ddp"), ("auto_plan", AutoPlanStrategy(profile_repeats=1, micro_batch_size=2))):
+        model = _Scheduled()
+        trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=strategy, devices=1, max_epochs=2))
+        trainer.fit(model, ckpt_path=str(tmp_path / "ckpt" / "c.ckpt"))
+        runs[name] = ([sum(n for e, n in model.trained if e == epoch) for epoch in range(2)], trainer.global_step)
+        torch.distributed.destroy_process_group()
+    assert runs["ddp"] == ([16, 80], 20) and runs["auto_plan"] == runs["ddp"], runs
+
+
 def test_resume_plans_again_in_another_precision_or_with_less_device_memory(tmp_path: Path) -> None:
     """The checkpoint stores what its plan was made for: a plan chosen for bf16-true (half the bytes) or for more device
     memory could run out of memory in this fit, so auto_plan plans again (it reused the plan, review)."""
