@@ -277,6 +277,13 @@ class _AutoPipelineStrategy(PipelineStrategy):
         return wrapped
 
     @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # a loader set up before Lightning restored a resumed fit's loops (estimated_stepping_batches) is set up again,
+        # so that the checkpoint's progress is counted in this plan's steps
+        self._rechunk.reload_resumed()
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         self._rechunk.progress_to_user_units(checkpoint)  # a mid-epoch checkpoint resumes any plan or strategy at its place
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -584,11 +584,17 @@ class Rechunking:
         (trainer.estimated_stepping_batches read in configure_optimizers) could not count the checkpoint's progress,
         so it is set up again at the epoch's start (Lightning does when it has none), where it can; otherwise the
         restart's validation check is answered (:meth:`_steer_restart`)."""
+        if not self.reload_resumed():
+            self._steer_restart()
+
+    def reload_resumed(self) -> bool:
+        """Whether the train loader is to be set up again at the epoch's start, as :meth:`train_start` says why (also
+        called alone at a pipeline's ``on_train_start``)."""
         trainer = self._trainer
         if self._resumed and trainer is not None and self._loops_restored(trainer):
             trainer.fit_loop._combined_loader = None
-        else:
-            self._steer_restart()
+            return True
+        return False
 
     def _steer_restart(self) -> None:
         """A fit resuming mid-epoch asks, before any batch starts, whether its checkpoint was saved at a validation

@@ -67,6 +67,15 @@ class ScheduledChainMLP(ChainMLP):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 4}}
 
 
+class SizedScheduledChainMLP(ScheduledChainMLP):
+    """ScheduledChainMLP reading trainer.estimated_stepping_batches in configure_optimizers (as OneCycleLR is sized): the
+    train loader is loaded before Lightning restores a resumed fit's loops."""
+
+    def configure_optimizers(self) -> Any:
+        assert self.trainer.estimated_stepping_batches > 0
+        return super().configure_optimizers()
+
+
 class StepRates(L.Callback):
     """The learning rate each optimizer step ran with, and the scheduler configs' frequencies after the fit."""
 
@@ -162,13 +171,23 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     out["pp_tail_steps"] = tail.global_step
     # A step scheduler with frequency 4 and the user's accumulate 2: under DDP step j ends with loader batch 2j, so the
     # scheduler steps after every second optimizer step; a pipeline step is one of Lightning's batches (it stepped every 4th).
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     rates = {}
+    mid_epoch = os.path.join(root, "sched_pp_ckpt")
     for name, strategy in (("ddp", "ddp"), ("pp", lightning_distplan.strategies.auto_plan.AutoPlanStrategy(**pins))):
         seen_rates = StepRates()
-        L.Trainer(**trainer_kwargs(os.path.join(root, f"sched_{name}"), strategy=strategy, devices=world, callbacks=[seen_rates],
-                                   max_epochs=1, accumulate_grad_batches=2)).fit(ScheduledChainMLP(**PP_MODEL))
+        saving = [ModelCheckpoint(dirpath=mid_epoch, filename="{step}", every_n_train_steps=2, save_top_k=-1)] if name == "pp" else []
+        L.Trainer(**trainer_kwargs(os.path.join(root, f"sched_{name}"), strategy=strategy, devices=world, callbacks=[seen_rates, *saving],
+                                   enable_checkpointing=bool(saving), max_epochs=1, accumulate_grad_batches=2)).fit(ScheduledChainMLP(**PP_MODEL))
         rates[name] = (seen_rates.rates, seen_rates.frequencies)
     out["pp_scheduler"] = rates
+    # ... resumed from that fit's checkpoint after 2 of the epoch's 4 steps (the checkpoint's plan: nothing profiled), by a
+    # module whose configure_optimizers reads trainer.estimated_stepping_batches: the resumed epoch has DDP's 2 steps left
+    resumed = L.Trainer(**trainer_kwargs(os.path.join(root, "sched_pp_resumed"), strategy="auto_plan", devices=world, max_epochs=2,
+                                         accumulate_grad_batches=2))
+    resumed.fit(SizedScheduledChainMLP(**PP_MODEL), ckpt_path=os.path.join(mid_epoch, "step=2.ckpt"))
+    out["pp_resumed"] = (resumed.global_step, isinstance(resumed.strategy, PipelineStrategy))
 
     # -- 4. <default_root_dir>/distplan is a file: plan.json cannot be written ---------------------------
     blocked = os.path.join(root, "blocked")
@@ -262,6 +281,9 @@ def test_auto_plan_picks_pipeline_under_memory_cap_and_matches_direct_run(result
     for r in (r0, r1):
         ddp, pp = r["pp_scheduler"]["ddp"], r["pp_scheduler"]["pp"]
         assert ddp[0] == [0.05, 0.05, 0.025, 0.025] and pp == ddp == (ddp[0], [4]), r["pp_scheduler"]
+    # resumed mid-epoch: 2 steps left in epoch 0 and 4 in epoch 1, as under DDP (the checkpoint's progress, in the user's
+    # loader batches, was left unconverted to pipeline steps when configure_optimizers loaded the loader: 10 steps)
+    assert r0["pp_resumed"] == r1["pp_resumed"] == (8, True)
 
 
 def test_a_root_dir_where_plan_json_cannot_go_is_refused_on_every_rank_before_profiling(results: dict[str, Any]) -> None:
