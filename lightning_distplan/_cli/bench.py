@@ -63,7 +63,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--profile-once", action="store_true",
                         help="predict from the one profile taken before the runs (default: profile again after each pass and "
                         "predict from the mean of all profiles, so a drifting host's speed weighs on both sides alike)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present); on cuda each process takes a GPU of its own, so a "
+                        "--world-size above this machine's GPU count is refused before launch")
     from lightning_distplan.profile import PRECISIONS
 
     parser.add_argument("--precision", default="32-true", choices=PRECISIONS,
@@ -209,13 +210,7 @@ def _check_before_launch(args: argparse.Namespace, init_args: dict[str, Any], dm
 
     from lightning_distplan._cli.profile import _load_class, build_error
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():  # is_available makes no CUDA context in this process, which runs no plan
-            from lightning_distplan.profiling._device import resolve_device
-
-            resolve_device("cuda")
+    _check_gpu_count(args.device, args.world_size)
     checks = [(args.model, "model", "", init_args, "--init-args")]
     if args.datamodule:
         checks.append((args.datamodule, "datamodule", "--datamodule ", dm_args, "--datamodule-args"))
@@ -228,6 +223,29 @@ def _check_before_launch(args: argparse.Namespace, init_args: dict[str, Any], dm
             raise build_error(what, path, kwargs, err, kwargs_option) from None
         except ValueError:  # a signature inspect cannot read: the ranks will say
             pass
+
+
+def _check_gpu_count(device: str, processes: int) -> None:
+    """Refuse ``--device cuda`` without a GPU, and ``--device auto|cuda`` with fewer GPUs than the ``processes`` this node
+    starts: each process takes the GPU of its local rank, and one without a GPU failed alone ("invalid device ordinal")
+    while the others waited at the rendezvous."""
+    import torch
+
+    # is_available and device_count make no CUDA context in this process, which runs no plan before torchrun starts
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return
+    from lightning_distplan.errors import DeviceUnavailableError
+    from lightning_distplan.profiling._device import resolve_device
+
+    resolve_device("cuda")  # --device cuda and no GPU at all: its own sentence
+    gpus = torch.cuda.device_count()
+    if gpus < processes:
+        raise DeviceUnavailableError(
+            f"--device {device} runs each of the {processes} processes on this machine on a GPU of its own, but torch sees "
+            f"{gpus} CUDA GPU(s) here.",
+            hint=f"Use --device cpu, or --world-size {gpus} or less (or start torchrun on several nodes yourself, "
+            f"with at most {gpus} processes per node).",
+        )
 
 
 def _check_kind(cls: type, path: str, what: str) -> None:
@@ -319,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
     if _inside_torchrun() and not dist.is_initialized():
         use_cuda = args.device != "cpu" and torch.cuda.is_available()
         if use_cuda:
+            # every rank refuses a node with fewer GPUs than its processes, not one rank alone at set_device
+            _check_gpu_count(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if use_cuda else "gloo")
         created_group = True

@@ -569,3 +569,41 @@ def test_every_plan_failing_under_torchrun_is_one_line_with_exit_1(capfd):
     torchrun_report = "Traceback (most recent call last):\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
     code = _run_torchrun([sys.executable, "-c", f"import sys; sys.stderr.write({line!r} + '\\n' + {torchrun_report!r}); sys.exit(1)"])
     assert code == 1 and capfd.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_more_processes_than_gpus_is_refused_before_torchrun_starts(capsys, monkeypatch, device):
+    """Each process takes the GPU of its local rank: with one GPU, rank 1 failed alone at torch.cuda.set_device(1)
+    ("invalid device ordinal") while rank 0 waited at the rendezvous. No GPU here: torch is told it has one."""
+    from lightning_distplan.cli import main
+
+    for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    argv = ["bench", *MODEL, "--world-size", "2", "--global-batch-size", "4", "--print-launch"]
+    assert main([*argv, "--device", device]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert (f"--device {device} runs each of the 2 processes on this machine on a GPU of its own, but torch sees 1 CUDA GPU(s) here. "
+            "HINT: Use --device cpu, or --world-size 1 or less") in captured.err
+    assert main([*argv, "--device", "cpu"]) == 0 and "torch.distributed.run" in capsys.readouterr().out  # the CPU runs any count
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main([*argv, "--device", device]) == 0  # one GPU for each
+
+
+def test_a_rank_of_a_torchrun_job_with_more_processes_than_gpus_refuses_before_set_device(capsys, monkeypatch):
+    """Inside a torchrun job started by hand, every rank refuses the node (not rank 1 alone at set_device)."""
+    from lightning_distplan.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail(f"set_device({i}) was called"))
+    for var, value in (("TORCHELASTIC_RUN_ID", "x"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2"), ("WORLD_SIZE", "2"), ("RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert main(["bench", *MODEL, "--world-size", "2", "--global-batch-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "but torch sees 1 CUDA GPU(s) here. HINT: Use --device cpu" in err and len(err.strip().splitlines()) == 1
+    assert not torch.distributed.is_initialized()
