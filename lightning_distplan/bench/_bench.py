@@ -317,7 +317,8 @@ def run_bench(
             profile's pick, the fastest plan and those measured within 10% of it) run this many more
             times, alternating, and ``summary["confirmed"]`` judges the pick on those runs alone, free of
             the winner's curse of taking the fastest of many noisy measurements. Their step times
-            stay out of the per-plan errors. 0: none.
+            stay out of the per-plan errors. When the runs stop during these passes (a rank failing
+            alone), ``summary["confirmed"]`` is None and ``summary["confirmed_withheld"]`` says why. 0: none.
         min_time_s: time each plan for at least about this long per pass: a plan predicted to take
             t seconds a step runs ``max(steps, ceil(min_time_s / t))`` timed steps (at most
             :data:`MAX_TIMED_STEPS`; the first profile's prediction, fixed before the first pass, so
@@ -554,6 +555,7 @@ def run_bench(
                 "abs_step_time_error": None if first_err is None else abs(first_err),
             },
         })
+    confirm_stopped = None  # why the confirmation passes stopped early: they then give no verdict
     if confirm and not stopped:
         # The predictions (and so the picks) are final; the contenders run again and only these
         # runs judge the pick's regret (summary["confirmed"]).
@@ -568,6 +570,7 @@ def run_bench(
                     again[i].append(run_once(i, records[i]["predicted_step_time_s"], f"confirm {p + 1}/{confirm} {k + 1}/{len(order)}"))
         if stopped:
             say(f"stopped: {stopped[0]}")
+            confirm_stopped = stopped[0]
         for i, got in ((i, combine_passes(again[i])) for i in contenders if again[i]):
             records[i].update(confirm_step_time_s=got["measured_step_time_s"], confirm_step_times_s=got["measured_step_times_s"],
                               confirm_pass_step_times_s=got["measured_pass_step_times_s"], confirm_error=got["error"], wall_s=walls[i])
@@ -576,7 +579,7 @@ def run_bench(
 
         dist.destroy_process_group(control)
     records.sort(key=lambda r: r["rank"])
-    summary = summarize(records, within=WITHIN)
+    summary = summarize(records, within=WITHIN, confirm_stopped=confirm_stopped)
     result = {
         "schema": RESULT_SCHEMA,
         "model": profile.model,
@@ -604,7 +607,7 @@ def run_bench(
         "stopped": stopped[0] if stopped else None,
         "plans": records,
         "summary": summary,
-        "summary_first_profile": summarize(first_profile_view(records), within=WITHIN),
+        "summary_first_profile": summarize(first_profile_view(records), within=WITHIN, confirm_stopped=confirm_stopped),
         "host_checks": host_checks,
         "profile": pooled.to_dict(),
         "profiles": [p.to_dict() for p in profiles],

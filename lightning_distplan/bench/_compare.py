@@ -96,7 +96,7 @@ def confirm_candidates(records: Sequence[Mapping[str, Any]], *, band: float = CO
     return [i for i in by_time if i in chosen]
 
 
-def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -> dict[str, Any]:
+def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN, confirm_stopped: str | None = None) -> dict[str, Any]:
     """Summary over per-plan records.
 
     Each record needs ``rank`` (planner rank, 1 = best predicted), ``plan`` (a short description),
@@ -115,7 +115,10 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         passes, :func:`confirm_candidates`), the pick judged against the contenders on those runs
         alone: ``n_plans``, ``pick``, ``pick_failed``, ``measured_best``, ``pick_is_best``, ``pick_within``,
         ``regret``; when the pick failed in those passes (``confirm_error``), ``pick_failed`` True and
-        ``error``; else ``None``.
+        ``error``; else ``None``. ``confirm_stopped``: why the confirmation passes stopped before every contender
+        ran them (a rank failing alone): then ``confirmed`` is ``None``, as those passes give no verdict (the
+        contenders run before the stop would judge the pick against part of the field), and
+        ``confirmed_withheld`` says why (``None`` otherwise).
     """
     measured = [r for r in records if r.get("measured_step_time_s") is not None]
     errors = [relative_error(r["predicted_step_time_s"], r["measured_step_time_s"]) for r in measured]
@@ -144,6 +147,7 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
         "regret": None,
         "spearman": None,
         "confirmed": None,
+        "confirmed_withheld": None if confirm_stopped is None else f"the confirmation passes stopped early, so they give no verdict: {confirm_stopped}",
     }
     if not records:
         return out
@@ -169,7 +173,9 @@ def summarize(records: Sequence[Mapping[str, Any]], *, within: float = WITHIN) -
     regret = pick["measured_step_time_s"] / best["measured_step_time_s"] - 1.0
     out.update(pick_is_best=pick is best, pick_within=regret <= within + 1e-12, regret=regret)
     contenders = [r for r in measured if r.get("confirm_step_time_s") is not None]
-    if pick.get("confirm_error"):  # the pick ran out of memory (or failed) in the confirmation passes
+    if confirm_stopped is not None:
+        pass  # no verdict from an incomplete confirmation (confirmed_withheld says why)
+    elif pick.get("confirm_error"):  # the pick ran out of memory (or failed) in the confirmation passes
         out["confirmed"] = {"n_plans": len(contenders) + 1, "pick": brief(pick), "pick_failed": True, "error": pick["confirm_error"],
                             "measured_best": None, "pick_is_best": False, "pick_within": False, "regret": None}
     elif any(r is pick for r in contenders):

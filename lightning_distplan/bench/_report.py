@@ -67,9 +67,12 @@ def format_table(result: Mapping[str, Any]) -> str:
     s = result["summary"]
     if result.get("stopped"):
         during = [r["rank"] for r in result["plans"] if r.get("confirm_error")]
+        # the contender that did not finish on every rank (another may have failed on all of them before it)
+        stuck = [r["rank"] for r in result["plans"] if str(r.get("confirm_error") or "").startswith("did not finish on every rank")]
         lines += ["", "STOPPED EARLY: " + str(result["stopped"]).split(" HINT:")[0],
                   "the verdict below covers the plans run before the stop" + (
-                      f"; it came in the confirmation passes (rank {during[0]} failed there), which give no verdict" if during else "")]
+                      f"; it came in the confirmation passes (rank {(stuck or during)[0]} failed there), which give no verdict"
+                      if during else "; it came in the confirmation passes, which give no verdict" if s.get("confirmed_withheld") else "")]
     lines += [
         "",
         "* = planner's pick (best-ranked plan that was run), ! = measured best"

@@ -203,3 +203,29 @@ def test_a_profile_without_links_is_warned_of_once_and_only_where_plans_use_a_li
         assert not [r for r in caplog.records if "measured no" in r.getMessage()]
         predict_ranked(profile, two)
     assert len([r for r in caplog.records if "measured no" in r.getMessage()]) == 1
+
+
+def test_confirmation_stopped_early_gives_no_confirmed_verdict_in_json_or_table():
+    """A rank failing alone stopped the confirmation passes: the table said they give no verdict, while
+    summary["confirmed"] (and the table's confirmation line) still judged the pick against the contenders run before
+    the stop."""
+    stop = "Plan dp_ga dp=2 m=2 accumulate=2 (planner rank 3) did not finish on every rank within 180 s of the others. HINT: x"
+    plans = [
+        {**_rec(1, 0.10, 0.11, "dp_ga dp=2 m=4 accumulate=1"), "confirm_step_time_s": 0.105},  # ran its confirmation pass
+        {**_rec(2, 0.12, 0.10, "1f1b dp=1 pp=2 m=2 n_microbatches=4"), "confirm_step_time_s": 0.104},
+        {**_rec(3, 0.13, 0.108, "dp_ga dp=2 m=2 accumulate=2"), "confirm_step_time_s": None,
+         "confirm_error": "did not finish on every rank within 180 s (one rank failed alone; each rank's error is in the log)"},
+    ]
+    for p in plans:
+        p.update(strategy=p["plan"].split()[0], step_time_error=0.0, predicted_peak_memory_bytes=None, measured_peak_memory_bytes=None,
+                 memory_error=None, error=None)
+    assert summarize(plans)["confirmed"]["n_plans"] == 2  # what a complete confirmation of these runs would judge
+    s = summarize(plans, confirm_stopped=stop)
+    assert s["confirmed"] is None and s["confirmed_withheld"].startswith("the confirmation passes stopped early, so they give no verdict: Plan")
+    assert s["pick_within"] is False and s["regret"] == pytest.approx(0.1)  # the passes' verdict stays
+    assert summarize(plans)["confirmed_withheld"] is None
+    result = {"model": "m", "world_size": 2, "device": {"type": "cpu", "name": "x"}, "global_batch_size": 8, "warmup": 1, "steps": 2,
+              "links": [], "plans": plans, "summary": s, "memory_metric": "cpu_rss_high_water_growth", "stopped": stop, "confirm_passes": 1}
+    text = format_table(result)
+    assert "it came in the confirmation passes (rank 3 failed there), which give no verdict" in text
+    assert "confirmation (" not in text  # no verdict printed beside it
