@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         if rank == 0:
             # The report first: a file that fails to write must not take the measurements with it.
             if args.format == "json":
-                print(json.dumps({k: v for k, v in result.items() if k not in ("profile", "profiles")}, indent=1), flush=True)
+                print(json.dumps({k: v for k, v in result.items() if k not in ("profile", "profiles", "profiles_left_out")}, indent=1), flush=True)
             else:
                 print(format_table(result), flush=True)
             if args.out:

@@ -261,6 +261,34 @@ def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoad
     return fwd + bwd
 
 
+UNPOOLABLE = ("it timed other micro-batch sizes, layers or links than the first profile (a size that fitted before ran out of "
+              "memory, say), so it is not averaged with it")
+
+
+def _passes(numbers: Sequence[int]) -> str:
+    """``pass 2`` / ``passes 1 and 2`` / ``passes 1, 2 and 3``."""
+    if len(numbers) == 1:
+        return f"pass {numbers[0]}"
+    return "passes " + ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
+
+
+def prediction_label(pooled_after: Sequence[int], left_out_after: Sequence[int] = (), *, passes: int) -> str:
+    """Which profiles the predictions rest on, in words: the one before the runs and those taken after the passes in
+    ``pooled_after``; those after the passes in ``left_out_after`` could not be pooled (a stop after some passes
+    takes none after the later ones)."""
+    n = 1 + len(pooled_after)
+    if not pooled_after:
+        label = "one profile, before the runs"
+    elif list(pooled_after) == list(range(1, passes + 1)):
+        label = f"mean of {n} profiles (before the runs and after each pass)"
+    else:
+        label = f"mean of {n} profiles (before the runs and after {_passes(pooled_after)})"
+    if left_out_after:
+        taken = "the profile" if len(left_out_after) == 1 else "the profiles"
+        label += f"; {taken} after {_passes(left_out_after)} left out: other sizes, layers or links than the first"
+    return label
+
+
 def default_bench_micro_batch_sizes(global_batch_size: int) -> list[int]:
     """Powers of two from 1 to the global batch (at least 3): every planned micro-batch lies inside the fit."""
     sizes = [1]
@@ -350,7 +378,10 @@ def run_bench(
         The result dict (schema :data:`RESULT_SCHEMA`): ``plans`` (per-plan predicted and measured
         numbers, errors, breakdown, ordered by rank), ``summary`` (see
         :func:`~lightning_distplan.bench.summarize`), ``summary_first_profile`` (the same from the
-        first profile alone), ``profile`` (the one predictions rest on), ``profiles`` (each one taken),
+        first profile alone), ``profile`` (the one predictions rest on), ``profiles`` (the ones pooled into it:
+        the one before the runs, then those after each pass, up to a stop), ``profiles_left_out`` (each one taken
+        after a pass that could not be pooled with the first: ``after_pass``, ``reason``, ``profile``),
+        ``prediction_profile`` (which profiles the predictions rest on, in words),
         ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
         micro-batch timed again, slowest rank: its ratio to the profile's fit there shows roughly,
         to about ±10% on a noisy CPU, how far the host's speed drifted while the plans ran),
@@ -422,6 +453,8 @@ def run_bench(
 
     profile = take_profile("before the runs")
     profiles = [profile]
+    pooled_after: list[int] = []  # the passes after which a profile was taken and pooled
+    left_out: list[dict[str, Any]] = []  # those taken after a pass that could not be pooled with the first
 
     # -- plan --------------------------------------------------------------------------------------
     candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies)
@@ -515,8 +548,10 @@ def run_bench(
             again = take_profile(f"again after pass {p + 1}")
             if poolable(profile, again):
                 profiles.append(again)
+                pooled_after.append(p + 1)
             else:  # e.g. a size that fitted before ran out of memory now: average only what was measured alike
                 say(f"the profile after pass {p + 1} timed other sizes or layers than the first; predicting without it")
+                left_out.append({"after_pass": p + 1, "reason": UNPOOLABLE, "profile": again.to_dict()})
     # predictions from the mean of the profiles, which span the runs' stretch of time (with one: the first)
     pooled = pool_profiles(profiles)
     graded = predict_ranked(pooled, [cand.plan for cand in candidates])  # ranks among all candidates, as the first profile's
@@ -611,7 +646,8 @@ def run_bench(
         "host_checks": host_checks,
         "profile": pooled.to_dict(),
         "profiles": [p.to_dict() for p in profiles],
-        "prediction_profile": f"mean of {len(profiles)} profiles (before the runs and after each pass)" if len(profiles) > 1 else "one profile, before the runs",
+        "profiles_left_out": left_out,
+        "prediction_profile": prediction_label(pooled_after, [x["after_pass"] for x in left_out], passes=passes),
         "provenance": {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(),

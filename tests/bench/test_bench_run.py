@@ -607,3 +607,52 @@ def test_a_rank_of_a_torchrun_job_with_more_processes_than_gpus_refuses_before_s
     err = capsys.readouterr().err
     assert "but torch sees 1 CUDA GPU(s) here. HINT: Use --device cpu" in err and len(err.strip().splitlines()) == 1
     assert not torch.distributed.is_initialized()
+
+
+def test_a_profile_that_cannot_be_pooled_is_kept_aside_and_named_in_the_prediction_label(monkeypatch, no_group_left):
+    """A later profile that cannot be pooled with the first was dropped from the result (run_bench says it keeps each
+    one taken), and the label still said the predictions rest on profiles "before the runs and after each pass"."""
+    import lightning_distplan.profile as profile_module
+    from lightning_distplan.bench import run_bench
+    from lightning_distplan.bench.models import RandomVectorData, WideMLP
+    from lightning_distplan.profile import Profile
+
+    asked: list[int] = []
+
+    def poolable(a, b):  # the profile after pass 2 measured something else (say, a size ran out of memory)
+        asked.append(1)
+        return len(asked) != 2
+
+    monkeypatch.setattr(profile_module, "poolable", poolable)
+    import lightning_distplan.profiling as profiling
+
+    taken: list[Profile] = []
+    real = profiling.profile_module
+
+    def profile_once(*args, **kwargs):  # the later profiles as the first (their timings do not matter here): seconds less
+        if not taken:
+            taken.append(real(*args, **kwargs))
+        return taken[0]
+
+    monkeypatch.setattr(profiling, "profile_module", profile_once)
+    dm = RandomVectorData(in_features=16, batch_size=4)
+    dm.setup("fit")
+    result = run_bench(lambda: WideMLP(in_features=16, hidden=32, depth=2), dm.train_dataloader(), world_size=1, global_batch_size=4,
+                       plans="top:1", steps=1, warmup=0, passes=2, profile_repeats=1, micro_batch_sizes=[1, 2, 4], device="cpu")
+    assert len(result["profiles"]) == 2  # before the runs and after pass 1: the ones the predictions rest on
+    [aside] = result["profiles_left_out"]
+    assert aside["after_pass"] == 2 and "not averaged" in aside["reason"] and Profile.from_dict(aside["profile"]).model == result["model"]
+    assert result["prediction_profile"] == (
+        "mean of 2 profiles (before the runs and after pass 1); the profile after pass 2 left out: other sizes, layers or links than the first")
+
+
+def test_prediction_label_names_the_profiles_pooled():
+    """After an early stop (no profile after the stopped pass and those after it) the label said 'after each pass'."""
+    from lightning_distplan.bench._bench import prediction_label
+
+    assert prediction_label([1, 2], passes=2) == "mean of 3 profiles (before the runs and after each pass)"
+    assert prediction_label([1], passes=3) == "mean of 2 profiles (before the runs and after pass 1)"  # stopped in pass 2
+    assert prediction_label([1, 2], passes=3) == "mean of 3 profiles (before the runs and after passes 1 and 2)"
+    assert prediction_label([], passes=3) == "one profile, before the runs"
+    assert prediction_label([], [1, 2, 3], passes=3) == (
+        "one profile, before the runs; the profiles after passes 1, 2 and 3 left out: other sizes, layers or links than the first")
