@@ -83,7 +83,7 @@ from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
-from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context
+from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, stored_plan
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -204,7 +204,11 @@ class PipelineStrategy(DDPStrategy):
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"auto"`` (the plan's, else 1F1B, which keeps at most
             ``pp − k`` micro-batches of activations alive on stage ``k`` instead of all ``n``).
         n_microbatches: micro-batches per optimizer step and replica; ``"auto"`` takes the plan's,
-            else the largest divisor of the per-replica batch up to ``4 · stages``.
+            else the largest divisor of the per-replica batch up to ``4 · stages``. A fit resumed
+            (``ckpt_path``) from a checkpoint that stores a pipeline plan, with ``n_microbatches``,
+            ``stages`` and ``stage_boundaries`` all ``"auto"`` and no ``plan``, runs the stored plan
+            where it fits the run (see :func:`unfit_checkpoint_plan`), as ``dp_ga`` and ``auto_plan``
+            do, and says in one line whether it did.
         stages: pipeline stages; ``"auto"`` takes the plan's ``pp``, else the world size.
         stage_boundaries: index of the first layer of stages 1..pp-1 in the
             :class:`~lightning_distplan.PipelineSpec` layers; ``"auto"`` takes the plan's, else balances
@@ -263,6 +267,7 @@ class PipelineStrategy(DDPStrategy):
         n_microbatches = check_count("n_microbatches", n_microbatches, auto=True)
         stages = check_count("stages", stages, auto=True, low=2)
         require_plan(plan, "PipelineStrategy")
+        self._schedule_auto = schedule == "auto"  # a resumed fit may take the checkpoint plan's schedule
         if plan is not None:
             if plan.strategy not in _SCHEDULES:
                 raise InfeasiblePlanError(
@@ -283,6 +288,7 @@ class PipelineStrategy(DDPStrategy):
         self._stages_arg = stages
         self._boundaries_arg = stage_boundaries
         self._plan_arg = plan
+        self._checkpoint_plan: Plan | None = None  # the plan stored in the checkpoint this fit resumes from
         self._deferred_batchnorm = deferred_batchnorm
         self._swapped_batchnorm: list[Any] = []  # (parent, name, the user's BatchNorm) replaced by DeferredBatchNorm
         if self._schedule_name == "1f1b" and isinstance(n_microbatches, int) and isinstance(stages, int):
@@ -343,6 +349,11 @@ class PipelineStrategy(DDPStrategy):
             stage_boundaries=self._boundaries,
             layer_names=self._layer_names,
         )
+
+    @property
+    def checkpoint_plan(self) -> Plan | None:
+        """The plan stored in the checkpoint this run resumed from, if any."""
+        return self._checkpoint_plan
 
     @override
     def _configure_launcher(self) -> None:
@@ -413,6 +424,7 @@ class PipelineStrategy(DDPStrategy):
             samples = self._first_samples(trainer) if fitting else None  # one fresh loader for both loss checks
             if fitting:
                 self._check_guessed_loss(trainer, samples)
+                self._reuse_checkpoint_plan(trainer)
             self._build_pipeline(samples, check_loss=fitting)
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
@@ -435,6 +447,38 @@ class PipelineStrategy(DDPStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _reuse_checkpoint_plan(self, trainer: pl.Trainer) -> None:
+        """Resume with the checkpoint's plan (its schedule, stages, micro-batches and stage boundaries) where it fits
+        this run and no argument chose the layout, as ``dp_ga`` and ``auto_plan`` do (DESIGN §3.5: resume does not
+        re-plan); otherwise say, in one line, why it is not reused. Every rank decides alike (same checkpoint, loader
+        and model)."""
+        stored = self._checkpoint_plan
+        if stored is None or self._plan_arg is not None or not (self._n_arg == self._stages_arg == self._boundaries_arg == "auto"):
+            return  # no plan stored, or the user's plan or arguments say what to run
+        from lightning_distplan.strategies._auto_planning import fresh_train_loader
+        from lightning_distplan.strategies.dp_ga import loader_batch_size
+
+        module = self.lightning_module
+        assert module is not None
+        try:
+            loader_batch = loader_batch_size(fresh_train_loader(trainer))
+        except InfeasiblePlanError:  # no loader, or several: the fit says so in its own words
+            loader_batch = None
+        why = unfit_checkpoint_plan(
+            stored, schedule=None if self._schedule_auto else self._schedule_name, world_size=self.num_nodes * self.num_processes,
+            loader_batch=loader_batch, accumulate=trainer.accumulate_grad_batches, layer_names=discover_layers(module).names,
+        )
+        if why:
+            rank_zero_info(f"PipelineStrategy: not resuming with the checkpoint's plan {stored.describe()}: {why}; deriving "
+                           "n_microbatches and stage boundaries for this run.")
+            return
+        self._schedule_name = stored.strategy
+        self._stages_arg = stored.pp
+        self._n = stored.n_microbatches
+        if stored.stage_boundaries:
+            self._boundaries_arg = tuple(stored.stage_boundaries)
+        rank_zero_info(f"PipelineStrategy: resuming with the checkpoint's plan {stored.describe()}.")
 
     def _build_pipeline(self, samples: tuple[Any, torch.device] | None = None, *, check_loss: bool = False) -> None:
         """Cut the module into this rank's stage; ``check_loss``: first refuse, on every rank, a loss the last stage
@@ -1106,6 +1150,12 @@ class PipelineStrategy(DDPStrategy):
             _optimizer_to_device(optimizer, self.root_device)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._checkpoint_plan = stored_plan(checkpoint)
+        return checkpoint
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         by_name = None
         if self._built and self.is_global_zero and "optimizer_states" in checkpoint:
@@ -1157,6 +1207,34 @@ _WEIGHTS_FOLDER = "distplan-pipeline-weights-"
 
 def _no_module() -> None:
     """What ``PipelineStrategy._built_for`` returns before a build (a module-level function: the strategy is pickled by spawn)."""
+    return None
+
+
+def unfit_checkpoint_plan(stored: Plan, *, schedule: str | None, world_size: int, loader_batch: int | None, accumulate: int,
+                          layer_names: Sequence[str] = ()) -> str | None:
+    """Why a checkpoint's plan cannot run this resumed pipeline fit (``None``: it can).
+
+    It fits when it is a pipeline plan of this strategy's ``schedule`` (``None``: any), for this world size, over
+    these pipeline layers, and its micro-batches make up the loader's per-replica batch in as many flushes per
+    optimizer step (``Trainer(accumulate_grad_batches)``): the same global batch, cut alike.
+    """
+    if stored.strategy not in _SCHEDULES:
+        return f"it is a {stored.strategy} plan, not a pipeline"
+    if schedule is not None and stored.strategy != schedule:
+        return f"it runs {stored.strategy}, this strategy {schedule}"
+    if stored.world_size != world_size:
+        return f"it was made for {stored.world_size} processes, this run has {world_size}"
+    if stored.layer_names and layer_names and tuple(stored.layer_names) != tuple(layer_names):
+        return "its layers are not this model's pipeline layers"
+    if layer_names and stored.stage_boundaries and max(stored.stage_boundaries) >= len(layer_names):
+        return f"its stage boundaries {list(stored.stage_boundaries)} do not split this model's {len(layer_names)} pipeline layers"
+    if loader_batch is None:
+        return "the train loader's batch size cannot be read"
+    per_replica = stored.micro_batch_size * stored.n_microbatches
+    if per_replica != loader_batch or stored.accumulate_grad_batches != accumulate:
+        return (f"it was made for global batch {stored.global_batch_size} ({stored.dp} replica(s) x {per_replica} samples x "
+                f"{stored.accumulate_grad_batches} flush(es)), this run's is {stored.dp * loader_batch * accumulate} "
+                f"({stored.dp} x loader batch {loader_batch} x accumulate_grad_batches {accumulate})")
     return None
 
 

@@ -52,6 +52,18 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     trainer.fit(model, DataLoader(data, batch_size=32), ckpt_path=b)
     trainer.save_checkpoint(c)
     plans["1f1b"], plans["steps"] = strategy.plan, trainer.global_step
+
+    # strategy="1f1b" with every argument 'auto', resumed from that checkpoint (at its end: nothing more trains), runs
+    # the stored plan (4 micro-batches; re-derived, it was 8) and says so; from the gpipe one it says why it does not
+    import lightning_distplan.strategies.pipeline as pipeline
+
+    said: list[str] = []
+    pipeline.rank_zero_info = lambda message, *args, **kwargs: said.append(message)
+    for ckpt in (c, a):
+        trainer = L.Trainer(**_kw(world, 3 if ckpt == c else 1), strategy="1f1b")
+        trainer.fit(build("transformer"), DataLoader(data, batch_size=32), ckpt_path=ckpt)
+        plans[f"resumed from {os.path.basename(ckpt)}"] = (trainer.strategy._n, trainer.strategy.checkpoint_plan)
+    plans["said"] = [line for line in said if "checkpoint's plan" in line]
     return plans
 
 
@@ -66,6 +78,13 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     assert plans["dp_ga_from"] == plans["gpipe"]  # the stored plan is exposed on resume
     assert (plans["dp_ga"].micro_batch_size, plans["dp_ga"].accumulate_grad_batches) == (4, 4)
     assert (plans["1f1b"].strategy, plans["1f1b"].n_microbatches) == ("1f1b", 4)
+    assert plans["resumed from 1f1b.ckpt"] == (4, plans["1f1b"])  # the stored plan, not 'auto''s 8 micro-batches
+    assert plans["resumed from gpipe.ckpt"] == (None, plans["gpipe"])  # 'auto': derived at the first batch (none here)
+    assert plans["said"] == [
+        f"PipelineStrategy: resuming with the checkpoint's plan {plans['1f1b'].describe()}.",
+        f"PipelineStrategy: not resuming with the checkpoint's plan {plans['gpipe'].describe()}: it runs gpipe, this strategy "
+        "1f1b; deriving n_microbatches and stage boundaries for this run.",
+    ]
 
     # Reference: one process, batch 32, the sample order Lightning's DistributedSampler(seed=0) gives.
     torch.set_num_threads(1)

@@ -237,3 +237,27 @@ def test_dp_ga_checkpoints_an_optimizer_holding_a_tensor_outside_the_module(tmp_
     trainer.fit(resumed, ckpt_path=str(tmp_path / "step=2.ckpt"))
     torch.distributed.destroy_process_group()
     assert trainer.global_step == 3
+
+
+def test_a_checkpoint_pipeline_plan_is_reused_only_where_it_fits_the_resumed_run() -> None:
+    """strategy='gpipe' / '1f1b' with 'auto' arguments re-derived n_microbatches and the split on resume, silently."""
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.strategies.pipeline import unfit_checkpoint_plan
+
+    stored = Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=8, n_microbatches=4, global_batch_size=32, stage_boundaries=(2,),
+                  layer_names=("a", "b", "c"))
+    fits = dict(schedule="1f1b", world_size=2, loader_batch=32, accumulate=1, layer_names=("a", "b", "c"))
+    assert unfit_checkpoint_plan(stored, **fits) is None
+    assert unfit_checkpoint_plan(stored, **{**fits, "schedule": None}) is None  # schedule='auto' takes the plan's
+    assert unfit_checkpoint_plan(stored, **{**fits, "schedule": "gpipe"}) == "it runs 1f1b, this strategy gpipe"
+    assert unfit_checkpoint_plan(stored, **{**fits, "world_size": 4}) == "it was made for 2 processes, this run has 4"
+    assert unfit_checkpoint_plan(stored, **{**fits, "layer_names": ("a", "x", "c")}) == "its layers are not this model's pipeline layers"
+    unnamed = Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=8, n_microbatches=4, global_batch_size=32, stage_boundaries=(3,))
+    assert unfit_checkpoint_plan(unnamed, **fits) == "its stage boundaries [3] do not split this model's 3 pipeline layers"
+    assert unfit_checkpoint_plan(stored, **{**fits, "loader_batch": 16}) == (
+        "it was made for global batch 32 (1 replica(s) x 32 samples x 1 flush(es)), this run's is 16 (1 x loader batch 16 x "
+        "accumulate_grad_batches 1)")
+    assert unfit_checkpoint_plan(stored, **{**fits, "accumulate": 2}).startswith("it was made for global batch 32")
+    assert unfit_checkpoint_plan(stored, **{**fits, "loader_batch": None}) == "the train loader's batch size cannot be read"
+    dp_ga = Plan(strategy="dp_ga", dp=2, micro_batch_size=4, accumulate_grad_batches=4, global_batch_size=32)
+    assert unfit_checkpoint_plan(dp_ga, **fits) == "it is a dp_ga plan, not a pipeline"
