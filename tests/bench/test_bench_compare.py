@@ -229,3 +229,24 @@ def test_confirmation_stopped_early_gives_no_confirmed_verdict_in_json_or_table(
     text = format_table(result)
     assert "it came in the confirmation passes (rank 3 failed there), which give no verdict" in text
     assert "confirmation (" not in text  # no verdict printed beside it
+
+
+def test_predictions_share_a_cpu_hosts_memory_among_the_ranks_as_the_planner_does():
+    """bench ranks its plans with rank_plans, which gives each rank of a CPU profile its share of the host's RAM, but graded
+    them for the report with the whole host per rank: a plan the planner found too big (and bench did not run) was
+    reported feasible, and ranked before the plans that fit."""
+    from dataclasses import replace
+
+    from lightning_distplan.bench import predict_ranked
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+
+    specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=500 << 20, activation_bytes_per_sample=50 << 20) for _ in range(2)]
+    gpu = synthetic_profile(specs, device_memory_bytes=8 << 30)
+    cpu = replace(gpu, device=replace(gpu.device, type="cpu", memory_source="host RAM (sysconf)"))
+    candidates = rank_plans(cpu, world_size=4, global_batch_size=16, strategies=("dp_ga",))
+    graded = predict_ranked(cpu, [c.plan for c in candidates])
+    assert not any(c.prediction.feasible for c in candidates)  # 4 ranks of 5 GiB and more on one 8 GiB host
+    assert [pred.feasible for pred, _ in graded] == [c.prediction.feasible for c in candidates]
+    assert [pred.peak_memory_bytes for pred, _ in graded] == [c.prediction.peak_memory_bytes for c in candidates]
+    assert [rank for _, rank in graded] == [c.rank for c in candidates]
