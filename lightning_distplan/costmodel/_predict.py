@@ -459,7 +459,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     else:
         # The split prices each stage as below: its layers' compute plus the hand-overs it receives and
         # sends (a cut after a layer with a large output costs both stages), and its memory with the
-        # micro-batches that stage holds (1F1B: fewer on later stages) and the copy of its input.
+        # micro-batches that stage holds (1F1B: fewer on later stages) and its receive buffers (n inputs, n output gradients).
         outputs = [m * layer.output_bytes_per_sample for layer in profile.layers]
         # each stage past a tied parameter's first user that uses it holds a full copy, as priced below
         copy_bytes = profile.memory.param_bytes / max(1, profile.memory.param_bytes) + trained_total / _trained_bytes(profile)
