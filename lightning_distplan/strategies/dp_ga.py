@@ -491,6 +491,9 @@ class Rechunking:
             if self._per_user_batch is not None and saved != self._per_user_batch:
                 _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
         self._loader_batch = loader_batch
+        # known also for a loader used as it is: one loaded before the loops were restored is set up again (reload_resumed)
+        # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
+        self._trainer = trainer
         if loader_batch == m:
             return dataloader
         if cls is None and loader_batch is not None:

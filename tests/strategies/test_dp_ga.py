@@ -767,3 +767,32 @@ def test_a_step_scheduler_with_a_frequency_steps_where_ddp_steps_it(frequency: i
             torch.distributed.destroy_process_group()
     for key, lrs in resumed.items():
         assert lrs == runs["ddp"][3:], key
+
+
+def test_a_loader_of_one_step_per_batch_loaded_before_the_loops_were_restored_is_set_up_again(tmp_path: Any) -> None:
+    """A pipeline plan whose replica takes one of the user's loader batches per step (global_batch_size = dp x loader batch)
+    is handed that loader as it is, yet a step is 1/pp of the user's batch (the data is sharded over replicas, not ranks),
+    so a resumed fit converts the checkpoint's progress. Loaded early (trainer.estimated_stepping_batches in
+    configure_optimizers, before Lightning restores the loops), the loader was never set up again: the early return kept
+    Rechunking from knowing its trainer, and the progress stayed in the user's batches (half the steps trained, pp = 2)."""
+    from lightning.pytorch.loops.progress import _BatchProgress
+
+    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader
+    from lightning_distplan.strategies.dp_ga import PROGRESS_KEY, Rechunking
+
+    trainer = L.Trainer(default_root_dir=str(tmp_path), accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    done = _BatchProgress()
+    for _ in range(2):  # the checkpoint: 2 of the user's loader batches trained in this epoch
+        done.increment_ready(), done.increment_started(), done.increment_processed(), done.increment_completed()
+    saved = done.state_dict()
+    rechunk = Rechunking()
+    rechunk.remember(trainer)
+    rechunk.resumed({PROGRESS_KEY: "loader_batches", "loops": {"fit_loop": {"epoch_loop.batch_progress": saved}}})
+    loader = torch.utils.data.DataLoader(list(range(64)), batch_size=8)
+    assert rechunk.wrap(trainer, loader, 8, cls=_FullBatchLoader, replica_share=2) is loader  # early: the loops not restored yet
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    progress.load_state_dict(saved)  # Lightning restores the loops
+    assert rechunk.reload_resumed()  # so the loader is set up again at the epoch's start ...
+    rechunk.wrap(trainer, loader, 8, cls=_FullBatchLoader, replica_share=2)
+    assert progress.current.ready == 4  # ... where the 2 loader batches count as 4 of the plan's steps
