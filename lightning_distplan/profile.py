@@ -7,8 +7,10 @@ laptop with nothing but this package installed.
 Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per training example:
 
 ``model``                 import path or class name of the LightningModule
-``device``                :class:`DeviceProfile`: type ("cuda"/"cpu"), name, total memory and its source
-``micro_batch_sizes``     the sizes that were timed; ``infeasible_micro_batch_sizes`` those that ran out of memory
+``device``                :class:`DeviceProfile`: type ("cuda"/"cpu"), name, total memory and its source, the
+                          math's dtype, the ranks that profiled, and the TF32 switches of the profiled run
+``micro_batch_sizes``     the sizes that were timed; ``infeasible_micro_batch_sizes`` those that ran out of memory;
+                          ``rejected_micro_batch_sizes`` those the model itself refused (no plan goes that low)
 ``step``                  :class:`StepProfile`: the whole ``training_step`` forward / backward time fitted as
                           t(m) = α·m + β (seed 000 §III-B), measured without per-layer hooks
 ``layers``                list of :class:`LayerProfile`, in execution order: per-layer forward/backward fits,
@@ -21,11 +23,13 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
 ``links``                 list of :class:`LinkProfile`: all-reduce / p2p fitted as latency + bytes / bandwidth
 ``shared_parameters``     list of :class:`SharedParameters`: parameters several layers use (tied embeddings);
                           a pipeline that puts those layers on different stages all-reduces their gradient
+``unused_parameters``     names of trainable parameters the profiled loss gave no gradient (``auto_plan`` then runs
+                          DDP with ``find_unused_parameters=True``)
 ``framework``             :class:`FrameworkProfile`: the training loop's own cost per batch and per optimizer
                           step (optional; absent in older files, which then count it as zero), and the
                           pipelining runtime's own cost per micro-batch slot when measured over a process group
 ``profiling_time_s``      wall time the profiler spent
-``versions``, ``created`` provenance
+``versions``, ``created`` provenance; ``schema_version`` the schema's version (a file of another is refused)
 """
 
 from __future__ import annotations
