@@ -119,10 +119,14 @@ def _load_class(path: str, *, what: str, option: str) -> type:
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n, None), type))
+            classes = {n: c for n in dir(module) if not n.startswith("_") and isinstance(c := getattr(module, n, None), type)}
+            # the classes the module defines, not those it imports (DataLoader, Tensor, typing.Any); a package that only
+            # re-exports its classes defines none: then every class it holds
+            defined = sorted(n for n, c in classes.items() if getattr(c, "__module__", None) == module.__name__)
+            listed, which = (defined, "Classes it defines") if defined else (sorted(classes), "Classes it holds")
             raise ProfilingError(
                 f"Module {module_name!r} has no attribute {attr!r}.",
-                hint=f"Classes it defines: {', '.join(public[:20]) or '(none)'}.",
+                hint=f"{which}: {', '.join(listed[:20]) or '(none)'}.",
             )
         obj = getattr(obj, part)
     if not isinstance(obj, type):

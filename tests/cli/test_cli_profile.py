@@ -112,6 +112,16 @@ def _write_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
+def test_a_missing_class_hint_lists_the_classes_the_module_defines_not_those_it_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write_module(tmp_path, monkeypatch)  # it imports LightningModule and DataLoader
+    rc, _, err = _run(["cli_profile_fixtures:Missing", "--out", str(tmp_path / "p.json")], capsys)
+    hint = err.split("HINT:")[1]
+    assert rc == 2 and "NeedsDownload" in hint and "NoParams" in hint
+    assert "DataLoader" not in hint and "LightningModule" not in hint
+
+
 @pytest.mark.parametrize(
     ("argv", "pattern"),
     [
