@@ -58,7 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--precision", choices=("auto", "fp32", "tf32", "bf16"), default="auto",
         help="math assumed on the target GPUs (auto: the profile's dtype, and for float32 TF32 where the profiled run allowed it; "
-        "fp32: no TF32; tf32: TF32 for every float32 matmul and convolution, as set_float32_matmul_precision('high'))",
+        "fp32: no TF32; tf32: TF32 for every float32 matmul and convolution, as set_float32_matmul_precision('high'); bf16: "
+        "bf16 tensor cores, a float32 profile's activations at half their size; fp32 and tf32 refuse a 16-bit profile)",
     )
     parser.add_argument("--multi-objective", action="store_true", help="optimise (cost, time) with NSGA-II instead of C + w*T with TPE")
     parser.add_argument(
