@@ -540,7 +540,7 @@ def faster_alternative(candidates: Sequence[Candidate], running: Plan, *, min_sp
 
 
 def describe_for_user(plan: Plan) -> str:
-    """``"1f1b with 2 stages"``, ``"dp_ga with micro-batch 8 x 4 accumulation"``."""
+    """``"1f1b with 2 stages (8 micro-batches of 4)"``, ``"dp_ga with micro-batch 8 x 4 accumulation on 2 replicas"``."""
     if plan.strategy == "dp_ga":
         return f"dp_ga with micro-batch {plan.micro_batch_size} x {plan.accumulate_grad_batches} accumulation on {plan.dp} replicas"
     dp = f", {plan.dp} replicas" if plan.dp > 1 else ""
