@@ -72,7 +72,8 @@ def add_parser(subparsers: Any) -> None:
                         "in 32-true, bf16-mixed and bf16-true only, so another precision runs dp_ga plans only")
     parser.add_argument("--micro-batch-sizes", default=None, metavar="M1,M2,...", help="sizes to profile (default: powers of two from 1 up to the global batch, and at least three: 1,2,4 for a global batch under 4)")
     parser.add_argument("--profile-repeats", type=int, default=3, help="timed runs per profiled size (default 3)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per process (default: torch's; with --world-size N > 1, 1 per "
+                        "process unless OMP_NUM_THREADS is set, as torchrun sets it)")
     parser.add_argument("--out", default=None, help="write the result JSON here")
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="what to print (default table); json: the result (less its profiles) alone on stdout, progress lines on stderr")
