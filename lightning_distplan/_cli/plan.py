@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "micro_batch_size=8, accumulate_grad_batches=4, n_microbatches=8, schedule=gpipe, stage_boundaries=6,12",
     )
     parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
-    parser.add_argument("--device-memory-gb", type=float, default=None, help="device memory in GiB (default: the profiled device's)")
+    parser.add_argument("--device-memory-gb", type=float, default=None, help="one device's memory in GiB (default: the profiled device's; for a CPU profile, the host's RAM shared by the --world-size ranks)")
     parser.add_argument("--bandwidth-gbps", type=float, default=None, help="interconnect bandwidth in Gbit/s (default: measured, else 4)")
     parser.add_argument("--latency-us", type=float, default=None, help="interconnect latency in microseconds (default: measured, else 50)")
     parser.add_argument("--compute-scale", type=float, default=1.0, help="multiply profiled compute times (e.g. 0.5 for a 2x faster device)")

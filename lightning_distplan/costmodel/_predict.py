@@ -189,7 +189,8 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
         plan: the plan to price; a pipeline plan without ``stage_boundaries`` is split with
             :func:`~lightning_distplan.costmodel.partition_pipeline` (slowest stage, hand-overs
             included, as short as it can be with every stage in memory).
-        hardware: target devices and links; default :meth:`Hardware.from_profile`.
+        hardware: target devices and links; default :meth:`Hardware.from_profile` (for a CPU profile, the host's RAM
+            shared by the plan's ``world_size`` ranks).
 
     Raises:
         ModelSplitError: the plan has more stages than the profile has layers, boundaries past the last

@@ -79,7 +79,8 @@ def rank_plans(
         profile: the measured profile.
         world_size: devices in total.
         global_batch_size: samples per optimizer step.
-        hardware: target devices; default :meth:`Hardware.from_profile`.
+        hardware: target devices; default :meth:`Hardware.from_profile` (for a CPU profile, the host's RAM shared by
+            the ``world_size`` ranks).
         price_per_hour: price of one device (instance) per hour.
         time_weight: w in C + w·T (only with a price).
         pins: see :func:`enumerate_plans`.
