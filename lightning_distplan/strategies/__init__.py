@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # strategies land separately) are skipped, so importing the package never fails because of them.
 _STRATEGIES: tuple[tuple[str, str, str, str, dict], ...] = (
     ("dp_ga", "lightning_distplan.strategies.dp_ga", "DPGAStrategy",
-     "Data parallel + gradient accumulation at the planned micro-batch size (lightning_distplan).", {}),
+     "Data parallel + gradient accumulation at a given plan's micro-batch size (lightning_distplan).", {}),
     ("gpipe", "lightning_distplan.strategies.pipeline", "PipelineStrategy",
      "Pipeline parallel, GPipe schedule, optional dp x pp (lightning_distplan).", {"schedule": "gpipe"}),
     ("1f1b", "lightning_distplan.strategies.pipeline", "PipelineStrategy",
