@@ -144,6 +144,15 @@ class LayerProfile:
     """Saved-for-backward bytes that do not grow with the micro-batch (the fit's intercept)."""
     output_bytes_per_sample: float = 0.0
     """Bytes of this layer's output per sample: what a pipeline sends when a stage ends here."""
+    output_saved_bytes_per_sample: float | None = None
+    """Of :attr:`output_bytes_per_sample`, the bytes saved for backward by this layer (ReLU saves its result), an
+    earlier one sharing the storage in place, or the loss after the last layer: counted in this layer's activations.
+    A pipeline stage ending here keeps its output until that micro-batch's backward (torch's ``PipelineStage``
+    caches it), so the rest is held there too. None: not recorded (profiles written before 2026-11-28)."""
+    output_saved_later_bytes_per_sample: float | None = None
+    """Of :attr:`output_bytes_per_sample`, the bytes first saved by a later layer (a Linear or LayerNorm saving its
+    input) and counted in that layer's activations: on a stage starting after this layer that saved tensor is the
+    receive buffer, held once per micro-batch anyway. None: not recorded (profiles written before 2026-11-28)."""
     flops_forward_per_sample: float = 0.0
     flops_backward_per_sample: float = 0.0
     conv_flops_forward_per_sample: float = 0.0
@@ -463,6 +472,9 @@ class Profile:
             for name in ("param_bytes", "activation_bytes_per_sample", "activation_bytes_fixed", "output_bytes_per_sample",
                          "flops_forward_per_sample", "flops_backward_per_sample", "conv_flops_forward_per_sample", "conv_flops_backward_per_sample"):
                 sizes[f"layers[{i}].{name}"] = getattr(layer, name)
+            for name in ("output_saved_bytes_per_sample", "output_saved_later_bytes_per_sample"):
+                if getattr(layer, name) is not None:
+                    sizes[f"layers[{i}].{name}"] = getattr(layer, name)
             if layer.trainable_param_bytes is not None:
                 if not isinstance(layer.trainable_param_bytes, int) or isinstance(layer.trainable_param_bytes, bool):
                     raise ProfileFormatError(

@@ -959,6 +959,9 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         outs = [counted[m].output_bytes[i] for m in feasible]
         act = LinearFit.fit(feasible, saved)
         out_fit = LinearFit.fit(feasible, outs)
+        out_per_sample = max(0.0, out_fit.alpha)
+        out_saved = min(out_per_sample, max(0.0, LinearFit.fit(feasible, [counted[m].output_saved_bytes[i] for m in feasible]).alpha))
+        out_later = min(out_per_sample - out_saved, max(0.0, LinearFit.fit(feasible, [counted[m].output_saved_later_bytes[i] for m in feasible]).alpha))
         flops_f, flops_b = _per_sample(flop_records, i)
         conv_f, conv_b = _per_sample(flop_records, i, conv=True)
         layers.append(
@@ -973,7 +976,9 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                 trainable_param_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
                 activation_bytes_per_sample=max(0.0, act.alpha),
                 activation_bytes_fixed=max(0.0, act.beta),
-                output_bytes_per_sample=max(0.0, out_fit.alpha),
+                output_bytes_per_sample=out_per_sample,
+                output_saved_bytes_per_sample=out_saved,
+                output_saved_later_bytes_per_sample=out_later,
                 flops_forward_per_sample=flops_f,
                 flops_backward_per_sample=flops_b,
                 # the same line's slope for the convolutions alone cannot pass the whole's by more than rounding

@@ -97,6 +97,13 @@ class RunRecord:
         self.backward_s = [0.0] * n
         self.saved_bytes = [0] * n
         self.output_bytes = [0] * n
+        self.output_saved_bytes = [0] * n
+        """Bytes of each layer's output saved for backward by the layer itself (ReLU saves its result), by an
+        earlier layer sharing the storage (an in-place op's input), or by glue charged to the layer (the loss after
+        the last one): what a pipeline stage ending at the layer already counts of the output it keeps."""
+        self.output_saved_later_bytes = [0] * n
+        """Bytes of each layer's output first saved by a later layer (a Linear or LayerNorm saving its input) and
+        charged there: on a stage starting after the layer, that saved tensor is the pipeline's receive buffer."""
         self.flops_forward = [0] * n
         self.flops_backward = [0] * n
         self.conv_flops_forward = [0] * n
@@ -148,6 +155,8 @@ class LayerRecorder:
         self._saved = [0] * len(self.modules)
         self._saved_before_first = 0
         self._outputs = [0] * len(self.modules)
+        self._charges: dict[int, list[tuple[int, int]]] = {}  # storage -> (owner, bytes) of each count, in order
+        self._produced: list[tuple[int, int, int, int]] = []  # (layer, storage, output bytes, counts on it so far)
 
     def _flop_total(self) -> tuple[int, int]:
         """FLOPs counted so far: all of them, and those of convolutions."""
@@ -186,6 +195,9 @@ class LayerRecorder:
             leaves = _tensor_leaves(output, [])
             if self._count_saved:
                 self._outputs[i] += sum(t.nelement() * t.element_size() for t in leaves)
+                for t in leaves:
+                    key = _span(t)[0]
+                    self._produced.append((i, key, t.nelement() * t.element_size(), len(self._charges.get(key, ()))))
             bwd_hook = self._make_bwd(i)
             for t in leaves:
                 if t.requires_grad and t.grad_fn is not None:
@@ -218,6 +230,7 @@ class LayerRecorder:
         if added <= 0:
             return t
         owner = self._owner()
+        self._charges.setdefault(key, []).append((owner, added))
         if owner < 0:
             self._saved_before_first += added
         else:
@@ -267,6 +280,14 @@ class LayerRecorder:
             rec.saved_bytes = list(self._saved)
             rec.output_bytes = list(self._outputs)
             rec.total_saved_bytes = sum(self._saved)
+            for i, key, nbytes, before in self._produced:
+                counts = self._charges.get(key, [])
+                # counted by the time the layer returned, or later but charged to it (the loss after the last layer)
+                here = sum(b for _, b in counts[:before]) + sum(b for o, b in counts[before:] if o == i)
+                later = sum(b for o, b in counts[before:] if o != i)
+                here = min(here, nbytes)
+                rec.output_saved_bytes[i] += here
+                rec.output_saved_later_bytes[i] += min(later, nbytes - here)
         return rec
 
     def _attribute(self, events: list[tuple[Any, int, tuple[int, int]]], first: int, seconds: list[float], flops: list[int], conv: list[int]) -> None:

@@ -54,6 +54,10 @@ def test_activation_and_flop_counts_match_hand_computation(mlp_profile: Profile)
     assert mlp_profile.memory.activation.beta == pytest.approx(0, abs=1e-6)
     # outputs a pipeline would send
     assert [l.output_bytes_per_sample for l in mlp_profile.layers] == pytest.approx([64, 64, 16])
+    # of them, saved where: net.0's output by nobody (ReLU saves its result), net.1's by ReLU itself, net.2's by
+    # the loss charged to it; none first by a later layer
+    assert [l.output_saved_bytes_per_sample for l in mlp_profile.layers] == pytest.approx([0, 64, 16])
+    assert [l.output_saved_later_bytes_per_sample for l in mlp_profile.layers] == pytest.approx([0, 0, 0])
     # FLOPs: 2*in*out forward; backward = weight grad (+ input grad where the input needs grad)
     assert net0.flops_forward_per_sample == pytest.approx(2 * 8 * 16)
     assert net0.flops_backward_per_sample == pytest.approx(2 * 8 * 16)  # x needs no grad
@@ -271,3 +275,21 @@ def test_hand_edited_profiles_that_cannot_be_are_refused(mlp_profile: Profile) -
         edit(data)
         with pytest.raises(ProfileFormatError, match=match + ".*HINT"):
             Profile.from_dict(data)
+
+
+def test_recorder_tells_where_each_output_is_saved() -> None:
+    """What a pipeline cut needs: of each layer's output, the bytes saved by it (ReLU: its result) and those first
+    saved by the next layer (Linear, LayerNorm: their input), which on a receiving stage is the receive buffer."""
+    from lightning_distplan.profiling._recorder import LayerRecorder
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 8)]
+    seq = torch.nn.Sequential(*layers)
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    params = {t.untyped_storage().data_ptr() for t in seq.parameters()}
+    with LayerRecorder(layers, torch.device("cpu"), exclude_storages=params) as rec:
+        r = rec.run(lambda: ((seq(x) - y) ** 2).mean(), count_saved=True)
+    assert r.output_bytes == [256, 256, 384, 384, 64]
+    assert r.saved_bytes == [128, 256, 0, 400, 448]  # LayerNorm: its input + mean and rstd; the last: its input + (out - y)
+    assert r.output_saved_bytes == [0, 256, 0, 0, 0]
+    assert r.output_saved_later_bytes == [0, 0, 384, 384, 0]
