@@ -145,6 +145,8 @@ def partition_pipeline(
     tied: Sequence[tuple[Sequence[int], float]] = (),
     no_cut: Sequence[int] = (),
     receive_buffers: int | None = None,
+    output_kept: Sequence[float] | None = None,
+    received_saved: Sequence[float] | None = None,
 ) -> tuple[int, ...]:
     """Split layers into ``pp`` pipeline stages minimising the slowest stage, hand-overs and memory included.
 
@@ -156,6 +158,10 @@ def partition_pipeline(
     a full copy of each ``tied`` group it uses whose first user is on an earlier stage. With
     ``receive_buffers`` r, the received tensor counts r times instead of ``in_flight[k]`` times, and a
     stage that sends (k < pp − 1) also holds r buffers of its output's size (the gradients it receives back).
+    With ``output_kept`` / ``received_saved`` (and ``receive_buffers``), a stage ending after layer j holds
+    ``output_kept[j]`` more per micro-batch in flight (its output, cached until its backward, where no layer of
+    its own saved it) and one starting after layer j holds ``received_saved[j]`` less (its first layer's saved
+    input, counted in ``activation_memory``, is the receive buffer).
     Hand-overs make cutting after a layer with a large output cost both stages time, and 1F1B's
     stages hold different numbers of micro-batches, which the compute-only
     :func:`partition_layers` does not see.
@@ -182,6 +188,7 @@ def partition_pipeline(
         receive_buffers: receive buffers a stage keeps for its input and for its output's gradient, whatever
             its in-flight count (torch's ``PipelineStage`` allocates one of each per micro-batch); None: the
             received input counts once per in-flight micro-batch and no gradient buffer is held.
+        output_kept / received_saved: per layer, bytes as above (None: zeros); only with ``receive_buffers``.
 
     Raises:
         ModelSplitError: ``pp`` below 1 or above the number of layers, or malformed lists.
@@ -213,7 +220,10 @@ def partition_pipeline(
     barred = {int(j) for j in no_cut}
     cap = math.inf if memory_cap is None else float(memory_cap)
     with np.errstate(all="ignore"):  # sums past the float range give inf (bytes: nan, never over the cap), unwarned as in Python
-        choice = _programme(pp, pt, static_memory, activation_memory, cut_times, cut_memory, in_flight, cap, groups, barred, receive_buffers)
+        choice = _programme(
+            pp, pt, static_memory, activation_memory, cut_times, cut_memory, in_flight, cap, groups, barred, receive_buffers,
+            output_kept, received_saved,
+        )
     if choice is None:
         if barred:
             under = "" if cap == math.inf else f" and keeps every stage under {cap:.4g} bytes"
@@ -244,6 +254,8 @@ def _programme(
     groups: list[tuple[int, list[int], float]],
     barred: set[int],
     receive_buffers: int | None = None,
+    output_kept: Sequence[float] | None = None,
+    received_saved: Sequence[float] | None = None,
 ) -> list[np.ndarray] | None:
     """partition_pipeline's programme: ``choice[k][j]``, the first layer of stage ``k`` in the best split
     of layers ``[0, j)`` into stages ``0..k``, or None where no split of all layers into ``pp`` stages fits.
@@ -261,6 +273,8 @@ def _programme(
     activations = _block_sums([0.0, *accumulate(float(x) for x in activation_memory)])
     handover = np.array([0.0, *(float(x) for x in cut_times)])  # [i]: seconds of the hand-over into layer i
     received = np.array([0.0, *(float(x) for x in cut_memory)])  # [i]: bytes of layer i - 1's output
+    kept_at = np.array([0.0, *(float(x) for x in output_kept or [0.0] * n_layers)])  # [j]: kept by a stage ending at j
+    resaved_at = np.array([0.0, *(float(x) for x in received_saved or [0.0] * n_layers)])  # [i]: saved input that is the buffer
     later = edge[:, None] < edge[None, :]  # [i, j]: i < j, a stage holds at least one layer
     # a middle stage's seconds (it receives and sends) and bytes per micro-batch (with the received copy)
     middle = span + handover[:, None] + handover[None, :]
@@ -293,7 +307,7 @@ def _programme(
             if receive_buffers is None:
                 memory = static[rows, cols] + factor * (held[rows, cols] if k > 0 else activations[rows, cols] + 0.0)
             else:  # the input's buffers (k > 0) and the output gradient's (k < pp - 1), whatever is in flight
-                memory = static[rows, cols] + factor * activations[rows, cols]
+                memory = static[rows, cols] + factor * (activations[rows, cols] + kept_at[cols] - (resaved_at[rows, None] if k > 0 else 0.0))
                 if k > 0:
                     memory = memory + receive_buffers * received[rows, None]
                 if not last:

@@ -434,6 +434,27 @@ def in_flight_microbatches(strategy: str, n: int, p: int, k: int) -> int:
     return n if strategy == "gpipe" else min(n, p - k)
 
 
+def _boundary_corrections(profile: Profile, m: int, acts: list[float]) -> tuple[list[float], list[float]]:
+    """Per layer, for micro-batch ``m``: the bytes of its output a pipeline stage ending there keeps beyond its
+    counted activations (torch's ``PipelineStage`` caches a stage's output until that micro-batch's backward;
+    counted already where the layer, or the loss after the last one, saved it), and the bytes of its output the
+    next layer's activations count (it saved its input) that a stage starting after the layer holds as its
+    receive buffer, counted once per micro-batch with the buffers. Zeros for profiles without the counts.
+
+    Measured on 2 gloo ranks, [Linear, ReLU, Linear, LayerNorm, Linear], m = 2, n = 4, GPipe: cut before the
+    LayerNorm, stage 0 kept 4 × 384 B of the Linear's output the model missed and stage 1 held 1536 B less than
+    the model's receive buffers plus the LayerNorm's saved input; cut before the Linear after the ReLU, exact.
+    """
+    layers = profile.layers
+    if any(x.output_saved_bytes_per_sample is None or x.output_saved_later_bytes_per_sample is None for x in layers):
+        return [0.0] * len(layers), [0.0] * len(layers)
+    kept = [m * max(0.0, x.output_bytes_per_sample - x.output_saved_bytes_per_sample) for x in layers]  # type: ignore[operator]
+    # never more than the next layer's activations as the model counts them (calibrated to the whole-step fit)
+    resaved = [min(m * x.output_saved_later_bytes_per_sample, acts[i + 1]) if i + 1 < len(layers) else 0.0  # type: ignore[operator]
+               for i, x in enumerate(layers)]
+    return kept, resaved
+
+
 def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
     k_flush = plan.accumulate_grad_batches  # flushes per optimizer step (Lightning's accumulate_grad_batches; 1 in planned plans)
@@ -462,6 +483,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         # sends (a cut after a layer with a large output costs both stages), and its memory with the
         # micro-batches that stage holds (1F1B: fewer on later stages) and its receive buffers (n inputs, n output gradients).
         outputs = [m * layer.output_bytes_per_sample for layer in profile.layers]
+        kept, resaved = _boundary_corrections(profile, m, acts)
         # each stage past a tied parameter's first user that uses it holds a full copy, as priced below
         copy_bytes = profile.memory.param_bytes / max(1, profile.memory.param_bytes) + trained_total / _trained_bytes(profile)
         split = dict(
@@ -472,6 +494,8 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
             in_flight=[in_flight_microbatches(plan.strategy, n, p, k) for k in range(p)],
             tied=[(g.layers, g.param_bytes * copy_bytes) for g in profile.shared_parameters],
             receive_buffers=n,
+            output_kept=kept,
+            received_saved=resaved,
         )
         cap = hw.usable_memory_bytes - overhead
         try:
@@ -589,11 +613,18 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     step = sum(breakdown.values())
 
     stage_act = list(stage_sums(acts, boundaries))
+    # Per micro-batch in flight, a stage also keeps its output until that micro-batch's backward (PipelineStage's
+    # fwd_cache), where no layer of its own saved it, and its first layer's saved input is the receive buffer
+    # counted below, not another copy. Profiles without these counts keep the older reading: nothing kept, and
+    # the first layer's saved input (if the profile charged it there) a second copy.
+    kept, resaved = _boundary_corrections(profile, m, acts)
+    for k in range(p):
+        stage_act[k] += kept[edges[k + 1] - 1] - (resaved[edges[k] - 1] if k > 0 else 0.0)
     # torch's PipelineStage allocates its receive buffers once per micro-batch and keeps them (they are
     # reused step after step): n for the activation a stage receives (k > 0) and n for the gradient of
-    # the output it sends (k < p − 1), whatever the schedule keeps in flight. A stage's first layer saves
-    # the tensor it receives for its backward (Linear, conv, attention and norms all save their input):
-    # that is the receive buffer itself, a copy the one-device profile did not hold on this device.
+    # the output it sends (k < p − 1), whatever the schedule keeps in flight. A stage's first layer that
+    # saves the tensor it receives for its backward (Linear, attention and norms save their input) saves
+    # the receive buffer itself (2 gloo ranks, n = 4: a LayerNorm starting stage 1 added no storage).
     buffers = [
         n * m * ((profile.layers[edges[k] - 1].output_bytes_per_sample if k > 0 else 0.0)
                  + (profile.layers[edges[k + 1] - 1].output_bytes_per_sample if k < p - 1 else 0.0))

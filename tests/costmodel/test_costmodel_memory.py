@@ -169,6 +169,44 @@ def test_receive_buffers_are_held_per_micro_batch_under_both_schedules():
     assert capped.stage_boundaries == (1,) and capped.feasible and capped.peak_memory_bytes == 4_000_000
 
 
+def test_a_stage_keeps_its_unsaved_output_and_its_first_layers_saved_input_is_the_receive_buffer():
+    # Measured on 2 gloo ranks (torch 2.14 PipelineStage, ScheduleGPipe / Schedule1F1B, m = 2, n = 4) for
+    # [Linear(16, 32), ReLU, Linear(32, 48), LayerNorm(48), Linear(48, 8)] + ((out - y)**2).mean(): live unique
+    # storages of the receive buffers, the gradient receive buffers, the saved tensors and the outputs the stage
+    # caches until their backward (the input batch as its micro-batches in flight), per stage. A stage keeps its
+    # output until that micro-batch's backward (fwd_cache), a copy where no layer of its own saved it; a first
+    # layer that saves its input saves the receive buffer, no second copy. Profile per sample, from LayerRecorder.
+    import dataclasses
+
+    acts, outs = (64, 128, 0, 200, 224), (128, 128, 192, 192, 32)
+    saved, later = (0, 128, 0, 0, 0), (0, 0, 192, 192, 0)
+    specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, activation_bytes_per_sample=a, output_bytes_per_sample=o) for a, o in zip(acts, outs)]
+    old = synthetic_profile(specs)
+    new = dataclasses.replace(old, layers=tuple(
+        dataclasses.replace(layer, output_saved_bytes_per_sample=s, output_saved_later_bytes_per_sample=t)
+        for layer, s, t in zip(old.layers, saved, later)))
+    measured = {  # (cut, schedule): bytes per stage
+        (2, "gpipe"): (2560, 4672), (2, "1f1b"): (1792, 1936),  # stage 1 starts with a Linear whose input the ReLU saved
+        (3, "gpipe"): (4608, 3648), (3, "1f1b"): (3072, 2064),  # ... with a LayerNorm saving an input nobody saved before
+        (1, "gpipe"): (2560, 5696), (1, "1f1b"): (1792, 2192),  # ... with a ReLU (saves its output, not its input)
+    }
+    before = {(3, "gpipe"): (3072, 4928), (3, "1f1b"): (2304, 2384)}  # the cut before the LayerNorm, counts missing
+    for (cut, strategy), want in measured.items():
+        plan = Plan(strategy=strategy, dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8, stage_boundaries=(cut,))
+        assert predict(new, plan, hw()).stage_memory_bytes == want, (cut, strategy)
+        if (cut, strategy) in before:  # older profiles: read as before
+            assert predict(old, plan, hw()).stage_memory_bytes == before[cut, strategy]
+    # the split prices stages the same way: under a 4650-byte cap the older reading keeps the cut (2,) (2560 | 4416),
+    # the counts move it to (3,) (4608 | 3648), as (2,) holds 4672 on stage 1
+    from lightning_distplan.costmodel._partition import partition_pipeline
+
+    kw = dict(static_memory=[0.0] * 5, activation_memory=[2.0 * a for a in acts], cut_times=[0.0] * 5, cut_memory=[2.0 * o for o in outs],
+              in_flight=[4, 4], receive_buffers=4)
+    assert partition_pipeline([1.0] * 5, 2, memory_cap=4650.0, **kw) == (2,)
+    counted = dict(output_kept=[2.0 * (o - s) for o, s in zip(outs, saved)], received_saved=[2.0 * t for t in later])
+    assert partition_pipeline([1.0] * 5, 2, memory_cap=4650.0, **kw, **counted) == (3,)
+
+
 def test_a_frozen_stage_holds_no_gradients_or_optimizer_state():
     """Fine-tuning with a frozen backbone: gradients, optimizer state, the optimizer step and the dp all-reduce
     follow the trainable bytes of each stage, not its share of all parameters (a reviewer's Adam run: the
