@@ -1,4 +1,10 @@
-"""Real 2-process gloo runs: link fits, and all ranks agreeing on an OOM only one rank hits."""
+"""Real 2-process gloo runs: link fits, and all ranks agreeing on an OOM only one rank hits.
+
+To keep the suite fast, every scenario runs in ONE launch of three processes (the ``_scenarios`` fixture): the
+3-rank pipeline-slot scenario first, then rank 2 leaves and ranks 0 and 1 run the 2-rank scenarios one after the
+other, each on a fresh process group of its own (its own port and timeout, as when each had its own launch), the
+one whose rank 1 leaves the group last. Each test reads its scenario's files and asserts on them alone.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +13,14 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exit_now() -> None:
@@ -27,6 +29,53 @@ def _exit_now() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+SCENARIOS = ("slot", "links", "collective", "refused", "fails")  # in the order they run
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (the sockets stay bound until all are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _all_scenarios(rank: int, world: int, ports: list[int], out_dir: str) -> None:
+    """Every scenario of this module in one process per rank, each in its own folder on its own process group."""
+    dirs = {name: str(Path(out_dir, name)) for name in SCENARIOS}
+    _slot_worker(rank, world, ports[0], dirs["slot"])  # all three ranks
+    if rank < 2:  # the 2-rank scenarios: rank 2 is done
+        _worker(rank, 2, ports[1], dirs["links"])
+        _profile_case(rank, 2, ports[2], dirs["collective"], "collective")
+        _profile_case(rank, 2, ports[3], dirs["refused"], "refused")
+        _one_rank_fails(rank, 2, ports[4], dirs["fails"])  # last: rank 1 leaves its group on purpose
+    _exit_now()
+
+
+@pytest.fixture(scope="module")
+def _scenarios(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """One launch for all scenarios; returns ``folder(scenario)``, which fails the asking test with the launch's error
+    when that scenario wrote nothing (the scenarios before a failed one keep their results)."""
+    out = tmp_path_factory.mktemp("profiling_distributed")
+    for name in SCENARIOS:
+        (out / name).mkdir()
+    try:
+        mp.spawn(_all_scenarios, args=(3, _free_ports(len(SCENARIOS)), str(out)), nprocs=3, join=True)
+        failure = ""
+    except Exception as err:  # noqa: BLE001 - reported by each test whose scenario it cut short
+        failure = f"{type(err).__name__}: {err}"
+
+    def folder(name: str) -> Path:
+        assert any((out / name).iterdir()), f"scenario {name!r} wrote nothing: {failure}"
+        return out / name
+
+    return folder
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -49,11 +98,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         )
     finally:
         dist.destroy_process_group()
-    _exit_now()
 
 
-def test_links_and_oom_agreement_over_gloo(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+def test_links_and_oom_agreement_over_gloo(_scenarios: Callable[[str], Path]) -> None:
+    tmp_path = _scenarios("links")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     links0 = results[0]["links"]
     assert [l["kind"] for l in links0] == ["allreduce", "p2p"]
@@ -96,16 +144,15 @@ def _slot_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         Path(out_dir, f"slot{rank}.json").write_text(json.dumps(got))
     finally:
         dist.destroy_process_group()
-    _exit_now()
 
 
-def test_pipeline_slot_is_timed_by_the_first_two_ranks_and_shared_with_all(tmp_path: Path) -> None:
+def test_pipeline_slot_is_timed_by_the_first_two_ranks_and_shared_with_all(_scenarios: Callable[[str], Path]) -> None:
     from lightning_distplan.profile import LinkProfile
     from lightning_distplan.profiling import measure_pipeline_slot
 
     p2p = LinkProfile(kind="p2p", backend="gloo", world_size=2, latency_s=0.0, bandwidth_bytes_per_s=1e9)
     assert measure_pipeline_slot(p2p) is None  # no process group: not measured, the cost model's default applies
-    mp.spawn(_slot_worker, args=(3, _free_port(), str(tmp_path)), nprocs=3, join=True)
+    tmp_path = _scenarios("slot")  # run on 3 ranks
     results = [json.loads((tmp_path / f"slot{r}.json").read_text()) for r in range(3)]
     assert results[1] == results[0] and results[2] == results[0]  # rank 2 ran no pipeline and got rank 0's numbers
     measured, beyond_a_1_s_hand_over = results[0]
@@ -137,13 +184,12 @@ def _one_rank_fails(rank: int, world: int, port: int, out_dir: str) -> None:
         said = f"{type(err).__name__}: {err}"
     Path(out_dir, f"rank{rank}.txt").write_text(said)
     dist.destroy_process_group()  # rank 1 leaves: rank 0, in a collective of the profiler, sees its peer gone
-    _exit_now()
 
 
-def test_a_rank_failing_while_profiling_is_not_blamed_on_the_others_training_step(tmp_path: Path) -> None:
+def test_a_rank_failing_while_profiling_is_not_blamed_on_the_others_training_step(_scenarios: Callable[[str], Path]) -> None:
     """Rank 0's own training_step was fine, but its error said it failed there (with gloo's 'Connection closed by
     peer') and hinted at self.trainer."""
-    mp.spawn(_one_rank_fails, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    tmp_path = _scenarios("fails")
     said = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
     assert said[1].startswith("ProfilingError: Profiling FailsOnRank1 failed in its training step with ValueError: a bug in rank 1's data."), said[1]
     assert said[0].startswith("ProfilingError: Another process of this run failed or left while the processes were profiling together"), said[0]
@@ -168,7 +214,6 @@ def _profile_case(rank: int, world: int, port: int, out_dir: str, case: str) -> 
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(said))
     finally:
         dist.destroy_process_group()
-    _exit_now()
 
 
 def _collective_case(rank: int):
@@ -207,11 +252,11 @@ def _collective_case(rank: int):
     return Gathers(), data, {"micro_batch_sizes": [2, 4, 8]}, summary
 
 
-def test_a_training_step_with_its_own_collective_runs_as_often_on_every_rank(tmp_path: Path) -> None:
+def test_a_training_step_with_its_own_collective_runs_as_often_on_every_rank(_scenarios: Callable[[str], Path]) -> None:
     """Each rank sized its whole-step timing loop from its own first timed run, so the ranks ran training_step a
     different number of times, and a collective in it met the profiler's own all-reduce: gloo aborted the process
     ("Received data size doesn't match expected size"). The ranks now agree on the slowest first run."""
-    mp.spawn(_profile_case, args=(2, _free_port(), str(tmp_path), "collective"), nprocs=2, join=True)
+    tmp_path = _scenarios("collective")
     said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("error" not in s for s in said), said
     assert said[0]["calls"] == said[1]["calls"] > 0 and said[0]["sizes"] == said[1]["sizes"] == [2, 4, 8], said
@@ -248,12 +293,12 @@ def _refused_case(rank: int):
     return RefusesOnRank1(), data, {"micro_batch_sizes": [2, 4, 8, 16, 32], "repeats": 1, "min_timed_s": 0}, summary
 
 
-def test_a_size_one_rank_refuses_is_left_out_on_every_rank(tmp_path: Path) -> None:
+def test_a_size_one_rank_refuses_is_left_out_on_every_rank(_scenarios: Callable[[str], Path]) -> None:
     """A micro-batch size refused on one rank only ("Expected more than 1 value per channel") was decided on that rank
     alone: it `continue`d past the reductions the other rank made, so their all-reduces paired up across sizes (rank 0:
     "Another process ... failed or left"; rank 1: sizes [2] only). Every rank now leaves such a size out, at the prime
     size as in the main loop."""
-    mp.spawn(_profile_case, args=(2, _free_port(), str(tmp_path), "refused"), nprocs=2, join=True)
+    tmp_path = _scenarios("refused")
     said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("error" not in s for s in said), said
     assert said[0] == said[1] == {"sizes": [4, 16, 32], "rejected": [2, 8]}, said
