@@ -945,6 +945,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["old_grads"] = _old_gradients(world, out)
     results["receive_buffers"] = _gradients_in_receive_buffers(world, out)
     results["flushes"] = _flushes_that_change_and_a_resume_under_auto_plan(world, out)
+    results["reduce_unused"] = _reduce_unused_worker(rank, world)  # the gradient reduce alone, over the same group
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
 
@@ -1440,11 +1441,14 @@ def test_the_plan_follows_a_changing_accumulation_and_auto_plan_does_not_resume_
 
 
 def _reduce_unused_worker(rank: int, world: int) -> dict[str, Any]:
+    """Run in the 2-rank launch, over the world group its fits left alive (a group of its own if there is none)."""
     import torch.distributed as dist
 
     from lightning_distplan.strategies.pipeline import _all_reduce_mean
 
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    assert dist.get_world_size() == world
     used, one_rank, nowhere = (nn.Parameter(torch.zeros(3)) for _ in range(3))
     grads = {used: torch.full((3,), float(rank + 1))}
     if rank == 0:
@@ -1453,11 +1457,11 @@ def _reduce_unused_worker(rank: int, world: int) -> dict[str, Any]:
     return {"used": grads[used].tolist(), "one_rank": grads[one_rank].tolist(), "nowhere": nowhere in grads}
 
 
-def test_a_parameter_no_replica_has_a_gradient_for_gets_none_as_under_ddp() -> None:
+def test_a_parameter_no_replica_has_a_gradient_for_gets_none_as_under_ddp(two_rank_run) -> None:
     """The hybrid dp x pp gradient reduce: a stage parameter that no replica's loss used (an unused head inside a
     layer) stays without a gradient, as DistributedDataParallel(find_unused_parameters=True) leaves it; with a zero
     gradient, weight decay and momentum moved it, unlike a dp_ga fit (dp=2 pp=2: 0.007 after three SGD steps of
     weight_decay=0.1). One that some replica used gets the mean, zeros counted for the others."""
-    results = run_on_ranks(_reduce_unused_worker, 2, timeout=120)
-    for res in results:
+    _, results = two_rank_run
+    for res in (r["reduce_unused"] for r in results):
         assert res == {"used": [1.5] * 3, "one_rank": [2.0] * 3, "nowhere": False}
