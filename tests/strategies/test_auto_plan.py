@@ -189,7 +189,10 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     resumed.fit(SizedScheduledChainMLP(**PP_MODEL), ckpt_path=os.path.join(mid_epoch, "step=2.ckpt"))
     out["pp_resumed"] = (resumed.global_step, isinstance(resumed.strategy, PipelineStrategy))
 
-    # -- 4. <default_root_dir>/distplan is a file: plan.json cannot be written ---------------------------
+    # -- 4. a step scheduler under a given global batch, dp_ga and a pipeline (asserted in its own test) -------
+    out["scheduler_given_batch"] = _scheduler_under_a_given_global_batch(rank, world, os.path.join(root, "scheduler_given_batch"))
+
+    # -- 5. <default_root_dir>/distplan is a file: plan.json cannot be written ---------------------------
     blocked = os.path.join(root, "blocked")
     os.makedirs(blocked, exist_ok=True)
     if rank == 0:
@@ -224,7 +227,7 @@ def _pp_cap() -> int:
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("auto_plan"))
     t0 = time.perf_counter()
-    ranks = run_on_ranks(_scenarios, 2, root, _pp_cap(), timeout=400)
+    ranks = run_on_ranks(_scenarios, 2, root, _pp_cap(), timeout=500)
     print(f"auto_plan scenarios on 2 ranks: {time.perf_counter() - t0:.1f}s (dp auto fit {ranks[0]['dp_auto_s']:.1f}s)")
     return {"ranks": ranks, "root": Path(root)}
 
@@ -309,26 +312,27 @@ def _scheduler_under_a_given_global_batch(rank: int, world: int, root: str) -> d
 
     import lightning_distplan  # noqa: F401  (registers auto_plan)
 
-    warnings.filterwarnings("ignore")
     out: dict[str, Any] = {}
-    for name, pins in (("dp_ga", dict(strategy="dp_ga")), ("pp", dict(strategy="gpipe", stages=2))):
-        seen = _Rates()
-        trainer = L.Trainer(**trainer_kwargs(
-            os.path.join(root, name), devices=world, callbacks=[seen], max_epochs=1,
-            strategy=lightning_distplan.strategies.auto_plan.AutoPlanStrategy(global_batch_size=16, profile_repeats=1, **pins),
-        ))
-        trainer.fit(ScheduledChainMLP(width=32, depth=4, n_samples=64, loader_batch=4, dropout=0.0))
-        out[name] = (trainer.strategy.plan.strategy, seen.rates, [c.frequency for c in trainer.strategy.lr_scheduler_configs])
+    with warnings.catch_warnings():  # (run inside _scenarios: the filter ends with this scenario)
+        warnings.filterwarnings("ignore")
+        for name, pins in (("dp_ga", dict(strategy="dp_ga")), ("pp", dict(strategy="gpipe", stages=2))):
+            seen = _Rates()
+            trainer = L.Trainer(**trainer_kwargs(
+                os.path.join(root, name), devices=world, callbacks=[seen], max_epochs=1,
+                strategy=lightning_distplan.strategies.auto_plan.AutoPlanStrategy(global_batch_size=16, profile_repeats=1, **pins),
+            ))
+            trainer.fit(ScheduledChainMLP(width=32, depth=4, n_samples=64, loader_batch=4, dropout=0.0))
+            out[name] = (trainer.strategy.plan.strategy, seen.rates, [c.frequency for c in trainer.strategy.lr_scheduler_configs])
     return out
 
 
-def test_a_step_schedulers_frequency_under_a_given_global_batch_is_the_same_for_a_pipeline_as_for_dp_ga(tmp_path: Path) -> None:
+def test_a_step_schedulers_frequency_under_a_given_global_batch_is_the_same_for_a_pipeline_as_for_dp_ga(results: dict[str, Any]) -> None:
     """AutoPlanStrategy(global_batch_size=16) over loader batches of 4 on 2 processes, accumulate_grad_batches=1: one
     optimizer step holds 2 loader batches of each process. A dp_ga plan counts a step scheduler's frequency (4) in
     loader batches (Lightning's, or Rechunking's steering), so it steps the scheduler every second step; the pipeline
     divided the frequency by the Trainer's accumulate_grad_batches (1) and stepped it every fourth: the plan auto_plan
     picked changed the learning-rate schedule (rates 0.05, 0.05, 0.025, 0.025 against 0.05 x 4)."""
-    ranks = run_on_ranks(_scheduler_under_a_given_global_batch, 2, str(tmp_path), timeout=400)
+    ranks = [out["scheduler_given_batch"] for out in results["ranks"]]  # run in the module's one launch
     for r in ranks:
         assert r["dp_ga"][0] == "dp_ga" and r["pp"][0] == "gpipe", r
         assert r["dp_ga"][1] == [0.05, 0.05, 0.025, 0.025], r
