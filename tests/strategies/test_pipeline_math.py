@@ -5,8 +5,8 @@
   single-process loss and outputs.
 * Memory: 1F1B keeps fewer micro-batches of activations alive than GPipe, as the cost model says.
 
-To keep the suite fast, every 2-rank check shares ONE launch of two processes (a module-scoped
-fixture), and the hybrid checks one 4-rank launch. Processes are torchrun-like (env vars, gloo),
+To keep the suite fast, the module has ONE launch (a module-scoped fixture): four processes run the
+hybrid checks, then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
 so Lightning treats them as externally launched; weights come back through the strategy's
 full-state-dict checkpoint gather.
 """
@@ -955,10 +955,36 @@ def _hybrid_worker(rank: int, world: int, out: str) -> None:
         _fit(rank, world, run, out)
 
 
+def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, port: int) -> dict[str, Any] | None:
+    """The hybrid runs on all 4 ranks; then ranks 2 and 3 are done and ranks 0 and 1 run every 2-rank check on a fresh
+    world of two (its own port), as a 2-process launch of its own did: starting Python, torch and Lightning in two
+    more processes costs more than many of the fits."""
+    import torch.distributed as dist
+
+    _hybrid_worker(rank, world, hybrid_out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank >= 2:
+        return None
+    os.environ.update(MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    return _two_rank_worker(rank, 2, out)
+
+
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+def _launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[dict[str, Any]]]:
+    """The module's one launch: 4 ranks for the hybrid runs, then ranks 0 and 1 for the 2-rank checks."""
+    from _dist_utils import free_port
+
+    hybrid_out = str(tmp_path_factory.mktemp("pipeline_hybrid"))
     out = str(tmp_path_factory.mktemp("pipeline_2ranks"))
-    return out, run_on_ranks(_two_rank_worker, 2, out, timeout=400)
+    results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, free_port(), timeout=800)
+    return hybrid_out, out, results[:2]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(_launch: tuple[str, str, list[dict[str, Any]]]) -> tuple[str, list[dict[str, Any]]]:
+    _, out, results = _launch
+    return out, results
 
 
 def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
@@ -983,10 +1009,10 @@ def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
         _check(out, name, schedule, 2, 1)
 
 
-def test_pipeline_hybrid_dp2_pp2_matches_single_process(tmp_path) -> None:
-    run_on_ranks(_hybrid_worker, 4, str(tmp_path), timeout=400)
+def test_pipeline_hybrid_dp2_pp2_matches_single_process(_launch) -> None:
+    hybrid_out, _, _ = _launch
     for name, schedule, _, _ in HYBRID_RUNS:
-        _check(str(tmp_path), name, schedule, 4, 2)
+        _check(hybrid_out, name, schedule, 4, 2)
 
 
 def test_pipeline_bf16_mixed_runs_in_autocast_and_matches_a_single_process_bf16_run(two_rank_run) -> None:
