@@ -216,13 +216,28 @@ def test_two_ranks_error_lines_run_together_in_the_pipe_are_shown_once(capfd):
     assert code == 2 and capfd.readouterr().err == line + "\n"
 
 
-def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path):
+def _bench_command_here(monkeypatch, cwd: Path, argv: list[str], **env: str) -> int:
+    """``distplan bench`` run by its ``main`` in this process (what the console script exits with), from ``cwd``, with
+    ``env`` added; only torchrun and its workers start (the command's own process would import torch and Lightning
+    again first). test_bench_world_size_2_torchrun_loopback and the SIGTERM test run the real command line."""
+    from lightning_distplan.cli import main
+
+    for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "WORLD_SIZE"):  # this process is no torchrun worker
+        monkeypatch.delenv(var, raising=False)
+    for name, value in {"OMP_NUM_THREADS": "1", **env}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))  # the command would put the current folder on sys.path: it goes again after the test
+    return main(argv)
+
+
+def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path, monkeypatch, capfd):
     """--plans 99 is known wrong only once the plans are ranked, inside every worker: one line, not torchrun's traceback."""
-    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", *MODEL, "--world-size", "2", "--global-batch-size", "4",
-           "--plans", "99", "--profile-repeats", "1", "--threads", "1", "--quiet"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
-    errors = [line for line in res.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert res.returncode == 2 and len(errors) == 1, res.stderr[-2000:]
+    argv = ["bench", *MODEL, "--world-size", "2", "--global-batch-size", "4", "--plans", "99", "--profile-repeats", "1", "--threads", "1", "--quiet"]
+    returncode = _bench_command_here(monkeypatch, tmp_path, argv)
+    stderr = capfd.readouterr().err
+    errors = [line for line in stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert returncode == 2 and len(errors) == 1, stderr[-2000:]
     assert errors[0].startswith("distplan bench: error: --plans names rank(s) [99]") and "HINT" in errors[0]
 
 
@@ -243,23 +258,24 @@ class FailsOnRank1(WideMLP):
 """
 
 
-def test_a_plan_failing_on_one_rank_stops_the_bench_within_the_rank_timeout(tmp_path):
+def test_a_plan_failing_on_one_rank_stops_the_bench_within_the_rank_timeout(tmp_path, monkeypatch, capfd):
     """One rank out of memory alone leaves the other in the DDP all-reduce: the bench stops after --rank-timeout with one
     error line (it waited for gloo's 30-minute timeout), each rank's own error logged, and --out holds the plan measured
     before it and the failed one, marked as stopped."""
     (tmp_path / "fails_on_rank1.py").write_text(ONE_RANK_FAILS)
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", "fails_on_rank1:FailsOnRank1", *MODEL[1:], "--world-size", "2",
-           "--global-batch-size", "4", "--plans", "1,2", "--passes", "1", "--profile-once", "--steps", "2", "--warmup", "1",
-           "--profile-repeats", "1", "--threads", "1", "--rank-timeout", "10", "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    errors = [line for line in res.stderr.splitlines() if line.startswith("distplan bench: error:") or "Traceback" in line]
-    assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
+    argv = ["bench", "fails_on_rank1:FailsOnRank1", *MODEL[1:], "--world-size", "2",
+            "--global-batch-size", "4", "--plans", "1,2", "--passes", "1", "--profile-once", "--steps", "2", "--warmup", "1",
+            "--profile-repeats", "1", "--threads", "1", "--rank-timeout", "10", "--out", str(out)]
+    returncode = _bench_command_here(monkeypatch, tmp_path, argv,
+                                     PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    res = capfd.readouterr()
+    errors = [line for line in res.err.splitlines() if line.startswith("distplan bench: error:") or "Traceback" in line]
+    assert returncode == 2 and len(errors) == 1, res.err[-3000:]
     assert "did not finish on every rank within 10 s" in errors[0] and "HINT" in errors[0] and "--rank-timeout" in errors[0]
     assert "(e.g. --plans 1)" in errors[0]  # the other plans run, not the one that failed (it suggested 1,2,4)
-    assert "failed on rank 1: OutOfMemoryError: CUDA out of memory (simulated, rank 1 only)" in res.stderr
-    assert "STOPPED EARLY: Plan" in res.stdout  # rank 0 reported (rank 1 ended with status 0 so torchrun did not end it first)
+    assert "failed on rank 1: OutOfMemoryError: CUDA out of memory (simulated, rank 1 only)" in res.err
+    assert "STOPPED EARLY: Plan" in res.out  # rank 0 reported (rank 1 ended with status 0 so torchrun did not end it first)
     result = json.loads(out.read_text())
     assert result["stopped"] == errors[0].removeprefix("distplan bench: error: ")
     first, second = result["plans"]
