@@ -73,6 +73,8 @@ def _scenarios(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
     def folder(name: str) -> Path:
         assert any((out / name).iterdir()), f"scenario {name!r} wrote nothing: {failure}"
+        if failure:  # shown with the test's failure if this scenario's files are incomplete
+            print(f"the launch of all scenarios failed: {failure}")
         return out / name
 
     return folder
