@@ -228,7 +228,11 @@ def _bench_command_here(monkeypatch, cwd: Path, argv: list[str], **env: str) -> 
         monkeypatch.setenv(name, value)
     monkeypatch.chdir(cwd)
     monkeypatch.syspath_prepend(str(cwd))  # the command would put the current folder on sys.path: it goes again after the test
-    return main(argv)
+    threads = torch.get_num_threads()
+    try:
+        return main(argv)
+    finally:  # --threads sets torch's threads for a run in this process (--world-size 1): back for the later tests
+        torch.set_num_threads(threads)
 
 
 def test_an_error_found_inside_the_torchrun_job_is_one_line_with_exit_2(tmp_path, monkeypatch, capfd):
@@ -547,16 +551,16 @@ class UnusedHead(WideMLP):
 """
 
 
-def test_bench_runs_a_model_whose_loss_leaves_parameters_unused(tmp_path):
+def test_bench_runs_a_model_whose_loss_leaves_parameters_unused(tmp_path, monkeypatch, capfd, no_group_left):
     """The profile lists the parameters the loss gives no gradient, and the dp_ga runs tell DDP to look for them
     (each plan failed at its second step with DDP's refusal before)."""
     (tmp_path / "unusedhead.py").write_text(_UNUSED_HEAD)
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "lightning_distplan.cli", "bench", "unusedhead:UnusedHead", *MODEL[1:], "--world-size", "1",
-           "--global-batch-size", "4", "--plans", "top:2", "--steps", "2", "--warmup", "1", "--threads", "1", "--passes", "1",
-           "--profile-once", "--profile-repeats", "1", "--out", str(out), "--quiet"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    argv = ["bench", "unusedhead:UnusedHead", *MODEL[1:], "--world-size", "1",
+            "--global-batch-size", "4", "--plans", "top:2", "--steps", "2", "--warmup", "1", "--threads", "1", "--passes", "1",
+            "--profile-once", "--profile-repeats", "1", "--out", str(out), "--quiet"]
+    returncode = _bench_command_here(monkeypatch, tmp_path, argv)
+    assert returncode == 0, capfd.readouterr().err[-3000:]
     result = json.loads(out.read_text())
     assert result["profile"]["unused_parameters"] == ["aux_head.weight", "aux_head.bias"]
     assert [rec["error"] for rec in result["plans"]] == [None, None] and {rec["strategy"] for rec in result["plans"]} == {"dp_ga"}
