@@ -267,12 +267,14 @@ def test_a_ctrl_c_while_the_trials_are_written_waits_for_the_write(tmp_path, pro
 
 def test_sigterm_keeps_the_finished_trials_as_ctrl_c_does(tmp_path, profile_path):
     """`kill <pid>` (a batch scheduler's time limit) ended the search with Python's default action: every trial lost.
-    In a process of its own: without the handler the SIGTERM ends that process, not the test session."""
+    In a process of its own: without the handler the SIGTERM ends that process, not the test session. Started through
+    the console script's entry point, as `distplan tune` runs: `tune` imports neither torch nor Lightning there (the
+    same `main` runs the search)."""
     url = f"sqlite:///{tmp_path / 't.db'}"
     script = (
         "import os, signal, sys\n"
         "import optuna\n"
-        "from lightning_distplan.cli import main\n"
+        "import _distplan_cli\n"
         "sample, calls = optuna.samplers.TPESampler.sample_relative, []\n"
         "def sigterm_on_the_third(self, *a, **k):  # a real SIGTERM to this process, in the search\n"
         "    calls.append(1)\n"
@@ -280,7 +282,8 @@ def test_sigterm_keeps_the_finished_trials_as_ctrl_c_does(tmp_path, profile_path
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return sample(self, *a, **k)\n"
         "optuna.samplers.TPESampler.sample_relative = sigterm_on_the_third\n"
-        "rc = main(sys.argv[1:])\n"
+        "sys.argv[0] = 'distplan'\n"
+        "rc = _distplan_cli.main()\n"
         "assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
         "sys.exit(rc)\n"
     )
