@@ -15,7 +15,8 @@ Schema (version 1), all times in seconds, all sizes in bytes, "per sample" = per
                           t(m) = α·m + β (seed 000 §III-B), measured without per-layer hooks
 ``layers``                list of :class:`LayerProfile`, in execution order: per-layer forward/backward fits,
                           parameter bytes, activation bytes saved for backward per sample, output (boundary)
-                          bytes per sample, FLOPs per sample
+                          bytes per sample (and how much of it the layer itself or a later layer saved, for a
+                          pipeline cut after it; optional, absent in older files), FLOPs per sample
 ``optimizer``             :class:`OptimizerProfile`: type, state bytes, measured ``step()`` time
 ``memory``                :class:`MemoryProfile`: parameter/gradient/optimizer bytes, activation fit, fixed
                           overhead, measured peaks per micro-batch size (CUDA only)
