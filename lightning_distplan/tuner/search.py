@@ -174,6 +174,7 @@ def _profile_fingerprint(profile: Profile, *, with_empty_unused: bool = False) -
         *((layer, "trainable_param_bytes", None) for layer in data["layers"]),
         *(() if with_empty_unused else ((data, "unused_parameters", ()),)),  # 2026-11-25
         *((layer, f"conv_flops_{part}_per_sample", 0.0) for layer in data["layers"] for part in ("forward", "backward")),  # 2026-11-28
+        *((layer, f"output_saved{part}_bytes_per_sample", None) for layer in data["layers"] for part in ("", "_later")),  # 2026-11-28
         (data["device"], "tf32_matmul", None),
         (data["device"], "tf32_conv", None),
     ]
