@@ -977,7 +977,7 @@ def _launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[di
 
     hybrid_out = str(tmp_path_factory.mktemp("pipeline_hybrid"))
     out = str(tmp_path_factory.mktemp("pipeline_2ranks"))
-    results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, free_port(), timeout=800)
+    results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, free_port(), timeout=560)  # under pytest's 600 s, so a stall gets run_on_ranks's message
     return hybrid_out, out, results[:2]
 
 
