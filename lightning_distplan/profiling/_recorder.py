@@ -20,6 +20,7 @@ Saved tensors (``torch.autograd.graph.saved_tensors_hooks``) and FLOPs are attri
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
@@ -155,8 +156,9 @@ class LayerRecorder:
         self._saved = [0] * len(self.modules)
         self._saved_before_first = 0
         self._outputs = [0] * len(self.modules)
-        self._charges: dict[int, list[tuple[int, int]]] = {}  # storage -> (owner, bytes) of each count, in order
-        self._produced: list[tuple[int, int, int, int]] = []  # (layer, storage, output bytes, counts on it so far)
+        self._charges: dict[int, list[tuple[int, int, Any]]] = {}  # address -> (owner, bytes, storage ref) of each count, in order
+        self._produced: list[tuple[int, int, int, int, Any]] = []  # (layer, address, output bytes, counts on it so far, storage ref)
+        self._live: dict[int, Any] = {}  # address -> weak reference to the last output storage seen there
 
     def _flop_total(self) -> tuple[int, int]:
         """FLOPs counted so far: all of them, and those of convolutions."""
@@ -197,13 +199,30 @@ class LayerRecorder:
                 self._outputs[i] += sum(t.nelement() * t.element_size() for t in leaves)
                 for t in leaves:
                     key = _span(t)[0]
-                    self._produced.append((i, key, t.nelement() * t.element_size(), len(self._charges.get(key, ()))))
+                    ref = self._storage_ref(key, t)
+                    self._produced.append((i, key, t.nelement() * t.element_size(), len(self._charges.get(key, ())), ref))
             bwd_hook = self._make_bwd(i)
             for t in leaves:
                 if t.requires_grad and t.grad_fn is not None:
                     t.register_hook(bwd_hook)
 
         return hook
+
+    def _storage_ref(self, key: int, t: Tensor, *, create: bool = True) -> Any:
+        """One weak reference per output storage at ``key`` (None without a storage): an address freed during the
+        forward and handed to a later tensor (the allocator reuses blocks) must not pass that tensor's saves off
+        as saves of the dead output."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        ref = self._live.get(key)
+        if ref is not None and ref() is storage:
+            return ref
+        if not create:
+            return False  # matches no output's reference
+        ref = self._live[key] = weakref.ref(storage)
+        return ref
 
     def _make_bwd(self, i: int) -> Callable[[Tensor], None]:
         fired = [False]  # one event per forward call: the first output whose gradient is ready starts the backward
@@ -230,7 +249,7 @@ class LayerRecorder:
         if added <= 0:
             return t
         owner = self._owner()
-        self._charges.setdefault(key, []).append((owner, added))
+        self._charges.setdefault(key, []).append((owner, added, self._storage_ref(key, t, create=False)))
         if owner < 0:
             self._saved_before_first += added
         else:
@@ -280,11 +299,13 @@ class LayerRecorder:
             rec.saved_bytes = list(self._saved)
             rec.output_bytes = list(self._outputs)
             rec.total_saved_bytes = sum(self._saved)
-            for i, key, nbytes, before in self._produced:
+            for i, key, nbytes, before, ref in self._produced:
                 counts = self._charges.get(key, [])
-                # counted by the time the layer returned, or later but charged to it (the loss after the last layer)
-                here = sum(b for _, b in counts[:before]) + sum(b for o, b in counts[before:] if o == i)
-                later = sum(b for o, b in counts[before:] if o != i)
+                # counted by the time the layer returned, or later but charged to it (the loss after the last layer);
+                # later counts only on this very storage, not on one allocated at its address after it was freed
+                after = [(o, b) for o, b, r in counts[before:] if r is ref]
+                here = sum(b for _, b, _ in counts[:before]) + sum(b for o, b in after if o == i)
+                later = sum(b for o, b in after if o != i)
                 here = min(here, nbytes)
                 rec.output_saved_bytes[i] += here
                 rec.output_saved_later_bytes[i] += min(later, nbytes - here)

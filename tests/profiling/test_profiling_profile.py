@@ -293,3 +293,31 @@ def test_recorder_tells_where_each_output_is_saved() -> None:
     assert r.saved_bytes == [128, 256, 0, 400, 448]  # LayerNorm: its input + mean and rstd; the last: its input + (out - y)
     assert r.output_saved_bytes == [0, 256, 0, 0, 0]
     assert r.output_saved_later_bytes == [0, 0, 384, 384, 0]
+
+
+def test_recorder_does_not_credit_a_freed_output_with_saves_of_a_later_tensor_at_its_address() -> None:
+    """An output nobody saved is freed during the forward and its address handed to a later tensor (CUDA's caching
+    allocator does this all the time); that tensor's save is not a save of the dead output. Emulated deterministically:
+    each ``Into`` call returns a new storage over the same numpy buffer."""
+    import numpy as np
+
+    from lightning_distplan.profiling._recorder import LayerRecorder
+
+    buf = np.zeros((2, 32), dtype=np.float32)
+
+    class Into(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(buf).copy_(x)
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    layers = [nn.Linear(16, 32), Into(), nn.ReLU(), nn.Linear(32, 32), Into(), nn.Linear(32, 8)]
+    seq = nn.Sequential(*layers)
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    params = {t.untyped_storage().data_ptr() for t in seq.parameters()}
+    with LayerRecorder(layers, torch.device("cpu"), exclude_storages=params) as rec:
+        r = rec.run(lambda: ((seq(x) - y) ** 2).mean(), count_saved=True)
+    assert r.output_bytes == [256, 256, 256, 256, 256, 64]
+    assert r.output_saved_bytes == [0, 0, 256, 0, 0, 0]  # ReLU saves its result
+    # the first Into's output only fed the ReLU (which saves its result) and died; the Linear saves the second's
+    assert r.output_saved_later_bytes == [0, 0, 0, 0, 256, 0]
