@@ -151,8 +151,8 @@ class LayerProfile:
     A pipeline stage ending here keeps its output until that micro-batch's backward (torch's ``PipelineStage``
     caches it), so the rest is held there too. None: not recorded (profiles written before 2026-11-28)."""
     output_saved_later_bytes_per_sample: float | None = None
-    """Of :attr:`output_bytes_per_sample`, the bytes first saved by a later layer (a Linear or LayerNorm saving its
-    input) and counted in that layer's activations: on a stage starting after this layer that saved tensor is the
+    """Of :attr:`output_bytes_per_sample`, the bytes first saved by the next layer (a Linear or LayerNorm saving its
+    input) and counted in that layer's activations (a save further on is not counted here): on a stage starting after this layer that saved tensor is the
     receive buffer, held once per micro-batch anyway. None: not recorded (profiles written before 2026-11-28)."""
     flops_forward_per_sample: float = 0.0
     flops_backward_per_sample: float = 0.0

@@ -103,7 +103,7 @@ class RunRecord:
         earlier layer sharing the storage (an in-place op's input), or by glue charged to the layer (the loss after
         the last one): what a pipeline stage ending at the layer already counts of the output it keeps."""
         self.output_saved_later_bytes = [0] * n
-        """Bytes of each layer's output first saved by a later layer (a Linear or LayerNorm saving its input) and
+        """Bytes of each layer's output first saved by the next layer (a Linear or LayerNorm saving its input) and
         charged there: on a stage starting after the layer, that saved tensor is the pipeline's receive buffer."""
         self.flops_forward = [0] * n
         self.flops_backward = [0] * n
@@ -305,7 +305,9 @@ class LayerRecorder:
                 # later counts only on this very storage, not on one allocated at its address after it was freed
                 after = [(o, b) for o, b, r in counts[before:] if r is ref]
                 here = sum(b for _, b, _ in counts[:before]) + sum(b for o, b in after if o == i)
-                later = sum(b for o, b in after if o != i)
+                # only the next layer's save: a cut after this layer subtracts it from the next stage's first layer,
+                # so a save further on (a skip over a layer that saves other tensors) must not be taken for it
+                later = sum(b for o, b in after if o == i + 1)
                 here = min(here, nbytes)
                 rec.output_saved_bytes[i] += here
                 rec.output_saved_later_bytes[i] += min(later, nbytes - here)

@@ -295,6 +295,31 @@ def test_recorder_tells_where_each_output_is_saved() -> None:
     assert r.output_saved_later_bytes == [0, 0, 384, 384, 0]
 
 
+def test_recorder_counts_only_the_next_layers_save_as_saved_later() -> None:
+    """A layer's output saved two layers on (past a view layer that saves a tensor of its own) is not "saved by the
+    next layer": a cut after it would take the in-between layer's own save for the receive buffer and under-count."""
+    from lightning_distplan.profiling._recorder import LayerRecorder
+
+    class ViewWithASave(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.exp(self.p * 1.0)  # saves its 256-byte result, unrelated to x
+            return x.view_as(x)
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32), ViewWithASave(), torch.nn.Linear(32, 8)]
+    seq = torch.nn.Sequential(*layers)
+    x, y = torch.randn(2, 16), torch.randn(2, 8)
+    params = {t.untyped_storage().data_ptr() for t in seq.parameters()}
+    with LayerRecorder(layers, torch.device("cpu"), exclude_storages=params) as rec:
+        r = rec.run(lambda: ((seq(x) - y) ** 2).mean(), count_saved=True)
+    assert r.saved_bytes[1] == 256 and r.output_bytes[:2] == [256, 256]
+    assert r.output_saved_later_bytes == [0, 256, 0]  # the last Linear saves the view's output (layer 0's storage)
+
+
 def test_recorder_does_not_credit_a_freed_output_with_saves_of_a_later_tensor_at_its_address() -> None:
     """An output nobody saved is freed during the forward and its address handed to a later tensor (CUDA's caching
     allocator does this all the time); that tensor's save is not a save of the dead output. Emulated deterministically:
