@@ -273,8 +273,8 @@ def _programme(
     activations = _block_sums([0.0, *accumulate(float(x) for x in activation_memory)])
     handover = np.array([0.0, *(float(x) for x in cut_times)])  # [i]: seconds of the hand-over into layer i
     received = np.array([0.0, *(float(x) for x in cut_memory)])  # [i]: bytes of layer i - 1's output
-    kept_at = np.array([0.0, *(float(x) for x in output_kept or [0.0] * n_layers)])  # [j]: kept by a stage ending at j
-    resaved_at = np.array([0.0, *(float(x) for x in received_saved or [0.0] * n_layers)])  # [i]: saved input that is the buffer
+    kept_at = np.array([0.0, *(float(x) for x in ([0.0] * n_layers if output_kept is None else output_kept))])  # [j]: kept by a stage ending at j
+    resaved_at = np.array([0.0, *(float(x) for x in ([0.0] * n_layers if received_saved is None else received_saved))])  # [i]: saved input that is the buffer
     later = edge[:, None] < edge[None, :]  # [i, j]: i < j, a stage holds at least one layer
     # a middle stage's seconds (it receives and sends) and bytes per micro-batch (with the received copy)
     middle = span + handover[:, None] + handover[None, :]
