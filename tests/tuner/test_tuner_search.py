@@ -637,6 +637,7 @@ def test_a_study_made_by_the_previous_version_is_extended(tmp_path, profile):
     for layer in profile_dict["layers"]:
         del layer["trainable_param_bytes"]  # the field did not exist
         del layer["conv_flops_forward_per_sample"], layer["conv_flops_backward_per_sample"]  # nor did these
+        del layer["output_saved_bytes_per_sample"], layer["output_saved_later_bytes_per_sample"]  # nor these (None here)
     del profile_dict["unused_parameters"], profile_dict["device"]["tf32_matmul"], profile_dict["device"]["tf32_conv"]
     assert old["profile"] == old_fingerprint(profile_dict)
     old["catalog_fingerprint"] = old_fingerprint([i.to_dict() for i in load_catalog("aws-2026").instances])
