@@ -57,13 +57,15 @@ def _short_warnings(command: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # Starting imports torch and lightning (the parser imports the package; the console script defers the
     # strategies to _register_strategies below): seconds on a cold start, in which a Ctrl-C must end with one line.
-    # A library being imported may turn the KeyboardInterrupt into an error of its own (see _distplan_cli), so the
-    # handler records that the user stopped it.
+    # The first Ctrl-C while torch and lightning are imported is only recorded and acted on once the imports are done:
+    # a KeyboardInterrupt raised inside torch's native start-up can abort the interpreter (SIGABRT and a stack dump,
+    # seen in CI), and a library may turn it into an error of its own (see _distplan_cli). A second one stops at once.
     interrupted: list[int] = []
 
     def on_sigint(signum: int, frame: object) -> None:
         interrupted.append(signum)
-        raise KeyboardInterrupt
+        if len(interrupted) > 1:
+            raise KeyboardInterrupt
 
     previous = signal.getsignal(signal.SIGINT)
     ours = previous is signal.default_int_handler and threading.current_thread() is threading.main_thread()
