@@ -42,6 +42,7 @@ from lightning_distplan.strategies._auto_planning import (
     made_for_another_run,
     pins_from,
     profile_in_fit,
+    ranks_per_node,
     unsuited_plan,
     user_global_batch,
     write_artifacts,
@@ -290,7 +291,7 @@ def plan_micro_batching(
         try:
             decision = ("ok", *rank_micro_batching(profile, world_size=world, global_batch_size=global_batch, pins=pins,
                                                    device_memory_bytes=device_memory_bytes, ddp_bucket_bytes=ddp_bucket_bytes(strategy),
-                                                   ranks_per_host=max(1, world // max(1, trainer.num_nodes))))
+                                                   ranks_per_host=ranks_per_node(trainer)))
         except Exception as err:  # every rank raises the same error
             decision = ("error", err)
     decision = strategy.broadcast(decision)

@@ -471,6 +471,11 @@ def ddp_bucket_bytes(strategy: Any) -> int | None:
     return None if mb is None else int(mb * 1024 * 1024)
 
 
+def ranks_per_node(trainer: Any) -> int:
+    """Processes on one node: on a CPU profile they share the host's RAM (``choose_plan``'s ``ranks_per_host``)."""
+    return max(1, trainer.world_size // max(1, trainer.num_nodes))
+
+
 def choose_plan(
     profile: Profile,
     *,

@@ -60,6 +60,7 @@ from lightning_distplan.strategies._auto_planning import (
     made_for_another_run,
     pins_from,
     profile_in_fit,
+    ranks_per_node,
     unsuited_plan,
     user_global_batch,
     write_artifacts,
@@ -390,7 +391,7 @@ class AutoPlanStrategy(DDPStrategy):
                 candidates, hardware = choose_plan(
                     profile, world_size=world, global_batch_size=global_batch, pins=self._pins,
                     device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
-                    ranks_per_host=max(1, world // max(1, trainer.num_nodes)),  # a CPU host's RAM is its ranks'
+                    ranks_per_host=ranks_per_node(trainer),
                 )
                 whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
                 if not self._pipeline_pinned() and whole_epoch:

@@ -113,6 +113,12 @@ def test_cpu_ranks_on_several_hosts_share_only_their_own_host():
     candidates, hardware = choose_plan(cpu, world_size=4, global_batch_size=16, strategies=("dp_ga",), ranks_per_host=2)
     assert hardware.device_memory_bytes == 4 << 30
     assert candidates[0].prediction.feasible
+    from types import SimpleNamespace
+
+    from lightning_distplan.strategies._auto_planning import ranks_per_node
+
+    # what auto_plan and PlanningCallback pass: the trainer's processes per node
+    assert [ranks_per_node(SimpleNamespace(world_size=w, num_nodes=n)) for w, n in ((4, 2), (4, 1), (1, 1))] == [2, 4, 1]
 
 
 def test_format_bytes_picks_the_unit():
