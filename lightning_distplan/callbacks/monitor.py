@@ -229,6 +229,13 @@ class StepTimeMonitor(Callback):
             self._replan_at_epoch_end(trainer)
 
     @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning steps at an epoch's last batch, so no step spans two epochs; but a batch whose on_train_batch_start
+        # returned -1 (skip the rest of the epoch) never reaches on_train_batch_end, and its timer would run on into the
+        # next epoch's first step with the epoch's end (hooks, checkpoints, the new loader iterator) in it.
+        self._t = None
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._t is None:
             self._t = time.perf_counter()

@@ -1,0 +1,52 @@
+"""StepTimeMonitor in real single-process fits: what it times as a step, and the state it keeps between fits
+(the re-plan and the 2-rank runs are in tests/strategies/test_auto_plan_single.py and test_auto_plan.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from lightning_distplan.callbacks import StepTimeMonitor
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _trainer(tmp: Path, monitor: StepTimeMonitor, **kw: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(tmp), callbacks=[monitor], **kw,
+    )
+
+
+# A step of BoringModel is ~1 ms here; 0.45 s leaves a busy host room and still catches a 0.6 s pause counted in a step.
+SLOW_S, BOUND_S = 0.6, 0.45
+
+
+def test_a_skipped_rest_of_epoch_does_not_time_the_epoch_boundary_into_the_next_step(tmp_path: Path) -> None:
+    """on_train_batch_start returning -1 ends the epoch without that batch's on_train_batch_end: the timer the monitor
+    started for it ran on into the next epoch's first step, counting the epoch's end (0.6 s here) as step time."""
+
+    class SkipsTheRest(BoringModel):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+            return -1 if batch_idx == 2 else None
+
+        def on_train_epoch_end(self) -> None:
+            time.sleep(SLOW_S)
+
+    monitor = StepTimeMonitor(warmup_steps=0)
+    trainer = _trainer(tmp_path, monitor, max_epochs=2, limit_val_batches=0)
+    trainer.fit(SkipsTheRest())
+    assert trainer.global_step == 4 and [h["step"] for h in monitor.history] == [1, 2, 3, 4]
+    assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
