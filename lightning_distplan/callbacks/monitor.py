@@ -4,10 +4,10 @@
 ``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s``: the wall time from the
 first micro-batch's ``on_train_batch_start`` to the end of the optimizer step. Like the prediction,
 it leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
-fetches of later micro-batches fall inside) and any validation run inside the step. Its state
-(re-plans, compute scale, the running plan and its prediction) goes into checkpoints, so a fit
-resumed with the checkpoint's plan still sets its steps beside that plan's prediction; it cannot
-re-plan (no profile is taken when the plan is reused).
+fetches of later micro-batches fall inside) and any validation run inside the step, its loader's
+start included. Its state (re-plans, compute scale, the running plan and its prediction) goes into
+checkpoints, so a fit resumed with the checkpoint's plan still sets its steps beside that plan's
+prediction; it cannot re-plan (no profile is taken when the plan is reused).
 
 With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` observed steps are
 all more than ``threshold`` × off the prediction (slower or faster), the compute part of the cost
@@ -146,7 +146,7 @@ class StepTimeMonitor(Callback):
         self._observed: list[float] = []
         self._pending: float | None = None
         self._replan_s = 0.0
-        self._validation_t: float | None = None
+        self._micro_end: float | None = None  # when this step's last finished micro-batch ended (a validation may follow it)
         self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
         self._strategies: tuple[str, ...] = STRATEGIES
         self._replannable = True
@@ -196,6 +196,7 @@ class StepTimeMonitor(Callback):
             self._replannable = True
             self.history = []
             self._t = None
+            self._micro_end = None
             self._last_step = -1
             self._observed = []
             self._pending = None
@@ -215,14 +216,12 @@ class StepTimeMonitor(Callback):
             )
 
     @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._validation_t = time.perf_counter()
-
-    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._t is not None and self._validation_t is not None:  # validation inside an accumulation: not the step's
-            self._t += time.perf_counter() - self._validation_t
-        self._validation_t = None
+        if self._t is not None and self._micro_end is not None:
+            # a validation inside an accumulation is not the step's: left out from the end of the micro-batch before it,
+            # since Lightning sets up the val loader (its iterator, workers, first prefetched batch) before on_validation_start
+            self._t += time.perf_counter() - self._micro_end
+        self._micro_end = None
         if _epoch_end_validation(trainer):
             # ModelCheckpoint saves here when it saves after validation (val_check_interval < 1, ...), before
             # on_train_epoch_end: re-plan first, so that the checkpoint where the next epoch starts holds its plan
@@ -233,21 +232,23 @@ class StepTimeMonitor(Callback):
         # Lightning steps at an epoch's last batch, so no step spans two epochs; but a batch whose on_train_batch_start
         # returned -1 (skip the rest of the epoch) never reaches on_train_batch_end, and its timer would run on into the
         # next epoch's first step with the epoch's end (hooks, checkpoints, the new loader iterator) in it.
-        self._t = None
+        self._t = self._micro_end = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._t is None:
             self._t = time.perf_counter()
+            self._micro_end = None
         if self._last_step < 0:
             self._last_step = trainer.global_step
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step <= self._last_step or self._t is None:
+            self._micro_end = time.perf_counter()
             return  # an accumulation micro-batch: the step is not done yet
         observed = time.perf_counter() - self._t
-        self._t = None
+        self._t = self._micro_end = None
         self._last_step = trainer.global_step
         self.history.append({"step": trainer.global_step, "predicted_s": self._predicted, "observed_s": observed})
         pl_module.log("distplan/observed_step_time_s", observed, on_step=True, on_epoch=False, batch_size=1)

@@ -50,3 +50,28 @@ def test_a_skipped_rest_of_epoch_does_not_time_the_epoch_boundary_into_the_next_
     trainer.fit(SkipsTheRest())
     assert trainer.global_step == 4 and [h["step"] for h in monitor.history] == [1, 2, 3, 4]
     assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
+
+
+class _SlowToStart(torch.utils.data.DataLoader):
+    """A loader whose iterator takes SLOW_S to start, as worker processes or a sharded dataset's first read do."""
+
+    def __iter__(self) -> Any:
+        time.sleep(SLOW_S)
+        return super().__iter__()
+
+
+def test_a_validation_inside_a_step_is_left_out_with_its_loader_start(tmp_path: Path) -> None:
+    """A validation between the micro-batches of a step (val_check_interval 3 inside accumulation 2) is not step time,
+    and neither is the start of its loader's iterator, which Lightning makes (and prefetches from) before the
+    on_validation_start hook: the monitor timed from there, so the step held the loader's 0.6 s start."""
+    from lightning.pytorch.demos.boring_classes import RandomDataset
+
+    class SlowValidationLoader(BoringModel):
+        def val_dataloader(self) -> Any:
+            return _SlowToStart(RandomDataset(32, 64))
+
+    monitor = StepTimeMonitor(warmup_steps=0)
+    trainer = _trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=1)
+    trainer.fit(SlowValidationLoader())
+    assert [h["step"] for h in monitor.history] == [1, 2, 3]
+    assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
