@@ -111,8 +111,9 @@ class PlanningCallback(Callback):
 
     @property
     def plan(self) -> Plan | None:
-        """The plan this fit runs (``None`` before ``fit``). Under ``ddp_spawn`` the callback that planned is a copy in
-        the spawned processes, so this one stays ``None``: read ``<default_root_dir>/distplan/plan.json``."""
+        """The plan this fit runs (``None`` before ``fit`` and after a fit it did not plan). Under ``ddp_spawn`` the
+        callback that planned is a copy in the spawned processes, so this one stays ``None``: read
+        ``<default_root_dir>/distplan/plan.json``."""
         return None if self.outcome is None else self.outcome.plan
 
     @override
@@ -121,6 +122,11 @@ class PlanningCallback(Callback):
             return
         destroy_process_groups_at_exit()  # under the user's gloo DDP too (Lightning destroys NCCL groups only)
         self._fit_start = time.perf_counter()
+        # a callback used again reports this fit only, also where this fit does not plan (manual optimization, a
+        # loader without a batch size, a refusal below); a resumed checkpoint is kept (on_load_checkpoint comes later)
+        self.outcome = self.alternative = None
+        self.overhead_s = self.run_s = None
+        self._memory_limit = None
         from lightning.pytorch.callbacks import BatchSizeFinder
 
         from lightning_distplan.strategies.auto_plan import AutoPlanStrategy

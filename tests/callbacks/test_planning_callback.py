@@ -399,6 +399,30 @@ def test_callback_leaves_a_loader_without_a_batch_size_as_it_is_and_refuses_seve
     with pytest.warns(UserWarning, match="batch size cannot be read.*runs your loader as it is"):
         trainer.fit(Net(), DataLoader(batches, batch_size=None))
     assert callback.plan is None and sizes.sizes == [8] * 4 and trainer.global_step == 4
+    assert callback.overhead_s is None
     loader = Net(loader_batch=8).train_dataloader()
     with pytest.raises(InfeasiblePlanError, match="dict of train dataloaders.*HINT"):
         L.Trainer(**_kwargs(tmp_path, max_steps=1, callbacks=[PlanningCallback()])).fit(Net(), {"a": loader, "b": loader})
+
+
+def test_a_callback_used_again_reports_only_the_fit_it_planned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same callback in a second fit that it does not plan (a loader without a batch size): no plan, no overhead,
+    no 'planning overhead' line. It kept the first fit's plan as `callback.plan` and logged that fit's profiling time
+    as a share of the second ("1.66 s = 3735.1% of this fit (0.0 s)")."""
+    import logging
+
+    from lightning_utilities.core import rank_zero
+
+    callback = PlanningCallback(micro_batch_size=4)
+    caplog.set_level(logging.INFO, logger=rank_zero.log.name)  # where rank_zero_info writes
+    L.Trainer(**_kwargs(tmp_path / "first", max_steps=1, callbacks=[callback])).fit(Net())
+    assert callback.plan is not None and callback.overhead_s is not None
+    assert [r for r in caplog.messages if "planning overhead" in r and "of this fit" in r]
+    caplog.clear()
+    g = torch.Generator().manual_seed(0)
+    batches = [(x, x.sum(1, keepdim=True)) for x in torch.randn(2, 8, 8, generator=g)]
+    with pytest.warns(UserWarning, match="batch size cannot be read"):
+        L.Trainer(**_kwargs(tmp_path / "second", max_steps=2, callbacks=[callback])).fit(Net(), DataLoader(batches, batch_size=None))
+    assert callback.plan is None and callback.outcome is None and callback.alternative is None
+    assert callback.overhead_s is None and callback.run_s is None
+    assert not [r for r in caplog.messages if "planning overhead" in r], caplog.messages
