@@ -188,6 +188,8 @@ class StepTimeMonitor(Callback):
         if stage == "fit":  # the same monitor in another Trainer (or a second fit) starts afresh; a checkpoint's state
             # (re-plans, compute scale, plan) is loaded after this hook
             self.replans = []
+            self.overhead_s = self.run_s = None
+            self._fit_start = None
             self._scale = 1.0
             self._restored = None
             self._outcome = None

@@ -75,3 +75,19 @@ def test_a_validation_inside_a_step_is_left_out_with_its_loader_start(tmp_path: 
     trainer.fit(SlowValidationLoader())
     assert [h["step"] for h in monitor.history] == [1, 2, 3]
     assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
+
+
+def test_a_monitor_used_again_reports_only_its_own_fit(tmp_path: Path) -> None:
+    """The monitor auto_plan used, then in a plain fit: that fit has no planning overhead to report; `overhead_s` and
+    `run_s` still held the auto_plan fit's figures."""
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    monitor = StepTimeMonitor(warmup_steps=0)
+    first = _trainer(tmp_path / "auto", monitor, max_steps=1, strategy=AutoPlanStrategy(profile_repeats=1))
+    first.fit(BoringModel())
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    assert monitor.overhead_s is not None and monitor.run_s is not None and monitor.predicted_step_time_s is not None
+    _trainer(tmp_path / "plain", monitor, max_steps=2, limit_val_batches=0).fit(BoringModel())
+    assert [h["predicted_s"] for h in monitor.history] == [None, None]
+    assert monitor.overhead_s is None and monitor.run_s is None
