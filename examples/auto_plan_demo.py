@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 import warnings
 from pathlib import Path
@@ -127,10 +126,11 @@ def main() -> None:
     print(f"fit took {fit_s:.1f} s; train_loss first {history.losses[0]:.3f} -> last {history.losses[-1]:.3f}"
           if history.losses else f"fit took {fit_s:.1f} s")
     monitor = next((cb for cb in trainer.callbacks if isinstance(cb, StepTimeMonitor)), None)
-    steps = [h["observed_s"] for h in monitor.history[monitor.warmup_steps:]] if monitor is not None else []
-    if steps and monitor.predicted_step_time_s is not None:  # the median step after warm-up, not the last (short) one
-        print(f"step time: predicted {monitor.predicted_step_time_s:.4f} s, observed median {statistics.median(steps):.4f} s "
-              f"over {len(steps)} steps after {monitor.warmup_steps} warm-up")
+    summary = monitor.summary if monitor is not None else None
+    if summary is not None and summary.median_observed_s is not None and summary.predicted_s is not None:
+        # the median step after warm-up, not the last (short) one
+        print(f"step time: predicted {summary.predicted_s:.4f} s, observed median {summary.median_observed_s:.4f} s "
+              f"over {summary.observed_steps} steps after {summary.warmup_steps} warm-up")
     print(f"profile + plan written to {distplan_dir}/ (profile.json, plan.json)")
     alternatives = plan_doc.get("alternatives") or []
     for alt in alternatives[:3]:

@@ -91,18 +91,19 @@ def main() -> None:
 
 def run_record(plan: str, monitor: StepTimeMonitor, wall: float) -> dict:
     """One run's numbers: ``steps`` is the fit's optimizer steps (the epoch the overhead is a share of; README's row
-    says "one CPU epoch (N steps)"), the median observed step is taken over those after the monitor's warm-up."""
-    observed = [h["observed_s"] for h in monitor.history[monitor.warmup_steps:]]  # after warm-up, as the monitor judges
+    says "one CPU epoch (N steps)"), the median observed step is taken over those after the monitor's warm-up (the
+    monitor's ``summary``; its median is the whole fit's while the fit has no more steps than ``history_size``)."""
+    summary = monitor.summary
     return {
         "plan": plan,
         "overhead_s": round(monitor.overhead_s, 3),
         "fit_s": round(monitor.run_s, 3),
         "overhead_pct": round(100 * monitor.overhead_s / monitor.run_s, 2),
         "fit_wall_s": round(wall, 3),
-        "steps": len(monitor.history),
-        "observed_steps": len(observed),
+        "steps": summary.steps,
+        "observed_steps": summary.observed_steps,
         "predicted_step_s": monitor.predicted_step_time_s,
-        "median_observed_step_s": sorted(observed)[len(observed) // 2] if observed else None,
+        "median_observed_step_s": summary.median_observed_s,
     }
 
 

@@ -16,9 +16,15 @@ import auto_plan_overhead  # noqa: E402
 
 def test_overhead_run_counts_the_epochs_steps_and_takes_the_median_after_warm_up() -> None:
     """``steps`` is the epoch's optimizer steps (README: "one CPU epoch (256 steps)"); it had become the count after the
-    monitor's warm-up (253 for that epoch) when the median moved past the warm-up."""
-    history = [{"observed_s": 9.0}] * 3 + [{"observed_s": x} for x in (0.1, 0.3, 0.2, 0.4, 0.5, 0.6, 0.7)]
-    monitor = SimpleNamespace(history=history, warmup_steps=3, overhead_s=1.0, run_s=20.0, predicted_step_time_s=0.25)
+    monitor's warm-up (253 for that epoch) when the median moved past the warm-up. The figures are the monitor's
+    ``summary`` (tests/callbacks/test_monitor.py measures them in a real fit): the record copies them."""
+    from lightning_distplan.callbacks import StepTimeSummary
+
+    summary = StepTimeSummary(
+        steps=10, warmup_steps=3, observed_steps=7, mean_observed_s=0.4, min_observed_s=0.1, max_observed_s=0.7,
+        median_observed_s=0.4, predicted_s=0.25, mean_observed_over_predicted=1.6,
+    )
+    monitor = SimpleNamespace(summary=summary, overhead_s=1.0, run_s=20.0, predicted_step_time_s=0.25)
     run = auto_plan_overhead.run_record("dp_ga dp=2 m=16 accumulate=1", monitor, 25.0)
     assert run["steps"] == 10 and run["observed_steps"] == 7
     assert run["median_observed_step_s"] == 0.4 and run["overhead_pct"] == 5.0 and run["plan"] == "dp_ga dp=2 m=16 accumulate=1"

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lightning_distplan.callbacks.monitor import StepTimeMonitor
+from lightning_distplan.callbacks.monitor import StepTimeMonitor, StepTimeSummary
 from lightning_distplan.callbacks.planning import PlanningCallback
 
-__all__ = ["PlanningCallback", "StepTimeMonitor"]
+__all__ = ["PlanningCallback", "StepTimeMonitor", "StepTimeSummary"]

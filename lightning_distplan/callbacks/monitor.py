@@ -9,6 +9,12 @@ start included. Its state (re-plans, compute scale, the running plan and its pre
 checkpoints, so a fit resumed with the checkpoint's plan still sets its steps beside that plan's
 prediction; it cannot re-plan (no profile is taken when the plan is reused).
 
+``history`` keeps a record for each of the last ``history_size`` steps only (1000 by default): a
+record is ~270 bytes (tracemalloc), so one per step of a million-step fit would be ~270 MB.
+``summary`` keeps the whole fit's figures in constant memory: steps, warm-up, mean / min / max
+observed step after warm-up and its mean ratio to the prediction each step ran beside (the median
+is over the steps still in ``history``).
+
 With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` observed steps are
 all more than ``threshold`` × off the prediction (slower or faster), the compute part of the cost
 model is refitted from them — the one number it can learn from steps of a single micro-batch size
@@ -26,7 +32,7 @@ import math
 import numbers
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Sequence
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,7 +49,29 @@ if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
     from lightning_distplan.strategies._auto_planning import PlanningOutcome
 
-__all__ = ["StepTimeMonitor", "departure"]
+__all__ = ["StepTimeMonitor", "StepTimeSummary", "departure"]
+
+
+class StepTimeSummary(NamedTuple):
+    """The optimizer steps of one fit, as :attr:`StepTimeMonitor.summary` gives them."""
+
+    steps: int
+    """Optimizer steps timed in this fit, warm-up included."""
+    warmup_steps: int
+    """Of those, the first ones left out of the figures below (at most the monitor's ``warmup_steps``)."""
+    observed_steps: int
+    """Steps after warm-up: the ones the figures below are over."""
+    mean_observed_s: float | None
+    min_observed_s: float | None
+    max_observed_s: float | None
+    median_observed_s: float | None
+    """Median of the steps after warm-up still in ``history`` (its last ``history_size``): the whole fit's when it
+    had no more steps than that."""
+    predicted_s: float | None
+    """The prediction the monitor sets the steps beside now (after a re-plan, the new plan's); None without a plan."""
+    mean_observed_over_predicted: float | None
+    """Mean of observed / predicted over the steps after warm-up that had a prediction, each step against the
+    prediction it ran beside (so a re-plan does not mix two plans' figures)."""
 
 
 def departure(predicted_s: float, observed: list[float], *, threshold: float, window: int) -> float | None:
@@ -95,6 +123,26 @@ def _epoch_end_validation(trainer: pl.Trainer) -> bool:
     return trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
+class _Totals:
+    """Running figures over a fit's steps, in constant memory."""
+
+    def __init__(self) -> None:
+        self.steps = self.observed = self.ratios = 0
+        self.sum = self.ratio_sum = 0.0
+        self.min, self.max = math.inf, -math.inf
+
+    def add(self, observed_s: float, predicted_s: float | None, *, warmup: bool) -> None:
+        self.steps += 1
+        if warmup:
+            return
+        self.observed += 1
+        self.sum += observed_s
+        self.min, self.max = min(self.min, observed_s), max(self.max, observed_s)
+        if predicted_s is not None and predicted_s > 0:
+            self.ratios += 1
+            self.ratio_sum += observed_s / predicted_s
+
+
 class StepTimeMonitor(Callback):
     """Log predicted and observed step time; optionally re-plan when they depart (see module docstring).
 
@@ -104,6 +152,8 @@ class StepTimeMonitor(Callback):
         window: consecutive steps that must all depart before a re-plan.
         threshold: observed/predicted ratio beyond which (or below whose inverse) a step departs.
         max_replans: re-plans per run.
+        history_size: the last steps kept in :attr:`history` (``None``: every step of the fit); :attr:`summary`
+            covers the whole fit either way.
     """
 
     def __init__(
@@ -114,6 +164,7 @@ class StepTimeMonitor(Callback):
         window: int = 5,
         threshold: float = 1.5,
         max_replans: int = 2,
+        history_size: int | None = 1000,
     ) -> None:
         if replan not in ("off", "auto"):
             raise InfeasiblePlanError(f"`replan` must be 'off' or 'auto', got {replan!r}.", hint="Pass replan='auto' or 'off'.")
@@ -123,13 +174,16 @@ class StepTimeMonitor(Callback):
         warmup_steps = check_count("warmup_steps", warmup_steps, low=0)
         window = check_count("window", window)
         max_replans = check_count("max_replans", max_replans, low=0)
+        history_size = None if history_size is None else check_count("history_size", history_size)
         self.replan = replan
         self.warmup_steps = warmup_steps
         self.window = window
         self.threshold = threshold
         self.max_replans = max_replans
-        self.history: list[dict[str, float]] = []
-        """One record per optimizer step: ``step``, ``predicted_s`` (may be None), ``observed_s``."""
+        self.history_size = history_size
+        self.history: list[dict[str, Any]] = []
+        """One record per optimizer step of this fit, the last ``history_size`` only: ``step``, ``predicted_s`` (may be
+        None), ``observed_s``, ``warmup`` (True for the warm-up steps, which the re-plan check leaves out)."""
         self.replans: list[dict[str, Any]] = []
         """One record per re-plan: step, epoch, observed/predicted ratio, new scale, old and new plan, applied."""
         self.overhead_s: float | None = None
@@ -144,6 +198,7 @@ class StepTimeMonitor(Callback):
         self._t: float | None = None
         self._last_step = -1
         self._observed: list[float] = []
+        self._totals = _Totals()
         self._pending: float | None = None
         self._replan_s = 0.0
         self._micro_end: float | None = None  # when this step's last finished micro-batch ended (a validation may follow it)
@@ -183,6 +238,19 @@ class StepTimeMonitor(Callback):
     def predicted_step_time_s(self) -> float | None:
         return self._predicted
 
+    @property
+    def summary(self) -> StepTimeSummary:
+        """This fit's steps in a few figures (all of them, also those no longer in :attr:`history`)."""
+        t = self._totals
+        after = [h["observed_s"] for h in self.history if not h["warmup"]]
+        return StepTimeSummary(
+            steps=t.steps, warmup_steps=t.steps - t.observed, observed_steps=t.observed,
+            mean_observed_s=t.sum / t.observed if t.observed else None,
+            min_observed_s=t.min if t.observed else None, max_observed_s=t.max if t.observed else None,
+            median_observed_s=statistics.median(after) if after else None, predicted_s=self._predicted,
+            mean_observed_over_predicted=t.ratio_sum / t.ratios if t.ratios else None,
+        )
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":  # the same monitor in another Trainer (or a second fit) starts afresh; a checkpoint's state
@@ -197,6 +265,7 @@ class StepTimeMonitor(Callback):
             self._predicted = None
             self._replannable = True
             self.history = []
+            self._totals = _Totals()
             self._t = None
             self._micro_end = None
             self._last_step = -1
@@ -252,11 +321,15 @@ class StepTimeMonitor(Callback):
         observed = time.perf_counter() - self._t
         self._t = self._micro_end = None
         self._last_step = trainer.global_step
-        self.history.append({"step": trainer.global_step, "predicted_s": self._predicted, "observed_s": observed})
+        warmup = self._totals.steps < self.warmup_steps
+        self._totals.add(observed, self._predicted, warmup=warmup)
+        self.history.append({"step": trainer.global_step, "predicted_s": self._predicted, "observed_s": observed, "warmup": warmup})
+        if self.history_size is not None and len(self.history) > self.history_size:
+            del self.history[0]  # one at a time: at most history_size pointers moved, a list still for slicing
         pl_module.log("distplan/observed_step_time_s", observed, on_step=True, on_epoch=False, batch_size=1)
         if self._predicted is not None:
             pl_module.log("distplan/predicted_step_time_s", self._predicted, on_step=True, on_epoch=False, batch_size=1)
-        if len(self.history) > self.warmup_steps:
+        if not warmup:
             self._observed.append(observed)
             del self._observed[: -self.window]  # only the last window decides: a long fit must not grow it by a float a step
         can_replan = self._predicted is not None and self._profile is not None and self._replannable

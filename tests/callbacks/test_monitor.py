@@ -91,3 +91,27 @@ def test_a_monitor_used_again_reports_only_its_own_fit(tmp_path: Path) -> None:
     _trainer(tmp_path / "plain", monitor, max_steps=2, limit_val_batches=0).fit(BoringModel())
     assert [h["predicted_s"] for h in monitor.history] == [None, None]
     assert monitor.overhead_s is None and monitor.run_s is None
+
+
+def test_history_keeps_the_last_steps_and_the_summary_the_whole_fit(tmp_path: Path) -> None:
+    """`history` is bounded (a record a step grew without end over a long fit); `summary` still counts every step,
+    warm-up apart, and each record says whether it was warm-up (slicing off `warmup_steps` no longer finds them)."""
+    import statistics
+
+    bounded, whole = StepTimeMonitor(warmup_steps=2, history_size=3), StepTimeMonitor(warmup_steps=2, history_size=None)
+    for monitor in (bounded, whole):  # one stateful monitor per Trainer, as Lightning requires
+        _trainer(tmp_path, monitor, max_steps=7, limit_val_batches=0).fit(BoringModel())
+    assert [h["step"] for h in bounded.history] == [5, 6, 7] and not any(h["warmup"] for h in bounded.history)
+    assert [h["step"] for h in whole.history] == list(range(1, 8))
+    assert [h["warmup"] for h in whole.history] == [True, True] + [False] * 5
+    for monitor in (bounded, whole):
+        summary = monitor.summary
+        assert (summary.steps, summary.warmup_steps, summary.observed_steps) == (7, 2, 5)
+        assert summary.predicted_s is None and summary.mean_observed_over_predicted is None  # no plan in this fit
+        kept = [h["observed_s"] for h in monitor.history if not h["warmup"]]
+        assert summary.median_observed_s == statistics.median(kept)
+        assert summary.min_observed_s <= min(kept) and summary.max_observed_s >= max(kept)
+    after = [h["observed_s"] for h in whole.history[2:]]
+    assert whole.summary.mean_observed_s == pytest.approx(statistics.fmean(after))
+    assert (whole.summary.min_observed_s, whole.summary.max_observed_s) == (min(after), max(after))
+    assert len(bounded._observed) <= bounded.window

@@ -258,6 +258,8 @@ def test_a_step_time_monitor_beside_the_callback_sets_the_steps_beside_its_predi
         trainer.fit(Net())
     predicted = callback.outcome.prediction.step_time_s
     assert [h["predicted_s"] for h in monitor.history] == [predicted] * 3 and monitor.replans == []
+    ratios = [h["observed_s"] / predicted for h in monitor.history]
+    assert monitor.summary.predicted_s == predicted and monitor.summary.mean_observed_over_predicted == pytest.approx(sum(ratios) / 3)
     assert trainer.logged_metrics["distplan/predicted_step_time_s"] == pytest.approx(predicted)
     assert [w for w in caught if "re-plans under strategy='auto_plan' only" in str(w.message)]
 
@@ -333,6 +335,7 @@ def test_report_names_a_faster_pipeline_without_forcing_it() -> None:
         ({"window": 0}, "`window` must be a positive integer, got 0"), ({"threshold": "2"}, "`threshold` must be a number above 1, got '2'"),
         ({"threshold": None}, "`threshold` must be a number above 1, got None"),
         ({"threshold": float("nan")}, "`threshold` must be a number above 1, got nan"), ({"warmup_steps": True}, "`warmup_steps` must be an integer >= 0, got True"),
+        ({"history_size": 0}, "`history_size` must be a positive integer, got 0"),
     ],
 )
 def test_monitor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
