@@ -4,10 +4,12 @@
 ``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s``: the wall time from the
 first micro-batch's ``on_train_batch_start`` to the end of the optimizer step. Like the prediction,
 it leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
-fetches of later micro-batches fall inside) and any validation run inside the step, its loader's
-start included. Its state (re-plans, compute scale, the running plan and its prediction) goes into
-checkpoints, so a fit resumed with the checkpoint's plan still sets its steps beside that plan's
-prediction; it cannot re-plan (no profile is taken when the plan is reused).
+fetches of later micro-batches fall inside) and any validation run inside the step, from the end
+of the micro-batch before it to the start of the one after it (its loader's start, and checkpoints
+saved after it, left out with it; so is the loading of that next micro-batch). Its state
+(re-plans, compute scale, the running plan and its prediction) goes into checkpoints, so a fit
+resumed with the checkpoint's plan still sets its steps beside that plan's prediction; it cannot
+re-plan (no profile is taken when the plan is reused).
 
 ``history`` keeps a record for each of the last ``history_size`` steps only (1000 by default): a
 record is ~270 bytes (tracemalloc), so one per step of a million-step fit would be ~270 MB.
@@ -202,6 +204,7 @@ class StepTimeMonitor(Callback):
         self._pending: float | None = None
         self._replan_s = 0.0
         self._micro_end: float | None = None  # when this step's last finished micro-batch ended (a validation may follow it)
+        self._validated = False  # a validation ran since then: the gap up to the next micro-batch is not the step's
         self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
         self._strategies: tuple[str, ...] = STRATEGIES
         self._replannable = True
@@ -268,6 +271,7 @@ class StepTimeMonitor(Callback):
             self._totals = _Totals()
             self._t = None
             self._micro_end = None
+            self._validated = False
             self._last_step = -1
             self._observed = []
             self._pending = None
@@ -288,11 +292,11 @@ class StepTimeMonitor(Callback):
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._t is not None and self._micro_end is not None:
-            # a validation inside an accumulation is not the step's: left out from the end of the micro-batch before it,
-            # since Lightning sets up the val loader (its iterator, workers, first prefetched batch) before on_validation_start
-            self._t += time.perf_counter() - self._micro_end
-        self._micro_end = None
+        # A validation inside an accumulation is not the step's: it is left out from the end of the micro-batch before
+        # it (Lightning sets up the val loader, its iterator, workers and first prefetched batch, before
+        # on_validation_start) to the start of the one after it (ModelCheckpoint and EarlyStopping act in their
+        # on_validation_end, after this one: checkpoint callbacks run last).
+        self._validated = self._t is not None and self._micro_end is not None
         if _epoch_end_validation(trainer):
             # ModelCheckpoint saves here when it saves after validation (val_check_interval < 1, ...), before
             # on_train_epoch_end: re-plan first, so that the checkpoint where the next epoch starts holds its plan
@@ -304,12 +308,16 @@ class StepTimeMonitor(Callback):
         # returned -1 (skip the rest of the epoch) never reaches on_train_batch_end, and its timer would run on into the
         # next epoch's first step with the epoch's end (hooks, checkpoints, the new loader iterator) in it.
         self._t = self._micro_end = None
+        self._validated = False
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._t is None:
             self._t = time.perf_counter()
             self._micro_end = None
+        elif self._validated and self._micro_end is not None:
+            self._t += time.perf_counter() - self._micro_end
+        self._validated = False
         if self._last_step < 0:
             self._last_step = trainer.global_step
 

@@ -24,10 +24,11 @@ def _one_thread() -> Iterator[None]:
 
 
 def _trainer(tmp: Path, monitor: StepTimeMonitor, **kw: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(tmp), callbacks=[monitor], **kw,
-    )
+    return L.Trainer(**{
+        **dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0, default_root_dir=str(tmp), callbacks=[monitor]),
+        **kw,
+    })
 
 
 # A step of BoringModel is ~1 ms here; 0.45 s leaves a busy host room and still catches a 0.6 s pause counted in a step.
@@ -73,6 +74,23 @@ def test_a_validation_inside_a_step_is_left_out_with_its_loader_start(tmp_path: 
     monitor = StepTimeMonitor(warmup_steps=0)
     trainer = _trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=1)
     trainer.fit(SlowValidationLoader())
+    assert [h["step"] for h in monitor.history] == [1, 2, 3]
+    assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
+
+
+def test_a_checkpoint_saved_after_a_validation_inside_a_step_is_left_out_with_it(tmp_path: Path) -> None:
+    """Lightning's default ModelCheckpoint saves in on_validation_end, after the monitor's own on_validation_end (it
+    runs checkpoint callbacks last): a validation inside a step was left out, the 0.6 s save after it was step time."""
+
+    class SlowSave(BoringModel):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            time.sleep(SLOW_S)
+
+    monitor = StepTimeMonitor(warmup_steps=0)
+    trainer = _trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=1,
+                       enable_checkpointing=True)
+    trainer.fit(SlowSave())
+    assert list((tmp_path / "checkpoints").iterdir())  # it saved, after the validation at the 3rd micro-batch (step 2)
     assert [h["step"] for h in monitor.history] == [1, 2, 3]
     assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
 
