@@ -148,9 +148,14 @@ class _Totals:
 class StepTimeMonitor(Callback):
     """Log predicted and observed step time; optionally re-plan when they depart (see module docstring).
 
+    Every rank times its own steps (:attr:`history`, :attr:`summary`); a logger records global rank 0's. Under
+    ``strategy="ddp_spawn"`` the steps are timed by copies of the monitor in the spawned processes, so the one in your
+    script stays empty: read the logger's ``distplan/observed_step_time_s``.
+
     Args:
         replan: ``"off"`` or ``"auto"``.
-        warmup_steps: first optimizer steps ignored (allocations, caches, JIT).
+        warmup_steps: first optimizer steps of each fit left out of the re-plan check and :attr:`summary` (allocations,
+            caches, JIT); they are still logged and kept in :attr:`history`, marked ``warmup``.
         window: consecutive steps that must all depart before a re-plan.
         threshold: observed/predicted ratio beyond which (or below whose inverse) a step departs.
         max_replans: re-plans per run.
@@ -239,6 +244,8 @@ class StepTimeMonitor(Callback):
 
     @property
     def predicted_step_time_s(self) -> float | None:
+        """The step time predicted for the plan running now (``None`` without a plan: no ``auto_plan`` or
+        ``PlanningCallback`` in this fit, or a resumed plan the checkpoint holds no prediction for)."""
         return self._predicted
 
     @property
