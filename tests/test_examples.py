@@ -21,7 +21,7 @@ def test_overhead_run_counts_the_epochs_steps_and_takes_the_median_after_warm_up
     from lightning_distplan.callbacks import StepTimeSummary
 
     summary = StepTimeSummary(
-        steps=10, warmup_steps=3, observed_steps=7, mean_observed_s=0.4, min_observed_s=0.1, max_observed_s=0.7,
+        steps=10, warmup_steps=3, partial_steps=0, observed_steps=7, mean_observed_s=0.4, min_observed_s=0.1, max_observed_s=0.7,
         median_observed_s=0.4, predicted_s=0.25, mean_observed_over_predicted=1.6,
     )
     monitor = SimpleNamespace(summary=summary, overhead_s=1.0, run_s=20.0, predicted_step_time_s=0.25)

@@ -12,12 +12,14 @@ resumed with the checkpoint's plan still sets its steps beside that plan's predi
 re-plan (no profile is taken when the plan is reused).
 
 ``history`` keeps a record for each of the last ``history_size`` steps only (1000 by default): a
-record is ~270 bytes (tracemalloc), so one per step of a million-step fit would be ~270 MB.
+record is ~360 bytes (tracemalloc), so one per step of a million-step fit would be ~360 MB.
 ``summary`` keeps the whole fit's figures in constant memory: steps, warm-up, mean / min / max
 observed step after warm-up and its mean ratio to the prediction each step ran beside (the median
-is over the steps still in ``history``).
+is over the steps still in ``history``). An epoch's short last step (fewer micro-batches than
+``accumulate_grad_batches``) is logged and kept but, as warm-up, left out of ``summary`` and of the
+re-plan check: the prediction is for a full step.
 
-With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` observed steps are
+With ``replan="auto"``: after ``warmup_steps`` steps, when the last ``window`` full steps are
 all more than ``threshold`` × off the prediction (slower or faster), the compute part of the cost
 model is refitted from them — the one number it can learn from steps of a single micro-batch size
 is the speed of the device, ``Hardware.compute_scale`` (every profiled compute time is multiplied
@@ -61,18 +63,21 @@ class StepTimeSummary(NamedTuple):
     """Optimizer steps timed in this fit, warm-up included."""
     warmup_steps: int
     """Of those, the first ones left out of the figures below (at most the monitor's ``warmup_steps``)."""
+    partial_steps: int
+    """Steps after warm-up with fewer micro-batches than ``accumulate_grad_batches`` (an epoch's short last step), left
+    out of the figures below: the prediction is for a full step."""
     observed_steps: int
-    """Steps after warm-up: the ones the figures below are over."""
+    """Full steps after warm-up: the ones the figures below are over."""
     mean_observed_s: float | None
     min_observed_s: float | None
     max_observed_s: float | None
     median_observed_s: float | None
-    """Median of the steps after warm-up still in ``history`` (its last ``history_size``): the whole fit's when it
-    had no more steps than that."""
+    """Median of the full steps after warm-up still in ``history`` (its last ``history_size``): the whole fit's when
+    it had no more steps than that."""
     predicted_s: float | None
     """The prediction the monitor sets the steps beside now (after a re-plan, the new plan's); None without a plan."""
     mean_observed_over_predicted: float | None
-    """Mean of observed / predicted over the steps after warm-up that had a prediction, each step against the
+    """Mean of observed / predicted over the full steps after warm-up that had a prediction, each step against the
     prediction it ran beside (so a re-plan does not mix two plans' figures)."""
 
 
@@ -129,13 +134,16 @@ class _Totals:
     """Running figures over a fit's steps, in constant memory."""
 
     def __init__(self) -> None:
-        self.steps = self.observed = self.ratios = 0
+        self.steps = self.partial = self.observed = self.ratios = 0
         self.sum = self.ratio_sum = 0.0
         self.min, self.max = math.inf, -math.inf
 
-    def add(self, observed_s: float, predicted_s: float | None, *, warmup: bool) -> None:
+    def add(self, observed_s: float, predicted_s: float | None, *, warmup: bool, partial: bool) -> None:
         self.steps += 1
         if warmup:
+            return
+        if partial:
+            self.partial += 1
             return
         self.observed += 1
         self.sum += observed_s
@@ -190,7 +198,9 @@ class StepTimeMonitor(Callback):
         self.history_size = history_size
         self.history: list[dict[str, Any]] = []
         """One record per optimizer step of this fit, the last ``history_size`` only: ``step``, ``predicted_s`` (may be
-        None), ``observed_s``, ``warmup`` (True for the warm-up steps, which the re-plan check leaves out)."""
+        None), ``observed_s``, ``micro_batches`` (training batches Lightning ran in the step), ``warmup`` (True for the
+        warm-up steps) and ``partial`` (True for a step of fewer micro-batches than ``accumulate_grad_batches``); the
+        re-plan check and :attr:`summary` leave out both kinds."""
         self.replans: list[dict[str, Any]] = []
         """One record per re-plan: step, epoch, observed/predicted ratio, new scale, old and new plan, applied."""
         self.overhead_s: float | None = None
@@ -209,6 +219,7 @@ class StepTimeMonitor(Callback):
         self._pending: float | None = None
         self._replan_s = 0.0
         self._micro_end: float | None = None  # when this step's last finished micro-batch ended (a validation may follow it)
+        self._micro = 0  # micro-batches (training batches) started in this step
         self._validated = False  # a validation ran since then: the gap up to the next micro-batch is not the step's
         self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
         self._strategies: tuple[str, ...] = STRATEGIES
@@ -252,9 +263,9 @@ class StepTimeMonitor(Callback):
     def summary(self) -> StepTimeSummary:
         """This fit's steps in a few figures (all of them, also those no longer in :attr:`history`)."""
         t = self._totals
-        after = [h["observed_s"] for h in self.history if not h["warmup"]]
+        after = [h["observed_s"] for h in self.history if not h["warmup"] and not h["partial"]]
         return StepTimeSummary(
-            steps=t.steps, warmup_steps=t.steps - t.observed, observed_steps=t.observed,
+            steps=t.steps, warmup_steps=t.steps - t.partial - t.observed, partial_steps=t.partial, observed_steps=t.observed,
             mean_observed_s=t.sum / t.observed if t.observed else None,
             min_observed_s=t.min if t.observed else None, max_observed_s=t.max if t.observed else None,
             median_observed_s=statistics.median(after) if after else None, predicted_s=self._predicted,
@@ -322,9 +333,11 @@ class StepTimeMonitor(Callback):
         if self._t is None:
             self._t = time.perf_counter()
             self._micro_end = None
+            self._micro = 0
         elif self._validated and self._micro_end is not None:
             self._t += time.perf_counter() - self._micro_end
         self._validated = False
+        self._micro += 1
         if self._last_step < 0:
             self._last_step = trainer.global_step
 
@@ -337,14 +350,20 @@ class StepTimeMonitor(Callback):
         self._t = self._micro_end = None
         self._last_step = trainer.global_step
         warmup = self._totals.steps < self.warmup_steps
-        self._totals.add(observed, self._predicted, warmup=warmup)
-        self.history.append({"step": trainer.global_step, "predicted_s": self._predicted, "observed_s": observed, "warmup": warmup})
+        # an epoch's last step may run fewer micro-batches (limit_train_batches, a short last loader batch re-chunked):
+        # the prediction is for a full step, so it is not compared with one
+        partial = self._micro < trainer.accumulate_grad_batches
+        self._totals.add(observed, self._predicted, warmup=warmup, partial=partial)
+        self.history.append({
+            "step": trainer.global_step, "predicted_s": self._predicted, "observed_s": observed, "micro_batches": self._micro,
+            "warmup": warmup, "partial": partial,
+        })
         if self.history_size is not None and len(self.history) > self.history_size:
             del self.history[0]  # one at a time: at most history_size pointers moved, a list still for slicing
         pl_module.log("distplan/observed_step_time_s", observed, on_step=True, on_epoch=False, batch_size=1)
         if self._predicted is not None:
             pl_module.log("distplan/predicted_step_time_s", self._predicted, on_step=True, on_epoch=False, batch_size=1)
-        if not warmup:
+        if not warmup and not partial:
             self._observed.append(observed)
             del self._observed[: -self.window]  # only the last window decides: a long fit must not grow it by a float a step
         can_replan = self._predicted is not None and self._profile is not None and self._replannable

@@ -133,3 +133,19 @@ def test_history_keeps_the_last_steps_and_the_summary_the_whole_fit(tmp_path: Pa
     assert whole.summary.mean_observed_s == pytest.approx(statistics.fmean(after))
     assert (whole.summary.min_observed_s, whole.summary.max_observed_s) == (min(after), max(after))
     assert len(bounded._observed) <= bounded.window
+
+
+def test_an_epochs_short_last_step_is_not_set_beside_a_full_steps_prediction(tmp_path: Path) -> None:
+    """limit_train_batches=5 with accumulate_grad_batches=2: each epoch's last step runs 1 micro-batch, not 2. It is
+    logged and kept, with its micro-batch count, but left out of the figures compared with the prediction (made for
+    a full step) and of the re-plan window, where such a step, about half as long, could break every streak of slow steps
+    in epochs of no more than `window` full steps."""
+    monitor = StepTimeMonitor(warmup_steps=1, window=2)
+    trainer = _trainer(tmp_path, monitor, max_epochs=2, limit_train_batches=5, accumulate_grad_batches=2, limit_val_batches=0)
+    trainer.fit(BoringModel())
+    assert [(h["step"], h["micro_batches"]) for h in monitor.history] == [(1, 2), (2, 2), (3, 1), (4, 2), (5, 2), (6, 1)]
+    summary = monitor.summary
+    assert (summary.steps, summary.warmup_steps, summary.partial_steps, summary.observed_steps) == (6, 1, 2, 3)
+    full = [h["observed_s"] for h in monitor.history if h["micro_batches"] == 2 and not h["warmup"]]
+    assert summary.median_observed_s == sorted(full)[1] and summary.mean_observed_s == pytest.approx(sum(full) / 3)
+    assert monitor._observed == full[-2:]  # the re-plan window: full steps only
