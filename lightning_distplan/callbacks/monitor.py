@@ -73,7 +73,8 @@ class StepTimeSummary(NamedTuple):
     max_observed_s: float | None
     median_observed_s: float | None
     """Median of the full steps after warm-up still in ``history`` (its last ``history_size``): the whole fit's when
-    it had no more steps than that."""
+    it had no more steps than that. Like the mean, it spans a re-plan's plans; compare each with its own prediction
+    through ``mean_observed_over_predicted`` or the records' ``predicted_s``."""
     predicted_s: float | None
     """The prediction the monitor sets the steps beside now (after a re-plan, the new plan's); None without a plan."""
     mean_observed_over_predicted: float | None
