@@ -419,9 +419,8 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
     strategy.training_step = training_step
     strategy.process_dataloader = process_dataloader
     trainer.accumulate_grad_batches = plan.accumulate_grad_batches
-    if plan.accumulate_grad_batches != applied.accumulate_grad_batches or plan.micro_batch_size:
-        rank_zero_info(
-            f"PlanningCallback: running micro-batches of {plan.micro_batch_size} with accumulate_grad_batches="
-            f"{plan.accumulate_grad_batches} (global batch {plan.global_batch_size})."
-        )
+    rank_zero_info(
+        f"PlanningCallback: running micro-batches of {plan.micro_batch_size} with accumulate_grad_batches="
+        f"{plan.accumulate_grad_batches} (global batch {plan.global_batch_size})."
+    )
     return applied
