@@ -19,7 +19,10 @@ from torch import Tensor
 from lightning_distplan.errors import BatchFormatError, InfeasiblePlanError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
 
-__all__ = ["BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "move_to", "slice_samples", "tensors_in"]
+__all__ = [
+    "BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "loader_batch_size", "move_to",
+    "slice_samples", "tensors_in",
+]
 
 
 def _is_record(x: Any) -> bool:
@@ -150,6 +153,14 @@ class BatchSizer:
         return n
 
 
+def loader_batch_size(dataloader: object) -> int | None:
+    """Per-rank batch size of a DataLoader (or of its batch_sampler), ``None`` when it cannot be read."""
+    size = getattr(dataloader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def _at(batch: Any, path: tuple) -> Any:
     for key in path:
         try:
@@ -265,14 +276,6 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
     return first
 
 
-def _cat(parts: list[Any]) -> Any:
-    return concat_samples(parts, [batch_size_of(p) for p in parts])
-
-
-def _slice(batch: Any, m: int) -> Any:
-    return slice_samples(batch, 0, m, batch_size_of(batch))
-
-
 def move_to(batch: Any, device: torch.device) -> Any:
     """Copy every tensor of ``batch`` to ``device`` (structure kept)."""
     if isinstance(batch, Tensor):
@@ -297,6 +300,11 @@ class SampleBank:
         self._source = batches
         self._iter: Iterator[Any] | None = None
         self._parts: list[Any] = []
+        self._sizes: list[int] = []
+        # The loader's batch size tells the batch dimension from a per-batch constant with another first dimension
+        # (class weights before the inputs), as dp_ga's re-chunking reads it, so a profiled micro-batch holds the
+        # samples training's micro-batch holds; a majority vote per batch cut the constant and kept every sample.
+        self._sizer = BatchSizer(loader_batch_size(batches))
         self._count = 0
         self._exhausted = False
         self.repeated = False
@@ -322,10 +330,13 @@ class SampleBank:
                 f"Reading a batch from the data loader failed with {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else '(no message)'}.",
                 hint="Check that the dataset is available offline (downloads may be blocked) or pass batches that load here.",
             ) from err
-        n = batch_size_of(batch)
+        n = self._sizer(batch)
+        if n is None:
+            batch_size_of(batch)  # raises the ProfilingError of a batch without a batch dimension
         if not self._parts:
             self.loader_batch_size = n
         self._parts.append(batch)
+        self._sizes.append(n)
         self._count += n
         return True
 
@@ -355,14 +366,16 @@ class SampleBank:
         self.first_batch_size()
         while self._count < self.start + m and self._pull():
             pass
-        batch = _cat(self._parts) if len(self._parts) > 1 else self._parts[0]
+        batch = concat_samples(self._parts, self._sizes) if len(self._parts) > 1 else self._parts[0]
         n, start = self._count, self.start % self._count
         if start:
             batch = concat_samples([slice_samples(batch, start, n, n), slice_samples(batch, 0, start, n)], [n - start, start])
+        total = n
         if n < m:
             self.repeated = True
+            total = n * -(-m // n)
             batch = concat_samples([batch] * -(-m // n), [n] * -(-m // n))
-        return _slice(batch, m)
+        return slice_samples(batch, 0, m, total)
 
     @property
     def collected(self) -> int:

@@ -66,7 +66,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan, require_plan
-from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, slice_samples
+from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, loader_batch_size, slice_samples
 from lightning_distplan.strategies._auto_planning import check_count
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
@@ -883,14 +883,6 @@ def _scale_loss(output: Any, weight: float) -> Any:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def loader_batch_size(dataloader: object) -> int | None:
-    """Per-rank batch size of a DataLoader (or of its batch_sampler), ``None`` when it cannot be read."""
-    size = getattr(dataloader, "batch_size", None)
-    if size is None:
-        size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
-    return size if isinstance(size, int) and size > 0 else None
 
 
 def loader_sampler(dataloader: object) -> tuple[Any, bool | None]:

@@ -266,3 +266,22 @@ def test_dataclass_batches_are_cut_without_running_post_init_again() -> None:
     half = slice_samples(batch, 0, 4, 8)
     assert half.x.shape == (4, 3, 32, 32) and torch.equal(half.y, torch.arange(4))
     assert concat_samples([half, half], [4, 4]).x.shape == (8, 3, 32, 32)
+
+
+def test_a_per_batch_constant_before_the_inputs_is_kept_and_the_samples_are_cut() -> None:
+    """A collate that puts 10 class weights before 8 samples: a tie of first dimensions that the majority vote gave to
+    the weights, so the profiler's "micro-batch of 4" was 4 weights and all 8 samples (of 16: 16 weights, 8 samples)
+    while dp_ga, reading the loader's batch size, cut the samples. Both now cut the samples."""
+    from torch.utils.data import DataLoader
+
+    from lightning_distplan.strategies.dp_ga import _rebatch_pieces, loader_batch_size
+
+    weights = torch.arange(10.0)
+    loader = DataLoader(torch.arange(32.0).view(32, 1), batch_size=8, collate_fn=lambda rows: (weights, torch.stack(rows)))
+    bank = SampleBank(loader)
+    assert bank.first_batch_size() == 8
+    for m in (4, 16):
+        w, x = bank.micro_batch(m)
+        assert torch.equal(w, weights) and x[:, 0].tolist() == list(range(m))
+    (w, x), _ = next(_rebatch_pieces(loader, 4, loader_batch_size(loader)))
+    assert torch.equal(w, weights) and x.shape == (4, 1)  # what training's micro-batch of 4 holds
