@@ -70,8 +70,9 @@ def device_info(device: str | torch.device | None = None) -> DeviceProfile:
     """Name and total memory of ``device``.
 
     On NVIDIA GPUs the numbers come from NVML (``nvidia-ml-py``), matched to the torch device by
-    UUID so ``CUDA_VISIBLE_DEVICES`` remapping cannot confuse them; without NVML from
-    ``torch.cuda``. On CPU the total is the host RAM from ``os.sysconf`` (or the cgroup limit when
+    UUID so ``CUDA_VISIBLE_DEVICES`` remapping cannot confuse them (a MIG instance by its own UUID,
+    never by the PCI bus, which names the whole GPU); without NVML, or with no NVML device of that
+    UUID, from ``torch.cuda``. On CPU the total is the host RAM from ``os.sysconf`` (or the cgroup limit when
     the process runs in a smaller container), and ``memory_source`` says which.
 
     Args:
@@ -97,12 +98,15 @@ def _cuda_info(dev: torch.device) -> DeviceProfile:
             handle = None
             uuid = getattr(props, "uuid", None)
             if uuid is not None:
-                text = str(uuid)
-                try:
-                    handle = pynvml.nvmlDeviceGetHandleByUUID(text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}")
-                except pynvml.NVMLError:
-                    handle = None
-            if handle is None:
+                for name in nvml_uuids(str(uuid)):
+                    try:
+                        handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+                        break
+                    except pynvml.NVMLError:
+                        continue
+                if handle is None:  # the PCI bus names the whole GPU, whose memory a MIG instance does not have
+                    raise LookupError(f"no NVML device has the UUID {uuid} that CUDA reports")
+            else:
                 bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
                 handle = pynvml.nvmlDeviceGetHandleByPciBusId(bus)
             name = pynvml.nvmlDeviceGetName(handle)
@@ -114,6 +118,19 @@ def _cuda_info(dev: torch.device) -> DeviceProfile:
     except Exception as err:  # NVML missing, not an NVIDIA GPU (ROCm), or a driver without the call
         log.info("NVML unavailable (%s); using torch.cuda device properties.", err)
         return DeviceProfile(type="cuda", name=props.name, total_memory_bytes=int(props.total_memory), memory_source="torch.cuda")
+
+
+def nvml_uuids(uuid: str) -> tuple[str, ...]:
+    """The NVML UUIDs (``nvmlDeviceGetHandleByUUID``) the CUDA device UUID ``uuid`` may stand for.
+
+    torch prints ``cudaDeviceProp.uuid`` without NVML's prefix, and in MIG mode CUDA reports the MIG
+    instance's UUID, which NVML names ``MIG-<uuid>``; a whole GPU's is ``GPU-<uuid>``.
+
+    Example:
+        >>> nvml_uuids("5f2c3c4e-0000-1111-2222-333344445555")
+        ('GPU-5f2c3c4e-0000-1111-2222-333344445555', 'MIG-5f2c3c4e-0000-1111-2222-333344445555')
+    """
+    return (uuid,) if uuid.startswith(("GPU-", "MIG-")) else (f"GPU-{uuid}", f"MIG-{uuid}")
 
 
 def _cpu_info() -> DeviceProfile:

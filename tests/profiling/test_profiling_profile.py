@@ -139,6 +139,20 @@ def test_cuda_request_without_gpu() -> None:
     assert info.memory_source in ("host RAM (sysconf)", "cgroup memory limit")
 
 
+def test_nvml_is_asked_for_the_mig_instance_cuda_reports_not_the_whole_gpu() -> None:
+    """In MIG mode CUDA reports the MIG instance's UUID, which NVML names MIG-<uuid>. Asked for GPU-<uuid> only, NVML
+    found nothing and the PCI bus fallback named the whole GPU: a 1g slice of an H200 was profiled with the full
+    GPU's memory, so plans that do not fit were kept."""
+    from lightning_distplan.profiling._device import nvml_uuids
+
+    raw = "5f2c3c4e-0000-1111-2222-333344445555"
+    assert nvml_uuids(raw) == (f"GPU-{raw}", f"MIG-{raw}")
+    assert nvml_uuids(f"MIG-{raw}") == (f"MIG-{raw}",) and nvml_uuids(f"GPU-{raw}") == (f"GPU-{raw}",)
+    if torch.cuda.is_available():  # the device's own memory, not its parent GPU's (a MIG slice is 1/7 to 1/2 of it)
+        info = device_info("cuda")
+        assert info.total_memory_bytes <= 1.05 * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def test_default_sizes_stop_on_time_and_keep_three() -> None:
     from lightning_distplan.profiling._profiler import _next_sizes
 
