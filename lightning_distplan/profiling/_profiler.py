@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -125,7 +126,7 @@ def _skipped_everywhere(name: str) -> SkippedBatchError:
 
 
 def _extract_loss(out: Any, name: str) -> Tensor:
-    loss = out.get("loss") if isinstance(out, dict) else out
+    loss = out.get("loss") if isinstance(out, Mapping) else out  # any mapping, as Lightning's ClosureResult reads it
     if out is None:  # the callers move on to other samples (or sizes) and re-raise it once nothing is left
         raise _skipped_everywhere(name)
     if not isinstance(loss, Tensor):
@@ -189,7 +190,7 @@ def loss_difference(
             with torch.random.fork_rng(devices=list(devices)):
                 torch.manual_seed(0)
                 out = compute()
-            loss = out.get("loss") if isinstance(out, dict) else out
+            loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, Tensor):
                 return None  # training_step's own answer is judged (and refused) by the profiling that follows
             values.append(float(loss.detach().float().mean()))

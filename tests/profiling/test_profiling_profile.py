@@ -127,6 +127,31 @@ def test_errors_have_hints() -> None:
         profile_module(lazy, xy_batches())
 
 
+def test_a_loss_in_any_mapping_is_profiled_and_compared_with_the_pipelines() -> None:
+    """Lightning reads the loss from any Mapping training_step returns (ClosureResult); the profiler read it from a
+    dict only, refused a mappingproxy Lightning trains, and skipped the pipeline-loss comparison for it."""
+    import types
+
+    import torch.nn.functional as F
+
+    class MappingLoss(MLP):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.scale = scale
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            return types.MappingProxyType({"loss": self.scale * F.mse_loss(self.net(x), y), "acc": 0.5})
+
+        def pipeline_loss(self, output, batch):  # noqa: ANN001, ANN201
+            return F.mse_loss(output, batch[1])
+
+    same = profile_module(MappingLoss(1.0), xy_batches(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert same.micro_batch_sizes == (1, 2, 4) and same.splittable
+    other = profile_module(MappingLoss(2.0), xy_batches(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert not other.splittable and "would train another objective" in other.split_reason
+
+
 def test_cuda_request_without_gpu() -> None:
     from lightning_distplan.errors import DeviceUnavailableError
 
