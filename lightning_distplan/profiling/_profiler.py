@@ -134,8 +134,13 @@ def _extract_loss(out: Any, name: str) -> Tensor:
             f"{name}.training_step returned {type(out).__name__}, not a loss tensor or a dict with 'loss'.",
             hint="Return the scalar loss (or {'loss': loss}) from training_step.",
         )
-    if loss.dim() != 0:
-        loss = loss.mean()
+    if loss.numel() != 1:
+        # Lightning's backward (loss.backward()) and the pipeline's (_check_scalar_loss) refuse it: averaging it here
+        # profiled a model that a fit then stopped at its first step ("grad can be implicitly created only for scalar outputs")
+        raise ProfilingError(
+            f"{name}.training_step returned a loss of shape {tuple(loss.shape)}, and Lightning's backward needs a scalar loss.",
+            hint="Reduce the loss in training_step, e.g. F.cross_entropy(..., reduction='mean') or loss.mean().",
+        )
     if not loss.requires_grad:
         raise ProfilingError(
             f"The loss returned by {name}.training_step does not require grad, so there is no backward to profile.",
@@ -152,12 +157,17 @@ loss by 7e-4); 1e-2 when the weights or the precision are 16-bit, which catches 
 
 def _pipeline_loss_difference(prof: _Profiler, m: int) -> tuple[str | None, bool]:
     """:func:`loss_difference` on the profiler's micro-batch of ``m`` samples, and whether the pipeline's chain itself
-    raised (it cannot run on these batches: a dict fed to an ``nn.Sequential``)."""
+    raised (it cannot run on these batches: a dict fed to an ``nn.Sequential``) or gave a loss that is not a scalar,
+    which the pipeline's last stage refuses (``_check_scalar_loss``); the per-layer pass then runs ``training_step``."""
     chain_failed: list[bool] = []
 
     def chain() -> Any:
         try:
-            return prof.chain_output(m)
+            out = prof.chain_output(m)
+            loss = out.get("loss") if isinstance(out, Mapping) else out
+            if isinstance(loss, Tensor) and loss.numel() != 1:
+                raise ValueError(f"the pipeline's loss is a tensor of shape {tuple(loss.shape)}, not a scalar")
+            return out
         except Exception:
             chain_failed.append(True)
             raise

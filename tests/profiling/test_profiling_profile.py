@@ -111,6 +111,10 @@ def test_errors_have_hints() -> None:
         profile_module(MLP(), [])
     with pytest.raises(ValueError, match="micro_batch_sizes.*HINT"):
         profile_module(MLP(), xy_batches(), micro_batch_sizes=[0, 2])
+    per_sample = MLP()  # one loss per sample: Trainer.fit's backward raises "grad can be implicitly created only for scalar outputs"
+    per_sample.training_step = lambda batch, batch_idx: ((per_sample.net(batch[0]) - batch[1]) ** 2).mean(dim=1)
+    with pytest.raises(ProfilingError, match=r"returned a loss of shape \(2,\), and Lightning's backward needs a scalar loss\. HINT"):
+        profile_module(per_sample, xy_batches(), micro_batch_sizes=[2, 4], repeats=1, loop_overhead=False)
     manual = MLP()
     manual.automatic_optimization = False
     with pytest.raises(ProfilingError, match="manual optimization.*HINT"):
@@ -150,6 +154,20 @@ def test_a_loss_in_any_mapping_is_profiled_and_compared_with_the_pipelines() -> 
     assert same.micro_batch_sizes == (1, 2, 4) and same.splittable
     other = profile_module(MappingLoss(2.0), xy_batches(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
     assert not other.splittable and "would train another objective" in other.split_reason
+
+
+def test_a_pipeline_loss_that_is_not_a_scalar_leaves_the_model_data_parallel() -> None:
+    """The pipeline's last stage refuses a loss that is not a scalar (_check_scalar_loss, at the first step of the fit);
+    the profiler averaged it, found it equal to training_step's, and called the model splittable."""
+    import torch.nn.functional as F
+
+    class VectorPipelineLoss(MLP):
+        def pipeline_loss(self, output, batch):  # noqa: ANN001, ANN201
+            return F.mse_loss(output, batch[1], reduction="none")
+
+    profile = profile_module(VectorPipelineLoss(), xy_batches(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert profile.micro_batch_sizes == (1, 2, 4)  # profiled through training_step, whose loss is a scalar
+    assert not profile.splittable and "the pipeline's loss is a tensor of shape (1, 4), not a scalar" in profile.split_reason
 
 
 def test_cuda_request_without_gpu() -> None:
