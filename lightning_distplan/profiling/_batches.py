@@ -94,10 +94,33 @@ def _tensors_with_paths(batch: Any, path: tuple, in_list: bool) -> Iterator[tupl
 
 def _sized(batch: Any) -> list[tuple[tuple, int]]:
     """``(path, dim 0)`` of the tensors that vote on the batch size: the (not 0-d) ones outside lists (a list holds
-    per-sample records, a detection target's boxes say, with first dimensions of their own), or every one if none is."""
+    per-sample records, a detection target's boxes say, with first dimensions of their own). When every tensor is in a
+    list, ``(path, length)`` of the lists that hold one record per sample (:func:`_sample_lists`), else every tensor."""
     found = [(path, in_list, int(t.shape[0])) for path, in_list, t in _tensors_with_paths(batch, (), False) if t.dim() > 0]
     outside = [(path, n) for path, in_list, n in found if not in_list]
-    return outside or [(path, n) for path, _, n in found]
+    return outside or list(_sample_lists(batch, ())) or [(path, n) for path, _, n in found]
+
+
+def _sample_lists(batch: Any, path: tuple) -> Iterator[tuple[tuple, int]]:
+    """``(path, length)`` of the outermost lists that are one record per sample, whatever the batch size: tensors alike in
+    rank and dtype whose first dimensions differ (variable-length sequences a collate left unpadded), or mappings
+    with the same keys. Their tensors' own first dimensions are lengths, not the batch size: a list of 4 sequences of
+    lengths 5, 3, 5, 7 was read as a batch of 5, its sequences cut to the micro-batch size and glued together."""
+    if isinstance(batch, list) and batch:
+        first = batch[0]
+        if all(isinstance(v, Tensor) for v in batch):
+            if first.dim() > 0 and all(v.dim() == first.dim() and v.dtype == first.dtype for v in batch) and len({v.shape[0] for v in batch}) > 1:
+                yield path, len(batch)
+                return
+        elif all(isinstance(v, Mapping) for v in batch) and all(v.keys() == first.keys() for v in batch):
+            yield path, len(batch)
+            return
+    if isinstance(batch, Mapping) or _is_record(batch):
+        for key, value in (batch.items() if isinstance(batch, Mapping) else _fields_of(batch).items()):
+            yield from _sample_lists(value, (*path, key))
+    elif isinstance(batch, (list, tuple)):
+        for i, value in enumerate(batch):
+            yield from _sample_lists(value, (*path, i))
 
 
 def _most_shared(sized: list[tuple[tuple, int]]) -> int:
@@ -137,7 +160,7 @@ class BatchSizer:
 
     def __call__(self, batch: Any) -> int | None:
         if self.paths:
-            present = {path: int(t.shape[0]) for path in self.paths if isinstance(t := _at(batch, path), Tensor) and t.dim() > 0}
+            present = {path: n for path in self.paths if (n := _length_at(batch, path)) is not None}
             sizes = set(present.values())
             if len(sizes) == 1:
                 return sizes.pop()
@@ -159,6 +182,14 @@ def loader_batch_size(dataloader: object) -> int | None:
     if size is None:
         size = getattr(getattr(dataloader, "batch_sampler", None), "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def _length_at(batch: Any, path: tuple) -> int | None:
+    """Dim 0 of the tensor at ``path``, or the length of the per-sample list there (:func:`_sample_lists`)."""
+    x = _at(batch, path)
+    if isinstance(x, Tensor):
+        return int(x.shape[0]) if x.dim() > 0 else None
+    return len(x) if isinstance(x, list) else None
 
 
 def _at(batch: Any, path: tuple) -> Any:

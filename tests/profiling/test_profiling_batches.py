@@ -285,3 +285,22 @@ def test_a_per_batch_constant_before_the_inputs_is_kept_and_the_samples_are_cut(
         assert torch.equal(w, weights) and x[:, 0].tolist() == list(range(m))
     (w, x), _ = next(_rebatch_pieces(loader, 4, loader_batch_size(loader)))
     assert torch.equal(w, weights) and x.shape == (4, 1)  # what training's micro-batch of 4 holds
+
+
+def test_a_batch_that_is_a_list_of_variable_length_sequences_is_cut_by_sequence() -> None:
+    """A collate that returns the samples as they are (a list of 4 sequences of lengths 5, 3, 5, 7): the lengths voted
+    on the batch size (5), so a "micro-batch of 2" was the 4 sequences cut to 2 tokens, and one of 8 was 4 sequences
+    glued out of several. Now the list's length is the batch size, in the profiler and in dp_ga's re-chunking."""
+    from torch.utils.data import DataLoader
+
+    from lightning_distplan.strategies.dp_ga import _rebatch
+
+    lengths = [5, 3, 5, 7, 2, 6, 5, 4]
+    loader = DataLoader([torch.arange(k) for k in lengths], batch_size=4, collate_fn=lambda items: items)
+    bank = SampleBank(loader)
+    assert bank.first_batch_size() == 4
+    for m in (2, 4, 8):
+        assert [len(seq) for seq in bank.micro_batch(m)] == lengths[:m]
+    assert [[len(seq) for seq in mb] for mb in _rebatch(loader, 3)] == [[5, 3, 5], [7, 2, 6], [5, 4]]
+    # a list of equally long rows is still the batch's structure: [x, y] as default_collate returns (x, y) samples
+    assert batch_size_of([torch.zeros(6, 2), torch.zeros(6, 2)]) == 6
