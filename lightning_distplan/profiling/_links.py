@@ -78,17 +78,20 @@ def measure_links(
     """
     import torch.distributed as dist
 
+    sizes = sorted({int(s) for s in sizes_bytes})
+    # The messages are float32 tensors of n // 4 values: a size that is no multiple of 4 was sent short and fitted
+    # as sent whole (6 and 7 bytes both one 4-byte value), which tilts the line the latency comes from.
+    if len(sizes) < 2 or sizes[0] < 4 or any(s % 4 for s in sizes) or repeats < 1:
+        raise ProfilingError(
+            f"measure_links needs >= 2 distinct sizes that are positive multiples of 4 bytes (float32 messages) and repeats >= 1 "
+            f"(got sizes {list(sizes_bytes)}, repeats {repeats}).",
+            hint="Use the defaults or e.g. sizes_bytes=(4096, 1 << 20, 1 << 22).",
+        )
     if not (dist.is_available() and dist.is_initialized()):
         return ()
     world = dist.get_world_size(group)
     if world < 2:
         return ()
-    sizes = sorted({int(s) for s in sizes_bytes})
-    if len(sizes) < 2 or sizes[0] < 4 or repeats < 1:
-        raise ProfilingError(
-            f"measure_links needs >= 2 distinct sizes of >= 4 bytes and repeats >= 1 (got sizes {list(sizes_bytes)}, repeats {repeats}).",
-            hint="Use the defaults or e.g. sizes_bytes=(4096, 1 << 20, 1 << 22).",
-        )
     dev = _device_for(group)
     backend = str(dist.get_backend(group))
     # zeros: a sum all-reduce keeps them zero however often it runs (ones would grow by W each time)

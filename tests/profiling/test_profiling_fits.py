@@ -43,3 +43,14 @@ def test_one_stalled_large_median_does_not_flatten_the_line_below_the_largest_me
     assert line.beta + line.alpha * sizes[-1] == pytest.approx(times[-1], rel=1e-9)  # the smallest-to-largest slope
     assert inv_bw == pytest.approx((times[-1] - times[0]) / (sizes[-1] - sizes[0]), rel=1e-9)
     assert latency == pytest.approx(times[0] - sizes[0] * inv_bw, rel=1e-9) and latency > 0
+
+
+@pytest.mark.parametrize("sizes", [(6, 4096), (4096, 4097), (4096,), (0, 4096)])
+def test_link_sizes_that_are_not_whole_float32_messages_are_refused_before_any_process_group(sizes):
+    """The messages are float32 tensors of n // 4 values, so 6 bytes went out as 4 and were fitted as 6. Refused on
+    every call, also where no process group exists (it returned () without looking at the sizes)."""
+    from lightning_distplan.profiling import ProfilingError, measure_links
+
+    with pytest.raises(ProfilingError, match=r"positive multiples of 4 bytes.*HINT"):
+        measure_links(sizes_bytes=sizes)
+    assert measure_links(sizes_bytes=(4096, 8192)) == ()  # valid sizes, not distributed: nothing to measure
