@@ -361,11 +361,33 @@ class _Profiler:
 
     def batch(self, m: int) -> Any:
         if m not in self._batch_cache:
-            batch = move_to(self.bank.micro_batch(m), self.device)
-            if self.precision_plugin is not None:  # as Lightning's training loop does (e.g. floats to bf16 for 'bf16-true')
-                batch = self.precision_plugin.convert_input(batch)
-            self._batch_cache = {m: batch}  # keep one on the device
+            self._batch_cache = {m: self.transfer(self.bank.micro_batch(m))}  # keep one on the device
         return self._batch_cache[m]
+
+    def transfer(self, batch: Any) -> Any:
+        """What Lightning's training loop makes of a loader batch before ``training_step`` (``training_epoch_loop``):
+        the precision plugin's ``convert_input`` (floats to bf16 for 'bf16-true'), then the module's (or, in a fit, the
+        datamodule's) ``on_before_batch_transfer``, ``transfer_batch_to_device`` and ``on_after_batch_transfer``. A
+        plain ``nn.Module``'s batch is only moved. Moved only, a module whose hook augments, normalises or resizes on
+        the device was timed on inputs its training never sees (uint8 images its hook turns into floats failed)."""
+        if self.precision_plugin is not None:
+            batch = self.precision_plugin.convert_input(batch)
+        before = getattr(self.module, "_on_before_batch_transfer", None)
+        handler = getattr(self.module, "_apply_batch_transfer_handler", None)
+        if not (callable(before) and callable(handler)):
+            return move_to(batch, self.device)
+        try:
+            return handler(before(batch, dataloader_idx=0), device=self.device, dataloader_idx=0)
+        except Exception as err:
+            if _is_oom(err):
+                raise
+            raise ProfilingError(
+                f"{self.name}'s batch transfer hooks (on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer), "
+                f"which the training loop runs on every batch, failed on a micro-batch of the loader with {type(err).__name__}: "
+                f"{first_line(err).rstrip('.')}.",
+                hint="Make them run outside a Trainer (guard uses of self.trainer with `self._trainer is not None`), or let the "
+                "fit profile: strategy='auto_plan' or PlanningCallback().",
+            ) from err
 
     def step_context(self) -> contextlib.AbstractContextManager[Any]:
         """What Lightning runs ``training_step`` in: the precision plugin's (autocast for '*-mixed')."""

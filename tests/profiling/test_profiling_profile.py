@@ -170,6 +170,40 @@ def test_a_pipeline_loss_that_is_not_a_scalar_leaves_the_model_data_parallel() -
     assert not profile.splittable and "the pipeline's loss is a tensor of shape (1, 4), not a scalar" in profile.split_reason
 
 
+def test_the_batch_transfer_hooks_run_on_every_micro_batch_as_in_the_training_loop() -> None:
+    """Lightning's loop runs on_before_batch_transfer, transfer_batch_to_device and on_after_batch_transfer before
+    training_step; the profiler only moved the batch, so a hook that turns uint8 images into floats (Lightning's
+    documented place for device-side preprocessing) failed profiling (and strategy='auto_plan') with a dtype error,
+    and one that resized or augmented was timed on inputs training never sees."""
+    seen: list[tuple[str, torch.dtype]] = []
+
+    class Uint8Inputs(MLP):
+        def on_before_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+            seen.append(("before", batch[0].dtype))
+            return batch
+
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+            seen.append(("after", batch[0].dtype))
+            return batch[0].float() / 255, batch[1]
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            seen.append(("step", batch[0].dtype))
+            return super().training_step(batch, batch_idx)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 256, (4, 8), dtype=torch.uint8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(4)]
+    profile = profile_module(Uint8Inputs(), data, micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False)
+    assert profile.micro_batch_sizes == (1, 2, 4)
+    assert set(seen) == {("before", torch.uint8), ("after", torch.uint8), ("step", torch.float32)}
+
+    class NeedsTrainer(MLP):
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+            return batch if self.trainer.training else None
+
+    with pytest.raises(ProfilingError, match=r"NeedsTrainer's batch transfer hooks .* failed .*not attached to a `Trainer`.*HINT: .*self\._trainer is not None"):
+        profile_module(NeedsTrainer(), data, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False)
+
+
 def test_cuda_request_without_gpu() -> None:
     from lightning_distplan.errors import DeviceUnavailableError
 
