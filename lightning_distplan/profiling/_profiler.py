@@ -97,11 +97,16 @@ def _reduce(value: float, op: str) -> float:
     """All ranks agree on ``value`` (max or min); identity when not distributed."""
     if _dist_group_size() <= 1:
         return value
+    return _reduce_all([value], op)[0]
+
+
+def _reduce_all(values: Sequence[float], op: str) -> list[float]:
+    """Element-wise max or min of ``values`` over all ranks, in one all-reduce (every rank calls it with as many)."""
     import torch.distributed as dist
 
     backend = str(dist.get_backend())
     dev = torch.device("cuda", torch.cuda.current_device()) if ("nccl" in backend and "gloo" not in backend) else torch.device("cpu")
-    t = torch.tensor([value], dtype=torch.float64, device=dev)
+    t = torch.tensor(list(values), dtype=torch.float64, device=dev)
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
     except RuntimeError as err:  # gloo's 'Connection closed by peer', a timeout, NCCL's abort: not this rank's training_step
@@ -110,7 +115,23 @@ def _reduce(value: float, op: str) -> float:
             f"{first_line(err)[:200].rstrip('.')}).",
             hint="Its own error is in its output (under torchrun, look for the first rank that failed); fix that one and re-run.",
         ) from err
-    return float(t.item())
+    return [float(x) for x in t.tolist()]
+
+
+def _agree_on_memory(record: RunRecord) -> None:
+    """Every rank takes, per layer, the most bytes any rank counted in this size's counting run (in place; identity when
+    not distributed). The ranks count their own samples, whose shapes may differ (a text batch padded to its own
+    longest sequence), and the profile global rank 0 plans with held its own counts only, so a plan that fits rank 0's
+    shorter samples could run out of memory on another rank."""
+    if _dist_group_size() <= 1:
+        return
+    fields = ("saved_bytes", "output_bytes", "output_saved_bytes", "output_saved_later_bytes")
+    values = [float(x) for name in fields for x in getattr(record, name)] + [float(record.total_saved_bytes)]
+    agreed = [int(x) for x in _reduce_all(values, "max")]
+    n = len(record.saved_bytes)
+    for i, name in enumerate(fields):
+        setattr(record, name, agreed[i * n : (i + 1) * n])
+    record.total_saved_bytes = agreed[-1]
 
 
 class SkippedBatchError(ProfilingError):
@@ -622,7 +643,8 @@ def profile_module(
     the optimizer step time and (on CUDA) the peak memory per m. A size that runs out of memory is
     recorded in ``infeasible_micro_batch_sizes``, not raised (all ranks agree when distributed).
     When ``torch.distributed`` is initialised with more than one rank, every rank must call this,
-    and the links are measured too.
+    and the links are measured too; the whole-step times are then the slowest rank's, and the bytes
+    saved for backward (and on CUDA the peaks) the largest any rank counted on its own samples.
 
     Profiling leaves no trace: weights, buffers, gradients, optimizer state, training flags, the
     module's device and all RNG streams are restored afterwards, even on error.
@@ -850,6 +872,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             f"The optimizer step of {prof.name} runs out of memory on {dev}.",
             hint="Use an optimizer with less state (SGD instead of Adam), or shard the optimizer state over devices.",
         ) from None
+    opt_peak = int(_reduce(opt_peak, "max"))
     prof.clear_grads()
     snapshot.restore(grads=False)  # undo the optimizer's weight updates; its state stays allocated
     opt_name = "+".join(type(o).__name__ for o in optimizers) or "none"
@@ -930,14 +953,16 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
                     queue = [max(1, min(done) // 2)]  # below the smallest: cheap and surely fits
                 continue
             f, bw = _reduce(f, "max"), _reduce(bw, "max")  # the slowest rank sets the pace
+            # and the rank that needs the most memory sets what fits (its samples may be longer): rank 0 plans for all
+            _agree_on_memory(c)
             done.append(m)
             step_samples.append(TimingSample(micro_batch_size=m, forward_s=f, backward_s=bw))
             counted[m], timed[m] = c, t
             if count_flops:
                 flop_records[m] = c
             if prof.cuda:
-                peaks[m] = max(peak, opt_peak)
-                working[m] = peak - resident
+                peaks[m] = int(_reduce(max(peak, opt_peak), "max"))
+                working[m] = int(_reduce(peak - resident, "max"))
             prof.say(f"micro-batch {m}: forward {f * 1e3:.1f} ms, backward {bw * 1e3:.1f} ms" + (f", peak {peaks[m] / 2**20:.0f} MiB" if prof.cuda else ""))
             if not explicit:
                 queue = _next_sizes(queue, done, infeasible, skipped + unprofiled, step_s=_reduce(f + bw, "max"), m=m, say=prof.say)

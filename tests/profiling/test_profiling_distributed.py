@@ -31,7 +31,7 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-SCENARIOS = ("slot", "links", "collective", "refused", "fails")  # in the order they run
+SCENARIOS = ("slot", "links", "collective", "refused", "memory", "fails")  # in the order they run
 
 
 def _free_ports(n: int) -> list[int]:
@@ -54,7 +54,8 @@ def _all_scenarios(rank: int, world: int, ports: list[int], out_dir: str) -> Non
         _worker(rank, 2, ports[1], dirs["links"])
         _profile_case(rank, 2, ports[2], dirs["collective"], "collective")
         _profile_case(rank, 2, ports[3], dirs["refused"], "refused")
-        _one_rank_fails(rank, 2, ports[4], dirs["fails"])  # last: rank 1 leaves its group on purpose
+        _profile_case(rank, 2, ports[4], dirs["memory"], "memory")
+        _one_rank_fails(rank, 2, ports[5], dirs["fails"])  # last: rank 1 leaves its group on purpose
     _exit_now()
 
 
@@ -208,7 +209,7 @@ def _profile_case(rank: int, world: int, port: int, out_dir: str, case: str) -> 
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        module, data, options, summary = {"collective": _collective_case, "refused": _refused_case}[case](rank)
+        module, data, options, summary = {"collective": _collective_case, "refused": _refused_case, "memory": _memory_case}[case](rank)
         try:
             said = summary(profile_module(module, data, measure_links=False, loop_overhead=False, **options))
         except Exception as err:  # noqa: BLE001 - the test reads what each rank got
@@ -304,3 +305,44 @@ def test_a_size_one_rank_refuses_is_left_out_on_every_rank(_scenarios: Callable[
     said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("error" not in s for s in said), said
     assert said[0] == said[1] == {"sizes": [4, 16, 32], "rejected": [2, 8]}, said
+
+
+def _memory_case(rank: int):
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    class Sequences(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    length = 2 if rank == 0 else 8  # each rank's own samples: rank 1's sequences are 4x as long
+    data = [(torch.randn(4, length, 4),) for _ in range(4)]
+
+    def summary(profile):
+        return {} if profile is None else {
+            "activation": profile.memory.activation.alpha,
+            "layers": [(layer.name, layer.activation_bytes_per_sample, layer.output_bytes_per_sample) for layer in profile.layers],
+        }
+
+    return Sequences(), data, {"micro_batch_sizes": [2, 4, 8], "repeats": 1, "min_timed_s": 0}, summary
+
+
+def test_every_rank_plans_with_the_memory_of_the_rank_that_needs_the_most(_scenarios: Callable[[str], Path]) -> None:
+    """Each rank counted the bytes saved for backward on its own samples, and global rank 0 plans with its profile: with
+    rank 1's sequences 4x as long, the plan was judged on a quarter of rank 1's activations. Now every rank's profile
+    holds, per layer, the most any rank counted (on CUDA the highest measured peak too)."""
+    tmp_path = _scenarios("memory")
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all("error" not in s for s in said), said
+    assert said[0] == said[1], said
+    # rank 1's own counts (length 8): Linear(4, 16) saves its input, 8 x 4 float32 per sample; ReLU its output, 8 x 16
+    assert [tuple(layer) for layer in said[0]["layers"]] == [("net.0", 128.0, 512.0), ("net.1", 512.0, 512.0), ("net.2", 32.0, 32.0)]
+    assert said[0]["activation"] == pytest.approx(672.0)
