@@ -862,16 +862,21 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             )
         queue = [m for m in queue if m < m0] or [max(1, m0 // 2)]
         m0 = queue[0]
+    opt_oom = False
     try:
         opt_time, opt_state, opt_peak = prof.optimizer_phase(optimizers, m0)
     except Exception as err:
         if not _is_oom(err):
             raise
         prof.after_oom()
+        opt_oom = True
+    # every rank raises, not the one that ran out alone: the others went on into the main loop's collectives and
+    # failed there with "Another process of this run failed or left", not knowing what the run lacks
+    if _reduce(float(opt_oom), "max"):
         raise InfeasiblePlanError(
-            f"The optimizer step of {prof.name} runs out of memory on {dev}.",
+            f"The optimizer step of {prof.name} runs out of memory on {dev}{'' if opt_oom else ' of another rank'}.",
             hint="Use an optimizer with less state (SGD instead of Adam), or shard the optimizer state over devices.",
-        ) from None
+        )
     opt_peak = int(_reduce(opt_peak, "max"))
     prof.clear_grads()
     snapshot.restore(grads=False)  # undo the optimizer's weight updates; its state stays allocated

@@ -31,7 +31,7 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-SCENARIOS = ("slot", "links", "collective", "refused", "memory", "fails")  # in the order they run
+SCENARIOS = ("slot", "links", "collective", "refused", "memory", "optimizer", "fails")  # in the order they run
 
 
 def _free_ports(n: int) -> list[int]:
@@ -55,7 +55,8 @@ def _all_scenarios(rank: int, world: int, ports: list[int], out_dir: str) -> Non
         _profile_case(rank, 2, ports[2], dirs["collective"], "collective")
         _profile_case(rank, 2, ports[3], dirs["refused"], "refused")
         _profile_case(rank, 2, ports[4], dirs["memory"], "memory")
-        _one_rank_fails(rank, 2, ports[5], dirs["fails"])  # last: rank 1 leaves its group on purpose
+        _profile_case(rank, 2, ports[5], dirs["optimizer"], "optimizer")
+        _one_rank_fails(rank, 2, ports[6], dirs["fails"])  # last: rank 1 leaves its group on purpose
     _exit_now()
 
 
@@ -209,7 +210,8 @@ def _profile_case(rank: int, world: int, port: int, out_dir: str, case: str) -> 
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        module, data, options, summary = {"collective": _collective_case, "refused": _refused_case, "memory": _memory_case}[case](rank)
+        module, data, options, summary = {"collective": _collective_case, "refused": _refused_case, "memory": _memory_case,
+                                          "optimizer": _optimizer_case}[case](rank)
         try:
             said = summary(profile_module(module, data, measure_links=False, loop_overhead=False, **options))
         except Exception as err:  # noqa: BLE001 - the test reads what each rank got
@@ -346,3 +348,40 @@ def test_every_rank_plans_with_the_memory_of_the_rank_that_needs_the_most(_scena
     # rank 1's own counts (length 8): Linear(4, 16) saves its input, 8 x 4 float32 per sample; ReLU its output, 8 x 16
     assert [tuple(layer) for layer in said[0]["layers"]] == [("net.0", 128.0, 512.0), ("net.1", 512.0, 512.0), ("net.2", 32.0, 32.0)]
     assert said[0]["activation"] == pytest.approx(672.0)
+
+
+def _optimizer_case(rank: int):
+    import torch.nn.functional as F
+    from lightning.pytorch import LightningModule
+    from torch import nn
+
+    class OutOfMemoryOnRank1(torch.optim.SGD):
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            if rank == 1:  # the allocator's error, as OOMAbove raises it in a forward
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 64 bytes.")
+            return super().step(closure)
+
+    class Module(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return OutOfMemoryOnRank1(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(4)]
+    return Module(), data, {"micro_batch_sizes": [2, 4], "repeats": 1, "min_timed_s": 0}, lambda profile: {}
+
+
+def test_an_optimizer_step_out_of_memory_on_one_rank_is_infeasible_on_every_rank(_scenarios: Callable[[str], Path]) -> None:
+    """The rank whose optimizer step ran out of memory raised InfeasiblePlanError alone; the other went on into the
+    profiler's next collective and failed there, blaming "another process". Every rank now says what the run lacks."""
+    tmp_path = _scenarios("optimizer")
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert said[1]["error"].startswith("InfeasiblePlanError: The optimizer step of Module runs out of memory on cpu."), said
+    assert said[0]["error"].startswith("InfeasiblePlanError: The optimizer step of Module runs out of memory on cpu of another rank."), said
+    assert all("HINT: Use an optimizer with less state" in s["error"] for s in said), said
