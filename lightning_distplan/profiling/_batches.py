@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence, pack_sequence, unpack_sequence
 
 from lightning_distplan.errors import BatchFormatError, InfeasiblePlanError
 from lightning_distplan.profiling._errors import DataLoadingError, ProfilingError
@@ -92,11 +93,33 @@ def _tensors_with_paths(batch: Any, path: tuple, in_list: bool) -> Iterator[tupl
             yield from _tensors_with_paths(value, (*path, i), in_list or isinstance(batch, list))
 
 
+def _packed_size(x: PackedSequence) -> int:
+    """Sequences in a ``PackedSequence``: its first time step holds one element of every sequence."""
+    return int(x.batch_sizes[0]) if x.batch_sizes.numel() else 0
+
+
+def _sized_leaves(batch: Any, path: tuple, in_list: bool) -> Iterator[tuple[tuple, bool, int]]:
+    """``(path, inside a list?, samples)`` of every tensor that is not 0-d (its dim 0) and every ``PackedSequence`` (its
+    sequences: its own tensors' first dimensions are the tokens of all of them, the steps, and two index vectors)."""
+    if isinstance(batch, PackedSequence):
+        yield path, in_list, _packed_size(batch)
+    elif isinstance(batch, Tensor):
+        if batch.dim() > 0:
+            yield path, in_list, int(batch.shape[0])
+    elif isinstance(batch, Mapping) or _is_record(batch):
+        for key, value in (batch.items() if isinstance(batch, Mapping) else _fields_of(batch).items()):
+            yield from _sized_leaves(value, (*path, key), in_list)
+    elif isinstance(batch, (list, tuple)):
+        for i, value in enumerate(batch):
+            yield from _sized_leaves(value, (*path, i), in_list or isinstance(batch, list))
+
+
 def _sized(batch: Any) -> list[tuple[tuple, int]]:
     """``(path, dim 0)`` of the tensors that vote on the batch size: the (not 0-d) ones outside lists (a list holds
-    per-sample records, a detection target's boxes say, with first dimensions of their own). When every tensor is in a
-    list, ``(path, length)`` of the lists that hold one record per sample (:func:`_sample_lists`), else every tensor."""
-    found = [(path, in_list, int(t.shape[0])) for path, in_list, t in _tensors_with_paths(batch, (), False) if t.dim() > 0]
+    per-sample records, a detection target's boxes say, with first dimensions of their own), a ``PackedSequence`` with
+    its number of sequences. When every tensor is in a list, ``(path, length)`` of the lists that hold one record per
+    sample (:func:`_sample_lists`), else every tensor."""
+    found = list(_sized_leaves(batch, (), False))
     outside = [(path, n) for path, in_list, n in found if not in_list]
     return outside or list(_sample_lists(batch, ())) or [(path, n) for path, _, n in found]
 
@@ -106,6 +129,8 @@ def _sample_lists(batch: Any, path: tuple) -> Iterator[tuple[tuple, int]]:
     rank and dtype whose first dimensions differ (variable-length sequences a collate left unpadded), or mappings
     with the same keys. Their tensors' own first dimensions are lengths, not the batch size: a list of 4 sequences of
     lengths 5, 3, 5, 7 was read as a batch of 5, its sequences cut to the micro-batch size and glued together."""
+    if isinstance(batch, PackedSequence):
+        return
     if isinstance(batch, list) and batch:
         first = batch[0]
         if all(isinstance(v, Tensor) for v in batch):
@@ -187,6 +212,8 @@ def loader_batch_size(dataloader: object) -> int | None:
 def _length_at(batch: Any, path: tuple) -> int | None:
     """Dim 0 of the tensor at ``path``, or the length of the per-sample list there (:func:`_sample_lists`)."""
     x = _at(batch, path)
+    if isinstance(x, PackedSequence):
+        return _packed_size(x)
     if isinstance(x, Tensor):
         return int(x.shape[0]) if x.dim() > 0 else None
     return len(x) if isinstance(x, list) else None
@@ -223,6 +250,8 @@ def _rebuild_dict(like: Mapping, items: dict) -> Any:
 
 def _carries(x: Any, n: int) -> bool:
     """Whether ``x`` holds per-sample data of a batch of ``n``: a tensor with ``n`` rows, or a container with one."""
+    if isinstance(x, PackedSequence):
+        return _packed_size(x) == n
     if isinstance(x, Tensor):
         return x.dim() > 0 and x.shape[0] == n
     if isinstance(x, Mapping):
@@ -266,6 +295,8 @@ def _rebuild_seq(like: list | tuple, items: list[Any]) -> Any:
 
 def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
     """Samples ``start:stop`` of a batch of ``n``: tensors with ``n`` rows and per-sample lists are cut, the rest kept."""
+    if isinstance(batch, PackedSequence):  # a namedtuple of tensors that are not per sample: cut its sequences
+        return pack_sequence(unpack_sequence(batch)[start:stop], enforce_sorted=False) if _packed_size(batch) == n else batch
     if isinstance(batch, Tensor):
         return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == n else batch
     if isinstance(batch, Mapping):  # dict, OrderedDict, transformers' BatchEncoding (a UserDict)
@@ -284,6 +315,10 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
     first, n = pieces[0], sizes[0]
     if len(pieces) == 1:
         return first
+    if isinstance(first, PackedSequence):
+        if _packed_size(first) != n:
+            return first
+        return pack_sequence([seq for p in pieces for seq in unpack_sequence(p)], enforce_sorted=False)
     if isinstance(first, Tensor):
         if not (first.dim() > 0 and first.shape[0] == n):
             return first
@@ -309,7 +344,7 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
 
 def move_to(batch: Any, device: torch.device) -> Any:
     """Copy every tensor of ``batch`` to ``device`` (structure kept)."""
-    if isinstance(batch, Tensor):
+    if isinstance(batch, (Tensor, PackedSequence)):  # a PackedSequence keeps its batch_sizes on the CPU, as torch requires
         return batch.to(device, non_blocking=False)
     if isinstance(batch, Mapping):
         return _rebuild_dict(batch, {k: move_to(v, device) for k, v in batch.items()})

@@ -304,3 +304,26 @@ def test_a_batch_that_is_a_list_of_variable_length_sequences_is_cut_by_sequence(
     assert [[len(seq) for seq in mb] for mb in _rebatch(loader, 3)] == [[5, 3, 5], [7, 2, 6], [5, 4]]
     # a list of equally long rows is still the batch's structure: [x, y] as default_collate returns (x, y) samples
     assert batch_size_of([torch.zeros(6, 2), torch.zeros(6, 2)]) == 6
+
+
+def test_packed_sequences_are_cut_and_joined_by_sequence() -> None:
+    """A collate that packs its variable-length sequences (pack_sequence): the PackedSequence was a namedtuple of
+    tensors whose first dimensions are no batch size, so a "micro-batch of 2" kept all 4 sequences' data with 2 of
+    its indices, and one of 8 the first batch's data with 8 indices: a GRU ran on 4 sequences either way."""
+    from torch.nn.utils.rnn import PackedSequence, pack_sequence, unpack_sequence
+    from torch.utils.data import DataLoader
+
+    from lightning_distplan.strategies.dp_ga import _rebatch
+
+    lengths = [5, 3, 6, 2, 4, 4, 3, 5]
+    seqs = [torch.full((k, 3), float(i)) for i, k in enumerate(lengths)]
+    loader = DataLoader(seqs, batch_size=4, collate_fn=lambda items: (pack_sequence(items, enforce_sorted=False), torch.tensor([s[0, 0] for s in items])))
+    bank = SampleBank(loader)
+    assert bank.first_batch_size() == 4
+    for m in (2, 4, 8):
+        packed, y = bank.micro_batch(m)
+        assert isinstance(packed, PackedSequence) and packed.data.shape[0] == sum(lengths[:m])
+        assert [int(s[0, 0]) for s in unpack_sequence(packed)] == y.long().tolist() == list(range(m))  # each with its label
+    assert [sum(len(s) for s in unpack_sequence(mb[0])) for mb in _rebatch(loader, 3)] == [14, 10, 8]
+    moved = move_to(bank.micro_batch(2), torch.device("cpu"))[0]
+    assert isinstance(moved, PackedSequence) and moved.batch_sizes.device.type == "cpu"
