@@ -253,6 +253,9 @@ def match_gpu_name(name: str) -> str | None:
     # Device strings carry extra words ("NVIDIA A100-SXM4-80GB"): take the longest known name made of whole
     # consecutive words of it. Whole words: "L40" is not an L4, nor "GH200" an H200.
     words = [w for w in re.split(r"[^A-Z0-9]+", name.upper()) if w and w != "NVIDIA"]
+    if "MIG" in words:
+        # A MIG slice ("NVIDIA A100-SXM4-40GB MIG 1g.5gb") has a fraction of the GPU's SMs and bandwidth: no row is its.
+        return None
     runs = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
     known = {**_ALIASES, **{_key(c): c for c in GPUS}}
     hits = [run for run in runs if run in known]
@@ -304,6 +307,12 @@ def source_spec(profile: Profile) -> tuple[GpuSpec, str]:
     """
     device = profile.device
     if device.type == "cuda":
+        if match_gpu_name(device.name) is None and re.search(r"\bMIG\b", device.name.upper()):
+            raise CatalogError(
+                f"The profile was measured on {device.name!r}, a MIG slice, whose share of the GPU's compute and memory "
+                "bandwidth the spec table does not hold, so its times cannot be scaled to the catalog's GPUs.",
+                hint="Profile on a whole GPU (MIG disabled) or on the CPU (distplan profile --device cpu).",
+            )
         if match_gpu_name(device.name) is None:
             raise CatalogError(
                 f"The profile was measured on {device.name!r}, a GPU the spec table does not know, so its times cannot be "

@@ -298,3 +298,12 @@ def test_a_projected_step_never_gets_cheaper_with_more_samples() -> None:
         step_ms[name] = projected.step.time(256) * 1e3
     # the A100 (3.4x the A10's memory bandwidth, 0.6x its fp32 peak) is not slower at a large micro-batch
     assert step_ms["A100-80GB"] < step_ms["A10"] < step_ms["T4"]
+
+
+def test_a_mig_slice_matches_no_row_and_its_profile_is_not_scaled_as_the_whole_gpu():
+    # torch names a MIG instance after its GPU with the slice appended; the whole GPU's row would overstate its peaks.
+    for name in ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", "NVIDIA A100-SXM4-40GB MIG 3g.20gb"):
+        assert match_gpu_name(name) is None, name
+    profile = make_profile(device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    with pytest.raises(CatalogError, match=r"a MIG slice.*HINT: Profile on a whole GPU"):
+        source_spec(profile)
