@@ -6,8 +6,8 @@ README's accuracy table is made from: running one again regenerates that evidenc
 written, or an existing file that is not a result of these scripts (:func:`is_result`), with one line and a HINT (not a traceback
 after minutes of measuring), and when no ``--out`` was given and the default file exists it says,
 before the run, that the run will replace it and how to keep it. :func:`write_result` replaces the
-file atomically, so a run stopped while writing never leaves half a result. :func:`read_sweep` reads a CPU
-cluster sweep's result for the scripts that replay or summarise one, and refuses any other file in one line.
+file atomically (recording the code's versions and git commit), so a run stopped while writing never leaves half a
+result. :func:`read_sweep` reads a CPU cluster sweep's result for the scripts that replay or summarise one, and refuses any other file in one line.
 
 It imports ``lightning_distplan`` (torch, lightning) only where it writes, so a script that only reads stays light.
 """
@@ -116,10 +116,15 @@ def figure_path(out: str | Path, *, script: str, option: str) -> Path:
 
 
 def write_result(path: str | Path, doc: dict, *, indent: int = 1) -> Path:
-    """``doc`` as JSON to ``path`` through a temporary file and a rename (never half written)."""
-    from lightning_distplan._files import write_text_atomic
+    """``doc`` as JSON to ``path`` through a temporary file and a rename (never half written), with the code that made
+    it under ``"code"`` (:func:`~lightning_distplan._provenance.code_provenance`: package versions, transformers' when
+    installed, and the git commit when the package runs from a checkout, with its uncommitted changes named).
 
-    return write_text_atomic(path, json.dumps(doc, indent=indent) + "\n")
+    ``doc`` itself is not changed. Result files written before 2026-11-29 have no ``"code"``; readers must not need it."""
+    from lightning_distplan._files import write_text_atomic
+    from lightning_distplan._provenance import code_provenance
+
+    return write_text_atomic(path, json.dumps({**doc, "code": code_provenance()}, indent=indent) + "\n")
 
 
 def read_sweep(path: str | Path, *, script: str) -> dict:

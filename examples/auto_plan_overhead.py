@@ -31,6 +31,7 @@ from lightning.pytorch.demos.transformer import LightningTransformer, Transforme
 import lightning_distplan  # noqa: F401  (registers "auto_plan")
 from lightning_distplan.callbacks import StepTimeMonitor
 from lightning_distplan._files import check_output_path, write_text_atomic
+from lightning_distplan._provenance import code_provenance
 from lightning_distplan.demos import RandomTokenData
 from lightning_distplan.errors import OutputPathError
 
@@ -133,7 +134,7 @@ def _record(path: Path, run: dict, args: argparse.Namespace, load_start: tuple[f
         "load_average_start": load_start,
         "load_average_end": os.getloadavg(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "lightning": L.__version__},
+        **code_provenance(),  # versions (transformers' when installed) and, from a git checkout, its commit
         "config": {k: getattr(args, k) for k in ("devices", "samples", "batch_size", "vocab", "block", "width", "layers")},
     })
     write_text_atomic(path, json.dumps(doc, indent=1))

@@ -8,7 +8,6 @@ import math
 import os
 import platform
 import socket
-import sys
 import time
 import warnings
 from datetime import datetime, timezone
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_distplan.bench._compare import WITHIN, confirm_candidates, first_profile_view, predict_ranked, relative_error, summarize
 from lightning_distplan.bench._runner import combine_passes, combine_ranks, measure_plan, memory_metric
+from lightning_distplan._provenance import code_provenance
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
 if TYPE_CHECKING:
@@ -231,19 +231,6 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _versions() -> dict[str, str]:
-    import lightning
-
-    import lightning_distplan
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "lightning_distplan": getattr(lightning_distplan, "__version__", "unknown"),
-    }
-
-
 def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoader, m: int, device: torch.device,
                  precision: Any = None) -> float:
     """Mean forward + backward seconds of one training step at micro-batch ``m``, timed as the profiler times it."""
@@ -385,7 +372,9 @@ def run_bench(
         ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
         micro-batch timed again, slowest rank: its ratio to the profile's fit there shows roughly,
         to about ±10% on a noisy CPU, how far the host's speed drifted while the plans ran),
-        ``provenance``; ``stopped``: None, or why the runs stopped early (a plan's run that not every
+        ``provenance`` (date, host, the command, ``versions`` of Python, torch, lightning, this package and, when
+        installed, transformers and torchvision, and ``git``: the commit the package ran from, with ``dirty`` and the
+        ``changed`` paths, absent when it runs from no git checkout); ``stopped``: None, or why the runs stopped early (a plan's run that not every
         rank finished within ``rank_timeout_s`` of the others: that plan is recorded as failed, the
         plans after it are not run, and the process group is gone). Identical on every rank unless stopped.
 
@@ -655,7 +644,8 @@ def run_bench(
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "precision": precision,
-            "versions": _versions(),
+            # versions (transformers' when installed) and, from a git checkout, the commit and its uncommitted changes
+            **code_provenance(),
             "wall_s": time.perf_counter() - started,
             **(meta or {}),
         },

@@ -67,6 +67,10 @@ def _check(result: dict, world_size: int) -> None:
     assert s["measured_best"]["rank"] == best["rank"]
     assert result["memory_metric"] == "cpu_rss_high_water_growth"
     assert result["provenance"]["command"].startswith("distplan bench")
+    # the code that ran: versions (transformers' when installed) and, from a git checkout, its commit
+    from lightning_distplan._provenance import git_state, versions
+
+    assert result["provenance"]["versions"] == versions() and result["provenance"].get("git") == git_state()
     # after every pass the profiled step is timed again and compared with its profiled time
     checks = result["host_checks"]
     assert [c["after_pass"] for c in checks] == list(range(1, result["passes"] + 1))

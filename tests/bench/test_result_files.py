@@ -34,7 +34,8 @@ def test_the_default_result_is_named_before_it_is_replaced(tmp_path: Path, capsy
     assert result_path(None, default, script="bench") == default  # nothing to replace: nothing said
     assert capsys.readouterr().err == ""
     write_result(default, {"benchmark": "bench"})
-    assert json.loads(default.read_text()) == {"benchmark": "bench"} and [p.name for p in tmp_path.iterdir()] == ["result.json"]
+    written = json.loads(default.read_text())  # with the code that wrote it (tests/test_provenance.py)
+    assert written.pop("code")["versions"] and written == {"benchmark": "bench"} and [p.name for p in tmp_path.iterdir()] == ["result.json"]
     result_path(None, default, script="bench")
     assert f"bench: this run replaces the result file {default} when it ends; pass --out FILE to keep it." in capsys.readouterr().err
     result_path(tmp_path / "mine.json", default, script="bench")  # a file of the user's choosing: nothing to say
