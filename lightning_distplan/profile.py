@@ -63,6 +63,7 @@ __all__ = [
     "Profile",
     "pool_profiles",
     "poolable",
+    "unpoolable_reason",
 ]
 
 PROFILE_SCHEMA_VERSION = 1
@@ -641,14 +642,35 @@ def _pool_link(links: Sequence[LinkProfile]) -> LinkProfile:
     )
 
 
+def _norm_dtype(dtype: str) -> str:
+    return str(dtype).replace("torch.", "").lower()
+
+
+def unpoolable_reason(a: Profile, b: Profile) -> str | None:
+    """Why :func:`pool_profiles` cannot average ``a`` and ``b`` (a clause quoting both values), or None when it can."""
+    da, db = a.device, b.device
+    if (da.type, da.name) != (db.type, db.name):
+        return f"they were measured on different devices ({db.type} {db.name!r} vs {da.type} {da.name!r})"
+    if _norm_dtype(da.dtype) != _norm_dtype(db.dtype):
+        return f"they were measured in different precisions ({db.dtype} vs {da.dtype})"
+    if (da.tf32_matmul, da.tf32_conv) != (db.tf32_matmul, db.tf32_conv):
+        return (f"they were measured with different TF32 settings (matmul {db.tf32_matmul}, conv {db.tf32_conv} vs "
+                f"matmul {da.tf32_matmul}, conv {da.tf32_conv})")
+    if a.model != b.model:
+        return f"they are of different models ({b.model!r} vs {a.model!r})"
+    if [layer.name for layer in a.layers] != [layer.name for layer in b.layers]:
+        return f"they have different layers ({len(b.layers)} vs {len(a.layers)})"
+    if a.micro_batch_sizes != b.micro_batch_sizes:
+        return f"they timed different micro-batch sizes ({list(b.micro_batch_sizes)} vs {list(a.micro_batch_sizes)})"
+    if sorted((link.kind, link.world_size) for link in a.links) != sorted((link.kind, link.world_size) for link in b.links):
+        return "they measured different links"
+    return None
+
+
 def poolable(a: Profile, b: Profile) -> bool:
-    """Whether two profiles measured the same things (model, layers, micro-batch sizes, links), so :func:`pool_profiles` can average them."""
-    return (
-        a.model == b.model
-        and [layer.name for layer in a.layers] == [layer.name for layer in b.layers]
-        and a.micro_batch_sizes == b.micro_batch_sizes
-        and sorted((link.kind, link.world_size) for link in a.links) == sorted((link.kind, link.world_size) for link in b.links)
-    )
+    """Whether two profiles measured the same things (device, precision, model, layers, micro-batch sizes, links), so
+    :func:`pool_profiles` can average them (:func:`unpoolable_reason` says why not)."""
+    return unpoolable_reason(a, b) is None
 
 
 def pool_profiles(profiles: Sequence[Profile]) -> Profile:
@@ -663,18 +685,20 @@ def pool_profiles(profiles: Sequence[Profile]) -> Profile:
     moment it was taken (``distplan bench`` profiles again after each pass for this).
 
     Raises:
-        ValueError: no profiles, or profiles of different models, layers, sizes or links.
+        ValueError: no profiles, or profiles of different devices, precisions (dtype or TF32 settings), models,
+            layers, sizes or links: a GPU's timings averaged with a CPU's, or bf16 with fp32, predict neither.
     """
     if not profiles:
-        raise ValueError("pool_profiles needs at least one profile.")
+        raise ValueError("pool_profiles needs at least one profile. HINT: pass the profiles to average, e.g. pool_profiles([first, second]).")
     first = profiles[0]
     if len(profiles) == 1:
         return first
-    for other in profiles[1:]:
-        if not poolable(first, other):
+    for i, other in enumerate(profiles[1:], 1):
+        reason = unpoolable_reason(first, other)
+        if reason is not None:
             raise ValueError(
-                f"pool_profiles got profiles that differ in model, layers, micro-batch sizes or links ({other.model!r} vs {first.model!r}); "
-                "only profiles of the same model taken the same way can be pooled."
+                f"pool_profiles cannot average profile {i} with profile 0: {reason}. HINT: pool only profiles of the same model "
+                "taken the same way (same device, precision, sizes and links); plan with each profile on its own otherwise."
             )
     layers = tuple(
         replace(

@@ -68,6 +68,29 @@ def test_pooling_different_models_or_nothing_is_refused() -> None:
     assert poolable(_profile(1.0), _profile(1.6)) and not poolable(_profile(1.0), _profile(1.0, n_layers=3))
 
 
+def test_profiles_of_other_devices_or_precisions_are_not_pooled() -> None:
+    """pool_profiles averaged a CUDA profile's timings with a CPU one's, or bf16's with fp32's, into a profile that
+    predicts neither: the device, the dtype and the TF32 switches must match too."""
+    base = _profile(1.0)
+    cuda = replace(base, device=replace(base.device, type="cuda", name="NVIDIA H100 80GB HBM3"))
+    cpu = replace(base, device=replace(base.device, type="cpu", name="cpu"))
+    bf16 = replace(cuda, device=replace(cuda.device, dtype="bf16-mixed"))
+    tf32 = replace(cuda, device=replace(cuda.device, tf32_matmul=True))
+    other_gpu = replace(cuda, device=replace(cuda.device, name="NVIDIA A100-SXM4-80GB"))
+    for a, b, why in (
+        (cuda, cpu, r"on different devices \(cpu 'cpu' vs cuda 'NVIDIA H100 80GB HBM3'\)"),
+        (cuda, other_gpu, r"on different devices \(cuda 'NVIDIA A100-SXM4-80GB' vs cuda 'NVIDIA H100 80GB HBM3'\)"),
+        (cuda, bf16, r"in different precisions \(bf16-mixed vs float32\)"),
+        (cuda, tf32, r"with different TF32 settings \(matmul True, conv None vs matmul None, conv None\)"),
+    ):
+        assert not poolable(a, b) and not poolable(b, a)
+        with pytest.raises(ValueError, match=rf"^pool_profiles cannot average profile 1 with profile 0: they were measured {why}\. HINT: [^\n]+$"):
+            pool_profiles([a, b])
+    # the same device and math, however the dtype was spelled, still pools
+    spelled = replace(cuda, device=replace(cuda.device, dtype="torch.float32"))
+    assert poolable(cuda, spelled) and pool_profiles([cuda, spelled]).device == cuda.device
+
+
 def test_step_time_lines_stay_positive_where_they_were_measured() -> None:
     """A slow small size on a noisy host tilted the least-squares backward line below zero at the largest size, and the
     profile was then refused as corrupt when read back (bench's own, auto_plan's profile.json); the line through the
