@@ -169,6 +169,9 @@ GPUS: dict[str, GpuSpec] = {
     "V100-32GB": _row("V100-32GB", 125, 15.7, None, 900, 32, 150, "NVIDIA V100 datasheet (SXM2 32 GB)", bf16=False),
     # source: NVIDIA V100 datasheet, PCIe (112 FP16 tensor, 14 FP32, 900 GB/s, 16 GB, PCIe Gen3 x16); no BF16, no TF32.
     "V100-PCIe": _row("V100-PCIe", 112, 14, None, 900, 16, 16, "NVIDIA V100 datasheet (PCIe 16 GB)", bf16=False),
+    # source: NVIDIA V100 datasheet, PCIe 32 GB (the PCIe 16 GB part's peaks: 112 FP16 tensor, 14 FP32, 900 GB/s; 32 GB, PCIe Gen3
+    # x16); torch names it "Tesla V100-PCIE-32GB". No BF16, no TF32.
+    "V100-PCIe-32GB": _row("V100-PCIe-32GB", 112, 14, None, 900, 32, 16, "NVIDIA V100 datasheet (PCIe 32 GB)", bf16=False),
     # source: NVIDIA A100 datasheet, 40 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 1,555 GB/s, NVLink 600 GB/s total).
     "A100-40GB": _row("A100-40GB", 312, 19.5, 156, 1555, 40, 300, "NVIDIA A100 datasheet (40 GB SXM)"),
     # source: NVIDIA A100 datasheet, 80 GB SXM (312 BF16 dense, 156 TF32 dense, 19.5 FP32, 2,039 GB/s, NVLink 600 GB/s total).
@@ -224,6 +227,10 @@ _ALIASES: dict[str, str] = {
     "V100SXM232GB": "V100-32GB",
     "TESLAV100SXM232GB": "V100-32GB",
     "V100PCIE": "V100-PCIe",
+    "V100PCIE16GB": "V100-PCIe",
+    "TESLAV100PCIE16GB": "V100-PCIe",
+    "V100PCIE32GB": "V100-PCIe-32GB",
+    "TESLAV100PCIE32GB": "V100-PCIe-32GB",
     "TESLAT4": "T4",
     "T4": "T4",
     "L4": "L4",

@@ -35,10 +35,16 @@ def test_gpu_names_match_catalog_and_torch_spellings():
     assert GPUS["A100-PCIe-80GB"].interconnect_bytes_per_s < GPUS["A100-80GB"].interconnect_bytes_per_s
     assert match_gpu_name("NVIDIA H200 NVL") == "H200-NVL" and match_gpu_name("Tesla V100-PCIE-16GB") == "V100-PCIe"
     # Whole words only, and a memory size the row does not have is another part: refused, not taken for a neighbour.
-    for other in ("NVIDIA L40", "L40", "GH200", "NVIDIA GH200 480GB", "Tesla V100-PCIE-32GB"):
+    for other in ("NVIDIA L40", "L40", "GH200", "NVIDIA GH200 480GB", "Tesla V100-PCIE-64GB"):
         assert match_gpu_name(other) is None, other
     # the 32 GB V100 (SkyPilot's "V100-32GB", AWS p3dn) has a row of its own, not the 16 GB one
     assert match_gpu_name("V100-32GB") == match_gpu_name("Tesla V100-SXM2-32GB") == "V100-32GB"
+    # and so has the 32 GB PCIe V100, as torch names it: it was unknown, and a profile taken on one could not be projected
+    assert match_gpu_name("Tesla V100-PCIE-32GB") == match_gpu_name("V100-PCIe-32GB") == "V100-PCIe-32GB"
+    pcie, pcie32 = GPUS["V100-PCIe"], GPUS["V100-PCIe-32GB"]
+    assert (pcie32.tensor_flops, pcie32.fp32_flops, pcie32.memory_bandwidth_bytes_per_s, pcie32.interconnect_bytes_per_s) == (
+        pcie.tensor_flops, pcie.fp32_flops, pcie.memory_bandwidth_bytes_per_s, pcie.interconnect_bytes_per_s)
+    assert pcie32.memory_bytes == 32 * 2**30 and not pcie32.bf16 and pcie32.tf32_flops is None
     with pytest.raises(CatalogError, match=r"Unknown GPU 'MI300X'.*T4, A10, A10G.*HINT:"):
         gpu_spec("MI300X")
 
@@ -48,7 +54,7 @@ def test_every_row_has_a_source_and_the_estimate_is_marked():
         assert spec.source, name
         assert spec.tensor_flops >= spec.fp32_flops > 0
         # TF32 on Ampere and later parts, between the FP32 and the 16-bit tensor rates; none on T4 and V100
-        assert (spec.tf32_flops is None) == (name in ("T4", "V100", "V100-32GB", "V100-PCIe")), name
+        assert (spec.tf32_flops is None) == (name in ("T4", "V100", "V100-32GB", "V100-PCIe", "V100-PCIe-32GB")), name
         assert spec.tf32_flops is None or spec.fp32_flops < spec.tf32_flops < spec.tensor_flops, name
         assert spec.peak_flops("tf32") == (spec.tf32_flops or spec.fp32_flops)
     assert GPUS["A10G"].estimate and not GPUS["A10"].estimate
@@ -70,7 +76,7 @@ def test_gddr_parts_give_ecc_its_sixteenth_of_the_memory():
         spec = GPUS[name]
         assert spec.ecc_fraction == 1 / 16 and spec.memory_bytes == int(spec.listed_memory_gib * 2**30 * 15 / 16), name
     assert GPUS["T4"].memory_bytes == 15 * 2**30 and GPUS["T4"].listed_memory_gib == 16
-    for name in ("V100", "V100-32GB", "V100-PCIe", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200"):
+    for name in ("V100", "V100-32GB", "V100-PCIe", "V100-PCIe-32GB", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200"):
         assert GPUS[name].ecc_fraction == 0 and GPUS[name].memory_bytes == GPUS[name].listed_memory_gib * 2**30, name
     assert match_gpu_name("NVIDIA T4 16GB") == "T4" and match_gpu_name("NVIDIA A10 24GB") == "A10"
     half = GPUS["A10"].share(0.5)

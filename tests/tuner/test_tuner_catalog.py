@@ -134,6 +134,28 @@ def test_skypilots_v100_32gb_rows_are_searched_on_32_gb(tmp_path):
     assert inst.gpu_spec().fp32_flops == GPUS["V100"].fp32_flops and inst.gpu_spec().tf32_flops is None
 
 
+def test_a_32_gb_pcie_v100_is_a_catalog_gpu_and_a_profiled_device(tmp_path):
+    """torch's "Tesla V100-PCIE-32GB" had no row: a CSV row naming it was skipped as an unknown GPU, and a profile taken
+    on one was refused by the tuner (its times could not be scaled to the catalog's GPUs)."""
+    from tuner_profile_factory import make_profile
+
+    from lightning_distplan.tuner import tune
+
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\nv100pcie.x1,Tesla V100-PCIE-32GB,1,2.0,10\n"
+                            "v100pcie.x4,V100-PCIe-32GB,4,8.0,10\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing skipped
+        cat = parse_catalog_csv(path)
+    for inst in cat.instances:
+        assert inst.gpu == "V100-PCIe-32GB" and inst.gpu_memory_gb == 32 and inst.gpu_spec().memory_bytes == 32 * 2**30
+        assert inst.gpu_spec().tensor_flops == GPUS["V100-PCIe"].tensor_flops and inst.gpu_spec().tf32_flops is None
+    result = tune(make_profile(device_name="Tesla V100-PCIE-32GB"), catalog=cat, global_batch_size=64, n_trials=20, max_instances=2,
+                  seed=0, storage=f"sqlite:///{tmp_path / 's.db'}", study_name="s", progress=False)
+    assert result.best.feasible and result.best.instance_type in ("v100pcie.x1", "v100pcie.x4")
+    # profiled on the very GPU it is priced on: no compute scaling
+    assert result.projections["v100pcie.x1"]["compute_scale"] == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize(
     ("body", "match"),
     [
