@@ -47,7 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
     parser.add_argument(
         "--bandwidth-gbps", "--bandwidth", dest="bandwidth", type=float, default=None,
-        help="network Gbit/s for every instance (required for a CSV without NetworkGbps); the same flag as plan's",
+        help="network Gbit/s for every instance (required for a CSV without NetworkGbps); the same flag as plan's. aws-2026 "
+        "prices its 'Up to N Gbps' instances (g5.xlarge, g6.xlarge, g6e.xlarge, p3.2xlarge) at the burst peak N; the result's "
+        "notes say so",
     )
     parser.add_argument(
         "--pricing", choices=("on-demand", "spot"), default="on-demand",
@@ -98,6 +100,7 @@ def _table(result: dict[str, Any]) -> str:
         "Pareto front (cost, time), cheapest first:",
         header,
         *[row(c) for c in result["pareto"]],
+        *(["", "notes:", *[f"- {note}" for note in result["notes"]]] if result.get("notes") else []),
     ]
     return "\n".join(lines)
 

@@ -265,7 +265,8 @@ class ConfigSpace:
             # A ring or a pipeline spanning instances is bound by the slowest link: the instance network
             # (with one device per instance nothing is sent, and the value is unused).
             bw, lat = min(network, spec.interconnect_bytes_per_s), NETWORK_LATENCY_S
-            source = f"catalog network {inst.network_gbps:g} Gbit/s ({inst.network_source or inst.source})"
+            burst = ", an 'up to' burst peak, not a sustained rate" if inst.network_burst else ""
+            source = f"catalog network {inst.network_gbps:g} Gbit/s ({inst.network_source or inst.source}{burst})"
             p2p = (bw, lat)
             if plan is not None and plan.pp > 1 and inst.devices_per_instance % plan.pp == 0:
                 # A pipeline's stages are consecutive ranks (stage = rank % pp) and ranks fill one instance before

@@ -5,7 +5,9 @@ Two built-in catalogs, each row citing its source and date, and user CSVs in Sky
 * ``alicloud-2023``: seed 000 Table III exactly (AliCloud ECS GPU instances, RMB/hour, one GPU or a
   shared fraction of one per instance), so the paper's setting can be reproduced.
 * ``aws-2026``: AWS us-east-1 on-demand prices from a public price-catalog snapshot (2026-11, USD/hour);
-  network bandwidth from the AWS EC2 instance-type documentation.
+  network bandwidth from the AWS EC2 instance-type documentation. Its "Up to N Gbps" rows are priced at the burst peak N
+  (no sustained figure is sourced); they are marked (:attr:`Instance.network_burst`) and a search's result says so
+  (:meth:`Catalog.caveats`).
 
 A user CSV is parsed by header name (SkyPilot: ``InstanceType, AcceleratorName, AcceleratorCount,
 vCPUs, MemoryGiB, Price, SpotPrice, Region``) plus ``NetworkGbps`` (required unless a bandwidth is
@@ -66,6 +68,11 @@ class Instance:
     """When the price was valid / captured."""
     spot_price_per_hour: float | None = None
     network_source: str = ""
+    network_burst: bool = False
+    """``network_gbps`` is the provider's "up to" figure: a burst peak, not a bandwidth the instance sustains (AWS lists
+    e.g. g5.xlarge as "Up to 10 Gbps"). No sustained figure is sourced for these rows, so the burst figure is what the
+    search prices: a plan that spans several such instances is predicted faster and cheaper than it will run.
+    ``--bandwidth-gbps`` (``bandwidth_gbps=``) or a CSV's ``NetworkGbps`` puts your own figure in its place."""
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_instance", "gpu_memory_gb", "network_gbps", "price_per_hour"):
@@ -142,6 +149,20 @@ class Catalog:
         if dupes:
             raise CatalogError(f"Catalog {self.name!r} lists instance types {dupes} more than once.", hint="Keep one row per instance type.")
 
+    def caveats(self) -> tuple[str, ...]:
+        """What a search's result must say about the figures it priced: the catalog's ``notes`` and, where instances'
+        network figure is an "up to" burst peak (:attr:`Instance.network_burst`), that it is one and how to replace it."""
+        burst = [i for i in self.instances if i.network_burst]
+        if not burst:
+            return self.notes
+        listed = ", ".join(f"{i.instance_type} {i.network_gbps:g}" for i in burst)
+        return (
+            *self.notes,
+            f"The network bandwidth of {listed} Gbit/s is the provider's 'up to' burst peak, not a sustained rate (no sustained "
+            "figure is sourced): a plan spanning several of these instances is predicted faster and cheaper than it will run. "
+            "Pass --bandwidth-gbps N (tune(bandwidth_gbps=N)), or a CSV with your own NetworkGbps, to price another figure.",
+        )
+
     def get(self, instance_type: str) -> Instance:
         for inst in self.instances:
             if inst.instance_type == instance_type:
@@ -199,7 +220,8 @@ _AWS_SOURCE = "AWS us-east-1 on-demand, public price-catalog snapshot (2026-11);
 _AWS_NET_SOURCE = "AWS EC2 accelerated-computing instance docs, 'Network bandwidth (Gbps)'; 'up to' values are burst peaks"
 
 
-def _aws(instance_type: str, gpus: int, gpu: str, gpu_memory_gb: float, vcpus: int, memory_gb: float, gbps: float, usd: float) -> Instance:
+def _aws(instance_type: str, gpus: int, gpu: str, gpu_memory_gb: float, vcpus: int, memory_gb: float, gbps: float, usd: float, *,
+         burst: bool = False) -> Instance:
     return Instance(
         instance_type=instance_type,
         gpu=gpu,
@@ -214,18 +236,21 @@ def _aws(instance_type: str, gpus: int, gpu: str, gpu_memory_gb: float, vcpus: i
         source=_AWS_SOURCE,
         date="2026-11 (snapshot month; prices change)",
         network_source=_AWS_NET_SOURCE,
+        network_burst=burst,
     )
 
 
 # source: prices from a public AWS us-east-1 on-demand price-catalog snapshot (2026-11); vCPU / memory GiB / network Gbps from the AWS EC2
-# instance-type documentation (G5, G6, G6e, P3, P4d/P4de, P5/P5en pages). "Up to 10" is taken as 10.
+# instance-type documentation (G5, G6, G6e, P3, P4d/P4de, P5/P5en pages). "Up to N" is taken as N (burst=True): those
+# pages give no sustained figure, and none is sourced here (FACTS.md has none), so the burst peak is priced and the
+# search's result says so (see ``Instance.network_burst``) rather than a baseline being made up.
 _AWS_2026 = (
-    _aws("g5.xlarge", 1, "A10G", 24, 4, 16, 10, 1.006),
+    _aws("g5.xlarge", 1, "A10G", 24, 4, 16, 10, 1.006, burst=True),
     _aws("g5.48xlarge", 8, "A10G", 24, 192, 768, 100, 16.288),
-    _aws("g6.xlarge", 1, "L4", 24, 4, 16, 10, 0.8048),
+    _aws("g6.xlarge", 1, "L4", 24, 4, 16, 10, 0.8048, burst=True),
     _aws("g6.48xlarge", 8, "L4", 24, 192, 768, 100, 13.3504),
-    _aws("g6e.xlarge", 1, "L40S", 48, 4, 32, 20, 1.861),
-    _aws("p3.2xlarge", 1, "V100", 16, 8, 61, 10, 3.06),
+    _aws("g6e.xlarge", 1, "L40S", 48, 4, 32, 20, 1.861, burst=True),
+    _aws("p3.2xlarge", 1, "V100", 16, 8, 61, 10, 3.06, burst=True),
     _aws("p3.16xlarge", 8, "V100", 16, 64, 488, 25, 24.48),
     _aws("p4d.24xlarge", 8, "A100-40GB", 40, 96, 1152, 400, 32.7726),
     _aws("p4de.24xlarge", 8, "A100-80GB", 80, 96, 1152, 400, 40.96575),
@@ -291,7 +316,8 @@ def with_bandwidth(catalog: Catalog, bandwidth_gbps: float) -> Catalog:
     from dataclasses import replace
 
     _check_bandwidth(bandwidth_gbps)
-    return replace(catalog, instances=tuple(replace(i, network_gbps=float(bandwidth_gbps), network_source="given (--bandwidth-gbps)") for i in catalog.instances))
+    given = {"network_gbps": float(bandwidth_gbps), "network_source": "given (--bandwidth-gbps)", "network_burst": False}
+    return replace(catalog, instances=tuple(replace(i, **given) for i in catalog.instances))
 
 
 def spot_priced(catalog: Catalog) -> Catalog:

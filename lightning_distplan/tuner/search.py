@@ -108,6 +108,9 @@ class TuneResult:
     """The search minimised (C, T) with NSGA-II; :attr:`best` is still the lowest ``C + w·T`` it found."""
     projections: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Instance type -> projection summary (target, compute scale, uncertainty band and its basis)."""
+    notes: tuple[str, ...] = ()
+    """What to know about the catalog's figures (:meth:`~lightning_distplan.tuner.catalog.Catalog.caveats`): estimated
+    GPU peaks, network bandwidths that are burst peaks."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +133,7 @@ class TuneResult:
             "elapsed_s": self.elapsed_s,
             "resumed": self.resumed,
             "projections": self.projections,
+            "notes": list(self.notes),
         }
 
 
@@ -187,7 +191,10 @@ def _profile_fingerprint(profile: Profile, *, with_empty_unused: bool = False) -
 def _catalog_fingerprint(catalog: Catalog, *, with_sources: bool = False) -> str:
     """The catalog's rows, by default without where each came from: one CSV is one catalog, however its path was
     typed (``with_sources``: as versions before 2026-11-23 fingerprinted them)."""
-    return _fingerprint([{k: v for k, v in i.to_dict().items() if with_sources or k != "source"} for i in catalog.instances])
+    # network_burst (2026-11-29) says what kind of figure network_gbps is, not another figure: a study of a catalog made
+    # before it existed is the same catalog
+    return _fingerprint([{k: v for k, v in i.to_dict().items() if (with_sources or k != "source") and k != "network_burst"}
+                         for i in catalog.instances])
 
 
 def _as_now(old: Any, catalog: Catalog, profile: Profile) -> Any:
@@ -878,6 +885,7 @@ def _tune(
         projections=projections,
         pricing=catalog.pricing,
         multi_objective=bool(multi_objective),
+        notes=catalog.caveats(),
     )
 
 

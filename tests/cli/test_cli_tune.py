@@ -50,6 +50,20 @@ def test_tune_table_format(tmp_path, profile_path, capsys):
     assert len(header) == len(lines[lines.index("best:") + 2])
 
 
+def test_tune_says_which_network_figures_are_burst_peaks(tmp_path, profile_path, capsys):
+    """aws-2026 prices its "Up to N Gbps" instances at N; the result (JSON and table) says so, and how to replace it."""
+    common = ["--profile", profile_path, "--catalog", "aws-2026", "--global-batch-size", "32", "--trials", "5", "--max-instances", "2", "--quiet"]
+    assert main(["tune", *common, "--storage", f"sqlite:///{tmp_path / 'j.db'}", "--format", "json"]) == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert notes[0] == "A10G peaks are an estimate (no NVIDIA datasheet)."
+    assert "g5.xlarge 10, g6.xlarge 10, g6e.xlarge 20, p3.2xlarge 10 Gbit/s is the provider's 'up to' burst peak" in notes[1]
+    assert main(["tune", *common, "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table"]) == 0
+    text = capsys.readouterr().out
+    assert "\nnotes:\n- A10G peaks are an estimate" in text and "- The network bandwidth of g5.xlarge 10" in text and "--bandwidth-gbps N" in text
+    assert main(["tune", *common, "--storage", f"sqlite:///{tmp_path / 'b.db'}", "--format", "json", "--bandwidth-gbps", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["notes"] == ["A10G peaks are an estimate (no NVIDIA datasheet)."]
+
+
 def test_tune_table_shows_step_times_to_four_significant_digits(tmp_path, capsys):
     """The table printed step times with 4 decimals: a sub-millisecond Pareto front (a small model on an 8-GPU
     instance) showed 0.0002s for both its points, so the faster one looked no faster than the cheaper one, where

@@ -42,6 +42,28 @@ def test_aws_2026_rows_are_dated_and_priced_in_usd():
     assert all(i.date and i.source and i.network_source for i in cat.instances)
 
 
+def test_aws_2026_up_to_bandwidths_are_marked_as_burst_peaks_and_said_so():
+    """AWS lists the small instances' network as "Up to N Gbps"; the catalog prices N (no sustained figure is sourced)
+    and said nowhere that N is a burst peak, so a multi-instance plan on them looked faster and cheaper than it runs."""
+    from dataclasses import replace
+
+    from lightning_distplan.tuner.search import _catalog_fingerprint
+
+    cat = load_catalog("aws-2026")
+    burst = {i.instance_type: i.network_gbps for i in cat.instances if i.network_burst}
+    assert burst == {"g5.xlarge": 10, "g6.xlarge": 10, "g6e.xlarge": 20, "p3.2xlarge": 10}  # the figures stay as listed
+    notes = cat.caveats()
+    assert notes[: len(cat.notes)] == cat.notes and len(notes) == len(cat.notes) + 1
+    assert notes[-1].startswith("The network bandwidth of g5.xlarge 10, g6.xlarge 10, g6e.xlarge 20, p3.2xlarge 10 Gbit/s is the "
+                                "provider's 'up to' burst peak, not a sustained rate") and "--bandwidth-gbps" in notes[-1]
+    # a bandwidth the user gives is no burst figure; the paper's table and a user CSV state theirs
+    assert load_catalog("aws-2026", bandwidth_gbps=5).caveats() == cat.notes
+    assert load_catalog("alicloud-2023").caveats() == ()
+    # the mark is no figure: studies of aws-2026 made before it are of the same catalog
+    unmarked = replace(cat, instances=tuple(replace(i, network_burst=False) for i in cat.instances))
+    assert _catalog_fingerprint(cat) == _catalog_fingerprint(unmarked)
+
+
 def test_unknown_catalog_lists_the_valid_names():
     with pytest.raises(CatalogError, match=r"Unknown catalog 'gcp-2025'.*HINT: Use one of alicloud-2023, aws-2026"):
         load_catalog("gcp-2025")
