@@ -91,7 +91,8 @@ class TuneResult:
     n_trials: int
     """Trials this call ran."""
     n_study_trials: int
-    """Trials in the study after this call (more when it resumed a study)."""
+    """Trials in the study after this call, read back from the storage (more when it resumed a study, or when another run
+    extended it meanwhile)."""
     n_evaluations: int
     """Distinct configurations this call priced with the cost model (repeated draws are cached)."""
     n_feasible: int
@@ -334,6 +335,24 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     except KeyError:
         return None
     return optuna.load_study(study_name=study_name, storage=storage)
+
+
+def _trials_as_stored(storage: Any, study_name: str, searched: list[Any]) -> list[Any]:
+    """The study's trials read back from ``storage`` after this run wrote its own, else ``searched`` (this run's view).
+
+    This run read the study when it started and appended its trials when it ended: another ``distplan tune`` that
+    extended the same study in between wrote trials this run never saw, and the numbers this run's trials got in the
+    database follow them. Counted from ``searched``, the result said the study had fewer trials and feasible
+    configurations than it had, its best left out the other run's, and its trial numbers named other trials."""
+    import optuna
+
+    try:
+        stored = optuna.load_study(study_name=study_name, storage=storage).get_trials(deepcopy=False)
+    except Exception as err:  # noqa: BLE001 - the trials are written; a failed read-back must not turn that into an error
+        log.warning("Reading study %r back after writing this run's trials failed (%s: %s); the result counts the study as this run "
+                    "saw it, without trials another run wrote meanwhile.", study_name, type(err).__name__, first_line(err)[:200])
+        return searched
+    return stored if len(stored) >= len(searched) else searched
 
 
 def _existing_study_gone(storage: Any, study_name: str) -> bool:
@@ -856,7 +875,7 @@ def _tune(
             f"the {len(new_trials)} trial(s) finished before it were written to study {name!r}; re-run the same command to search on"
         )
 
-    all_trials = memory_study.get_trials(deepcopy=False)
+    all_trials = _trials_as_stored(store, name, memory_study.get_trials(deepcopy=False))
     # one entry per configuration: a sampler may try one configuration in several trials
     distinct: dict[tuple[str, int, Plan], TunedConfig] = {}
     for c in (_config_from_trial(t) for t in all_trials):

@@ -446,6 +446,40 @@ def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
     assert sorted(numbers) == list(range(603))
 
 
+def test_a_run_that_another_run_extended_the_study_under_counts_the_study_as_stored(tmp_path, profile):
+    """Two `distplan tune` runs on one SQLite study (reproduced with two processes): the other run wrote its trials
+    while this one searched. This one reported the study as it had read it at its start (n_study_trials 5 + 10 where
+    the study had 5 + 7 + 10 trials; feasible configurations and best without the other run's), and its best's trial
+    number was the one it had in memory, not the one the database gave it. Here a sampler hook runs the other search
+    (through its own connection to the file) once this run has read the study: the same interleaving, without the
+    seconds a second process takes to import torch."""
+    import json
+
+    url = _url(tmp_path)
+    common = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    tune(profile, n_trials=5, **common)
+
+    class OtherRunMeanwhile(optuna.samplers.TPESampler):
+        started = False
+
+        def before_trial(self, study, trial):
+            if not self.started:
+                self.started = True
+                assert tune(profile, n_trials=7, **common).n_study_trials == 12
+            super().before_trial(study, trial)
+
+    result = tune(profile, n_trials=10, sampler=OtherRunMeanwhile(seed=0), **common)
+    stored = optuna.load_study(study_name="s", storage=url).trials
+    assert len(stored) == 22 and result.n_trials == 10 and result.n_study_trials == 22
+    feasible = {(t.user_attrs["instance_type"], t.user_attrs["count"], json.dumps(t.user_attrs["plan"], sort_keys=True))
+                for t in stored if t.user_attrs.get("feasible") and t.user_attrs.get("objective") is not None}
+    assert result.n_feasible == len(feasible)
+    best = stored[result.best.trial_number]  # the trial the result names is the one in the study
+    assert (best.user_attrs["instance_type"], best.user_attrs["count"], best.user_attrs["objective"]) == (
+        result.best.instance_type, result.best.count, result.best.objective)
+    assert result.best.objective == min(t.user_attrs["objective"] for t in stored if t.user_attrs.get("feasible"))
+
+
 _FULL_DISK = """
 import resource, sys, os
 import optuna
