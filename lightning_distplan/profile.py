@@ -484,10 +484,17 @@ class Profile:
                         hint=hint,
                     )
                 sizes[f"layers[{i}].trainable_param_bytes"] = layer.trainable_param_bytes
-        numbers = {**sizes, **self._timings()}  # an exabyte, or a billion years: edited by hand
+        # an exabyte, or a billion years: edited by hand. The activation line and the device's size are bytes the cost
+        # model multiplies too (a 1e300 slope overflowed in the pipeline split and was blamed on its arguments).
+        numbers = {
+            **sizes, **self._timings(), **_fit_terms({"memory.activation": self.memory.activation}),
+            "device.total_memory_bytes": self.device.total_memory_bytes,
+        }
         huge = next((name for name, x in numbers.items() if isinstance(x, (int, float)) and abs(x) > 1e18), None)
         if huge is not None:
-            raise ProfileFormatError(f"{source!r} has {huge} = {numbers[huge]!r}, beyond any device.", hint=hint)
+            value = numbers[huge]
+            shown = f"{value:.4g}" if abs(value) >= 1e21 else repr(value)  # not the 301 digits of an integer 10**300
+            raise ProfileFormatError(f"{source!r} has {huge} = {shown}, beyond any device.", hint=hint)
         if not isinstance(self.splittable, bool):
             raise ProfileFormatError(f"{source!r} has splittable = {self.splittable!r}; it must be true or false.", hint=hint)
         if self.infeasible_micro_batch_sizes and min(self.infeasible_micro_batch_sizes) <= max(self.micro_batch_sizes):

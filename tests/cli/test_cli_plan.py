@@ -182,6 +182,16 @@ def test_table_output_and_options(profile_path, capsys):
         # the sign check comes first: a negative param_bytes is named as such, not as fewer bytes than the gradients'
         ({"memory": {**profile_json()["memory"], "param_bytes": -5}}, ["--world-size", "2", "--global-batch-size", "8"],
          "has a negative memory.param_bytes (-5); sizes, FLOPs and times are never negative"),
+        # the activation line and the device's size are bytes beyond belief as the others: a 1e300 slope overflowed in
+        # the pipeline split (a ModelSplitError about its arguments, after a warning line), a -1e300 intercept or a
+        # 1e300-byte device planned silently with every plan feasible
+        ({"memory": {**profile_json()["memory"], "activation": _fit(1e300, 0.0)}}, ["--world-size", "4", "--global-batch-size", "32"],
+         "has memory.activation.alpha = 1e+300, beyond any device"),
+        ({"memory": {**profile_json()["memory"], "activation": _fit(8e6, -1e300)}}, ["--world-size", "4", "--global-batch-size", "32"],
+         "has memory.activation.beta = -1e+300, beyond any device"),
+        ({"memory": {**profile_json()["memory"], "device_total_bytes": 0},
+          "device": {"type": "cuda", "name": "T4", "total_memory_bytes": 10**300, "memory_source": "nvml"}},
+         ["--world-size", "4", "--global-batch-size", "32"], "has device.total_memory_bytes = 1e+300, beyond any device"),
         # a layer name that is not a string is the profile's fault (it named the plan before)
         ({"layers": [{**_layer(0), "name": 5}, _layer(1)]}, ["--world-size", "2", "--global-batch-size", "8"],
          "has layers[0].name = 5; a layer's name is a string. HINT: Re-create it with `distplan profile`"),
