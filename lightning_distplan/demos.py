@@ -35,8 +35,24 @@ def _check_positive(**values: int) -> None:
             raise DemoArgumentError(f"`{name}` ({value!r}) must be a positive integer.", hint=f"Pass e.g. {name}=8.")
 
 
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds ``torch.Generator.manual_seed`` takes (a signed or an unsigned 64-bit integer)."""
+
+
+def _check_seed(seed: Any, *, scale: int = 1, samples: int = 1) -> None:
+    """Refuse a seed ``manual_seed`` would refuse when the data module is built, not at its first batch (which blamed
+    the data loader). The generators are seeded with ``seed * scale + index`` for ``index < samples``."""
+    low, high = _SEED_RANGE
+    lowest, highest = -(-low // scale), (high - (samples - 1)) // scale
+    if not isinstance(seed, int) or isinstance(seed, bool) or not lowest <= seed <= highest:
+        raise DemoArgumentError(f"`seed` ({seed!r}) must be an integer from {lowest} to {highest}.", hint="Pass e.g. seed=0.")
+
+
 class _SeededDataset(Dataset):
     """``num_samples`` samples, each drawn from its own generator: deterministic per index, nothing held in memory."""
+
+    SEED_SCALE = 1_000_003
+    """Sample ``index`` draws from a generator seeded with ``seed * SEED_SCALE + index``."""
 
     def __init__(self, num_samples: int, seed: int) -> None:
         self.num_samples, self.seed = num_samples, seed
@@ -47,7 +63,7 @@ class _SeededDataset(Dataset):
     def _sample_generator(self, index: int) -> torch.Generator:
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
-        return torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.Generator().manual_seed(self.seed * self.SEED_SCALE + index)
 
 
 class _SyntheticData(LightningDataModule):
@@ -99,6 +115,7 @@ class RandomTokenData(_SyntheticData):
     ) -> None:
         super().__init__()
         _check_positive(vocab_size=vocab_size, block_size=block_size, batch_size=batch_size, num_samples=num_samples)
+        _check_seed(seed, scale=_SeededDataset.SEED_SCALE, samples=num_samples)
         self.vocab_size, self.block_size, self.batch_size, self.num_samples, self.seed = (
             vocab_size, block_size, batch_size, num_samples, seed,
         )
@@ -142,6 +159,7 @@ class RandomImageData(_SyntheticData):
     ) -> None:
         super().__init__()
         _check_positive(num_classes=num_classes, image_size=image_size, channels=channels, batch_size=batch_size, num_samples=num_samples)
+        _check_seed(seed, scale=_SeededDataset.SEED_SCALE, samples=num_samples)
         self.num_classes, self.image_size, self.channels = num_classes, image_size, channels
         self.batch_size, self.num_samples, self.seed = batch_size, num_samples, seed
 

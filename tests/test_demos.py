@@ -34,6 +34,10 @@ def test_image_data_is_deterministic_per_seed() -> None:
     [
         (lambda: RandomTokenData(batch_size=0), r"^`batch_size` \(0\) must be a positive integer\. HINT: Pass e\.g\. batch_size=8\.$"),
         (lambda: RandomImageData(image_size=True), r"^`image_size` \(True\) must be a positive integer\. HINT:"),
+        # torch refused these seeds only at the first batch, which the CLI blamed on the data loader; the per-sample
+        # generators take seed * 1_000_003 + index, so the largest seed depends on num_samples
+        (lambda: RandomTokenData(seed="1"), r"^`seed` \('1'\) must be an integer from -9223344366821 to 18446688733643\. HINT: Pass e\.g\. seed=0\.$"),
+        (lambda: RandomImageData(seed=18446688733643 + 1, num_samples=64), r"^`seed` \(18446688733644\) must be an integer from"),
         (lambda: TorchvisionClassifier("no_such_net"), r"^Unknown torchvision classification model 'no_such_net'\. HINT: Use one of .*resnet18"),
     ],
 )
@@ -41,3 +45,9 @@ def test_bad_arguments_are_demo_argument_errors(build, match) -> None:
     with pytest.raises(DemoArgumentError, match=match) as info:
         build()
     assert isinstance(info.value, ValueError)
+
+
+def test_the_largest_seed_reads_every_sample() -> None:
+    data = RandomTokenData(vocab_size=50, block_size=4, batch_size=2, num_samples=256, seed=18446688733643)
+    data.setup("fit")
+    assert data.dataset[255][0].shape == (4,)

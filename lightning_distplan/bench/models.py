@@ -25,6 +25,8 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_distplan.demos import _SEED_RANGE
+
 __all__ = ["DemoTransformerLM", "TinyGPT2LM", "BertMaskedLM", "WideMLP", "RandomVectorData"]
 
 
@@ -98,11 +100,21 @@ class BertMaskedLM(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
+def _check_counts(*, least: int = 1, example: int = 16, **values: Any) -> None:
+    """Refuse sizes that would build an empty layer or be read as another number (True as 1, -1 as 0 blocks)."""
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            what = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise ValueError(f"`{name}` ({value!r}) must be {what}. HINT: Pass e.g. {name}={example}.")
+
+
 class WideMLP(LightningModule):
     """``depth`` Linear+ReLU blocks of width ``hidden`` in an ``nn.Sequential`` (SGD with momentum)."""
 
     def __init__(self, in_features: int = 256, hidden: int = 1024, depth: int = 4, num_classes: int = 10) -> None:
         super().__init__()
+        _check_counts(in_features=in_features, hidden=hidden, num_classes=num_classes)
+        _check_counts(least=0, example=4, depth=depth)
         self.save_hyperparameters()
         layers: list[nn.Module] = []
         width = in_features
@@ -143,9 +155,10 @@ class RandomVectorData(LightningDataModule):
 
     def __init__(self, in_features: int = 256, num_classes: int = 10, batch_size: int = 16, num_samples: int = 512, seed: int = 0) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("num_classes", num_classes), ("batch_size", batch_size), ("num_samples", num_samples)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` ({value!r}) must be a positive integer. HINT: pass e.g. {name}=16.")
+        _check_counts(in_features=in_features, num_classes=num_classes, batch_size=batch_size, num_samples=num_samples)
+        low, high = _SEED_RANGE  # checked here: torch refused it only at the first batch, which blamed the data loader
+        if not isinstance(seed, int) or isinstance(seed, bool) or not low <= seed <= high:
+            raise ValueError(f"`seed` ({seed!r}) must be an integer from {low} to {high}. HINT: Pass e.g. seed=0.")
         self.in_features, self.num_classes, self.batch_size, self.num_samples, self.seed = in_features, num_classes, batch_size, num_samples, seed
         self.dataset: _VectorDataset | None = None
 
