@@ -84,11 +84,13 @@ def check_replaceable_figure(path: str | Path, option: str) -> None:
         )
 
 
-def save_figure_atomic(fig: Any, path: str | Path, **savefig_kwargs: Any) -> Path:
-    """``fig.savefig`` to ``path`` through a temporary file in the same folder and a rename, marked as ours."""
+def save_figure_atomic(fig: Any, path: str | Path, *, fmt: str | None = None, **savefig_kwargs: Any) -> Path:
+    """``fig.savefig`` to ``path`` through a temporary file in the same folder and a rename, marked as ours.
+
+    ``fmt``: the image format; default: from the file's extension (png without one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fmt = path.suffix.lower().lstrip(".") or "png"
+    fmt = fmt or path.suffix.lower().lstrip(".") or "png"
     fmt = "jpeg" if fmt == "jpg" else fmt
     if fmt == "jpeg":
         savefig_kwargs.setdefault("pil_kwargs", {}).setdefault("comment", FIGURE_MARK.encode())
@@ -113,7 +115,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
     if target.exists() and not target.is_file() and not target.is_dir():
-        target.write_text(text)
+        target.write_text(text, encoding="utf-8")
         return path
     target.parent.mkdir(parents=True, exist_ok=True)
     # A unique name made with mode 0666 less the umask, as open() would (mkstemp's 0600 left the results
@@ -121,7 +123,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     tmp = str(target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:  # plotly's HTML is not ASCII; not the locale's choice
             f.write(text)
         if target.is_file():
             os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
+from lightning_distplan._files import check_output_path, save_figure_atomic, write_text_atomic
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
 from lightning_distplan.errors import DistPlanError
 from lightning_distplan.tuner._dashboard import default_artifact_dir, require
@@ -137,7 +138,7 @@ def _trials_of(study_or_trials: optuna.Study | Sequence[FrozenTrial]) -> tuple[s
     if not all(isinstance(t, optuna.trial.FrozenTrial) for t in trials):
         raise TypeError(
             f"Expected an optuna.Study or a sequence of FrozenTrial, got {type(study_or_trials).__name__} holding other objects. "
-            "HINT: pass `optuna.load_study(...)` or `study.trials`."
+            "HINT: Pass `optuna.load_study(...)` or `study.trials`."
         )
     return None, trials, {}
 
@@ -228,9 +229,25 @@ def _get_pareto_info(study_or_trials: optuna.Study | Sequence[FrozenTrial]) -> _
     )
 
 
+def _check_top_k(top_k: Any) -> None:
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise ValueError(f"`top_k` must be an integer >= 1, got {top_k!r}. HINT: Pass the number of configurations to show, e.g. top_k=8.")
+
+
+def _check_time_weight(time_weight: Any) -> None:
+    """None (the study's own w) or a finite w >= 0, as the tuner takes: a negative w ranked the slowest first, NaN at random."""
+    if time_weight is None:
+        return
+    if not isinstance(time_weight, (int, float)) or isinstance(time_weight, bool) or not math.isfinite(time_weight) or time_weight < 0:
+        raise ValueError(
+            f"`time_weight` must be a finite number >= 0 or None, got {time_weight!r}. "
+            "HINT: Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D), or None for the study's own."
+        )
+
+
 def _get_breakdown_info(study_or_trials: optuna.Study | Sequence[FrozenTrial], *, top_k: int = 8, time_weight: float | None = None) -> _BreakdownInfo:
-    if top_k < 1:
-        raise ValueError(f"`top_k` must be >= 1, got {top_k}. HINT: pass the number of configurations to show.")
+    _check_top_k(top_k)
+    _check_time_weight(time_weight)
     name, trials, study_attrs = _trials_of(study_or_trials)
     if time_weight is None:
         time_weight = float(study_attrs.get("time_weight", 0.0))
@@ -417,14 +434,12 @@ def _breakdown_png(info: _BreakdownInfo, path: Path) -> None:
 
 
 def _save_png(fig: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
+    save_figure_atomic(fig, path, fmt="png")  # a failure leaves the file there before as it was
 
 
 def _write_html(fig: go.Figure, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     # plotly.js inline (~4.8 MB): the file must open where there is no internet, as on our CI.
-    fig.write_html(str(path), include_plotlyjs=True, full_html=True)
+    write_text_atomic(path, fig.to_html(include_plotlyjs=True, full_html=True))
 
 
 def _render(
@@ -434,6 +449,11 @@ def _render(
     """The plotly figure of ``info``, also written where asked; ``empty`` is the sentence raised when there are no points."""
     if not info.points:
         raise ValueError(f"{empty} HINT: widen the catalog or the global batch size, or run more trials.")
+    # before drawing: a folder, a path under a file or a read-only one raised a bare OSError from the writer
+    if path_html is not None:
+        path_html = check_output_path(path_html, "path_html", example="plot.html")
+    if path_png is not None:
+        path_png = check_output_path(path_png, "path_png", example="plot.png")
     fig = plotly(info)
     if path_html is not None:
         _write_html(fig, Path(path_html))
@@ -502,6 +522,7 @@ def plot_time_breakdown(
 
 def summary_markdown(study_or_trials: optuna.Study | Sequence[FrozenTrial], *, time_weight: float | None = None) -> str:
     """A Markdown note: the best configuration for the study's objective and the Pareto front."""
+    _check_time_weight(time_weight)
     info = _get_pareto_info(study_or_trials)
     if time_weight is None:
         _, _, attrs = _trials_of(study_or_trials)
@@ -579,6 +600,8 @@ def attach_to_study(
     optuna_dashboard = require("optuna_dashboard")
     import optuna
 
+    _check_top_k(top_k)  # before the note is saved: not a study with a note and no plots
+    _check_time_weight(time_weight)
     stored: dict[str, Any] = {"note": False, "graph_ids": [], "artifact_ids": [], "artifact_dir": None, "png": {}}
     optuna_dashboard.save_note(study, summary_markdown(study, time_weight=time_weight))
     stored["note"] = True

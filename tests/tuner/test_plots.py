@@ -82,8 +82,59 @@ def test_no_feasible_trial_is_a_clear_error() -> None:
         plot_pareto_front(trials)
     with pytest.raises(TypeError, match="HINT"):
         plot_pareto_front([1, 2, 3])
-    with pytest.raises(ValueError, match=r"`top_k` must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`top_k` must be an integer >= 1, got 0"):
         plot_time_breakdown(trials, top_k=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        # a string or a fraction raised the comparison's or the slice's TypeError; True showed one configuration
+        (dict(top_k="3"), r"^`top_k` must be an integer >= 1, got '3'\. HINT: Pass the number of configurations"),
+        (dict(top_k=2.5), r"^`top_k` must be an integer >= 1, got 2\.5\. HINT:"),
+        (dict(top_k=True), r"^`top_k` must be an integer >= 1, got True\. HINT:"),
+        # a negative w ranked the slowest configurations first and NaN at random, both without a word
+        (dict(time_weight=-1.0), r"^`time_weight` must be a finite number >= 0 or None, got -1\.0\. HINT: Use e\.g\. 0, 256"),
+        (dict(time_weight=float("nan")), r"^`time_weight` must be a finite number >= 0 or None, got nan\. HINT:"),
+        (dict(time_weight="4096"), r"^`time_weight` must be a finite number >= 0 or None, got '4096'\. HINT:"),
+    ],
+)
+def test_bad_top_k_and_time_weight_are_refused(study: optuna.Study, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plot_time_breakdown(study, **kwargs)
+    if "time_weight" in kwargs:
+        with pytest.raises(ValueError, match=match):
+            summary_markdown(study, **kwargs)
+
+
+def test_attach_refuses_bad_arguments_before_it_writes_the_note(tmp_path: Path) -> None:
+    from optuna_dashboard import get_note
+
+    study = make_study(f"sqlite:///{tmp_path / 't.db'}", study_name="untouched", instances=("gn6i.xlarge",), counts=(1, 2), micro_batch_sizes=(4, 8))
+    with pytest.raises(ValueError, match=r"`top_k` must be an integer >= 1, got '8'\. HINT:"):
+        attach_to_study(study, top_k="8")
+    assert get_note(study) == ""  # no note without its plots
+    assert not (tmp_path / "t-artifacts").exists()
+
+
+def test_plot_paths_that_cannot_be_written_are_one_sentence(study: optuna.Study, tmp_path: Path) -> None:
+    """A folder or a path under a file raised the writer's bare IsADirectoryError / FileExistsError."""
+    from lightning_distplan.errors import OutputPathError
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(OutputPathError, match=r"^path_html '.*folder' is a directory\. HINT: Name a file, e\.g\. path_html .*plot\.html\.$"):
+        plot_pareto_front(study, path_html=tmp_path / "folder")
+    with pytest.raises(OutputPathError, match=r"^path_png '.*afile/b\.png' lies under '.*afile', which is a file\. HINT:"):
+        plot_time_breakdown(study, path_png=tmp_path / "afile" / "b.png")
+    assert (tmp_path / "afile").read_text() == "mine"
+    # written through a temporary file: a PNG that cannot be drawn (too large for Agg) leaves the one there before as it was
+    from matplotlib.figure import Figure
+
+    (tmp_path / "p.png").write_bytes(b"earlier")
+    with pytest.raises(ValueError, match="Image size"):
+        plots._save_png(Figure(figsize=(1e6, 1e6), dpi=100), tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes() == b"earlier" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "folder", "p.png"]
 
 
 def test_breakdown_ranks_by_objective_and_stacks_to_step_time(study: optuna.Study) -> None:
