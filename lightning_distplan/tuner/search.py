@@ -680,6 +680,12 @@ def _tune(
 
     started = time.perf_counter()
     _validate(profile, global_batch_size, time_weight, n_trials, max_instances, seed, max_pp)
+    if not isinstance(multi_objective, bool):  # "no" is true: an NSGA-II search nobody asked for
+        raise InfeasiblePlanError(
+            f"`multi_objective` must be True or False, got {multi_objective!r}.", hint="Pass multi_objective=True for the (cost, time) search, or leave it out."
+        )
+    if study_name is not None and not isinstance(study_name, str):
+        raise InfeasiblePlanError(f"`study_name` must be a string or None, got {study_name!r}.", hint="Pass e.g. study_name='resnet101', or None for the default name.")
     catalog = _resolve_catalog(catalog, bandwidth_gbps, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,
@@ -931,7 +937,11 @@ def exhaustive(
         ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
     """
     started = time.perf_counter()
-    _validate(profile, global_batch_size, time_weight, 1, max_instances, 0)
+    _validate(profile, global_batch_size, time_weight, 1, max_instances, 0, max_pp)
+    if not isinstance(max_configurations, int) or isinstance(max_configurations, bool) or max_configurations < 1:
+        raise InfeasiblePlanError(
+            f"`max_configurations` must be an integer >= 1, got {max_configurations!r}.", hint="Pass e.g. max_configurations=200_000, or leave it out."
+        )
     catalog = _resolve_catalog(catalog, None, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,

@@ -835,3 +835,23 @@ def test_a_sqlite_uri_filename_with_an_authority_or_escapes_names_its_file(tmp_p
         assert sqlite_path(url) == path, url
         open_storage(url).get_all_studies()
         assert path.is_file(), url
+
+
+@pytest.mark.parametrize(
+    ("search", "kwargs", "match"),
+    [
+        # the string "no" is true: an NSGA-II search was run and stored as multi-objective
+        ("tune", dict(multi_objective="no"), r"^`multi_objective` must be True or False, got 'no'\. HINT:"),
+        ("tune", dict(study_name=5), r"^`study_name` must be a string or None, got 5\. HINT:"),
+        # these raised "'>' not supported between instances of 'int' and 'str'" (max_pp was not checked by exhaustive)
+        ("exhaustive", dict(max_configurations="10"), r"^`max_configurations` must be an integer >= 1, got '10'\. HINT:"),
+        ("exhaustive", dict(max_pp="2"), r"^`max_pp` must be an integer >= 1, got '2'\. HINT:"),
+    ],
+)
+def test_argument_types_are_checked_before_searching(tmp_path, search, kwargs, match):
+    with pytest.raises(InfeasiblePlanError, match=match):
+        if search == "tune":
+            tune(make_profile(), catalog="alicloud-2023", global_batch_size=32, n_trials=3, storage=_url(tmp_path), progress=False, **kwargs)
+        else:
+            exhaustive(make_profile(), "alicloud-2023", global_batch_size=32, **kwargs)
+    assert not list(tmp_path.iterdir())  # refused before the storage was opened
