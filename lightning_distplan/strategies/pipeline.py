@@ -262,6 +262,8 @@ class PipelineStrategy(DDPStrategy):
         )
         given = check_boundaries(stage_boundaries)
         stage_boundaries = "auto" if given is None else given
+        if not isinstance(deferred_batchnorm, bool):  # as AutoPlanStrategy: the string "no" is true
+            raise InfeasiblePlanError(f"`deferred_batchnorm` must be True or False, got {deferred_batchnorm!r}.", hint="Pass deferred_batchnorm=True.")
         if schedule not in ("auto", *_SCHEDULES):
             raise InfeasiblePlanError(f"Unknown pipeline schedule {schedule!r}.", hint="Use one of 'auto', 'gpipe', '1f1b'.")
         n_microbatches = check_count("n_microbatches", n_microbatches, auto=True)

@@ -40,6 +40,14 @@ def test_pipeline_stage_boundaries_that_are_no_layer_indices_are_refused_at_cons
         PipelineStrategy(stages=2, stage_boundaries=boundaries)
 
 
+@pytest.mark.parametrize("flag", ["no", 0, None])
+def test_pipeline_deferred_batchnorm_must_be_a_bool(flag: Any) -> None:
+    """As AutoPlanStrategy's: the string "no" is true and swapped the user's BatchNorm layers for DeferredBatchNorm."""
+    with pytest.raises(InfeasiblePlanError, match=rf"^`deferred_batchnorm` must be True or False, got {flag!r}\. HINT: Pass deferred_batchnorm=True\.$"):
+        PipelineStrategy(stages=2, deferred_batchnorm=flag)
+    assert PipelineStrategy(stages=2, deferred_batchnorm=False)._deferred_batchnorm is False
+
+
 def test_a_plan_that_is_no_plan_object_is_refused_with_a_hint() -> None:
     """What plan.json holds (a dict) or its path: an AttributeError ('dict' object has no attribute 'strategy'), as
     DPGAStrategy raised before 4fa0303."""
