@@ -84,7 +84,9 @@ class LinearFit:
     def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
         """Ordinary least squares. One point gives a line through the origin (β = 0)."""
         if len(xs) != len(ys) or not xs:
-            raise ValueError(f"LinearFit.fit needs equally many x and y values (got {len(xs)} and {len(ys)}).")
+            raise ValueError(
+                f"LinearFit.fit needs equally many x and y values, at least one (got {len(xs)} and {len(ys)}). HINT: Pass one y per x."
+            )
         n = len(xs)
         if n == 1 or len(set(xs)) == 1:
             mean_x = sum(xs) / n

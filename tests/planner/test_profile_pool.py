@@ -61,10 +61,12 @@ def test_pooling_one_or_equal_profiles_changes_nothing() -> None:
 
 
 def test_pooling_different_models_or_nothing_is_refused() -> None:
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(ValueError, match=r"at least one profile\. HINT: "):
         pool_profiles([])
-    with pytest.raises(ValueError, match="same model taken the same way"):
+    with pytest.raises(ValueError, match=r"cannot average profile 1 with profile 0: .*HINT: pool only profiles of the same model"):
         pool_profiles([_profile(1.0), _profile(1.0, n_layers=3)])
+    with pytest.raises(ValueError, match=r"equally many x and y values, at least one \(got 2 and 1\)\. HINT: Pass one y per x\."):
+        LinearFit.fit([1, 2], [0.5])
     assert poolable(_profile(1.0), _profile(1.6)) and not poolable(_profile(1.0), _profile(1.0, n_layers=3))
 
 
