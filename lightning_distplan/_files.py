@@ -113,6 +113,17 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     ``open(path, "w")`` would. A hard link's other names keep the old content (the rename makes a new file).
     """
     path = Path(path)
+    try:
+        return _write_text_atomic(path, text)
+    except OSError as err:  # a full disk or quota at the write, after the work that filled the file (minutes of profiling)
+        kept = "; the file there before is left as it was" if path.is_file() else "; no file was made" if not path.exists() else ""
+        raise OutputPathError(
+            f"Writing {str(path)!r} failed ({err.strerror or err}){kept}.",
+            hint="Free space on that file system (or check its quota and permissions), or pick another path.",
+        ) from err
+
+
+def _write_text_atomic(path: Path, text: str) -> Path:
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
     if target.exists() and not target.is_file() and not target.is_dir():
         target.write_text(text, encoding="utf-8")

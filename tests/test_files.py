@@ -69,3 +69,41 @@ def test_an_output_path_where_no_file_can_be_made_is_refused_up_front(tmp_path):
         check_output_path("/proc/x.json", "--out")
     assert check_output_path(tmp_path / "new" / "p.json", "--out") == tmp_path / "new" / "p.json"
     assert list(tmp_path.iterdir()) == []  # the probe left nothing behind, and made no folder
+
+
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from lightning_distplan._files import write_text_atomic
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk or quota
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+for name in sys.argv[1:]:
+    try:
+        write_text_atomic(name, "x" * 100_000)
+    except Exception as err:
+        print(type(err).__name__, isinstance(err, ValueError), err)
+"""
+
+
+def test_a_write_the_file_system_refuses_is_one_sentence_and_keeps_the_old_file(tmp_path: Path) -> None:
+    """A full disk at the write (after minutes of profiling or benchmarking) printed 'OSError: [Errno 28] No space left
+    on device' with the generic HINT, naming no file."""
+    import subprocess
+    import sys
+
+    (tmp_path / "profile.json").write_text("old")
+    run = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path / "profile.json"), str(tmp_path / "new.json")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert run.returncode == 0, run.stderr
+    first, second = run.stdout.splitlines()
+    assert first == (
+        f"OutputPathError True Writing {str(tmp_path / 'profile.json')!r} failed (File too large); the file there before is left as it was. "
+        "HINT: Free space on that file system (or check its quota and permissions), or pick another path."
+    )
+    assert second.startswith(f"OutputPathError True Writing {str(tmp_path / 'new.json')!r} failed (File too large); no file was made. HINT:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"] and (tmp_path / "profile.json").read_text() == "old"
+    if Path("/dev/full").exists():  # a device written in place: no claim about what it holds
+        with pytest.raises(OutputPathError, match=r"^Writing '/dev/full' failed \(No space left on device\)\. HINT: Free space"):
+            write_text_atomic("/dev/full", "{}")
