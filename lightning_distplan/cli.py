@@ -12,7 +12,7 @@ import importlib
 import signal
 import sys
 import threading
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main"]
 
@@ -21,8 +21,16 @@ _COMMANDS = ("profile", "plan", "tune", "dashboard", "bench")
 _LIGHTNING_COMMANDS = ("profile", "bench")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line with a HINT (argparse prints the whole usage first: a dozen
+    lines before the sentence that matters). Subcommand parsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message.rstrip('.')}. HINT: See `{self.prog} --help` for the options.\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distplan", description="Profile, plan and tune distributed training of a LightningModule.")
+    parser = _Parser(prog="distplan", description="Profile, plan and tune distributed training of a LightningModule.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _COMMANDS:

@@ -458,3 +458,23 @@ def test_a_profile_file_json_cannot_hold_is_named_with_the_profile_hint(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"Profile file {str(path)!r} {message}" in err[0], err
     assert err[0].endswith("HINT: The file is corrupt; re-create it with `distplan profile`.")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--profile", "p.json", "--world-size", "x", "--global-batch-size", "8"],
+         "distplan plan: error: argument --world-size: invalid int value: 'x'. HINT: See `distplan plan --help` for the options."),
+        (["plan", "--profile", "p.json"],
+         "distplan plan: error: the following arguments are required: --world-size, --global-batch-size. HINT: See `distplan plan --help`"),
+        (["tune", "--profile", "p.json", "--global-batch-size", "8", "--format", "xml"], "distplan tune: error: argument --format: invalid choice: 'xml'"),
+        (["nope"], "distplan: error: argument COMMAND: invalid choice: 'nope'"),
+        ([], "distplan: error: the following arguments are required: COMMAND. HINT: See `distplan --help` for the options."),
+    ],
+)
+def test_usage_errors_are_one_line_with_a_hint(argv, message, capsys):
+    """argparse printed the whole usage (a dozen lines for plan) before the sentence, and no HINT."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(message) and "HINT:" in err[0], err
