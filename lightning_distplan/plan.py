@@ -222,7 +222,14 @@ class Plan:
         missing = sorted(f.name for f in fields(cls) if f.name not in data and f.default is MISSING and f.default_factory is MISSING)
         if missing:
             raise ProfileFormatError(f"The plan has no {', '.join(missing)}.", hint="Pass a plan.json written by distplan.")
-        return cls(**{k: v for k, v in data.items() if k in names})
+        plan = cls(**{k: v for k, v in data.items() if k in names})
+        if "schedule" in data and data["schedule"] != plan.schedule:
+            # to_dict writes the schedule for readers; the strategy decides it. An edited schedule ran the strategy's.
+            raise InfeasiblePlanError(
+                f"The plan's schedule {data['schedule']!r} contradicts its strategy {plan.strategy!r} (whose schedule is {plan.schedule!r}).",
+                hint="Edit `strategy` (dp_ga, gpipe or 1f1b); `schedule` follows it.",
+            )
+        return plan
 
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,19 @@ def test_a_plan_with_malformed_boundaries_or_names_is_refused_not_truncated(fiel
     base = dict(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
     with pytest.raises(InfeasiblePlanError, match=message + ".*HINT"):
         Plan.from_dict({**base, field: value})
+
+
+@pytest.mark.parametrize(("strategy", "schedule"), [("1f1b", "gpipe"), ("dp_ga", "1f1b"), ("gpipe", None)])
+def test_a_schedule_that_contradicts_the_strategy_is_refused(strategy, schedule):
+    """to_dict writes `schedule` beside `strategy`; a plan.json edited to schedule: gpipe ran 1F1B without a word."""
+    base = dict(strategy=strategy, dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8)
+    if strategy == "dp_ga":
+        base.update(pp=1, n_microbatches=1, micro_batch_size=8)
+    data = {**Plan(**base).to_dict(), "schedule": schedule}
+    with pytest.raises(InfeasiblePlanError, match=rf"^The plan's schedule {schedule!r} contradicts its strategy '{strategy}'.*HINT: Edit `strategy`"):
+        Plan.from_json(json.dumps(data))
+    assert Plan.from_dict(Plan(**base).to_dict()) == Plan(**base)  # as written, and without the field
+    assert Plan.from_dict({k: v for k, v in Plan(**base).to_dict().items() if k != "schedule"}) == Plan(**base)
 
 
 def test_whole_numbers_of_any_integer_type_are_boundaries():
