@@ -254,12 +254,27 @@ def _data_hint(err: BaseException) -> str:
     return "Check that the model's or datamodule's train_dataloader() works outside a Trainer, or profile on random data. " + _DEMO_HINT
 
 
+def _inherits_train_dataloader(model: Any) -> bool:
+    """Whether ``model``'s ``train_dataloader`` is Lightning's stub (no class of the user's defines one)."""
+    from lightning.pytorch.core.hooks import DataHooks
+
+    own = getattr(type(model), "train_dataloader", None)
+    return own is DataHooks.train_dataloader and "train_dataloader" not in vars(model)
+
+
 def train_loader(model: Any, datamodule: Any, *, model_path: str, datamodule_path: str | None) -> Any:
     """The train loader of ``datamodule`` (or of ``model``), in Lightning's order; a failure is one :class:`DataLoadingError`.
 
     ``model`` may be None with a datamodule: its hooks are then not run (``distplan bench`` builds
     a fresh module per plan).
     """
+    if datamodule is None and model is not None and _inherits_train_dataloader(model):
+        # Lightning's stub raises "`train_dataloader` must be implemented", which the HINT below took for a loader that broke
+        raise DataLoadingError(
+            f"{model_path} defines no train_dataloader() and no --datamodule was given, so there are no batches to profile.",
+            hint="Pass --datamodule package.module:ClassName (for lightning_distplan.bench.models:WideMLP, "
+            "--datamodule lightning_distplan.bench.models:RandomVectorData). " + _DEMO_HINT,
+        )
     # Lightning's order in fit(): prepare_data, setup("fit") (datamodule, then model), configure_model.
     # The model's own prepare_data is skipped when a datamodule supplies the data: it usually downloads
     # the very dataset the datamodule replaces (the demo Transformer's WikiText2).

@@ -132,6 +132,10 @@ def test_a_missing_class_hint_lists_the_classes_the_module_defines_not_those_it_
         (["cli_profile_fixtures:NeedsRequests"], r"Requirement 'requests' not met\. HINT: The data may need a download"),
         (["cli_profile_fixtures:NoLoader"], r"RuntimeError: no data here\. HINT: Check that the model's or datamodule's train_dataloader\(\) works outside a Trainer"),
         (["cli_profile_fixtures:NoParams"], r"no trainable parameters"),
+        # a model with no train_dataloader() of its own and no --datamodule: Lightning's stub raised "`train_dataloader` must be
+        # implemented", which the HINT took for a loader that failed ("check that it works outside a Trainer")
+        (["lightning_distplan.bench.models:WideMLP"], r"^distplan profile: error: lightning_distplan\.bench\.models:WideMLP defines no train_dataloader\(\) "
+         r"and no --datamodule was given, so there are no batches to profile\. HINT: Pass --datamodule .*lightning_distplan\.bench\.models:RandomVectorData"),
         (["cli_profile_fixtures:NeedsDownload"], r"ConnectionError.*HINT: .*--datamodule lightning_distplan.demos:RandomTokenData"),
         (["cli_profile_fixtures:NoParams", "--init-args", "{bad json"], r"--init-args .* is not valid JSON"),
         (["cli_profile_fixtures:NoParams", "--init-args", "[1, 2]"], r"must be a JSON object"),
