@@ -57,12 +57,14 @@ class _LaterFits:
         self.module: Any = None
         self.outcome: Any = None  # the plan's PlanningOutcome, as the last re-plan left it (StepTimeMonitor sets it)
         self.attach: Callable[[pl.Trainer, Any], None] | None = None  # auto_plan's: attach its StepTimeMonitor again
+        self.fit_loader_batch: int | None = None  # the batch size of this fit's first train loader
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Count a fit; refuse a later one that trains another module than the one planned."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self.fits += 1
+        self.fit_loader_batch = None
         if self.fits == 1:
             self.module = trainer.lightning_module
         elif trainer.lightning_module is not self.module:
@@ -75,9 +77,24 @@ class _LaterFits:
             self.attach(trainer, self.outcome)  # the monitor started afresh in its setup: it logs (and re-plans) this fit too
 
     def check_loader(self, dataloader: object, world_size: int) -> None:
-        """Refuse a later fit whose loader makes another global batch than the plan's."""
+        """Refuse a later fit whose loader makes another global batch than the plan's, and a train loader loaded again
+        during a fit (``reload_dataloaders_every_n_epochs``) with another batch size than the fit's first: the plan would
+        silently keep running the old global batch where DDP steps on the new one."""
         b = loader_batch_size(dataloader)
-        if self.fits < 2 or self.given_global_batch or b is None:
+        if self.given_global_batch or b is None:
+            return
+        first, self.fit_loader_batch = self.fit_loader_batch, self.fit_loader_batch or b
+        if first is not None and b != first:
+            # compared with the fit's first loader, not the plan: Lightning's re-instantiation can read another batch size
+            # than the loader the plan was made from (a torch BatchSampler becomes batch_size=1), which the plan absorbs
+            raise InfeasiblePlanError(
+                f"The train loader was loaded again during the fit with batches of {b}, where its first batches were {first}, and "
+                f"this fit's plan ({self.plan.describe()}) keeps the global batch of {self.plan.global_batch_size} it was made for "
+                "(a run of your loader under DDP would step on the new batch size).",
+                hint="Keep the train loader's batch size fixed across reload_dataloaders_every_n_epochs, or use "
+                "DPGAStrategy(micro_batch_size=...) or strategy='ddp', which follow a changing batch size.",
+            )
+        if self.fits < 2:
             return
         now = b * self.user_accumulate * world_size
         if now != self.plan.global_batch_size:

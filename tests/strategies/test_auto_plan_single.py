@@ -119,6 +119,36 @@ def test_a_later_fit_on_the_same_trainer_keeps_the_plan_or_says_why_it_cannot(tm
     assert trainer.global_step == 16
 
 
+class _GrowingBatch(ChainMLP):
+    """A batch-size warm-up: the train loader's batch doubles every epoch (reload_dataloaders_every_n_epochs=1)."""
+
+    def train_dataloader(self) -> Any:
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=self.hparams.loader_batch * 2**self.current_epoch)
+
+
+def test_a_train_loader_reloaded_with_another_batch_size_is_refused_not_run_at_the_old_global_batch(tmp_path: Path) -> None:
+    """The plan is made for the fit's first loader: reloaded with batches of 16 in epoch 1, it went on stepping every 8
+    samples where DDP steps every 16 (no word said). A reload of the same batch size runs on; DPGAStrategy follows it."""
+    from lightning_distplan.strategies import DPGAStrategy
+
+    model = _GrowingBatch(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0)
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(micro_batch_size=4), devices=1, max_epochs=2,
+                                         reload_dataloaders_every_n_epochs=1))
+    with pytest.raises(InfeasiblePlanError, match=r"loaded again during the fit with batches of 16, where its first batches were 8.*"
+                                                  r"global batch of 8.*HINT: Keep the train loader's batch size fixed"):
+        trainer.fit(model)
+    assert trainer.global_step == 8  # epoch 0 ran as planned (8 steps of 8 samples), nothing of epoch 1
+    same = L.Trainer(**trainer_kwargs(str(tmp_path / "same"), strategy=AutoPlanStrategy(micro_batch_size=4), devices=1, max_epochs=2,
+                                      reload_dataloaders_every_n_epochs=1))
+    same.fit(_small(n_samples=64))
+    assert same.global_step == 16
+    follows = L.Trainer(**trainer_kwargs(str(tmp_path / "dp_ga"), strategy=DPGAStrategy(micro_batch_size=4), devices=1, max_epochs=2,
+                                         reload_dataloaders_every_n_epochs=1))
+    follows.fit(_GrowingBatch(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0))
+    assert follows.global_step == 8 + 4  # epoch 1 steps on its loader batches of 16
+
+
 def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plans_that_train_them() -> None:
     """60 samples on 2 devices: DDP trains each replica's 30 (a short last batch); a dp=1 pipeline's step of 16 samples
     would skip 12 of every epoch's 60. auto_plan runs the best plan that trains them all (the math stays the user's),
