@@ -893,12 +893,18 @@ def loader_sampler(dataloader: object) -> tuple[Any, bool | None]:
 
 
 def _samples_per_epoch(dataloader: object) -> int | None:
+    """Samples one pass of ``dataloader`` yields, None where they cannot be known from its lengths."""
     batch = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
     if batch is None or drop_last is None:
         return None
     try:
-        return len(dataloader) * batch if drop_last else len(sampler)  # type: ignore[arg-type]
+        if drop_last:
+            return len(dataloader) * batch  # type: ignore[arg-type]
+        dataset = getattr(dataloader, "dataset", None)
+        # an iterable-style dataset's length is its samples (the DataLoader's own length is taken from it); its sampler
+        # (torch's _InfiniteConstantSampler) has none
+        return len(dataset) if isinstance(dataset, torch.utils.data.IterableDataset) else len(sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
 

@@ -796,3 +796,54 @@ def test_a_loader_of_one_step_per_batch_loaded_before_the_loops_were_restored_is
     assert rechunk.reload_resumed()  # so the loader is set up again at the epoch's start ...
     rechunk.wrap(trainer, loader, 8, cls=_FullBatchLoader, replica_share=2)
     assert progress.current.ready == 4  # ... where the 2 loader batches count as 4 of the plan's steps
+
+
+class _SizedStream(torch.utils.data.IterableDataset):
+    """An iterable-style dataset with a length (its samples), as a streaming dataset that knows its size declares."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def __iter__(self) -> Any:
+        for row in self.x:
+            yield row, row.sum(0, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+
+class _ScheduledOver(_Regression):
+    """A learning rate decayed over trainer.estimated_stepping_batches (read in configure_optimizers), recorded per step;
+    ``loader`` makes the train loader from the 20 samples."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__()
+        self.loader, self.lrs, self.total = loader, [], None
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.total = self.trainer.estimated_stepping_batches
+        schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=self.total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def train_dataloader(self) -> Any:
+        return self.loader(torch.randn(20, 4, generator=torch.Generator().manual_seed(0)))
+
+
+def test_an_iterable_dataset_with_a_length_keeps_ddps_count_of_steps(single_process_group: None) -> None:
+    """An IterableDataset with __len__ (20 samples in batches of 8: 8, 8, 4) re-chunked into micro-batches of 2: the
+    micro-batch loader had no length (its sampler has none), so Lightning counted the epoch as endless and
+    estimated_stepping_batches was max_steps (-1) where DDP's is 6: a schedule over it kept the learning rate flat."""
+    runs = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
+        model = _ScheduledOver(lambda x: torch.utils.data.DataLoader(_SizedStream(x), batch_size=8))
+        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0))
+        trainer.fit(model)
+        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert runs["ddp"][:2] == (6, 6) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
+    torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
