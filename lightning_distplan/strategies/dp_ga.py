@@ -500,6 +500,9 @@ class Rechunking:
             _warn_batchnorm(trainer, m, loader_batch)
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
+        if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
+                and sized_len(self._loader) is None:
+            _refuse_uncounted(dataloader, loader_batch, m)
         self._trainer, self._steer = trainer, None
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
@@ -856,6 +859,21 @@ def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, l
         trainer.val_check_interval = micro if not micro_batches else min(micro, micro_batches)
 
 
+def _refuse_uncounted(dataloader: object, loader_batch: int, m: int) -> None:
+    """A sized train loader whose samples per epoch cannot be known (a batch sampler that draws from no ``sampler``
+    of its own, or from one its batches cannot all hold) would have its micro-batches miscounted: Lightning, given a
+    length, ends the epoch (and steps) at that count, so an optimizer step ran across the epoch's end and
+    ``estimated_stepping_batches`` was not DDP's. Refused before the first batch."""
+    name = type(getattr(dataloader, "batch_sampler", None)).__name__
+    raise InfeasiblePlanError(
+        f"The train loader has {len(dataloader)} batches of up to {loader_batch} samples, but how many samples its {name} "  # type: ignore[arg-type]
+        f"yields per epoch cannot be told from its sampler, so its micro-batches of {m} cannot be counted (counted wrong, an "
+        "optimizer step would run across the epoch's end).",
+        hint=f"Use micro_batch_size={loader_batch} (your batches as they are), a batch sampler whose `sampler` attribute holds "
+        "exactly the indices it batches, or strategy='ddp'.",
+    )
+
+
 def _warn_batchnorm(trainer: pl.Trainer, m: int, loader_batch: int) -> None:
     """BatchNorm normalises over what one forward sees: micro-batches of ``m`` are not the user's batches (DESIGN §3,
     invariant 2: detected and reported)."""
@@ -886,27 +904,32 @@ def _divisors(n: int) -> list[int]:
 
 
 def loader_sampler(dataloader: object) -> tuple[Any, bool | None]:
-    """The sampler behind a DataLoader's batches and whether its batches drop the short last one (None: unknown)."""
+    """The sampler behind a DataLoader's batches (None: unknown) and whether its batches drop the short last one (None:
+    unknown). A batch sampler without a ``sampler`` of its own (one that shards or filters the data itself) does not
+    draw from the DataLoader's ``sampler``, which torch makes over the whole dataset."""
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    sampler = getattr(batch_sampler, "sampler", None) or getattr(dataloader, "sampler", None)
+    sampler = getattr(dataloader, "sampler", None) if batch_sampler is None else getattr(batch_sampler, "sampler", None)
     return sampler, getattr(batch_sampler, "drop_last", getattr(dataloader, "drop_last", None))
 
 
 def _samples_per_epoch(dataloader: object) -> int | None:
-    """Samples one pass of ``dataloader`` yields, None where they cannot be known from its lengths."""
+    """Samples one pass of ``dataloader`` yields, None where they cannot be known from its lengths (also where a
+    sampler holds more samples than the loader's batches, each at most the batch size, can: they are not drawn from it)."""
     batch = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
     if batch is None or drop_last is None:
         return None
     try:
+        batches = len(dataloader)  # type: ignore[arg-type]
         if drop_last:
-            return len(dataloader) * batch  # type: ignore[arg-type]
+            return batches * batch
         dataset = getattr(dataloader, "dataset", None)
         # an iterable-style dataset's length is its samples (the DataLoader's own length is taken from it); its sampler
         # (torch's _InfiniteConstantSampler) has none
-        return len(dataset) if isinstance(dataset, torch.utils.data.IterableDataset) else len(sampler)  # type: ignore[arg-type]
+        samples = len(dataset) if isinstance(dataset, torch.utils.data.IterableDataset) else len(sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
+    return samples if samples <= batches * batch else None
 
 
 class _MicroBatchLoader:

@@ -847,3 +847,47 @@ def test_an_iterable_dataset_with_a_length_keeps_ddps_count_of_steps(single_proc
             torch.distributed.destroy_process_group()
     assert runs["ddp"][:2] == (6, 6) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
     torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
+
+
+class _EveryOther(torch.utils.data.Sampler):
+    """A user's batch sampler over part of the data (every other sample, as one that shards by rank itself), in batches of
+    ``batch_size`` (10 samples: 4, 4, 2); it has no ``sampler`` attribute."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.indices, self.batch_size = list(range(0, n, 2)), batch_size
+
+    def __iter__(self) -> Any:
+        for k in range(0, len(self.indices), self.batch_size):
+            yield self.indices[k : k + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+
+def test_a_batch_sampler_whose_samples_per_epoch_cannot_be_counted_is_refused_before_training(single_process_group: None) -> None:
+    """The micro-batches of an epoch were counted from the DataLoader's own sampler (all 20 samples: 10 micro-batches of 2)
+    where the batch sampler yields 10 samples: Lightning ended no epoch where it ends, so an optimizer step ran across
+    the epoch's end (4 steps in 2 epochs where DDP takes 6) and estimated_stepping_batches was 10, not 6. Refused
+    before any step now; with the loader's own batch size nothing is counted and the run is DDP's."""
+    loader = lambda x: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_sampler=_EveryOther(20, 4))  # noqa: E731
+    model = _ScheduledOver(loader)
+    before = cpu_state(model)
+    trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=2, limit_val_batches=0,
+                                         use_distributed_sampler=False))
+    with pytest.raises(InfeasiblePlanError, match=r"3 batches of up to 4 samples, but how many samples its _EveryOther yields per epoch "
+                                                  r"cannot be told.*micro-batches of 2.*HINT: Use micro_batch_size=4"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+    torch.testing.assert_close(cpu_state(model), before, rtol=0, atol=0)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    runs = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=4))):
+        model = _ScheduledOver(loader)
+        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0, use_distributed_sampler=False))
+        trainer.fit(model)
+        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert runs["ddp"][:2] == (6, 6) and runs["dp_ga"][:3] == runs["ddp"][:3]
+    torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=0, atol=0)
