@@ -22,7 +22,7 @@ from lightning_distplan.profiling._errors import DataLoadingError, ProfilingErro
 
 __all__ = [
     "BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "loader_batch_size", "move_to",
-    "slice_samples", "tensors_in",
+    "slice_samples", "tensors_in", "uncut_part",
 ]
 
 
@@ -308,6 +308,28 @@ def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
             return _rebuild_seq(batch, list(batch[start:stop]))
         return _rebuild_seq(batch, [slice_samples(v, start, stop, n) for v in batch])
     return batch  # a constant (a string tag, an int, an object): kept as is
+
+
+def uncut_part(batch: Any, n: int, path: tuple = ()) -> tuple[tuple, Any] | None:
+    """``(path, part)`` of the first part of a batch of ``n`` that :func:`slice_samples` keeps whole although it holds
+    ``n`` rows (a numpy array, an object of the user's with tensors of ``n`` rows as attributes), or None: each
+    micro-batch would get all ``n`` rows of it beside its own samples."""
+    if isinstance(batch, (Tensor, str, bytes, int, float, bool)) or batch is None:
+        return None
+    if isinstance(batch, Mapping) or _is_record(batch):
+        items = batch.items() if isinstance(batch, Mapping) else _fields_of(batch).items()
+        return next((found for key, value in items if (found := uncut_part(value, n, (*path, key))) is not None), None)
+    if isinstance(batch, (list, tuple)):
+        if _per_sample(batch, n):
+            return None  # cut item by item
+        return next((found for i, value in enumerate(batch) if (found := uncut_part(value, n, (*path, i))) is not None), None)
+    shape = getattr(batch, "shape", None)
+    if isinstance(shape, tuple) and shape and shape[0] == n:
+        return path, batch
+    attributes = getattr(batch, "__dict__", None)
+    if isinstance(attributes, dict) and any(isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n for v in attributes.values()):
+        return path, batch
+    return None
 
 
 def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:

@@ -891,3 +891,61 @@ def test_a_batch_sampler_whose_samples_per_epoch_cannot_be_counted_is_refused_be
             torch.distributed.destroy_process_group()
     assert runs["ddp"][:2] == (6, 6) and runs["dp_ga"][:3] == runs["ddp"][:3]
     torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=0, atol=0)
+
+
+class _Targets:
+    """A user's target container that Lightning moves with its ``to`` method (no dataclass: nothing to look into)."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+    def to(self, *args: Any, **kwargs: Any) -> _Targets:
+        return _Targets(self.y.to(*args, **kwargs))
+
+
+class _OpaqueTargets(_Regression):
+    """Batches (x, part) where ``part`` holds the batch's targets in a form slicing does not look into."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, part = batch
+        y = part.y if self.part == "object" else torch.as_tensor(part)
+        self.trained.append((self.current_epoch, x.shape[0]))
+        return ((self.lin(x).squeeze(1) - y.reshape(-1)) ** 2).mean()
+
+    def train_dataloader(self) -> Any:
+        import numpy as np
+
+        def collate(items: list[Any]) -> Any:
+            x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+            return x, (_Targets(y) if self.part == "object" else np.asarray(y.numpy()))
+
+        return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=8, collate_fn=collate)
+
+
+@pytest.mark.parametrize(("part", "name"), [("object", "_Targets"), ("numpy", "ndarray")])
+def test_a_batch_part_that_holds_the_batch_rows_but_cannot_be_cut_is_refused(part: str, name: str, single_process_group: None) -> None:
+    """A numpy array, or an object of the user's with tensors as attributes, was passed whole into every micro-batch: each
+    micro-batch of 2 got the 8 targets of its loader batch (a shape error deep in training_step, or a loss silently
+    broadcast over the wrong rows). Refused at the first batch, before any step; micro_batch_size=8 trains as DDP."""
+    model = _OpaqueTargets(part)
+    before = cpu_state(model)
+    trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=2), devices=1, max_epochs=1, limit_val_batches=0))
+    with pytest.raises(InfeasiblePlanError, match=rf"The training batch\[1\] is a {name} holding the batch's 8 rows, which cannot be cut "
+                                                  r"into micro-batches of 2.*HINT: Make it a tensor.*micro_batch_size=8"):
+        trainer.fit(model)
+    assert model.trained == [] and trainer.global_step == 0
+    torch.testing.assert_close(cpu_state(model), before, rtol=0, atol=0)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    states = []
+    for strategy in ("ddp", DPGAStrategy(micro_batch_size=8)):
+        model = _OpaqueTargets(part)
+        L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0)).fit(model)
+        states.append(cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    torch.testing.assert_close(states[1], states[0], rtol=0, atol=0)
