@@ -402,10 +402,23 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
     original_step = strategy.training_step
     weight = plan.accumulate_grad_batches / applied.accumulate_grad_batches
 
+    first: list[int] = []  # the batch size of the fit's first train loader
+
     def process_dataloader(dataloader: object) -> object:
         dataloader = original(dataloader)
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        b = loader_batch_size(dataloader)
+        if b is not None and first and b != first[0]:
+            # the plan's micro-batches and accumulation would silently keep the first loader's global batch
+            raise InfeasiblePlanError(
+                f"The train loader was loaded again during the fit with batches of {b}, where its first batches were {first[0]}, "
+                f"and PlanningCallback's plan ({plan.describe()}) keeps the global batch of {plan.global_batch_size} it was made "
+                "for (a run of your loader without the callback would step on the new batch size).",
+                hint="Keep the train loader's batch size fixed across reload_dataloaders_every_n_epochs, or drop PlanningCallback.",
+            )
+        if b is not None and not first:
+            first.append(b)
         return rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)
 
     def on_train_batch_start(batch: Any, batch_idx: int) -> None:

@@ -130,6 +130,26 @@ def test_reloaded_loaders_draw_the_random_stream_as_the_plain_run_does(tmp_path:
     torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=0, atol=0)
 
 
+class GrowingNet(Net):
+    """A batch-size warm-up: the train loader's batch doubles every epoch (reload_dataloaders_every_n_epochs=1)."""
+
+    def train_dataloader(self) -> DataLoader:
+        self.loader_batch = 16 * 2**self.current_epoch
+        return super().train_dataloader()
+
+
+def test_a_loader_reloaded_with_another_batch_size_is_refused_not_run_at_the_old_global_batch(tmp_path: Path) -> None:
+    """The plan's micro-batches and accumulation were kept for a loader reloaded with batches of 32: the fit stepped every
+    16 samples where the run without the callback steps every 32 (no word said). Refused at the reload now; a reload of
+    the same batch size runs on (the test above)."""
+    model = GrowingNet()
+    trainer = L.Trainer(**_kwargs(tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1, callbacks=[PlanningCallback(micro_batch_size=4)]))
+    with pytest.raises(InfeasiblePlanError, match=r"loaded again during the fit with batches of 32, where its first batches were 16.*"
+                                                  r"global batch of 16.*HINT: Keep the train loader's batch size fixed"):
+        trainer.fit(model)
+    assert trainer.global_step == 8  # epoch 0 as planned (8 steps of 16 samples), nothing of epoch 1
+
+
 class OneCycleNet(Net):
     """Sizes OneCycleLR with trainer.estimated_stepping_batches, as Lightning's docs show."""
 
