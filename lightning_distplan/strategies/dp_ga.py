@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import torch
 from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -951,6 +952,9 @@ class _MicroBatchLoader:
         self._warned: set[str] = set()  # a warning about uneven loader batches, once per fit
         self._resume: tuple[int, int] | None = None  # a resumed epoch's (loader batches, length as Lightning counts it)
         self._resume_began = False
+        self._states: dict[int, Any] | None = None  # a stateful loader's state after each loader batch pulled (see _recorded)
+        self._held: Any = None  # the state a checkpoint stores for it now (None: the loader's own)
+        self._exhausted = False
 
     def resume_epoch(self, loader_batches: int, length: int) -> None:
         """The next epoch resumes one: it stops after ``loader_batches`` of the loader's batches, and has ``length``
@@ -988,6 +992,7 @@ class _MicroBatchLoader:
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
             self._weights.append((self._weight * _share(pieces), _ends(pieces)))
+            self._hold_state_of(sources[0][0])
             yield batch
 
     def _watch_labels(self, batches: Iterable[Any]) -> Iterator[Any]:
@@ -1004,7 +1009,36 @@ class _MicroBatchLoader:
 
     def _batches(self, limit: int | None) -> Iterable[Any]:
         """The loader's batches, the first ``limit`` of them when limited."""
-        return self._loader if limit is None else itertools.islice(self._loader, limit)
+        source = self._loader if limit is None else itertools.islice(self._loader, limit)
+        self._states, self._held, self._exhausted = None, None, False
+        if isinstance(self._loader, _Stateful) and type(self)._iterate is _MicroBatchLoader._iterate and sized_len(self) is None:
+            return self._recorded(iter(source))  # iter() now: see __iter__
+        return source
+
+    def _recorded(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, keeping a stateful loader's state after each one.
+
+        Lightning saves a stateful loader's ``state_dict`` in a mid-epoch checkpoint, and fetches one batch ahead of the
+        one it trains where the loader has no length: a run of the user's loader saves the state past one loader batch
+        more than it trained. Fetched ahead here is a micro-batch, which may take several loader batches; the state
+        stored is the loader's after the first of them, so the resumed fit starts where the user's run resumes (it had
+        skipped the micro-batch's further loader batches too)."""
+        self._states = {}
+        for i, batch in enumerate(batches):
+            self._states[i] = self._loader.state_dict()
+            yield batch
+        self._held, self._exhausted = None, True  # all pulled, as the user's run has at the epoch's end
+
+    def _hold_state_of(self, first: int) -> None:
+        """The micro-batch just yielded starts with loader batch ``first``: a checkpoint stores the state after it."""
+        if self._states is None or self._exhausted:
+            return
+        self._held = self._states.get(first)
+        for index in [i for i in self._states if i < first]:
+            del self._states[index]
+
+    def _held_state_dict(self) -> Any:
+        return self._held
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -1031,11 +1065,15 @@ class _MicroBatchLoader:
             return self._resume[1]
         return math.ceil(self._samples() / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began"})
+    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
+                      "_states", "_held", "_exhausted"})
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._OWN:  # during unpickling, before __init__ ran
             raise AttributeError(name)
+        if name == "state_dict":  # only where the loader has one (Lightning tells stateful loaders by the attribute)
+            own = getattr(self._loader, name)
+            return self._held_state_dict if self._held is not None else own
         return getattr(self._loader, name)
 
     def __setattr__(self, name: str, value: Any) -> None:

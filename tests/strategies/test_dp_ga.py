@@ -949,3 +949,71 @@ def test_a_batch_part_that_holds_the_batch_rows_but_cannot_be_cut_is_refused(par
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     torch.testing.assert_close(states[1], states[0], rtol=0, atol=0)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """44 samples (x, target, index) in order; no length."""
+
+    def __iter__(self) -> Any:
+        x = torch.randn(44, 4, generator=torch.Generator().manual_seed(0))
+        for i in range(44):
+            yield x[i], x[i].sum(0, keepdim=True), i
+
+
+class _ResumableLoader(torch.utils.data.DataLoader):
+    """A stateful loader (Lightning saves its state_dict in checkpoints): it resumes after the batches it had yielded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.yielded, self.skip = 0, 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip, self.yielded = self.skip, 0, self.skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["yielded"]
+
+
+class _ResumableStream(_Regression):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trained.extend(batch[2].tolist())
+        return torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
+
+    def train_dataloader(self) -> Any:
+        return _ResumableLoader(_Stream(), batch_size=4)
+
+
+def test_a_stateful_loader_without_a_length_resumes_a_mid_epoch_checkpoint_where_ddp_does(tmp_path: Any, single_process_group: None) -> None:
+    """Lightning fetches one batch ahead of the one it trains where the loader has no length, and saves a stateful loader's
+    state: under DDP one loader batch past those trained. Under dp_ga the batch fetched ahead is a micro-batch of 8, two
+    loader batches of 4, so the checkpoint held the state two batches past, and the resumed fit skipped samples 20-23,
+    which DDP trains. The checkpoint now holds the state after the first of them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    make = {"ddp": lambda: "ddp", "dp_ga": lambda: DPGAStrategy(micro_batch_size=8)}
+    runs = {}
+    for first, then in (("ddp", "ddp"), ("dp_ga", "dp_ga"), ("dp_ga", "ddp")):
+        ckpt = tmp_path / f"{first}_{then}"
+        L.Trainer(**trainer_kwargs(devices=1, max_steps=2, accumulate_grad_batches=2, enable_checkpointing=True, strategy=make[first](),
+                                   limit_val_batches=0, callbacks=[ModelCheckpoint(dirpath=ckpt, filename="c", every_n_train_steps=2)])
+                  ).fit(_ResumableStream())
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        model = _ResumableStream()
+        trainer = L.Trainer(**trainer_kwargs(devices=1, max_epochs=1, accumulate_grad_batches=2, strategy=make[then](), limit_val_batches=0))
+        trainer.fit(model, ckpt_path=str(ckpt / "c.ckpt"))
+        runs[(first, then)] = (model.trained, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    reference = runs[("ddp", "ddp")]
+    assert reference[0] == list(range(20, 44))  # DDP itself skips the batch it had fetched ahead (16-19)
+    for key, (trained, state) in runs.items():
+        assert trained == reference[0], key
+        torch.testing.assert_close(state, reference[1], rtol=1e-5, atol=1e-6)
