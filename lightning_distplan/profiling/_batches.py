@@ -423,6 +423,13 @@ class SampleBank:
             batch_size_of(batch)  # raises the ProfilingError of a batch without a batch dimension
         if not self._parts:
             self.loader_batch_size = n
+            if (found := uncut_part(batch, n)) is not None:
+                where = "".join(f"[{key!r}]" for key in found[0]) or " itself"
+                raise ProfilingError(
+                    f"The training batch{where} is a {type(found[1]).__name__} holding the batch's {n} rows, which cannot be cut "
+                    f"into the micro-batches profiling times: each would get all {n} rows of it.",
+                    hint="Make it a tensor (or a dict, tuple or dataclass of tensors).",
+                )
         self._parts.append(batch)
         self._sizes.append(n)
         self._count += n

@@ -327,3 +327,23 @@ def test_packed_sequences_are_cut_and_joined_by_sequence() -> None:
     assert [sum(len(s) for s in unpack_sequence(mb[0])) for mb in _rebatch(loader, 3)] == [14, 10, 8]
     moved = move_to(bank.micro_batch(2), torch.device("cpu"))[0]
     assert isinstance(moved, PackedSequence) and moved.batch_sizes.device.type == "cpu"
+
+
+def test_a_batch_part_holding_the_rows_in_a_form_that_is_not_cut_is_named_before_any_step_is_timed() -> None:
+    """A numpy array (or an object of the user's with tensors as attributes) of the batch's rows went whole into every
+    profiled micro-batch, and training_step failed with a shape error that the profiler blamed on training_step."""
+    import numpy as np
+
+    class Targets:
+        def __init__(self, y: torch.Tensor) -> None:
+            self.y = y
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16))
+    for part, name in ((lambda y: np.asarray(y.numpy()), "ndarray"), (Targets, "Targets")):
+        loader = torch.utils.data.DataLoader(data, batch_size=8, collate_fn=lambda items, part=part: (
+            torch.stack([x for x, _ in items]), part(torch.stack([y for _, y in items]))))
+        with pytest.raises(ProfilingError, match=rf"batch\[1\] is a {name} holding the batch's 8 rows, which cannot be cut.*HINT: Make it a tensor"):
+            SampleBank(loader).micro_batch(2)
+    # constants and per-sample lists are not such parts
+    bank = SampleBank(iter([{"x": torch.randn(8, 3), "names": [str(i) for i in range(8)], "temperature": 0.5, "w": np.ones(3)}]))
+    assert bank.micro_batch(2)["names"] == ["0", "1"]
