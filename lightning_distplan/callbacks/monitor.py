@@ -44,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
-from lightning_distplan.plan import STRATEGIES
+from lightning_distplan.plan import STRATEGIES, as_int
 from lightning_distplan.strategies._auto_planning import check_count
 
 if TYPE_CHECKING:
@@ -190,7 +190,13 @@ class StepTimeMonitor(Callback):
         warmup_steps = check_count("warmup_steps", warmup_steps, low=0)
         window = check_count("window", window)
         max_replans = check_count("max_replans", max_replans, low=0)
-        history_size = None if history_size is None else check_count("history_size", history_size)
+        if history_size is not None and ((size := as_int(history_size)) is None or size < 1):
+            # None, not 0 or -1 (Lightning's max_steps=-1), keeps every step: the message must say so
+            raise InfeasiblePlanError(
+                f"`history_size` must be a positive integer or None, got {history_size!r}.",
+                hint="Pass e.g. history_size=1000 to keep the last 1000 steps, or history_size=None to keep every step.",
+            )
+        history_size = None if history_size is None else as_int(history_size)
         self.replan = replan
         self.warmup_steps = warmup_steps
         self.window = window

@@ -355,12 +355,21 @@ def test_report_names_a_faster_pipeline_without_forcing_it() -> None:
         ({"window": 0}, "`window` must be a positive integer, got 0"), ({"threshold": "2"}, "`threshold` must be a number above 1, got '2'"),
         ({"threshold": None}, "`threshold` must be a number above 1, got None"),
         ({"threshold": float("nan")}, "`threshold` must be a number above 1, got nan"), ({"warmup_steps": True}, "`warmup_steps` must be an integer >= 0, got True"),
-        ({"history_size": 0}, "`history_size` must be a positive integer, got 0"),
+        ({"history_size": 0}, "`history_size` must be a positive integer or None, got 0"),
+        ({"history_size": -1}, "`history_size` must be a positive integer or None, got -1"),
+        ({"history_size": 2.5}, "`history_size` must be a positive integer or None, got 2.5"),
     ],
 )
 def test_monitor_rejects_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(InfeasiblePlanError, match=f"^{match}.*HINT: "):
         StepTimeMonitor(**kwargs)
+
+
+def test_monitor_history_size_error_names_none_for_every_step() -> None:
+    """0 and -1 mean "no limit" elsewhere (Lightning's max_steps=-1); here None does, and the error must say so (it read
+    "must be a positive integer ... HINT: Pass e.g. history_size=2")."""
+    with pytest.raises(ValueError, match=r"got -1\. HINT: .*history_size=None to keep every step"):
+        StepTimeMonitor(history_size=-1)
 
 
 @pytest.mark.parametrize(
