@@ -8,6 +8,7 @@ models) that measured it.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +46,32 @@ def versions() -> dict[str, str]:
 
 
 def _git(args: list[str], cwd: Path) -> str | None:
+    # GIT_OPTIONAL_LOCKS=0: `git status` otherwise rewrites the index (taking index.lock) to refresh it, which a
+    # concurrent `git commit` in the user's checkout, or every rank of a bench doing this at once, can trip over.
+    # Output is decoded leniently: a path that is not UTF-8 (core.quotePath=false) must not make a result unwritable.
     try:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, stdin=subprocess.DEVNULL, timeout=30,
+                              env={**os.environ, "GIT_OPTIONAL_LOCKS": "0"})
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout if done.returncode == 0 else None
+    return done.stdout.decode("utf-8", errors="replace") if done.returncode == 0 else None
+
+
+def _status_paths(porcelain_z: str) -> list[str]:
+    """The paths of ``git status --porcelain -z``, unquoted: a rename names both paths, a copy its new one."""
+    fields = porcelain_z.split("\0")
+    paths, i = [], 0
+    while i < len(fields):
+        entry = fields[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        paths.append(entry[3:])
+        if ("R" in entry[:2] or "C" in entry[:2]) and i < len(fields):  # "XY new\0old\0": the old path follows
+            if "R" in entry[:2]:
+                paths.append(fields[i])
+            i += 1
+    return paths
 
 
 def git_state(package_dir: str | Path | None = None) -> dict[str, Any] | None:
@@ -68,12 +90,12 @@ def git_state(package_dir: str | Path | None = None) -> dict[str, Any] | None:
     if _git(["ls-files", "--error-unmatch", "__init__.py"], here) is None:
         return None
     head = _git(["rev-parse", "HEAD"], here)
-    tracked = _git(["status", "--porcelain", "--untracked-files=no"], here)
-    untracked = _git(["status", "--porcelain", "--untracked-files=all", "--", "."], here)
+    tracked = _git(["status", "--porcelain", "-z", "--untracked-files=no"], here)
+    untracked = _git(["status", "--porcelain", "-z", "--untracked-files=all", "--", "."], here)
     if head is None or tracked is None or untracked is None:
         return None
-    lines = tracked.splitlines() + [line for line in untracked.splitlines() if line.startswith("??")]
-    changed = sorted({line[3:] for line in lines})
+    new = [entry for entry in untracked.split("\0") if entry.startswith("??")]
+    changed = sorted(set(_status_paths(tracked)) | set(_status_paths("\0".join(new))))
     return {"commit": head.strip(), "dirty": bool(changed), "changed": changed[:50]}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -93,3 +94,37 @@ def test_benchmark_results_record_the_code_that_wrote_them(tmp_path: Path) -> No
         assert written["code"]["git"]["commit"] == _git(ROOT, "rev-parse", "HEAD") == state["commit"]
         assert written["code"]["git"]["dirty"] == state["dirty"]
     assert code_provenance() == written["code"]
+
+
+@needs_git
+def test_git_state_reads_any_path_and_leaves_the_checkouts_index_alone(tmp_path: Path) -> None:
+    """git_state decoded git's output as the locale's text: with core.quotePath=false a file name that is not UTF-8
+    raised UnicodeDecodeError, so the bench or benchmark result around it was never written; with the default
+    quoting, names came back in git's C quotes ('"pkg/\\303\\251.py"') and a rename as 'old -> new'. It also let
+    `git status` refresh the user's index (index.lock taken and the file rewritten), which a concurrent git command
+    in that checkout, or the other ranks of a bench doing the same, trip over."""
+    repo = tmp_path / "repo"
+    package = repo / "pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("x = 1\n")
+    (package / "old.py").write_text("y = 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "HEAD")
+    index = repo / ".git" / "index"
+    before = index.read_bytes()
+    init = package / "__init__.py"
+    os.utime(init, ns=(init.stat().st_atime_ns, init.stat().st_mtime_ns + 5_000_000_000))  # same content, newer stamp
+    assert git_state(package) == {"commit": head, "dirty": False, "changed": []}
+    assert index.read_bytes() == before  # a plain `git status` rewrites it here to record the new stamp
+    (package / "é new.py").write_text("z = 1\n")
+    _git(repo, "mv", "pkg/old.py", "pkg/renamed.py")
+    assert git_state(package) == {"commit": head, "dirty": True, "changed": ["pkg/old.py", "pkg/renamed.py", "pkg/é new.py"]}
+    try:
+        (package / os.fsdecode(b"\xe9t\xe9.py")).write_text("")  # a Latin-1 name: not UTF-8
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes UTF-8 names only")
+    _git(repo, "config", "core.quotePath", "false")
+    state = git_state(package)
+    assert state is not None and state["dirty"] and len(state["changed"]) == 4 and "pkg/é new.py" in state["changed"]
