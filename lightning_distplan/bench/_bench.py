@@ -248,8 +248,11 @@ def _retime_step(make_module: Callable[[], pl.LightningModule], loader: DataLoad
     return fwd + bwd
 
 
-UNPOOLABLE = ("it timed other micro-batch sizes, layers or links than the first profile (a size that fitted before ran out of "
-              "memory, say), so it is not averaged with it")
+def _unpoolable(reason: str) -> str:
+    """A left-out profile's ``reason``, from :func:`~lightning_distplan.profile.unpoolable_reason`'s clause: other sizes,
+    layers or links (a size that fitted before ran out of memory, say), or another device, dtype or TF32 switch (a
+    module that turns TF32 on in a hook the runs call and the profiler does not)."""
+    return f"it is not averaged with the first profile: {reason}"
 
 
 def _passes(numbers: Sequence[int]) -> str:
@@ -272,7 +275,7 @@ def prediction_label(pooled_after: Sequence[int], left_out_after: Sequence[int] 
         label = f"mean of {n} profiles (before the runs and after {_passes(pooled_after)})"
     if left_out_after:
         taken = "the profile" if len(left_out_after) == 1 else "the profiles"
-        label += f"; {taken} after {_passes(left_out_after)} left out: other sizes, layers or links than the first"
+        label += f"; {taken} after {_passes(left_out_after)} left out: measured otherwise than the first (profiles_left_out says how)"
     return label
 
 
@@ -383,7 +386,7 @@ def run_bench(
     """
     from lightning_distplan.plan import STRATEGIES
     from lightning_distplan.planner import rank_plans
-    from lightning_distplan.profile import Profile, pool_profiles, poolable
+    from lightning_distplan.profile import Profile, pool_profiles, unpoolable_reason
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
     from lightning_distplan.profiling._links import pipeline_slot_for
@@ -535,12 +538,13 @@ def run_bench(
         check_host(p + 1)
         if reprofile:
             again = take_profile(f"again after pass {p + 1}")
-            if poolable(profile, again):
+            why = unpoolable_reason(profile, again)
+            if why is None:
                 profiles.append(again)
                 pooled_after.append(p + 1)
             else:  # e.g. a size that fitted before ran out of memory now: average only what was measured alike
-                say(f"the profile after pass {p + 1} timed other sizes or layers than the first; predicting without it")
-                left_out.append({"after_pass": p + 1, "reason": UNPOOLABLE, "profile": again.to_dict()})
+                say(f"the profile after pass {p + 1} cannot be averaged with the first ({why}); predicting without it")
+                left_out.append({"after_pass": p + 1, "reason": _unpoolable(why), "profile": again.to_dict()})
     # predictions from the mean of the profiles, which span the runs' stretch of time (with one: the first)
     pooled = pool_profiles(profiles)
     graded = predict_ranked(pooled, [cand.plan for cand in candidates])  # ranks among all candidates, as the first profile's

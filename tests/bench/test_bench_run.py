@@ -643,11 +643,11 @@ def test_a_profile_that_cannot_be_pooled_is_kept_aside_and_named_in_the_predicti
 
     asked: list[int] = []
 
-    def poolable(a, b):  # the profile after pass 2 measured something else (say, a size ran out of memory)
+    def unpoolable_reason(a, b):  # the profile after pass 2 measured something else (say, a size ran out of memory)
         asked.append(1)
-        return len(asked) != 2
+        return "they timed different micro-batch sizes ([1, 2] vs [1, 2, 4])" if len(asked) == 2 else None
 
-    monkeypatch.setattr(profile_module, "poolable", poolable)
+    monkeypatch.setattr(profile_module, "unpoolable_reason", unpoolable_reason)
     import lightning_distplan.profiling as profiling
 
     taken: list[Profile] = []
@@ -665,9 +665,36 @@ def test_a_profile_that_cannot_be_pooled_is_kept_aside_and_named_in_the_predicti
                        plans="top:1", steps=1, warmup=0, passes=2, profile_repeats=1, micro_batch_sizes=[1, 2, 4], device="cpu")
     assert len(result["profiles"]) == 2  # before the runs and after pass 1: the ones the predictions rest on
     [aside] = result["profiles_left_out"]
-    assert aside["after_pass"] == 2 and "not averaged" in aside["reason"] and Profile.from_dict(aside["profile"]).model == result["model"]
-    assert result["prediction_profile"] == (
-        "mean of 2 profiles (before the runs and after pass 1); the profile after pass 2 left out: other sizes, layers or links than the first")
+    assert aside["reason"] == "it is not averaged with the first profile: they timed different micro-batch sizes ([1, 2] vs [1, 2, 4])"
+    assert Profile.from_dict(aside["profile"]).model == result["model"]
+    assert result["prediction_profile"] == ("mean of 2 profiles (before the runs and after pass 1); the profile after pass 2 left out: "
+                                            "measured otherwise than the first (profiles_left_out says how)")
+
+
+def test_a_profile_left_out_for_its_tf32_switch_says_so(no_group_left):
+    """pool_profiles refuses profiles whose TF32 switches differ, and a module that turns TF32 on in a hook the plans' fits
+    call (on_fit_start) and the profiler does not has its first profile taken with it off and the later ones with it on.
+    The bench then said the later profile 'timed other sizes or layers than the first' and recorded 'other micro-batch
+    sizes, layers or links', neither of which was so."""
+    from lightning_distplan.bench import run_bench
+    from lightning_distplan.bench.models import RandomVectorData, WideMLP
+
+    class TurnsTf32On(WideMLP):
+        def on_fit_start(self) -> None:
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        dm = RandomVectorData(in_features=16, batch_size=4)
+        dm.setup("fit")
+        result = run_bench(lambda: TurnsTf32On(in_features=16, hidden=32, depth=2), dm.train_dataloader(), world_size=1, global_batch_size=4,
+                           plans="top:1", steps=1, warmup=0, passes=1, profile_repeats=1, micro_batch_sizes=[1, 2, 4], device="cpu")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    [aside] = result["profiles_left_out"]
+    why = "they were measured with different TF32 settings (matmul True, conv True vs matmul False, conv True)"
+    assert aside["reason"] == f"it is not averaged with the first profile: {why}"
 
 
 def test_prediction_label_names_the_profiles_pooled():
@@ -679,4 +706,4 @@ def test_prediction_label_names_the_profiles_pooled():
     assert prediction_label([1, 2], passes=3) == "mean of 3 profiles (before the runs and after passes 1 and 2)"
     assert prediction_label([], passes=3) == "one profile, before the runs"
     assert prediction_label([], [1, 2, 3], passes=3) == (
-        "one profile, before the runs; the profiles after passes 1, 2 and 3 left out: other sizes, layers or links than the first")
+        "one profile, before the runs; the profiles after passes 1, 2 and 3 left out: measured otherwise than the first (profiles_left_out says how)")
