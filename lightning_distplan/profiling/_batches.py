@@ -194,11 +194,42 @@ class BatchSizer:
                 self.paths = list(changed)
                 return next(iter(changed.values()))
         sized = _sized(batch)
+        if self.expected is not None and not any(size == self.expected for _, size in sized):
+            # The vote's candidates miss the loader's batch size, which a tensor or a list elsewhere in the batch has:
+            # [class_weights[10], x[8]] read as a list of 2 variable-length samples, 4 equally long sequences of 5
+            # tokens read as 5 samples. Those are the batch's samples.
+            sized = list(_leaves_and_lists_of(batch, (), self.expected)) or sized
         if not sized:
             return None
         n = self.expected if any(size == self.expected for _, size in sized) else _most_shared(sized)
         self.first, self.paths = n, [path for path, size in sized if size == n]
         return n
+
+
+def _leaves_and_lists_of(batch: Any, path: tuple, n: int) -> Iterator[tuple[tuple, int]]:
+    """``(path, n)`` of every tensor with ``n`` rows and every list of ``n`` records alike (tensors of one rank and dtype,
+    or mappings with the same keys), outermost first: the candidates for a batch the loader says holds ``n`` samples."""
+    if isinstance(batch, PackedSequence):
+        if _packed_size(batch) == n:
+            yield path, n
+        return
+    if isinstance(batch, Tensor):
+        if batch.dim() > 0 and batch.shape[0] == n:
+            yield path, n
+        return
+    if isinstance(batch, list) and len(batch) == n:
+        first = batch[0]
+        alike_tensors = all(isinstance(v, Tensor) and v.dim() > 0 and v.dim() == first.dim() and v.dtype == first.dtype for v in batch)
+        alike_maps = all(isinstance(v, Mapping) for v in batch) and all(v.keys() == first.keys() for v in batch)
+        if alike_tensors or alike_maps:
+            yield path, n
+            return
+    if isinstance(batch, Mapping) or _is_record(batch):
+        for key, value in (batch.items() if isinstance(batch, Mapping) else _fields_of(batch).items()):
+            yield from _leaves_and_lists_of(value, (*path, key), n)
+    elif isinstance(batch, (list, tuple)):
+        for i, value in enumerate(batch):
+            yield from _leaves_and_lists_of(value, (*path, i), n)
 
 
 def loader_batch_size(dataloader: object) -> int | None:

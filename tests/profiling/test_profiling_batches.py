@@ -347,3 +347,31 @@ def test_a_batch_part_holding_the_rows_in_a_form_that_is_not_cut_is_named_before
     # constants and per-sample lists are not such parts
     bank = SampleBank(iter([{"x": torch.randn(8, 3), "names": [str(i) for i in range(8)], "temperature": 0.5, "w": np.ones(3)}]))
     assert bank.micro_batch(2)["names"] == ["0", "1"]
+
+
+def test_a_list_batch_is_read_at_the_loader_batch_size_where_the_lists_rule_misses_it() -> None:
+    """A list of tensors alike in rank and dtype with differing first dimensions is a list of samples, except where the
+    loader's batch size says otherwise: a collate returning [class_weights[10], x[8]] (batch_size=8) was read as 2
+    samples, so the profiler's "micro-batch of 4" and dp_ga's were [w, x, w, x]; and a list of 4 equally long
+    sequences (batch_size=4) is 4 samples, not 5 tokens."""
+    from torch.utils.data import DataLoader
+
+    from lightning_distplan.strategies.dp_ga import _rebatch_pieces, loader_batch_size
+
+    weights = torch.arange(10.0)
+    loader = DataLoader(torch.arange(32.0), batch_size=8, collate_fn=lambda rows: [weights, torch.stack(rows)])
+    bank = SampleBank(loader)
+    assert bank.first_batch_size() == 8
+    for m in (4, 16):
+        w, x = bank.micro_batch(m)
+        assert torch.equal(w, weights) and x.tolist() == list(range(m))
+    (w, x), _ = next(_rebatch_pieces(loader, 4, loader_batch_size(loader)))
+    assert torch.equal(w, weights) and x.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    lengths = [5, 5, 5, 5, 3, 6, 2, 7]
+    loader = DataLoader([torch.arange(k) for k in lengths], batch_size=4, collate_fn=lambda items: items)
+    bank = SampleBank(loader)
+    assert bank.first_batch_size() == 4
+    for m in (2, 6):
+        assert [len(seq) for seq in bank.micro_batch(m)] == lengths[:m]
+    assert [[len(seq) for seq in mb] for mb, _ in _rebatch_pieces(loader, 3, 4)] == [[5, 5, 5], [5, 3, 6], [2, 7]]
