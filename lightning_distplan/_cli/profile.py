@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile = profile_module(
             model, loader, micro_batch_sizes=sizes, device=device, warmup=args.warmup, repeats=args.repeats,
-            measure_links=False, progress=say, precision_plugin=precision,
+            measure_links=False, progress=say, precision_plugin=precision, datamodule=datamodule,
         )
     except DataLoadingError as err:
         raise DataLoadingError(str(err).split(" HINT:")[0], hint=_data_hint(err.__cause__ or err)) from None

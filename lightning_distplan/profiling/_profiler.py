@@ -340,8 +340,10 @@ class _Profiler:
         loop_overhead: bool = True,
         min_timed_s: float = 0.25,
         precision_plugin: Any = None,
+        datamodule: Any = None,
     ) -> None:
         self.module = module
+        self.datamodule = datamodule
         self.bank = SampleBank(batches)
         self.precision_plugin = precision_plugin
         self.explicit_sizes = list(micro_batch_sizes) if micro_batch_sizes is not None else None
@@ -398,6 +400,19 @@ class _Profiler:
         if not (callable(before) and callable(handler)):
             return move_to(batch, self.device)
         try:
+            if self.datamodule is not None and getattr(self.module, "_trainer", None) is None:
+                # outside a fit, the hooks a fit would take from the datamodule (where it overrides them), as Lightning's
+                # _DataHookSelector picks them; the module's own hooks only ran, so a datamodule's uint8-to-float failed
+                from lightning.pytorch.trainer.connectors.data_connector import _DataHookSelector
+
+                selector = _DataHookSelector(self.module, self.datamodule)
+
+                def hook(name: str) -> Callable[..., Any]:
+                    return getattr(selector.get_instance(name), name)
+
+                batch = hook("on_before_batch_transfer")(batch, 0)
+                batch = hook("transfer_batch_to_device")(batch, self.device, 0)
+                return hook("on_after_batch_transfer")(batch, 0)
             return handler(before(batch, dataloader_idx=0), device=self.device, dataloader_idx=0)
         except Exception as err:
             if _is_oom(err):
@@ -630,6 +645,7 @@ def profile_module(
     loop_overhead: bool = True,
     min_timed_s: float = 0.25,
     precision_plugin: Any = None,
+    datamodule: Any = None,
 ) -> Profile:
     """Measure ``module`` on the real device and return its :class:`~lightning_distplan.profile.Profile`.
 
@@ -678,6 +694,10 @@ def profile_module(
             passed through its ``convert_input``, as the Trainer runs them. The module is not converted
             here (for ``"bf16-true"`` etc. pass it converted, as ``trainer.strategy`` leaves it). The
             profile's ``device.dtype`` then names the mixed precision instead of the weights' dtype.
+        datamodule: the LightningDataModule ``batches`` come from, outside a fit: its batch transfer hooks
+            (``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``) run
+            where it overrides them, the module's elsewhere, as ``Trainer.fit(module, datamodule)`` picks
+            them. In a fit (the module attached to a Trainer) the Trainer picks them.
 
     Returns:
         The Profile (save it with ``profile.save(path)``).
@@ -747,6 +767,7 @@ def profile_module(
         module, batches, micro_batch_sizes=micro_batch_sizes, device=dev, optimizer=optimizer,
         warmup=warmup, repeats=repeats, progress=progress, t0=t0,
         flop_sizes=flop_sizes, loop_overhead=loop_overhead, min_timed_s=min_timed_s, precision_plugin=precision_plugin,
+        datamodule=datamodule,
     )
     try:
         with _quiet_logging(module):

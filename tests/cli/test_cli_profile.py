@@ -359,3 +359,40 @@ def test_a_ctrl_c_after_the_profile_was_written_says_so(tmp_path: Path, monkeypa
     assert rc == 130
     assert err.strip().splitlines()[-1] == f"distplan profile: interrupted; the profile was written to {out_file}"
     assert Profile.load(out_file).micro_batch_sizes == (1, 2)
+
+
+def test_a_datamodules_batch_transfer_hooks_run_on_the_profiled_micro_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In a fit, Lightning runs the datamodule's on_before_batch_transfer / transfer_batch_to_device /
+    on_after_batch_transfer where it overrides them (its _DataHookSelector); `distplan profile --datamodule` ran the
+    model's only, so a datamodule that turns uint8 inputs into floats on the device (trained by Trainer.fit) failed
+    with a dtype error in training_step."""
+    (tmp_path / "model_uint8_data.py").write_text(textwrap.dedent(
+        """
+        import torch
+        from lightning.pytorch import LightningDataModule, LightningModule
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Tiny(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            def training_step(self, batch, batch_idx):
+                return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        class Uint8Data(LightningDataModule):
+            def train_dataloader(self):
+                x = torch.randint(0, 256, (16, 4), dtype=torch.uint8)
+                return DataLoader(TensorDataset(x, torch.randint(0, 2, (16,))), batch_size=4)
+            def on_after_batch_transfer(self, batch, dataloader_idx):
+                return batch[0].float() / 255, batch[1]
+        """
+    ))
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = _run(["model_uint8_data:Tiny", "--datamodule", "model_uint8_data:Uint8Data", "--micro-batch-sizes", "1,2",
+                         "--repeats", "1", "--device", "cpu", "--out", "p.json"], capsys)
+    assert rc == 0, err
+    assert Profile.load(tmp_path / "p.json").micro_batch_sizes == (1, 2)
