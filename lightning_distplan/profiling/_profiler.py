@@ -364,6 +364,7 @@ class _Profiler:
         self.named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.unused: dict[str, None] = {}  # trainable parameters a step's loss gave no gradient, in module order
         self._batch_cache: dict[int, Any] = {}
+        self._hooks_skipped = False
         self.spec: Any = None
         self.flop_sizes = flop_sizes
         self.loop_overhead = loop_overhead
@@ -392,7 +393,8 @@ class _Profiler:
         the precision plugin's ``convert_input`` (floats to bf16 for 'bf16-true'), then the module's (or, in a fit, the
         datamodule's) ``on_before_batch_transfer``, ``transfer_batch_to_device`` and ``on_after_batch_transfer``. A
         plain ``nn.Module``'s batch is only moved. Moved only, a module whose hook augments, normalises or resizes on
-        the device was timed on inputs its training never sees (uint8 images its hook turns into floats failed)."""
+        the device was timed on inputs its training never sees (uint8 images its hook turns into floats failed). Hooks
+        that need a Trainer (``self.trainer.training``) outside a fit are skipped with one warning: the batch is moved only."""
         if self.precision_plugin is not None:
             batch = self.precision_plugin.convert_input(batch)
         before = getattr(self.module, "_on_before_batch_transfer", None)
@@ -417,6 +419,17 @@ class _Profiler:
         except Exception as err:
             if _is_oom(err):
                 raise
+            if isinstance(err, RuntimeError) and "is not attached to a `Trainer`" in str(err):
+                # a hook that reads self.trainer (Lightning's `if self.trainer.training:` augmentation pattern) outside a
+                # fit: time the batches moved only, as before the hooks ran here, and say so once
+                if not self._hooks_skipped:
+                    self._hooks_skipped = True
+                    log.warning(
+                        "%s's batch transfer hooks need a Trainer (%s), so the profiled micro-batches were moved to the device "
+                        "without them; what they do in training is not timed. Profile inside the fit (strategy='auto_plan' or "
+                        "PlanningCallback()) to time them.", self.name, first_line(err).rstrip("."),
+                    )
+                return move_to(batch, self.device)
             raise ProfilingError(
                 f"{self.name}'s batch transfer hooks (on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer), "
                 f"which the training loop runs on every batch, failed on a micro-batch of the loader with {type(err).__name__}: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -170,7 +171,7 @@ def test_a_pipeline_loss_that_is_not_a_scalar_leaves_the_model_data_parallel() -
     assert not profile.splittable and "the pipeline's loss is a tensor of shape (1, 4), not a scalar" in profile.split_reason
 
 
-def test_the_batch_transfer_hooks_run_on_every_micro_batch_as_in_the_training_loop() -> None:
+def test_the_batch_transfer_hooks_run_on_every_micro_batch_as_in_the_training_loop(caplog: pytest.LogCaptureFixture) -> None:
     """Lightning's loop runs on_before_batch_transfer, transfer_batch_to_device and on_after_batch_transfer before
     training_step; the profiler only moved the batch, so a hook that turns uint8 images into floats (Lightning's
     documented place for device-side preprocessing) failed profiling (and strategy='auto_plan') with a dtype error,
@@ -196,12 +197,25 @@ def test_the_batch_transfer_hooks_run_on_every_micro_batch_as_in_the_training_lo
     assert profile.micro_batch_sizes == (1, 2, 4)
     assert set(seen) == {("before", torch.uint8), ("after", torch.uint8), ("step", torch.float32)}
 
-    class NeedsTrainer(MLP):
+    class NeedsTrainer(MLP):  # Lightning's augmentation pattern: on the device, in training only
         def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
-            return batch if self.trainer.training else None
+            x, y = batch
+            return (x.float() / 255 if self.trainer.training else x.float()), y
 
-    with pytest.raises(ProfilingError, match=r"NeedsTrainer's batch transfer hooks .* failed .*not attached to a `Trainer`.*HINT: .*self\._trainer is not None"):
-        profile_module(NeedsTrainer(), data, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False)
+    # outside a fit it cannot run: the batches are moved only (they were before the hooks ran here), with one warning
+    floats = [(x.float(), y) for x, y in data]
+    with caplog.at_level(logging.WARNING, logger="lightning_distplan.profiling._profiler"):
+        profile = profile_module(NeedsTrainer(), floats, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False)
+    assert profile.micro_batch_sizes == (1, 2)
+    warned = [r.getMessage() for r in caplog.records if "need a Trainer" in r.getMessage()]
+    assert len(warned) == 1 and "moved to the device without them" in warned[0] and "strategy='auto_plan'" in warned[0]
+
+    class Broken(MLP):  # any other failure of a hook is still one error naming the hooks
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+            raise KeyError("labels")
+
+    with pytest.raises(ProfilingError, match=r"Broken's batch transfer hooks .* failed .*KeyError.*HINT: "):
+        profile_module(Broken(), data, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False)
 
 
 def test_cuda_request_without_gpu() -> None:
