@@ -28,11 +28,22 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message.rstrip('.')}. HINT: See `{self.prog} --help` for the options.\n")
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None) -> argparse.Namespace:  # type: ignore[override]
+        # argparse reports a subcommand's unknown flag from the top parser ("distplan: error: unrecognized arguments:
+        # --bandwith-gbps 3"), whose --help lists no subcommand's options: the subcommand's parser reports it here.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            subcommands = getattr(self, "subcommands", {})
+            target = subcommands.get(getattr(parsed, "command", None), self)
+            target.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="distplan", description="Profile, plan and tune distributed training of a LightningModule.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    parser.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> parser, for parse_args' unknown flags
     for name in _COMMANDS:
         try:
             module = importlib.import_module(f"lightning_distplan._cli.{name}")

@@ -469,6 +469,11 @@ def test_a_profile_file_json_cannot_hold_is_named_with_the_profile_hint(tmp_path
          "distplan plan: error: the following arguments are required: --world-size, --global-batch-size. HINT: See `distplan plan --help`"),
         (["tune", "--profile", "p.json", "--global-batch-size", "8", "--format", "xml"], "distplan tune: error: argument --format: invalid choice: 'xml'"),
         (["nope"], "distplan: error: argument COMMAND: invalid choice: 'nope'"),
+        # a mistyped flag of a subcommand: argparse reported it from the top parser, whose --help lists no plan options
+        (["plan", "--profile", "p.json", "--world-size", "2", "--global-batch-size", "8", "--bandwith-gbps", "3"],
+         "distplan plan: error: unrecognized arguments: --bandwith-gbps 3. HINT: See `distplan plan --help` for the options."),
+        (["tune", "--profile", "p.json", "--global-batch-size", "8", "extra"],
+         "distplan tune: error: unrecognized arguments: extra. HINT: See `distplan tune --help` for the options."),
         ([], "distplan: error: the following arguments are required: COMMAND. HINT: See `distplan --help` for the options."),
     ],
 )
