@@ -20,6 +20,7 @@ artifacts.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 from lightning_distplan._files import check_output_path, save_figure_atomic, write_text_atomic
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
 from lightning_distplan.errors import DistPlanError
+from lightning_distplan.plan import as_int
 from lightning_distplan.tuner._dashboard import default_artifact_dir, require
 
 if TYPE_CHECKING:
@@ -229,25 +231,30 @@ def _get_pareto_info(study_or_trials: optuna.Study | Sequence[FrozenTrial]) -> _
     )
 
 
-def _check_top_k(top_k: Any) -> None:
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+def _check_top_k(top_k: Any) -> int:
+    """``top_k`` as an int: a Python or numpy integer >= 1 (not a bool)."""
+    k = as_int(top_k)
+    if k is None or k < 1:
         raise ValueError(f"`top_k` must be an integer >= 1, got {top_k!r}. HINT: Pass the number of configurations to show, e.g. top_k=8.")
+    return k
 
 
-def _check_time_weight(time_weight: Any) -> None:
-    """None (the study's own w) or a finite w >= 0, as the tuner takes: a negative w ranked the slowest first, NaN at random."""
+def _check_time_weight(time_weight: Any) -> float | None:
+    """None (the study's own w) or a finite w >= 0 (a Python or numpy number, not a bool) as a float, as the tuner
+    takes: a negative w ranked the slowest first, NaN at random."""
     if time_weight is None:
-        return
-    if not isinstance(time_weight, (int, float)) or isinstance(time_weight, bool) or not math.isfinite(time_weight) or time_weight < 0:
+        return None
+    if not isinstance(time_weight, numbers.Real) or isinstance(time_weight, bool) or not math.isfinite(time_weight) or time_weight < 0:
         raise ValueError(
             f"`time_weight` must be a finite number >= 0 or None, got {time_weight!r}. "
             "HINT: Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D), or None for the study's own."
         )
+    return float(time_weight)
 
 
 def _get_breakdown_info(study_or_trials: optuna.Study | Sequence[FrozenTrial], *, top_k: int = 8, time_weight: float | None = None) -> _BreakdownInfo:
-    _check_top_k(top_k)
-    _check_time_weight(time_weight)
+    top_k = _check_top_k(top_k)
+    time_weight = _check_time_weight(time_weight)
     name, trials, study_attrs = _trials_of(study_or_trials)
     if time_weight is None:
         time_weight = float(study_attrs.get("time_weight", 0.0))
@@ -522,7 +529,7 @@ def plot_time_breakdown(
 
 def summary_markdown(study_or_trials: optuna.Study | Sequence[FrozenTrial], *, time_weight: float | None = None) -> str:
     """A Markdown note: the best configuration for the study's objective and the Pareto front."""
-    _check_time_weight(time_weight)
+    time_weight = _check_time_weight(time_weight)
     info = _get_pareto_info(study_or_trials)
     if time_weight is None:
         _, _, attrs = _trials_of(study_or_trials)
@@ -600,8 +607,8 @@ def attach_to_study(
     optuna_dashboard = require("optuna_dashboard")
     import optuna
 
-    _check_top_k(top_k)  # before the note is saved: not a study with a note and no plots
-    _check_time_weight(time_weight)
+    top_k = _check_top_k(top_k)  # before the note is saved: not a study with a note and no plots
+    time_weight = _check_time_weight(time_weight)
     stored: dict[str, Any] = {"note": False, "graph_ids": [], "artifact_ids": [], "artifact_dir": None, "png": {}}
     optuna_dashboard.save_note(study, summary_markdown(study, time_weight=time_weight))
     stored["note"] = True

@@ -107,6 +107,21 @@ def test_bad_top_k_and_time_weight_are_refused(study: optuna.Study, kwargs: dict
             summary_markdown(study, **kwargs)
 
 
+def test_numpy_top_k_and_time_weight_are_taken_as_before(study: optuna.Study) -> None:
+    """The checks above took only Python int / float: a numpy integer top_k or a numpy time_weight (np.float32,
+    np.int64), which the plots drew before the checks, was refused."""
+    import numpy as np
+
+    python = plots._get_breakdown_info(study, top_k=3, time_weight=256.0)
+    for top_k, time_weight in ((np.int64(3), np.float32(256)), (np.int32(3), np.int64(256))):
+        info = plots._get_breakdown_info(study, top_k=top_k, time_weight=time_weight)
+        assert info == python and type(info.time_weight) is float
+        assert len(plot_time_breakdown(study, top_k=top_k, time_weight=time_weight).data[0].x) == 3
+    assert summary_markdown(study, time_weight=np.float32(256)) == summary_markdown(study, time_weight=256.0)
+    with pytest.raises(ValueError, match=r"^`top_k` must be an integer >= 1, got np\.True_\. HINT:"):
+        plot_time_breakdown(study, top_k=np.True_)
+
+
 def test_attach_refuses_bad_arguments_before_it_writes_the_note(tmp_path: Path) -> None:
     from optuna_dashboard import get_note
 
