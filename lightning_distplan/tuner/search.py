@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 from lightning_distplan.errors import CatalogError, DistPlanError, InfeasiblePlanError, first_line
-from lightning_distplan.plan import STRATEGIES, Plan
+from lightning_distplan.plan import STRATEGIES, Plan, as_int
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
 from lightning_distplan.tuner._storage import StudyStorageError, open_storage, shown_url, write_trials
@@ -680,6 +680,8 @@ def _tune(
 
     started = time.perf_counter()
     _validate(profile, global_batch_size, time_weight, n_trials, max_instances, seed, max_pp)
+    if type(multi_objective).__module__ == "numpy" and type(multi_objective).__name__ in ("bool", "bool_"):
+        multi_objective = bool(multi_objective)  # numpy's True (a mask's element), taken before the check below
     if not isinstance(multi_objective, bool):  # "no" is true: an NSGA-II search nobody asked for
         raise InfeasiblePlanError(
             f"`multi_objective` must be True or False, got {multi_objective!r}.", hint="Pass multi_objective=True for the (cost, time) search, or leave it out."
@@ -937,11 +939,15 @@ def exhaustive(
         ModelSplitError: only pipeline strategies are requested and the profile cannot be split into stages.
     """
     started = time.perf_counter()
+    if as_int(max_pp) is not None:  # a numpy integer, taken before the checks below (which refuse it for tune's study)
+        max_pp = as_int(max_pp)
     _validate(profile, global_batch_size, time_weight, 1, max_instances, 0, max_pp)
-    if not isinstance(max_configurations, int) or isinstance(max_configurations, bool) or max_configurations < 1:
+    limit = as_int(max_configurations)
+    if limit is None or limit < 1:
         raise InfeasiblePlanError(
             f"`max_configurations` must be an integer >= 1, got {max_configurations!r}.", hint="Pass e.g. max_configurations=200_000, or leave it out."
         )
+    max_configurations = limit
     catalog = _resolve_catalog(catalog, None, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,

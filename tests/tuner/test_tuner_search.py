@@ -855,3 +855,18 @@ def test_argument_types_are_checked_before_searching(tmp_path, search, kwargs, m
         else:
             exhaustive(make_profile(), "alicloud-2023", global_batch_size=32, **kwargs)
     assert not list(tmp_path.iterdir())  # refused before the storage was opened
+
+
+def test_numpy_values_the_checks_above_took_for_python_ones(tmp_path):
+    """d78638d's checks took only Python int and bool: exhaustive(max_configurations=np.int64(...)) or
+    max_pp=np.int64(2), and tune(multi_objective=np.True_), all run before the checks, were refused."""
+    import numpy as np
+
+    python = exhaustive(make_profile(), "alicloud-2023", global_batch_size=32, max_pp=2, max_configurations=100_000)
+    numpy = exhaustive(make_profile(), "alicloud-2023", global_batch_size=32, max_pp=np.int64(2), max_configurations=np.int64(100_000))
+    assert numpy.best == python.best and numpy.n_evaluations == python.n_evaluations
+    result = tune(make_profile(), catalog="alicloud-2023", global_batch_size=32, n_trials=3, storage=_url(tmp_path), progress=False, multi_objective=np.True_)
+    assert result.multi_objective is True and result.to_dict()["multi_objective"] is True
+    assert len(optuna.load_study(study_name=result.study_name, storage=_url(tmp_path)).directions) == 2  # the (cost, time) search
+    with pytest.raises(InfeasiblePlanError, match=r"^`max_configurations` must be an integer >= 1, got np\.True_\. HINT:"):
+        exhaustive(make_profile(), "alicloud-2023", global_batch_size=32, max_configurations=np.True_)
