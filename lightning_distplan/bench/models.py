@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_distplan.demos import _SEED_RANGE
+from lightning_distplan.plan import as_int
 
 __all__ = ["DemoTransformerLM", "TinyGPT2LM", "BertMaskedLM", "WideMLP", "RandomVectorData"]
 
@@ -113,6 +114,8 @@ class WideMLP(LightningModule):
 
     def __init__(self, in_features: int = 256, hidden: int = 1024, depth: int = 4, num_classes: int = 10) -> None:
         super().__init__()
+        # numpy integers as Python ones (they built the model before the checks below, which take int), hparams included
+        in_features, hidden, depth, num_classes = (v if as_int(v) is None else as_int(v) for v in (in_features, hidden, depth, num_classes))
         _check_counts(in_features=in_features, hidden=hidden, num_classes=num_classes)
         _check_counts(least=0, example=4, depth=depth)
         self.save_hyperparameters()

@@ -33,3 +33,15 @@ def test_the_edges_still_build() -> None:
     data.setup("fit")
     x, y = next(iter(data.train_dataloader()))
     assert x.shape == (2, 4) and y.shape == (2,)
+
+
+def test_numpy_integers_build_the_same_wide_mlp() -> None:
+    """WideMLP built from numpy integers before its checks, which then took only int: they are taken as ints again."""
+    import numpy as np
+
+    numpy = WideMLP(in_features=np.int64(4), hidden=np.int32(8), depth=np.int64(2), num_classes=np.int16(3))
+    python = WideMLP(in_features=4, hidden=8, depth=2, num_classes=3)
+    assert [tuple(p.shape) for p in numpy.parameters()] == [tuple(p.shape) for p in python.parameters()]
+    assert dict(numpy.hparams) == dict(python.hparams) and all(type(v) is int for v in numpy.hparams.values())
+    with pytest.raises(ValueError, match=r"^`hidden` \(np\.True_\) must be a positive integer\. HINT:"):
+        WideMLP(hidden=np.True_)
