@@ -915,7 +915,12 @@ def loader_sampler(dataloader: object) -> tuple[Any, bool | None]:
 
 def _samples_per_epoch(dataloader: object) -> int | None:
     """Samples one pass of ``dataloader`` yields, None where they cannot be known from its lengths (also where a
-    sampler holds more samples than the loader's batches, each at most the batch size, can: they are not drawn from it)."""
+    sampler holds more samples than the loader's batches, each at most the batch size, can: they are not drawn from it).
+
+    A batch sampler without a ``sampler`` of its own (a user's shuffling or bucketing one, which draws its indices
+    itself) is counted from the DataLoader's ``sampler`` (the whole dataset) only where its length is the number of
+    batches of ``batch`` that dataset makes: one that shards or filters the data itself makes fewer, and is left
+    uncounted."""
     batch = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
     if batch is None or drop_last is None:
@@ -927,7 +932,13 @@ def _samples_per_epoch(dataloader: object) -> int | None:
         dataset = getattr(dataloader, "dataset", None)
         # an iterable-style dataset's length is its samples (the DataLoader's own length is taken from it); its sampler
         # (torch's _InfiniteConstantSampler) has none
-        samples = len(dataset) if isinstance(dataset, torch.utils.data.IterableDataset) else len(sampler)  # type: ignore[arg-type]
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            samples = len(dataset)  # type: ignore[arg-type]
+        elif sampler is None and getattr(dataloader, "batch_sampler", None) is not None:
+            samples = len(getattr(dataloader, "sampler", None))  # type: ignore[arg-type]
+            return samples if -(-samples // batch) == batches else None
+        else:
+            samples = len(sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
     return samples if samples <= batches * batch else None

@@ -1017,3 +1017,37 @@ def test_a_stateful_loader_without_a_length_resumes_a_mid_epoch_checkpoint_where
     for key, (trained, state) in runs.items():
         assert trained == reference[0], key
         torch.testing.assert_close(state, reference[1], rtol=1e-5, atol=1e-6)
+
+
+class _ShuffledBatches(torch.utils.data.Sampler):
+    """A user's batch sampler that draws its own permutation of every sample (no ``sampler`` attribute, as a shuffling or
+    bucketing batch sampler written by hand): 18 samples in batches of 4 (4, 4, 4, 4, 2)."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size, self.drop_last = n, batch_size, False
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(1)).tolist()
+        for k in range(0, self.n, self.batch_size):
+            yield order[k : k + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+
+def test_a_batch_sampler_without_a_sampler_that_batches_the_whole_dataset_is_counted_not_refused(single_process_group: None) -> None:
+    """A batch sampler with no ``sampler`` attribute whose length is the batches the whole dataset makes is counted from
+    the dataset, as before 83ba25b (which refused it: the run was DDP's); one that yields fewer batches (the test above)
+    is still refused."""
+    loader = lambda x: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:18], x[:18].sum(1, keepdim=True)),  # noqa: E731
+                                                   batch_sampler=_ShuffledBatches(18, 4))
+    runs = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
+        model = _ScheduledOver(loader)
+        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0, use_distributed_sampler=False))
+        trainer.fit(model)
+        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert runs["ddp"][:2] == (10, 10) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
+    torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
