@@ -986,6 +986,7 @@ class _MicroBatchLoader:
 
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         expected = loader_batch_size(self._loader)
+        yielded = 0
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
         for batch, pieces in _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected):
             sources = [(i, n) for i, n, _, _ in pieces]
@@ -1004,7 +1005,25 @@ class _MicroBatchLoader:
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
             self._weights.append((self._weight * _share(pieces), _ends(pieces)))
             self._hold_state_of(sources[0][0])
+            yielded += 1
             yield batch
+        if limit is None:
+            self._warn_if_stream_ended_early(yielded)
+
+    def _warn_if_stream_ended_early(self, yielded: int) -> None:
+        """An iterable-style dataset is counted from its ``__len__``; one that yields fewer samples (a length of all ranks'
+        data where each rank iterates its own shard) ends the epoch before the micro-batch Lightning takes for its last,
+        so the micro-batches after the epoch's last full step are accumulated into the next epoch's first step, where a
+        run of the user's loader steps them at the epoch's end. Not detectable before the epoch ends: said then."""
+        dataset = getattr(self._loader, "dataset", None)
+        length = sized_len(self) if isinstance(dataset, torch.utils.data.IterableDataset) else None
+        if length is None or yielded >= length:
+            return
+        self._warn_once("stream", f"dp_ga: the train loader's IterableDataset says it holds {len(dataset)} samples (its __len__), "  # type: ignore[arg-type]
+                        f"so the epoch was counted as {length} micro-batches of {self.micro_batch_size}, but it yielded {yielded}: the "
+                        "micro-batches after the epoch's last full optimizer step go into the next epoch's first step (a run of your "
+                        "loader steps them at the epoch's end), and the weights differ from it. Make __len__ the samples this "
+                        "rank's iterator yields, or use micro_batch_size='auto' to train your batches as they are.")
 
     def _watch_labels(self, batches: Iterable[Any]) -> Iterator[Any]:
         """``batches``, warning once when the first few carry Hugging Face's -100 labels (tokens a loss ignores)."""
