@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
@@ -324,12 +325,21 @@ def _rebuild_seq(like: list | tuple, items: list[Any]) -> Any:
     return type(like)(items) if isinstance(like, tuple) else items
 
 
+def _rows_array(x: Any, n: int) -> bool:
+    """Whether ``x`` is a numpy array of ``n`` rows (numpy is looked up, not imported: a loader that made one has)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray) and x.ndim > 0 and x.shape[0] == n
+
+
 def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
-    """Samples ``start:stop`` of a batch of ``n``: tensors with ``n`` rows and per-sample lists are cut, the rest kept."""
+    """Samples ``start:stop`` of a batch of ``n``: tensors and numpy arrays with ``n`` rows and per-sample lists are cut,
+    the rest kept."""
     if isinstance(batch, PackedSequence):  # a namedtuple of tensors that are not per sample: cut its sequences
         return pack_sequence(unpack_sequence(batch)[start:stop], enforce_sorted=False) if _packed_size(batch) == n else batch
     if isinstance(batch, Tensor):
         return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == n else batch
+    if _rows_array(batch, n):  # a numpy array of the batch's rows (ids kept for logging, targets): cut as a tensor is
+        return batch[start:stop]
     if isinstance(batch, Mapping):  # dict, OrderedDict, transformers' BatchEncoding (a UserDict)
         return _rebuild_dict(batch, {k: slice_samples(v, start, stop, n) for k, v in batch.items()})
     if _is_record(batch):
@@ -343,9 +353,9 @@ def slice_samples(batch: Any, start: int, stop: int, n: int) -> Any:
 
 def uncut_part(batch: Any, n: int, path: tuple = ()) -> tuple[tuple, Any] | None:
     """``(path, part)`` of the first part of a batch of ``n`` that :func:`slice_samples` keeps whole although it holds
-    ``n`` rows (a numpy array, an object of the user's with tensors of ``n`` rows as attributes), or None: each
-    micro-batch would get all ``n`` rows of it beside its own samples."""
-    if isinstance(batch, (Tensor, str, bytes, int, float, bool)) or batch is None:
+    ``n`` rows (an object of the user's with tensors of ``n`` rows as attributes, an array type other than numpy's), or
+    None: each micro-batch would get all ``n`` rows of it beside its own samples."""
+    if isinstance(batch, (Tensor, str, bytes, int, float, bool)) or batch is None or _rows_array(batch, n):
         return None
     if isinstance(batch, Mapping) or _is_record(batch):
         items = batch.items() if isinstance(batch, Mapping) else _fields_of(batch).items()
@@ -384,6 +394,15 @@ def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
                 "AutoPlanStrategy(profile_micro_batch_sizes=...), a micro_batch_size that divides the loader batch), or pad to a fixed length.",
             )
         return torch.cat(pieces, dim=0)
+    if _rows_array(first, n):
+        shapes = {tuple(p.shape[1:]) for p in pieces}
+        if len(shapes) > 1:
+            raise BatchFormatError(
+                f"Numpy arrays of different loader batches have different shapes ({' vs '.join(str(list(x)) for x in sorted(shapes))}), "
+                "so a micro-batch cannot join them.",
+                hint="Use micro-batches no larger than the loader's batch (a micro_batch_size that divides it), or pad to a fixed length.",
+            )
+        return sys.modules["numpy"].concatenate(pieces, axis=0)
     if isinstance(first, Mapping):
         return _rebuild_dict(first, {k: concat_samples([p[k] for p in pieces], sizes) for k in first})
     if _is_record(first):

@@ -330,8 +330,9 @@ def test_packed_sequences_are_cut_and_joined_by_sequence() -> None:
 
 
 def test_a_batch_part_holding_the_rows_in_a_form_that_is_not_cut_is_named_before_any_step_is_timed() -> None:
-    """A numpy array (or an object of the user's with tensors as attributes) of the batch's rows went whole into every
-    profiled micro-batch, and training_step failed with a shape error that the profiler blamed on training_step."""
+    """An object of the user's with tensors as attributes (numpy arrays were refused too; they are now cut) of the
+    batch's rows went whole into every profiled micro-batch, and training_step failed with a shape error that the
+    profiler blamed on training_step."""
     import numpy as np
 
     class Targets:
@@ -339,7 +340,7 @@ def test_a_batch_part_holding_the_rows_in_a_form_that_is_not_cut_is_named_before
             self.y = y
 
     data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16))
-    for part, name in ((lambda y: np.asarray(y.numpy()), "ndarray"), (Targets, "Targets")):
+    for part, name in ((Targets, "Targets"),):
         loader = torch.utils.data.DataLoader(data, batch_size=8, collate_fn=lambda items, part=part: (
             torch.stack([x for x, _ in items]), part(torch.stack([y for _, y in items]))))
         with pytest.raises(ProfilingError, match=rf"batch\[1\] is a {name} holding the batch's 8 rows, which cannot be cut.*HINT: Make it a tensor"):
@@ -347,6 +348,11 @@ def test_a_batch_part_holding_the_rows_in_a_form_that_is_not_cut_is_named_before
     # constants and per-sample lists are not such parts
     bank = SampleBank(iter([{"x": torch.randn(8, 3), "names": [str(i) for i in range(8)], "temperature": 0.5, "w": np.ones(3)}]))
     assert bank.micro_batch(2)["names"] == ["0", "1"]
+    # a numpy array of the rows is cut (and joined across loader batches) as a tensor is; a constant one is kept
+    ids = torch.utils.data.DataLoader(list(range(12)), batch_size=4, collate_fn=lambda items: (torch.tensor(items).float(), np.array(items), np.ones(3)))
+    bank = SampleBank(ids)
+    x, got, w = bank.micro_batch(6)
+    assert isinstance(got, np.ndarray) and got.tolist() == x.long().tolist() == [0, 1, 2, 3, 4, 5] and w.shape == (3,)
 
 
 def test_a_list_batch_is_read_at_the_loader_batch_size_where_the_lists_rule_misses_it() -> None:

@@ -926,9 +926,24 @@ class _OpaqueTargets(_Regression):
         return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=8, collate_fn=collate)
 
 
-@pytest.mark.parametrize(("part", "name"), [("object", "_Targets"), ("numpy", "ndarray")])
+def test_a_numpy_part_of_the_batch_rows_is_cut_as_a_tensor_and_trains_as_ddp(single_process_group: None) -> None:
+    """Numpy arrays of the batch's rows (targets here; sample ids kept for logging alike) are cut into the micro-batches
+    as tensors are: micro-batches of 2 train the same samples and weights as DDP over loader batches of 8."""
+    states, trained = [], []
+    for strategy in ("ddp", DPGAStrategy(micro_batch_size=2)):
+        model = _OpaqueTargets("numpy")
+        L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0)).fit(model)
+        states.append(cpu_state(model))
+        trained.append(model.trained)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert {size for _, size in trained[1]} == {2} and sum(size for _, size in trained[1]) == sum(size for _, size in trained[0])
+    torch.testing.assert_close(states[1], states[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("part", "name"), [("object", "_Targets")])
 def test_a_batch_part_that_holds_the_batch_rows_but_cannot_be_cut_is_refused(part: str, name: str, single_process_group: None) -> None:
-    """A numpy array, or an object of the user's with tensors as attributes, was passed whole into every micro-batch: each
+    """An object of the user's with tensors as attributes was passed whole into every micro-batch: each
     micro-batch of 2 got the 8 targets of its loader batch (a shape error deep in training_step, or a loss silently
     broadcast over the wrong rows). Refused at the first batch, before any step; micro_batch_size=8 trains as DDP."""
     model = _OpaqueTargets(part)
