@@ -833,20 +833,26 @@ class _ScheduledOver(_Regression):
         return self.loader(torch.randn(20, 4, generator=torch.Generator().manual_seed(0)))
 
 
-def test_an_iterable_dataset_with_a_length_keeps_ddps_count_of_steps(single_process_group: None) -> None:
-    """An IterableDataset with __len__ (20 samples in batches of 8: 8, 8, 4) re-chunked into micro-batches of 2: the
-    micro-batch loader had no length (its sampler has none), so Lightning counted the epoch as endless and
-    estimated_stepping_batches was max_steps (-1) where DDP's is 6: a schedule over it kept the learning rate flat."""
+def _assert_scheduled_as_ddp(loader: Any, *, steps: int, **trainer_extra: Any) -> None:
+    """DDP and dp_ga (micro-batches of 2) over ``loader`` for 2 epochs: ``steps`` optimizer steps and
+    estimated_stepping_batches, the same learning rates and the same weights."""
     runs = {}
     for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
-        model = _ScheduledOver(lambda x: torch.utils.data.DataLoader(_SizedStream(x), batch_size=8))
-        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0))
+        model = _ScheduledOver(loader)
+        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0, **trainer_extra))
         trainer.fit(model)
         runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    assert runs["ddp"][:2] == (6, 6) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
+    assert runs["ddp"][:2] == (steps, steps) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
     torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
+
+
+def test_an_iterable_dataset_with_a_length_keeps_ddps_count_of_steps(single_process_group: None) -> None:
+    """An IterableDataset with __len__ (20 samples in batches of 8: 8, 8, 4) re-chunked into micro-batches of 2: the
+    micro-batch loader had no length (its sampler has none), so Lightning counted the epoch as endless and
+    estimated_stepping_batches was max_steps (-1) where DDP's is 6: a schedule over it kept the learning rate flat."""
+    _assert_scheduled_as_ddp(lambda x: torch.utils.data.DataLoader(_SizedStream(x), batch_size=8), steps=6)
 
 
 class _EveryOther(torch.utils.data.Sampler):
@@ -1056,16 +1062,7 @@ def test_a_batch_sampler_without_a_sampler_that_batches_the_whole_dataset_is_cou
     is still refused."""
     loader = lambda x: torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:18], x[:18].sum(1, keepdim=True)),  # noqa: E731
                                                    batch_sampler=_ShuffledBatches(18, 4))
-    runs = {}
-    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
-        model = _ScheduledOver(loader)
-        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0, use_distributed_sampler=False))
-        trainer.fit(model)
-        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert runs["ddp"][:2] == (10, 10) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
-    torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
+    _assert_scheduled_as_ddp(loader, steps=10, use_distributed_sampler=False)
 
 
 class _ShardOfStream(torch.utils.data.IterableDataset):
