@@ -419,7 +419,13 @@ class _Profiler:
         except Exception as err:
             if _is_oom(err):
                 raise
-            if isinstance(err, RuntimeError) and "is not attached to a `Trainer`" in str(err):
+            # a LightningModule's self.trainer raises outside a fit; a LightningDataModule's is None, so its hook fails
+            # with "'NoneType' object has no attribute 'training'"
+            needs_trainer = (isinstance(err, RuntimeError) and "is not attached to a `Trainer`" in str(err)) or (
+                self.datamodule is not None and getattr(self.datamodule, "trainer", None) is None
+                and isinstance(err, AttributeError) and "'NoneType' object has no attribute" in str(err)
+            )
+            if needs_trainer:
                 # a hook that reads self.trainer (Lightning's `if self.trainer.training:` augmentation pattern) outside a
                 # fit: time the batches moved only, as before the hooks ran here, and say so once
                 if not self._hooks_skipped:
@@ -434,7 +440,8 @@ class _Profiler:
                 f"{self.name}'s batch transfer hooks (on_before_batch_transfer, transfer_batch_to_device, on_after_batch_transfer), "
                 f"which the training loop runs on every batch, failed on a micro-batch of the loader with {type(err).__name__}: "
                 f"{first_line(err).rstrip('.')}.",
-                hint="Make them run outside a Trainer (guard uses of self.trainer with `self._trainer is not None`), or let the "
+                hint="Make them run outside a Trainer (guard uses of self.trainer with `self._trainer is not None`, in a datamodule "
+                "`self.trainer is not None`), or let the "
                 "fit profile: strategy='auto_plan' or PlanningCallback().",
             ) from err
 

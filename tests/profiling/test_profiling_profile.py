@@ -218,6 +218,25 @@ def test_the_batch_transfer_hooks_run_on_every_micro_batch_as_in_the_training_lo
         profile_module(Broken(), data, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False)
 
 
+def test_a_datamodules_hook_that_needs_a_trainer_is_skipped_outside_a_fit(caplog: pytest.LogCaptureFixture) -> None:
+    """A LightningDataModule's trainer is None outside a fit (a LightningModule's raises 'not attached to a `Trainer`'),
+    so its `if self.trainer.training:` augmentation failed with an AttributeError that stopped `distplan profile
+    --datamodule` with a ProfilingError, where the same hook on the module is skipped with one warning."""
+    import lightning.pytorch as pl
+
+    class Augments(pl.LightningDataModule):
+        def on_after_batch_transfer(self, batch, dataloader_idx):  # noqa: ANN001, ANN201
+            x, y = batch
+            return (x * 2 if self.trainer.training else x), y
+
+    data = [(torch.randn(4, 8), torch.randn(4, 4)) for _ in range(4)]
+    with caplog.at_level(logging.WARNING, logger="lightning_distplan.profiling._profiler"):
+        profile = profile_module(MLP(), data, micro_batch_sizes=[1, 2], repeats=1, loop_overhead=False, datamodule=Augments())
+    assert profile.micro_batch_sizes == (1, 2)
+    warned = [r.getMessage() for r in caplog.records if "need a Trainer" in r.getMessage()]
+    assert len(warned) == 1 and "moved to the device without them" in warned[0]
+
+
 def test_cuda_request_without_gpu() -> None:
     from lightning_distplan.errors import DeviceUnavailableError
 
