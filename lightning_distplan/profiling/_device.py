@@ -11,7 +11,7 @@ import torch
 
 from lightning_distplan.profile import DeviceProfile
 
-__all__ = ["device_info", "resolve_device", "tf32_switches"]
+__all__ = ["device_info", "nvml_uuids", "resolve_device", "tf32_switches"]
 
 log = logging.getLogger(__name__)
 
