@@ -861,8 +861,9 @@ def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, l
 
 
 def _refuse_uncounted(dataloader: object, loader_batch: int, m: int) -> None:
-    """A sized train loader whose samples per epoch cannot be known (a batch sampler that draws from no ``sampler``
-    of its own, or from one its batches cannot all hold) would have its micro-batches miscounted: Lightning, given a
+    """A sized train loader whose samples per epoch cannot be known (a batch sampler without a ``sampler`` of its own
+    whose length is not the number of batches the whole dataset makes, or one whose ``sampler`` holds more samples than
+    its batches can: :func:`_samples_per_epoch`) would have its micro-batches miscounted: Lightning, given a
     length, ends the epoch (and steps) at that count, so an optimizer step ran across the epoch's end and
     ``estimated_stepping_batches`` was not DDP's. Refused before the first batch."""
     name = type(getattr(dataloader, "batch_sampler", None)).__name__
