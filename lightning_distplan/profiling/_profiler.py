@@ -687,7 +687,8 @@ def profile_module(
 
     Args:
         module: the LightningModule (any ``nn.Module`` with ``training_step``).
-        batches: a DataLoader or any iterable of batches (tensors, or nested tuples/lists/dicts of them).
+        batches: a DataLoader or any iterable of batches (tensors, or nested tuples/lists/dicts/dataclasses of
+            them; numpy arrays of the batch's rows are cut as tensors, an object holding them as attributes is refused).
         micro_batch_sizes: sizes to time; default: b/2, b, 2b, 4b for the loader's batch size b,
             growing only while a step stays short (see :func:`default_micro_batch_sizes`).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when present, else CPU.
@@ -717,13 +718,15 @@ def profile_module(
         datamodule: the LightningDataModule ``batches`` come from, outside a fit: its batch transfer hooks
             (``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``) run
             where it overrides them, the module's elsewhere, as ``Trainer.fit(module, datamodule)`` picks
-            them. In a fit (the module attached to a Trainer) the Trainer picks them.
+            them. In a fit (the module attached to a Trainer) the Trainer picks them. Outside a fit, hooks that need
+            a Trainer (``if self.trainer.training:``) are skipped with one warning: the micro-batches are moved only.
 
     Returns:
         The Profile (save it with ``profile.save(path)``).
 
     Raises:
-        ProfilingError: the module has no trainable parameters, returns no loss, or the loader yields nothing.
+        ProfilingError: the module has no trainable parameters, returns no loss (or one that is not a scalar), its
+            batch transfer hooks fail, or the loader yields nothing (or a batch part micro-batches cannot be cut from).
         InfeasiblePlanError: not even a micro-batch of one sample fits in memory.
         DeviceUnavailableError: ``device`` names a device that is not present.
 
