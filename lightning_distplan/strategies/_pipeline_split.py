@@ -181,7 +181,7 @@ def auto_n_microbatches(per_replica_batch: int, stages: int) -> int:
 def split_structure(obj: Any, n: int) -> list[Any]:
     """``obj`` (a batch or part of one) cut into ``n`` consecutive chunks of its samples.
 
-    Tensors with the batch's rows and per-sample lists (file names, detection targets) are cut; the
+    Tensors and numpy arrays with the batch's rows and per-sample lists (file names, detection targets) are cut; the
     rest (a 0-d temperature, a constant tag) goes whole to every chunk. Mappings keep their type
     (transformers' ``BatchEncoding``). The rules are the profiler's and dp_ga's
     (:func:`~lightning_distplan.profiling._batches.slice_samples`).
