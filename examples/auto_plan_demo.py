@@ -130,9 +130,9 @@ def main() -> None:
     if summary is not None and summary.mean_observed_s is not None and summary.predicted_s is not None:
         # the full steps after warm-up, not the last (short) one; the median is over the steps history still keeps
         print(f"step time: predicted {summary.predicted_s:.4f} s, observed mean {summary.mean_observed_s:.4f} s "
-              f"over {summary.observed_steps} steps after {summary.warmup_steps} warm-up "
-              f"(median {summary.median_observed_s:.4f} s of the last "
-              f"{sum(not h['warmup'] and not h['partial'] for h in monitor.history)})")
+              f"over {summary.observed_steps} steps after {summary.warmup_steps} warm-up"
+              + ("" if summary.median_observed_s is None else f" (median {summary.median_observed_s:.4f} s of the last "
+                 f"{sum(not h['warmup'] and not h['partial'] for h in monitor.history)})"))
     print(f"profile + plan written to {distplan_dir}/ (profile.json, plan.json)")
     alternatives = plan_doc.get("alternatives") or []
     for alt in alternatives[:3]:
