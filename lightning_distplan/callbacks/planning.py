@@ -43,6 +43,7 @@ from lightning_distplan.strategies._auto_planning import (
     pins_from,
     profile_in_fit,
     ranks_per_node,
+    reloaded_loader_error,
     unsuited_plan,
     user_global_batch,
     write_artifacts,
@@ -411,12 +412,7 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
         b = loader_batch_size(dataloader)
         if b is not None and first and b != first[0]:
             # the plan's micro-batches and accumulation would silently keep the first loader's global batch
-            raise InfeasiblePlanError(
-                f"The train loader was loaded again during the fit with batches of {b}, where its first batches were {first[0]}, "
-                f"and PlanningCallback's plan ({plan.describe()}) keeps the global batch of {plan.global_batch_size} it was made "
-                "for (a run of your loader without the callback would step on the new batch size).",
-                hint="Keep the train loader's batch size fixed across reload_dataloaders_every_n_epochs, or drop PlanningCallback.",
-            )
+            raise reloaded_loader_error(b, first[0], plan, planner="PlanningCallback", hint="drop PlanningCallback.")
         if b is not None and not first:
             first.append(b)
         return rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)

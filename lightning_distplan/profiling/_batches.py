@@ -23,7 +23,7 @@ from lightning_distplan.profiling._errors import DataLoadingError, ProfilingErro
 
 __all__ = [
     "BatchSizer", "SampleBank", "batch_size_of", "concat_samples", "device_bytes", "find_batch_size", "loader_batch_size", "move_to",
-    "slice_samples", "tensors_in", "uncut_part",
+    "slice_samples", "tensors_in", "uncut_part", "uncut_part_found",
 ]
 
 
@@ -373,6 +373,16 @@ def uncut_part(batch: Any, n: int, path: tuple = ()) -> tuple[tuple, Any] | None
     return None
 
 
+def uncut_part_found(batch: Any, n: int) -> str | None:
+    """"The training batch[1] is a Targets holding the batch's 8 rows" for the part :func:`uncut_part` finds, or None."""
+    found = uncut_part(batch, n)
+    if found is None:
+        return None
+    path, part = found
+    where = "".join(f"[{key!r}]" for key in path) or " itself"
+    return f"The training batch{where} is a {type(part).__name__} holding the batch's {n} rows"
+
+
 def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:
     """The samples of ``pieces`` (batches of ``sizes[i]`` samples each, alike in structure) in order, as one batch."""
     first, n = pieces[0], sizes[0]
@@ -473,11 +483,9 @@ class SampleBank:
             batch_size_of(batch)  # raises the ProfilingError of a batch without a batch dimension
         if not self._parts:
             self.loader_batch_size = n
-            if (found := uncut_part(batch, n)) is not None:
-                where = "".join(f"[{key!r}]" for key in found[0]) or " itself"
+            if (found := uncut_part_found(batch, n)) is not None:
                 raise ProfilingError(
-                    f"The training batch{where} is a {type(found[1]).__name__} holding the batch's {n} rows, which cannot be cut "
-                    f"into the micro-batches profiling times: each would get all {n} rows of it.",
+                    f"{found}, which cannot be cut into the micro-batches profiling times: each would get all {n} rows of it.",
                     hint="Make it a tensor (or a dict, tuple or dataclass of tensors).",
                 )
         self._parts.append(batch)

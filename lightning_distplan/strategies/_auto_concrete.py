@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
+from lightning_distplan.strategies._auto_planning import reloaded_loader_error
 from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
@@ -87,13 +88,8 @@ class _LaterFits:
         if first is not None and b != first:
             # compared with the fit's first loader, not the plan: Lightning's re-instantiation can read another batch size
             # than the loader the plan was made from (a torch BatchSampler becomes batch_size=1), which the plan absorbs
-            raise InfeasiblePlanError(
-                f"The train loader was loaded again during the fit with batches of {b}, where its first batches were {first}, and "
-                f"this fit's plan ({self.plan.describe()}) keeps the global batch of {self.plan.global_batch_size} it was made for "
-                "(a run of your loader under DDP would step on the new batch size).",
-                hint="Keep the train loader's batch size fixed across reload_dataloaders_every_n_epochs, or use "
-                "DPGAStrategy(micro_batch_size=...) or strategy='ddp', which follow a changing batch size.",
-            )
+            raise reloaded_loader_error(b, first, self.plan, planner="auto_plan", hint="use DPGAStrategy(micro_batch_size=...) "
+                                        "or strategy='ddp', which follow a changing batch size.")
         if self.fits < 2:
             return
         now = b * self.user_accumulate * world_size

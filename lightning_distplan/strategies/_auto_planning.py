@@ -471,6 +471,18 @@ def ddp_bucket_bytes(strategy: Any) -> int | None:
     return None if mb is None else int(mb * 1024 * 1024)
 
 
+def reloaded_loader_error(batch: int, first: int, plan: Plan, *, planner: str, hint: str) -> InfeasiblePlanError:
+    """The error for a train loader loaded again during a fit (``reload_dataloaders_every_n_epochs``) with another batch
+    size than the fit's first: ``planner``'s plan would silently keep the global batch it was made for, where a run of
+    the user's loader as it is steps on the new one."""
+    return InfeasiblePlanError(
+        f"The train loader was loaded again during the fit with batches of {batch}, where its first batches were {first}, and "
+        f"{planner}'s plan ({plan.describe()}) keeps the global batch of {plan.global_batch_size} it was made for "
+        "(a run of your loader as it is would step on the new batch size).",
+        hint="Keep the train loader's batch size fixed across reload_dataloaders_every_n_epochs, or " + hint,
+    )
+
+
 def ranks_per_node(trainer: Any) -> int:
     """Processes on one node: on a CPU profile they share the host's RAM (``choose_plan``'s ``ranks_per_host``)."""
     return max(1, trainer.world_size // max(1, trainer.num_nodes))

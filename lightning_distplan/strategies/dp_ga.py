@@ -67,7 +67,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan, require_plan
-from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, loader_batch_size, slice_samples, uncut_part
+from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, loader_batch_size, slice_samples, uncut_part_found
 from lightning_distplan.strategies._auto_planning import check_count
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
@@ -1187,14 +1187,11 @@ def _refuse_uncut_parts(batch: Any, n: int, m: int) -> None:
     """Refuse, at the first loader batch, a part of it that micro-batches cannot be cut from although it holds the batch's
     ``n`` rows: every micro-batch of ``m`` got all of it (a shape error in ``training_step``, or a loss broadcast over the
     wrong rows)."""
-    found = uncut_part(batch, n)
+    found = uncut_part_found(batch, n)
     if found is None:
         return
-    path, part = found
-    where = "".join(f"[{key!r}]" for key in path) or " itself"
     raise InfeasiblePlanError(
-        f"The training batch{where} is a {type(part).__name__} holding the batch's {n} rows, which cannot be cut into "
-        f"micro-batches of {m}: every micro-batch would get all {n} rows of it.",
+        f"{found}, which cannot be cut into micro-batches of {m}: every micro-batch would get all {n} rows of it.",
         hint=f"Make it a tensor (or a dict, tuple or dataclass of tensors), or use micro_batch_size={n} (your batches as they are).",
     )
 
