@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -13,14 +13,6 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_distplan.callbacks import StepTimeMonitor
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _trainer(tmp: Path, monitor: StepTimeMonitor, **kw: Any) -> L.Trainer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning as L
 import pytest
@@ -21,14 +21,6 @@ from lightning_distplan.callbacks.planning import alternative_message, rank_micr
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.profile import LinkProfile
 from lightning_distplan.strategies import DPGAStrategy
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Net(L.LightningModule):
