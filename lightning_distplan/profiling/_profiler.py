@@ -146,8 +146,13 @@ def _skipped_everywhere(name: str) -> SkippedBatchError:
     )
 
 
+def _loss_in(out: Any) -> Any:
+    """The loss in what a training step returned: ``out["loss"]`` of any mapping, as Lightning's ClosureResult reads it."""
+    return out.get("loss") if isinstance(out, Mapping) else out
+
+
 def _extract_loss(out: Any, name: str) -> Tensor:
-    loss = out.get("loss") if isinstance(out, Mapping) else out  # any mapping, as Lightning's ClosureResult reads it
+    loss = _loss_in(out)
     if out is None:  # the callers move on to other samples (or sizes) and re-raise it once nothing is left
         raise _skipped_everywhere(name)
     if not isinstance(loss, Tensor):
@@ -185,7 +190,7 @@ def _pipeline_loss_difference(prof: _Profiler, m: int) -> tuple[str | None, bool
     def chain() -> Any:
         try:
             out = prof.chain_output(m)
-            loss = out.get("loss") if isinstance(out, Mapping) else out
+            loss = _loss_in(out)
             if isinstance(loss, Tensor) and loss.numel() != 1:
                 raise ValueError(f"the pipeline's loss is a tensor of shape {tuple(loss.shape)}, not a scalar")
             return out
@@ -221,7 +226,7 @@ def loss_difference(
             with torch.random.fork_rng(devices=list(devices)):
                 torch.manual_seed(0)
                 out = compute()
-            loss = out.get("loss") if isinstance(out, Mapping) else out
+            loss = _loss_in(out)
             if not isinstance(loss, Tensor):
                 return None  # training_step's own answer is judged (and refused) by the profiling that follows
             values.append(float(loss.detach().float().mean()))
