@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from lightning_distplan.errors import DistPlanError, first_line
-from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, shown_url, sqlite_damage, sqlite_path
+from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, schema_hint, shown_url, sqlite_damage, sqlite_path
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -134,7 +134,8 @@ def open_storage(storage_url: str) -> BaseStorage:
     except Exception as err:  # sqlalchemy raises many kinds (ArgumentError, OperationalError, ...)
         raise StorageUnreachableError(
             f"Cannot open the Optuna storage {shown_url(storage_url)!r} ({type(err).__name__}: {first_line(err)}).",
-            hint="Pass an RDB URL such as sqlite:///distplan.db that `distplan tune --storage` wrote, and check the database server is reachable.",
+            hint=schema_hint(err, storage_url)
+            or "Pass an RDB URL such as sqlite:///distplan.db that `distplan tune --storage` wrote, and check the database server is reachable.",
         ) from None
     if not summaries:
         raise StorageUnreachableError(

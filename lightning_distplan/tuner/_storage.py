@@ -21,7 +21,7 @@ from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
     "StudyStorageError", "damage_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
-    "is_optuna_database", "shown_url", "write_trials",
+    "is_optuna_database", "schema_hint", "shown_url", "write_trials",
 ]
 
 log = logging.getLogger(__name__)
@@ -309,8 +309,25 @@ def open_storage(url: Any) -> Any:
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
             storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
-        raise StudyStorageError(f"Cannot open the study storage {shown_url(url)!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=_HINT) from None
+        raise StudyStorageError(
+            f"Cannot open the study storage {shown_url(url)!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=schema_hint(err, url) or _HINT
+        ) from None
     return storage
+
+
+def schema_hint(err: BaseException, url: str) -> str | None:
+    """The HINT for Optuna's refusal of a database whose schema another Optuna version set up (a study file from an
+    older or newer install), or None for any other error. The generic storage HINT (check the URL, the server, the
+    driver) sent users with a readable study file looking for a fault it does not have."""
+    if not isinstance(err, RuntimeError) or "compatible with the table schema" not in str(err):
+        return None
+    import optuna
+
+    if "optuna storage upgrade" in str(err):  # Optuna knows the schema: an older version's
+        return (f"The study database was set up by an older Optuna than this one ({optuna.__version__}): keep a copy of it, then "
+                f"upgrade its schema with `optuna storage upgrade --storage {shown_url(url)}`; or pass another --storage.")
+    return (f"The study database was set up by a newer Optuna than this one ({optuna.__version__}): use that version "
+            "(pip install -U optuna), or pass another --storage.")
 
 
 def shown_url(url: str) -> str:

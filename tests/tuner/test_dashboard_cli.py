@@ -172,3 +172,21 @@ def test_cli_damaged_sqlite_file_is_one_line_with_hint_and_left_unchanged(tmp_pa
         from lightning_distplan.tuner._dashboard import open_storage
 
         assert open_storage(f"sqlite:///{tmp_path / 'recovered.db'}").get_all_studies()[0].study_name == "s"
+
+
+def test_cli_study_file_of_an_older_optuna_schema_names_the_upgrade_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Optuna refuses a file whose schema an older Optuna set up; the HINT said to check the URL and the server. It
+    names `optuna storage upgrade` now, with the file's URL."""
+    import sqlite3
+
+    db = tmp_path / "study.db"
+    make_study(f"sqlite:///{db}", study_name="s", instances=("gn6i.xlarge",), counts=(1,), micro_batch_sizes=(4,))
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("UPDATE alembic_version SET version_num = 'v3.0.0.d'")
+        con.execute("UPDATE version_info SET library_version = '3.1.0'")
+        con.commit()
+    assert main(["dashboard", f"sqlite:///{db}", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "HINT: The study database was set up by an older Optuna than this one" in err
+    assert f"`optuna storage upgrade --storage sqlite:///{db}`" in err and "check the database server" not in err, err

@@ -870,3 +870,40 @@ def test_numpy_values_the_checks_above_took_for_python_ones(tmp_path):
     assert len(optuna.load_study(study_name=result.study_name, storage=_url(tmp_path)).directions) == 2  # the (cost, time) search
     with pytest.raises(InfeasiblePlanError, match=r"^`max_configurations` must be an integer >= 1, got np\.True_\. HINT:"):
         exhaustive(make_profile(), "alicloud-2023", global_batch_size=32, max_configurations=np.True_)
+
+
+def _set_schema(db: Path, revision: str, library_version: str) -> None:
+    """Mark an Optuna SQLite file as set up by another Optuna (its alembic revision and recorded library version)."""
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        con.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+        con.execute("UPDATE version_info SET library_version = ?", (library_version,))
+        con.commit()
+
+
+def test_a_study_file_of_another_optuna_schema_gets_the_hint_that_fixes_it(tmp_path, profile):
+    """A study file from an older Optuna (schema revision v3.0.0.d, Optuna 3.1) is refused by Optuna itself; the HINT
+    said to check the URL, the server and its driver. It names `optuna storage upgrade` now (and, for a newer
+    Optuna's file, updating Optuna), the file is left as it was, and the command it names makes the study extendable."""
+    import subprocess
+    import sys
+
+    url = _url(tmp_path)
+    common = dict(catalog="aws-2026", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    tune(profile, n_trials=10, **common)
+    db = tmp_path / "study.db"
+    _set_schema(db, "v3.0.0.d", "3.1.0")
+    before = db.read_bytes()
+    with pytest.raises(StudyStorageError, match=r"no longer compatible with the table schema.* HINT: The study database was set up by an "
+                       r"older Optuna than this one \(.*\): keep a copy of it, then upgrade its schema with "
+                       rf"`optuna storage upgrade --storage {re.escape(url)}`; or pass another --storage\.$"):
+        tune(profile, n_trials=5, **common)
+    assert db.read_bytes() == before
+    optuna_cli = Path(sys.executable).parent / "optuna"
+    if optuna_cli.exists():  # the command the HINT names, as the user runs it
+        subprocess.run([str(optuna_cli), "storage", "upgrade", "--storage", url], check=True, capture_output=True)
+        assert tune(profile, n_trials=5, **common).n_study_trials == 15
+
+    _set_schema(db, "v99.0.0.a", "99.0.0")  # a revision this Optuna does not know: a newer one's
+    with pytest.raises(StudyStorageError, match=r"HINT: The study database was set up by a newer Optuna than this one \(.*\): use that "
+                       r"version \(pip install -U optuna\), or pass another --storage\.$"):
+        tune(profile, n_trials=5, **common)
