@@ -11,7 +11,7 @@ Two built-in catalogs, each row citing its source and date, and user CSVs in Sky
 
 A user CSV is parsed by header name (SkyPilot: ``InstanceType, AcceleratorName, AcceleratorCount,
 vCPUs, MemoryGiB, Price, SpotPrice, Region``) plus ``NetworkGbps`` (required unless a bandwidth is
-given), optional ``GpuMemoryGiB`` and ``Currency`` (default USD).
+given), optional ``GpuMemoryGiB`` (per GPU; for a shared GPU, of the share) and ``Currency`` (default USD).
 
 Prices are on-demand by default. ``pricing="spot"`` prices every instance at its ``SpotPrice`` instead
 (:func:`spot_priced`): instances without one are left out. The built-in catalogs list on-demand prices only.
@@ -51,7 +51,8 @@ class Instance:
     gpus_per_instance: float
     """GPUs per instance; a fraction < 1 is a shared GPU (1/6 = one sixth of a card)."""
     gpu_memory_gb: float
-    """Memory of one GPU, or of the share for a fractional GPU, in GB (GiB-sized, as sold)."""
+    """Memory of one GPU, or of the share for a fractional GPU, in GB (GiB-sized, as sold). More than twice the spec
+    row's (for a share: twice that share of it) is refused as a typo."""
     vcpus: float
     memory_gb: float
     """Host memory."""
@@ -91,6 +92,15 @@ class Instance:
         # A typo (800 for 80, or the instance's total) would price plans on memory no card has. The spec table
         # names one variant per GPU, and others sell more (V100 32 GB on a 16 GB row, A100 80 GB PCIe listed as an
         # "A100" in some catalogs): up to twice the row's memory passes.
+        if self.gpus_per_instance < 1 and self.gpu_memory_gb > 2 * card * self.gpus_per_instance:
+            # A shared GPU's memory is its share (seed 000 Table III: 4 GB for 1/6 of an A10); the card's whole memory
+            # written for it ("per GPU") priced every plan on 6x the memory the share has, silently.
+            share = card * self.gpus_per_instance
+            raise CatalogError(
+                f"Instance {self.instance_type!r}: {self.gpu_memory_gb:g} GiB of GPU memory for its {Fraction(self.gpus_per_instance).limit_denominator(64)} "
+                f"share of the {self.gpu} is more than twice that share of the card ({share:.3g} of {card:g} GiB, spec table).",
+                hint=f"For a shared GPU give GpuMemoryGiB of the share (e.g. {share:.3g}), or leave it empty to take that share of the spec's.",
+            )
         if self.gpu_memory_gb > 2 * card:
             raise CatalogError(
                 f"Instance {self.instance_type!r}: {self.gpu_memory_gb:g} GiB of GPU memory per GPU is more than twice what the "

@@ -225,6 +225,25 @@ def test_gpu_memory_above_the_card_is_refused(tmp_path):
     assert parse_catalog_csv(_write(tmp_path, head + "v.large,A10,0.5,1.0,10,12\n", "half.csv")).get("v.large").gpu_memory_gb == 12
 
 
+def test_a_shared_gpu_given_the_whole_cards_memory_is_refused(tmp_path):
+    """A sixth of an A10 sells 4 GB (seed 000 Table III); its row written with the card's 24 ("per GPU") passed the
+    whole-card check, and every plan on it was priced on 22.5 GiB of device memory instead of 3.75 (a plan that runs out of
+    memory there predicted to fit)."""
+    head = "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps,GpuMemoryGiB\n"
+    with pytest.raises(CatalogError, match=r"line 2: Instance 'vgn\.sixth': 24 GiB of GPU memory for its 1/6 share of the A10 is more than twice "
+                                          r"that share of the card \(4 of 24 GiB, spec table\)\. HINT: For a shared GPU give GpuMemoryGiB of the "
+                                          r"share \(e\.g\. 4\)"):
+        parse_catalog_csv(_write(tmp_path, head + "vgn.sixth,A10,1/6,3.117,3,24\n"))
+    sixth = parse_catalog_csv(_write(tmp_path, head + "vgn.sixth,A10,1/6,3.117,3,4\nsgn.twelfth,A10,1/12,1.875,5,\n", "ok.csv"))
+    assert sixth.get("vgn.sixth").gpu_spec().memory_bytes == int(4 * 2**30 * 15 / 16)  # the share, less ECC's sixteenth
+    assert sixth.get("sgn.twelfth").gpu_memory_gb == 2  # left empty: that share of the card
+    from lightning_distplan.tuner.catalog import Instance
+
+    with pytest.raises(CatalogError, match=r"for its 1/2 share of the T4 is more than twice"):
+        Instance(instance_type="t", gpu="T4", gpus_per_instance=0.5, gpu_memory_gb=16.5, vcpus=4, memory_gb=16, network_gbps=5,
+                 price_per_hour=1.0, currency="USD")
+
+
 def test_bandwidth_override_applies_to_a_catalog_object_too(tmp_path):
     from tuner_profile_factory import make_profile
 
