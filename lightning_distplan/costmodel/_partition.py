@@ -147,6 +147,8 @@ def partition_pipeline(
     receive_buffers: int | None = None,
     output_kept: Sequence[float] | None = None,
     received_saved: Sequence[float] | None = None,
+    grad_bytes: Sequence[float] | None = None,
+    grad_cap: float | None = None,
 ) -> tuple[int, ...]:
     """Split layers into ``pp`` pipeline stages minimising the slowest stage, hand-overs and memory included.
 
@@ -189,6 +191,9 @@ def partition_pipeline(
             its in-flight count (torch's ``PipelineStage`` allocates one of each per micro-batch); None: the
             received input counts once per in-flight micro-batch and no gradient buffer is held.
         output_kept / received_saved: per layer, bytes as above (None: zeros); only with ``receive_buffers``.
+        grad_bytes / grad_cap: per layer, the gradient bytes it adds to its stage's data-parallel all-reduce, and the
+            most one stage may hold (None: no cap); :func:`~lightning_distplan.costmodel.predict` lowers the cap step by
+            step to find splits whose hybrid dp×pp all-reduce is shorter.
 
     Raises:
         ModelSplitError: ``pp`` below 1 or above the number of layers, or malformed lists.
@@ -219,12 +224,25 @@ def partition_pipeline(
         groups.append((where[0], users, float(nbytes)))
     barred = {int(j) for j in no_cut}
     cap = math.inf if memory_cap is None else float(memory_cap)
+    if (grad_bytes is None) != (grad_cap is None) or (grad_bytes is not None and (
+            len(grad_bytes) != n_layers or any(not math.isfinite(float(v)) or float(v) < 0 for v in grad_bytes))):
+        raise ModelSplitError(
+            f"`grad_bytes` must hold {n_layers} finite non-negative numbers, one per layer, and come with `grad_cap`.",
+            hint="Pass both `grad_bytes` (one per layer) and `grad_cap`, or neither.",
+        )
+    grads = None if grad_bytes is None else (_block_sums([0.0, *accumulate(float(x) for x in grad_bytes)]), float(grad_cap))  # type: ignore[arg-type]
     with np.errstate(all="ignore"):  # sums past the float range give inf (bytes: nan, never over the cap), unwarned as in Python
         choice = _programme(
             pp, pt, static_memory, activation_memory, cut_times, cut_memory, in_flight, cap, groups, barred, receive_buffers,
-            output_kept, received_saved,
+            output_kept, received_saved, grads,
         )
     if choice is None:
+        if grads is not None:
+            raise InfeasiblePlanError(
+                f"No split of {n_layers} layers into {pp} stages keeps every stage's gradients under {grads[1]:.4g} bytes"
+                + ("" if cap == math.inf else f" and every stage under {cap:.4g} bytes") + ("" if not barred else f" starting no stage at layers {sorted(barred)}") + ".",
+                hint="Allow more gradient bytes per stage, use more stages or devices with more memory.",
+            )
         if barred:
             under = "" if cap == math.inf else f" and keeps every stage under {cap:.4g} bytes"
             raise InfeasiblePlanError(
@@ -256,6 +274,7 @@ def _programme(
     receive_buffers: int | None = None,
     output_kept: Sequence[float] | None = None,
     received_saved: Sequence[float] | None = None,
+    grads: tuple[np.ndarray, float] | None = None,
 ) -> list[np.ndarray] | None:
     """partition_pipeline's programme: ``choice[k][j]``, the first layer of stage ``k`` in the best split
     of layers ``[0, j)`` into stages ``0..k``, or None where no split of all layers into ``pp`` stages fits.
@@ -315,6 +334,8 @@ def _programme(
             if groups:
                 memory = memory + copies[rows, cols]
             ok &= ~(memory > cap)
+        if grads is not None:  # the stage's gradient bytes, summed as the memory is: a block of the prefix sums
+            ok &= ~(grads[0][rows, cols] > grads[1])
         send = 0.0 if last else handover[cols]
         if 0 < k < pp - 1:
             stage = middle[rows, cols]

@@ -168,3 +168,60 @@ def test_1f1b_split_counts_each_stages_own_micro_batches():
     assert auto.stage_boundaries == (1,) and auto.feasible, auto.reason
     cut_later = predict(profile, Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=4, n_microbatches=4, global_batch_size=16, stage_boundaries=(2,)), hw)
     assert not cut_later.feasible  # stage 0 would hold two micro-batches of it
+
+
+def test_pipeline_partition_keeps_every_stage_under_the_gradient_cap():
+    """With ``grad_bytes`` / ``grad_cap`` the split is the fastest among those whose stages each hold at most the cap."""
+    from lightning_distplan.costmodel import partition_pipeline
+
+    rng = random.Random(11)
+    for trial in range(200):
+        n = rng.randint(1, 7)
+        p = rng.randint(1, n)
+        times = [rng.uniform(0, 5) for _ in range(n)]
+        cuts = [rng.choice([0.0, rng.uniform(0, 4)]) for _ in range(n)]
+        grads = [rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(n)]
+        grad_cap = rng.uniform(0, 30)
+        feasible = [
+            _pipeline_cost(times, cuts, [0.0] * n, [0.0] * n, [0.0] * n, [1] * p, cut)[0]
+            for cut in itertools.combinations(range(1, n), p - 1)
+            if max(_stages(grads, cut)) <= grad_cap
+        ]
+        kwargs = dict(cut_times=cuts, static_memory=[0.0] * n, activation_memory=[0.0] * n, cut_memory=[0.0] * n, in_flight=[1] * p,
+                      memory_cap=None, grad_bytes=grads, grad_cap=grad_cap)
+        if not feasible:
+            with pytest.raises(InfeasiblePlanError, match="gradients under .*HINT"):
+                partition_pipeline(times, p, **kwargs)
+            continue
+        got = partition_pipeline(times, p, **kwargs)
+        assert max(_stages(grads, got)) <= grad_cap
+        assert _pipeline_cost(times, cuts, [0.0] * n, [0.0] * n, [0.0] * n, [1] * p, got)[0] == pytest.approx(min(feasible), rel=1e-12, abs=1e-12)
+    with pytest.raises(ModelSplitError, match="grad_bytes.*HINT: Pass both"):
+        partition_pipeline([1.0, 1.0], 2, cut_times=[0, 0], static_memory=[0, 0], activation_memory=[0, 0], cut_memory=[0, 0],
+                           in_flight=[1, 1], memory_cap=None, grad_bytes=[1.0, 1.0])
+
+
+def test_hybrid_split_weighs_the_stage_all_reduce_against_the_slowest_stage():
+    """A CNN-like model (compute 4, 3, 2, 1; weights 1, 1, 100, 100 MiB) on dp = 2 over 4 Gbit/s: the fastest-stage
+    split (after layer 1) puts 201 MiB of gradients on stage 1 and was priced at 0.59 s a step; after layer 3 the
+    largest stage all-reduces 102 MiB and the step prices at 0.43 s, the best of the three splits."""
+    from dataclasses import replace
+
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    profile = synthetic_profile([
+        LayerSpec(fwd_alpha=1e-3 * c, bwd_alpha=2e-3 * c, param_bytes=nbytes, activation_bytes_per_sample=1e3, output_bytes_per_sample=1e3)
+        for c, nbytes in ((4, 1 << 20), (3, 1 << 20), (2, 100 << 20), (1, 100 << 20))
+    ])
+    hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=0.5e9,
+                  p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=0.5e9)
+    for strategy in ("1f1b", "gpipe"):
+        plan = Plan(strategy=strategy, dp=2, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=16)
+        priced = {b: predict(profile, replace(plan, stage_boundaries=b), hw).step_time_s for b in ((1,), (2,), (3,))}
+        assert priced[(3,)] < 0.75 * priced[(1,)]
+        auto = predict(profile, plan, hw)
+        assert auto.stage_boundaries == (3,) and auto.step_time_s == pytest.approx(priced[(3,)], rel=1e-12)
+    # one replica: no all-reduce, so the fastest-stage split stands
+    assert predict(profile, Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8), hw).stage_boundaries == (1,)
