@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from lightning_distplan.costmodel import Hardware
-    from lightning_distplan.planner import enumerate_plans, explain, rank_plans
+    from lightning_distplan.planner import closest_to_fitting, enumerate_plans, explain, rank_plans
     from lightning_distplan.profile import Profile
 
     if args.top is not None and args.top < 1:
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if not any(c.prediction.feasible for c in candidates):
         # The ranking is still printed (it shows how far off each plan is), but a script must not take
         # candidate 1 for a runnable plan (DESIGN §3.4): exit non-zero.
-        closest = candidates[0]
+        closest = closest_to_fitting(candidates)
         why = closest.prediction.reason.rstrip(".")
         print(
             f"distplan plan: error: no plan is feasible; the closest, {closest.plan.describe()}, fails because {why[:1].lower() + why[1:]}. "

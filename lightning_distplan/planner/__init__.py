@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from lightning_distplan.planner._enumerate import PIN_KEYS, check_pins_before_profiling, enumerate_plans, nearest_valid_batch_sizes, satisfies_pins
-from lightning_distplan.planner._explain import explain, why_winner
+from lightning_distplan.planner._explain import closest_to_fitting, explain, why_winner
 from lightning_distplan.planner._rank import NEAR_TIE, Candidate, near_tie_order, rank_order, rank_plans
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "NEAR_TIE",
     "explain",
     "why_winner",
+    "closest_to_fitting",
     "nearest_valid_batch_sizes",
     "PIN_KEYS",
 ]

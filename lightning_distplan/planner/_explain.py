@@ -7,7 +7,7 @@ from typing import Sequence
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
 from lightning_distplan.planner._rank import Candidate, comparable, twin_key
 
-__all__ = ["explain", "why_winner"]
+__all__ = ["explain", "why_winner", "closest_to_fitting"]
 
 _SHORT = {"compute": "compute", "p2p": "p2p", "bubble": "bubble", "exposed_comm": "comm", "optimizer": "optim", "framework": "loop", "sync_wait": "sync"}
 
@@ -60,13 +60,23 @@ def explain(candidates: Sequence[Candidate], top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def closest_to_fitting(candidates: Sequence[Candidate]) -> Candidate:
+    """Of ranked candidates none of which fits, the one with the smallest predicted peak (the best ranked among equals).
+
+    Infeasible plans rank by time, so the first is the fastest, not the one nearest to fitting: with 1 GiB devices
+    a dp_ga plan of 5 GiB can rank above a 1F1B plan of 1.004 GiB.
+    """
+    return min(candidates, key=lambda c: c.prediction.peak_memory_bytes)
+
+
 def why_winner(candidates: Sequence[Candidate]) -> str:
     """One sentence: what the best plan saves over the best plan of another strategy (or the runner-up)."""
     if not candidates:
         return "No candidate plans."
     win = candidates[0]
     if not win.prediction.feasible:
-        return f"No plan fits in memory; the closest, {win.plan.describe()}, fails because {win.prediction.reason}"
+        closest = closest_to_fitting(candidates)
+        return f"No plan fits in memory; the closest, {closest.plan.describe()}, fails because {closest.prediction.reason}"
     feasible = [c for c in candidates[1:] if c.prediction.feasible]
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."

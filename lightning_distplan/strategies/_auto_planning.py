@@ -27,7 +27,7 @@ from lightning_distplan.costmodel import Hardware
 from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError, OutputPathError
 from lightning_distplan.plan import STRATEGIES, Plan, as_indices, as_int
-from lightning_distplan.planner import Candidate, explain, rank_plans, satisfies_pins
+from lightning_distplan.planner import Candidate, closest_to_fitting, explain, rank_plans, satisfies_pins
 from lightning_distplan.profile import unsplittable
 
 if TYPE_CHECKING:
@@ -521,7 +521,7 @@ def choose_plan(
         profile, world_size=world_size, global_batch_size=global_batch_size, hardware=hardware, pins=pins, strategies=strategies
     )
     if not candidates or not candidates[0].prediction.feasible:
-        best = candidates[0] if candidates else None
+        best = closest_to_fitting(candidates) if candidates else None
         cap = f"{format_bytes(hardware.device_memory_bytes)} per device"
         closest = (
             f" the closest, {best.plan.describe()}, needs {format_bytes(best.prediction.peak_memory_bytes)}"

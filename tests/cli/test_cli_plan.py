@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from lightning_distplan.cli import main
+from lightning_distplan.plan import Plan
 from lightning_distplan.profile import Profile
 
 
@@ -264,7 +265,11 @@ def test_no_feasible_plan_prints_the_ranking_and_exits_1(profile_path, capsys):
     assert out and not any(c["feasible"] for c in out)
     err = captured.err.strip().splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith("distplan plan: error: no plan is feasible; the closest, dp_ga dp=4") and "exceeds" in err[0] and "HINT:" in err[0]
+    # the closest is the plan with the smallest peak (the JSON list ranks infeasible plans by time)
+    closest = min(out, key=lambda c: c["predicted_peak_memory_bytes"])
+    assert closest["pp"] == 4 and closest is not out[0]
+    named = Plan.from_dict(closest["plan"]).describe()
+    assert err[0].startswith(f"distplan plan: error: no plan is feasible; the closest, {named}, ") and "exceeds" in err[0] and "HINT:" in err[0]
     # the same request on the profiled 16 GiB device has feasible plans and exits 0
     assert main([a for a in args if a not in ("--device-memory-gb", "0.01")]) == 0
 

@@ -193,3 +193,18 @@ def test_a_time_weight_without_a_price_is_refused():
     with pytest.raises(ValueError, match=r"`time_weight` \(4096\) weighs time against cost, and without `price_per_hour` there is no cost.*HINT"):
         rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), time_weight=4096)
     assert rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), time_weight=4096, price_per_hour=1.0)
+
+
+def test_when_nothing_fits_the_closest_named_is_the_plan_with_the_smallest_peak():
+    """Infeasible plans rank by time: with 1 GiB devices the first is a dp_ga plan of 5.01 GiB, yet a 1F1B plan needs
+    1.004 GiB; "the closest" named the 5 GiB one."""
+    from lightning_distplan.planner import closest_to_fitting, why_winner
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=256 << 20, activation_bytes_per_sample=1e6,
+                                           output_bytes_per_sample=1e4)] * 4)
+    cands = rank_plans(profile, world_size=4, global_batch_size=16, hardware=hw(memory=1 << 30, bw=1e11, p2p_latency=1e-5))
+    assert not any(c.prediction.feasible for c in cands) and cands[0].plan.strategy == "dp_ga"
+    closest = closest_to_fitting(cands)
+    assert closest.prediction.peak_memory_bytes == min(c.prediction.peak_memory_bytes for c in cands)
+    assert closest.plan.pp == 4 and closest.prediction.peak_memory_bytes < cands[0].prediction.peak_memory_bytes / 4
+    assert why_winner(cands) == f"No plan fits in memory; the closest, {closest.plan.describe()}, fails because {closest.prediction.reason}"
