@@ -48,7 +48,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies._checkpoint import PLAN_KEY, add_portable_state, stored_plan, stored_plan_context
+from lightning_distplan.strategies._checkpoint import PLAN_KEY, add_portable_state, readable_plan, stored_plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies.dp_ga import DPGAStrategy, Rechunking, accumulation_scheduled, few_names, loader_batch_size
 
@@ -209,7 +209,7 @@ class PlanningCallback(Callback):
     def _checkpoint_plan(self, trainer: pl.Trainer, loader: Any) -> Plan | None:
         """The plan stored in the checkpoint this fit resumes from, when it suits this fit (decided on rank 0), else None."""
         checkpoint = self._resuming
-        stored = None if checkpoint is None else stored_plan(checkpoint)
+        stored = None if checkpoint is None else readable_plan(checkpoint, "PlanningCallback")
         why = None
         if stored is not None:
             global_batch = user_global_batch(loader_batch=loader_batch_size(loader), accumulate=trainer.accumulate_grad_batches,

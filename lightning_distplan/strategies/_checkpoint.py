@@ -12,7 +12,8 @@ can load:
   holds and in which order; names do not, so a pipeline stage holding a subset of the parameters
   loads its slice and a full-model optimizer loads everything.
 * ``checkpoint["distplan_plan"]``: ``Plan.to_dict()`` of the plan that was running. Resume reuses it
-  (DESIGN §3.5: resume does not re-plan unless asked).
+  (DESIGN §3.5: resume does not re-plan unless asked); one this version cannot read (a later schema version)
+  is set aside with a warning (:func:`readable_plan`), and the rest of the checkpoint loads as a plain one.
 * ``checkpoint["distplan_plan_context"]``: what the plan was made for: the Trainer's ``precision``
   and, for a plan ``auto_plan`` chose, the device memory it had to fit (``memory_limit_bytes``) and the
   trainable parameters its profile found without a gradient (``unused_parameters``, when any: a resumed
@@ -27,6 +28,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
+
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_distplan.errors import DistPlanError
 from lightning_distplan.plan import Plan
@@ -46,6 +49,7 @@ __all__ = [
     "add_portable_state",
     "load_portable_optimizer_states",
     "stored_plan",
+    "readable_plan",
     "PLAN_CONTEXT_KEY",
     "plan_context",
     "stored_plan_context",
@@ -287,3 +291,20 @@ def stored_plan(checkpoint: Mapping[str, Any]) -> Plan | None:
     """The plan saved in a checkpoint, or None for checkpoints not written by this package."""
     data = checkpoint.get(PLAN_KEY)
     return None if data is None else Plan.from_dict(data)
+
+
+def readable_plan(checkpoint: Mapping[str, Any], who: str | None = None) -> Plan | None:
+    """:func:`stored_plan`, or None when the stored plan cannot be read (a later schema version, values this version
+    refuses). The plan only says what to run: the weights, optimizer state and progress load without it, as from a
+    checkpoint plain Lightning wrote, and the strategy plans as it does for one. ``who``: warn, naming it, that the
+    plan is not reused (None: say nothing, for a second reader of the same checkpoint)."""
+    try:
+        return stored_plan(checkpoint)
+    except (ValueError, TypeError) as err:
+        if who is not None:
+            reason = str(err).split(" HINT: ")[0]
+            rank_zero_warn(
+                f"{who}: the plan stored in the checkpoint cannot be read ({reason}), so it is not reused; the weights, "
+                "optimizer state and progress load without it, as from a plain Lightning checkpoint."
+            )
+        return None

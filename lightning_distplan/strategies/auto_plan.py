@@ -65,7 +65,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies._checkpoint import PLAN_KEY, stored_plan, stored_plan_context
+from lightning_distplan.strategies._checkpoint import PLAN_KEY, readable_plan, stored_plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import (
@@ -227,7 +227,7 @@ class AutoPlanStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._checkpoint_plan = stored_plan(checkpoint)
+        self._checkpoint_plan = readable_plan(checkpoint, "auto_plan")
         self._checkpoint_context = stored_plan_context(checkpoint)
         # not the weights; the loops too: Rechunking.resumed tells by their progress whether Lightning restored them yet
         self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY, "loops") if k in checkpoint}

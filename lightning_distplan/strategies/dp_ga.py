@@ -75,7 +75,7 @@ from lightning_distplan.strategies._checkpoint import (
     load_portable_optimizer_states,
     optimizer_state_by_name,
     plan_context,
-    stored_plan,
+    readable_plan,
 )
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
@@ -283,7 +283,7 @@ class DPGAStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._checkpoint_plan = stored_plan(checkpoint)
+        self._checkpoint_plan = readable_plan(checkpoint, "dp_ga")
         self._rechunk.resumed(checkpoint)
         return checkpoint
 
@@ -708,7 +708,7 @@ class Rechunking:
         self._resumed_from_micro = None
         saved = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
         self._saved_progress = saved if isinstance(saved, dict) else None
-        plan = None if checkpoint.get(PROGRESS_KEY) == "loader_batches" else stored_plan(checkpoint)
+        plan = None if checkpoint.get(PROGRESS_KEY) == "loader_batches" else readable_plan(checkpoint)
         if plan is not None and plan.strategy == "dp_ga":
             self._resumed_from_micro = plan.micro_batch_size
 

@@ -261,3 +261,47 @@ def test_a_checkpoint_pipeline_plan_is_reused_only_where_it_fits_the_resumed_run
     assert unfit_checkpoint_plan(stored, **{**fits, "loader_batch": None}) == "the train loader's batch size cannot be read"
     dp_ga = Plan(strategy="dp_ga", dp=2, micro_batch_size=4, accumulate_grad_batches=4, global_batch_size=32)
     assert unfit_checkpoint_plan(dp_ga, **fits) == "it is a dp_ga plan, not a pipeline"
+
+
+def _fit_from(strategy: Any, ckpt: str, steps: int) -> tuple[dict[str, torch.Tensor], int]:
+    model = TinyLM(n_samples=64, loader_batch=16, optimizer="adam")
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=strategy, max_steps=steps)
+    trainer.fit(model, ckpt_path=ckpt)
+    torch.distributed.destroy_process_group()
+    return cpu_state(model), trainer.global_step
+
+
+def test_a_checkpoint_whose_plan_cannot_be_read_resumes_without_it(tmp_path: Any) -> None:
+    """The stored plan only says what to run: one of a later schema version (a checkpoint written by a newer
+    lightning_distplan) or with values this version refuses stopped dp_ga, the pipelines and auto_plan from resuming,
+    or even validating, a checkpoint whose weights and optimizer state are fine (ProfileFormatError, 'HINT: Re-plan')."""
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    model = TinyLM(n_samples=64, loader_batch=16, optimizer="adam")
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(micro_batch_size=4), max_steps=2)
+    trainer.fit(model)
+    good = str(tmp_path / "good.ckpt")
+    trainer.save_checkpoint(good)
+    torch.distributed.destroy_process_group()
+    reference, steps = _fit_from(DPGAStrategy(micro_batch_size=4), good, 4)
+    assert steps == 4
+    for name, edit in (("newer", {"schema_version": 2}), ("inconsistent", {"accumulate_grad_batches": 3})):
+        ckpt = torch.load(good, weights_only=False)
+        ckpt[PLAN_KEY].update(edit)
+        path = str(tmp_path / f"{name}.ckpt")
+        torch.save(ckpt, path)
+        with pytest.warns(UserWarning, match=r"^dp_ga: the plan stored in the checkpoint cannot be read \(.+\), so it is not reused; the weights"):
+            state, steps = _fit_from(DPGAStrategy(micro_batch_size=4), path, 4)
+        assert steps == 4
+        torch.testing.assert_close(state, reference, rtol=0, atol=0)  # the weights and Adam's moments resumed
+        if name == "newer":  # auto_plan profiles and plans again
+            with pytest.warns(UserWarning, match="^auto_plan: the plan stored in the checkpoint cannot be read"):
+                _, steps = _fit_from(AutoPlanStrategy(profile_repeats=1), path, 3)
+            assert steps == 3
+        evaluated = TinyLM(n_samples=64, loader_batch=16)
+        evaluated.validation_step = lambda batch, batch_idx: None  # type: ignore[method-assign]
+        evaluated.val_dataloader = evaluated.train_dataloader  # type: ignore[method-assign]
+        with pytest.warns(UserWarning, match="^dp_ga: the plan stored"):
+            L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy()).validate(evaluated, ckpt_path=path, verbose=False)
+        torch.distributed.destroy_process_group()
+        torch.testing.assert_close(cpu_state(evaluated), cpu_state(TinyLM.load_from_checkpoint(good)), rtol=0, atol=0)
