@@ -26,7 +26,9 @@ The helpers are pure functions over optimizers and plain dicts so they test in m
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+import errno
+import pickle
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 from lightning.pytorch.utilities import rank_zero_warn
@@ -42,6 +44,7 @@ __all__ = [
     "PLAN_KEY",
     "OPTIMIZER_STATES_KEY",
     "CheckpointFormatError",
+    "read_checkpoint",
     "optimizer_state_by_name",
     "load_optimizer_state_by_name",
     "merge_stage_states",
@@ -63,7 +66,57 @@ NamedParams = Union[Mapping[str, "Tensor"], Iterable[tuple[str, "Tensor"]]]
 
 
 class CheckpointFormatError(DistPlanError, ValueError):
-    """A checkpoint does not hold the state a strategy needs (missing parameter, mismatched groups)."""
+    """A checkpoint does not hold the state a strategy needs (missing parameter, mismatched groups), or its file is not a
+    checkpoint Lightning can read (cut short, damaged, or another kind of file)."""
+
+
+# What torch.load raises on a file cut short or damaged, or not written by torch.save: an empty file (EOFError), a zip
+# archive cut anywhere past its first bytes (a seek before its start: EINVAL), a damaged or foreign archive, a cut
+# legacy file, bytes that are no pickle.
+_DAMAGED_MARKS = ("PytorchStreamReader", "inline_container", "unexpected EOF", "corrupt", "invalid load key")
+
+
+def _damaged(err: BaseException) -> bool:
+    if isinstance(err, EOFError):
+        return True
+    if isinstance(err, OSError):
+        return err.errno == errno.EINVAL
+    return isinstance(err, (RuntimeError, pickle.UnpicklingError)) and any(mark in str(err) for mark in _DAMAGED_MARKS)
+
+
+def read_checkpoint(load: Callable[[], Any], path: Any) -> dict[str, Any]:
+    """``load()`` (the strategy's ``Strategy.load_checkpoint``), refusing in one sentence a file it cannot read, or one
+    that is not a checkpoint Lightning wrote, where torch and Lightning name neither (``OSError: [Errno 22] Invalid
+    argument`` for a checkpoint cut short, ``KeyError: 'pytorch-lightning_version'`` for a model's bare state_dict).
+
+    Raises:
+        CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint.
+    """
+    try:
+        checkpoint = load()
+    except Exception as err:
+        if not _damaged(err):
+            raise
+        found = str(err).split("\n")[0].split(". ")[0] or "no data"
+        raise CheckpointFormatError(
+            f"The checkpoint {str(path)!r} cannot be read ({type(err).__name__}: {found}): the file is cut short or damaged "
+            "(a copy or a save that stopped early), or torch.save did not write it.",
+            hint="Resume from another checkpoint (ModelCheckpoint keeps last.ckpt and the best ones), or copy this one again.",
+        ) from err
+    if isinstance(checkpoint, Mapping):
+        missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
+        if not missing:
+            return checkpoint  # type: ignore[return-value]  # Lightning's loader returns a dict
+        keys = ", ".join(repr(k) for k in list(checkpoint)[:3]) + (", ..." if len(checkpoint) > 3 else "")
+        say = "; a module's state_dict saved with torch.save, say" if "state_dict" in missing else ""
+        what = f"a dict without {' or '.join(map(repr, missing))} (keys {keys or 'none'}{say})"
+    else:
+        what = f"a {type(checkpoint).__name__}"
+    raise CheckpointFormatError(
+        f"The file {str(path)!r} holds {what}, not a checkpoint Lightning wrote.",
+        hint="Load the weights into the module before the run (module.load_state_dict(...)) and leave out ckpt_path, or "
+        "pass a file Trainer.save_checkpoint or ModelCheckpoint wrote.",
+    )
 
 
 def _name_by_id(named_params: NamedParams) -> dict[int, str]:

@@ -32,6 +32,7 @@ the two depart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -65,7 +66,7 @@ from lightning_distplan.strategies._auto_planning import (
     user_global_batch,
     write_artifacts,
 )
-from lightning_distplan.strategies._checkpoint import PLAN_KEY, readable_plan, stored_plan_context
+from lightning_distplan.strategies._checkpoint import PLAN_KEY, read_checkpoint, readable_plan, stored_plan_context
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import (
@@ -226,7 +227,8 @@ class AutoPlanStrategy(DDPStrategy):
     # -- hooks ---------------------------------------------------------------------------------
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        checkpoint = read_checkpoint(load, checkpoint_path)  # a file cut short or not Lightning's: one sentence
         self._checkpoint_plan = readable_plan(checkpoint, "auto_plan")
         self._checkpoint_context = stored_plan_context(checkpoint)
         # not the weights; the loops too: Rechunking.resumed tells by their progress whether Lightning restored them yet

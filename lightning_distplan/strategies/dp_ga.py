@@ -47,6 +47,7 @@ The ``batch_idx`` that hooks receive counts micro-batches.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -75,6 +76,7 @@ from lightning_distplan.strategies._checkpoint import (
     load_portable_optimizer_states,
     optimizer_state_by_name,
     plan_context,
+    read_checkpoint,
     readable_plan,
 )
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
@@ -282,7 +284,8 @@ class DPGAStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        checkpoint = read_checkpoint(load, checkpoint_path)  # a file cut short or not Lightning's: one sentence
         self._checkpoint_plan = readable_plan(checkpoint, "dp_ga")
         self._rechunk.resumed(checkpoint)
         return checkpoint

@@ -55,6 +55,7 @@ the last stage the targets).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Iterator, Mapping
@@ -83,7 +84,7 @@ from lightning_distplan._layers import PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
-from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, readable_plan
+from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, read_checkpoint, readable_plan
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -1153,7 +1154,8 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
+        checkpoint = read_checkpoint(load, checkpoint_path)  # a file cut short or not Lightning's: one sentence
         self._checkpoint_plan = readable_plan(checkpoint, "PipelineStrategy")
         return checkpoint
 

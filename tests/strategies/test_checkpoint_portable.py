@@ -263,6 +263,14 @@ def test_a_checkpoint_pipeline_plan_is_reused_only_where_it_fits_the_resumed_run
     assert unfit_checkpoint_plan(dp_ga, **fits) == "it is a dp_ga plan, not a pipeline"
 
 
+class _Validated(TinyLM):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def val_dataloader(self) -> Any:
+        return self.train_dataloader()
+
+
 def _fit_from(strategy: Any, ckpt: str, steps: int) -> tuple[dict[str, torch.Tensor], int]:
     model = TinyLM(n_samples=64, loader_batch=16, optimizer="adam")
     trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=strategy, max_steps=steps)
@@ -298,10 +306,41 @@ def test_a_checkpoint_whose_plan_cannot_be_read_resumes_without_it(tmp_path: Any
             with pytest.warns(UserWarning, match="^auto_plan: the plan stored in the checkpoint cannot be read"):
                 _, steps = _fit_from(AutoPlanStrategy(profile_repeats=1), path, 3)
             assert steps == 3
-        evaluated = TinyLM(n_samples=64, loader_batch=16)
-        evaluated.validation_step = lambda batch, batch_idx: None  # type: ignore[method-assign]
-        evaluated.val_dataloader = evaluated.train_dataloader  # type: ignore[method-assign]
+        evaluated = _Validated(n_samples=64, loader_batch=16)
         with pytest.warns(UserWarning, match="^dp_ga: the plan stored"):
             L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy()).validate(evaluated, ckpt_path=path, verbose=False)
         torch.distributed.destroy_process_group()
         torch.testing.assert_close(cpu_state(evaluated), cpu_state(TinyLM.load_from_checkpoint(good)), rtol=0, atol=0)
+
+
+def test_a_checkpoint_file_cut_short_or_not_lightnings_is_refused_in_one_sentence(tmp_path: Any) -> None:
+    """torch and Lightning named neither: a checkpoint cut short (a copy or a save that stopped) raised 'OSError: [Errno
+    22] Invalid argument' (an empty one a bare EOFError), a module's bare state_dict "KeyError: 'pytorch-lightning_version'"."""
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    model = TinyLM(n_samples=32, loader_batch=16)
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=1)
+    trainer.fit(model)
+    good = tmp_path / "good.ckpt"
+    trainer.save_checkpoint(good)
+    torch.distributed.destroy_process_group()
+    raw = good.read_bytes()
+    (tmp_path / "half.ckpt").write_bytes(raw[: len(raw) // 2])
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    cut = r"cannot be read \({}\): the file is cut short or damaged .* HINT: Resume from another checkpoint"
+    bare = r"holds a dict without 'state_dict' or 'pytorch-lightning_version' \(keys 'model.embedding.weight', .*\), not a checkpoint "
+    expected = {"half.ckpt": cut.format(r"OSError: \[Errno 22\] Invalid argument"), "empty.ckpt": cut.format("EOFError: no data"),
+                "weights.pt": bare + "Lightning wrote. HINT: Load the weights into the module before the run"}
+    for name, message in expected.items():
+        for run in ("fit", "validate"):
+            trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=2, limit_val_batches=1)
+            with pytest.raises(CheckpointFormatError, match=message):
+                getattr(trainer, run)(_Validated(n_samples=32, loader_batch=16), ckpt_path=str(tmp_path / name))
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        for strategy in (PipelineStrategy(schedule="gpipe"), AutoPlanStrategy()):
+            with pytest.raises(CheckpointFormatError, match=message):
+                strategy.load_checkpoint(str(tmp_path / name))
+    assert stored_plan(PipelineStrategy(schedule="1f1b").load_checkpoint(str(good))) is not None  # an intact one loads
