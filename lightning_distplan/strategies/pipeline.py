@@ -1133,6 +1133,12 @@ class PipelineStrategy(DDPStrategy):
             raise CheckpointMismatchError(
                 f"The checkpoint misses {len(missing)} entries of the model, e.g. {missing[:3]}.", hint="Load a checkpoint of this model."
             )
+        unexpected = [k for k in checkpoint["state_dict"] if k not in local]
+        if strict and unexpected:  # as module.load_state_dict refuses them before the pipeline is built
+            raise CheckpointMismatchError(
+                f"The checkpoint holds {len(unexpected)} entries the model does not have, e.g. {unexpected[:3]}.",
+                hint="Load a checkpoint of this model, or set strict_loading = False on the LightningModule to leave them out.",
+            )
         module.load_state_dict(mine, strict=False)
         self._loose.reset(module)  # every rank now holds the checkpoint's loose entries: none moved yet
         return None

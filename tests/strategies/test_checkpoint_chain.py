@@ -52,6 +52,7 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     trainer.fit(model, DataLoader(data, batch_size=32), ckpt_path=b)
     trainer.save_checkpoint(c)
     plans["1f1b"], plans["steps"] = strategy.plan, trainer.global_step
+    plans["strict"] = _strict_loading_into_the_built_pipeline(rank, trainer, model, c)
 
     # strategy="1f1b" with every argument 'auto', resumed from that checkpoint (at its end: nothing more trains), runs
     # the stored plan (4 micro-batches; re-derived, it was 8) and says so; from the gpipe one it says why it does not
@@ -67,12 +68,39 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     return plans
 
 
+def _strict_loading_into_the_built_pipeline(rank: int, trainer: L.Trainer, model: L.LightningModule, good: str) -> list[str]:
+    """The Trainer of a pipeline fit loads a checkpoint into the pipeline it built (trainer.validate(ckpt_path=...)), as
+    strictly as Lightning loads one before the build: it took one with an entry the model does not have, silently."""
+    from _pipeline_models import token_data
+
+    from lightning_distplan.errors import CheckpointMismatchError
+
+    extra = good.replace(".ckpt", "-extra.ckpt")
+    if rank == 0:
+        ckpt = torch.load(good, weights_only=False)
+        ckpt["state_dict"]["head.weight"] = torch.zeros(3)
+        torch.save(ckpt, extra)
+    torch.distributed.barrier()
+    said = []
+    for path in (good, extra):
+        try:
+            trainer.validate(model, DataLoader(token_data(32), batch_size=32), ckpt_path=path, verbose=False)
+            said.append("loaded")
+        except CheckpointMismatchError as err:
+            said.append(str(err))
+    return said
+
+
 def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     from _pipeline_models import build, token_data
 
     t0 = time.perf_counter()
     plans = run_on_ranks(_chain, 2, str(tmp_path))[0]
     assert plans["steps"] == 15
+    assert plans["strict"] == [
+        "loaded", "The checkpoint holds 1 entries the model does not have, e.g. ['head.weight']. HINT: Load a checkpoint of this "
+        "model, or set strict_loading = False on the LightningModule to leave them out.",
+    ]
     gpipe = plans["gpipe"]
     assert (gpipe.strategy, gpipe.dp, gpipe.pp, gpipe.micro_batch_size, gpipe.n_microbatches) == ("gpipe", 1, 2, 4, 8)
     assert plans["dp_ga_from"] == plans["gpipe"]  # the stored plan is exposed on resume
