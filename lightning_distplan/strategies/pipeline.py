@@ -85,6 +85,7 @@ from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError,
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, read_checkpoint, readable_plan
+from lightning_distplan.strategies._checkpoint_io import strategy_checkpoint_io
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -357,6 +358,15 @@ class PipelineStrategy(DDPStrategy):
     def checkpoint_plan(self) -> Plan | None:
         """The plan stored in the checkpoint this run resumed from, if any."""
         return self._checkpoint_plan
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        return strategy_checkpoint_io(self)  # checkpoints written atomically also where TMPDIR is another file system
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        self._checkpoint_io = io
 
     @override
     def _configure_launcher(self) -> None:

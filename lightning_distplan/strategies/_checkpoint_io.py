@@ -1,0 +1,86 @@
+"""Checkpoint files written atomically on every file system layout.
+
+Lightning's ``TorchCheckpointIO`` writes a local checkpoint into a temporary file of the system's temporary folder
+(``TMPDIR``) and moves it onto the path. Where that folder lies on another file system than the checkpoint (a tmpfs
+``/tmp``, checkpoints on a shared disk: the usual cluster layout) the move is a copy into the existing file, so a save
+that fails or is stopped (a full disk or quota, a pre-empted job) leaves a half-written ``last.ckpt`` in place of the
+good one; and the temporary folder must hold the whole checkpoint. Here the temporary file lies in the checkpoint's
+own folder, and a rename replaces the file in one step.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from typing import Any
+
+import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from typing_extensions import override
+
+from lightning_distplan.errors import OutputPathError
+
+__all__ = ["AtomicCheckpointIO", "strategy_checkpoint_io"]
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` whose local saves go through a temporary file beside the checkpoint and a rename (remote
+    URLs and ``storage_options`` go to Lightning's own save)."""
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        fs, local = url_to_fs(str(path))
+        if storage_options is not None or not isinstance(fs, LocalFileSystem):
+            super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
+        folder = os.path.dirname(os.path.abspath(local))
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(local)}.{secrets.token_hex(8)}.tmp")
+        try:
+            # 0666 less the umask, as open() makes a file; an existing checkpoint's own bits are kept below
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on the disk before the name points at it
+            if os.path.isfile(local) and not os.path.islink(local):
+                os.chmod(tmp, stat.S_IMODE(os.stat(local).st_mode))
+            os.replace(tmp, local)  # a link at the path is replaced, not the checkpoint it points at
+        except BaseException as err:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            failed = _os_error(err)  # torch's writer raises its own RuntimeError over the file's OSError (a full disk)
+            if failed is None:
+                raise
+            kept = "the file there before is left as it was" if os.path.isfile(local) else "no file was made"
+            raise OutputPathError(
+                f"Saving the checkpoint {str(path)!r} failed ({failed.strerror or failed}); {kept}.",
+                hint="Free space on that file system (or check its quota and permissions), or save checkpoints elsewhere "
+                "(ModelCheckpoint(dirpath=...)).",
+            ) from err
+
+
+def _os_error(err: BaseException | None) -> OSError | None:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def strategy_checkpoint_io(strategy: Any) -> CheckpointIO:
+    """What ``Strategy.checkpoint_io`` returns, with :class:`AtomicCheckpointIO` where Lightning puts its default
+    ``TorchCheckpointIO`` (no plugin given, or a wrapping one such as ``AsyncCheckpointIO`` without its own)."""
+    io = strategy._checkpoint_io
+    if io is None:
+        io = strategy._checkpoint_io = AtomicCheckpointIO()
+    elif isinstance(io, _WrappingCheckpointIO) and not io._base_checkpoint_io_configured:
+        io.checkpoint_io = AtomicCheckpointIO()  # the setter hands it to the innermost wrapper
+    return io

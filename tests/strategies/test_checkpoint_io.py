@@ -1,0 +1,61 @@
+"""Checkpoint files are replaced in one step (a temporary file beside them, then a rename), on any file system layout."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from _tiny_lm import TinyLM, trainer_kwargs
+
+from lightning_distplan.errors import OutputPathError
+from lightning_distplan.strategies import DPGAStrategy
+
+
+def test_a_checkpoint_is_replaced_in_one_step_where_tmpdir_is_another_file_system(tmp_path: Path, monkeypatch: Any) -> None:
+    """Lightning writes a checkpoint into TMPDIR and moves it onto the path; from a TMPDIR on another file system (a
+    tmpfs /tmp, checkpoints on a shared disk) the move copied into the existing file, so a save that failed or was
+    stopped there left a half-written last.ckpt in place of the good one (measured: a full disk left 81920 bytes that
+    torch.load refused, 'failed finding central directory'), and a process reading the checkpoint read the new one's
+    bytes into the old one's."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a /dev/shm on another file system than the test's folder")
+    monkeypatch.setenv("TMPDIR", tempfile.mkdtemp(dir=shm))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    model = TinyLM(n_samples=32, loader_batch=16)
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=1)
+    trainer.fit(model)
+    torch.distributed.destroy_process_group()
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    with open(path, "rb") as reader:  # a resume, an evaluation job or a copy reading the checkpoint
+        first = path.stat().st_ino
+        model.model.decoder.bias.data += 1
+        trainer.save_checkpoint(path)
+        assert path.stat().st_ino != first  # a new file took the name: nothing was written into the old one
+        old = torch.load(reader, weights_only=True)["state_dict"]
+    new = torch.load(path, weights_only=True)["state_dict"]
+    torch.testing.assert_close(new["model.decoder.bias"], old["model.decoder.bias"] + 1)
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+    # A save that fails (here: past the file size limit, as at a full disk or quota) leaves the last one whole.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of ending the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size // 2, hard))
+    try:
+        model.model.decoder.bias.data += 1
+        with pytest.raises(OutputPathError, match=r"^Saving the checkpoint '.*last\.ckpt' failed \(File too large\); the file there "
+                           r"before is left as it was\. HINT: Free space on that file system"):
+            trainer.save_checkpoint(path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    torch.testing.assert_close(torch.load(path, weights_only=True)["state_dict"], new, rtol=0, atol=0)
+    assert os.listdir(tmp_path) == ["last.ckpt"]
