@@ -208,7 +208,11 @@ def _pick_table(settings: list[dict[str, Any]], rates: list[str]) -> list[str]:
             for rate in rates:
                 s = next((x for x in settings if x["model_key"] == key and x["rate"] == rate and "summary" in x), None)
                 entry = s and s["summary"].get(field)
-                row.append(_short(entry["plan"]) + f" {entry['measured_step_time_s'] * 1e3:6.0f}ms" if entry else "-")
+                if not entry:
+                    row.append("-")
+                else:  # a pick that failed (out of memory, an error on every rank) has no time
+                    seconds = entry["measured_step_time_s"]
+                    row.append(_short(entry["plan"]) + (f" {seconds * 1e3:6.0f}ms" if seconds is not None else " FAILED"))
             lines.append(f"{(key if label == 'pick' else '  ' + label):18s} " + " ".join(f"{c:>34s}" for c in row))
     return lines
 
@@ -258,8 +262,8 @@ def first_profile_settings(settings: list[dict[str, Any]]) -> list[dict[str, Any
     ]
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
+def _pct(x: float | None, *, signed: bool = False) -> str:
+    return "-" if x is None else f"{x:+.1%}" if signed else f"{x:.1%}"
 
 
 def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -312,8 +316,8 @@ def summarize_sweep(settings: list[dict[str, Any]], rates: list[str]) -> tuple[d
         m = s["summary"]
         ar = next((l for l in s["links"] if l["kind"] == "allreduce"), None)
         lines.append(
-            f"{s['model_key']:18s} {s['rate']:>10s} {m['n_measured']:>5d} {m['median_abs_error']:>9.1%} {m['p90_abs_error']:>8.1%} "
-            f"{m['mean_signed_error']:>+8.1%} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {_pct(m['regret']):>7s} "
+            f"{s['model_key']:18s} {s['rate']:>10s} {m['n_measured']:>5d} {_pct(m['median_abs_error']):>9s} {_pct(m['p90_abs_error']):>8s} "
+            f"{_pct(m['mean_signed_error'], signed=True):>8s} {m['spearman'] if m['spearman'] is not None else float('nan'):>5.2f} {str(m['pick_within']):>8s} {_pct(m['regret']):>7s} "
             f"{_pct((m.get('confirmed') or {}).get('regret')):>7s}  "
             + (f"{ar['bandwidth_bytes_per_s'] * 8 / 1e6:<24.0f}" if ar else f"{'-':<24s}")
             + " ".join(f"{c['ratio']:.2f}x" for c in s.get("host_checks", []) if c.get("ratio") is not None)

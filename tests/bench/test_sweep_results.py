@@ -225,3 +225,37 @@ def test_readme_pipeline_slot_figures_are_those_of_their_result_file() -> None:
     assert f"({one:.2f} ms per micro-batch, less {handover:.2f} ms of hand-overs)" in readme
     assert f"measured {one:.2f} against GPipe's {gpipe:.2f} ms per micro-batch" in readme
     assert f"({gpipe:.2f} against {one:.2f} ms per micro-batch)" in readme
+
+
+def test_a_setting_whose_pick_failed_is_summarised_as_a_miss() -> None:
+    """A pick that failed on every rank (out of memory, say) left its setting with no pick time: the sweep's summary
+    raised a TypeError on it, so the whole sweep was written without a summary and readme_table.py could not pool it."""
+    import copy
+
+    from cpu_cluster_sweep import summarize_sweep
+
+    from lightning_distplan.bench import summarize
+
+    doc = json.loads(SWEEPS[0].read_text())
+    settings = copy.deepcopy([s for s in doc["settings"] if "summary" in s][:2])
+    failed = settings[0]
+    for rec in failed["plans"]:
+        if rec["rank"] == 1:
+            rec.update(measured_step_time_s=None, step_time_error=None, abs_step_time_error=None, error="OutOfMemoryError: out of memory")
+            rec.pop("confirm_step_time_s", None)
+    failed["summary"] = summarize(failed["plans"])
+    nothing = copy.deepcopy(settings[1])  # every plan failed (a replay can give such a setting)
+    for rec in nothing["plans"]:
+        rec.update(measured_step_time_s=None, step_time_error=None, abs_step_time_error=None, error="RuntimeError: x")
+    nothing["summary"] = summarize(nothing["plans"])
+    summary, lines = summarize_sweep([failed, nothing], doc["provenance"]["rates"])
+    assert summary["n_picks_failed"] == 2 and summary["pick_within_5pct_rate"] == 0.0
+    assert "the pick FAILED in 2 setting(s)" in "\n".join(lines)
+    # the setting without a measurement: dashes where its errors go
+    row = next(line for line in lines if line.startswith(nothing["model_key"]) and line.split()[1] == nothing["rate"])
+    assert row.split()[2:7] == ["0", "-", "-", "-", "nan"]
+    # the pick table: the failed picks as such, beside the measured best where there is one
+    table = lines[lines.index(next(line for line in lines if line.startswith("chosen plan (pick)"))):]
+    pick_rows = [line for line in table if line.startswith((failed["model_key"], nothing["model_key"]))]
+    assert len(pick_rows) == 2 and all(line.split(" FAILED")[0].strip() for line in pick_rows)
+    assert [line.count(" FAILED") for line in pick_rows] == [1, 1]
