@@ -73,6 +73,16 @@ def _first_profile_part(first: dict | None) -> str:
     return f" (from the first profile alone: {_pct(first['median_abs_error'])}, {_pct(first['p90_abs_error'])}, {picks}/{first['n_settings_done']}{confirmed})"
 
 
+def _failed_part(settings: list[dict]) -> str:
+    """The runs left out of a sweep's figures, as a bracketed clause ("" when none): plans that failed (out of memory,
+    an error) have no error to pool, and a setting whose job failed has no pick to judge (its n is not in k/n)."""
+    plans = sum(r.get("measured_step_time_s") is None for x in settings if "summary" in x for r in x.get("plans", []))
+    jobs = sum("summary" not in x for x in settings)
+    parts = ([f"{plans} plan run(s) failed, not in the errors"] if plans else []) + (
+        [f"{jobs} setting(s) failed to run, not in the settings counted"] if jobs else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def _confirmed_part(summary: dict) -> str:
     """A sweep summary's verdict on the confirmation passes ("" for sweeps without them)."""
     return f" ({confirmed_picks(summary)} judged on the confirmation passes alone)" if confirmed_picks(summary) else ""
@@ -136,7 +146,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             parts.append(
                 f"run {i}: median \\|error\\| {_pct(s.get('median_abs_error'))}, p90 {_pct(s.get('p90_abs_error'))} over {s.get('n_points')} runs, "
                 f"pick within 5% of the measured best in {within}/{s.get('n_settings_done')} settings"
-                + _confirmed_part(s) + _first_profile_part(s.get("first_profile"))
+                + _failed_part(d["settings"]) + _confirmed_part(s) + _first_profile_part(s.get("first_profile"))
             )
         if len(runs) > 1:
             pooled, _ = summarize_sweep([x for d in runs for x in d["settings"]], runs[0].get("provenance", {}).get("rates", []))
@@ -144,7 +154,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
             parts.append(
                 f"all runs pooled: median \\|error\\| {_pct(pooled.get('median_abs_error'))}, p90 {_pct(pooled.get('p90_abs_error'))} "
                 f"over {pooled.get('n_points')} runs, pick within 5% in {within}/{pooled.get('n_settings_done')} settings"
-                + _confirmed_part(pooled) + _first_profile_part(pooled.get("first_profile"))
+                + _failed_part([x for d in runs for x in d["settings"]]) + _confirmed_part(pooled) + _first_profile_part(pooled.get("first_profile"))
             )
         prov = runs[0].get("provenance", {})
         each = f"{prov.get('passes', 1)} pass(es) × {prov.get('warmup')}+{prov.get('steps')} steps per plan"
@@ -158,8 +168,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         if any(x.get("profiles") and len(x["profiles"]) > 1 for d in runs for x in d["settings"]):
             each += "; predicted from the mean of the profiles taken before the runs and after each pass"
         times = {1: "one run", 2: "the same model and profiler run twice"}.get(len(runs), f"the same model and profiler run {len(runs)} times")
+        models = len({x["model_key"] for x in runs[0]["settings"]})
         out.append((
-            "Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates; "
+            f"Step time of every candidate plan, 2 ranks over a rate-limited link ({models} models × {len(prov.get('rates', []))} rates; "
             + each + "), " + times,
             "; ".join(parts) + "; targets 10% / 25% / 90%. " + _picks_by_rate(runs[0]),
             "CPU, 2 network namespaces, gloo over veth + tc tbf",

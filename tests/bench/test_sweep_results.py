@@ -259,3 +259,32 @@ def test_a_setting_whose_pick_failed_is_summarised_as_a_miss() -> None:
     pick_rows = [line for line in table if line.startswith((failed["model_key"], nothing["model_key"]))]
     assert len(pick_rows) == 2 and all(line.split(" FAILED")[0].strip() for line in pick_rows)
     assert [line.count(" FAILED") for line in pick_rows] == [1, 1]
+
+
+def test_readme_row_says_which_runs_of_a_sweep_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A setting whose job failed left its sweep's "k/n settings" with n one smaller and a plan that failed left the
+    "over N runs" one smaller, and the row said neither (nor that fewer than 3 x 3 settings ran)."""
+    import copy
+    import shutil
+
+    import readme_table
+    from cpu_cluster_sweep import summarize_sweep
+
+    for path in SWEEPS:
+        shutil.copy(path, tmp_path / path.name)
+    doc = json.loads(SWEEPS[1].read_text())
+    settings = copy.deepcopy(doc["settings"])
+    settings[0] = {"model_key": settings[0]["model_key"], "rate": settings[0]["rate"], "error": "exit codes [1, 0]"}
+    settings[1]["plans"][-1].update(measured_step_time_s=None, step_time_error=None, abs_step_time_error=None, error="OutOfMemoryError: x")
+    summary, _ = summarize_sweep(settings, doc["provenance"]["rates"])
+    (tmp_path / SWEEPS[1].name).write_text(json.dumps({**doc, "settings": settings, "summary": summary}))
+    monkeypatch.setattr(readme_table, "RESULTS", tmp_path)
+    row = next(r for r in readme_table.rows() if r[4] == "`benchmarks/cpu_cluster_sweep.py`")
+    assert row[0].startswith("Step time of every candidate plan, 2 ranks over a rate-limited link (3 models × 3 rates;")
+    run1, run2 = row[1].split("; run 2: ")[0], row[1].split("; run 2: ")[1].split("; run 3: ")[0]
+    assert "failed" not in run1
+    assert f"over {summary['n_points']} runs" in run2 and f"/{summary['n_settings_done']} settings" in run2
+    assert summary["n_settings_done"] == 8
+    assert "(1 plan run(s) failed, not in the errors; 1 setting(s) failed to run, not in the settings counted)" in run2
+    pooled = row[1].split("all runs pooled: ")[1]
+    assert "(1 plan run(s) failed, not in the errors; 1 setting(s) failed to run, not in the settings counted)" in pooled
