@@ -37,12 +37,27 @@ def _min_time(result: Mapping[str, Any]) -> str:
     return f" (timed: at least ~{result['min_time_s']:g} s, {min(counts)}-{max(counts)} steps)"
 
 
+def _plans_run(result: Mapping[str, Any]) -> list[str]:
+    """How many of the candidate plans ran, where not all did (``--plans top:K``, ranks, plans predicted not to fit)."""
+    total, ran = result.get("n_candidates"), len(result["plans"])
+    if not total or ran >= total:
+        return []
+    unfit = sum(not c.get("feasible", True) for c in result.get("candidates_not_run", ()))
+    line = f"plans run: {ran} of {total} candidates (--plans {result.get('plans_selection', '?')})"
+    if unfit:
+        line += f"; {unfit} of the others predicted not to fit"
+    if total - ran > unfit:  # plans that might have run faster were not measured
+        line += "; the verdict below covers the plans run only"
+    return [line]
+
+
 def format_table(result: Mapping[str, Any]) -> str:
     """Per-plan predicted vs measured step time and memory, then the summary lines."""
     lines = [
         f"distplan bench: {result['model']} on {result['world_size']} x {result['device']['type']} "
         f"({result['device']['name']}), global batch {result['global_batch_size']}, "
         f"{result['warmup']}+{result['steps']} steps per plan" + _min_time(result) + (f" x {result['passes']} passes" if result.get('passes', 1) > 1 else ""),
+        *_plans_run(result),
     ]
     for link in result.get("links", []):
         lines.append(

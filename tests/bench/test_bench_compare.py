@@ -250,3 +250,24 @@ def test_predictions_share_a_cpu_hosts_memory_among_the_ranks_as_the_planner_doe
     assert [pred.feasible for pred, _ in graded] == [c.prediction.feasible for c in candidates]
     assert [pred.peak_memory_bytes for pred, _ in graded] == [c.prediction.peak_memory_bytes for c in candidates]
     assert [rank for _, rank in graded] == [c.rank for c in candidates]
+
+
+def test_table_says_how_many_of_the_candidates_ran():
+    """With --plans top:K the table read "pick is measured best: True" without a word that most plans never ran."""
+    plans = [{**_rec(1, 0.10, 0.11, "dp_ga dp=2 m=4 accumulate=1"), "strategy": "dp_ga", "step_time_error": -0.09,
+              "predicted_peak_memory_bytes": 2**20, "measured_peak_memory_bytes": 2**21, "memory_error": -0.5, "error": None},
+             {**_rec(2, 0.12, 0.10, "dp_ga dp=2 m=2 accumulate=2"), "strategy": "dp_ga", "step_time_error": 0.2,
+              "predicted_peak_memory_bytes": 2**20, "measured_peak_memory_bytes": 2**20, "memory_error": 0.0, "error": None}]
+    not_run = [{"rank": 3, "plan": "p3", "feasible": True, "predicted_step_time_s": 0.2, "first_profile_rank": 3},
+               {"rank": 4, "plan": "p4", "feasible": False, "predicted_step_time_s": 0.3, "first_profile_rank": 4}]
+    result = {"model": "m", "world_size": 2, "device": {"type": "cpu", "name": "x"}, "global_batch_size": 8, "warmup": 1, "steps": 2,
+              "links": [], "plans": plans, "summary": summarize(plans), "memory_metric": "cpu_rss_high_water_growth",
+              "n_candidates": 4, "plans_selection": "top:2", "candidates_not_run": not_run}
+    lines = format_table(result).splitlines()
+    assert lines[1] == ("plans run: 2 of 4 candidates (--plans top:2); 1 of the others predicted not to fit; "
+                        "the verdict below covers the plans run only")
+    # every plan predicted to fit ran (--plans all): no caveat on the verdict
+    assert format_table({**result, "plans_selection": "all", "candidates_not_run": not_run[1:], "n_candidates": 3}).splitlines()[1] == (
+        "plans run: 2 of 3 candidates (--plans all); 1 of the others predicted not to fit")
+    assert "plans run:" not in format_table({**result, "candidates_not_run": [], "n_candidates": 2})
+    assert "plans run:" not in format_table({k: v for k, v in result.items() if k != "n_candidates"})  # a result from before the count
