@@ -77,7 +77,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--out", default=None, help="write the result JSON here")
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="what to print (default table); json: the result (less its profiles) alone on stdout, progress lines on stderr")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="write a predicted-vs-measured scatter here")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="write a predicted-vs-measured scatter here (needs matplotlib: pip install \"lightning_distplan[dashboard]\")")
     parser.add_argument("--print-launch", action="store_true", help="with --world-size > 1: print the torchrun command instead of running it")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.set_defaults(run=run)
@@ -298,6 +298,9 @@ def run(args: argparse.Namespace) -> int:
                 f"--plot {args.plot!r} has no image suffix matplotlib writes ({', '.join(PLOT_SUFFIXES)}).", hint="Use e.g. --plot bench.png."
             )
         check_replaceable_figure(args.plot, "--plot")
+        from lightning_distplan.tuner._dashboard import require
+
+        require("matplotlib")  # an optional package (the dashboard extra): refused now, not after the runs
     if args.print_launch and args.world_size == 1:
         raise BenchError(
             "--print-launch prints the torchrun command of a multi-process bench, but --world-size 1 runs in this process without one.",

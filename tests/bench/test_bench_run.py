@@ -707,3 +707,19 @@ def test_prediction_label_names_the_profiles_pooled():
     assert prediction_label([], passes=3) == "one profile, before the runs"
     assert prediction_label([], [1, 2, 3], passes=3) == (
         "one profile, before the runs; the profiles after passes 1, 2 and 3 left out: measured otherwise than the first (profiles_left_out says how)")
+
+
+def test_plot_without_matplotlib_is_refused_before_the_runs(tmp_path, monkeypatch, capsys):
+    """matplotlib is optional (the dashboard extra): --plot without it profiled and ran every plan, then failed at the
+    plot with "No module named 'matplotlib'" and no install command."""
+    from lightning_distplan.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an uninstalled package looks like to import
+    out = tmp_path / "bench.json"
+    argv = ["bench", *MODEL, "--world-size", "1", "--global-batch-size", "4", "--steps", "1", "--warmup", "0", "--passes", "1",
+            "--profile-repeats", "1", "--out", str(out), "--plot", str(tmp_path / "bench.png")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "The optional package 'matplotlib'" in captured.err and 'HINT: Run `pip install "lightning_distplan[dashboard]"`' in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "profiling" not in captured.out  # before the profiling
+    assert not out.exists()
