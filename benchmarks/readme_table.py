@@ -329,6 +329,10 @@ def main() -> int:
         content = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: text, content, flags=re.S)
     else:
         content = content.replace("ACCURACY_TABLE", text)
+    if text not in content:  # no markers (or a begin without its end): nothing was replaced
+        print(f"readme_table: {readme} has no {BEGIN} ... {END} section (nor an ACCURACY_TABLE line) to replace; it is left "
+              "as it is. HINT: put the two markers, each on a line of its own, where the table goes.", file=sys.stderr)
+        return 1
     readme.write_text(content)
     print(f"updated {readme}")
     return 0

@@ -288,3 +288,21 @@ def test_readme_row_says_which_runs_of_a_sweep_failed(tmp_path: Path, monkeypatc
     assert "(1 plan run(s) failed, not in the errors; 1 setting(s) failed to run, not in the settings counted)" in run2
     pooled = row[1].split("all runs pooled: ")[1]
     assert "(1 plan run(s) failed, not in the errors; 1 setting(s) failed to run, not in the settings counted)" in pooled
+
+
+@pytest.mark.parametrize("text", ["# no section here\n", "<!-- accuracy-table:begin -->\nold table, its end marker lost\n"])
+def test_readme_table_write_without_a_section_says_so(text: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--write on a README without the markers printed "updated README.md" and changed nothing."""
+    import readme_table
+
+    (tmp_path / "README.md").write_text(text)
+    monkeypatch.setattr(readme_table, "ROOT", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["readme_table.py", "--write"])
+    assert readme_table.main() == 1
+    captured = capsys.readouterr()
+    assert "updated" not in captured.out and "has no <!-- accuracy-table:begin --> ... <!-- accuracy-table:end --> section" in captured.err
+    assert "HINT:" in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert (tmp_path / "README.md").read_text() == text
+    (tmp_path / "README.md").write_text("intro\nACCURACY_TABLE\n")  # the placeholder a new README starts with is replaced
+    assert readme_table.main() == 0 and readme_table.section() in (tmp_path / "README.md").read_text()
