@@ -31,8 +31,9 @@ Usage::
 
 The full sweep writes ``benchmarks/results/cpu_cluster_sweep.json`` (the README's table is made from it; the
 script says so before it replaces that committed run 1); ``--quick`` writes ``runs/cpu_cluster_sweep_quick.json``,
-never the committed results. Ctrl-C or SIGTERM
-stops the nodes, removes the namespaces and keeps the settings measured so far in ``<out>.partial.json``.
+never the committed results. Ctrl-C or SIGTERM (or an error between settings, such as a link rate
+that cannot be applied) stops the nodes, removes the namespaces and keeps the settings measured so far in
+``<out>.partial.json``.
 """
 
 from __future__ import annotations
@@ -412,16 +413,19 @@ def main(argv: list[str] | None = None) -> int:
                     settings.append(_run_setting(name, catalog[name], rate, args, port))
         finally:
             print(_sh("down"), flush=True)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Exception) as err:
+        # Ctrl-C, SIGTERM, or an error between settings (a rate that could not be applied, say): the settings measured
+        # so far took minutes each, and are kept
+        why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {type(err).__name__}: {err}"
         kept = ""
         if settings:
             partial = out.with_name(out.stem + ".partial.json")
-            doc = {"schema": "distplan-cpu-cluster-sweep/1", "stopped": "interrupted", "settings": settings,
+            doc = {"schema": "distplan-cpu-cluster-sweep/1", "stopped": why, "settings": settings,
                    "provenance": _provenance(argv, args, rates, catalog, names, started, load_before)}
             write_result(partial, doc)
             kept = f"; the {len(settings)} setting(s) measured are in {partial}"
-        print(f"cpu_cluster_sweep: interrupted; the nodes were stopped and the namespaces removed{kept}.", file=sys.stderr)
-        return 130
+        print(f"cpu_cluster_sweep: {why}; the nodes were stopped and the namespaces removed{kept}.", file=sys.stderr)
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
     try:
         summary, lines = summarize_sweep(settings, rates)
     except Exception as err:  # the measurements took minutes: keep them even when the summary fails

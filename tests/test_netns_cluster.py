@@ -238,3 +238,39 @@ def test_up_interrupted_half_way_leaves_nothing_behind(tmp_path):
         listed = subprocess.run([real_ip, "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run([real_ip, "-br", "link"], capture_output=True, text=True).stdout
         assert PREFIX not in listed and PREFIX not in links, (sig, listed, links)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_sweep_stopped_by_an_error_between_settings_keeps_what_it_measured(tmp_path):
+    """benchmarks/cpu_cluster_sweep.py kept the settings measured so far on Ctrl-C only: a rate that could not be applied
+    (here `tc` refuses 1gbit) ended the sweep with a traceback and nothing written, after every setting of the rates before."""
+    import json
+    import shutil
+
+    real_tc = shutil.which("tc")
+    if real_tc is None:
+        pytest.skip("no `tc` command")
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "tc").write_text(f'#!/bin/sh\ncase "$*" in *1gbit*) echo "tc: refused" >&2; exit 2;; esac\nexec {real_tc} "$@"\n')
+    (shim / "tc").chmod(0o755)
+    out = tmp_path / "sweep.json"
+    # --timeout 1: the one unlimited setting is stopped at once and recorded as failed, which is enough to keep
+    cmd = [sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "cpu_cluster_sweep.py"), "--quick", "--models", "mlp",
+           "--rates", "unlimited,1gbit", "--timeout", "1", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env={**ENV, "PATH": f"{shim}:{os.environ['PATH']}"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=30)
+        _sh("down", check=False)
+    if proc.returncode == 77 or "skipped" in stderr:
+        pytest.skip(stderr.strip())
+    assert proc.returncode == 1, stderr[-2000:]
+    assert "Traceback" not in stderr and "cpu_cluster_sweep: stopped by RuntimeError: netns_cluster.sh up --rate 1gbit failed" in stderr
+    partial = json.loads((tmp_path / "sweep.partial.json").read_text())
+    assert [(s["model_key"], s["rate"]) for s in partial["settings"]] == [("mlp", "unlimited")]
+    assert partial["stopped"].startswith("stopped by RuntimeError") and not out.exists()
+    assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # torn down
