@@ -10,7 +10,8 @@
   all-reduce is expensive on a slow link while its boundary activations are tiny.
 * :class:`RandomVectorData`: ``(features, label)`` batches for :class:`WideMLP`.
 
-All of them split into pipeline stages through the built-in adapters
+TinyGPT2LM and BertMaskedLM need transformers (``pip install "lightning_distplan[models]"``); without it they refuse
+to build in one sentence that says so. All of them split into pipeline stages through the built-in adapters
 (``lightning_distplan.strategies._adapters``). Use them with
 ``lightning_distplan.demos.RandomTokenData`` for the language models.
 """
@@ -26,9 +27,27 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_distplan.demos import _SEED_RANGE
+from lightning_distplan.errors import DistPlanError
 from lightning_distplan.plan import as_int
 
 __all__ = ["DemoTransformerLM", "TinyGPT2LM", "BertMaskedLM", "WideMLP", "RandomVectorData"]
+
+
+class _MissingTransformersError(DistPlanError, ImportError):
+    """transformers, from the ``models`` extra, is not installed."""
+
+
+def _transformers(owner: str) -> Any:
+    """The transformers package, or one sentence with the install command (the CLI's hint for a constructor that
+    fails, "pass the constructor's required arguments", is no help here)."""
+    try:
+        import transformers
+    except ImportError:
+        raise _MissingTransformersError(
+            f"{owner} builds a Hugging Face model, and the optional package 'transformers' (>= 4.40) is not installed.",
+            hint="Run `pip install \"lightning_distplan[models]\"` (or `pip install 'transformers>=4.40'`).",
+        ) from None
+    return transformers
 
 
 class DemoTransformerLM(LightningModule):
@@ -54,14 +73,13 @@ class TinyGPT2LM(LightningModule):
 
     def __init__(self, vocab_size: int = 4096, n_embd: int = 128, n_layer: int = 4, n_head: int = 4, n_positions: int = 64) -> None:
         super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
+        transformers = _transformers(type(self).__name__)
         self.save_hyperparameters()
-        config = GPT2Config(
+        config = transformers.GPT2Config(
             vocab_size=vocab_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=n_positions,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1,
         )
-        self.model = GPT2LMHeadModel(config)
+        self.model = transformers.GPT2LMHeadModel(config)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, labels = batch
@@ -83,15 +101,14 @@ class BertMaskedLM(LightningModule):
         intermediate_size: int = 512, max_position_embeddings: int = 512,
     ) -> None:
         super().__init__()
-        from transformers import BertConfig, BertForMaskedLM
-
+        transformers = _transformers(type(self).__name__)
         self.save_hyperparameters()
-        config = BertConfig(
+        config = transformers.BertConfig(
             vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
             num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
             max_position_embeddings=max_position_embeddings, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
-        self.model = BertForMaskedLM(config)
+        self.model = transformers.BertForMaskedLM(config)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         inputs, labels = batch

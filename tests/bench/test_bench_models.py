@@ -45,3 +45,19 @@ def test_numpy_integers_build_the_same_wide_mlp() -> None:
     assert dict(numpy.hparams) == dict(python.hparams) and all(type(v) is int for v in numpy.hparams.values())
     with pytest.raises(ValueError, match=r"^`hidden` \(np\.True_\) must be a positive integer\. HINT:"):
         WideMLP(hidden=np.True_)
+
+
+@pytest.mark.parametrize("name", ["TinyGPT2LM", "BertMaskedLM"])
+def test_a_missing_transformers_names_the_extra_to_install(name, monkeypatch) -> None:
+    """Without transformers `distplan bench ...:TinyGPT2LM` said "Building model ... failed: ModuleNotFoundError: ...
+    HINT: Pass the constructor's required arguments with --init-args JSON."."""
+    import sys
+
+    from lightning_distplan._cli.profile import _build
+    from lightning_distplan.bench import models
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an uninstalled package looks like to import
+    with pytest.raises(ImportError, match=rf"^{name} builds a Hugging Face model, and the optional package 'transformers' "
+                       r"\(>= 4\.40\) is not installed\. HINT: Run `pip install \"lightning_distplan\[models\]\"`") as caught:
+        _build(getattr(models, name), {}, "model", f"lightning_distplan.bench.models:{name}", "--init-args")
+    assert "--init-args" not in str(caught.value)
