@@ -178,15 +178,18 @@ def auto_n_microbatches(per_replica_batch: int, stages: int) -> int:
     return 1  # pragma: no cover - 1 always divides
 
 
-def split_structure(obj: Any, n: int) -> list[Any]:
-    """``obj`` (a batch or part of one) cut into ``n`` consecutive chunks of its samples.
+def split_structure(obj: Any, n: int, *, size: int | None = None) -> list[Any]:
+    """``obj`` (a batch or part of one) cut into ``n`` consecutive chunks of its ``size`` samples.
 
     Tensors and numpy arrays with the batch's rows and per-sample lists (file names, detection targets) are cut; the
     rest (a 0-d temperature, a constant tag) goes whole to every chunk. Mappings keep their type
     (transformers' ``BatchEncoding``). The rules are the profiler's and dp_ga's
-    (:func:`~lightning_distplan.profiling._batches.slice_samples`).
+    (:func:`~lightning_distplan.profiling._batches.slice_samples`). ``size``: the samples in the whole batch, as the
+    strategy's :class:`~lightning_distplan.profiling._batches.BatchSizer` read them (so a part holding a constant
+    first, ``(class_weights, labels)``, is cut at its labels); None: :func:`find_batch_size` of ``obj``.
     """
-    size = batch_size_of(obj)
+    if size is None:
+        size = batch_size_of(obj)
     if size is None:
         return [obj] * n
     # as torch.tensor_split cuts: the first size % n chunks one sample longer
@@ -194,24 +197,17 @@ def split_structure(obj: Any, n: int) -> list[Any]:
     return [slice_samples(obj, starts[i], starts[i + 1], size) for i in range(n)]
 
 
-def split_microbatches(inputs: Any, n: int, *, what: str = "per-replica batch") -> list[tuple[Any, ...]]:
+def split_microbatches(inputs: Any, n: int, *, size: int | None = None, what: str = "per-replica batch") -> list[tuple[Any, ...]]:
     """Split what layer 0 receives into ``n`` micro-batches of positional-argument tuples.
 
+    ``size``: the samples in the whole batch (:func:`split_structure`); None: :func:`find_batch_size` of ``inputs``.
+
     Raises:
+        BatchFormatError: ``inputs`` is not a tensor or a tuple / list of tensors, or none of its tensors has the
+            batch's ``size`` rows.
         BatchNotFactorableError: the batch does not split into ``n`` equal micro-batches (unequal
             micro-batches would weight samples unequally in the mean of micro-batch losses).
     """
-    size = batch_size_of(inputs)
-    if size is None:
-        raise BatchNotFactorableError(
-            f"The pipeline inputs hold no batched tensor (got {type(inputs).__name__}).",
-            hint="Make `PipelineSpec.inputs(batch)` return a tensor or a tuple of tensors with the batch on dim 0.",
-        )
-    if size % n:
-        raise BatchNotFactorableError(
-            f"The {what} ({size}) is not divisible by `n_microbatches` ({n}).",
-            hint=f"Use a batch size that is a multiple of {n} (and `drop_last=True` on the DataLoader), or change `n_microbatches`.",
-        )
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     wrong = next((a for a in args if not isinstance(a, Tensor)), None)
     if wrong is not None:
@@ -221,7 +217,22 @@ def split_microbatches(inputs: Any, n: int, *, what: str = "per-replica batch") 
             hint="Return e.g. (batch['input_ids'], batch['attention_mask']) and let layers[0] take them positionally; "
             "constants belong in the layer itself.",
         )
-    return [tuple(chunk) for chunk in split_structure(args, n)]
+    found = batch_size_of(args) if size is None else size
+    rows = [int(a.shape[0]) for a in args if a.dim() > 0]
+    if found is None or found not in rows:
+        holds = f"tensors of {', '.join(map(str, rows))} rows" if rows else "no tensor with a batch dimension"
+        but = f", but the {what} holds {size} samples" if size is not None else ""
+        raise BatchFormatError(
+            f"`PipelineSpec.inputs(batch)` holds {holds}{but}; the pipeline cuts the first layer's inputs into "
+            "micro-batches along dim 0.",
+            hint="Make `PipelineSpec.inputs(batch)` return a tensor or a tuple of tensors with the batch's samples on dim 0.",
+        )
+    if found % n:
+        raise BatchNotFactorableError(
+            f"The {what} ({found}) is not divisible by `n_microbatches` ({n}).",
+            hint=f"Use a batch size that is a multiple of {n} (and `drop_last=True` on the DataLoader), or change `n_microbatches`.",
+        )
+    return [tuple(chunk) for chunk in split_structure(args, n, size=found)]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -102,14 +102,13 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     refuse_partial_module,
     restore_full_module,
 )
-from lightning_distplan.profiling._batches import tensors_in
+from lightning_distplan.profiling._batches import BatchSizer, loader_batch_size, tensors_in
 from lightning_distplan.strategies._pipeline_stage import GuardedStage
 from lightning_distplan.strategies._pipeline_summary import forget_whole_module_summaries, summarize_whole_module
 from lightning_distplan.strategies._pipeline_split import (
     PipelineLayout,
     StageModule,
     auto_n_microbatches,
-    batch_size_of,
     no_spec_error,
     resolve_boundaries,
     split_microbatches,
@@ -310,6 +309,8 @@ class PipelineStrategy(DDPStrategy):
         self._per_replica_batch: int | None = None
         self._flushes = 1  # flushes per optimizer step: the Trainer's accumulate_grad_batches at the last training batch
         self._schedules: dict[tuple, Any] = {}
+        # one per loop and dataloader, as dp_ga and the profiler read a loader's batches (see _batch_rows)
+        self._sizers: dict[tuple[str, int], BatchSizer] = {}
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
         self._checked_batch = False  # whether this fit checked that the stages read the same batch
@@ -626,14 +627,15 @@ class PipelineStrategy(DDPStrategy):
     def _first_samples(self, trainer: pl.Trainer) -> tuple[Any, torch.device] | None:
         """Up to 4 samples of a fresh train loader's first batch, on the module's device, converted for the precision
         (and that device); None when there is no batch to check a loss on here (the fit reports its loader's error)."""
-        from lightning_distplan.profiling._batches import find_batch_size, move_to, slice_samples
+        from lightning_distplan.profiling._batches import move_to, slice_samples
         from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
         try:
-            batch = next(iter(fresh_train_loader(trainer)))
+            loader = fresh_train_loader(trainer)
+            batch = next(iter(loader))
         except Exception:  # noqa: BLE001
             return None
-        n = find_batch_size(batch)
+        n = BatchSizer(loader_batch_size(loader))(batch)  # as training reads it (_batch_rows)
         if not n:
             return None
         first = next(self.lightning_module.parameters(), None)
@@ -780,7 +782,20 @@ class PipelineStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._checked_batch = False
+        self._sizers = {}
         self._check_last_batch()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sizers = {key: sizer for key, sizer in self._sizers.items() if key[0] == "train"}  # a fit's validation: its loader may change
+
+    @override
+    def on_test_start(self) -> None:
+        self._sizers = {}
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sizers = {}
 
     def _check_last_batch(self) -> None:
         """Refuse, before the first step, an epoch whose short last batch cannot be split into the micro-batches
@@ -920,16 +935,35 @@ class PipelineStrategy(DDPStrategy):
             self._schedules[key] = cls(stage, n, loss_fn=loss_fn, scale_grads=True)
         return self._schedules[key]
 
-    def _prepare(self, batch: Any, n: int, *, targets: bool, what: str) -> dict[str, Any]:
+    def _batch_rows(self, batch: Any, loop: str, dataloader_idx: int = 0) -> int:
+        """Samples in ``batch``, read as dp_ga and the profiler read them: a :class:`BatchSizer` over the loader's batches,
+        which knows the loader's batch size. So a per-batch constant (class weights before the labels) or a list of
+        equally long per-sample sequences is not taken for the batch's rows, and every micro-batch's inputs and targets
+        hold the samples a profiled micro-batch held."""
+        key = (loop, dataloader_idx)
+        sizer = self._sizers.get(key)
+        if sizer is None:
+            trainer = self.lightning_module.trainer
+            sizer = self._sizers[key] = BatchSizer(loader_batch_size(_loader_of(trainer, loop, dataloader_idx)))
+        size = sizer(batch)
+        if size is None:
+            raise BatchFormatError(
+                f"A batch of type {type(batch).__name__} holds no tensor with a batch dimension, so it cannot be cut into "
+                "pipeline micro-batches.",
+                hint="Yield tensors (or tuples / lists / dicts / dataclasses of tensors) with the samples along dim 0.",
+            )
+        return size
+
+    def _prepare(self, batch: Any, n: int, *, size: int, targets: bool, what: str) -> dict[str, Any]:
         layout = self.layout
         # Every rank splits (cheap views) so that a bad batch fails on all ranks alike.
-        arg_mbs = split_microbatches(self._spec.inputs(batch), n, what=what)
+        arg_mbs = split_microbatches(self._spec.inputs(batch), n, size=size, what=what)
         kwargs: dict[str, Any] = {}
         if layout.stage == 0:
             kwargs["arg_mbs"] = arg_mbs
         if targets and layout.stage == layout.pp - 1:
             source = self._spec.targets(batch) if self._spec.targets is not None else batch
-            self._targets = split_structure(source, n)
+            self._targets = split_structure(source, n, size=size)
             kwargs["target_mbs"] = [torch.tensor([i], device=self.root_device) for i in range(n)]
         return kwargs
 
@@ -988,16 +1022,16 @@ class PipelineStrategy(DDPStrategy):
         batch = args[0] if args else kwargs["batch"]
         self._warn_bypass()
         self._check_same_batch(batch)
-        size = batch_size_of(self._spec.inputs(batch))
+        size = self._batch_rows(batch, "train")
         if self._n is None:
-            self._n = auto_n_microbatches(size or 1, self.layout.pp)
+            self._n = auto_n_microbatches(size, self.layout.pp)
             if self._schedule_name == "1f1b":
                 _check_1f1b(self._n, self.layout.pp)
         if self._per_replica_batch is None:
             self._per_replica_batch = size
         self._flushes = self.lightning_module.trainer.accumulate_grad_batches  # a GradientAccumulationScheduler changes it
         schedule = self._schedule_for("train", self._n, batch)
-        mb_kwargs = self._prepare(batch, self._n, targets=True, what="per-replica batch")
+        mb_kwargs = self._prepare(batch, self._n, size=size, targets=True, what="per-replica batch")
         losses: list[Tensor] = []
         # The schedule accumulates into .grad and then divides ALL of .grad by n, so it must start from
         # None; the gradients already there (last step's, or accumulated ones) go back afterwards and
@@ -1052,11 +1086,11 @@ class PipelineStrategy(DDPStrategy):
         self._unpruned = []  # the weights moved on: the pre-run values are stale (a later failure leaves the checkpoints)
         return out
 
-    def _eval_step(self, batch: Any, name: str) -> Tensor:
-        size = batch_size_of(self._spec.inputs(batch)) or 1
+    def _eval_step(self, batch: Any, name: str, dataloader_idx: int) -> Tensor:
+        size = self._batch_rows(batch, name, dataloader_idx)
         n = _largest_divisor_at_most(size, self._n or 4 * self.layout.pp)
         schedule = self._schedule_for("eval", n, batch)
-        mb_kwargs = self._prepare(batch, n, targets=True, what="evaluation batch")
+        mb_kwargs = self._prepare(batch, n, size=size, targets=True, what="evaluation batch")
         losses: list[Tensor] = []
         with self._stage_random():
             schedule.eval(**mb_kwargs, losses=losses)
@@ -1070,22 +1104,22 @@ class PipelineStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
         self._warn_bypass()
-        return self._eval_step(args[0] if args else kwargs["batch"], "val_loss")
+        return self._eval_step(args[0] if args else kwargs["batch"], "val_loss", _dataloader_idx(args, kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
         self._warn_bypass()
-        return self._eval_step(args[0] if args else kwargs["batch"], "test_loss")
+        return self._eval_step(args[0] if args else kwargs["batch"], "test_loss", _dataloader_idx(args, kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs["batch"]
         self._warn_bypass()
         layout = self.layout
-        size = batch_size_of(self._spec.inputs(batch)) or 1
+        size = self._batch_rows(batch, "predict", _dataloader_idx(args, kwargs))
         n = _largest_divisor_at_most(size, self._n or 4 * layout.pp)
         schedule = self._schedule_for("predict", n, batch)
-        mb_kwargs = self._prepare(batch, n, targets=False, what="prediction batch")
+        mb_kwargs = self._prepare(batch, n, size=size, targets=False, what="prediction batch")
         with self._stage_random():
             out = schedule.eval(**mb_kwargs)
         holder = [_cpu(out) if layout.stage == layout.pp - 1 else None]
@@ -1264,6 +1298,24 @@ def _check_1f1b(n: int, pp: int) -> None:
             f"`n_microbatches` ({n}) must be >= the number of pipeline stages ({pp}) for 1F1B.",
             hint="Raise `n_microbatches` or use schedule='gpipe'.",
         )
+
+
+def _dataloader_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The ``dataloader_idx`` Lightning passes an evaluation step (only when it has several loaders), else 0."""
+    idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
+    return idx if isinstance(idx, int) else 0
+
+
+def _loader_of(trainer: pl.Trainer, loop: str, dataloader_idx: int) -> Any:
+    """The loader whose batches ``loop`` (``"train"``, ``"val_loss"``, ``"test_loss"``, ``"predict"``) runs, None when there is
+    no one loader (several combined for training, or none)."""
+    loaders = {"train": lambda: trainer.train_dataloader, "val_loss": lambda: trainer.val_dataloaders,
+               "test_loss": lambda: trainer.test_dataloaders, "predict": lambda: trainer.predict_dataloaders}[loop]()
+    if loop != "train" and isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    if loop != "train" and isinstance(loaders, (list, tuple)):
+        return loaders[dataloader_idx] if 0 <= dataloader_idx < len(loaders) else None
+    return loaders
 
 
 def _largest_divisor_at_most(size: int, cap: int) -> int:

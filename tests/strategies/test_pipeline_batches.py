@@ -1,0 +1,139 @@
+"""How PipelineStrategy cuts batches into micro-batches: as dp_ga and the profiler cut them.
+
+The pure helpers are checked on one process; what a real fit does with such batches is checked in ONE launch of two
+gloo ranks (a module-scoped fixture) against a single-process run of the module's own ``training_step``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import lightning as L
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _dist_utils import run_on_ranks  # noqa: E402
+
+from lightning_distplan._layers import PipelineSpec  # noqa: E402
+from lightning_distplan.errors import BatchFormatError  # noqa: E402
+from lightning_distplan.strategies._pipeline_split import split_microbatches, split_structure  # noqa: E402
+
+SAMPLES, BATCH, CLASSES, STEPS = 32, 8, 3, 2
+
+
+def test_split_structure_cuts_the_rows_it_is_told() -> None:
+    """(class_weights[3], labels[8]): read alone, the tie between 3 and 8 rows went to the first, and every micro-batch got
+    a piece of the class weights and all 8 labels; told the batch's 8 rows, the labels are cut and the weights kept."""
+    weights, labels = torch.ones(CLASSES), torch.arange(BATCH)
+    chunks = split_structure((weights, labels), 2, size=BATCH)
+    assert [tuple(c[0].shape) for c in chunks] == [(CLASSES,)] * 2
+    assert [c[1].tolist() for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # four sequences of five tokens: four samples, not five
+    seqs = [torch.full((5,), float(i)) for i in range(4)]
+    assert [[s[0].item() for s in c] for c in split_structure(seqs, 2, size=4)] == [[0.0, 1.0], [2.0, 3.0]]
+
+
+def test_inputs_without_the_batchs_rows_are_refused() -> None:
+    with pytest.raises(BatchFormatError, match=r"inputs\(batch\)` holds tensors of 5 rows, but the per-replica batch holds 8 samples.*HINT"):
+        split_microbatches(torch.zeros(5, 2), 2, size=8)
+    assert [mb[0].shape[0] for mb in split_microbatches((torch.zeros(CLASSES), torch.zeros(8, 2)), 2, size=8)] == [3, 3]
+    assert [mb[1].shape[0] for mb in split_microbatches((torch.zeros(CLASSES), torch.zeros(8, 2)), 2, size=8)] == [4, 4]
+
+
+# ---------------------------------------------------------------------------- real fits
+
+
+class _Rows(Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, 4, generator=g)
+        self.y = torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def _weights_and_label_list(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    """A per-batch constant before the rows, and the labels as a list of per-sample tensors (a collate of the user's)."""
+    return {"class_weights": torch.tensor([1.0, 2.0, 0.5]), "x": torch.stack([x for x, _ in items]), "y": [y for _, y in items]}
+
+
+class _WeightedLoss(L.LightningModule):
+    """Class-weighted cross-entropy, a mean over samples (so the mean of equal micro-batches' losses is the batch's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, CLASSES))
+
+    @staticmethod
+    def loss(out: torch.Tensor, targets: tuple[torch.Tensor, list[torch.Tensor]]) -> torch.Tensor:
+        weights, labels = targets
+        y = torch.stack(labels)
+        return (F.cross_entropy(out, y, reduction="none") * weights[y]).mean()
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(layers=list(self.model), inputs=lambda b: b["x"], loss=self.loss,
+                            targets=lambda b: (b["class_weights"], b["y"]))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        return self.loss(self.model(batch["x"]), (batch["class_weights"], batch["y"]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _reference(model: L.LightningModule, collate: Any) -> dict[str, torch.Tensor]:
+    """The module's own training_step on the same batches in one process (Lightning shuffles a distributed fit's
+    training data with DistributedSampler(shuffle=True, seed=0), here over one replica)."""
+    opt = model.configure_optimizers()
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
+    for i, batch in enumerate(DataLoader(_Rows(), batch_size=BATCH, sampler=order, collate_fn=collate)):
+        if i == STEPS:
+            break
+        opt.zero_grad()
+        model.training_step(batch, i).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _fit(model: L.LightningModule, collate: Any, out: str) -> dict[str, torch.Tensor] | str:
+    """The weights after a 2-stage GPipe fit of 2 micro-batches, or the error it raised (type and first line)."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+    try:
+        trainer.fit(model, DataLoader(_Rows(), batch_size=BATCH, collate_fn=collate))
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
+    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out)}
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)[0]
+
+
+def test_a_constant_before_the_rows_and_a_list_of_labels_are_cut_as_one_process_reads_them(fits: dict[str, Any]) -> None:
+    """Read by a vote over the targets alone, (class_weights[3], 8 labels in a list) had 3 rows: every micro-batch got
+    pieces of the weights and all 8 labels (a shape error deep in the loss). Read as dp_ga and the profiler read the
+    loader's batches, it trains as one process does."""
+    got = fits["weighted"]
+    assert not isinstance(got, str), got
+    torch.testing.assert_close(got, _reference(_WeightedLoss(), _weights_and_label_list), rtol=1e-5, atol=1e-6)
