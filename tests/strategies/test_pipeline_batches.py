@@ -121,13 +121,46 @@ def _fit(model: L.LightningModule, collate: Any, out: str) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class _Targets:
+    """The user's own object holding the labels as a tensor attribute (no tensor, mapping, sequence or dataclass)."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.y = y
+
+
+def _labels_in_an_object(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, _Targets]:
+    return torch.stack([x for x, _ in items]), _Targets(torch.stack([y for _, y in items]).float())
+
+
+class _ObjectTargets(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def pipeline_loss(self, out: torch.Tensor, batch: tuple[torch.Tensor, _Targets]) -> torch.Tensor:
+        # [m, 1] against the object's [8, 1]: broadcast to [8, 1] when m is 1 or 8, a shape error otherwise
+        return F.mse_loss(out, batch[1].y[:, None])
+
+    def training_step(self, batch: tuple[torch.Tensor, _Targets], batch_idx: int) -> torch.Tensor:
+        return self.pipeline_loss(self.model(batch[0]), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
-    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out)}
+    model = _ObjectTargets()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    refused = _fit(model, _labels_in_an_object, out)
+    whole = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)[0]
+    ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
+    return {key: [rank[key] for rank in ranks] if key == "object" else ranks[0][key] for key in ranks[0]}
 
 
 def test_a_constant_before_the_rows_and_a_list_of_labels_are_cut_as_one_process_reads_them(fits: dict[str, Any]) -> None:
@@ -137,3 +170,15 @@ def test_a_constant_before_the_rows_and_a_list_of_labels_are_cut_as_one_process_
     got = fits["weighted"]
     assert not isinstance(got, str), got
     torch.testing.assert_close(got, _reference(_WeightedLoss(), _weights_and_label_list), rtol=1e-5, atol=1e-6)
+
+
+def test_a_part_holding_the_rows_as_an_objects_attribute_is_refused_on_every_rank(fits: dict[str, Any]) -> None:
+    """dp_ga and the profiler refuse it (uncut_part_found); the pipeline gave each micro-batch's loss all 8 rows of it:
+    the last stage failed in the loss and the first saw only its peer gone. Now both ranks refuse it in one sentence,
+    and the module keeps its weights."""
+    for refused, whole in fits["object"]:
+        assert refused.startswith(
+            "BatchFormatError: The batch[1] is a _Targets holding the batch's 8 rows, which cannot be cut into the 2 pipeline "
+            "micro-batches: the loss of each would get all 8 rows of it beside its own 4 samples. HINT: Make it a tensor"
+        ), refused
+        assert whole
