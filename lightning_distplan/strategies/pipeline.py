@@ -625,22 +625,27 @@ class PipelineStrategy(DDPStrategy):
             )
 
     def _first_samples(self, trainer: pl.Trainer) -> tuple[Any, torch.device] | None:
-        """Up to 4 samples of a fresh train loader's first batch, on the module's device, converted for the precision
-        (and that device); None when there is no batch to check a loss on here (the fit reports its loader's error)."""
-        from lightning_distplan.profiling._batches import move_to, slice_samples
+        """Up to 4 samples of a fresh train loader's first batch as Lightning's loop hands a batch to ``training_step``:
+        through the precision plugin's ``convert_input`` and the module's (or datamodule's) ``on_before_batch_transfer``,
+        ``transfer_batch_to_device`` and ``on_after_batch_transfer``, to the module's device. None when there is no
+        batch to check a loss on here (the fit reports its loader's, or its hooks', error at its first batch)."""
+        from lightning_distplan.profiling._batches import slice_samples
         from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
+        module = self.lightning_module
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
         try:
             loader = fresh_train_loader(trainer)
-            batch = next(iter(loader))
+            batch = self.precision_plugin.convert_input(next(iter(loader)))
+            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+            batch = self.batch_to_device(batch, device, dataloader_idx=0)
         except Exception:  # noqa: BLE001
             return None
         n = BatchSizer(loader_batch_size(loader))(batch)  # as training reads it (_batch_rows)
         if not n:
             return None
-        first = next(self.lightning_module.parameters(), None)
-        device = first.device if first is not None else torch.device("cpu")
-        return self.precision_plugin.convert_input(move_to(slice_samples(batch, 0, min(n, 4), n), device)), device
+        return slice_samples(batch, 0, min(n, 4), n), device
 
     def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
         """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every

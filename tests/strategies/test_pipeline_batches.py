@@ -20,6 +20,7 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _dist_utils import run_on_ranks  # noqa: E402
+from _pipeline_models import TinyTransformer, token_data  # noqa: E402
 
 from lightning_distplan._layers import PipelineSpec  # noqa: E402
 from lightning_distplan.errors import BatchFormatError  # noqa: E402
@@ -149,12 +150,53 @@ class _ObjectTargets(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class _DictTransformer(TinyTransformer):
+    """Lightning's demo Transformer (the built-in adapter guesses its loss) fed dicts that its on_before_batch_transfer
+    turns into the (inputs, target) its training_step takes."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch["src"], batch["tgt"]
+
+
+def _token_dicts(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {"src": torch.stack([x for x, _ in items]), "tgt": torch.stack([y for _, y in items])}
+
+
+def _hooked_fit(out: str) -> dict[str, torch.Tensor] | str:
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    torch.manual_seed(1234)
+    model = _DictTransformer()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+    try:
+        trainer.fit(model, DataLoader(token_data(SAMPLES), batch_size=BATCH, collate_fn=_token_dicts))
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _hooked_reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(1234)
+    model = _DictTransformer()
+    opt = model.configure_optimizers()
+    order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
+    for i, batch in enumerate(DataLoader(token_data(SAMPLES), batch_size=BATCH, sampler=order, collate_fn=_token_dicts)):
+        if i == STEPS:
+            break
+        opt.zero_grad()
+        model.training_step(model.on_before_batch_transfer(batch, 0), i).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     refused = _fit(model, _labels_in_an_object, out)
     whole = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
-    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole)}
+    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out)}
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +224,13 @@ def test_a_part_holding_the_rows_as_an_objects_attribute_is_refused_on_every_ran
             "micro-batches: the loss of each would get all 8 rows of it beside its own 4 samples. HINT: Make it a tensor"
         ), refused
         assert whole
+
+
+def test_the_loss_checks_before_the_cut_see_the_batch_the_transfer_hooks_make(fits: dict[str, Any]) -> None:
+    """The checks before the model is cut (is the adapter's guessed loss training_step's?) ran on the loader's raw batch,
+    not on what on_before_batch_transfer / transfer_batch_to_device / on_after_batch_transfer make of it as Lightning's
+    loop does: a dict the hook turns into (inputs, target) failed training_step there, and the fit was refused. Now it
+    trains as one process does."""
+    got = fits["hooked"]
+    assert not isinstance(got, str), got
+    torch.testing.assert_close(got, _hooked_reference(), rtol=1e-5, atol=2e-6)
