@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from lightning_distplan._layers import call_layer
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
@@ -203,11 +204,18 @@ def split_microbatches(inputs: Any, n: int, *, size: int | None = None, what: st
     ``size``: the samples in the whole batch (:func:`split_structure`); None: :func:`find_batch_size` of ``inputs``.
 
     Raises:
-        BatchFormatError: ``inputs`` is not a tensor or a tuple / list of tensors, or none of its tensors has the
-            batch's ``size`` rows.
+        BatchFormatError: ``inputs`` is not a tensor or a tuple / list of tensors (a ``PackedSequence`` is not), or
+            none of its tensors has the batch's ``size`` rows.
         BatchNotFactorableError: the batch does not split into ``n`` equal micro-batches (unequal
             micro-batches would weight samples unequally in the mean of micro-batch losses).
     """
+    if isinstance(inputs, PackedSequence):  # a namedtuple: unpacked, its four tensors became the first layer's arguments
+        raise BatchFormatError(
+            "`PipelineSpec.inputs(batch)` gave the first layer a PackedSequence; the pipeline passes only tensors between "
+            "stages and cuts them along dim 0, where a PackedSequence's tensors hold time steps of all its sequences.",
+            hint="Return the padded tensor and the lengths, e.g. torch.nn.utils.rnn.pad_packed_sequence(p, batch_first=True), "
+            "and pack them again inside layers[0].",
+        )
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     wrong = next((a for a in args if not isinstance(a, Tensor)), None)
     if wrong is not None:

@@ -48,6 +48,20 @@ def test_inputs_without_the_batchs_rows_are_refused() -> None:
     assert [mb[1].shape[0] for mb in split_microbatches((torch.zeros(CLASSES), torch.zeros(8, 2)), 2, size=8)] == [4, 4]
 
 
+def test_a_packed_sequence_is_cut_as_targets_and_refused_as_inputs() -> None:
+    """As targets, a PackedSequence is cut by its sequences (slice_samples). As the first layer's inputs it was unpacked,
+    a namedtuple, into four positional tensors (data, batch_sizes and two index vectors), the index vectors cut and the
+    data not: no layer takes that. Now it is refused in one sentence."""
+    from torch.nn.utils.rnn import pack_sequence, unpack_sequence
+
+    packed = pack_sequence([torch.full((k,), float(k)) for k in (5, 3, 6, 7)], enforce_sorted=False)
+    chunks = split_structure({"seqs": packed, "y": torch.arange(4)}, 2, size=4)
+    assert [[len(s) for s in unpack_sequence(c["seqs"])] for c in chunks] == [[5, 3], [6, 7]]
+    assert [c["y"].tolist() for c in chunks] == [[0, 1], [2, 3]]
+    with pytest.raises(BatchFormatError, match=r"gave the first layer a PackedSequence; .*HINT: Return the padded tensor"):
+        split_microbatches(packed, 2, size=4)
+
+
 # ---------------------------------------------------------------------------- real fits
 
 
