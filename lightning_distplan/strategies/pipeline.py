@@ -911,8 +911,11 @@ class PipelineStrategy(DDPStrategy):
             finally:
                 self._rng_state = (torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None)
 
-    def _schedule_for(self, mode: str, n: int, batch: Any) -> Any:
-        shapes = tuple(tuple(t.shape) for t in tensors_in(batch))
+    def _schedule_for(self, mode: str, n: int, first_inputs: tuple[Tensor, ...]) -> Any:
+        # What crosses the stages follows from what the first layer receives (the stages see nothing else of the
+        # batch): keyed by the whole batch's shapes, targets of varying shapes (per-sample label sets, detection boxes)
+        # built a new schedule, with torch's shape-inference forward, at every step.
+        shapes = tuple((tuple(t.shape), t.dtype) for t in first_inputs)
         # torch's PipelineStage records at its first step whether the activations it receives need a gradient; after
         # a stage is unfrozen (BackboneFinetuning, gradual unfreezing) a schedule built before would send none back.
         training = tuple(any(p.requires_grad for p in params) for params in self._params_by_stage)
@@ -959,7 +962,8 @@ class PipelineStrategy(DDPStrategy):
             )
         return size
 
-    def _prepare(self, batch: Any, n: int, *, size: int, targets: bool, what: str) -> dict[str, Any]:
+    def _prepare(self, batch: Any, n: int, *, mode: str, size: int, targets: bool, what: str) -> tuple[Any, dict[str, Any]]:
+        """The schedule for ``mode`` and these micro-batches, and the micro-batches as its ``step`` / ``eval`` take them."""
         layout = self.layout
         # Every rank splits (cheap views) so that a bad batch fails on all ranks alike.
         arg_mbs = split_microbatches(self._spec.inputs(batch), n, size=size, what=what)
@@ -972,8 +976,8 @@ class PipelineStrategy(DDPStrategy):
                 self._refuse_uncut_targets(source, size, n)
             if layout.stage == layout.pp - 1:
                 self._targets = split_structure(source, n, size=size)
-            kwargs["target_mbs"] = [torch.tensor([i], device=self.root_device) for i in range(n)]
-        return kwargs
+                kwargs["target_mbs"] = [torch.tensor([i], device=self.root_device) for i in range(n)]
+        return self._schedule_for(mode, n, arg_mbs[0]), kwargs
 
     def _refuse_uncut_targets(self, source: Any, size: int, n: int) -> None:
         """Refuse, on every rank, a part of what the loss gets that holds the batch's ``size`` rows in a form micro-batches
@@ -1055,8 +1059,7 @@ class PipelineStrategy(DDPStrategy):
         if self._per_replica_batch is None:
             self._per_replica_batch = size
         self._flushes = self.lightning_module.trainer.accumulate_grad_batches  # a GradientAccumulationScheduler changes it
-        schedule = self._schedule_for("train", self._n, batch)
-        mb_kwargs = self._prepare(batch, self._n, size=size, targets=True, what="per-replica batch")
+        schedule, mb_kwargs = self._prepare(batch, self._n, mode="train", size=size, targets=True, what="per-replica batch")
         losses: list[Tensor] = []
         # The schedule accumulates into .grad and then divides ALL of .grad by n, so it must start from
         # None; the gradients already there (last step's, or accumulated ones) go back afterwards and
@@ -1114,8 +1117,7 @@ class PipelineStrategy(DDPStrategy):
     def _eval_step(self, batch: Any, name: str, dataloader_idx: int) -> Tensor:
         size = self._batch_rows(batch, name, dataloader_idx)
         n = _largest_divisor_at_most(size, self._n or 4 * self.layout.pp)
-        schedule = self._schedule_for("eval", n, batch)
-        mb_kwargs = self._prepare(batch, n, size=size, targets=True, what="evaluation batch")
+        schedule, mb_kwargs = self._prepare(batch, n, mode="eval", size=size, targets=True, what="evaluation batch")
         losses: list[Tensor] = []
         with self._stage_random():
             schedule.eval(**mb_kwargs, losses=losses)
@@ -1143,8 +1145,7 @@ class PipelineStrategy(DDPStrategy):
         layout = self.layout
         size = self._batch_rows(batch, "predict", _dataloader_idx(args, kwargs))
         n = _largest_divisor_at_most(size, self._n or 4 * layout.pp)
-        schedule = self._schedule_for("predict", n, batch)
-        mb_kwargs = self._prepare(batch, n, size=size, targets=False, what="prediction batch")
+        schedule, mb_kwargs = self._prepare(batch, n, mode="predict", size=size, targets=False, what="prediction batch")
         with self._stage_random():
             out = schedule.eval(**mb_kwargs)
         holder = [_cpu(out) if layout.stage == layout.pp - 1 else None]

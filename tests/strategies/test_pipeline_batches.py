@@ -26,7 +26,7 @@ from lightning_distplan._layers import PipelineSpec  # noqa: E402
 from lightning_distplan.errors import BatchFormatError  # noqa: E402
 from lightning_distplan.strategies._pipeline_split import split_microbatches, split_structure  # noqa: E402
 
-SAMPLES, BATCH, CLASSES, STEPS = 32, 8, 3, 2
+SAMPLES, BATCH, CLASSES, STEPS = 32, 8, 3, 4
 
 
 def test_split_structure_cuts_the_rows_it_is_told() -> None:
@@ -205,12 +205,44 @@ def _hooked_reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _label_sets(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each sample's labels as a tensor of its own length (1 to 3), as multi-label or detection targets come."""
+    return torch.stack([x for x, _ in items]), [y.repeat(int(y) + 1) for _, y in items]
+
+
+class _LabelSets(_WeightedLoss):
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(layers=list(self.model), inputs=lambda b: b[0], loss=self.loss)
+
+    @staticmethod
+    def loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+        return torch.stack([F.cross_entropy(o.expand(len(y), -1), y) for o, y in zip(out, batch[1])]).mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(self.model(batch[0]), batch)
+
+
+def _first_layer_calls(out: str) -> tuple[int, list[str], dict[str, torch.Tensor]]:
+    """Forwards of the first layer (rank 0 holds it) in a fit of STEPS steps, the warnings about shapes, the weights."""
+    import warnings
+
+    model = _LabelSets()
+    calls = []
+    model.model[0].register_forward_hook(lambda *_: calls.append(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _fit(model, _label_sets, out)
+    assert not isinstance(got, str), got
+    return len(calls), [str(w.message) for w in caught if "shapes" in str(w.message)], got
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     refused = _fit(model, _labels_in_an_object, out)
     whole = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
-    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out)}
+    return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out),
+            "label_sets": _first_layer_calls(out)}
 
 
 @pytest.fixture(scope="module")
@@ -248,3 +280,14 @@ def test_the_loss_checks_before_the_cut_see_the_batch_the_transfer_hooks_make(fi
     got = fits["hooked"]
     assert not isinstance(got, str), got
     torch.testing.assert_close(got, _hooked_reference(), rtol=1e-5, atol=2e-6)
+
+
+def test_targets_of_varying_shapes_build_no_new_schedule(fits: dict[str, Any]) -> None:
+    """A schedule was kept per shape of every tensor in the batch, targets included, which never cross a stage: per-sample
+    label sets of varying lengths built a new schedule, and ran torch's shape-inference forward once more, at every
+    step. Only what the first layer receives decides the shapes crossing the stages."""
+    calls, warned, weights = fits["label_sets"]
+    torch.testing.assert_close(weights, _reference(_LabelSets(), _label_sets), rtol=1e-5, atol=1e-6)
+    # 2 micro-batches a step, the check of the loss before the cut, and one shape-inference forward (the first step)
+    assert calls == STEPS * 2 + 2, calls
+    assert warned == []
