@@ -804,25 +804,29 @@ class PipelineStrategy(DDPStrategy):
 
     def _check_last_batch(self) -> None:
         """Refuse, before the first step, an epoch whose short last batch cannot be split into the micro-batches
-        (it used to fail when the epoch reached it). Only a plain DataLoader that reaches its end is checked."""
+        (it used to fail when the epoch reached it). Only a map-style DataLoader that reaches its end is checked: its
+        batch size and samples per epoch read from its batch size or its batch sampler's (dp_ga's
+        ``_samples_per_epoch``)."""
+        from lightning_distplan.strategies.dp_ga import _samples_per_epoch
+
         trainer = self.lightning_module.trainer
         loader = trainer.train_dataloader
-        if not isinstance(loader, torch.utils.data.DataLoader):
-            return  # auto_plan's loader (it drops a short tail itself), or a loader of the user's own kind
-        batch, sampler = loader.batch_size, loader.sampler
-        if not isinstance(batch, int) or loader.drop_last or not hasattr(sampler, "__len__"):
+        if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(loader.dataset, torch.utils.data.IterableDataset):
+            return  # auto_plan's loader (it drops a short tail itself), a loader of the user's own kind, or a stream
+        batch, samples = loader_batch_size(loader), _samples_per_epoch(loader)
+        if batch is None or samples is None:
             return
-        batches = math.ceil(len(sampler) / batch)
+        batches = math.ceil(samples / batch)
         limit = trainer.limit_train_batches
         if not ((isinstance(limit, float) and limit == 1.0) or (isinstance(limit, int) and limit >= batches)):
             return  # the epoch stops before its last batch
         if trainer.max_steps >= 0 and trainer.max_steps * trainer.accumulate_grad_batches < batches:
             return  # so does the run
-        last = len(sampler) % batch
+        last = samples % batch
         n = self._n or auto_n_microbatches(batch, self.layout.pp)
         if last and last % n:
             raise BatchNotFactorableError(
-                f"Each epoch ends with a batch of {last} samples per replica ({len(sampler)} samples in batches of {batch}), "
+                f"Each epoch ends with a batch of {last} samples per replica ({samples} samples in batches of {batch}), "
                 f"which does not split into `n_microbatches` ({n}) equal micro-batches.",
                 hint=f"Pass drop_last=True to the DataLoader, or give each replica a multiple of {n} samples.",
             )

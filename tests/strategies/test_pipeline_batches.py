@@ -66,13 +66,13 @@ def test_a_packed_sequence_is_cut_as_targets_and_refused_as_inputs() -> None:
 
 
 class _Rows(Dataset):
-    def __init__(self) -> None:
+    def __init__(self, n: int = SAMPLES) -> None:
         g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(SAMPLES, 4, generator=g)
-        self.y = torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = torch.randint(0, CLASSES, (n,), generator=g)
 
     def __len__(self) -> int:
-        return SAMPLES
+        return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[i], self.y[i]
@@ -236,19 +236,42 @@ def _first_layer_calls(out: str) -> tuple[int, list[str], dict[str, torch.Tensor
     return len(calls), [str(w.message) for w in caught if "shapes" in str(w.message)], got
 
 
+def _short_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
+    """35 samples in batches of 8 drawn by a batch sampler of the user's (Lightning re-creates it over its distributed
+    sampler): the epoch ends with 3, which 2 micro-batches do not split."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    class Batches(BatchSampler):  # a bucketing or length-grouping sampler would be one
+        pass
+
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    rows = _Rows(SAMPLES + 3)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
+                        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+    loader = DataLoader(rows, batch_sampler=Batches(RandomSampler(rows), batch_size=BATCH, drop_last=False),
+                        collate_fn=_weights_and_label_list)
+    try:
+        trainer.fit(_WeightedLoss(), loader)
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}", trainer.global_step
+    return "", trainer.global_step
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     refused = _fit(model, _labels_in_an_object, out)
     whole = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
     return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out),
-            "label_sets": _first_layer_calls(out)}
+            "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    return {key: [rank[key] for rank in ranks] if key == "object" else ranks[0][key] for key in ranks[0]}
+    return {key: [rank[key] for rank in ranks] if key in ("object", "batch_sampler") else ranks[0][key] for key in ranks[0]}
 
 
 def test_a_constant_before_the_rows_and_a_list_of_labels_are_cut_as_one_process_reads_them(fits: dict[str, Any]) -> None:
@@ -291,3 +314,14 @@ def test_targets_of_varying_shapes_build_no_new_schedule(fits: dict[str, Any]) -
     # 2 micro-batches a step, the check of the loss before the cut, and one shape-inference forward (the first step)
     assert calls == STEPS * 2 + 2, calls
     assert warned == []
+
+
+def test_a_short_last_batch_a_batch_sampler_makes_is_refused_before_the_first_step(fits: dict[str, Any]) -> None:
+    """Checked for a DataLoader's batch_size only, a BatchSampler's short last batch trained the epoch up to it and then
+    failed there; now it is refused before the first step, as the loader's own batch size is."""
+    for refused, steps in fits["batch_sampler"]:
+        assert refused.startswith(
+            "BatchNotFactorableError: Each epoch ends with a batch of 3 samples per replica (35 samples in batches of 8), "
+            "which does not split into `n_microbatches` (2) equal micro-batches. HINT: Pass drop_last=True"
+        ), refused
+        assert steps == 0
