@@ -71,6 +71,11 @@ class Hardware:
     (:func:`~lightning_distplan.costmodel._schedule.schedule_time`). False for NCCL, whose two
     directions the model takes as independent (assumed: no pipeline has run on a GPU yet); True
     where the profile's p2p link was measured over gloo, or, with no measured link, on a CPU."""
+    devices_per_link: int = 1
+    """Devices of consecutive ranks whose all-reduce traffic leaves through one link: the GPUs of an instance behind its
+    network card, where the all-reduce crosses instances. A hybrid dp×pp's stages all-reduce their gradients at the same
+    time, so the stages with ranks behind one link send their bytes over it together. 1: every device has a link of its
+    own (one device per instance, or a ring inside one instance, whose GPUs each have their own NVLink/PCIe lanes)."""
     ddp_bucket_bytes: int | None = None
     """DDP's gradient bucket size (``DDPStrategy(bucket_cap_mb=...)`` in bytes): every bucket, the first included, as
     torch 2.14's DDP sizes them when ``bucket_cap_mb`` is given. ``None``: DDP's defaults, a 1 MiB first bucket and
@@ -82,6 +87,9 @@ class Hardware:
                                                   or self.ddp_bucket_bytes <= 0):
             raise CatalogError(f"`ddp_bucket_bytes` must be a positive integer or None, got {self.ddp_bucket_bytes!r}.",
                                hint="Pass DDPStrategy(bucket_cap_mb=...) a positive number of MiB, or leave it out.")
+        if isinstance(self.devices_per_link, bool) or not isinstance(self.devices_per_link, int) or self.devices_per_link < 1:
+            raise CatalogError(f"`devices_per_link` must be a positive integer, got {self.devices_per_link!r}.",
+                               hint="Pass the number of devices that share one network link (e.g. the GPUs of one instance), or 1.")
         if not isinstance(self.device_memory_bytes, int) or self.device_memory_bytes <= 0:
             raise CatalogError(f"`device_memory_bytes` must be a positive integer, got {self.device_memory_bytes!r}.", hint=hint)
         for name in ("allreduce_bandwidth_bytes_per_s", "p2p_bandwidth_bytes_per_s", "compute_scale"):

@@ -253,11 +253,12 @@ class ConfigSpace:
 
     def hardware(self, inst: Instance, count: int, plan: Plan | None = None) -> Hardware:
         """Devices and links of ``count`` instances running ``plan``: the network between instances, NVLink/PCIe
-        inside one."""
+        inside one. Across instances an instance's GPUs share its network card (``Hardware.devices_per_link``)."""
         spec = inst.gpu_spec()
         network = inst.network_gbps * 1e9 / 8
         intra = (spec.interconnect_bytes_per_s, INTRA_NODE_LATENCY_S)
         intra_source = f"intra-instance GPU link {spec.interconnect_bytes_per_s / 1e9:g} GB/s ({spec.source})"
+        sharing = 1
         if count == 1 and inst.devices_per_instance > 1:
             (bw, lat), source = intra, intra_source
             p2p = intra
@@ -268,6 +269,11 @@ class ConfigSpace:
             burst = ", an 'up to' burst peak, not a sustained rate" if inst.network_burst else ""
             source = f"catalog network {inst.network_gbps:g} Gbit/s ({inst.network_source or inst.source}{burst})"
             p2p = (bw, lat)
+            # an instance's GPUs all-reduce over its one network card: the stages of a hybrid dp×pp on one
+            # instance, all-reducing at once, share it (costmodel: their bytes add up on the link)
+            sharing = inst.devices_per_instance
+            if sharing > 1:
+                source += f", shared by the instance's {sharing} GPUs"
             if plan is not None and plan.pp > 1 and inst.devices_per_instance % plan.pp == 0:
                 # A pipeline's stages are consecutive ranks (stage = rank % pp) and ranks fill one instance before
                 # the next (node-major, as Lightning's launchers number them): with pp dividing the GPUs of an
@@ -282,6 +288,7 @@ class ConfigSpace:
             p2p_latency_s=p2p[1],
             p2p_bandwidth_bytes_per_s=p2p[0],
             link_source=source,
+            devices_per_link=sharing,
         )
 
     def evaluate(self, inst: Instance, count: int, plan: Plan) -> TunedConfig:
@@ -360,6 +367,7 @@ class ConfigSpace:
                 "allreduce_bandwidth_bytes_per_s": hw.allreduce_bandwidth_bytes_per_s,
                 "allreduce_latency_s": hw.allreduce_latency_s,
                 "p2p_bandwidth_bytes_per_s": hw.p2p_bandwidth_bytes_per_s,
+                "devices_per_link": hw.devices_per_link,
                 "link_source": hw.link_source,
             },
             "projection": {

@@ -357,8 +357,11 @@ def test_exhaustive_covers_exactly_the_enumerated_space(profile):
 
 def test_a_pipeline_inside_each_instance_hands_over_on_the_gpu_link_not_the_network():
     """Stages are consecutive ranks, so with pp dividing an instance's GPUs each pipeline stays inside one instance: its
-    hand-overs go over NVLink (p3.16xlarge: 150 GB/s), only the stages' all-reduce over the 25 Gbit/s network."""
+    hand-overs go over NVLink (p3.16xlarge: 150 GB/s), only the stages' all-reduce over the 25 Gbit/s network, whose
+    one card the 8 stages on an instance cross at once (priced each as alone on it, their all-reduce was 1/8 of this)."""
+    from lightning_distplan.costmodel import ring_allreduce_time
     from lightning_distplan.costmodel.gpus import GPUS
+    from lightning_distplan.tuner._space import NETWORK_LATENCY_S
 
     catalog = load_catalog("aws-2026")
     inst = catalog.get("p3.16xlarge")
@@ -371,7 +374,10 @@ def test_a_pipeline_inside_each_instance_hands_over_on_the_gpu_link_not_the_netw
     one, _ = config(1, 8)
     two, links = config(2, 8)
     assert links["p2p_bandwidth_bytes_per_s"] == GPUS["V100"].interconnect_bytes_per_s
-    assert links["allreduce_bandwidth_bytes_per_s"] == 25e9 / 8
+    assert links["allreduce_bandwidth_bytes_per_s"] == 25e9 / 8 and links["devices_per_link"] == 8
+    assert config(1, 8)[1]["devices_per_link"] == 1  # inside one instance each GPU has its own NVLink lanes
+    grads = space.projection(inst)[0].memory.grad_bytes  # the 8 stages on each card: all the gradients, over 2 replicas
+    assert two.breakdown["exposed_comm"] == pytest.approx(ring_allreduce_time(grads, 2, NETWORK_LATENCY_S, 25e9 / 8), rel=1e-9)
     # half the micro-batches per pipeline on the same link (was 9x the one-instance time, priced over the network)
     assert two.breakdown["p2p"] < one.breakdown["p2p"]
     _, spanning = config(2, 16)  # a 16-stage pipeline crosses from one instance to the other
