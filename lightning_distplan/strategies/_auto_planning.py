@@ -484,7 +484,8 @@ def reloaded_loader_error(batch: int, first: int, plan: Plan, *, planner: str, h
 
 
 def ranks_per_node(trainer: Any) -> int:
-    """Processes on one node: on a CPU profile they share the host's RAM (``choose_plan``'s ``ranks_per_host``)."""
+    """Processes on one node: on a CPU profile they share the host's RAM, over several nodes its network link
+    (``choose_plan``'s ``ranks_per_host``)."""
     return max(1, trainer.world_size // max(1, trainer.num_nodes))
 
 
@@ -504,7 +505,9 @@ def choose_plan(
     """Rank every plan for the user's global batch on ``world_size`` devices; the first is feasible.
 
     ``ddp_bucket_bytes``: the run's DDP gradient bucket size (:func:`ddp_bucket_bytes`), where it sets one.
-    ``ranks_per_host``: processes sharing one host's RAM on a CPU profile (default: all ``world_size``).
+    ``ranks_per_host``: processes on one node (default: all ``world_size``): on a CPU profile they share the host's RAM,
+    and over several nodes they share its network link (``Hardware.devices_per_link``), which the stages of a hybrid
+    dp×pp on one node cross at once with their gradient all-reduces.
 
     Raises:
         InfeasiblePlanError: an impossible pin (from the planner, with its HINT), or no plan fits in memory.
@@ -513,6 +516,8 @@ def choose_plan(
     if hardware is None:
         hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1,
                                          ranks_per_host=world_size if ranks_per_host is None else ranks_per_host)
+        if ranks_per_host is not None and 1 < ranks_per_host < world_size:  # several nodes: the all-reduce crosses their links
+            hardware = replace(hardware, devices_per_link=ranks_per_host)
     if compute_scale != hardware.compute_scale:
         hardware = replace(hardware, compute_scale=compute_scale)
     if ddp_bucket_bytes is not None:

@@ -121,6 +121,25 @@ def test_cpu_ranks_on_several_hosts_share_only_their_own_host():
     assert [ranks_per_node(SimpleNamespace(world_size=w, num_nodes=n)) for w, n in ((4, 2), (4, 1), (1, 1))] == [2, 4, 1]
 
 
+def test_ranks_on_several_nodes_share_the_node_link_for_the_stage_all_reduces():
+    """auto_plan and PlanningCallback on 2 nodes of 2 GPUs: a dp=2 pp=2 pipeline has both stages on each node, whose
+    all-reduces cross the node's one link at once; they were priced each as if alone on it (3 MB where 4 MB cross)."""
+    from lightning_distplan.costmodel import DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_LATENCY_S, ring_allreduce_time
+    from lightning_distplan.strategies._auto_planning import choose_plan
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=b) for b in (3_000_000, 1_000_000)])
+    kw = dict(world_size=4, global_batch_size=8, pins={"strategy": "1f1b", "stages": 2})
+    (two_nodes, *_), hardware = choose_plan(profile, ranks_per_host=2, **kw)
+    assert hardware.devices_per_link == 2
+    assert two_nodes.prediction.breakdown["exposed_comm"] == pytest.approx(
+        ring_allreduce_time(4_000_000, 2, DEFAULT_LATENCY_S, DEFAULT_BANDWIDTH_BYTES_PER_S), rel=1e-12)
+    for one_node in (4, None):  # one node: its GPUs' rings do not cross a shared link
+        (plan, *_), hardware = choose_plan(profile, ranks_per_host=one_node, **kw)
+        assert hardware.devices_per_link == 1
+        assert plan.prediction.breakdown["exposed_comm"] == pytest.approx(
+            ring_allreduce_time(3_000_000, 2, DEFAULT_LATENCY_S, DEFAULT_BANDWIDTH_BYTES_PER_S), rel=1e-12)
+
+
 def test_format_bytes_picks_the_unit():
     from lightning_distplan.costmodel._hardware import format_bytes
 
