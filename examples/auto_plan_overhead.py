@@ -37,6 +37,8 @@ from lightning_distplan.errors import OutputPathError
 
 
 SCHEMA = "distplan-auto-plan-overhead/1"
+NHEAD = 4
+"""Attention heads of :class:`OfflineTransformer`: ``--width`` must be a multiple of it."""
 
 
 class OfflineTransformer(LightningTransformer):
@@ -45,21 +47,35 @@ class OfflineTransformer(LightningTransformer):
 
     def __init__(self, vocab_size: int, ninp: int, nlayers: int) -> None:
         super().__init__(vocab_size=vocab_size)
-        self.model = Transformer(vocab_size=vocab_size, ninp=ninp, nhead=4, nhid=2 * ninp, nlayers=nlayers)
+        self.model = Transformer(vocab_size=vocab_size, ninp=ninp, nhead=NHEAD, nhid=2 * ninp, nlayers=nlayers)
 
     def prepare_data(self) -> None:
         pass
 
 
+def positive(text: str) -> int:
+    """An argparse ``type``: a bad count is one line from argparse before the fit, not a traceback from inside it."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:  # "²" is a digit to str.isdigit, not to int()
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def width(text: str) -> int:
+    value = positive(text)
+    if value % NHEAD:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a multiple of {NHEAD} (the model's attention heads)")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=8192, help="samples in the one epoch (8192 = 256 steps of 16 per rank on 2 ranks)")
-    parser.add_argument("--batch-size", type=int, default=16, help="loader batch size per rank")
-    parser.add_argument("--vocab", type=int, default=1000)
-    parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--devices", type=positive, default=2)
+    parser.add_argument("--samples", type=positive, default=8192, help="samples in the one epoch (8192 = 256 steps of 16 per rank on 2 ranks)")
+    parser.add_argument("--batch-size", type=positive, default=16, help="loader batch size per rank")
+    parser.add_argument("--vocab", type=positive, default=1000)
+    parser.add_argument("--block", type=positive, default=32)
+    parser.add_argument("--width", type=width, default=128, help=f"model width (a multiple of {NHEAD})")
+    parser.add_argument("--layers", type=positive, default=2)
     parser.add_argument("--root", default="runs/auto_plan_overhead")
     parser.add_argument("--out", default=None, help="add this run to the result JSON file's 'runs' (created when missing)")
     args = parser.parse_args()

@@ -59,6 +59,23 @@ def test_demo_refuses_a_bad_option_before_it_trains(option: str, value: str, sai
     assert info.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize(("option", "value", "said"), [
+    ("--devices", "0", "argument --devices: '0' is not a positive integer"),
+    ("--samples", "0", "argument --samples: '0' is not a positive integer"),
+    ("--layers", "0", "argument --layers: '0' is not a positive integer"),
+    ("--width", "6", "argument --width: '6' is not a multiple of 4"),
+])
+def test_overhead_refuses_a_bad_option_before_it_trains(option: str, value: str, said: str, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """--devices 0 ended in a ZeroDivisionError traceback, --samples 0 in one from the data module, --width 6 in an
+    AssertionError from torch's attention and --layers 0 in a ProfilingError from both ranks after launching them."""
+    monkeypatch.setattr(sys, "argv", ["auto_plan_overhead.py", option, value])
+    monkeypatch.setattr(auto_plan_overhead.L, "Trainer", lambda *a, **k: pytest.fail("the fit started"))
+    with pytest.raises(SystemExit) as info:
+        auto_plan_overhead.main()
+    assert info.value.code == 2 and said in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_overhead_record_is_written_as_the_package_writes_its_files(tmp_path: Path) -> None:
     """``_record`` had an atomic write of its own: it replaced a symbolic link ``--out`` with a plain file (the link's
     target kept the old runs), made the file 0600-or-umask instead of keeping its mode, and wrote through a fixed
