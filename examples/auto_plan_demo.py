@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import time
 import warnings
 from pathlib import Path
@@ -77,6 +78,14 @@ def weight(text: str) -> float:
     if not 0.0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0 (currency per second of step time)")
     return value
+
+
+def open_study_line(storage: str, artifact_dir: str | None) -> str:
+    """How to open the study: ``distplan dashboard`` finds the plot artifacts next to the SQLite file by itself,
+    ``optuna-dashboard`` serves them only when told where they are."""
+    artifacts = "" if artifact_dir is None else f" --artifact-dir {shlex.quote(str(artifact_dir))}"
+    url = shlex.quote(storage)
+    return f"open the study:  distplan dashboard {url}   (or: optuna-dashboard {url}{artifacts})"
 
 
 def main() -> None:
@@ -164,9 +173,9 @@ def main() -> None:
     study = optuna.load_study(study_name=study_name, storage=storage)
     plot_pareto_front(study, path_html=distplan_dir / "pareto.html", path_png=distplan_dir / "pareto.png")
     plot_time_breakdown(study, path_html=distplan_dir / "breakdown.html", path_png=distplan_dir / "breakdown.png")
-    attach_to_study(study)
+    stored = attach_to_study(study)
     print(f"plots: {distplan_dir}/pareto.png, breakdown.png (+ .html)")
-    print(f"open the study:  distplan dashboard {storage}   (or: optuna-dashboard {storage})")
+    print(open_study_line(storage, stored["artifact_dir"]))
 
 
 if __name__ == "__main__":

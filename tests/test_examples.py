@@ -99,3 +99,29 @@ def test_overhead_record_is_written_as_the_package_writes_its_files(tmp_path: Pa
 
 def _overhead_args() -> SimpleNamespace:
     return SimpleNamespace(devices=2, samples=64, batch_size=16, vocab=32, block=8, width=16, layers=1)
+
+
+def test_demo_names_the_artifact_folder_for_optuna_dashboard(tmp_path: Path) -> None:
+    """The demo's closing line offered `optuna-dashboard URL` alone: optuna-dashboard serves no artifact store unless
+    told one, so the PNG plots the demo had just attached to the study were not there. It names their folder now."""
+    import shlex
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "tests" / "tuner"))
+    import auto_plan_demo
+    import optuna
+    from _synthetic_study import make_study
+
+    from lightning_distplan.tuner.plots import attach_to_study
+
+    storage = f"sqlite:///{tmp_path / 'my runs' / 'distplan.db'}"
+    (tmp_path / "my runs").mkdir()
+    study = make_study(storage, study_name="demo", instances=("gn6i.xlarge",), counts=(1, 2), micro_batch_sizes=(4, 8))
+    stored = attach_to_study(study)
+    line = auto_plan_demo.open_study_line(storage, stored["artifact_dir"])
+    alternative = shlex.split(line.split("(or: ", 1)[1].rstrip(")"))
+    assert alternative[:2] == ["optuna-dashboard", storage]
+    folder = Path(alternative[alternative.index("--artifact-dir") + 1])
+    metas = optuna.artifacts.get_all_artifact_meta(study)
+    assert len(metas) == 2 and all((folder / meta.artifact_id).is_file() for meta in metas)
+    assert shlex.split(line.split("   (or:", 1)[0].split("open the study:", 1)[1]) == ["distplan", "dashboard", storage]
