@@ -61,10 +61,21 @@ def _check_sizes(world_size: Any, global_batch_size: Any) -> tuple[int, int]:
 
 
 def _check_strategies(strategies: Iterable[str]) -> tuple[str, ...]:
-    chosen = tuple(dict.fromkeys(strategies))
+    choices = ", ".join(STRATEGIES)
+    # A string is iterable: "dp_ga" would be read as the strategies 'd', 'p', '_', 'g', 'a'.
+    if isinstance(strategies, str):
+        raise InfeasiblePlanError(f"`strategies` must be a list of strategy names, got the string {strategies!r}.",
+                                  hint=f"Pass a list, e.g. strategies=[{strategies!r}] (choose from {choices}).")
+    try:
+        chosen = tuple(dict.fromkeys(strategies))
+    except TypeError:  # None, a number, a list holding a list
+        raise InfeasiblePlanError(f"`strategies` must be a list of strategy names, got {strategies!r}.",
+                                  hint=f"Pass a list of some of {choices}, e.g. strategies=['dp_ga'].") from None
+    if not chosen:
+        raise InfeasiblePlanError("`strategies` is empty, so there is no plan to consider.", hint=f"Pass one or more of {choices}, or leave it out for all.")
     unknown = [s for s in chosen if s not in STRATEGIES]
-    if unknown or not chosen:
-        raise InfeasiblePlanError(f"Unknown strategies {unknown or '(none given)'}.", hint=f"Choose from {', '.join(STRATEGIES)}.")
+    if unknown:
+        raise InfeasiblePlanError(f"Unknown strategies {unknown}.", hint=f"Choose from {choices}.")
     return chosen
 
 

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from lightning_distplan.errors import CatalogError, DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.plan import STRATEGIES, Plan, as_int
+from lightning_distplan.planner._enumerate import _check_strategies
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
 from lightning_distplan.tuner._storage import StudyStorageError, open_storage, shown_url, write_trials
@@ -688,6 +689,7 @@ def _tune(
         )
     if study_name is not None and not isinstance(study_name, str):
         raise InfeasiblePlanError(f"`study_name` must be a string or None, got {study_name!r}.", hint="Pass e.g. study_name='resnet101', or None for the default name.")
+    strategies = _check_strategies(strategies)  # before the space, which would read [] as "no configuration factors the batch"
     catalog = _resolve_catalog(catalog, bandwidth_gbps, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,
@@ -948,6 +950,7 @@ def exhaustive(
             f"`max_configurations` must be an integer >= 1, got {max_configurations!r}.", hint="Pass e.g. max_configurations=200_000, or leave it out."
         )
     max_configurations = limit
+    strategies = _check_strategies(strategies)
     catalog = _resolve_catalog(catalog, None, pricing)
     space = ConfigSpace(
         profile, catalog, global_batch_size=global_batch_size, time_weight=float(time_weight), max_instances=max_instances,

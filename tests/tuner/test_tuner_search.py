@@ -913,3 +913,21 @@ def test_a_study_file_of_another_optuna_schema_gets_the_hint_that_fixes_it(tmp_p
     with pytest.raises(StudyStorageError, match=r"HINT: The study database was set up by a newer Optuna than this one \(.*\): use that "
                        r"version \(pip install -U optuna\), or pass another --storage\.$"):
         tune(profile, n_trials=5, **common)
+
+
+@pytest.mark.parametrize("strategies, match", [
+    ([], r"`strategies` is empty.*HINT: Pass one or more of dp_ga, gpipe, 1f1b"),
+    ("dp_ga", r"must be a list of strategy names, got the string 'dp_ga'.*HINT: Pass a list, e\.g\. strategies=\['dp_ga'\]"),
+    (None, r"must be a list of strategy names, got None.*HINT"),
+    (["dp_ga", "zero"], r"Unknown strategies \['zero'\].*HINT: Choose from dp_ga, gpipe, 1f1b"),
+])
+def test_bad_strategies_are_named_before_the_search(tmp_path, profile, strategies, match):
+    """strategies=[] was reported as "No configuration of up to 8 instances factors the global batch size 64" (the
+    batch was fine), and strategies="dp_ga" as the unknown strategies ['d', 'p', '_', 'g', 'a']; None was a TypeError."""
+    with pytest.raises(InfeasiblePlanError, match=match):
+        tune(profile, catalog="aws-2026", global_batch_size=B, n_trials=2, storage=_url(tmp_path), strategies=strategies, progress=False)
+    with pytest.raises(InfeasiblePlanError, match=match):
+        exhaustive(profile, "aws-2026", global_batch_size=B, strategies=strategies)
+    with pytest.raises(InfeasiblePlanError, match=match):  # the planner says the same
+        enumerate_plans(profile, world_size=2, global_batch_size=B, strategies=strategies)
+    assert not (tmp_path / "study.db").exists()  # refused before any storage was touched
