@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -136,10 +137,32 @@ class Hardware:
                 gets its share; GPU ranks each have their own device. A given ``device_memory_bytes`` is
                 taken as one rank's already.
         """
+        # Checked before any use: NaN reached int() (a bare "cannot convert float NaN to integer"), and a NaN or negative
+        # link was logged as "assuming nan Gbit/s (given)" before Hardware refused it under a field name not passed here.
+        if device_memory_bytes is not None and not _is_finite_number(device_memory_bytes):
+            raise InfeasiblePlanError(
+                f"The device memory must be a finite number of bytes, got {device_memory_bytes!r}.",
+                hint="Pass the device's memory in bytes, e.g. device_memory_bytes=16 << 30 (CLI: --device-memory-gb 16).",
+            )
         if device_memory_bytes is not None and device_memory_bytes <= 0:
             raise InfeasiblePlanError(
                 f"The device memory must be positive, got {device_memory_bytes!r} bytes.",
                 hint="Pass the device's memory, e.g. --device-memory-gb 16 (GiB).",
+            )
+        if bandwidth_bytes_per_s is not None and not (_is_finite_number(bandwidth_bytes_per_s) and bandwidth_bytes_per_s > 0):
+            raise InfeasiblePlanError(
+                f"`bandwidth_bytes_per_s` must be a positive, finite number, got {bandwidth_bytes_per_s!r}.",
+                hint="Pass the interconnect's bandwidth in bytes/s, e.g. bandwidth_bytes_per_s=1.25e9 for 10 Gbit/s (CLI: --bandwidth-gbps 10).",
+            )
+        if latency_s is not None and not (_is_finite_number(latency_s) and latency_s >= 0):
+            raise InfeasiblePlanError(
+                f"`latency_s` must be a finite number of seconds, zero or more, got {latency_s!r}.",
+                hint="Pass the interconnect's latency in seconds, e.g. latency_s=2e-5 for 20 µs (CLI: --latency-us 20).",
+            )
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, numbers.Integral) or ranks_per_host < 1:
+            raise InfeasiblePlanError(
+                f"`ranks_per_host` must be a whole number, 1 or more, got {ranks_per_host!r}.",
+                hint="Pass the training processes on one host (one node's share of the world size), e.g. ranks_per_host=4.",
             )
         memory = device_memory_bytes or profile.memory.device_total_bytes or profile.device.total_memory_bytes
         if not memory:
@@ -194,6 +217,11 @@ class Hardware:
             host_overlap=not cpu,
             p2p_one_stream="gloo" in p2p.backend if p2p is not None and p2p.backend else cpu,
         )
+
+
+def _is_finite_number(value: object) -> bool:
+    """A real, finite number (a numpy scalar too), not a bool or a string."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def format_bytes(nbytes: float) -> str:

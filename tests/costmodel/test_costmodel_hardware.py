@@ -84,6 +84,29 @@ def test_device_memory_must_be_positive_not_silently_the_profiled_one():
         Hardware.from_profile(prof, device_memory_bytes=0)
 
 
+@pytest.mark.parametrize("given, match", [
+    ({"device_memory_bytes": float("nan")}, r"device memory must be a finite number of bytes, got nan\..*HINT"),
+    ({"device_memory_bytes": float("inf")}, r"device memory must be a finite number of bytes, got inf\..*HINT"),
+    ({"device_memory_bytes": "16"}, r"device memory must be a finite number of bytes, got '16'\..*HINT"),
+    ({"bandwidth_bytes_per_s": float("nan")}, r"`bandwidth_bytes_per_s` must be a positive, finite number, got nan\..*HINT"),
+    ({"bandwidth_bytes_per_s": -1.0}, r"`bandwidth_bytes_per_s` must be a positive, finite number, got -1\.0\..*HINT"),
+    ({"latency_s": float("nan")}, r"`latency_s` must be a finite number of seconds, zero or more, got nan\..*HINT"),
+    ({"latency_s": float("inf")}, r"`latency_s` .* got inf\..*HINT"),
+    ({"ranks_per_host": 0}, r"`ranks_per_host` must be a whole number, 1 or more, got 0\..*HINT"),
+    ({"ranks_per_host": 1.5}, r"`ranks_per_host` .* got 1\.5\..*HINT"),
+])
+def test_bad_numbers_given_to_from_profile_are_one_sentence_and_a_hint(caplog, given, match):
+    """device_memory_bytes=nan ended in int()'s bare "cannot convert float NaN to integer" (inf: an OverflowError); a NaN
+    or negative link was logged as "assuming nan Gbit/s (given)" and then refused under `allreduce_bandwidth_bytes_per_s`,
+    a name the caller never passed; ranks_per_host=0 or 1.5 was taken without a word."""
+    cpu = synthetic_profile([LayerSpec(fwd_alpha=1.0)], device_memory_bytes=8 << 30)
+    cpu = replace(cpu, device=replace(cpu.device, type="cpu"))
+    with caplog.at_level(logging.WARNING), pytest.raises(InfeasiblePlanError, match=match) as err:
+        Hardware.from_profile(cpu, **given)
+    assert isinstance(err.value, ValueError) and str(err.value).count("HINT:") == 1
+    assert caplog.text == ""  # refused before the link warning, which would have quoted the bad number
+
+
 def test_cpu_ranks_share_the_host_memory():
     """A CPU profile's memory is the host's RAM; the ranks on that host share it. 4 dp_ga ranks of 5.3 GiB each on an
     8 GiB host were ranked feasible (21 GiB in all)."""
