@@ -23,6 +23,7 @@ import csv
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -423,9 +424,29 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
         raise CatalogError(f"Catalog file {str(path)!r} cannot be read as UTF-8 text ({err}).", hint="Save it as a UTF-8 CSV.") from None
-    reader = csv.reader(text.splitlines())
+    # strict: a quote opened and never closed is an error, not a cell that swallows every line after it (the rows
+    # there were lost, and the file reported as having no GPU rows, or the row as having no price).
+    reader = csv.reader(text.splitlines(), strict=True)
+
+    def records() -> Iterator[tuple[int, list[str]]]:
+        """(the line a record starts on, its cells): a quoted cell may hold a line break, so records and lines can differ."""
+        while True:
+            start = reader.line_num + 1
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:
+                why = "a quote opened there is never closed" if "end of data" in str(err) else str(err)
+                raise CatalogError(
+                    f"{path.name} line {start}: the row is not valid CSV ({why}).",
+                    hint='Check that row\'s quotes: a cell that starts with " must end with ", and a " inside it is written "".',
+                ) from None
+            yield start, row
+
+    rows_in = records()
     try:
-        header = next(reader)
+        _, header = next(rows_in)
     except StopIteration:
         raise CatalogError(f"Catalog file {str(path)!r} is empty.", hint=f"Give a header row with {', '.join(_REQUIRED)}, NetworkGbps.") from None
     index = {h.strip().lower(): i for i, h in enumerate(header)}
@@ -444,7 +465,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     rows: dict[tuple[str, str], Instance] = {}
     no_price = "no spot price" if pricing == "spot" else "no price"
     skipped: dict[str, list[str]] = {"unknown GPU": [], no_price: [], "no instance type": []}
-    for lineno, row in enumerate(reader, start=2):
+    for lineno, row in rows_in:
         if not any(c.strip() for c in row):
             continue
         where = f"{path.name} line {lineno}"

@@ -196,6 +196,25 @@ def test_bad_rows_name_the_line_and_the_rule(tmp_path, body, match):
         parse_catalog_csv(path)
 
 
+def test_an_unclosed_quote_names_its_line_and_loses_no_row_silently(tmp_path):
+    """A quote opened and never closed swallowed every line after it into one cell: on the first data row the file was
+    reported as having "no GPU instance rows"; on a later row that row was skipped for "no price" (a warning) and the
+    rows after it vanished, the catalog loading with one instance of three."""
+    header = "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\n"
+    first = _write(tmp_path, header + '"g5.xlarge,A10G,1,1.0,10\ng5.2xlarge,A10G,1,1.2,10\n', name="first.csv")
+    with pytest.raises(CatalogError, match=r"first.csv line 2: the row is not valid CSV \(a quote opened there is never closed\)\..*HINT"):
+        parse_catalog_csv(first)
+    later = _write(tmp_path, header + 'g5.xlarge,A10G,1,1.0,10\ng5.2xlarge,"A10G,1,1.2,10\ng5.4xlarge,A10G,1,1.6,10\n', name="later.csv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipped for no price" warning before the error
+        with pytest.raises(CatalogError, match=r"later.csv line 3: the row is not valid CSV \(a quote opened there is never closed\)"):
+            parse_catalog_csv(later)
+    # a quoted cell holding a line break is valid CSV: the rows after it keep their own line numbers
+    spans = _write(tmp_path, header + '"g5.\nxlarge",A10G,1,1.0,10\ng5.2xlarge,A10G,1,cheap,10\n', name="spans.csv")
+    with pytest.raises(CatalogError, match=r"spans.csv line 4: column 'Price' holds 'cheap'"):
+        parse_catalog_csv(spans)
+
+
 def test_missing_columns_and_bandwidth(tmp_path):
     path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price\ng5.xlarge,A10G,1,1.006\n")
     with pytest.raises(CatalogError, match=r"line 1: missing column\(s\) \['NetworkGbps'\].*HINT:.*--bandwidth"):
