@@ -61,7 +61,8 @@ class Instance:
     """Instance network bandwidth in Gbit/s (the inter-instance link)."""
     price_per_hour: float
     """Price of one instance per hour, in ``currency``: the on-demand price, or the spot price in a catalog whose
-    ``pricing`` is ``"spot"``."""
+    ``pricing`` is ``"spot"``. 0 is taken (hardware you already own): its plans then cost nothing, so with a time weight of 0
+    the objective cannot tell them apart; a weight above 0 ranks them by step time."""
     currency: str
     region: str = ""
     source: str = ""
@@ -80,8 +81,9 @@ class Instance:
         for name in ("gpus_per_instance", "gpu_memory_gb", "network_gbps", "price_per_hour"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or (value == 0 and name != "price_per_hour"):
+                rule = "a number, zero or more" if name == "price_per_hour" else "a positive number"
                 raise CatalogError(
-                    f"Instance {self.instance_type!r}: `{name}` must be a positive number, got {value!r}.",
+                    f"Instance {self.instance_type!r}: `{name}` must be {rule}, got {value!r}.",
                     hint="Fix the catalog row.",
                 )
         if self.gpus_per_instance > 1 and self.gpus_per_instance != int(self.gpus_per_instance):
@@ -381,7 +383,8 @@ def _number(value: str, *, column: str, where: str, allow_fraction: bool = False
     except (ValueError, ZeroDivisionError):
         raise CatalogError(f"{where}: column {column!r} holds {text!r}, which is not a number.", hint=f"Write {column} as a plain number.") from None
     if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        raise CatalogError(f"{where}: column {column!r} holds {text!r}; it must be a positive number.", hint=f"Fix {column} in that row.")
+        rule = "a number, zero or more" if allow_zero else "a positive number"
+        raise CatalogError(f"{where}: column {column!r} holds {text!r}; it must be {rule}.", hint=f"Fix {column} in that row.")
     return number
 
 
@@ -405,7 +408,7 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     catalog's name gets ``-spot``.
 
     Raises:
-        CatalogError: missing file or columns, a negative / non-numeric price or count, no bandwidth, no
+        CatalogError: missing file or columns, a negative / non-numeric price (0 is taken: hardware you own) or count, no bandwidth, no
             usable GPU row (naming why the skipped ones were); messages carry the line number.
     """
     given = str(path)
@@ -489,8 +492,9 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
             continue
         count = _number(cell(row, "AcceleratorCount"), column="AcceleratorCount", where=where, allow_fraction=True)
         spot_text = cell(row, "SpotPrice")
-        spot = _number(spot_text, column="SpotPrice", where=where) if spot_text else None
-        price = spot if pricing == "spot" else _number(cell(row, "Price"), column="Price", where=where)
+        # A price of 0 is hardware already paid for, as Instance takes it (SkyPilot's on-prem vSphere catalog writes 0.0).
+        spot = _number(spot_text, column="SpotPrice", where=where, allow_zero=True) if spot_text else None
+        price = spot if pricing == "spot" else _number(cell(row, "Price"), column="Price", where=where, allow_zero=True)
         if bandwidth_gbps is not None:
             gbps, net_source = float(bandwidth_gbps), "given (--bandwidth-gbps)"
         else:

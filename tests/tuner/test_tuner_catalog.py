@@ -182,7 +182,7 @@ def test_a_32_gb_pcie_v100_is_a_catalog_gpu_and_a_profiled_device(tmp_path):
     ("body", "match"),
     [
         ("g5.xlarge,A10G,1,,10\n", r"cat.csv line 2: column 'Price' is empty for 'g5.xlarge' \(1 row skipped for no price, no usable row\).*HINT"),
-        ("g5.xlarge,A10G,1,-1.0,10\n", r"cat.csv line 2: column 'Price' holds '-1.0'; it must be a positive number.*HINT"),
+        ("g5.xlarge,A10G,1,-1.0,10\n", r"cat.csv line 2: column 'Price' holds '-1.0'; it must be a number, zero or more.*HINT"),
         ("g5.xlarge,A10G,1,cheap,10\n", r"cat.csv line 2: column 'Price' holds 'cheap', which is not a number.*HINT"),
         ("x.large,TPUv5,1,2.0,10\ny.large,K80,1,,10\n",
          r"cat.csv line 2: unknown GPU 'TPUv5' for 'x.large' \(2 rows skipped for unknown GPU, no usable row\); the spec table knows T4, A10, A10G.*HINT"),
@@ -213,6 +213,24 @@ def test_an_unclosed_quote_names_its_line_and_loses_no_row_silently(tmp_path):
     spans = _write(tmp_path, header + '"g5.\nxlarge",A10G,1,1.0,10\ng5.2xlarge,A10G,1,cheap,10\n', name="spans.csv")
     with pytest.raises(CatalogError, match=r"spans.csv line 4: column 'Price' holds 'cheap'"):
         parse_catalog_csv(spans)
+
+
+def test_a_zero_price_loads_from_a_csv_as_an_instance_takes_it(tmp_path):
+    """Instance(price_per_hour=0) is hardware you own (SkyPilot's on-prem vSphere catalog writes Price 0.0), but the CSV
+    parser refused the same row: "column 'Price' holds '0'; it must be a positive number"."""
+    from lightning_distplan.tuner.catalog import Instance
+
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,SpotPrice,NetworkGbps\nown.4x,A10G,4,0.0,0,10\n"
+                            "g5.xlarge,A10G,1,1.006,0.4,10\n")
+    cat = parse_catalog_csv(path)
+    assert [(i.instance_type, i.price_per_hour, i.spot_price_per_hour) for i in cat.instances] == [("own.4x", 0.0, 0.0), ("g5.xlarge", 1.006, 0.4)]
+    assert spot_priced(cat).get("own.4x").price_per_hour == 0.0
+    assert parse_catalog_csv(path, pricing="spot").get("own.4x").price_per_hour == 0.0
+    assert Instance(instance_type="own", gpu="A10G", gpus_per_instance=1, gpu_memory_gb=24, vcpus=4, memory_gb=16, network_gbps=10,
+                    price_per_hour=0.0, currency="USD").price_per_hour == 0.0
+    with pytest.raises(CatalogError, match=r"`price_per_hour` must be a number, zero or more, got -1.0.*HINT"):
+        Instance(instance_type="own", gpu="A10G", gpus_per_instance=1, gpu_memory_gb=24, vcpus=4, memory_gb=16, network_gbps=10,
+                 price_per_hour=-1.0, currency="USD")
 
 
 def test_missing_columns_and_bandwidth(tmp_path):
