@@ -240,6 +240,13 @@ _ALIASES: dict[str, str] = {
 }
 
 
+# Words in a device name that mark a variant clocked or built differently from the row its GPU's name would match:
+# "Tesla V100-FHHL-16GB" (the full-height half-length PCIe card, with a lower power limit and clocks than the PCIe
+# row's) and "Tesla V100-DGXS-16GB" (the DGX Station's V100). No datasheet figures for them are sourced here, so they
+# match no row (as a MIG slice does) and a profile taken on one is refused, not scaled with the SXM2 row's peaks.
+_UNLISTED_VARIANTS = frozenset({"FHHL", "DGXS"})
+
+
 def _key(name: str) -> str:
     return re.sub(r"[^A-Z0-9]", "", name.upper().replace("NVIDIA", ""))
 
@@ -262,6 +269,8 @@ def match_gpu_name(name: str) -> str | None:
     words = [w for w in re.split(r"[^A-Z0-9]+", name.upper()) if w and w != "NVIDIA"]
     if "MIG" in words:
         # A MIG slice ("NVIDIA A100-SXM4-40GB MIG 1g.5gb") has a fraction of the GPU's SMs and bandwidth: no row is its.
+        return None
+    if _UNLISTED_VARIANTS.intersection(words):
         return None
     runs = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
     known = {**_ALIASES, **{_key(c): c for c in GPUS}}
@@ -319,6 +328,14 @@ def source_spec(profile: Profile) -> tuple[GpuSpec, str]:
                 f"The profile was measured on {device.name!r}, a MIG slice, whose share of the GPU's compute and memory "
                 "bandwidth the spec table does not hold, so its times cannot be scaled to the catalog's GPUs.",
                 hint="Profile on a whole GPU (MIG disabled) or on the CPU (distplan profile --device cpu).",
+            )
+        variant = sorted(_UNLISTED_VARIANTS.intersection(re.split(r"[^A-Z0-9]+", device.name.upper())))
+        if variant:
+            raise CatalogError(
+                f"The profile was measured on {device.name!r}: the spec table has no row for its {variant[0]} variant, whose clocks "
+                "differ from the table's rows for that GPU, so its times cannot be scaled to the catalog's GPUs.",
+                hint="Profile on one of the table's GPUs or on the CPU (distplan profile --device cpu), or add a row for this variant "
+                "with its datasheet source to lightning_distplan/costmodel/gpus.py.",
             )
         if match_gpu_name(device.name) is None:
             raise CatalogError(

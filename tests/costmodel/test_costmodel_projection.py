@@ -313,3 +313,17 @@ def test_a_mig_slice_matches_no_row_and_its_profile_is_not_scaled_as_the_whole_g
     profile = make_profile(device_name="NVIDIA H100 80GB HBM3 MIG 1g.10gb")
     with pytest.raises(CatalogError, match=r"a MIG slice.*HINT: Profile on a whole GPU"):
         source_spec(profile)
+
+
+def test_v100_variants_without_a_sourced_row_match_none_and_are_refused():
+    """"Tesla V100-FHHL-16GB" (the lower-clocked half-length PCIe card) and "Tesla V100-DGXS-16GB" (the DGX Station's)
+    matched the SXM2 V100 row, so a profile taken on one was scaled as if measured at the SXM2's 125 TFLOP/s, silently."""
+    for name in ("Tesla V100-FHHL-16GB", "Tesla V100-DGXS-16GB", "Tesla V100-DGXS-32GB", "V100 FHHL"):
+        assert match_gpu_name(name) is None, name
+    for name, row in (("Tesla V100-SXM2-16GB", "V100"), ("Tesla V100-PCIE-16GB", "V100-PCIe"), ("Tesla V100-SXM2-32GB", "V100-32GB")):
+        assert match_gpu_name(name) == row  # the parts the table holds still match
+    profile = make_profile(device_name="Tesla V100-FHHL-16GB")
+    with pytest.raises(CatalogError, match=r"'Tesla V100-FHHL-16GB': the spec table has no row for its FHHL variant.*HINT: Profile on one of the table's GPUs"):
+        source_spec(profile)
+    with pytest.raises(CatalogError, match=r"Unknown GPU 'Tesla V100-DGXS-16GB'.*HINT"):
+        gpu_spec("Tesla V100-DGXS-16GB")
