@@ -199,12 +199,15 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 # Names people and catalogs use -> canonical row. SkyPilot's catalogs say "A100" for the 40 GB part and
-# "A100-80GB" for the 80 GB one (SXM or PCIe alike: the SXM row); AWS p5 instances carry H100 SXM. torch names the
-# PCIe parts ("NVIDIA A100 80GB PCIe", "NVIDIA H100 NVL"), which have rows of their own.
+# "A100-80GB" for the 80 GB one, and "H100" for both H100s (SXM or PCIe alike: the SXM row, unless the catalog
+# parser finds "pcie" in the instance type, as in Lambda's gpu_1x_h100_pcie, and asks for "<name> PCIe");
+# AWS p5 instances carry H100 SXM. torch names the PCIe parts ("NVIDIA A100 80GB PCIe", "NVIDIA H100 NVL"),
+# which have rows of their own.
 _ALIASES: dict[str, str] = {
     "A100": "A100-40GB",
     "A10040GB": "A100-40GB",
     "A100SXM440GB": "A100-40GB",
+    "A100PCIE": "A100-PCIe-40GB",  # SkyPilot's "A100" is the 40 GB part
     "A100PCIE40GB": "A100-PCIe-40GB",
     "A10040GBPCIE": "A100-PCIe-40GB",
     "A10080GB": "A100-80GB",
@@ -230,6 +233,7 @@ _ALIASES: dict[str, str] = {
     "V100PCIE16GB": "V100-PCIe",
     "TESLAV100PCIE16GB": "V100-PCIe",
     "V100PCIE32GB": "V100-PCIe-32GB",
+    "V10032GBPCIE": "V100-PCIe-32GB",
     "TESLAV100PCIE32GB": "V100-PCIe-32GB",
     "TESLAT4": "T4",
     "T4": "T4",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -400,7 +401,10 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
     with one warning that counts them and names examples, rows of a GPU the spec table does not know
     (SkyPilot's files list K80s, Inferentia, Trainium...), rows without a ``Price`` (not sold
     on demand there) and accelerators priced without an ``InstanceType`` (SkyPilot's GCP file lists
-    the GPUs attached to an N1 host so). A row whose ``InstanceType`` repeats in another ``Region`` becomes
+    the GPUs attached to an N1 host so). A bare GPU name that both an SXM and a PCIe part go by ("H100", "A100",
+    "A100-80GB", "V100") is the SXM part's row unless the ``InstanceType`` has the word ``pcie`` (Lambda's
+    ``gpu_1x_h100_pcie``); write e.g. ``H100-PCIe`` or ``H100-NVL`` as the ``AcceleratorName`` to say which part an
+    instance has. A row whose ``InstanceType`` repeats in another ``Region`` becomes
     ``type@region``; repeats in the same region (availability zones) keep the cheapest.
 
     With ``pricing="spot"`` the ``SpotPrice`` column takes ``Price``'s place: it is required, each instance is
@@ -487,6 +491,10 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         if canonical is None:
             skipped["unknown GPU"].append(f"{where}: unknown GPU {gpu_name!r} for {itype!r}")
             continue
+        if "PCIE" in re.split(r"[^A-Z0-9]+", itype.upper()):
+            # SkyPilot names both H100s "H100" (and the A100s and V100s by size alone), so Lambda's gpu_1x_h100_pcie was
+            # priced at the SXM part's peaks (989 vs 756 TFLOP/s, 3.35 vs 2.0 TB/s); its instance type says which it is.
+            canonical = match_gpu_name(f"{gpu_name} PCIe") or canonical
         if not cell(row, price_column):
             skipped[no_price].append(f"{where}: column {price_column!r} is empty for {itype!r}")
             continue

@@ -233,6 +233,23 @@ def test_a_zero_price_loads_from_a_csv_as_an_instance_takes_it(tmp_path):
                  price_per_hour=-1.0, currency="USD")
 
 
+def test_a_pcie_instance_named_by_skypilots_bare_gpu_name_gets_the_pcie_row(tmp_path):
+    """SkyPilot names both H100s "H100"; Lambda's gpu_1x_h100_pcie was priced on the H100 SXM row (989 TFLOP/s, 3.35 TB/s)
+    where the card is the PCIe part (756 TFLOP/s, 2.0 TB/s). An instance type with the word pcie now picks the PCIe row."""
+    path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\n"
+                            "gpu_1x_h100_pcie,H100,1,2.49,10\ngpu_8x_h100_sxm5,H100,8,23.92,100\np5.48xlarge,H100,8,98.32,3200\n"
+                            "gpu_1x_a100_pcie,A100,1,1.29,10\nbig_a100-pcie,A100-80GB,1,1.8,10\nv100.pcie.x1,V100,1,1.0,10\n"
+                            "own_pcie,H100-SXM,1,0,10\nx.pcie,L4,1,0.8,10\n")
+    gpus = {i.instance_type: i.gpu for i in parse_catalog_csv(path).instances}
+    assert gpus == {"gpu_1x_h100_pcie": "H100-PCIe", "gpu_8x_h100_sxm5": "H100-SXM", "p5.48xlarge": "H100-SXM",
+                    "gpu_1x_a100_pcie": "A100-PCIe-40GB", "big_a100-pcie": "A100-PCIe-80GB", "v100.pcie.x1": "V100-PCIe",
+                    "own_pcie": "H100-SXM",  # a part named outright is kept
+                    "x.pcie": "L4"}
+    pcie = parse_catalog_csv(path).get("gpu_1x_h100_pcie").gpu_spec()
+    assert pcie.tensor_flops == GPUS["H100-PCIe"].tensor_flops == 756e12
+    assert pcie.memory_bandwidth_bytes_per_s == GPUS["H100-PCIe"].memory_bandwidth_bytes_per_s
+
+
 def test_missing_columns_and_bandwidth(tmp_path):
     path = _write(tmp_path, "InstanceType,AcceleratorName,AcceleratorCount,Price\ng5.xlarge,A10G,1,1.006\n")
     with pytest.raises(CatalogError, match=r"line 1: missing column\(s\) \['NetworkGbps'\].*HINT:.*--bandwidth"):
