@@ -26,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--profile", required=True, help="profile JSON written by `distplan profile`")
     parser.add_argument("--world-size", type=int, required=True, help="number of devices")
+    parser.add_argument("--num-nodes", type=int, default=1,
+                        help="machines the --world-size ranks are spread over, as Trainer(num_nodes=...) (default 1); for a CPU profile "
+                        "each machine's RAM is shared by its world-size / num-nodes ranks")
     parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (kept exactly)")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or a JSON list of candidates")
     parser.add_argument("--top", type=int, default=None, help="show only the best K candidates (table default: 10; json default: all)")
@@ -36,7 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "micro_batch_size=8, accumulate_grad_batches=4, n_microbatches=8, schedule=gpipe, stage_boundaries=6,12",
     )
     parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
-    parser.add_argument("--device-memory-gb", type=float, default=None, help="one device's memory in GiB (default: the profiled device's; for a CPU profile, the host's RAM shared by the --world-size ranks)")
+    parser.add_argument("--device-memory-gb", type=float, default=None, help="one device's memory in GiB (default: the profiled device's; for a CPU profile, the host's RAM shared by the ranks on one "
+                        "machine, --world-size / --num-nodes)")
     parser.add_argument("--bandwidth-gbps", type=float, default=None, help="interconnect bandwidth in Gbit/s (default: measured, else 4)")
     parser.add_argument("--latency-us", type=float, default=None, help="interconnect latency in microseconds (default: measured, else 50)")
     parser.add_argument("--compute-scale", type=float, default=1.0, help="multiply profiled compute times (e.g. 0.5 for a 2x faster device)")
@@ -146,6 +150,12 @@ def run(args: argparse.Namespace) -> int:
         profile, world_size=args.world_size, global_batch_size=args.global_batch_size, strategies=tuple(args.strategy), max_pp=args.max_pp,
         pins=pins,
     )
+    if args.num_nodes < 1 or args.world_size % args.num_nodes:
+        raise InfeasiblePlanError(
+            f"--num-nodes {args.num_nodes} does not divide --world-size {args.world_size} into the same number of ranks per machine.",
+            hint="Pass as --num-nodes the machines the ranks run on, each with the same number of ranks "
+            "(--world-size = machines x ranks per machine), or leave it out for one machine.",
+        )
     for flag, example in (("device_memory_gb", 16), ("bandwidth_gbps", 10), ("latency_us", 20)):
         value = getattr(args, flag)
         if value is not None and not (math.isfinite(value) and (value > 0 or (flag == "latency_us" and value == 0))):
@@ -181,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         device_memory_bytes=None if args.device_memory_gb is None else max(1, int(args.device_memory_gb * 2**30)),
         bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9 / 8,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-        ranks_per_host=args.world_size,  # a CPU profile's memory is the host's RAM, shared by its ranks
+        ranks_per_host=args.world_size // args.num_nodes,  # a CPU profile's memory is one host's RAM, shared by the ranks on it
     )
     hardware = replace(hardware, compute_scale=args.compute_scale, memory_margin=args.memory_margin)
     _check_magnitudes(profile, args, hardware)

@@ -488,3 +488,29 @@ def test_usage_errors_are_one_line_with_a_hint(argv, message, capsys):
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith(message) and "HINT:" in err[0], err
+
+
+def test_a_cpu_hosts_ram_is_shared_by_the_ranks_on_it_not_by_every_node_s(tmp_path, capsys):
+    """`distplan plan` divided a CPU profile's host RAM by --world-size, all nodes' ranks together: 4 ranks on 4 machines
+    of 8 GiB each were given 2 GiB apiece, and a plan that fits each machine was refused. --num-nodes (as
+    Trainer(num_nodes=...), which auto_plan reads) now gives each machine's RAM to its own ranks."""
+    mem = profile_json()["memory"]
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps(profile_json(
+        device={"type": "cpu", "name": "x86_64", "total_memory_bytes": 8 << 30, "memory_source": "host RAM (sysconf)"},
+        layers=[_layer(i, param_bytes=400_000_000) for i in range(4)],
+        memory={**mem, "param_bytes": 1_600_000_000, "grad_bytes": 1_600_000_000, "optimizer_state_bytes": 0,
+                "device_total_bytes": 8 << 30, "device_total_source": "host RAM (sysconf)"},
+    )))
+    base = ["plan", "--profile", str(path), "--world-size", "4", "--global-batch-size", "16", "--strategy", "dp_ga"]
+    for nodes, rc, share in ((None, 1, "2 GiB"), ("1", 1, "2 GiB"), ("2", 1, "4 GiB"), ("4", 0, None)):
+        assert main(base + ([] if nodes is None else ["--num-nodes", nodes])) == rc
+        out, err = capsys.readouterr()
+        if share:  # ~4.6 GiB a rank: more than 90% of what each rank has
+            assert f"exceeds 90% of the {share} device" in err
+        else:
+            assert "exceeds" not in out + err and "yes" in out  # one rank per 8 GiB machine: it fits
+    for nodes in ("3", "0"):
+        assert main(base + ["--num-nodes", nodes]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--num-nodes {nodes} does not divide --world-size 4" in err[0] and "HINT:" in err[0]
