@@ -24,6 +24,7 @@ from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_distplan.costmodel import Hardware
     from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
@@ -179,6 +180,19 @@ def _gather(obj: Any, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def ranks_per_machine(world: int) -> int:
+    """Processes of this ``world``-process job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (1 when not distributed)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+
+
+def planning_hardware(profile: Profile, world: int) -> Hardware:
+    """The hardware the bench plans and grades on: the profile's, a CPU profile's host RAM shared by the
+    :func:`ranks_per_machine` ranks on one machine (not by all ``world`` ranks, which span machines under ``--nnodes``)."""
+    from lightning_distplan.costmodel import Hardware
+
+    return Hardware.from_profile(profile, warn_default_links=world > 1, ranks_per_host=ranks_per_machine(world))
 
 
 def _control_group(timeout_s: float) -> Any:
@@ -449,7 +463,11 @@ def run_bench(
     left_out: list[dict[str, Any]] = []  # those taken after a pass that could not be pooled with the first
 
     # -- plan --------------------------------------------------------------------------------------
-    candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies)
+    # the ranks on one machine (torchrun's LOCAL_WORLD_SIZE; the Trainer's devices): on a CPU profile they share its RAM,
+    # as auto_plan shares it among a node's ranks, not the whole job's over several machines
+    local = ranks_per_machine(world)
+    candidates = rank_plans(profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies,
+                            hardware=planning_hardware(profile, world))
     chosen = select_candidates(candidates, plans)
     if not chosen:
         raise InfeasiblePlanError(
@@ -489,7 +507,6 @@ def run_bench(
 
     control = _control_group(rank_timeout_s)  # the runs' results cross here: a rank left waiting gives up
     stopped: list[str] = []  # why the runs stopped early: a plan not every rank finished (see _gather_run)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
     nodes = max(1, world // local)
     walls = [0.0] * len(chosen)
 
@@ -547,7 +564,7 @@ def run_bench(
                 left_out.append({"after_pass": p + 1, "reason": _unpoolable(why), "profile": again.to_dict()})
     # predictions from the mean of the profiles, which span the runs' stretch of time (with one: the first)
     pooled = pool_profiles(profiles)
-    graded = predict_ranked(pooled, [cand.plan for cand in candidates])  # ranks among all candidates, as the first profile's
+    graded = predict_ranked(pooled, [cand.plan for cand in candidates], ranks_per_host=local)  # ranks among all candidates, as the first profile's
     index = {id(cand): i for i, cand in enumerate(candidates)}
     regraded = [graded[index[id(cand)]] for cand in chosen]
     records = []

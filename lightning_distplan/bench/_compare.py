@@ -48,13 +48,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None = None) -> list[tuple[Prediction, int]]:
+def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None = None,
+                   ranks_per_host: int | None = None) -> list[tuple[Prediction, int]]:
     """Each plan's prediction from ``profile`` and its planner rank among ``plans`` (1 = the planner's choice).
 
     Plans are priced as given (their stage boundaries as run) on the hardware
-    :func:`~lightning_distplan.planner.rank_plans` prices them on (a CPU profile's host RAM shared by the world
-    size's ranks) and ordered as it orders them; ``tie`` is the near-tie margin
-    (default the planner's, :data:`~lightning_distplan.planner.NEAR_TIE`; 0 ranks by predicted time alone).
+    :func:`~lightning_distplan.planner.rank_plans` prices them on (a CPU profile's host RAM shared by the
+    ``ranks_per_host`` ranks on one machine; default the world size, one machine) and ordered as it orders them;
+    ``tie`` is the near-tie margin (default the planner's, :data:`~lightning_distplan.planner.NEAR_TIE`; 0 ranks by
+    predicted time alone).
     """
     from lightning_distplan.costmodel import Hardware, predict
     from lightning_distplan.planner import NEAR_TIE, rank_order
@@ -62,7 +64,7 @@ def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None
     # one Hardware for all the plans: a profile without a measured link is said once, and only where a link is used; a CPU
     # profile's host RAM shared by the plans' ranks, as rank_plans (the bench's planner) and predict share it
     hw = Hardware.from_profile(profile, warn_default_links=any(plan.world_size > 1 for plan in plans),
-                               ranks_per_host=max((plan.world_size for plan in plans), default=1))
+                               ranks_per_host=max((plan.world_size for plan in plans), default=1) if ranks_per_host is None else ranks_per_host)
     preds = [predict(profile, plan, hw) for plan in plans]
     ranks = [0] * len(plans)
     for position, i in enumerate(rank_order(plans, preds, tie=NEAR_TIE if tie is None else tie), 1):

@@ -271,3 +271,33 @@ def test_table_says_how_many_of_the_candidates_ran():
         "plans run: 2 of 3 candidates (--plans all); 1 of the others predicted not to fit")
     assert "plans run:" not in format_table({**result, "candidates_not_run": [], "n_candidates": 2})
     assert "plans run:" not in format_table({k: v for k, v in result.items() if k != "n_candidates"})  # a result from before the count
+
+
+def test_a_multi_node_bench_shares_a_cpu_hosts_ram_among_that_hosts_ranks_only(monkeypatch):
+    """bench planned (rank_plans) and graded (predict_ranked) a CPU profile with the host's RAM divided by the whole world
+    size: under torchrun --nnodes 2 --nproc-per-node 2 each rank was given a quarter of its machine's RAM where two ranks
+    share it, and plans that fit were reported infeasible (and not run). It now divides by LOCAL_WORLD_SIZE, the ranks on
+    one machine, as auto_plan divides by the ranks per node."""
+    from dataclasses import replace
+
+    from lightning_distplan.bench import predict_ranked
+    from lightning_distplan.bench._bench import planning_hardware
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+
+    specs = [LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=300 << 20, activation_bytes_per_sample=50 << 20) for _ in range(2)]
+    gpu = synthetic_profile(specs, device_memory_bytes=8 << 30)
+    cpu = replace(gpu, device=replace(gpu.device, type="cpu", memory_source="host RAM (sysconf)"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 machines of 2 ranks
+    hw = planning_hardware(cpu, 4)
+    assert hw.device_memory_bytes == 4 << 30
+    candidates = rank_plans(cpu, world_size=4, global_batch_size=16, strategies=("dp_ga",), hardware=hw)
+    assert candidates[0].prediction.feasible  # fits 4 GiB; on a quarter of the host (2 GiB) nothing did
+    assert not any(c.prediction.feasible for c in rank_plans(cpu, world_size=4, global_batch_size=16, strategies=("dp_ga",)))
+    graded = predict_ranked(cpu, [c.plan for c in candidates], ranks_per_host=2)
+    assert [pred.feasible for pred, _ in graded] == [c.prediction.feasible for c in candidates]
+    assert [rank for _, rank in graded] == [c.rank for c in candidates]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: as before
+    assert planning_hardware(cpu, 4).device_memory_bytes == 2 << 30
+    assert planning_hardware(cpu, 1).device_memory_bytes == 8 << 30  # not distributed: the whole host
+    assert planning_hardware(gpu, 4).device_memory_bytes == 8 << 30  # a GPU per rank
