@@ -40,7 +40,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         folder = os.path.dirname(os.path.abspath(local))
         os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{os.path.basename(local)}.{secrets.token_hex(8)}.tmp")
+        # Not named after the checkpoint: Lightning reads names in these folders (a killed save's leftover
+        # '.hpc_ckpt_2.ckpt.<hex>.tmp' made a SLURM requeue resume from the missing 'hpc_ckpt_2<digits of hex>.ckpt')
+        tmp = os.path.join(folder, f".distplan-save-{secrets.token_hex(8)}.tmp")
         try:
             # 0666 less the umask, as open() makes a file; an existing checkpoint's own bits are kept below
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -59,3 +61,30 @@ def test_a_checkpoint_is_replaced_in_one_step_where_tmpdir_is_another_file_syste
         signal.signal(signal.SIGXFSZ, handler)
     torch.testing.assert_close(torch.load(path, weights_only=True)["state_dict"], new, rtol=0, atol=0)
     assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+_KILLED_SAVE = """
+import os, signal, sys, torch
+from lightning_distplan.strategies._checkpoint_io import AtomicCheckpointIO
+class KilledWhilePickled:
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)  # the job ends mid-save (pre-empted, past its time limit)
+io = AtomicCheckpointIO()
+io.save_checkpoint({"w": torch.zeros(3)}, os.path.join(sys.argv[1], "hpc_ckpt_1.ckpt"))
+io.save_checkpoint({"w": torch.zeros(100000), "k": KilledWhilePickled()}, os.path.join(sys.argv[1], "hpc_ckpt_2.ckpt"))
+"""
+
+
+def test_a_killed_save_leaves_no_file_lightning_takes_for_a_checkpoint(tmp_path: Path) -> None:
+    """The temporary file a killed save leaves behind was named after the checkpoint ('.hpc_ckpt_2.ckpt.<hex>.tmp'):
+    Lightning numbers the HPC checkpoints of a folder by the digits after 'hpc_ckpt_' in any name there, so a SLURM
+    requeue resumed from a 'hpc_ckpt_2<digits of the hex>.ckpt' that does not exist (measured:
+    'hpc_ckpt_239279239.ckpt') instead of hpc_ckpt_1.ckpt."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert len(os.listdir(tmp_path)) == 2  # hpc_ckpt_1.ckpt and the killed save's leftover
+    trainer = L.Trainer(default_root_dir=tmp_path, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert trainer._checkpoint_connector._hpc_resume_path == str(tmp_path / "hpc_ckpt_1.ckpt")
+    assert trainer._checkpoint_connector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
+    assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)["w"].shape == (3,)
