@@ -528,11 +528,12 @@ def choose_plan(
     if not candidates or not candidates[0].prediction.feasible:
         best = closest_to_fitting(candidates) if candidates else None
         cap = f"{format_bytes(hardware.device_memory_bytes)} per device"
-        closest = (
-            f" the closest, {best.plan.describe()}, needs {format_bytes(best.prediction.peak_memory_bytes)}"
-            if best is not None
-            else ""
-        )
+        closest = ""
+        if best is not None and best.prediction.peak_memory_bytes > hardware.usable_memory_bytes:
+            closest = f" the closest, {best.plan.describe()}, needs {format_bytes(best.prediction.peak_memory_bytes)}"
+        elif best is not None:  # its peak fits: it fails for another reason (its micro-batch ran out of memory while profiling)
+            why = best.prediction.reason.rstrip(".")
+            closest = f" the closest, {best.plan.describe()}, fails because {why[:1].lower() + why[1:]}"
         pinned = f" with the pins {pins}" if pins else ""
         hint = "Drop pins, raise device_memory_bytes, use more devices (pipeline stages split the model), or a smaller micro-batch."
         if not profile.splittable and world_size > 1 and any(s != "dp_ga" for s in strategies):

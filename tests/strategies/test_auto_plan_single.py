@@ -848,3 +848,17 @@ def test_the_monitor_auto_plan_adds_replans_before_modelcheckpoint_saves_after_t
     assert [r["applied"] for r in monitor.replans] == [True] and trainer.strategy.plan.micro_batch_size == 2
     ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=10.ckpt", weights_only=False)  # saved after epoch 0's last validation
     assert ckpt["distplan_plan"]["micro_batch_size"] == 2
+
+
+def test_no_plan_fits_names_why_the_closest_fails_where_its_peak_fits() -> None:
+    """A plan whose micro-batch ran out of memory while profiling is infeasible though its predicted peak fits: with that
+    micro-batch pinned, the error said no plan fits in 16 GiB and 'the closest ... needs 1.28 GiB'."""
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.strategies._auto_planning import choose_plan
+
+    layer = LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=64 << 20, activation_bytes_per_sample=1e6, output_bytes_per_sample=1e4)
+    profile = synthetic_profile([layer] * 4, micro_batch_sizes=(1, 2, 4), infeasible_micro_batch_sizes=(8,), device_memory_bytes=16 << 30)
+    with pytest.raises(InfeasiblePlanError, match=r"^No plan for global batch 32 on 1 devices with the pins \{'micro_batch_size': 8\} fits in "
+                       r"16.00 GiB per device \(usable 90%\); the closest, dp_ga dp=1 m=8 accumulate=4, fails because micro_batch_size 8 >= 8, "
+                       r"which ran out of memory while profiling\. HINT: "):
+        choose_plan(profile, world_size=1, global_batch_size=32, pins={"micro_batch_size": 8})
