@@ -706,8 +706,10 @@ def _shorter_allreduce_splits(
     split after layer 1 at 0.59 s per step, after layer 3 at 0.43 s. So the cap on a stage's gradient bytes is
     lowered below the current split's largest, one step at a time (each split is then the one whose slowest stage is
     as short as it can be under that cap), and each split is judged by seed 000 eq. (1) per flush,
-    k·(Σ_k St_k + (n − 1)·max_k St_k), plus its largest stage all-reduce (seed 001 eq. 5.1); the walk stops once no
-    lower cap can judge lower (k·n·max_k St_k alone reaches the best), and the best split, if not ``pred``'s, is
+    k·(Σ_k St_k + (n − 1)·max_k St_k), plus its largest stage all-reduce (seed 001 eq. 5.1). A lower cap's slowest
+    stage is no shorter, its stages sum to no less than the layers' compute and its largest stage holds no less than
+    1/pp of the gradients: so a step goes straight down to the cap under which a split could judge lower than the best
+    (the all-reduce time is linear in bytes), and the walk stops where none can. The best split, if not ``pred``'s, is
     priced in full and taken where it prices lower (simulating every split instead made planning a 64-layer model
     on 64 devices nine times slower).
     """
@@ -729,16 +731,34 @@ def _shorter_allreduce_splits(
         allreduce = ring_allreduce_time(most / total * profile.memory.grad_bytes, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
         return k * (sum(stage) + (n - 1) * max(stage)) + k * allreduce, max(stage), most
 
+    # What any split judges at least, given its slowest stage: its stages sum to no less than the layers' compute or its
+    # slowest stage, and its largest stage holds no less than 1/pp of the gradients.
+    least_allreduce = ring_allreduce_time(profile.memory.grad_bytes / plan.pp, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+
+    def floor(slowest: float) -> float:
+        return k * (max(pt[-1], slowest) + (n - 1) * slowest + least_allreduce)
+
+    ar0 = ring_allreduce_time(0.0, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+    ar_all = ring_allreduce_time(profile.memory.grad_bytes, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+
+    def next_cap(most: float, slowest: float) -> float:
+        budget = best_score / k - (max(pt[-1], slowest) + (n - 1) * slowest)  # all-reduce a lower split must beat
+        jump = (budget - ar0) / (ar_all - ar0) * total if ar_all > ar0 else math.inf  # ring_allreduce_time is linear
+        return min(most - max(0.5, most * 1e-12), jump)
+
     current = pred.stage_boundaries
-    score, _, most = judged(current)
+    score, slowest, most = judged(current)
     best, best_score = current, score
     while most > 0:
+        grad_cap = next_cap(most, slowest)
+        if grad_cap <= 0:
+            break
         try:
-            nxt = partition_pipeline(times, plan.pp, memory_cap=cap, grad_bytes=trained, grad_cap=most - max(0.5, most * 1e-12), **split)
+            nxt = partition_pipeline(times, plan.pp, memory_cap=cap, grad_bytes=trained, grad_cap=grad_cap, **split)
         except InfeasiblePlanError:
             break
         score, slowest, most = judged(nxt)
-        if k * n * slowest >= best_score:  # every lower cap's slowest stage is at least as long
+        if floor(slowest) >= best_score:  # every lower cap's slowest stage is at least as long: none judges lower
             break
         if score < best_score:
             best, best_score = nxt, score

@@ -225,3 +225,36 @@ def test_hybrid_split_weighs_the_stage_all_reduce_against_the_slowest_stage():
         assert auto.stage_boundaries == (3,) and auto.step_time_s == pytest.approx(priced[(3,)], rel=1e-12)
     # one replica: no all-reduce, so the fastest-stage split stands
     assert predict(profile, Plan(strategy="1f1b", dp=1, pp=2, micro_batch_size=2, n_microbatches=4, global_batch_size=8), hw).stage_boundaries == (1,)
+
+
+def test_hybrid_split_walk_stops_where_no_lower_cap_can_judge_lower(monkeypatch):
+    """The walk down the gradient cap stopped only once k·n·(slowest stage) alone reached the best judged split, a
+    bound far below what a split judges (its stages sum to the whole model's compute, its largest stage holds 1/pp of
+    the gradients): a 48-layer model whose weights grow with depth, 16 stages × dp = 2, 64 micro-batches, partitioned 13
+    times for the same split (planning 96 layers on 128 devices partitioned 1918 times, 3.3 s -> 15.9 s). Splits that
+    cannot judge lower are now skipped (the all-reduce time is linear in bytes, so the cap drops to where one could),
+    and the walk stops at the tighter bound: 2 partitions, the same split and price."""
+    import lightning_distplan.costmodel._predict as predict_module
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    capped = []
+    partition = predict_module.partition_pipeline
+
+    def counted(*args, **kwargs):
+        capped.append(kwargs.get("grad_cap"))
+        return partition(*args, **kwargs)
+
+    monkeypatch.setattr(predict_module, "partition_pipeline", counted)  # the real split, counted
+    profile = synthetic_profile([
+        LayerSpec(fwd_alpha=1e-3 * (1 + i % 3), fwd_beta=1e-4, bwd_alpha=2e-3 * (1 + i % 3), bwd_beta=1e-4, param_bytes=(4 << 20) * (i + 1),
+                  activation_bytes_per_sample=1e6, output_bytes_per_sample=1e5)
+        for i in range(48)
+    ], micro_batch_sizes=(1, 2, 4, 8, 16), device_memory_bytes=80 << 30)
+    hw = Hardware.from_profile(profile, warn_default_links=False)
+    plan = Plan(strategy="1f1b", dp=2, pp=16, micro_batch_size=2, n_microbatches=64, global_batch_size=256)
+    pred = predict(profile, plan, hw)
+    assert pred.stage_boundaries == (3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42, 45)  # the walk's best, as before
+    assert pred.step_time_s == pytest.approx(4.147394, abs=1e-6)
+    assert len([c for c in capped if c is not None]) <= 3
