@@ -217,13 +217,15 @@ def split_microbatches(inputs: Any, n: int, *, size: int | None = None, what: st
             "and pack them again inside layers[0].",
         )
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    wrong = next((a for a in args if not isinstance(a, Tensor)), None)
+    # the index, not the value: a None argument (an optional mask left out) is a non-tensor too
+    wrong = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), None)
     if wrong is not None:
+        given = "None" if args[wrong] is None else f"a {type(args[wrong]).__name__}"
         raise BatchFormatError(
-            f"`PipelineSpec.inputs(batch)` gave the first layer a {type(wrong).__name__}; the pipeline passes only tensors "
+            f"`PipelineSpec.inputs(batch)` gave the first layer {given}; the pipeline passes only tensors "
             "between stages, so it must return a tensor or a tuple of tensors (the first layer's positional arguments).",
             hint="Return e.g. (batch['input_ids'], batch['attention_mask']) and let layers[0] take them positionally; "
-            "constants belong in the layer itself.",
+            "constants, and None for an optional argument, belong in the layer itself (its defaults).",
         )
     found = batch_size_of(args) if size is None else size
     rows = [int(a.shape[0]) for a in args if a.dim() > 0]

@@ -62,6 +62,17 @@ def test_a_packed_sequence_is_cut_as_targets_and_refused_as_inputs() -> None:
         split_microbatches(packed, 2, size=4)
 
 
+@pytest.mark.parametrize("inputs", [(torch.zeros(8, 2), None), [None, torch.zeros(8, 2)], (torch.zeros(8, 2), 3), (torch.zeros(8, 2), "pad")])
+def test_a_none_or_a_constant_among_the_first_layers_inputs_is_refused(inputs: Any) -> None:
+    """(x, None) as the first layer's inputs, an optional mask left out: the check for non-tensors looked for the first
+    non-tensor *value* with next(..., None), so a None entry read as "none found" and passed. A real 2-rank gloo fit then
+    failed on both ranks at its first step with AttributeError: 'NoneType' object has no attribute 'dim'. Now None is
+    refused in one sentence, as an int or a string was."""
+    given = "None" if any(a is None for a in inputs) else f"a {type(inputs[1]).__name__}"
+    with pytest.raises(BatchFormatError, match=rf"gave the first layer {given}; the pipeline passes only tensors .*HINT: .*None for an optional"):
+        split_microbatches(inputs, 2, size=8)
+
+
 # ---------------------------------------------------------------------------- real fits
 
 
