@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-__all__ = ["PipelineSpec", "DiscoveredLayers", "call_layer", "discover_layers", "find_pipeline_spec", "register_adapter"]
+__all__ = [
+    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "discover_layers", "find_pipeline_spec", "register_adapter",
+]
 
 _TARGET_LAYERS = 24  # enough granularity for a balanced split, few enough for cheap hooks
 # Modules whose class name ends like this are blocks: their children do not run as a chain
@@ -72,10 +74,52 @@ def call_layer(layer: Any, x: Any) -> Any:
     return layer(*x) if isinstance(x, (tuple, list)) else layer(x)
 
 
+def first_layer_args(inputs: Any) -> tuple[Any, ...]:
+    """``spec.inputs(batch)`` as the first layer's positional arguments, refused where a pipeline cannot feed them.
+
+    The pipeline's first stage cuts them into micro-batches along dim 0 and its runtime takes only tensors, so they must
+    be a tensor or a tuple / list of tensors. The profiler's chain (:func:`chain_output`) keeps the same rule, so a profile
+    never calls a model splittable whose pipeline refuses its inputs at the first step.
+
+    Raises:
+        BatchFormatError: ``inputs`` is a ``PackedSequence`` (a namedtuple whose four tensors were unpacked as arguments),
+            or holds something other than a tensor (None, a number, a string, a nested tuple, a dict).
+    """
+    from torch import Tensor
+    from torch.nn.utils.rnn import PackedSequence
+
+    from lightning_distplan.errors import BatchFormatError
+
+    if isinstance(inputs, PackedSequence):
+        raise BatchFormatError(
+            "`PipelineSpec.inputs(batch)` gave the first layer a PackedSequence; the pipeline passes only tensors between "
+            "stages and cuts them along dim 0, where a PackedSequence's tensors hold time steps of all its sequences.",
+            hint="Return the padded tensor and the lengths, e.g. torch.nn.utils.rnn.pad_packed_sequence(p, batch_first=True), "
+            "and pack them again inside layers[0].",
+        )
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    # the index, not the value: a None argument (an optional mask left out) is a non-tensor too
+    wrong = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), None)
+    if wrong is not None:
+        given = "None" if args[wrong] is None else f"a {type(args[wrong]).__name__}"
+        raise BatchFormatError(
+            f"`PipelineSpec.inputs(batch)` gave the first layer {given}; the pipeline passes only tensors "
+            "between stages, so it must return a tensor or a tuple of tensors (the first layer's positional arguments).",
+            hint="Return e.g. (batch['input_ids'], batch['attention_mask']) and let layers[0] take them positionally; "
+            "constants, and None for an optional argument, belong in the layer itself (its defaults).",
+        )
+    return args
+
+
 def chain_output(spec: PipelineSpec, batch: Any) -> Any:
     """What a pipeline computes from ``batch`` in one process: ``spec.inputs`` -> every layer -> ``spec.loss``, with
-    ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it)."""
+    ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it).
+
+    Raises:
+        BatchFormatError: ``spec.inputs(batch)`` is nothing a pipeline's first stage takes (:func:`first_layer_args`).
+    """
     x = spec.inputs(batch)
+    first_layer_args(x)
     for layer in spec.layers:
         x = call_layer(layer, x)
     return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)

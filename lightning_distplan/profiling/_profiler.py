@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_distplan._layers import chain_output, discover_layers
-from lightning_distplan.errors import DistPlanError, InfeasiblePlanError, first_line
+from lightning_distplan.errors import BatchFormatError, DistPlanError, InfeasiblePlanError, ModelSplitError, first_line
 from lightning_distplan.profile import (
     FrameworkProfile,
     LayerProfile,
@@ -184,8 +184,10 @@ loss by 7e-4); 1e-2 when the weights or the precision are 16-bit, which catches 
 def _pipeline_loss_difference(prof: _Profiler, m: int) -> tuple[str | None, bool]:
     """:func:`loss_difference` on the profiler's micro-batch of ``m`` samples, and whether the pipeline's chain itself
     raised (it cannot run on these batches: a dict fed to an ``nn.Sequential``) or gave a loss that is not a scalar,
-    which the pipeline's last stage refuses (``_check_scalar_loss``); the per-layer pass then runs ``training_step``."""
-    chain_failed: list[bool] = []
+    which the pipeline's last stage refuses (``_check_scalar_loss``); the per-layer pass then runs ``training_step``.
+    Where the pipeline's own rules refused the batch (:func:`~lightning_distplan._layers.first_layer_args`: a
+    PackedSequence or a None as the first layer's inputs), the reason is the pipeline's sentence, as a fit would say it."""
+    chain_failed: list[Exception] = []
 
     def chain() -> Any:
         try:
@@ -194,14 +196,16 @@ def _pipeline_loss_difference(prof: _Profiler, m: int) -> tuple[str | None, bool
             if isinstance(loss, Tensor) and loss.numel() != 1:
                 raise ValueError(f"the pipeline's loss is a tensor of shape {tuple(loss.shape)}, not a scalar")
             return out
-        except Exception:
-            chain_failed.append(True)
+        except Exception as err:
+            chain_failed.append(err)
             raise
 
     differs = loss_difference(
         prof.module, lambda: prof.step_output(m), chain, devices=[prof.device] if prof.cuda else [],
         params=prof.params, precision=str(getattr(prof.precision_plugin, "precision", "32-true")),
     )
+    if chain_failed and isinstance(chain_failed[0], (BatchFormatError, ModelSplitError)):
+        differs = str(chain_failed[0]).rstrip(".")  # not "comparing the losses failed ... define pipeline_loss"
     return differs, bool(chain_failed)
 
 

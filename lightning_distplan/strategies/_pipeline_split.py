@@ -11,9 +11,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
 
-from lightning_distplan._layers import call_layer
+from lightning_distplan._layers import call_layer, first_layer_args
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
@@ -209,24 +208,7 @@ def split_microbatches(inputs: Any, n: int, *, size: int | None = None, what: st
         BatchNotFactorableError: the batch does not split into ``n`` equal micro-batches (unequal
             micro-batches would weight samples unequally in the mean of micro-batch losses).
     """
-    if isinstance(inputs, PackedSequence):  # a namedtuple: unpacked, its four tensors became the first layer's arguments
-        raise BatchFormatError(
-            "`PipelineSpec.inputs(batch)` gave the first layer a PackedSequence; the pipeline passes only tensors between "
-            "stages and cuts them along dim 0, where a PackedSequence's tensors hold time steps of all its sequences.",
-            hint="Return the padded tensor and the lengths, e.g. torch.nn.utils.rnn.pad_packed_sequence(p, batch_first=True), "
-            "and pack them again inside layers[0].",
-        )
-    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    # the index, not the value: a None argument (an optional mask left out) is a non-tensor too
-    wrong = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), None)
-    if wrong is not None:
-        given = "None" if args[wrong] is None else f"a {type(args[wrong]).__name__}"
-        raise BatchFormatError(
-            f"`PipelineSpec.inputs(batch)` gave the first layer {given}; the pipeline passes only tensors "
-            "between stages, so it must return a tensor or a tuple of tensors (the first layer's positional arguments).",
-            hint="Return e.g. (batch['input_ids'], batch['attention_mask']) and let layers[0] take them positionally; "
-            "constants, and None for an optional argument, belong in the layer itself (its defaults).",
-        )
+    args = first_layer_args(inputs)
     found = batch_size_of(args) if size is None else size
     rows = [int(a.shape[0]) for a in args if a.dim() > 0]
     if found is None or found not in rows:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as L
 import pytest
 import torch
+import torch.nn.functional as F
 
+from lightning_distplan import PipelineSpec
 from lightning_distplan.demos import RandomImageData, RandomTokenData, TorchvisionClassifier
 from lightning_distplan.profiling import profile_module
 
@@ -101,9 +106,9 @@ def test_a_training_step_that_differentiates_is_compared_with_gradients_on() -> 
 
 
 def test_a_pipeline_that_cannot_run_on_the_batches_is_profiled_as_not_splittable() -> None:
-    """An nn.Sequential `net` with a correct pipeline_loss but dict batches: the pipeline's chain feeds the dict to the
-    first layer and fails, so pipelines are left out; the per-layer pass then runs training_step (which works), as for
-    a module without pipeline_loss, instead of the chain that just failed."""
+    """An nn.Sequential `net` with a correct pipeline_loss but dict batches: the pipeline's chain would feed the dict to
+    the first layer, which the pipeline refuses, so pipelines are left out with the pipeline's own sentence; the
+    per-layer pass then runs training_step (which works), as for a module without pipeline_loss."""
     import lightning.pytorch as L
     import torch.nn.functional as F
     from torch.utils.data import DataLoader
@@ -126,6 +131,59 @@ def test_a_pipeline_that_cannot_run_on_the_batches_is_profiled_as_not_splittable
     loader = DataLoader([{"x": torch.randn(16), "y": torch.tensor(1)} for _ in range(32)], batch_size=4)
     profile = profile_module(DictPL(), loader, micro_batch_sizes=[1, 2, 4], repeats=1)
     assert not profile.splittable
-    assert "comparing the pipeline's loss with training_step's in eval mode failed (TypeError" in profile.split_reason
+    assert profile.split_reason.startswith("`PipelineSpec.inputs(batch)` gave the first layer a dict; ")
     assert [layer.name for layer in profile.layers] == ["net.0", "net.1", "net.2"]
     assert profile.layers[0].flops_forward_per_sample > 0  # the layers were run (by training_step) and measured
+
+
+class _Recurrent(L.LightningModule):
+    """An LSTM classifier over sequences; ``first_inputs="packed"`` packs them by their lengths, ``"none"`` runs the
+    LSTM on the padded tensor with ``hx=None`` passed by the pipeline's inputs."""
+
+    def __init__(self, first_inputs: str) -> None:
+        super().__init__()
+        self.first_inputs = first_inputs
+        self.lstm = torch.nn.LSTM(3, 8, batch_first=True)
+        self.last = _LastHidden()
+        self.head = torch.nn.Linear(8, 2)
+
+    def packed(self, batch: Any) -> Any:
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        return pack_padded_sequence(batch[0], batch[1], batch_first=True, enforce_sorted=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = self.packed(batch) if self.first_inputs == "packed" else batch[0]
+        return F.cross_entropy(self.head(self.last(*self.lstm(x))), batch[2])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        inputs = self.packed if self.first_inputs == "packed" else (lambda batch: (batch[0], None))
+        return PipelineSpec(layers=[self.lstm, self.last, self.head], inputs=inputs, loss=lambda out, batch: F.cross_entropy(out, batch[2]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _LastHidden(torch.nn.Module):
+    def forward(self, output: Any, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return state[0][-1]
+
+
+@pytest.mark.parametrize(("first_inputs", "given"), [("packed", "a PackedSequence"), ("none", "None")])
+def test_first_layer_inputs_the_pipeline_refuses_are_profiled_as_not_splittable_in_its_words(first_inputs: str, given: str) -> None:
+    """The profiler's chain unpacked a PackedSequence from PipelineSpec.inputs into four positional arguments of
+    nn.LSTM, so the profile was not splittable for "comparing the pipeline's loss with training_step's in eval mode
+    failed (TypeError: LSTM.forward() takes from 2 to 3 positional arguments but 5 were given) ... define
+    pipeline_loss(output, batch)", a fix that does not help; (x, None) into a layer that takes an optional argument
+    profiled as splittable, while the pipeline refused it at the first step. Now the chain keeps the pipeline's rule for
+    the first layer's inputs and the reason is the pipeline's sentence."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    data = [(torch.randn(5, 3), torch.tensor(1 + i % 5), torch.tensor(i % 2)) for i in range(16)]
+    profile = profile_module(_Recurrent(first_inputs), DataLoader(data, batch_size=4), micro_batch_sizes=[2, 4], repeats=1)
+    assert not profile.splittable
+    assert profile.split_reason.startswith(f"`PipelineSpec.inputs(batch)` gave the first layer {given}; ")
+    assert "HINT: " in profile.split_reason
+    assert [layer.name for layer in profile.layers][:1] == ["lstm"]  # training_step ran the per-layer pass
+    assert profile.layers[0].forward.alpha > 0 or profile.layers[0].forward.beta > 0
