@@ -14,13 +14,13 @@ data parallelism, not to build a pipeline).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = [
-    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "discover_layers", "find_pipeline_spec", "register_adapter",
+    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "check_crossing", "discover_layers", "find_pipeline_spec", "register_adapter",
 ]
 
 _TARGET_LAYERS = 24  # enough granularity for a balanced split, few enough for cheap hooks
@@ -111,17 +111,52 @@ def first_layer_args(inputs: Any) -> tuple[Any, ...]:
     return args
 
 
-def chain_output(spec: PipelineSpec, batch: Any) -> Any:
+def check_crossing(output: Any, index: int, layer: Any) -> None:
+    """Refuse what ``layers[index]`` returned where a pipeline stage ends after it: torch's pipelining runtime sends
+    only tensors to the next stage, as the positional arguments of its first layer.
+
+    Raises:
+        ModelSplitError: ``output`` is not a tensor or a tuple / list of tensors (None, a number, a nested tuple in it, or
+            a ``PackedSequence``, whose four tensors would arrive as four arguments).
+    """
+    from torch import Tensor
+    from torch.nn.utils.rnn import PackedSequence
+
+    from lightning_distplan.errors import ModelSplitError
+
+    if isinstance(output, Tensor):
+        return
+    if isinstance(output, PackedSequence) or not isinstance(output, (tuple, list)):
+        given = "None" if output is None else f"a {type(output).__name__}"
+    else:
+        wrong = next((a for a in output if not isinstance(a, Tensor)), output)
+        if wrong is output:
+            return
+        given = f"a {type(output).__name__} holding {'None' if wrong is None else f'a {type(wrong).__name__}'}"
+    raise ModelSplitError(
+        f"PipelineSpec.layers[{index}] ({type(layer).__name__}) returned {given}; only tensors cross between pipeline "
+        "stages, so a layer that a stage ends with must return a tensor or a tuple (or list) of tensors.",
+        hint="Return only the tensors the next layer takes (leave None and constants to its defaults, turn a PackedSequence "
+        "into the padded tensor and the lengths with torch.nn.utils.rnn.pad_packed_sequence), or make the two layers one "
+        "block so that no stage ends between them.",
+    )
+
+
+def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) -> Any:
     """What a pipeline computes from ``batch`` in one process: ``spec.inputs`` -> every layer -> ``spec.loss``, with
-    ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it).
+    ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it). ``cuts``: the indices of the
+    layers that start a stage; what the layer before each returns is checked to cross (:func:`check_crossing`).
 
     Raises:
         BatchFormatError: ``spec.inputs(batch)`` is nothing a pipeline's first stage takes (:func:`first_layer_args`).
+        ModelSplitError: a layer before a cut returned something that cannot cross to the next stage.
     """
     x = spec.inputs(batch)
     first_layer_args(x)
-    for layer in spec.layers:
+    for i, layer in enumerate(spec.layers):
         x = call_layer(layer, x)
+        if i + 1 in cuts:
+            check_crossing(x, i, layer)
     return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)
 
 

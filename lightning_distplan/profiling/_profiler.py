@@ -186,7 +186,8 @@ def _pipeline_loss_difference(prof: _Profiler, m: int) -> tuple[str | None, bool
     raised (it cannot run on these batches: a dict fed to an ``nn.Sequential``) or gave a loss that is not a scalar,
     which the pipeline's last stage refuses (``_check_scalar_loss``); the per-layer pass then runs ``training_step``.
     Where the pipeline's own rules refused the batch (:func:`~lightning_distplan._layers.first_layer_args`: a
-    PackedSequence or a None as the first layer's inputs), the reason is the pipeline's sentence, as a fit would say it."""
+    PackedSequence or a None as the first layer's inputs) or a layer's output (:func:`~lightning_distplan._layers.check_crossing`:
+    a None in a tuple that would cross to the next stage), the reason is the pipeline's sentence, as a fit would say it."""
     chain_failed: list[Exception] = []
 
     def chain() -> Any:
@@ -465,10 +466,11 @@ class _Profiler:
             return self.module.training_step(batch, 0) if self.pass_batch_idx else self.module.training_step(batch)
 
     def chain_output(self, m: int) -> Any:
-        """What a pipeline's loss returns on that micro-batch: ``spec.inputs`` -> blocks -> ``spec.loss``."""
+        """What a pipeline's loss returns on that micro-batch: ``spec.inputs`` -> blocks -> ``spec.loss``, every block's
+        output checked to cross to a next stage (a plan may cut after any of them)."""
         batch = self.batch(m)
         with self.step_context():
-            return chain_output(self.spec, batch)
+            return chain_output(self.spec, batch, cuts=range(1, len(self.spec.layers)))
 
     def loss(self, m: int) -> Tensor:
         return _extract_loss(self.step_output(m), self.name)

@@ -650,7 +650,9 @@ class PipelineStrategy(DDPStrategy):
     def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
         """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
-        stage's layer, or one that is not a scalar): raised there alone, the other stages only saw their peer gone."""
+        stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
+        boundary that cannot cross (``check_crossing``: torch's runtime failed on that stage alone with a
+        PipeliningMetadataError): raised there alone, the other stages only saw their peer gone."""
         from lightning_distplan._layers import chain_output
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
@@ -671,7 +673,7 @@ class PipelineStrategy(DDPStrategy):
             snapshot = ModuleSnapshot.take(module, weights=False)  # buffers and counters the loss moves go back
             try:
                 with torch.no_grad(), _quiet_logging(module), self.precision_plugin.forward_context():
-                    chain_output(dataclasses.replace(spec, loss=checked_loss), batch)
+                    chain_output(dataclasses.replace(spec, loss=checked_loss), batch, cuts=self._boundaries)
             except (ModelSplitError, BatchFormatError) as err:
                 refusal = err
             except Exception:  # noqa: BLE001 - anything else is the model's own error: the first step reports it as it is

@@ -187,3 +187,50 @@ def test_first_layer_inputs_the_pipeline_refuses_are_profiled_as_not_splittable_
     assert "HINT: " in profile.split_reason
     assert [layer.name for layer in profile.layers][:1] == ["lstm"]  # training_step ran the per-layer pass
     assert profile.layers[0].forward.alpha > 0 or profile.layers[0].forward.beta > 0
+
+
+class _PassesItsMask(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.linear(x), mask
+
+
+class _Masked(torch.nn.Module):
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return h.relu() if mask is None else h.relu() * mask
+
+
+class _OptionalMask(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_PassesItsMask(), _Masked(), torch.nn.Linear(16, 3)])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(layers=list(self.layers), inputs=lambda b: b[0], loss=lambda out, b: F.cross_entropy(out, b[1]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, masked, head = self.layers
+        return F.cross_entropy(head(masked(*first(batch[0]))), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_layer_output_that_cannot_cross_a_stage_is_profiled_as_not_splittable() -> None:
+    """A layer returning (h, None), its optional mask passed along: the chain ran in one process and the profile was
+    splittable, while a pipeline cut after that layer failed in torch's runtime ("Stage arg[1] is None") on one stage
+    and with "Connection closed by peer" on the other. A plan may cut after any layer, so the profile is now not
+    splittable, with the sentence the pipeline refuses such a cut with."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4), torch.tensor(i % 3)) for i in range(16)]
+    profile = profile_module(_OptionalMask(), DataLoader(data, batch_size=4), micro_batch_sizes=[2, 4], repeats=1)
+    assert not profile.splittable
+    assert profile.split_reason.startswith(
+        "PipelineSpec.layers[0] (_PassesItsMask) returned a tuple holding None; only tensors cross between pipeline stages"
+    ), profile.split_reason
+    assert "HINT: " in profile.split_reason

@@ -270,19 +270,67 @@ def _short_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
     return "", trainer.global_step
 
 
+class _MaskedFirst(nn.Module):
+    """A first layer with an optional mask, which returns it along: (h, None) when there is none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.linear(x), mask
+
+
+class _Masked(nn.Module):
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return h.relu() if mask is None else h.relu() * mask
+
+
+class _OptionalMask(L.LightningModule):
+    """``none_in="inputs"``: PipelineSpec.inputs gives (x, None); ``"output"``: the first layer's (h, None) crosses the
+    stage boundary the automatic split puts after it (81 parameters against 1 + 52)."""
+
+    def __init__(self, none_in: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.none_in = none_in
+        self.layers = nn.ModuleList([_MaskedFirst(), _Masked(), nn.Linear(16, CLASSES)])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        inputs = (lambda b: (b[0], None)) if self.none_in == "inputs" else (lambda b: b[0])
+        return PipelineSpec(layers=list(self.layers), inputs=inputs, loss=lambda out, b: F.cross_entropy(out, b[1]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, masked, head = self.layers
+        return F.cross_entropy(head(masked(*first(batch[0]))), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _none_refused(none_in: str, out: str) -> tuple[str, bool]:
+    model = _OptionalMask(none_in)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    refused = _fit(model, None, out)
+    assert isinstance(refused, str), "the fit trained"
+    return refused, all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
     refused = _fit(model, _labels_in_an_object, out)
     whole = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
     return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out),
-            "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out)}
+            "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out),
+            "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    return {key: [rank[key] for rank in ranks] if key in ("object", "batch_sampler") else ranks[0][key] for key in ranks[0]}
+    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output")
+    return {key: [rank[key] for rank in ranks] if key in every else ranks[0][key] for key in ranks[0]}
 
 
 def test_a_constant_before_the_rows_and_a_list_of_labels_are_cut_as_one_process_reads_them(fits: dict[str, Any]) -> None:
@@ -336,3 +384,19 @@ def test_a_short_last_batch_a_batch_sampler_makes_is_refused_before_the_first_st
             "which does not split into `n_microbatches` (2) equal micro-batches. HINT: Pass drop_last=True"
         ), refused
         assert steps == 0
+
+
+def test_a_none_that_would_cross_a_stage_is_refused_before_the_cut_on_every_rank(fits: dict[str, Any]) -> None:
+    """A first layer returning (h, None) (its optional mask passed along) with the stage boundary after it: torch's
+    runtime failed on stage 0 alone with "PipeliningMetadataError: Stage arg[1] is None. Stage args must be tensors",
+    and stage 1 with "Connection closed by peer". Now the check that runs the chain before the cut refuses it on every
+    rank in one sentence, with the weights untouched; (x, None) as the first layer's inputs likewise."""
+    for refused, whole in fits["none_in_output"]:
+        assert refused.startswith(
+            "ModelSplitError: PipelineSpec.layers[0] (_MaskedFirst) returned a tuple holding None; only tensors cross between "
+            "pipeline stages"
+        ), refused
+        assert "HINT: Return only the tensors the next layer takes" in refused and whole
+    for refused, whole in fits["none_in_inputs"]:
+        assert refused.startswith("BatchFormatError: `PipelineSpec.inputs(batch)` gave the first layer None; "), refused
+        assert whole
