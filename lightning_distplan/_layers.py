@@ -35,7 +35,8 @@ class PipelineSpec:
 
     Args:
         layers: blocks run in order; block 0 receives ``inputs(batch)``, every later block receives
-            the previous block's output (a tensor, or a tuple or list of tensors unpacked as arguments).
+            the previous block's output (a tensor, or a tuple or list of tensors unpacked as arguments; a
+            ``PackedSequence`` goes whole between two blocks of one stage, and no stage may end with it).
         inputs: maps a training batch to what block 0 receives (a tensor, or a tuple or list of tensors
             unpacked as arguments; only tensors cross stages, so no dicts or constants).
         loss: maps (last block's output, batch) to the scalar loss of ``training_step`` — the mean
@@ -70,8 +71,11 @@ class PipelineSpec:
 
 def call_layer(layer: Any, x: Any) -> Any:
     """``layer`` run on the previous layer's output ``x``, a tuple or list of which is unpacked as its arguments
-    (the :class:`PipelineSpec` contract, for the profiler's chain and each pipeline stage alike)."""
-    return layer(*x) if isinstance(x, (tuple, list)) else layer(x)
+    (the :class:`PipelineSpec` contract, for the profiler's chain and each pipeline stage alike). A ``PackedSequence``
+    is one value, not arguments (a tuple only by being a namedtuple): it goes whole, as ``nn.LSTM`` takes it."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    return layer(*x) if isinstance(x, (tuple, list)) and not isinstance(x, PackedSequence) else layer(x)
 
 
 def first_layer_args(inputs: Any) -> tuple[Any, ...]:

@@ -24,7 +24,7 @@ from _pipeline_models import TinyTransformer, token_data  # noqa: E402
 
 from lightning_distplan._layers import PipelineSpec  # noqa: E402
 from lightning_distplan.errors import BatchFormatError  # noqa: E402
-from lightning_distplan.strategies._pipeline_split import split_microbatches, split_structure  # noqa: E402
+from lightning_distplan.strategies._pipeline_split import StageModule, split_microbatches, split_structure  # noqa: E402
 
 SAMPLES, BATCH, CLASSES, STEPS = 32, 8, 3, 4
 
@@ -400,3 +400,24 @@ def test_a_none_that_would_cross_a_stage_is_refused_before_the_cut_on_every_rank
     for refused, whole in fits["none_in_inputs"]:
         assert refused.startswith("BatchFormatError: `PipelineSpec.inputs(batch)` gave the first layer None; "), refused
         assert whole
+
+
+def test_a_packed_sequence_between_two_layers_of_one_stage_goes_whole() -> None:
+    """A layer that packs padded sequences by their lengths, then nn.LSTM, in one stage: the PackedSequence (a
+    namedtuple) was unpacked into four positional arguments of the LSTM, which failed with "LSTM.forward() takes from 2
+    to 3 positional arguments but 5 were given". It goes whole now, and the stage computes what the module computes."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Pack(nn.Module):
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> Any:
+            return pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+
+    class LastHidden(nn.Module):
+        def forward(self, output: Any, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return state[0][-1]
+
+    torch.manual_seed(0)
+    lstm = nn.LSTM(3, 5, batch_first=True)
+    x, lengths = torch.randn(4, 6, 3), torch.tensor([6, 2, 4, 1])
+    got = StageModule([Pack(), lstm, LastHidden()])(x, lengths)
+    torch.testing.assert_close(got, lstm(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))[1][0][-1])
