@@ -191,7 +191,7 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
         plan: the plan to price; a pipeline plan without ``stage_boundaries`` is split with
             :func:`~lightning_distplan.costmodel.partition_pipeline` (slowest stage, hand-overs
             included, as short as it can be with every stage in memory; for hybrid dp×pp weighed against
-            the largest stage's gradient all-reduce).
+            the gradient all-reduce of the stages behind the busiest link).
         hardware: target devices and links; default :meth:`Hardware.from_profile` (for a CPU profile, the host's RAM
             shared by the plan's ``world_size`` ranks).
 
@@ -597,10 +597,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
             if behind.intersection(stages)
         )
 
-    # the stages behind each link repeat every lcm(p, devices_per_link) ranks; a shorter last group holds fewer
-    d = hw.devices_per_link
-    allreduce = max(link_time(frozenset(r % p for r in range(start, min(start + d, w * p))))
-                    for start in range(0, min(w * p, math.lcm(p, d)), d))
+    allreduce = max(link_time(behind) for behind in _stages_behind_links(p, w, hw.devices_per_link))
     # PipelineStrategy averages the last stage's loss over all ranks once per step (one number:
     # latency-bound), so every rank reports the same train_loss.
     loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
@@ -694,24 +691,35 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     return pred
 
 
+def _stages_behind_links(p: int, w: int, devices_per_link: int) -> list[frozenset[int]]:
+    """The stages whose ranks sit behind each link of a dp×pp pipeline (rank = replica·p + stage, ``devices_per_link``
+    consecutive ranks behind one link): the groups repeat every lcm(p, devices_per_link) ranks, a shorter last group
+    holds fewer. 3 devices per link, p = 4, w = 3: {0, 1, 2}, {3, 0, 1}, {2, 3, 0}, {1, 2, 3}."""
+    d = devices_per_link
+    return [frozenset(r % p for r in range(start, min(start + d, w * p))) for start in range(0, min(w * p, math.lcm(p, d)), d)]
+
+
 def _shorter_allreduce_splits(
     profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, times: list[float], split: dict, cap: float
 ) -> Prediction:
     """``pred``, or the prediction of a split whose hybrid dp×pp all-reduce is shorter where that prices lower.
 
     The split minimises the slowest stage; hybrid dp×pp then waits, after every flush, for the all-reduce of the
-    stage with the most gradient bytes, which that split does not see. Where a model's parameters sit elsewhere than
-    its compute (a CNN's last layers hold most weights and little work), the fastest-stage split can put most of the
-    weights on one stage: 4 layers of compute 4, 3, 2, 1 and 1, 1, 100, 100 MiB of weights, dp = 2 over 4 Gbit/s,
-    split after layer 1 at 0.59 s per step, after layer 3 at 0.43 s. So the cap on a stage's gradient bytes is
-    lowered below the current split's largest, one step at a time (each split is then the one whose slowest stage is
-    as short as it can be under that cap), and each split is judged by seed 000 eq. (1) per flush,
-    k·(Σ_k St_k + (n − 1)·max_k St_k), plus its largest stage all-reduce (seed 001 eq. 5.1). A lower cap's slowest
-    stage is no shorter, its stages sum to no less than the layers' compute and its largest stage holds no less than
-    1/pp of the gradients: so a step goes straight down to the cap under which a split could judge lower than the best
-    (the all-reduce time is linear in bytes), and the walk stops where none can. The best split, if not ``pred``'s, is
-    priced in full and taken where it prices lower (simulating every split instead made planning a 64-layer model
-    on 64 devices nine times slower).
+    stages behind the busiest link (one stage where each device has a link of its own), which that split does not
+    see. Where a model's parameters sit elsewhere than its compute (a CNN's last layers hold most weights and little
+    work), the fastest-stage split can put most of the weights on one stage: 4 layers of compute 4, 3, 2, 1 and 1, 1,
+    100, 100 MiB of weights, dp = 2 over 4 Gbit/s, split after layer 1 at 0.59 s per step, after layer 3 at 0.43 s.
+    So the cap on a stage's gradient bytes is lowered below the current split's largest (each split is then the one
+    whose slowest stage is as short as it can be under that cap), and each split is judged by seed 000 eq. (1) per
+    flush, k·(Σ_k St_k + (n − 1)·max_k St_k), plus its busiest link's all-reduce (seed 001 eq. 5.1 over the bytes of
+    the stages behind one link, added up as the step is priced: judged by the largest stage alone, dp = 2 × pp = 4 on
+    nodes of 2 GPUs kept a split with 3 MiB behind one link and 61 MiB behind the other, 41% slower than one with 33
+    and 31 MiB; the cap bounds single stages, so it reaches such splits only where a lower cap leads to them). A lower
+    cap's slowest stage is no shorter, its stages sum to no less than the layers' compute, and its busiest link holds
+    no less than its largest stage, which holds no less than 1/pp of the gradients: so a step goes straight down to
+    the cap under which a split could judge lower than the best (the all-reduce time is linear in bytes), and the walk
+    stops where none can. The best split, if not ``pred``'s, is priced in full and taken where it prices lower
+    (simulating every split instead made planning a 64-layer model on 64 devices nine times slower).
     """
     trained = [float(layer.trainable_bytes) for layer in profile.layers]
     total = sum(trained)
@@ -721,14 +729,17 @@ def _shorter_allreduce_splits(
     pt = [0.0, *accumulate(times)]
     cut = split["cut_times"]
     k, n, n_layers = plan.accumulate_grad_batches, plan.n_microbatches, len(times)
+    links = _stages_behind_links(plan.pp, plan.dp, hw.devices_per_link)
 
     def judged(boundaries: tuple[int, ...]) -> tuple[float, float, float]:
-        """(eq. (1) plus the largest all-reduce, the slowest stage, the largest stage's gradient bytes)."""
+        """(eq. (1) plus the busiest link's all-reduce, the slowest stage, the largest stage's gradient bytes)."""
         edges = [0, *boundaries, n_layers]
         blocks = list(zip(edges, edges[1:]))
         stage = [pt[b] - pt[a] + (cut[a - 1] if a else 0.0) + (cut[b - 1] if b < n_layers else 0.0) for a, b in blocks]
-        most = max(prefix[b] - prefix[a] for a, b in blocks)
-        allreduce = ring_allreduce_time(most / total * profile.memory.grad_bytes, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+        held = [prefix[b] - prefix[a] for a, b in blocks]
+        busiest = max(sum(held[s] for s in behind) for behind in links)  # the stages behind one link add up, as priced
+        allreduce = ring_allreduce_time(busiest / total * profile.memory.grad_bytes, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+        most = max(held)
         return k * (sum(stage) + (n - 1) * max(stage)) + k * allreduce, max(stage), most
 
     # What any split judges at least, given its slowest stage: its stages sum to no less than the layers' compute or its

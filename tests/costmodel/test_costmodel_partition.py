@@ -258,3 +258,30 @@ def test_hybrid_split_walk_stops_where_no_lower_cap_can_judge_lower(monkeypatch)
     assert pred.stage_boundaries == (3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 39, 42, 45)  # the walk's best, as before
     assert pred.step_time_s == pytest.approx(4.147394, abs=1e-6)
     assert len([c for c in capped if c is not None]) <= 3
+
+
+def test_hybrid_split_judges_the_busiest_links_summed_all_reduce_as_priced():
+    """4 nodes of 2 GPUs, dp = 2 × pp = 4: stages {0, 1} share one node's link and {2, 3} the next's, and the step
+    waits for the busier link's summed bytes. Six equal layers of 1, 1, 1, 30, 1, 30 MiB: judged by the largest stage
+    alone, the split search kept (2, 3, 4), 2 + 1 MiB on one link and 30 + 31 MiB on the other, priced 0.2014 s (1f1b);
+    after layer 3, 33 and 31 MiB, it prices 0.1426 s."""
+    from dataclasses import replace
+
+    from lightning_distplan.costmodel import Hardware, predict, ring_allreduce_time
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    mib = (1, 1, 1, 30, 1, 30)
+    profile = synthetic_profile([
+        LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=b << 20, activation_bytes_per_sample=1e3, output_bytes_per_sample=1e3) for b in mib
+    ])
+    hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=0.5e9,
+                  p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=0.5e9, devices_per_link=2)
+    for strategy in ("1f1b", "gpipe"):
+        plan = Plan(strategy=strategy, dp=2, pp=4, micro_batch_size=2, n_microbatches=4, global_batch_size=16)
+        largest_stage_pick = predict(profile, replace(plan, stage_boundaries=(2, 3, 4)), hw)
+        assert largest_stage_pick.breakdown["exposed_comm"] == pytest.approx(ring_allreduce_time(61 << 20, 2, 50e-6, 0.5e9), rel=1e-12)
+        auto = predict(profile, plan, hw)
+        assert auto.stage_boundaries == (3, 4, 5)
+        assert auto.breakdown["exposed_comm"] == pytest.approx(ring_allreduce_time(33 << 20, 2, 50e-6, 0.5e9), rel=1e-12)
+        assert auto.step_time_s < 0.85 * largest_stage_pick.step_time_s
