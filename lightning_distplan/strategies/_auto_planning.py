@@ -587,6 +587,7 @@ def plan_record(outcome: PlanningOutcome, *, top: int = 5, extra: Mapping[str, A
             "p2p_latency_s": outcome.hardware.p2p_latency_s,
             "p2p_bandwidth_bytes_per_s": outcome.hardware.p2p_bandwidth_bytes_per_s,
             "compute_scale": outcome.hardware.compute_scale,
+            "devices_per_link": outcome.hardware.devices_per_link,
             "link_source": outcome.hardware.link_source,
         },
         "profiling_s": outcome.profiling_s,

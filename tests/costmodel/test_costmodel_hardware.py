@@ -163,6 +163,23 @@ def test_ranks_on_several_nodes_share_the_node_link_for_the_stage_all_reduces():
             ring_allreduce_time(3_000_000, 2, DEFAULT_LATENCY_S, DEFAULT_BANDWIDTH_BYTES_PER_S), rel=1e-12)
 
 
+def test_plan_json_records_the_devices_behind_one_link(tmp_path):
+    """plan.json records the hardware the plan was priced on; over 2 nodes of 2 GPUs the hybrid's all-reduce was priced
+    with both stages' bytes on one node link (devices_per_link 2), which the record left out: its exposed_comm read
+    as 4 MB over a link the record gave as the only one."""
+    import json
+
+    from lightning_distplan.strategies._auto_planning import PlanningOutcome, choose_plan, write_artifacts
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=b) for b in (3_000_000, 1_000_000)])
+    for ranks_per_host, expected in ((2, 2), (4, 1)):
+        candidates, hardware = choose_plan(profile, world_size=4, global_batch_size=8, pins={"strategy": "1f1b", "stages": 2},
+                                           ranks_per_host=ranks_per_host)
+        outcome = PlanningOutcome(plan=candidates[0].plan, candidates=tuple(candidates), hardware=hardware)
+        record = json.loads(write_artifacts(tmp_path / str(ranks_per_host), profile=None, outcome=outcome).read_text())
+        assert record["hardware"]["devices_per_link"] == expected
+
+
 def test_format_bytes_picks_the_unit():
     from lightning_distplan.costmodel._hardware import format_bytes
 
