@@ -630,6 +630,7 @@ class PipelineStrategy(DDPStrategy):
         ``transfer_batch_to_device`` and ``on_after_batch_transfer``, to the module's device. None when there is no
         batch to check a loss on here (the fit reports its loader's, or its hooks', error at its first batch)."""
         from lightning_distplan.profiling._batches import slice_samples
+        from lightning_distplan.profiling._snapshot import ModuleSnapshot, RNGSnapshot
         from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
         module = self.lightning_module
@@ -638,8 +639,15 @@ class PipelineStrategy(DDPStrategy):
         try:
             loader = fresh_train_loader(trainer)
             batch = self.precision_plugin.convert_input(next(iter(loader)))
-            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
-            batch = self.batch_to_device(batch, device, dataloader_idx=0)
+            # the hooks run once more than the fit runs them: what they count or draw (a counter on the module, an
+            # augmentation's random numbers) goes back, as after the profiler's runs
+            snapshot, rng = ModuleSnapshot.take(module, weights=False), RNGSnapshot.take(include_cuda=device.type == "cuda")
+            try:
+                batch = module._on_before_batch_transfer(batch, dataloader_idx=0)
+                batch = self.batch_to_device(batch, device, dataloader_idx=0)
+            finally:
+                snapshot.restore()
+                rng.restore()
         except Exception:  # noqa: BLE001
             return None
         n = BatchSizer(loader_batch_size(loader))(batch)  # as training reads it (_batch_rows)

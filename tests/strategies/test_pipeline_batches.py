@@ -179,7 +179,12 @@ class _DictTransformer(TinyTransformer):
     """Lightning's demo Transformer (the built-in adapter guesses its loss) fed dicts that its on_before_batch_transfer
     turns into the (inputs, target) its training_step takes."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.transfers = 0  # batches the hook saw (a user's counter: a curriculum, a log)
+
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        self.transfers += 1
         return batch["src"], batch["tgt"]
 
 
@@ -187,7 +192,7 @@ def _token_dicts(items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, to
     return {"src": torch.stack([x for x, _ in items]), "tgt": torch.stack([y for _, y in items])}
 
 
-def _hooked_fit(out: str) -> dict[str, torch.Tensor] | str:
+def _hooked_fit(out: str) -> tuple[dict[str, torch.Tensor], int] | str:
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     torch.manual_seed(1234)
@@ -199,7 +204,7 @@ def _hooked_fit(out: str) -> dict[str, torch.Tensor] | str:
         trainer.fit(model, DataLoader(token_data(SAMPLES), batch_size=BATCH, collate_fn=_token_dicts))
     except Exception as err:  # noqa: BLE001 - what the test reports
         return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, model.transfers
 
 
 def _hooked_reference() -> dict[str, torch.Tensor]:
@@ -329,7 +334,7 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output")
+    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked")
     return {key: [rank[key] for rank in ranks] if key in every else ranks[0][key] for key in ranks[0]}
 
 
@@ -359,9 +364,18 @@ def test_the_loss_checks_before_the_cut_see_the_batch_the_transfer_hooks_make(fi
     not on what on_before_batch_transfer / transfer_batch_to_device / on_after_batch_transfer make of it as Lightning's
     loop does: a dict the hook turns into (inputs, target) failed training_step there, and the fit was refused. Now it
     trains as one process does."""
-    got = fits["hooked"]
+    got = fits["hooked"][0]
     assert not isinstance(got, str), got
-    torch.testing.assert_close(got, _hooked_reference(), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got[0], _hooked_reference(), rtol=1e-5, atol=2e-6)
+
+
+def test_the_transfer_hooks_run_before_the_cut_leave_no_trace(fits: dict[str, Any]) -> None:
+    """Run once more at setup on the first batch, the hooks' side effects stayed: a counter of the batches
+    on_before_batch_transfer saw read STEPS + 1 after STEPS steps on every rank (a DDP run counts STEPS). What they
+    change on the module goes back, as after the profiler's runs."""
+    for got in fits["hooked"]:
+        assert not isinstance(got, str), got
+        assert got[1] == STEPS, got[1]
 
 
 def test_targets_of_varying_shapes_build_no_new_schedule(fits: dict[str, Any]) -> None:
