@@ -959,14 +959,14 @@ class PipelineStrategy(DDPStrategy):
 
     def _batch_rows(self, batch: Any, loop: str, dataloader_idx: int = 0) -> int:
         """Samples in ``batch``, read as dp_ga and the profiler read them: a :class:`BatchSizer` over the loader's batches,
-        which knows the loader's batch size. So a per-batch constant (class weights before the labels) or a list of
-        equally long per-sample sequences is not taken for the batch's rows, and every micro-batch's inputs and targets
-        hold the samples a profiled micro-batch held."""
+        which knows the batch size the loader yields (:func:`_yielded_batch_size`). So a per-batch constant (class
+        weights before the labels) or a list of equally long per-sample sequences is not taken for the batch's rows, and
+        every micro-batch's inputs and targets hold the samples a profiled micro-batch held."""
         key = (loop, dataloader_idx)
         sizer = self._sizers.get(key)
         if sizer is None:
             trainer = self.lightning_module.trainer
-            sizer = self._sizers[key] = BatchSizer(loader_batch_size(_loader_of(trainer, loop, dataloader_idx)))
+            sizer = self._sizers[key] = BatchSizer(_yielded_batch_size(_loader_of(trainer, loop, dataloader_idx)))
         size = sizer(batch)
         if size is None:
             raise BatchFormatError(
@@ -1356,6 +1356,14 @@ def _loader_of(trainer: pl.Trainer, loop: str, dataloader_idx: int) -> Any:
     if loop != "train" and isinstance(loaders, (list, tuple)):
         return loaders[dataloader_idx] if 0 <= dataloader_idx < len(loaders) else None
     return loaders
+
+
+def _yielded_batch_size(loader: Any) -> int | None:
+    """Samples per batch ``loader`` yields: auto_plan's re-chunking loader yields its ``micro_batch_size`` (the plan's
+    per-replica batch) and answers ``batch_size`` with the user's loader's; else :func:`loader_batch_size`."""
+    from lightning_distplan.strategies.dp_ga import _MicroBatchLoader
+
+    return loader.micro_batch_size if isinstance(loader, _MicroBatchLoader) else loader_batch_size(loader)
 
 
 def _largest_divisor_at_most(size: int, cap: int) -> int:

@@ -119,12 +119,12 @@ class _WeightedLoss(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _reference(model: L.LightningModule, collate: Any) -> dict[str, torch.Tensor]:
+def _reference(model: L.LightningModule, collate: Any, batch_size: int = BATCH) -> dict[str, torch.Tensor]:
     """The module's own training_step on the same batches in one process (Lightning shuffles a distributed fit's
     training data with DistributedSampler(shuffle=True, seed=0), here over one replica)."""
     opt = model.configure_optimizers()
     order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(0)).tolist()
-    for i, batch in enumerate(DataLoader(_Rows(), batch_size=BATCH, sampler=order, collate_fn=collate)):
+    for i, batch in enumerate(DataLoader(_Rows(), batch_size=batch_size, sampler=order, collate_fn=collate)):
         if i == STEPS:
             break
         opt.zero_grad()
@@ -321,6 +321,45 @@ def _none_refused(none_in: str, out: str) -> tuple[str, bool]:
     return refused, all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
+def _pairs(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """A list [inputs, targets] of two tensors alike in rank and dtype, as default_collate makes of (x, y) pairs."""
+    x = torch.stack([x for x, _ in items])
+    return [x, x.flip(1) * 0.5]
+
+
+class _PairRegression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def pipeline_loss(self, out: torch.Tensor, batch: list[torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(out, batch[1])
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.pipeline_loss(self.model(batch[0]), batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _auto_plan_rechunked(out: str) -> dict[str, torch.Tensor] | str:
+    """auto_plan's pipeline over loader batches of 2: its loader re-chunks them into the plan's per-replica batch of 4
+    (2 x 2 processes), and answers batch_size with the user's 2."""
+    import lightning_distplan  # noqa: F401
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    model = _PairRegression()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=AutoPlanStrategy(strategy="gpipe", stages=2, n_microbatches=2, profile_repeats=1),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+    try:
+        trainer.fit(model, DataLoader(_Rows(), batch_size=2, collate_fn=_pairs))
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -328,7 +367,8 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     whole = all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
     return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out),
             "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out),
-            "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out)}
+            "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out),
+            "rechunked": _auto_plan_rechunked(out)}
 
 
 @pytest.fixture(scope="module")
@@ -435,3 +475,13 @@ def test_a_packed_sequence_between_two_layers_of_one_stage_goes_whole() -> None:
     x, lengths = torch.randn(4, 6, 3), torch.tensor([6, 2, 4, 1])
     got = StageModule([Pack(), lstm, LastHidden()])(x, lengths)
     torch.testing.assert_close(got, lstm(pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False))[1][0][-1])
+
+
+def test_a_rechunking_loaders_batches_are_read_at_the_size_it_yields(fits: dict[str, Any]) -> None:
+    """auto_plan's loader yields the plan's per-replica batch (4) but answers batch_size with the user's loader's (2): read
+    against 2, a list [x[4, 4], y[4, 4]] was taken for 2 samples (the list's two items) and the fit refused "inputs(batch)
+    holds tensors of 4 rows, but the per-replica batch holds 2 samples". Read at 4, it trains as one process does on
+    batches of 4."""
+    got = fits["rechunked"]
+    assert not isinstance(got, str), got
+    torch.testing.assert_close(got, _reference(_PairRegression(), _pairs, batch_size=4), rtol=1e-5, atol=1e-6)
