@@ -814,15 +814,20 @@ class PipelineStrategy(DDPStrategy):
 
     def _check_last_batch(self) -> None:
         """Refuse, before the first step, an epoch whose short last batch cannot be split into the micro-batches
-        (it used to fail when the epoch reached it). Only a map-style DataLoader that reaches its end is checked: its
-        batch size and samples per epoch read from its batch size or its batch sampler's (dp_ga's
-        ``_samples_per_epoch``)."""
+        (it used to fail when the epoch reached it). Only a map-style DataLoader that reaches its end is checked, whose
+        batches torch's ``BatchSampler`` makes (from ``batch_size``, or a ``batch_sampler`` of that class or of a
+        subclass that keeps its ``__iter__``): its batch size and samples per epoch read from its batch size or its
+        batch sampler's (dp_ga's ``_samples_per_epoch``). A batch sampler that makes its batches itself may fill or pad
+        the last one: its batches are left to the step."""
         from lightning_distplan.strategies.dp_ga import _samples_per_epoch
 
         trainer = self.lightning_module.trainer
         loader = trainer.train_dataloader
         if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(loader.dataset, torch.utils.data.IterableDataset):
             return  # auto_plan's loader (it drops a short tail itself), a loader of the user's own kind, or a stream
+        batch_sampler = loader.batch_sampler
+        if not (isinstance(batch_sampler, torch.utils.data.BatchSampler) and type(batch_sampler).__iter__ is torch.utils.data.BatchSampler.__iter__):
+            return  # a batch sampler that makes its batches itself (one that fills or pads the last, or buckets by length)
         batch, samples = loader_batch_size(loader), _samples_per_epoch(loader)
         if batch is None or samples is None:
             return

@@ -360,6 +360,33 @@ def _auto_plan_rechunked(out: str) -> dict[str, torch.Tensor] | str:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _padded_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
+    """35 samples in batches of 8 from a batch sampler of the user's that fills its last batch from the epoch's first
+    samples: every batch holds 8, which 2 micro-batches split."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    class Filled(BatchSampler):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            order = list(self.sampler)
+            for i in range(0, len(order), self.batch_size):
+                batch = order[i:i + self.batch_size]
+                yield batch + order[:self.batch_size - len(batch)]
+
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    rows = _Rows(SAMPLES + 3)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
+                        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+    loader = DataLoader(rows, batch_sampler=Filled(RandomSampler(rows), batch_size=BATCH, drop_last=False),
+                        collate_fn=_weights_and_label_list)
+    try:
+        trainer.fit(_WeightedLoss(), loader)
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}", trainer.global_step
+    return "", trainer.global_step
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -368,13 +395,13 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out),
             "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out),
             "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out),
-            "rechunked": _auto_plan_rechunked(out)}
+            "rechunked": _auto_plan_rechunked(out), "filled": _padded_last_batch_of_a_batch_sampler(out)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked")
+    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled")
     return {key: [rank[key] for rank in ranks] if key in every else ranks[0][key] for key in ranks[0]}
 
 
@@ -485,3 +512,12 @@ def test_a_rechunking_loaders_batches_are_read_at_the_size_it_yields(fits: dict[
     got = fits["rechunked"]
     assert not isinstance(got, str), got
     torch.testing.assert_close(got, _reference(_PairRegression(), _pairs, batch_size=4), rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_sampler_that_fills_its_last_batch_is_not_refused(fits: dict[str, Any]) -> None:
+    """Its length and sampler say 35 samples in batches of 8, but it fills the last batch to 8: read by its batch_size,
+    drop_last and sampler alone, the fit was refused for a last batch of 3 it never yields. A batch sampler with its own
+    __iter__ is left to the step; the epoch's 5 batches train."""
+    for refused, steps in fits["filled"]:
+        assert refused == "", refused
+        assert steps == 5
