@@ -28,7 +28,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--world-size", type=int, required=True, help="number of devices")
     parser.add_argument("--num-nodes", type=int, default=1,
                         help="machines the --world-size ranks are spread over, as Trainer(num_nodes=...) (default 1); for a CPU profile "
-                        "each machine's RAM is shared by its world-size / num-nodes ranks")
+                        "each machine's RAM is shared by its world-size / num-nodes ranks, and over several machines the pipeline stages on "
+                        "one machine share its link (--bandwidth-gbps) for their gradient all-reduces")
     parser.add_argument("--global-batch-size", type=int, required=True, help="samples per optimizer step (kept exactly)")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="table (default) or a JSON list of candidates")
     parser.add_argument("--top", type=int, default=None, help="show only the best K candidates (table default: 10; json default: all)")
@@ -186,14 +187,19 @@ def run(args: argparse.Namespace) -> int:
     if args.time_weight and args.price_per_hour is None:
         # w only weighs time against money (C + w*T); without a price the ranking is by time and w would be silently ignored.
         raise InfeasiblePlanError(f"--time-weight {args.time_weight} was given without --price-per-hour.", hint="Add --price-per-hour, or leave --time-weight out to rank by step time.")
+    ranks_per_host = args.world_size // args.num_nodes
     hardware = Hardware.from_profile(
         profile,
         device_memory_bytes=None if args.device_memory_gb is None else max(1, int(args.device_memory_gb * 2**30)),
         bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9 / 8,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-        ranks_per_host=args.world_size // args.num_nodes,  # a CPU profile's memory is one host's RAM, shared by the ranks on it
+        ranks_per_host=ranks_per_host,  # a CPU profile's memory is one host's RAM, shared by the ranks on it
     )
     hardware = replace(hardware, compute_scale=args.compute_scale, memory_margin=args.memory_margin)
+    if args.num_nodes > 1:
+        # several nodes: the stages of a hybrid dp x pp on one node cross its one link with their all-reduces at once,
+        # as auto_plan prices them (choose_plan); on one node the rings cross no shared link
+        hardware = replace(hardware, devices_per_link=ranks_per_host)
     _check_magnitudes(profile, args, hardware)
     candidates = rank_plans(
         profile,

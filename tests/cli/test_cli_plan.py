@@ -514,3 +514,26 @@ def test_a_cpu_hosts_ram_is_shared_by_the_ranks_on_it_not_by_every_node_s(tmp_pa
         assert main(base + ["--num-nodes", nodes]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"--num-nodes {nodes} does not divide --world-size 4" in err[0] and "HINT:" in err[0]
+
+
+def test_over_several_nodes_a_hybrids_stages_on_one_node_share_its_link(tmp_path, capsys):
+    """`distplan plan --num-nodes 2 --world-size 4` priced 1f1b dp=2 pp=2 over a 3 MB and a 1 MB stage with the 3 MB
+    all-reduce alone on the link, where both stages on a node cross its one link at once (4 MB) and auto_plan (its
+    choose_plan) prices them so: the CLI ranked the plans auto_plan would run on those nodes otherwise."""
+    from lightning_distplan.costmodel import ring_allreduce_time
+
+    mem = profile_json()["memory"]
+    path = tmp_path / "two_stages.json"
+    path.write_text(json.dumps(profile_json(layers=[_layer(0, param_bytes=3_000_000), _layer(1, param_bytes=1_000_000)],
+                                            memory={**mem, "param_bytes": 4_000_000, "grad_bytes": 4_000_000})))
+    base = ["plan", "--profile", str(path), "--world-size", "4", "--global-batch-size", "8", "--pin", "strategy=1f1b",
+            "--pin", "stages=2", "--bandwidth-gbps", "80", "--latency-us", "20", "--format", "json"]
+    exposed = {}
+    for nodes in ("1", "2", "4"):
+        assert main(base + ["--num-nodes", nodes]) == 0
+        (best, *_) = json.loads(capsys.readouterr().out)
+        assert (best["dp"], best["pp"]) == (2, 2)
+        exposed[nodes] = best["breakdown"]["exposed_comm"]
+    assert exposed["2"] == pytest.approx(ring_allreduce_time(4_000_000, 2, 20e-6, 1e10), rel=1e-12)  # both stages on one link
+    for alone in ("1", "4"):  # one node (its rings share no link), or one rank a node
+        assert exposed[alone] == pytest.approx(ring_allreduce_time(3_000_000, 2, 20e-6, 1e10), rel=1e-12)
