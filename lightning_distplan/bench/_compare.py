@@ -54,17 +54,23 @@ def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None
 
     Plans are priced as given (their stage boundaries as run) on the hardware
     :func:`~lightning_distplan.planner.rank_plans` prices them on (a CPU profile's host RAM shared by the
-    ``ranks_per_host`` ranks on one machine; default the world size, one machine) and ordered as it orders them;
+    ``ranks_per_host`` ranks on one machine, default the world size, one machine; over several machines the stages
+    of a hybrid dp×pp on one machine share its link, ``Hardware.devices_per_link``) and ordered as it orders them;
     ``tie`` is the near-tie margin (default the planner's, :data:`~lightning_distplan.planner.NEAR_TIE`; 0 ranks by
     predicted time alone).
     """
+    from dataclasses import replace
+
     from lightning_distplan.costmodel import Hardware, predict
     from lightning_distplan.planner import NEAR_TIE, rank_order
 
     # one Hardware for all the plans: a profile without a measured link is said once, and only where a link is used; a CPU
     # profile's host RAM shared by the plans' ranks, as rank_plans (the bench's planner) and predict share it
+    world = max((plan.world_size for plan in plans), default=1)
     hw = Hardware.from_profile(profile, warn_default_links=any(plan.world_size > 1 for plan in plans),
-                               ranks_per_host=max((plan.world_size for plan in plans), default=1) if ranks_per_host is None else ranks_per_host)
+                               ranks_per_host=world if ranks_per_host is None else ranks_per_host)
+    if ranks_per_host is not None and 1 < ranks_per_host < world:  # several machines: a hybrid's stages on one share its link
+        hw = replace(hw, devices_per_link=ranks_per_host)
     preds = [predict(profile, plan, hw) for plan in plans]
     ranks = [0] * len(plans)
     for position, i in enumerate(rank_order(plans, preds, tie=NEAR_TIE if tie is None else tie), 1):

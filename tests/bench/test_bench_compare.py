@@ -301,3 +301,28 @@ def test_a_multi_node_bench_shares_a_cpu_hosts_ram_among_that_hosts_ranks_only(m
     assert planning_hardware(cpu, 4).device_memory_bytes == 2 << 30
     assert planning_hardware(cpu, 1).device_memory_bytes == 8 << 30  # not distributed: the whole host
     assert planning_hardware(gpu, 4).device_memory_bytes == 8 << 30  # a GPU per rank
+
+
+def test_a_multi_node_bench_prices_a_hybrids_stages_on_one_machine_sharing_its_link(monkeypatch):
+    """Under torchrun --nnodes 2 --nproc-per-node 2 the bench planned and graded 1f1b dp=2 pp=2 over a 3 MB and a 1 MB
+    stage with the 3 MB all-reduce alone on the link, where auto_plan (choose_plan, ranks per node 2) prices both stages
+    crossing the machine's one link at once (4 MB): the bench graded another model than the one auto_plan plans with."""
+    from lightning_distplan.bench import predict_ranked
+    from lightning_distplan.bench._bench import planning_hardware
+    from lightning_distplan.costmodel import DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_LATENCY_S, ring_allreduce_time
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+    from lightning_distplan.strategies._auto_planning import choose_plan
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=b) for b in (3_000_000, 1_000_000)])
+    kw = dict(world_size=4, global_batch_size=8, pins={"strategy": "1f1b", "stages": 2})
+    shared = ring_allreduce_time(4_000_000, 2, DEFAULT_LATENCY_S, DEFAULT_BANDWIDTH_BYTES_PER_S)
+    alone = ring_allreduce_time(3_000_000, 2, DEFAULT_LATENCY_S, DEFAULT_BANDWIDTH_BYTES_PER_S)
+    for local, expected in (("2", shared), ("4", alone), ("1", alone)):  # 2 machines of 2; one machine; one rank a machine
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        (best, *_) = rank_plans(profile, hardware=planning_hardware(profile, 4), **kw)
+        assert best.prediction.breakdown["exposed_comm"] == pytest.approx(expected, rel=1e-12), local
+        ((graded, _),) = predict_ranked(profile, [best.plan], ranks_per_host=int(local))
+        assert graded.breakdown["exposed_comm"] == pytest.approx(expected, rel=1e-12), local
+        (auto, *_), _ = choose_plan(profile, ranks_per_host=int(local), **kw)  # what auto_plan prices on those machines
+        assert auto.prediction.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-12) == graded.step_time_s
