@@ -159,11 +159,13 @@ class Hardware:
                 f"`latency_s` must be a finite number of seconds, zero or more, got {latency_s!r}.",
                 hint="Pass the interconnect's latency in seconds, e.g. latency_s=2e-5 for 20 µs (CLI: --latency-us 20).",
             )
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, numbers.Integral) or ranks_per_host < 1:
+        # a whole number: 4, or 4.0 as world_size / num_nodes gives it (taken before these checks), not 1.5
+        if not (_is_finite_number(ranks_per_host) and ranks_per_host >= 1 and ranks_per_host == int(ranks_per_host)):
             raise InfeasiblePlanError(
                 f"`ranks_per_host` must be a whole number, 1 or more, got {ranks_per_host!r}.",
                 hint="Pass the training processes on one host (one node's share of the world size), e.g. ranks_per_host=4.",
             )
+        ranks_per_host = int(ranks_per_host)
         memory = device_memory_bytes or profile.memory.device_total_bytes or profile.device.total_memory_bytes
         if not memory:
             raise ProfileFormatError(

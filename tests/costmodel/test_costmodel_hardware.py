@@ -205,3 +205,18 @@ def test_cost_seed000_section_4d():
         cost_per_step(1.0, instances=0, price_per_hour=1.0)
     with pytest.raises(CatalogError, match="time_weight"):
         objective(1.0, 1.0, -1)
+
+
+def test_a_whole_ranks_per_host_written_as_a_float_is_taken():
+    """88059cb refused ranks_per_host=2.0 ("must be a whole number, 1 or more, got 2.0"), which from_profile took before
+    and which world_size / num_nodes gives; a whole float is that many ranks, 1.5 is still refused."""
+    import numpy as np
+
+    cpu = synthetic_profile([LayerSpec(fwd_alpha=1.0)], device_memory_bytes=8 << 30)
+    cpu = replace(cpu, device=replace(cpu.device, type="cpu"))
+    for whole in (2.0, np.float64(2.0), np.int64(2), 4 / 2):
+        hardware = Hardware.from_profile(cpu, ranks_per_host=whole, warn_default_links=False)
+        assert hardware.device_memory_bytes == 4 << 30 and type(hardware.device_memory_bytes) is int
+    for bad in (1.5, 0.0, float("nan"), True):
+        with pytest.raises(InfeasiblePlanError, match=r"`ranks_per_host` must be a whole number, 1 or more.*HINT"):
+            Hardware.from_profile(cpu, ranks_per_host=bad, warn_default_links=False)
