@@ -431,9 +431,20 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
         raise CatalogError(f"Catalog file {str(path)!r} cannot be read as UTF-8 text ({err}).", hint="Save it as a UTF-8 CSV.") from None
-    # strict: a quote opened and never closed is an error, not a cell that swallows every line after it (the rows
-    # there were lost, and the file reported as having no GPU rows, or the row as having no price).
-    reader = csv.reader(text.splitlines(), strict=True)
+    # A quote opened and never closed makes the rest of the file one cell (the rows there were lost, and the file reported
+    # as having no GPU rows, or the row as having no price): such a cell runs to the end of the file, so the last record
+    # is read again strictly to tell it from a closed one. Not the whole file strictly: that also refuses what spreadsheets
+    # take, such as a space after a closing quote ("g5.xlarge" ,A10G), which was read as before.
+    lines = text.splitlines()
+    reader = csv.reader(lines)
+
+    def unclosed(tail: list[str]) -> bool:
+        try:
+            for _ in csv.reader(tail, strict=True):
+                pass
+        except csv.Error as err:
+            return "end of data" in str(err)
+        return False
 
     def records() -> Iterator[tuple[int, list[str]]]:
         """(the line a record starts on, its cells): a quoted cell may hold a line break, so records and lines can differ."""
@@ -443,12 +454,13 @@ def parse_catalog_csv(path: str | Path, *, bandwidth_gbps: float | None = None, 
                 row = next(reader)
             except StopIteration:
                 return
-            except csv.Error as err:
-                why = "a quote opened there is never closed" if "end of data" in str(err) else str(err)
+            except csv.Error as err:  # a cell above csv's field size limit
+                raise CatalogError(f"{path.name} line {start}: the row is not valid CSV ({err}).", hint="Check that row's quotes.") from None
+            if reader.line_num == len(lines) and unclosed(lines[start - 1:]):
                 raise CatalogError(
-                    f"{path.name} line {start}: the row is not valid CSV ({why}).",
+                    f"{path.name} line {start}: the row is not valid CSV (a quote opened there is never closed).",
                     hint='Check that row\'s quotes: a cell that starts with " must end with ", and a " inside it is written "".',
-                ) from None
+                )
             yield start, row
 
     rows_in = records()

@@ -215,6 +215,18 @@ def test_an_unclosed_quote_names_its_line_and_loses_no_row_silently(tmp_path):
         parse_catalog_csv(spans)
 
 
+def test_a_space_after_a_closing_quote_is_read_as_before_the_unclosed_quote_check(tmp_path):
+    """a00dfb7 read the whole file strictly to catch an unclosed quote, which also refused what csv (and spreadsheets) had
+    read before: a space between a closing quote and the comma ('"g5.xlarge" ,A10G') gave "line 2: the row is not valid
+    CSV (',' expected after '"')". Only a quote that is never closed is refused."""
+    header = "InstanceType,AcceleratorName,AcceleratorCount,Price,NetworkGbps\n"
+    padded = _write(tmp_path, header + '"g5.xlarge" ,A10G,1,1.0,10\ng5.2xlarge, "A10G" ,1,1.2,10\n', name="padded.csv")
+    assert [(i.instance_type, i.gpu) for i in parse_catalog_csv(padded).instances] == [("g5.xlarge", "A10G"), ("g5.2xlarge", "A10G")]
+    last = _write(tmp_path, header + 'g5.xlarge,A10G,1,1.0,10\n"g5.2xlarge,A10G,1,1.2,10\n\n', name="last.csv")
+    with pytest.raises(CatalogError, match=r"last.csv line 3: the row is not valid CSV \(a quote opened there is never closed\)"):
+        parse_catalog_csv(last)
+
+
 def test_a_zero_price_loads_from_a_csv_as_an_instance_takes_it(tmp_path):
     """Instance(price_per_hour=0) is hardware you own (SkyPilot's on-prem vSphere catalog writes Price 0.0), but the CSV
     parser refused the same row: "column 'Price' holds '0'; it must be a positive number"."""
