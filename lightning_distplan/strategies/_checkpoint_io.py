@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import OutputPathError
 
-__all__ = ["AtomicCheckpointIO", "strategy_checkpoint_io"]
+__all__ = ["AtomicCheckpointIO", "AtomicSaves"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -77,12 +77,22 @@ def _os_error(err: BaseException | None) -> OSError | None:
     return None
 
 
-def strategy_checkpoint_io(strategy: Any) -> CheckpointIO:
-    """What ``Strategy.checkpoint_io`` returns, with :class:`AtomicCheckpointIO` where Lightning puts its default
-    ``TorchCheckpointIO`` (no plugin given, or a wrapping one such as ``AsyncCheckpointIO`` without its own)."""
-    io = strategy._checkpoint_io
-    if io is None:
-        io = strategy._checkpoint_io = AtomicCheckpointIO()
-    elif isinstance(io, _WrappingCheckpointIO) and not io._base_checkpoint_io_configured:
-        io.checkpoint_io = AtomicCheckpointIO()  # the setter hands it to the innermost wrapper
-    return io
+class AtomicSaves:
+    """Mixin for a Lightning strategy whose ``checkpoint_io`` is :class:`AtomicCheckpointIO` where Lightning puts its
+    default ``TorchCheckpointIO`` (no plugin given, or a wrapping one such as ``AsyncCheckpointIO`` without its own):
+    checkpoints are written atomically also where TMPDIR is another file system. Put it before the Lightning base."""
+
+    _checkpoint_io: CheckpointIO | None
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        io = self._checkpoint_io
+        if io is None:
+            io = self._checkpoint_io = AtomicCheckpointIO()
+        elif isinstance(io, _WrappingCheckpointIO) and not io._base_checkpoint_io_configured:
+            io.checkpoint_io = AtomicCheckpointIO()  # the setter hands it to the innermost wrapper
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io

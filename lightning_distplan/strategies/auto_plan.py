@@ -67,7 +67,7 @@ from lightning_distplan.strategies._auto_planning import (
     write_artifacts,
 )
 from lightning_distplan.strategies._checkpoint import PLAN_KEY, read_checkpoint, readable_plan, stored_plan_context
-from lightning_distplan.strategies._checkpoint_io import strategy_checkpoint_io
+from lightning_distplan.strategies._checkpoint_io import AtomicSaves
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 from lightning_distplan.strategies.dp_ga import (
@@ -82,7 +82,6 @@ from lightning_distplan.strategies.pipeline import PIPELINE_PRECISIONS, pipeline
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.plugins import CheckpointIO
     from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.strategies import Strategy
 
@@ -94,7 +93,7 @@ __all__ = ["AutoPlanStrategy"]
 Auto = Literal["auto"]
 
 
-class AutoPlanStrategy(DDPStrategy):
+class AutoPlanStrategy(AtomicSaves, DDPStrategy):
     """Profile, plan and run the best data-parallel or pipeline plan, all inside ``trainer.fit``.
 
     Every argument left at ``"auto"`` is chosen by the planner; any other value pins that part of
@@ -221,15 +220,6 @@ class AutoPlanStrategy(DDPStrategy):
     def concrete(self) -> Strategy | None:
         """The strategy this one turned into (also ``trainer.strategy`` after ``setup``)."""
         return self._concrete
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        return strategy_checkpoint_io(self)  # checkpoints written atomically also where TMPDIR is another file system
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
 
     @property
     def pins(self) -> dict[str, Any]:

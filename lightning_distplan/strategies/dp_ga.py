@@ -79,14 +79,13 @@ from lightning_distplan.strategies._checkpoint import (
     read_checkpoint,
     readable_plan,
 )
-from lightning_distplan.strategies._checkpoint_io import strategy_checkpoint_io
+from lightning_distplan.strategies._checkpoint_io import AtomicSaves
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.fabric.plugins import CheckpointIO
     from lightning.fabric.utilities.types import _PATH
 
 __all__ = ["DPGAStrategy", "Rechunking", "check_ddp_kwargs", "resolve_dp_ga_plan", "loader_batch_size"]
@@ -98,7 +97,7 @@ Auto = Literal["auto"]
 _UNSET = object()  # an attribute the trainer does not have
 
 
-class DPGAStrategy(DDPStrategy):
+class DPGAStrategy(AtomicSaves, DDPStrategy):
     """Data parallel + gradient accumulation, running the planned micro-batch size.
 
     Args:
@@ -157,15 +156,6 @@ class DPGAStrategy(DDPStrategy):
     def checkpoint_plan(self) -> Plan | None:
         """The plan stored in the checkpoint this run resumed from, if any."""
         return self._checkpoint_plan
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        return strategy_checkpoint_io(self)  # checkpoints written atomically also where TMPDIR is another file system
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
 
     @override
     def setup_environment(self) -> None:

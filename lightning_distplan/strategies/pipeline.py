@@ -85,7 +85,7 @@ from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError,
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, read_checkpoint, readable_plan
-from lightning_distplan.strategies._checkpoint_io import strategy_checkpoint_io
+from lightning_distplan.strategies._checkpoint_io import AtomicSaves
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import (
@@ -193,7 +193,7 @@ def pipeline_callback_conflicts(callbacks: Iterable[Any]) -> list[tuple[str, str
     return out
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(AtomicSaves, DDPStrategy):
     """Run a LightningModule as a GPipe or 1F1B pipeline over ``torch.distributed.pipelining``.
 
     ``world_size = dp · stages``: with more devices than stages, ``dp`` replicas of the pipeline
@@ -359,15 +359,6 @@ class PipelineStrategy(DDPStrategy):
     def checkpoint_plan(self) -> Plan | None:
         """The plan stored in the checkpoint this run resumed from, if any."""
         return self._checkpoint_plan
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        return strategy_checkpoint_io(self)  # checkpoints written atomically also where TMPDIR is another file system
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: CheckpointIO) -> None:
-        self._checkpoint_io = io
 
     @override
     def _configure_launcher(self) -> None:
