@@ -92,7 +92,7 @@ def first_layer_args(inputs: Any) -> tuple[Any, ...]:
     from torch import Tensor
     from torch.nn.utils.rnn import PackedSequence
 
-    from lightning_distplan.errors import BatchFormatError
+    from lightning_distplan.errors import BatchFormatError, described
 
     if isinstance(inputs, PackedSequence):
         raise BatchFormatError(
@@ -105,7 +105,7 @@ def first_layer_args(inputs: Any) -> tuple[Any, ...]:
     # the index, not the value: a None argument (an optional mask left out) is a non-tensor too
     wrong = next((i for i, a in enumerate(args) if not isinstance(a, Tensor)), None)
     if wrong is not None:
-        given = "None" if args[wrong] is None else f"a {type(args[wrong]).__name__}"
+        given = described(args[wrong])
         raise BatchFormatError(
             f"`PipelineSpec.inputs(batch)` gave the first layer {given}; the pipeline passes only tensors "
             "between stages, so it must return a tensor or a tuple of tensors (the first layer's positional arguments).",
@@ -115,28 +115,39 @@ def first_layer_args(inputs: Any) -> tuple[Any, ...]:
     return args
 
 
-def check_crossing(output: Any, index: int, layer: Any) -> None:
+def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -> None:
     """Refuse what ``layers[index]`` returned where a pipeline stage ends after it: torch's pipelining runtime sends
-    only tensors to the next stage, as the positional arguments of its first layer.
+    only tensors to the next stage, as the positional arguments of its first layer. ``last``: ``layers[index]`` is the
+    last layer, whose output torch's runtime checks by the same rule (its first-step shape inference refused a dict
+    with "PipeliningMetadataError: Stage args must be a tensor, tuple, or list of tensors, got dict") before the
+    loss gets it. Between two layers of one stage anything may pass: the stage calls them as one process does.
 
     Raises:
-        ModelSplitError: ``output`` is not a tensor or a tuple / list of tensors (None, a number, a nested tuple in it, or
-            a ``PackedSequence``, whose four tensors would arrive as four arguments).
+        ModelSplitError: ``output`` is not a tensor or a tuple / list of tensors (None, a number, a dict, a nested tuple
+            in it, or a ``PackedSequence``, whose four tensors would arrive as four arguments).
     """
     from torch import Tensor
     from torch.nn.utils.rnn import PackedSequence
 
-    from lightning_distplan.errors import ModelSplitError
+    from lightning_distplan.errors import ModelSplitError, described
 
     if isinstance(output, Tensor):
         return
     if isinstance(output, PackedSequence) or not isinstance(output, (tuple, list)):
-        given = "None" if output is None else f"a {type(output).__name__}"
+        given = described(output)
     else:
         wrong = next((a for a in output if not isinstance(a, Tensor)), output)
         if wrong is output:
             return
-        given = f"a {type(output).__name__} holding {'None' if wrong is None else f'a {type(wrong).__name__}'}"
+        given = f"{described(output)} holding {described(wrong)}"
+    if last:
+        raise ModelSplitError(
+            f"PipelineSpec.layers[{index}] ({type(layer).__name__}), the last layer, returned {given}; torch's pipelining "
+            "runtime takes only tensors from a stage, the last one included, so it must return a tensor or a tuple (or "
+            "list) of tensors, which PipelineSpec.loss then gets.",
+            hint="Return the tensor(s) the loss needs (e.g. a wrapper of the head returning out['logits']) and read them "
+            "in PipelineSpec.loss (loss=lambda out, batch: F.cross_entropy(out, batch['labels'])).",
+        )
     raise ModelSplitError(
         f"PipelineSpec.layers[{index}] ({type(layer).__name__}) returned {given}; only tensors cross between pipeline "
         "stages, so a layer that a stage ends with must return a tensor or a tuple (or list) of tensors.",
@@ -149,7 +160,8 @@ def check_crossing(output: Any, index: int, layer: Any) -> None:
 def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) -> Any:
     """What a pipeline computes from ``batch`` in one process: ``spec.inputs`` -> every layer -> ``spec.loss``, with
     ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it). ``cuts``: the indices of the
-    layers that start a stage; what the layer before each returns is checked to cross (:func:`check_crossing`).
+    layers that start a stage, and ``len(spec.layers)`` for the end of the last one; what the layer before each returns
+    is checked to cross (:func:`check_crossing`).
 
     Raises:
         BatchFormatError: ``spec.inputs(batch)`` is nothing a pipeline's first stage takes (:func:`first_layer_args`).
@@ -160,7 +172,7 @@ def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) 
     for i, layer in enumerate(spec.layers):
         x = call_layer(layer, x)
         if i + 1 in cuts:
-            check_crossing(x, i, layer)
+            check_crossing(x, i, layer, last=i + 1 == len(spec.layers))
     return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)
 
 

@@ -88,6 +88,17 @@ class DataLoadingError(ProfilingError):
     """Reading batches from the user's data loader failed (missing download, broken dataset, ...)."""
 
 
+def described(value: object) -> str:
+    """``value`` as a message names what was given: "None", "a dict", "an int", and "an object of type Out" for a class
+    whose name no article fits by rule (a user's ModelOutput, a UserDict)."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    if type(value).__module__ == "builtins":
+        return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+    return f"an object of type {name}"
+
+
 def first_line(err: BaseException) -> str:
     """The first line of ``err``'s message, or its type's name when it has none (for one-line reports)."""
     text = str(err).strip()

@@ -467,10 +467,10 @@ class _Profiler:
 
     def chain_output(self, m: int) -> Any:
         """What a pipeline's loss returns on that micro-batch: ``spec.inputs`` -> blocks -> ``spec.loss``, every block's
-        output checked to cross to a next stage (a plan may cut after any of them)."""
+        output checked to cross to a next stage (a plan may cut after any of them), the last one's to reach the loss."""
         batch = self.batch(m)
         with self.step_context():
-            return chain_output(self.spec, batch, cuts=range(1, len(self.spec.layers)))
+            return chain_output(self.spec, batch, cuts=range(1, len(self.spec.layers) + 1))
 
     def loss(self, m: int) -> Tensor:
         return _extract_loss(self.step_output(m), self.name)

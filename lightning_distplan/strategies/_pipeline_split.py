@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_distplan._layers import call_layer, first_layer_args
+from lightning_distplan._layers import call_layer, check_crossing, first_layer_args
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
@@ -52,11 +52,18 @@ class StageModule(nn.Module):
     A block's output is passed to the next block unpacked when it is a tuple, as the spec's contract
     says. The blocks are the LightningModule's own sub-modules (not copies), so the module's
     ``state_dict`` keys never change.
+
+    Between two blocks anything may pass (a dict, a ``ModelOutput``), as in one process; what the stage returns goes
+    through torch's runtime, to the next stage or (the last stage) to the loss, and must be a tensor or a tuple of
+    tensors (:func:`~lightning_distplan._layers.check_crossing`, the rule the check before the cut and the profiler
+    apply). ``start``: the index of the first block in ``PipelineSpec.layers``; ``last``: this is the last stage.
     """
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], *, start: int = 0, last: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(layers)
+        self.start = start
+        self.last = last
         self.forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         """What the blocks run in: the precision plugin's forward context (autocast for 'bf16-mixed')."""
         self.copy_inputs = False
@@ -85,14 +92,9 @@ class StageModule(nn.Module):
         with self.forward_context():
             for block in self.blocks:
                 x = call_layer(block, x)
-                if isinstance(x, list):
-                    x = tuple(x)  # what crosses to the next stage: a tuple (torch's runtime takes no list)
-                if not isinstance(x, (Tensor, tuple)):
-                    raise ModelSplitError(
-                        f"The pipeline layer {type(block).__name__} returned a {type(x).__name__}; a PipelineSpec layer must return a "
-                        "tensor or a tuple (or list) of tensors (what crosses to the next stage).",
-                        hint="Wrap the layer so it returns the tensor(s) the next layer takes, e.g. out['hidden_states'] or out[0].",
-                    )
+        check_crossing(x, self.start + len(self.blocks) - 1, self.blocks[-1], last=self.last)
+        if isinstance(x, list):
+            x = tuple(x)  # what crosses to the next stage: a tuple (torch's runtime takes no list)
         if isinstance(x, tuple):
             return tuple(t.contiguous() if isinstance(t, Tensor) else t for t in x)
         return x.contiguous() if isinstance(x, Tensor) else x

@@ -81,7 +81,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_distplan._layers import PipelineSpec, discover_layers
-from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError
+from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError, described
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
 from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, read_checkpoint, readable_plan
@@ -541,7 +541,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         self._rng_state: tuple[Tensor, Tensor | None] | None = None
         mark_partial(module, k)
         a, b = ranges[k]
-        self._stage_module = StageModule(layers[a:b])
+        self._stage_module = StageModule(layers[a:b], start=a, last=k == layout.pp - 1)
         self._spec = spec
 
         # Every rank creates every group, in the same order (a requirement of new_group).
@@ -650,8 +650,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
-        boundary that cannot cross (``check_crossing``: torch's runtime failed on that stage alone with a
-        PipeliningMetadataError): raised there alone, the other stages only saw their peer gone."""
+        boundary, the last layer's included, that cannot cross (``check_crossing``: torch's runtime failed on that stage
+        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone."""
         from lightning_distplan._layers import chain_output
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
@@ -672,7 +672,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             snapshot = ModuleSnapshot.take(module, weights=False)  # buffers and counters the loss moves go back
             try:
                 with torch.no_grad(), _quiet_logging(module), self.precision_plugin.forward_context():
-                    chain_output(dataclasses.replace(spec, loss=checked_loss), batch, cuts=self._boundaries)
+                    chain_output(dataclasses.replace(spec, loss=checked_loss), batch, cuts=(*self._boundaries, len(spec.layers)))
             except (ModelSplitError, BatchFormatError) as err:
                 refusal = err
             except Exception:  # noqa: BLE001 - anything else is the model's own error: the first step reports it as it is
@@ -1454,7 +1454,7 @@ def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tenso
 
 def _check_scalar_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor) or loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else f"a {type(loss).__name__}"
+        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else described(loss)
         raise BatchFormatError(
             f"PipelineSpec.loss returned {what}; it must return the micro-batch's mean loss as a scalar tensor.",
             hint="Reduce the loss in PipelineSpec.loss, e.g. F.cross_entropy(..., reduction='mean') or loss.mean().",

@@ -68,7 +68,7 @@ def test_a_none_or_a_constant_among_the_first_layers_inputs_is_refused(inputs: A
     non-tensor *value* with next(..., None), so a None entry read as "none found" and passed. A real 2-rank gloo fit then
     failed on both ranks at its first step with AttributeError: 'NoneType' object has no attribute 'dim'. Now None is
     refused in one sentence, as an int or a string was."""
-    given = "None" if any(a is None for a in inputs) else f"a {type(inputs[1]).__name__}"
+    given = "None" if any(a is None for a in inputs) else {"int": "an int", "str": "a str"}[type(inputs[1]).__name__]
     with pytest.raises(BatchFormatError, match=rf"gave the first layer {given}; the pipeline passes only tensors .*HINT: .*None for an optional"):
         split_microbatches(inputs, 2, size=8)
 
@@ -133,11 +133,12 @@ def _reference(model: L.LightningModule, collate: Any, batch_size: int = BATCH) 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _fit(model: L.LightningModule, collate: Any, out: str) -> dict[str, torch.Tensor] | str:
+def _fit(model: L.LightningModule, collate: Any, out: str, boundaries: Any = "auto") -> dict[str, torch.Tensor] | str:
     """The weights after a 2-stage GPipe fit of 2 micro-batches, or the error it raised (type and first line)."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, stage_boundaries=boundaries, n_microbatches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
     try:
@@ -387,6 +388,56 @@ def _padded_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
     return "", trainer.global_step
 
 
+class _ToDict(nn.Module):
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"hidden": h.relu()}
+
+
+class _FromDict(nn.Linear):
+    def forward(self, out: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(out["hidden"])
+
+
+class _HeadDict(nn.Linear):
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"logits": super().forward(h)}
+
+
+class _DictOutputs(L.LightningModule):
+    """``where="stage"``: a dict between two layers of the second stage; ``"last"``: the last layer returns a dict
+    (a Hugging Face style head) that the loss reads ``out["logits"]`` of. The stage boundary is after layers[0]."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        tail = [_ToDict(), _FromDict(16, CLASSES)] if where == "stage" else [nn.ReLU(), _HeadDict(16, CLASSES)]
+        self.layers = nn.ModuleList([nn.Linear(4, 16), *tail])
+
+    def loss(self, out: Any, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(out["logits"] if self.where == "last" else out, batch[1])
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(layers=list(self.layers), inputs=lambda b: b[0], loss=self.loss)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        for layer in self.layers:
+            x = layer(x)
+        return self.loss(x, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _dict_outputs(out: str) -> tuple[dict[str, torch.Tensor] | str, tuple[str, bool]]:
+    model = _DictOutputs("last")
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    refused = _fit(model, None, out, boundaries=[1])
+    assert isinstance(refused, str), "the fit trained"
+    return _fit(_DictOutputs("stage"), None, out, boundaries=[1]), (refused, all(torch.equal(v, start[k]) for k, v in model.state_dict().items()))
+
+
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     model = _ObjectTargets()
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -395,13 +446,14 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
     return {"weighted": _fit(_WeightedLoss(), _weights_and_label_list, out), "object": (refused, whole), "hooked": _hooked_fit(out),
             "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out),
             "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out),
-            "rechunked": _auto_plan_rechunked(out), "filled": _padded_last_batch_of_a_batch_sampler(out)}
+            "rechunked": _auto_plan_rechunked(out), "filled": _padded_last_batch_of_a_batch_sampler(out),
+            "dict_outputs": _dict_outputs(out)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled")
+    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled", "dict_outputs")
     return {key: [rank[key] for rank in ranks] if key in every else ranks[0][key] for key in ranks[0]}
 
 
@@ -481,6 +533,23 @@ def test_a_none_that_would_cross_a_stage_is_refused_before_the_cut_on_every_rank
     for refused, whole in fits["none_in_inputs"]:
         assert refused.startswith("BatchFormatError: `PipelineSpec.inputs(batch)` gave the first layer None; "), refused
         assert whole
+
+
+def test_a_dict_is_refused_from_the_last_layer_before_the_cut_and_passes_inside_a_stage(fits: dict[str, Any]) -> None:
+    """A last layer returning {"logits": ...} (the loss reading out["logits"]) profiled as splittable, as the README
+    allowed it, but torch's runtime takes only tensors from the last stage too: the first step failed on rank 1 alone
+    ("ModelSplitError: The pipeline layer HeadDict returned a dict", torch's own shape inference refuses it likewise)
+    and rank 0 saw "Connection closed by peer". Now it is refused before the cut on every rank, weights untouched. A
+    dict between two layers of one stage, which torch never sees, was refused at the first step as well; it trains now
+    as one process does."""
+    for trained, (refused, whole) in fits["dict_outputs"]:
+        assert refused.startswith(
+            "ModelSplitError: PipelineSpec.layers[2] (_HeadDict), the last layer, returned a dict; torch's pipelining runtime "
+            "takes only tensors from a stage, the last one included"
+        ), refused
+        assert "HINT: Return the tensor(s) the loss needs" in refused and whole
+        assert not isinstance(trained, str), trained
+    torch.testing.assert_close(fits["dict_outputs"][0][0], _reference(_DictOutputs("stage"), None), rtol=1e-5, atol=1e-6)
 
 
 def test_a_packed_sequence_between_two_layers_of_one_stage_goes_whole() -> None:

@@ -314,8 +314,16 @@ def test_pipeline_spec_contract_breaks_are_named() -> None:
         def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"hidden": x}
 
-    with pytest.raises(ModelSplitError, match=r"layer DictOut returned a dict; a PipelineSpec layer must return a tensor or a tuple.*HINT"):
-        StageModule([nn.Linear(2, 2), DictOut()])(torch.zeros(3, 2))
+    class FromDict(nn.Module):
+        def forward(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
+            return out["hidden"] * 2
+
+    with pytest.raises(ModelSplitError, match=r"layers\[4\] \(DictOut\) returned a dict; only tensors cross between pipeline stages.*HINT"):
+        StageModule([nn.Linear(2, 2), DictOut()], start=3)(torch.zeros(3, 2))
+    with pytest.raises(ModelSplitError, match=r"layers\[1\] \(DictOut\), the last layer, returned a dict; .*HINT: Return the tensor\(s\) the loss"):
+        StageModule([nn.Linear(2, 2), DictOut()], last=True)(torch.zeros(3, 2))
+    # between two blocks of one stage a dict passes, as in one process: torch's runtime never sees it
+    assert torch.equal(StageModule([DictOut(), FromDict()], last=True)(torch.ones(3, 2)), torch.full((3, 2), 2.0))
 
     strategy = PipelineStrategy(stages=2)
     strategy._spec = PipelineSpec(layers=[nn.Identity()], inputs=lambda b: b[0], loss=lambda out, batch: (out - batch[1]) ** 2)
