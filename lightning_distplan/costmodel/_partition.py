@@ -192,8 +192,9 @@ def partition_pipeline(
             received input counts once per in-flight micro-batch and no gradient buffer is held.
         output_kept / received_saved: per layer, bytes as above (None: zeros); only with ``receive_buffers``.
         grad_bytes / grad_cap: per layer, the gradient bytes it adds to its stage's data-parallel all-reduce, and the
-            most one stage may hold (None: no cap); :func:`~lightning_distplan.costmodel.predict` lowers the cap step by
-            step to find splits whose hybrid dp×pp all-reduce is shorter.
+            most one stage may hold (None: no cap); :func:`~lightning_distplan.costmodel.predict` lowers the cap below
+            each split's largest stage, straight down to where a split could price lower (not byte by byte), to find
+            splits whose hybrid dp×pp all-reduce is shorter.
 
     Raises:
         ModelSplitError: ``pp`` below 1 or above the number of layers, or malformed lists.
