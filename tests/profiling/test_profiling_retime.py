@@ -84,8 +84,12 @@ def test_steady_sizes_are_not_timed_again() -> None:
     # Its step is linear in m to well within 50%, so no size is off the line through the others by
     # that much. A loaded CI host once put m = 16 at 3.1 ms against 1.4 ms on the line through the
     # others (6.8 and 15.1 ms at 64 and 128, twice their idle times): one profile more, then the
-    # rule must stay quiet. A rule that fired on steady sizes would fire in both.
-    if [line for line in lines if "timed again" in line]:
+    # rule must stay quiet. A rule that fired on steady sizes would fire in every one. A CI run with
+    # other jobs on the host (2026-11-29) spiked m = 16 in two profiles running: 48.5 ms against
+    # 2.7 ms on the line, timed again at 2.7 ms, as the rule should. So up to three profiles.
+    for _ in range(2):
+        if not [line for line in lines if "timed again" in line]:
+            break
         step, lines = _profile_heavy()
     assert not [line for line in lines if "timed again" in line], lines
 
