@@ -373,14 +373,15 @@ def uncut_part(batch: Any, n: int, path: tuple = ()) -> tuple[tuple, Any] | None
     return None
 
 
-def uncut_part_found(batch: Any, n: int) -> str | None:
-    """"The training batch[1] is a Targets holding the batch's 8 rows" for the part :func:`uncut_part` finds, or None."""
+def uncut_part_found(batch: Any, n: int, subject: str = "The training batch") -> str | None:
+    """"The training batch[1] is a Targets holding the batch's 8 rows" for the part :func:`uncut_part` finds, or None;
+    ``subject`` names what ``batch`` is to the user (a pipeline's "PipelineSpec.targets(batch)")."""
     found = uncut_part(batch, n)
     if found is None:
         return None
     path, part = found
     where = "".join(f"[{key!r}]" for key in path) or " itself"
-    return f"The training batch{where} is a {type(part).__name__} holding the batch's {n} rows"
+    return f"{subject}{where} is a {type(part).__name__} holding the batch's {n} rows"
 
 
 def concat_samples(pieces: list[Any], sizes: list[int]) -> Any:

@@ -102,7 +102,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     refuse_partial_module,
     restore_full_module,
 )
-from lightning_distplan.profiling._batches import BatchSizer, loader_batch_size, tensors_in, uncut_part
+from lightning_distplan.profiling._batches import BatchSizer, loader_batch_size, tensors_in, uncut_part_found
 from lightning_distplan.strategies._pipeline_stage import GuardedStage
 from lightning_distplan.strategies._pipeline_summary import forget_whole_module_summaries, summarize_whole_module
 from lightning_distplan.strategies._pipeline_split import (
@@ -993,14 +993,12 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         """Refuse, on every rank, a part of what the loss gets that holds the batch's ``size`` rows in a form micro-batches
         are not cut from (an object of the user's with tensors as attributes): each micro-batch's loss got all its rows
         beside its own samples, as dp_ga and the profiler refuse it (:func:`uncut_part`)."""
-        found = uncut_part(source, size)
+        subject = "PipelineSpec.targets(batch)" if self._spec.targets is not None else "The batch"
+        found = uncut_part_found(source, size, subject)
         if found is None:
             return
-        path, part = found
-        where = "".join(f"[{key!r}]" for key in path)
-        what = f"PipelineSpec.targets(batch){where}" if self._spec.targets is not None else f"The batch{where or ' itself'}"
         raise BatchFormatError(
-            f"{what} is a {type(part).__name__} holding the batch's {size} rows, which cannot be cut into the {n} pipeline "
+            f"{found}, which cannot be cut into the {n} pipeline "
             f"micro-batches: the loss of each would get all {size} rows of it beside its own {size // n} samples.",
             hint="Make it a tensor (or a dict, tuple or dataclass of tensors), or let PipelineSpec.targets return only the "
             "tensors the loss needs.",

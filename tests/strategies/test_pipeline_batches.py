@@ -253,13 +253,9 @@ def _first_layer_calls(out: str) -> tuple[int, list[str], dict[str, torch.Tensor
     return len(calls), [str(w.message) for w in caught if "shapes" in str(w.message)], got
 
 
-def _short_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
-    """35 samples in batches of 8 drawn by a batch sampler of the user's (Lightning re-creates it over its distributed
-    sampler): the epoch ends with 3, which 2 micro-batches do not split."""
-    from torch.utils.data import BatchSampler, RandomSampler
-
-    class Batches(BatchSampler):  # a bucketing or length-grouping sampler would be one
-        pass
+def _epoch_of_batches_from(batch_sampler: type, out: str) -> tuple[str, int]:
+    """One gpipe epoch over 35 samples in batches of 8 drawn by ``batch_sampler``: (the refusal, or "", and the steps)."""
+    from torch.utils.data import RandomSampler
 
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
@@ -267,13 +263,24 @@ def _short_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
-    loader = DataLoader(rows, batch_sampler=Batches(RandomSampler(rows), batch_size=BATCH, drop_last=False),
+    loader = DataLoader(rows, batch_sampler=batch_sampler(RandomSampler(rows), batch_size=BATCH, drop_last=False),
                         collate_fn=_weights_and_label_list)
     try:
         trainer.fit(_WeightedLoss(), loader)
     except Exception as err:  # noqa: BLE001 - what the test reports
         return f"{type(err).__name__}: {str(err).splitlines()[0]}", trainer.global_step
     return "", trainer.global_step
+
+
+def _short_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
+    """35 samples in batches of 8 drawn by a batch sampler of the user's (Lightning re-creates it over its distributed
+    sampler): the epoch ends with 3, which 2 micro-batches do not split."""
+    from torch.utils.data import BatchSampler
+
+    class Batches(BatchSampler):  # a bucketing or length-grouping sampler would be one
+        pass
+
+    return _epoch_of_batches_from(Batches, out)
 
 
 class _MaskedFirst(nn.Module):
@@ -364,7 +371,7 @@ def _auto_plan_rechunked(out: str) -> dict[str, torch.Tensor] | str:
 def _padded_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
     """35 samples in batches of 8 from a batch sampler of the user's that fills its last batch from the epoch's first
     samples: every batch holds 8, which 2 micro-batches split."""
-    from torch.utils.data import BatchSampler, RandomSampler
+    from torch.utils.data import BatchSampler
 
     class Filled(BatchSampler):
         def __iter__(self):  # type: ignore[no-untyped-def]
@@ -373,19 +380,7 @@ def _padded_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
                 batch = order[i:i + self.batch_size]
                 yield batch + order[:self.batch_size - len(batch)]
 
-    from lightning_distplan.strategies.pipeline import PipelineStrategy
-
-    rows = _Rows(SAMPLES + 3)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
-                        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
-    loader = DataLoader(rows, batch_sampler=Filled(RandomSampler(rows), batch_size=BATCH, drop_last=False),
-                        collate_fn=_weights_and_label_list)
-    try:
-        trainer.fit(_WeightedLoss(), loader)
-    except Exception as err:  # noqa: BLE001 - what the test reports
-        return f"{type(err).__name__}: {str(err).splitlines()[0]}", trainer.global_step
-    return "", trainer.global_step
+    return _epoch_of_batches_from(Filled, out)
 
 
 class _ToDict(nn.Module):
