@@ -193,13 +193,11 @@ def run(args: argparse.Namespace) -> int:
         device_memory_bytes=None if args.device_memory_gb is None else max(1, int(args.device_memory_gb * 2**30)),
         bandwidth_bytes_per_s=None if args.bandwidth_gbps is None else args.bandwidth_gbps * 1e9 / 8,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-        ranks_per_host=ranks_per_host,  # a CPU profile's memory is one host's RAM, shared by the ranks on it
+        # a CPU profile's memory is one host's RAM, shared by the ranks on it; over several nodes the stages of a hybrid
+        # dp x pp on one node cross its one link with their all-reduces at once, as auto_plan prices them (choose_plan)
+        ranks_per_host=ranks_per_host, world_size=args.world_size,
     )
     hardware = replace(hardware, compute_scale=args.compute_scale, memory_margin=args.memory_margin)
-    if args.num_nodes > 1:
-        # several nodes: the stages of a hybrid dp x pp on one node cross its one link with their all-reduces at once,
-        # as auto_plan prices them (choose_plan); on one node the rings cross no shared link
-        hardware = replace(hardware, devices_per_link=ranks_per_host)
     _check_magnitudes(profile, args, hardware)
     candidates = rank_plans(
         profile,

@@ -192,13 +192,9 @@ def planning_hardware(profile: Profile, world: int) -> Hardware:
     shared by the :func:`ranks_per_machine` ranks on one machine (not by all ``world`` ranks, which span machines under
     ``--nnodes``), and over several machines their link shared by the stages of a hybrid dp×pp on one machine
     (``Hardware.devices_per_link``, as ``choose_plan`` sets it)."""
-    from dataclasses import replace
-
     from lightning_distplan.costmodel import Hardware
 
-    local = ranks_per_machine(world)
-    hardware = Hardware.from_profile(profile, warn_default_links=world > 1, ranks_per_host=local)
-    return replace(hardware, devices_per_link=local) if 1 < local < world else hardware
+    return Hardware.from_profile(profile, warn_default_links=world > 1, ranks_per_host=ranks_per_machine(world), world_size=world)
 
 
 def _control_group(timeout_s: float) -> Any:

@@ -59,8 +59,6 @@ def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None
     ``tie`` is the near-tie margin (default the planner's, :data:`~lightning_distplan.planner.NEAR_TIE`; 0 ranks by
     predicted time alone).
     """
-    from dataclasses import replace
-
     from lightning_distplan.costmodel import Hardware, predict
     from lightning_distplan.planner import NEAR_TIE, rank_order
 
@@ -68,9 +66,7 @@ def predict_ranked(profile: Profile, plans: Sequence[Plan], *, tie: float | None
     # profile's host RAM shared by the plans' ranks, as rank_plans (the bench's planner) and predict share it
     world = max((plan.world_size for plan in plans), default=1)
     hw = Hardware.from_profile(profile, warn_default_links=any(plan.world_size > 1 for plan in plans),
-                               ranks_per_host=world if ranks_per_host is None else ranks_per_host)
-    if ranks_per_host is not None and 1 < ranks_per_host < world:  # several machines: a hybrid's stages on one share its link
-        hw = replace(hw, devices_per_link=ranks_per_host)
+                               ranks_per_host=world if ranks_per_host is None else ranks_per_host, world_size=world)
     preds = [predict(profile, plan, hw) for plan in plans]
     ranks = [0] * len(plans)
     for position, i in enumerate(rank_order(plans, preds, tie=NEAR_TIE if tie is None else tie), 1):

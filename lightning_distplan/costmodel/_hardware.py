@@ -119,6 +119,7 @@ class Hardware:
         latency_s: float | None = None,
         warn_default_links: bool = True,
         ranks_per_host: int = 1,
+        world_size: int | None = None,
     ) -> Hardware:
         """The profiled device, with its measured links.
 
@@ -136,6 +137,9 @@ class Hardware:
                 is the host's RAM (or its cgroup limit), which every rank on the host draws from, so each
                 gets its share; GPU ranks each have their own device. A given ``device_memory_bytes`` is
                 taken as one rank's already.
+            world_size: the job's ranks. Where they span several hosts (``1 < ranks_per_host < world_size``), the
+                ranks on one host share its network link (``devices_per_link = ranks_per_host``): the stages of a
+                hybrid dp×pp on one host cross it at once with their gradient all-reduces. None: one host.
         """
         # Checked before any use: NaN reached int() (a bare "cannot convert float NaN to integer"), and a NaN or negative
         # link was logged as "assuming nan Gbit/s (given)" before Hardware refused it under a field name not passed here.
@@ -218,6 +222,7 @@ class Hardware:
             comm_overlap=not cpu,
             host_overlap=not cpu,
             p2p_one_stream="gloo" in p2p.backend if p2p is not None and p2p.backend else cpu,
+            devices_per_link=ranks_per_host if world_size is not None and 1 < ranks_per_host < world_size else 1,
         )
 
 

@@ -515,9 +515,7 @@ def choose_plan(
     """
     if hardware is None:
         hardware = Hardware.from_profile(profile, device_memory_bytes=device_memory_bytes, warn_default_links=world_size > 1,
-                                         ranks_per_host=world_size if ranks_per_host is None else ranks_per_host)
-        if ranks_per_host is not None and 1 < ranks_per_host < world_size:  # several nodes: the all-reduce crosses their links
-            hardware = replace(hardware, devices_per_link=ranks_per_host)
+                                         ranks_per_host=world_size if ranks_per_host is None else ranks_per_host, world_size=world_size)
     if compute_scale != hardware.compute_scale:
         hardware = replace(hardware, compute_scale=compute_scale)
     if ddp_bucket_bytes is not None:
