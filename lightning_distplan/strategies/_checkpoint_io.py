@@ -6,13 +6,21 @@ Lightning's ``TorchCheckpointIO`` writes a local checkpoint into a temporary fil
 that fails or is stopped (a full disk or quota, a pre-empted job) leaves a half-written ``last.ckpt`` in place of the
 good one; and the temporary folder must hold the whole checkpoint. Here the temporary file lies in the checkpoint's
 own folder, and a rename replaces the file in one step.
+
+A save killed mid-write (SIGKILL: a pre-empted job) cannot remove its temporary file. Its writer holds an exclusive
+``flock`` on it while writing, which the kernel drops when the process dies; each save that succeeds removes the
+temporary files of our naming in its folder that no process holds (and that are a minute old, past the instant between
+a file's creation and its lock). A save still being written elsewhere, and every other file, stay.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import stat
+import threading
+import time
 from typing import Any
 
 import torch
@@ -26,6 +34,12 @@ from typing_extensions import override
 from lightning_distplan.errors import OutputPathError
 
 __all__ = ["AtomicCheckpointIO", "AtomicSaves"]
+
+_TEMP_NAME = re.compile(r"\.distplan-save-[0-9a-f]{16}\.tmp")
+_STALE_AFTER_S = 60.0
+"""A temporary file younger than this may be one a live save has made but not locked yet."""
+_WRITING: set[str] = set()  # this process's own temporary files (an NFS flock is a POSIX lock, which this process holds)
+_WRITING_LOCK = threading.Lock()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -42,11 +56,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         os.makedirs(folder, exist_ok=True)
         # Not named after the checkpoint: Lightning reads names in these folders (a killed save's leftover
         # '.hpc_ckpt_2.ckpt.<hex>.tmp' made a SLURM requeue resume from the missing 'hpc_ckpt_2<digits of hex>.ckpt')
-        tmp = os.path.join(folder, f".distplan-save-{secrets.token_hex(8)}.tmp")
+        tmp = os.path.join(folder, f".distplan-save-{secrets.token_hex(8)}.tmp")  # _TEMP_NAME
+        with _WRITING_LOCK:
+            _WRITING.add(tmp)
         try:
             # 0666 less the umask, as open() makes a file; an existing checkpoint's own bits are kept below
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
             with os.fdopen(fd, "wb") as f:
+                _lock(f.fileno())  # held until the file is closed, or its writer dies
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())  # the data is on the disk before the name points at it
@@ -65,6 +82,50 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 hint="Free space on that file system (or check its quota and permissions), or save checkpoints elsewhere "
                 "(ModelCheckpoint(dirpath=...)).",
             ) from err
+        finally:
+            with _WRITING_LOCK:
+                _WRITING.discard(tmp)
+        _remove_stale_temp_files(folder)
+
+
+def _lock(fd: int) -> bool:
+    """Whether an exclusive ``flock`` on ``fd`` was had, without waiting (False: another process holds it, or this file
+    system has no flock)."""
+    try:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (ImportError, OSError):  # not POSIX; a file system without flock: a save goes on, nothing is removed
+        return False
+    return True
+
+
+def _remove_stale_temp_files(folder: str) -> None:
+    """Remove the temporary files of killed saves in ``folder``: our naming, a regular file, no process holding its lock,
+    older than :data:`_STALE_AFTER_S`. Best effort: a file that cannot be opened or locked stays."""
+    try:
+        names = [n for n in os.listdir(folder) if _TEMP_NAME.fullmatch(n)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        with _WRITING_LOCK:
+            if path in _WRITING:
+                continue
+        try:
+            # Open for writing (an NFS flock needs it), never following a link; nothing is written
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > _STALE_AFTER_S and _lock(fd):
+                if os.path.samestat(st, os.stat(path, follow_symlinks=False)):
+                    os.remove(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _os_error(err: BaseException | None) -> OSError | None:

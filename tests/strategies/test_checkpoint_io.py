@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from _tiny_lm import TinyLM, trainer_kwargs
 
 from lightning_distplan.errors import OutputPathError
 from lightning_distplan.strategies import DPGAStrategy
+from lightning_distplan.strategies._checkpoint_io import AtomicCheckpointIO
 
 
 def test_a_checkpoint_is_replaced_in_one_step_where_tmpdir_is_another_file_system(tmp_path: Path, monkeypatch: Any) -> None:
@@ -88,3 +90,51 @@ def test_a_killed_save_leaves_no_file_lightning_takes_for_a_checkpoint(tmp_path:
     assert trainer._checkpoint_connector._hpc_resume_path == str(tmp_path / "hpc_ckpt_1.ckpt")
     assert trainer._checkpoint_connector.hpc_save_path(tmp_path) == str(tmp_path / "hpc_ckpt_2.ckpt")
     assert torch.load(tmp_path / "hpc_ckpt_1.ckpt", weights_only=True)["w"].shape == (3,)
+
+
+_SAVE_HELD_OPEN = """
+import os, sys, torch
+from lightning_distplan.strategies._checkpoint_io import AtomicCheckpointIO
+class HeldMidSave:
+    def __reduce__(self):
+        print("writing", flush=True)
+        sys.stdin.readline()  # a large checkpoint still being written when another save in the folder ends
+        return (int, (7,))
+AtomicCheckpointIO().save_checkpoint({"w": torch.ones(100000), "k": HeldMidSave()}, os.path.join(sys.argv[1], "epoch=1.ckpt"))
+"""
+
+
+def test_a_killed_saves_leftover_goes_at_the_next_save_in_its_folder_but_a_live_save_and_user_files_stay(tmp_path: Path) -> None:
+    """A save killed mid-write (SIGKILL: a pre-empted job, its time limit) left its hidden '.distplan-save-<hex>.tmp' in
+    the checkpoint folder for good, one per killed save (measured: four killed saves left four, and later saves in the
+    folder left them there). The next save in that folder removes it, once its writer is gone (it no longer holds the file's
+    lock); a save still being written by another live process, and files of other names, stay."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    (killed,) = [p for p in tmp_path.iterdir() if p.name.startswith(".distplan-save-")]
+    users = [tmp_path / ".distplan-save-notes.tmp", tmp_path / "draft.tmp", tmp_path / ".distplan-save-0123456789abcdef.tmp.bak"]
+    for user in users:
+        user.write_text("the user's")
+    live = subprocess.Popen([sys.executable, "-c", _SAVE_HELD_OPEN, str(tmp_path)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout is not None and live.stdin is not None
+        assert live.stdout.readline() == "writing\n"
+        (writing,) = [p for p in tmp_path.glob(".distplan-save-*.tmp") if p != killed and p not in users]
+        hour_ago = time.time() - 3600  # long enough: a leftover this young could be a save that has not locked it yet
+        for path in [killed, writing, *users]:
+            os.utime(path, (hour_ago, hour_ago))
+
+        AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, tmp_path / "last.ckpt")
+        assert not killed.exists()
+        assert writing.exists()
+        assert all(user.read_text() == "the user's" for user in users)
+
+        live.stdin.write("go on\n")
+        live.stdin.close()
+        assert live.wait(timeout=60) == 0
+    finally:
+        live.kill()
+        live.wait()
+    assert torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)["k"] == 7  # the live save is whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hpc_ckpt_1.ckpt", "epoch=1.ckpt", "last.ckpt", *(u.name for u in users)])
