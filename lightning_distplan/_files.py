@@ -44,6 +44,7 @@ def check_output_path(path: str | Path, option: str, *, example: str = "out.json
         raise OutputPathError(
             f"{option} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed ({err.strerror or err}).",
             hint=f"Pick a path on a writable file system for {option}.",
+            errno=err.errno,
         ) from None
     probe.unlink(missing_ok=True)
     return path
@@ -120,6 +121,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         raise OutputPathError(
             f"Writing {str(path)!r} failed ({err.strerror or err}){kept}.",
             hint="Free space on that file system (or check its quota and permissions), or pick another path.",
+            errno=err.errno,
         ) from err
 
 

@@ -76,8 +76,19 @@ class DemoArgumentError(DistPlanError, ValueError):
     """An argument of a :mod:`lightning_distplan.demos` data module or model is out of range or unknown."""
 
 
-class OutputPathError(DistPlanError, ValueError):
-    """A file this package was asked to write cannot be written there (a folder, under a file, not writable)."""
+class OutputPathError(DistPlanError, ValueError, OSError):
+    """A file this package was asked to write cannot be written there (a folder, under a file, not writable), or writing it
+    failed (a full disk or quota, permission denied).
+
+    An ``OSError`` as well as a ``ValueError`` (as before), so ``except OSError`` around a save catches it; ``errno`` is
+    the failure's (``errno.ENOSPC`` for a full disk) where the file system refused it, else None."""
+
+    def __init__(self, message: str, *, hint: str | None = None, errno: int | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.errno = errno  # not strerror too: str() would be '[Errno N] strerror' in place of the sentence
+
+    def __reduce__(self) -> tuple:  # OSError's keeps errno out (a broadcast between ranks pickles the error)
+        return type(self), self.args, {**self.__dict__, "errno": self.errno}
 
 
 class ProfilingError(DistPlanError, ValueError):

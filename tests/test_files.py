@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import stat
 from pathlib import Path
 
@@ -72,7 +74,7 @@ def test_an_output_path_where_no_file_can_be_made_is_refused_up_front(tmp_path):
 
 
 _FULL_DISK = """
-import resource, signal, sys
+import errno, resource, signal, sys
 from pathlib import Path
 from lightning_distplan._files import write_text_atomic
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk or quota
@@ -81,13 +83,15 @@ for name in sys.argv[1:]:
     try:
         write_text_atomic(name, "x" * 100_000)
     except Exception as err:
-        print(type(err).__name__, isinstance(err, ValueError), err)
+        print(type(err).__name__, isinstance(err, ValueError), isinstance(err, OSError) and errno.errorcode[err.errno], err)
 """
 
 
 def test_a_write_the_file_system_refuses_is_one_sentence_and_keeps_the_old_file(tmp_path: Path) -> None:
     """A full disk at the write (after minutes of profiling or benchmarking) printed 'OSError: [Errno 28] No space left
-    on device' with the generic HINT, naming no file."""
+    on device' with the generic HINT, naming no file. The sentence that replaced it was a ValueError only, which an
+    ``except OSError`` around the write (the usual guard for a full disk) let through; it is an OSError too, with the
+    failure's errno."""
     import subprocess
     import sys
 
@@ -99,11 +103,13 @@ def test_a_write_the_file_system_refuses_is_one_sentence_and_keeps_the_old_file(
     assert run.returncode == 0, run.stderr
     first, second = run.stdout.splitlines()
     assert first == (
-        f"OutputPathError True Writing {str(tmp_path / 'profile.json')!r} failed (File too large); the file there before is left as it was. "
+        f"OutputPathError True EFBIG Writing {str(tmp_path / 'profile.json')!r} failed (File too large); the file there before is left as it was. "
         "HINT: Free space on that file system (or check its quota and permissions), or pick another path."
     )
-    assert second.startswith(f"OutputPathError True Writing {str(tmp_path / 'new.json')!r} failed (File too large); no file was made. HINT:")
+    assert second.startswith(f"OutputPathError True EFBIG Writing {str(tmp_path / 'new.json')!r} failed (File too large); no file was made. HINT:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"] and (tmp_path / "profile.json").read_text() == "old"
     if Path("/dev/full").exists():  # a device written in place: no claim about what it holds
-        with pytest.raises(OutputPathError, match=r"^Writing '/dev/full' failed \(No space left on device\)\. HINT: Free space"):
+        with pytest.raises(OSError, match=r"^Writing '/dev/full' failed \(No space left on device\)\. HINT: Free space") as full:
             write_text_atomic("/dev/full", "{}")
+        assert isinstance(full.value, OutputPathError) and full.value.errno == errno.ENOSPC
+        assert pickle.loads(pickle.dumps(full.value)).errno == errno.ENOSPC  # as a broadcast to the other ranks has it

@@ -81,6 +81,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f"Saving the checkpoint {str(path)!r} failed ({failed.strerror or failed}); {kept}.",
                 hint="Free space on that file system (or check its quota and permissions), or save checkpoints elsewhere "
                 "(ModelCheckpoint(dirpath=...)).",
+                errno=failed.errno,
             ) from err
         finally:
             with _WRITING_LOCK:

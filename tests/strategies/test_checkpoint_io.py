@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import signal
@@ -55,12 +56,14 @@ def test_a_checkpoint_is_replaced_in_one_step_where_tmpdir_is_another_file_syste
     resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size // 2, hard))
     try:
         model.model.decoder.bias.data += 1
-        with pytest.raises(OutputPathError, match=r"^Saving the checkpoint '.*last\.ckpt' failed \(File too large\); the file there "
-                           r"before is left as it was\. HINT: Free space on that file system"):
+        with pytest.raises(OSError, match=r"^Saving the checkpoint '.*last\.ckpt' failed \(File too large\); the file there "
+                           r"before is left as it was\. HINT: Free space on that file system") as failed:
             trainer.save_checkpoint(path)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
+    # an I/O failure: caught by `except OSError` (errno EFBIG, as a full disk's ENOSPC), and by `except ValueError` as before
+    assert isinstance(failed.value, OutputPathError) and isinstance(failed.value, ValueError) and failed.value.errno == errno.EFBIG
     torch.testing.assert_close(torch.load(path, weights_only=True)["state_dict"], new, rtol=0, atol=0)
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
