@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_distplan.errors import DistPlanError
+from lightning_distplan.errors import DistPlanError, described
 from lightning_distplan.plan import Plan
 
 if TYPE_CHECKING:
@@ -311,6 +311,7 @@ def load_portable_optimizer_states(
     states = checkpoint.get(OPTIMIZER_STATES_KEY)
     if states is None:
         return False
+    _check_states_by_name(states)
     if len(states) != len(optimizers):
         raise CheckpointFormatError(
             f"The checkpoint holds {len(states)} optimizer states but configure_optimizers returned {len(optimizers)} optimizers.",
@@ -320,6 +321,34 @@ def load_portable_optimizer_states(
     for optimizer, state in zip(optimizers, states):
         load_optimizer_state_by_name(optimizer, named, state)
     return True
+
+
+def _check_states_by_name(states: Any) -> None:
+    """Refuse an ``OPTIMIZER_STATES_KEY`` entry that is not what :func:`add_portable_state` writes (one edited by hand or
+    by another tool), before a bare ``KeyError`` deep in the load, or a ``state`` read as empty (no Adam moments)."""
+    problem = None
+    if not isinstance(states, (list, tuple)):
+        problem = f"is {described(states)}, not a list of one state per optimizer"
+    for i, state in enumerate(states if problem is None else ()):
+        missing = [k for k in ("state", "param_groups") if not isinstance(state, Mapping) or k not in state]
+        if not isinstance(state, Mapping) or missing:
+            problem = f"entry {i} is {described(state)} without {' or '.join(map(repr, missing))}"
+        elif not isinstance(state["state"], Mapping):
+            problem = f"entry {i} has {described(state['state'])} as 'state', not a dict by parameter name"
+        elif not isinstance(state["param_groups"], (list, tuple)):
+            problem = f"entry {i} has {described(state['param_groups'])} as 'param_groups', not a list"
+        else:
+            bad = [j for j, g in enumerate(state["param_groups"]) if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple))]
+            if bad:
+                problem = f"entry {i} has param group {bad[0]} without a list of parameter names as 'params'"
+        if problem is not None:
+            break
+    if problem is not None:
+        raise CheckpointFormatError(
+            f"The checkpoint's {OPTIMIZER_STATES_KEY!r} {problem}, so the optimizer state cannot be loaded by parameter name.",
+            hint=f"Resume from a checkpoint a lightning_distplan strategy wrote, or delete its {OPTIMIZER_STATES_KEY!r} entry to "
+            "load Lightning's 'optimizer_states' instead.",
+        )
 
 
 def plan_context(strategy: Any) -> dict[str, Any]:

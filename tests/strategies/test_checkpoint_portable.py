@@ -344,3 +344,40 @@ def test_a_checkpoint_file_cut_short_or_not_lightnings_is_refused_in_one_sentenc
             with pytest.raises(CheckpointFormatError, match=message):
                 strategy.load_checkpoint(str(tmp_path / name))
     assert stored_plan(PipelineStrategy(schedule="1f1b").load_checkpoint(str(good))) is not None  # an intact one loads
+
+
+def test_a_malformed_by_name_optimizer_state_is_refused_in_one_sentence(tmp_path: Any) -> None:
+    """A checkpoint whose 'distplan_optimizer_states' entry is not what the strategies write (edited by hand or by
+    another tool) stopped the resume with a bare "KeyError: 'param_groups'" (or 'state', 'params'), and one whose
+    'state' was a list resumed with no Adam moments at all, silently."""
+    model = TinyLM(n_samples=32, loader_batch=16, optimizer="adam")
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=1)
+    trainer.fit(model)
+    good = str(tmp_path / "good.ckpt")
+    trainer.save_checkpoint(good)
+    torch.distributed.destroy_process_group()
+
+    def no_params(states: list[dict[str, Any]]) -> None:
+        del states[0]["param_groups"][0]["params"]
+
+    edits = {
+        "no param_groups": (lambda states: states[0].pop("param_groups"), r"entry 0 is a dict without 'param_groups'"),
+        "no state": (lambda states: states[0].pop("state"), r"entry 0 is a dict without 'state'"),
+        "state a list": (lambda states: states[0].__setitem__("state", list(states[0]["state"].values())), r"entry 0 has a list as 'state'"),
+        "group without params": (no_params, r"entry 0 has param group 0 without a list of parameter names as 'params'"),
+        "one dict": (None, r"is a dict, not a list of one state per optimizer"),
+    }
+    for name, (edit, found) in edits.items():
+        ckpt = torch.load(good, weights_only=False)
+        if edit is None:
+            ckpt[OPTIMIZER_STATES_KEY] = ckpt[OPTIMIZER_STATES_KEY][0]
+        else:
+            edit(ckpt[OPTIMIZER_STATES_KEY])
+        path = str(tmp_path / f"{name}.ckpt")
+        torch.save(ckpt, path)
+        resumed = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=2)
+        with pytest.raises(CheckpointFormatError, match=rf"^The checkpoint's 'distplan_optimizer_states' {found}.*\. HINT: Resume from a "
+                           r"checkpoint a lightning_distplan strategy wrote, or delete its 'distplan_optimizer_states'"):
+            resumed.fit(TinyLM(n_samples=32, loader_batch=16, optimizer="adam"), ckpt_path=path)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
