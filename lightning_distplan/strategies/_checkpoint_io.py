@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from typing_extensions import override
 
+from lightning_distplan._files import check_output_path
 from lightning_distplan.errors import OutputPathError
 
 __all__ = ["AtomicCheckpointIO", "AtomicSaves"]
@@ -52,6 +53,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not isinstance(fs, LocalFileSystem):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
+        _check_checkpoint_path(local)
         folder = os.path.dirname(os.path.abspath(local))
         os.makedirs(folder, exist_ok=True)
         # Not named after the checkpoint: Lightning reads names in these folders (a killed save's leftover
@@ -87,6 +89,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with _WRITING_LOCK:
                 _WRITING.discard(tmp)
         _remove_stale_temp_files(folder)
+
+
+def _check_checkpoint_path(path: str) -> None:
+    """Refuse a path that is a folder, lies under a file or in a folder no file can be made in, before the folder's
+    creation raises a bare ``FileExistsError`` (a ``ModelCheckpoint(dirpath=...)`` naming a file)."""
+    try:
+        check_output_path(path, "The checkpoint", example="last.ckpt")
+    except OutputPathError as err:
+        raise OutputPathError(
+            str(err).split(" HINT: ")[0],
+            hint="Save checkpoints to a file path in a writable folder (Trainer.save_checkpoint(path), ModelCheckpoint(dirpath=...)).",
+            errno=err.errno,
+        ) from None
 
 
 def _lock(fd: int) -> bool:

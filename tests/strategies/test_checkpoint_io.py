@@ -141,3 +141,22 @@ def test_a_killed_saves_leftover_goes_at_the_next_save_in_its_folder_but_a_live_
         live.wait()
     assert torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)["k"] == 7  # the live save is whole
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hpc_ckpt_1.ckpt", "epoch=1.ckpt", "last.ckpt", *(u.name for u in users)])
+
+
+def test_a_checkpoint_path_that_is_a_folder_or_lies_under_a_file_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    """A checkpoint path under a file (ModelCheckpoint(dirpath=...) naming a file) raised a bare 'FileExistsError: [Errno
+    17] File exists' (or NotADirectoryError) from the folder's creation; a path that is a folder said 'failed (Is a
+    directory)' with the hint to free space on the disk."""
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "runs").mkdir()
+    cases = {
+        tmp_path / "notes.txt" / "last.ckpt": r"lies under '.*notes\.txt', which is a file\.",
+        tmp_path / "notes.txt" / "sub" / "last.ckpt": r"lies under '.*notes\.txt', which is a file\.",
+        tmp_path / "runs": r"is a directory\.",
+    }
+    for path, found in cases.items():
+        with pytest.raises(OutputPathError, match=rf"^The checkpoint '{path}' {found} HINT: Save checkpoints to a file path in a writable "
+                           r"folder \(Trainer\.save_checkpoint\(path\), ModelCheckpoint\(dirpath=\.\.\.\)\)\.$"):
+            AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, path)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and list((tmp_path / "runs").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "runs"]
