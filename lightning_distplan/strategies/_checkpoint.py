@@ -31,6 +31,7 @@ import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_distplan.errors import DistPlanError, described
@@ -84,13 +85,16 @@ def _damaged(err: BaseException) -> bool:
     return isinstance(err, (RuntimeError, pickle.UnpicklingError)) and any(mark in str(err) for mark in _DAMAGED_MARKS)
 
 
-def read_checkpoint(load: Callable[[], Any], path: Any) -> dict[str, Any]:
+def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None) -> dict[str, Any]:
     """``load()`` (the strategy's ``Strategy.load_checkpoint``), refusing in one sentence a file it cannot read, or one
     that is not a checkpoint Lightning wrote, where torch and Lightning name neither (``OSError: [Errno 22] Invalid
     argument`` for a checkpoint cut short, ``KeyError: 'pytorch-lightning_version'`` for a model's bare state_dict).
+    ``strategy``: the loading strategy; a fit it resumes refuses a weights-only checkpoint (Lightning's own refusal comes
+    after the weights loaded, as a ``KeyError``).
 
     Raises:
-        CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint.
+        CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint, or
+            holds weights only for a fit to resume.
     """
     try:
         checkpoint = load()
@@ -106,6 +110,7 @@ def read_checkpoint(load: Callable[[], Any], path: Any) -> dict[str, Any]:
     if isinstance(checkpoint, Mapping):
         missing = [k for k in ("state_dict", "pytorch-lightning_version") if k not in checkpoint]
         if not missing:
+            _refuse_weights_only_resume(checkpoint, path, strategy)
             return checkpoint  # type: ignore[return-value]  # Lightning's loader returns a dict
         keys = ", ".join(repr(k) for k in list(checkpoint)[:3]) + (", ..." if len(checkpoint) > 3 else "")
         say = "; a module's state_dict saved with torch.save, say" if "state_dict" in missing else ""
@@ -117,6 +122,20 @@ def read_checkpoint(load: Callable[[], Any], path: Any) -> dict[str, Any]:
         hint="Load the weights into the module before the run (module.load_state_dict(...)) and leave out ckpt_path, or "
         "pass a file Trainer.save_checkpoint or ModelCheckpoint wrote.",
     )
+
+
+def _refuse_weights_only_resume(checkpoint: Mapping[str, Any], path: Any, strategy: Any) -> None:
+    module = None if strategy is None else strategy.lightning_module
+    trainer = None if module is None else module._trainer
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING or not strategy.lightning_restore_optimizer:
+        return
+    if "optimizer_states" not in checkpoint:
+        raise CheckpointFormatError(
+            f"The checkpoint {str(path)!r} holds the model's weights only (saved with save_weights_only=True), not the optimizer "
+            "state a resumed fit needs.",
+            hint=f"Load the weights into the module ({type(module).__name__}.load_from_checkpoint(path)) and fit it without "
+            "ckpt_path, or resume from a full checkpoint.",
+        )
 
 
 def _name_by_id(named_params: NamedParams) -> dict[int, str]:

@@ -229,7 +229,7 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        checkpoint = read_checkpoint(load, checkpoint_path)  # a file cut short or not Lightning's: one sentence
+        checkpoint = read_checkpoint(load, checkpoint_path, strategy=self)  # a file cut short or not Lightning's: one sentence
         self._checkpoint_plan = readable_plan(checkpoint, "auto_plan")
         self._checkpoint_context = stored_plan_context(checkpoint)
         # not the weights; the loops too: Rechunking.resumed tells by their progress whether Lightning restored them yet

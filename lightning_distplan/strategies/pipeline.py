@@ -1239,7 +1239,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         load = functools.partial(super().load_checkpoint, checkpoint_path, weights_only=weights_only)
-        checkpoint = read_checkpoint(load, checkpoint_path)  # a file cut short or not Lightning's: one sentence
+        checkpoint = read_checkpoint(load, checkpoint_path, strategy=self)  # a file cut short or not Lightning's: one sentence
         self._checkpoint_plan = readable_plan(checkpoint, "PipelineStrategy")
         return checkpoint
 

@@ -381,3 +381,29 @@ def test_a_malformed_by_name_optimizer_state_is_refused_in_one_sentence(tmp_path
             resumed.fit(TinyLM(n_samples=32, loader_batch=16, optimizer="adam"), ckpt_path=path)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_a_fit_resumed_from_a_weights_only_checkpoint_is_refused_in_one_sentence(tmp_path: Any) -> None:
+    """ckpt_path= a weights-only checkpoint (ModelCheckpoint(save_weights_only=True), save_checkpoint(weights_only=True))
+    stopped the fit after loading the weights with Lightning's "KeyError: 'Trying to restore optimizer state but
+    checkpoint contains only the model. ...'" (its repr, in quotes); validating from it works, and still does."""
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    model = TinyLM(n_samples=32, loader_batch=16)
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=1)
+    trainer.fit(model)
+    path = str(tmp_path / "weights.ckpt")
+    trainer.save_checkpoint(path, weights_only=True)
+    torch.distributed.destroy_process_group()
+    for strategy in (DPGAStrategy(), AutoPlanStrategy(profile_repeats=1)):
+        trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=strategy, max_steps=2)
+        with pytest.raises(CheckpointFormatError, match=r"^The checkpoint '.*weights\.ckpt' holds the model's weights only \(saved with "
+                           r"save_weights_only=True\), not the optimizer state a resumed fit needs\. HINT: Load the weights into the module "
+                           r"\(TinyLM\.load_from_checkpoint\(path\)\) and fit it without ckpt_path, or resume from a full checkpoint\.$"):
+            trainer.fit(TinyLM(n_samples=32, loader_batch=16), ckpt_path=path)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    evaluated = _Validated(n_samples=32, loader_batch=16)
+    L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), limit_val_batches=1).validate(evaluated, ckpt_path=path, verbose=False)
+    torch.distributed.destroy_process_group()
+    torch.testing.assert_close(cpu_state(evaluated), cpu_state(model), rtol=0, atol=0)
