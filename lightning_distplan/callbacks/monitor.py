@@ -2,8 +2,12 @@
 
 ``auto_plan`` adds a :class:`StepTimeMonitor` to the trainer. It logs, per optimizer step,
 ``distplan/predicted_step_time_s`` and ``distplan/observed_step_time_s``: the wall time from the
-first micro-batch's ``on_train_batch_start`` to the end of the optimizer step. Like the prediction,
-it leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
+first micro-batch's ``on_train_batch_start`` to the end of the optimizer step. Like the prediction
+(a bare training loop: the model, its optimizer, Lightning's own hooks and logging), it leaves out
+the work of the other callbacks, whatever their place in ``trainer.callbacks``: their hooks inside
+the step (a progress bar's refresh, a ``ModelCheckpoint`` saving between micro-batches, your own
+callbacks), read off ``trainer.profiler``, which Lightning runs every callback hook through. It also
+leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
 fetches of later micro-batches fall inside) and any validation run inside the step, from the end
 of the micro-batch before it to the start of the one after it (its loader's start, and checkpoints
 saved after it, left out with it; so is the loading of that next micro-batch). Its state
@@ -154,10 +158,57 @@ class _Totals:
             self.ratio_sum += observed_s / predicted_s
 
 
+class _CallbackClock:
+    """Seconds a Trainer spends in the hooks of callbacks other than one: Lightning runs every callback hook inside
+    ``trainer.profiler.profile("[Callback]<state_key>.<hook>")``, so the profiler's ``start`` / ``stop`` bracket them
+    whatever the callbacks' order (a checkpoint saved inside ``ModelCheckpoint.on_train_batch_end`` with its hook).
+    The profiler's own ``start`` / ``stop`` are wrapped on the instance, as they were called, and put back by
+    :meth:`remove`."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        """Seconds in the other callbacks' hooks since :meth:`install`."""
+        self._profiler: Any = None
+        self._own_methods: dict[str, Any] = {}
+
+    def install(self, profiler: Any, *, own_key: str) -> None:
+        self.remove()
+        self.total = 0.0
+        own, start, stop = f"[Callback]{own_key}.", profiler.start, profiler.stop
+        running: list[Any] = [None, 0.0]  # the outermost other callback's hook now running, and when it started
+
+        def timed_start(action_name: str) -> None:
+            if running[0] is None and action_name.startswith("[Callback]") and not action_name.startswith(own):
+                running[:] = [action_name, time.perf_counter()]
+            start(action_name)
+
+        def timed_stop(action_name: str) -> None:
+            stop(action_name)
+            if action_name == running[0]:
+                self.total += time.perf_counter() - running[1]
+                running[0] = None
+
+        self._profiler = profiler
+        self._own_methods = {name: profiler.__dict__.get(name) for name in ("start", "stop")}
+        profiler.start, profiler.stop = timed_start, timed_stop
+
+    def remove(self) -> None:
+        if self._profiler is None:
+            return
+        for name, own in self._own_methods.items():
+            if own is not None:
+                setattr(self._profiler, name, own)
+            else:
+                self._profiler.__dict__.pop(name, None)
+        self._profiler = None
+
+
 class StepTimeMonitor(Callback):
     """Log predicted and observed step time; optionally re-plan when they depart (see module docstring).
 
-    Every rank times its own steps (:attr:`history`, :attr:`summary`); a logger records global rank 0's. Under
+    Every rank times its own steps (:attr:`history`, :attr:`summary`); a logger records global rank 0's. A rank leaves
+    out its own callbacks' work, not its wait for another rank's: where a callback works on rank 0 only between the
+    micro-batches of a step, the other ranks wait for it at Lightning's next per-batch broadcast, inside their step. Under
     ``strategy="ddp_spawn"`` the steps are timed by copies of the monitor in the spawned processes, so the one in your
     script stays empty: read the logger's ``distplan/observed_step_time_s``.
 
@@ -220,12 +271,15 @@ class StepTimeMonitor(Callback):
         self._predicted: float | None = None
         self._scale = 1.0
         self._t: float | None = None
+        self._clock = _CallbackClock()
+        self._in_callbacks = 0.0  # _clock.total when the step started (moved on past a validation): later time in them is not the step's
         self._last_step = -1
         self._observed: list[float] = []
         self._totals = _Totals()
         self._pending: float | None = None
         self._replan_s = 0.0
         self._micro_end: float | None = None  # when this step's last finished micro-batch ended (a validation may follow it)
+        self._micro_end_in_callbacks = 0.0  # _clock.total then
         self._micro = 0  # micro-batches (training batches) started in this step
         self._validated = False  # a validation ran since then: the gap up to the next micro-batch is not the step's
         self._restored: tuple[dict[str, Any], float] | None = None  # (plan, its prediction) from a checkpoint
@@ -301,6 +355,16 @@ class StepTimeMonitor(Callback):
             self._observed = []
             self._pending = None
             self._replan_s = 0.0
+            self._clock.install(trainer.profiler, own_key=self.state_key)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._clock.remove()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._clock.remove()  # Lightning calls no teardown hook of callbacks after an exception
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -339,10 +403,12 @@ class StepTimeMonitor(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._t is None:
             self._t = time.perf_counter()
+            self._in_callbacks = self._clock.total
             self._micro_end = None
             self._micro = 0
         elif self._validated and self._micro_end is not None:
             self._t += time.perf_counter() - self._micro_end
+            self._in_callbacks += self._clock.total - self._micro_end_in_callbacks  # inside that gap: not taken off twice
         self._validated = False
         self._micro += 1
         if self._last_step < 0:
@@ -351,9 +417,9 @@ class StepTimeMonitor(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step <= self._last_step or self._t is None:
-            self._micro_end = time.perf_counter()
+            self._micro_end, self._micro_end_in_callbacks = time.perf_counter(), self._clock.total
             return  # an accumulation micro-batch: the step is not done yet
-        observed = time.perf_counter() - self._t
+        observed = time.perf_counter() - self._t - (self._clock.total - self._in_callbacks)
         self._t = self._micro_end = None
         self._last_step = trainer.global_step
         warmup = self._totals.steps < self.warmup_steps

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_distplan.callbacks import StepTimeMonitor
@@ -85,6 +86,83 @@ def test_a_checkpoint_saved_after_a_validation_inside_a_step_is_left_out_with_it
     assert list((tmp_path / "checkpoints").iterdir())  # it saved, after the validation at the 3rd micro-batch (step 2)
     assert [h["step"] for h in monitor.history] == [1, 2, 3]
     assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
+
+
+class _Busy(Callback):
+    """A callback that works (sleeps) in its batch hooks, as a progress bar, a logging or weight-averaging callback does."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+def test_the_other_callbacks_work_is_left_out_of_the_step_wherever_they_stand(tmp_path: Path) -> None:
+    """The prediction is for a bare loop; other callbacks' hooks are not the step. The monitor timed from its own
+    on_train_batch_start to its own on_train_batch_end, so what a callback before it did in on_train_batch_end, one after
+    it in on_train_batch_start, and one after it between micro-batches all counted (0.9 s in a ~2 ms step here; under
+    auto_plan, which puts its monitor after the user's callbacks, every user callback's on_train_batch_end counted).
+    The profiler the user gave still times every hook, and gets its own methods back after the fit."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    monitor, profiler = StepTimeMonitor(warmup_steps=0), SimpleProfiler()
+    trainer = _trainer(tmp_path, monitor, max_steps=2, accumulate_grad_batches=2, limit_val_batches=0, profiler=profiler,
+                       callbacks=[_Busy(0.15), monitor, _Busy(0.15)])
+    trainer.fit(BoringModel())
+    assert [h["step"] for h in monitor.history] == [1, 2]
+    assert max(h["observed_s"] for h in monitor.history) < BOUND_S, monitor.history
+    assert len(profiler.recorded_durations["[Callback]_Busy.on_train_batch_end"]) == 8  # 2 callbacks x 4 micro-batches
+    assert "start" not in vars(profiler) and "stop" not in vars(profiler)
+
+
+def _busy_ddp_fit(rank: int, world_size: int, root: str) -> list[float]:
+    monitor = StepTimeMonitor(warmup_steps=0)
+    trainer = _trainer(Path(root), monitor, devices=world_size, strategy="ddp", max_steps=2, accumulate_grad_batches=2,
+                       limit_val_batches=0, callbacks=[_Busy(0.15), monitor, _Busy(0.15)])
+    trainer.fit(BoringModel())
+    return [h["observed_s"] for h in monitor.history]
+
+
+def test_each_of_two_gloo_ranks_leaves_its_callbacks_work_out(tmp_path: Path) -> None:
+    """The same on 2 real gloo ranks under DDP: each rank's trainer.profiler times its own callbacks (0.9 s steps
+    without the fix)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "strategies"))
+    from _dist_utils import run_on_ranks
+
+    for observed in run_on_ranks(_busy_ddp_fit, 2, str(tmp_path)):
+        assert len(observed) == 2 and max(observed) < BOUND_S, observed
+
+
+def test_a_checkpoint_saved_by_time_between_micro_batches_is_left_out(tmp_path: Path) -> None:
+    """ModelCheckpoint(train_time_interval=...) saves in on_train_batch_end once the interval is over, also between the
+    micro-batches of a step (the global step not saved yet): with steps of 0.2 s and an interval of 0.3 s, the interval
+    runs out inside every other step, and the 0.6 s save was step time."""
+    import datetime
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class SlowSave(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            time.sleep(0.05)
+            return super().training_step(batch, batch_idx)
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            time.sleep(SLOW_S)
+
+    monitor = StepTimeMonitor(warmup_steps=0)
+    by_time = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), train_time_interval=datetime.timedelta(seconds=0.3), save_top_k=-1)
+    trainer = _trainer(tmp_path, monitor, max_steps=4, accumulate_grad_batches=4, limit_val_batches=0, enable_checkpointing=True,
+                       callbacks=[monitor, by_time])
+    trainer.fit(SlowSave())
+    assert list((tmp_path / "ckpt").iterdir())
+    assert [h["step"] for h in monitor.history] == [1, 2, 3, 4]
+    assert max(h["observed_s"] for h in monitor.history) < 0.2 + BOUND_S, monitor.history
 
 
 def test_a_monitor_used_again_reports_only_its_own_fit(tmp_path: Path) -> None:
