@@ -262,6 +262,15 @@ class PlanningCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown hook of callbacks after an exception: a Trainer fitted again kept the plan's
+        # accumulate_grad_batches as the user's and planned for a larger global batch
+        self._restore(trainer)
+
+    def _restore(self, trainer: pl.Trainer) -> None:
         trainer.strategy.__dict__.pop("setup", None)  # a fit that failed before the strategy's setup
         self._resuming = None
         if self._applied is not None:

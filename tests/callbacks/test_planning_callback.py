@@ -83,6 +83,31 @@ def test_callback_applies_plan_same_math_and_restores(tmp_path: Path) -> None:
     assert (tmp_path / "distplan" / "profile.json").is_file()
 
 
+class _FailsOnce(Net):
+    failed = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not _FailsOnce.failed and self.global_step == 1:
+            _FailsOnce.failed = True
+            raise RuntimeError("a failure in the fit")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_fails_puts_the_trainer_back_and_a_fit_again_plans_for_the_same_global_batch(tmp_path: Path) -> None:
+    """Lightning calls on_exception, not teardown, after a failure: the Trainer kept the plan's accumulation (4 where the
+    user gave 2) and the strategy's wrapped methods, so fitting it again (a notebook after an error or Ctrl-C) planned for
+    a global batch of 8 x 4 = 32 (micro-batches of 4, accumulation 8) where the user's is 8 x 2 = 16."""
+    callback = PlanningCallback(micro_batch_size=4)
+    trainer = L.Trainer(**_kwargs(tmp_path, max_steps=3, accumulate_grad_batches=2, callbacks=[callback]))
+    with pytest.raises(RuntimeError, match="a failure in the fit"):
+        trainer.fit(_FailsOnce(loader_batch=8))
+    assert trainer.accumulate_grad_batches == 2
+    assert not {"process_dataloader", "on_train_batch_start", "training_step", "setup"} & set(vars(trainer.strategy))
+    trainer.fit(_FailsOnce(loader_batch=8))
+    assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches, callback.plan.global_batch_size) == (4, 4, 16)
+    assert trainer.global_step == 3 and trainer.accumulate_grad_batches == 2
+
+
 class _UnusedHead(Net):
     def __init__(self) -> None:
         super().__init__()
