@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
+from lightning_distplan.costmodel._hardware import _is_finite_number
 from lightning_distplan.errors import CatalogError
 
 __all__ = ["cost_per_step", "objective"]
@@ -18,10 +17,10 @@ def cost_per_step(step_time_s: float, *, instances: int, price_per_hour: float) 
         >>> cost_per_step(2.0, instances=4, price_per_hour=3.6)
         0.008
     """
-    if not isinstance(instances, int) or instances < 1:
+    _check("step_time_s", step_time_s, "Pass the predicted seconds per optimizer step (Prediction.step_time_s).")
+    if not isinstance(instances, int) or isinstance(instances, bool) or instances < 1:
         raise CatalogError(f"`instances` must be a positive integer, got {instances!r}.", hint="Count the rented instances.")
-    if not math.isfinite(price_per_hour) or price_per_hour < 0:
-        raise CatalogError(f"`price_per_hour` must be a non-negative number, got {price_per_hour!r}.", hint="Use the catalog's hourly price.")
+    _check("price_per_hour", price_per_hour, "Use the catalog's hourly price.")
     return instances * (price_per_hour / 3600.0) * step_time_s
 
 
@@ -32,6 +31,13 @@ def objective(cost: float, time_s: float, time_weight: float) -> float:
         >>> objective(0.5, 2.0, 256)
         512.5
     """
-    if not math.isfinite(time_weight) or time_weight < 0:
-        raise CatalogError(f"`time_weight` must be a non-negative number, got {time_weight!r}.", hint="Use e.g. 0, 256, 4096 or 65536.")
+    _check("cost", cost, "Pass the cost per step (cost_per_step).")
+    _check("time_s", time_s, "Pass the predicted seconds per optimizer step.")
+    _check("time_weight", time_weight, "Use e.g. 0, 256, 4096 or 65536.")
     return cost + time_weight * time_s
+
+
+def _check(name: str, value: object, hint: str) -> None:
+    """Refuse what is not a finite number >= 0: a nan in would come out as a nan price, which ranks nowhere."""
+    if not (_is_finite_number(value) and value >= 0):
+        raise CatalogError(f"`{name}` must be a finite number >= 0, got {value!r}.", hint=hint)

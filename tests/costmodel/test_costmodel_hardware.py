@@ -220,3 +220,25 @@ def test_a_whole_ranks_per_host_written_as_a_float_is_taken():
     for bad in (1.5, 0.0, float("nan"), True):
         with pytest.raises(InfeasiblePlanError, match=r"`ranks_per_host` must be a whole number, 1 or more.*HINT"):
             Hardware.from_profile(cpu, ranks_per_host=bad, warn_default_links=False)
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda: cost_per_step(float("nan"), instances=2, price_per_hour=1.0), "step_time_s"),
+        (lambda: cost_per_step(-1.0, instances=2, price_per_hour=1.0), "step_time_s"),
+        (lambda: cost_per_step(float("inf"), instances=2, price_per_hour=0.0), "step_time_s"),
+        (lambda: cost_per_step(1.0, instances=True, price_per_hour=1.0), "instances"),
+        (lambda: cost_per_step(1.0, instances=2, price_per_hour="3.6"), "price_per_hour"),
+        (lambda: objective(float("nan"), 1.0, 0.0), "cost"),
+        (lambda: objective(1.0, float("nan"), 0.0), "time_s"),
+        (lambda: objective(1.0, float("inf"), 0.0), "time_s"),
+        (lambda: objective(1.0, 1.0, float("nan")), "time_weight"),
+        (lambda: objective(1.0, 1.0, "256"), "time_weight"),
+    ],
+)
+def test_cost_and_objective_refuse_nan_and_other_non_numbers(call, name):
+    """cost_per_step(nan, ...) and objective(nan, ...) returned nan (objective(1, nan, 0) too: 0 * nan), which ranks
+    nowhere and prints as a price; a string price raised Python's bare "must be real number"."""
+    with pytest.raises(CatalogError, match=rf"`{name}` must be .*got .*HINT"):
+        call()
