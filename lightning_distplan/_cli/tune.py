@@ -147,6 +147,8 @@ def _run(args: argparse.Namespace) -> int:
             raise InfeasiblePlanError(f"{flag} must be an integer >= {low}, got {value}.", hint=f"Use e.g. {flag} {example}.")
     if args.seed > SEED_MAX:  # Optuna's samplers' range (checked before the storage is opened)
         raise InfeasiblePlanError(f"--seed must be at most 2**32 - 1, got {args.seed}.", hint="Use e.g. --seed 0.")
+    if args.study_name is not None and not args.study_name.strip():  # `--study-name "$NAME"` with NAME unset
+        raise InfeasiblePlanError(f"--study-name must not be empty, got {args.study_name!r}.", hint="Pass a name, e.g. --study-name resnet101, or leave the flag out for the default name.")
     if not (math.isfinite(args.time_weight) and args.time_weight >= 0):
         raise InfeasiblePlanError(f"--time-weight must be a finite number >= 0, got {args.time_weight}.", hint="Use e.g. 0, 256, 4096 or 65536 (seed 000 §IV-D).")
     profile = Profile.load(args.profile)

@@ -615,7 +615,7 @@ def tune(
         n_trials: trials to run in this call.
         storage: any Optuna RDB URL; SQLite by default.
         study_name: default ``distplan-<catalog>-B<global batch>-w<weight>`` (``-mo`` after it with ``multi_objective``). An existing study with the same
-            settings is extended; one with different settings is refused (:class:`StudyConflictError`).
+            settings is extended; one with different settings is refused (:class:`StudyConflictError`). An empty name is refused.
         seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``). A single-objective search of
             20 or more trials keeps the last fifth (:data:`POLISH_SHARE`) for a local search from TPE's best plan
             (:func:`_polish`); the result's ``sampler`` says how many trials it used.
@@ -689,6 +689,8 @@ def _tune(
         )
     if study_name is not None and not isinstance(study_name, str):
         raise InfeasiblePlanError(f"`study_name` must be a string or None, got {study_name!r}.", hint="Pass e.g. study_name='resnet101', or None for the default name.")
+    if study_name is not None and not study_name.strip():  # `or` below would quietly take the default name instead
+        raise InfeasiblePlanError(f"`study_name` must not be empty, got {study_name!r}.", hint="Pass e.g. study_name='resnet101', or study_name=None for the default name.")
     strategies = _check_strategies(strategies)  # before the space, which would read [] as "no configuration factors the batch"
     catalog = _resolve_catalog(catalog, bandwidth_gbps, pricing)
     space = ConfigSpace(

@@ -38,6 +38,17 @@ def test_tune_json_contract_and_study(tmp_path, profile_path, capsys):
     assert out["projections"]["p5.48xlarge"]["target"] == "H100-SXM"
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_study_name_is_refused_not_replaced_by_the_default(tmp_path, profile_path, capsys, name):
+    """`--study-name ''` (an unset shell variable: --study-name "$NAME") searched and stored under the default name."""
+    rc = main(["tune", "--profile", profile_path, "--catalog", "aws-2026", "--global-batch-size", "32", "--trials", "5",
+               "--storage", f"sqlite:///{tmp_path / 'e.db'}", "--study-name", name, "--max-instances", "2", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"distplan tune: error: --study-name must not be empty, got {name!r}. HINT:"), err
+    assert not (tmp_path / "e.db").exists()  # refused before the storage was opened
+
+
 def test_tune_table_format(tmp_path, profile_path, capsys):
     rc = main(["tune", "--profile", profile_path, "--catalog", "alicloud-2023", "--global-batch-size", "32", "--trials", "10",
                "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table", "--max-instances", "2", "--quiet"])

@@ -849,6 +849,9 @@ def test_a_sqlite_uri_filename_with_an_authority_or_escapes_names_its_file(tmp_p
         # the string "no" is true: an NSGA-II search was run and stored as multi-objective
         ("tune", dict(multi_objective="no"), r"^`multi_objective` must be True or False, got 'no'\. HINT:"),
         ("tune", dict(study_name=5), r"^`study_name` must be a string or None, got 5\. HINT:"),
+        # an empty name fell back to the default one: another study than the one asked for was created or extended
+        ("tune", dict(study_name=""), r"^`study_name` must not be empty, got ''\. HINT: .*study_name=None"),
+        ("tune", dict(study_name=" \t"), r"^`study_name` must not be empty, got ' \\t'\. HINT:"),
         # these raised "'>' not supported between instances of 'int' and 'str'" (max_pp was not checked by exhaustive)
         ("exhaustive", dict(max_configurations="10"), r"^`max_configurations` must be an integer >= 1, got '10'\. HINT:"),
         ("exhaustive", dict(max_pp="2"), r"^`max_pp` must be an integer >= 1, got '2'\. HINT:"),
