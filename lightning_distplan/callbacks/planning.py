@@ -44,6 +44,7 @@ from lightning_distplan.strategies._auto_planning import (
     profile_in_fit,
     ranks_per_node,
     reloaded_loader_error,
+    trains_nothing,
     unsuited_plan,
     user_global_batch,
     write_artifacts,
@@ -155,6 +156,10 @@ class PlanningCallback(Callback):
                 hint="Find the batch size in a fit without the callback (Tuner(trainer).scale_batch_size(model)), then set it "
                 "and fit with PlanningCallback.",
             )
+        nothing = trains_nothing(trainer)
+        if nothing is not None:  # Lightning skips the training: no plan to make for it
+            rank_zero_info(f"PlanningCallback: this fit trains no batch ({nothing}), so nothing is profiled or planned.")
+            return
         if not pl_module.automatic_optimization:
             rank_zero_warn(
                 f"PlanningCallback: {type(pl_module).__name__} uses manual optimization (automatic_optimization=False), so there is "

@@ -184,6 +184,20 @@ def _progress_objects(loop: Any, prefix: str, seen: set[int] | None = None) -> l
     return out
 
 
+def trains_nothing(trainer: pl.Trainer) -> str | None:
+    """Why this fit will train no batch, as Lightning's fit loop decides before its first (``_FitLoop.skip``:
+    ``max_steps`` or ``max_epochs`` reached, 0 in a new fit, or ``limit_train_batches=0``), e.g. ``"max_epochs=0"``;
+    None when it trains. Profiling such a fit spends seconds to minutes on a plan that never runs."""
+    loop = trainer.fit_loop
+    for name, done, limit in (("max_steps", trainer.global_step, loop.max_steps),
+                              ("max_epochs", loop.epoch_progress.current.processed, loop.max_epochs)):
+        if isinstance(limit, int) and limit != -1 and done >= limit:  # Lightning's _is_max_limit_reached
+            return f"{name}={limit}"
+    if trainer.limit_train_batches == 0:
+        return f"limit_train_batches={trainer.limit_train_batches!r}"
+    return None
+
+
 # -- data ----------------------------------------------------------------------------------------------
 def fresh_train_loader(trainer: pl.Trainer) -> Any:
     """A new instance of the user's train loader (datamodule or module hook), never the fit loop's.

@@ -24,6 +24,9 @@ datamodule's ``setup`` hooks, restores the checkpoint's weights (``ckpt_path=``)
    ``trainer._accelerator_connector.strategy``) and call its ``setup(trainer)``. Everything after
    (dataloader processing, steps, checkpoints, teardown) is the concrete strategy's.
 
+A fit that trains no batch (``max_epochs=0``, ``max_steps=0``, ``limit_train_batches=0``: Lightning's fit loop skips
+it) is neither profiled nor planned; it runs as plain DDP, as a fit with manual optimization does.
+
 A :class:`~lightning_distplan.callbacks.StepTimeMonitor` is added to the trainer's callbacks: it logs
 predicted vs observed step time and, with ``replan="auto"``, re-plans at an epoch boundary when
 the two depart.
@@ -62,6 +65,7 @@ from lightning_distplan.strategies._auto_planning import (
     pins_from,
     profile_in_fit,
     ranks_per_node,
+    trains_nothing,
     unsuited_plan,
     user_global_batch,
     write_artifacts,
@@ -256,6 +260,11 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
             return
         assert self.accelerator is not None and self.lightning_module is not None
         name = type(self.lightning_module).__name__
+        if self._checkpoint_plan is None and (nothing := trains_nothing(trainer)) is not None:
+            # Lightning skips the training ("`Trainer.fit` stopped: `max_epochs=0` reached."): no plan to make for it
+            rank_zero_info(f"auto_plan: this fit trains no batch ({nothing}), so nothing is profiled or planned: running as plain DDP.")
+            super().setup(trainer)
+            return
         why = None
         if not self.lightning_module.automatic_optimization:
             # Micro-batches, accumulation and pipelines all need Lightning to run backward and the optimizer.

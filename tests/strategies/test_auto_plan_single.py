@@ -862,3 +862,34 @@ def test_no_plan_fits_names_why_the_closest_fails_where_its_peak_fits() -> None:
                        r"16.00 GiB per device \(usable 90%\); the closest, dp_ga dp=1 m=8 accumulate=4, fails because micro_batch_size 8 >= 8, "
                        r"which ran out of memory while profiling\. HINT: "):
         choose_plan(profile, world_size=1, global_batch_size=32, pins={"micro_batch_size": 8})
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [(dict(max_epochs=0), "max_epochs=0"), (dict(max_steps=0), "max_steps=0"), (dict(max_epochs=1, limit_train_batches=0), "limit_train_batches=0")],
+)
+def test_a_fit_that_trains_no_batch_is_neither_profiled_nor_planned(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                                      limits: dict[str, Any], reason: str) -> None:
+    """Lightning's fit loop skips training when max_epochs=0, max_steps=0 or limit_train_batches=0 ("`Trainer.fit`
+    stopped: `max_epochs=0` reached."); auto_plan and PlanningCallback profiled the model first all the same (1-3 s on
+    this 3-layer MLP, minutes on a real model) and wrote profile.json and plan.json for a plan that never ran."""
+    import logging
+
+    from lightning_utilities.core import rank_zero
+
+    from lightning_distplan import PlanningCallback
+
+    caplog.set_level(logging.INFO, logger=rank_zero.log.name)  # where rank_zero_info writes
+    for strategy, callbacks, who in ((AutoPlanStrategy(), [], "auto_plan"), ("auto", [PlanningCallback()], "PlanningCallback")):
+        root = tmp_path / who
+        trainer = L.Trainer(**trainer_kwargs(str(root), strategy=strategy, devices=1, callbacks=callbacks, **limits))
+        trainer.fit(_small())
+        assert trainer.global_step == 0
+        assert not (root / "distplan").exists(), who  # nothing profiled, nothing written
+        assert [m for m in caplog.messages if m.startswith(f"{who}: this fit trains no batch ({reason})")], caplog.messages
+        if callbacks:
+            assert callbacks[0].outcome is None
+        else:
+            assert trainer.strategy.plan is None and trainer.strategy.profile is None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
