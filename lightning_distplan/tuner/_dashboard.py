@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from lightning_distplan.errors import DistPlanError, first_line
-from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, schema_hint, shown_url, sqlite_damage, sqlite_path
+from lightning_distplan.tuner._storage import folder_problem, is_optuna_database, missing_driver_problem, schema_hint, shown_url, sqlite_damage, sqlite_path
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -132,6 +132,9 @@ def open_storage(storage_url: str) -> BaseStorage:
         storage = optuna.storages.RDBStorage(storage_url, skip_compatibility_check=False)
         summaries = storage.get_all_studies()
     except Exception as err:  # sqlalchemy raises many kinds (ArgumentError, OperationalError, ...)
+        driver = missing_driver_problem(err, storage_url)
+        if driver is not None:
+            raise StorageUnreachableError(driver[0], hint=driver[1]) from None
         raise StorageUnreachableError(
             f"Cannot open the Optuna storage {shown_url(storage_url)!r} ({type(err).__name__}: {first_line(err)}).",
             hint=schema_hint(err, storage_url)

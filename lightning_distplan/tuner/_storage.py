@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
-    "StudyStorageError", "damage_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "StudyStorageError", "damage_problem", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
     "is_optuna_database", "schema_hint", "shown_url", "write_trials",
 ]
 
@@ -309,10 +309,35 @@ def open_storage(url: Any) -> Any:
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
             storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
+        driver = missing_driver_problem(err, url)
+        if driver is not None:
+            raise StudyStorageError(driver[0], hint=driver[1]) from None
         raise StudyStorageError(
             f"Cannot open the study storage {shown_url(url)!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=schema_hint(err, url) or _HINT
         ) from None
     return storage
+
+
+# source: the SQLAlchemy 2.x dialect pages (docs.sqlalchemy.org/en/20/dialects/postgresql.html, mysql.html, sqlite.html)
+DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "'psycopg[binary]'", "MySQLdb": "mysqlclient", "pymysql": "PyMySQL",
+                   "mysql": "mysql-connector-python", "pysqlcipher3": "sqlcipher3-binary"}
+"""Database driver module -> the pip package that installs it, where the two names differ."""
+
+
+def missing_driver_problem(err: BaseException, url: str) -> tuple[str, str] | None:
+    """(message, hint) when opening ``url`` failed because its database driver is not installed, naming the module and
+    the pip package. Optuna says only "Failed to import DB access module for the specified storage URL. Please install
+    appropriate one." (its ImportError, caused by the driver's ModuleNotFoundError)."""
+    if not isinstance(err, ImportError):  # Optuna's "Failed to import DB access module", or the driver's own error
+        return None
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, ModuleNotFoundError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or not getattr(cause, "name", None):
+        return None
+    module = cause.name.split(".")[0]
+    return (f"Cannot open the study storage {shown_url(url)!r}: its database driver {module!r} is not installed.",
+            f"Install it (pip install {DRIVER_PACKAGES.get(module, module)}), or use a SQLite URL such as sqlite:///distplan.db.")
 
 
 def schema_hint(err: BaseException, url: str) -> str | None:

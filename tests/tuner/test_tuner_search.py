@@ -934,3 +934,22 @@ def test_bad_strategies_are_named_before_the_search(tmp_path, profile, strategie
     with pytest.raises(InfeasiblePlanError, match=match):  # the planner says the same
         enumerate_plans(profile, world_size=2, global_batch_size=B, strategies=strategies)
     assert not (tmp_path / "study.db").exists()  # refused before any storage was touched
+
+
+@pytest.mark.parametrize(("url", "module", "package"), [("mysql+pymysql://u:secret@localhost/db", "pymysql", "PyMySQL"),
+                                                        ("postgresql+psycopg2://u:secret@localhost/db", "psycopg2", "psycopg2-binary")])
+def test_a_storage_url_whose_driver_is_missing_names_the_driver_and_its_install(profile, url, module, package):
+    """Optuna says only "Failed to import DB access module for the specified storage URL. Please install appropriate
+    one.", and the HINT was the generic one (check the URL, the server, the driver): which driver, installed how?"""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    shown = url.replace("secret", r"\*\*\*").replace("+", r"\+")
+    with pytest.raises(StudyStorageError, match=rf"^Cannot open the study storage '{shown}': its database driver '{module}' is not "
+                                                rf"installed\. HINT: Install it \(pip install {package}\)"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="x", max_instances=2, progress=False)
+    from lightning_distplan.tuner._dashboard import StorageUnreachableError, open_storage
+
+    with pytest.raises(StorageUnreachableError, match=rf"its database driver '{module}' is not installed\. HINT: Install it \(pip install {package}\)"):
+        open_storage(url)
