@@ -101,8 +101,20 @@ def _table(result: dict[str, Any]) -> str:
         header,
         *[row(c) for c in result["pareto"]],
         *(["", "notes:", *[f"- {note}" for note in result["notes"]]] if result.get("notes") else []),
+        *(_plots_lines(result) if result.get("plots") else []),
     ]
     return "\n".join(lines)
+
+
+def _plots_lines(result: dict[str, Any]) -> list[str]:
+    """What --plots attached, where its PNGs are, and the command that shows them (the JSON has the same under "plots")."""
+    plots = result["plots"]
+    graphs = len(plots["graph_ids"])
+    lines = ["", "plots:", f"- {'a summary note' if plots['note'] else 'no note'} and {graphs} graph{'s' if graphs != 1 else ''} attached to study {result['study_name']!r}"]
+    if plots.get("artifact_dir") and plots.get("png"):
+        lines.append(f"- PNGs: {plots['artifact_dir']}/ ({', '.join(sorted(plots['png']))})")
+    lines.append(f"- view them: distplan dashboard {result['storage']}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

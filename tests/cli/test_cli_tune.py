@@ -184,6 +184,22 @@ def test_plots_flag_attaches_plots_for_the_dashboard(tmp_path, profile_path, cap
     assert len(optuna.load_study(study_name="pl", storage=url).user_attrs) > 0
 
 
+def test_the_table_says_where_the_plots_went_and_the_dashboard_command_that_shows_them(tmp_path, profile_path, capsys):
+    """`--format table --plots` attached the note, graphs and PNGs and printed not a word of them (the JSON has them)."""
+    from lightning_distplan.tuner._dashboard import open_storage
+
+    url = f"sqlite:///{tmp_path / 'plots.db'}"
+    rc = main(["tune", "--profile", profile_path, "--global-batch-size", "32", "--trials", "12", "--max-instances", "2",
+               "--storage", url, "--study-name", "pl", "--quiet", "--plots", "--format", "table"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    plots = lines[lines.index("plots:") + 1:]
+    assert plots[0] == "- a summary note and 2 graphs attached to study 'pl'", plots
+    assert plots[1] == f"- PNGs: {tmp_path / 'plots-artifacts'}/ (pl-pareto_front.png, pl-time_breakdown.png)", plots
+    assert plots[2] == f"- view them: distplan dashboard {url}", plots
+    assert open_storage(plots[2].split()[-1]).get_all_studies()[0].study_name == "pl"  # the command's URL serves the study
+
+
 def test_plots_that_cannot_be_stored_are_refused_before_the_search(tmp_path, profile_path, capsys):
     """A file where the plots' folder goes: one line before any trial (it failed after the search with FileExistsError)."""
     (tmp_path / "blocked-artifacts").write_text("mine")
