@@ -27,7 +27,9 @@ far more than the cost model itself. So a failed run writes nothing; a run stopp
 writes the trials that finished before it (all or none of them, as one transaction), and says how
 many. An existing study is only extended by a run with identical settings whose cost model prices its
 earlier trials as they are stored (a study made before a change of the model is not mixed with today's
-predictions); otherwise it is refused (:class:`StudyConflictError`) and left as it was. The price of this:
+predictions); otherwise it is refused (:class:`StudyConflictError`) and left as it was. The same holds for a study that
+another run (a second worker of the same command) created under this run's study name while this one searched: this
+run's trials are added to it. The price of this:
 optuna-dashboard sees the trials when the run ends, not while it runs.
 """
 
@@ -336,6 +338,33 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     except KeyError:
         return None
     return optuna.load_study(study_name=study_name, storage=storage)
+
+
+def _settings_differ(old: Any, settings: dict[str, Any]) -> str | None:
+    """Why a study whose stored settings are ``old`` (as :func:`_as_now` reads them) is not extended with ``settings``, or None."""
+    if old == settings:
+        return None
+    if not isinstance(old, dict):
+        return "it was not created by `distplan tune`"
+    return "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
+
+
+CREATOR_WAIT_S = 30.0
+"""How long a run whose new study another run created meanwhile waits for that run to store the study's settings."""
+
+
+def _created_meanwhile(storage: Any, study_name: str) -> Any:
+    """The study another run created under ``study_name`` while this one searched, once its creator has stored its
+    settings (it does right after creating it; a write of the other run may hold SQLite's lock meanwhile), or as it
+    is after :data:`CREATOR_WAIT_S`."""
+    import optuna
+
+    deadline = time.monotonic() + CREATOR_WAIT_S
+    while True:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        if SETTINGS_ATTR in study.user_attrs or time.monotonic() > deadline:
+            return study
+        time.sleep(0.05)
 
 
 def _trials_as_stored(storage: Any, study_name: str, searched: list[Any]) -> list[Any]:
@@ -735,11 +764,8 @@ def _tune(
         old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
         previous = existing.get_trials(deepcopy=False) if existing is not None else []
     if existing is not None:
-        if old != settings:
-            if not isinstance(old, dict):
-                why = "it was not created by `distplan tune`"
-            else:
-                why = "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
+        why = _settings_differ(old, settings)
+        if why is not None:
             raise StudyConflictError(
                 f"Study {name!r} already exists in {shown_url(storage)!r} and {why}; it was left untouched.",
                 hint="Pass a new --study-name, or delete the old study (optuna delete-study --study-name NAME --storage URL).",
@@ -829,21 +855,31 @@ def _tune(
             raise KeyboardInterrupt("no trial had finished, so no study was created")
 
     # Write the finished run in one pass; a failure while writing a study this call created removes it
-    # again (never one another run created meanwhile under the same name).
-    created = False
+    # again (never one another run created meanwhile under the same name, nor one another run has written trials to).
+    created = joined = False
     with _signals_held() as held:  # a Ctrl-C or SIGTERM now waits until the trials are written (or refused)
         try:
             target = existing
             if target is None:
                 try:
                     target = optuna.create_study(storage=store, study_name=name, directions=directions)
+                    created = True
                 except optuna.exceptions.DuplicatedStudyError:
-                    raise StudyConflictError(
-                        f"Study {name!r} was created in {shown_url(storage)!r} by another run while this one searched; "
-                        f"it was left untouched and this run's {len(new_trials)} trials were not written.",
-                        hint="Re-run the same command to extend that study (same settings), or pass another --study-name.",
-                    ) from None
-                created = True
+                    # Another run (a second worker of the same command) created it while this one searched: extend it, as
+                    # this run would have had it started a moment later, when it was made with the same settings.
+                    target = _created_meanwhile(store, name)
+                    why = _settings_differ(_as_now(target.user_attrs.get(SETTINGS_ATTR), catalog, profile), settings)
+                    if why is None:
+                        repriced = _priced_otherwise(target.get_trials(deepcopy=False), catalog, space, bool(multi_objective))
+                        why = None if repriced is None else f"its trials were priced by another version of the cost model ({repriced})"
+                    if why is not None:
+                        raise StudyConflictError(
+                            f"Study {name!r} was created in {shown_url(storage)!r} by another run while this one searched, and {why}; "
+                            f"it was left untouched and this run's {len(new_trials)} trials were not written.",
+                            hint="Pass another --study-name.",
+                        ) from None
+                    joined = True
+            if created:
                 target.set_user_attr(SETTINGS_ATTR, settings)
                 target.set_user_attr("objective", OBJECTIVES[False] if not multi_objective else "(C, T) per optimizer step")  # as studies made before
                 target.set_user_attr("currency", catalog.currency)
@@ -859,7 +895,8 @@ def _tune(
         except BaseException as err:
             if created:
                 try:
-                    optuna.delete_study(study_name=name, storage=store)
+                    if not store.get_all_trials(store.get_study_id_from_name(name), deepcopy=False):  # not another run's trials
+                        optuna.delete_study(study_name=name, storage=store)
                 except Exception:  # the original error matters more
                     pass
             from sqlalchemy.exc import SQLAlchemyError
@@ -911,7 +948,7 @@ def _tune(
         n_feasible=len(configs),
         space_size=space_size,
         elapsed_s=time.perf_counter() - started,
-        resumed=existing is not None,
+        resumed=existing is not None or joined,
         sampler=type(sampler).__name__ + (f" + local search ({used} trials)" if used else ""),
         projections=projections,
         pricing=catalog.pricing,

@@ -176,19 +176,37 @@ def test_failed_run_writes_nothing(tmp_path, profile, monkeypatch):
     assert optuna.get_all_study_names(url) == []
 
 
-def test_a_study_another_run_created_meanwhile_is_never_deleted(tmp_path, profile):
-    """Two tunes of one new study name: the one that writes second is refused and leaves the first's study whole."""
-    url = _url(tmp_path)
-    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
-
+def _other_run_finishes_first(profile, **kw):
     class OtherRunFinishesFirst(optuna.samplers.RandomSampler):
         def before_trial(self, study, trial):  # while this run searches, another one with the same name writes its study
             if trial.number == 0:
                 tune(profile, n_trials=6, **kw)
             super().before_trial(study, trial)
 
-    with pytest.raises(StudyConflictError, match=r"Study 's' was created in .* by another run while this one searched; it was left untouched and this run's 5 trials were not written.*HINT: Re-run"):
-        tune(profile, n_trials=5, sampler=OtherRunFinishesFirst(seed=0), **kw)
+    return OtherRunFinishesFirst(seed=0)
+
+
+def test_a_new_study_another_run_created_meanwhile_with_the_same_settings_gets_this_runs_trials(tmp_path, profile):
+    """Two workers of one command on a new study (reproduced with two `distplan tune` processes started together): the
+    one that wrote second was refused with "Re-run the same command" and its trials (200 there) were thrown away,
+    though its study was the very one it would have extended had it started a moment later."""
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    result = tune(profile, n_trials=5, sampler=_other_run_finishes_first(profile, **kw), **kw)
+    stored = optuna.load_study(study_name="s", storage=url).trials
+    assert len(stored) == 11 and sorted(t.number for t in stored) == list(range(11))
+    assert result.n_trials == 5 and result.n_study_trials == 11 and result.resumed
+    assert tune(profile, n_trials=3, **kw).n_study_trials == 14  # one study, extended as any other
+
+
+def test_a_study_another_run_created_meanwhile_with_other_settings_is_never_deleted(tmp_path, profile):
+    """Two tunes of one new study name with other settings: the one that writes second is refused and leaves the first's study whole."""
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    sampler = _other_run_finishes_first(profile, **{**kw, "max_instances": 3})
+    with pytest.raises(StudyConflictError, match=r"Study 's' was created in .* by another run while this one searched, and settings differ: "
+                                                 r"max_instances 3 -> 2; it was left untouched and this run's 5 trials were not written.*HINT: Pass another"):
+        tune(profile, n_trials=5, sampler=sampler, **kw)
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 6
 
 
