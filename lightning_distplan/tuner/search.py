@@ -25,7 +25,7 @@ an in-memory study and are written to the storage in one transaction at the end
 (:func:`lightning_distplan.tuner._storage.write_trials`), because per-trial SQLite commits cost
 far more than the cost model itself. So a failed run writes nothing; a run stopped with Ctrl-C
 writes the trials that finished before it (all or none of them, as one transaction), and says how
-many. An existing study is only extended by a run with identical settings whose cost model prices its
+many. An existing study is only extended by a run with identical settings (the seed aside) whose cost model prices its
 earlier trials as they are stored (a study made before a change of the model is not mixed with today's
 predictions); otherwise it is refused (:class:`StudyConflictError`) and left as it was. The same holds for a study that
 another run (a second worker of the same command) created under this run's study name while this one searched: this
@@ -341,12 +341,21 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
 
 
 def _settings_differ(old: Any, settings: dict[str, Any]) -> str | None:
-    """Why a study whose stored settings are ``old`` (as :func:`_as_now` reads them) is not extended with ``settings``, or None."""
-    if old == settings:
-        return None
+    """Why a study whose stored settings are ``old`` (as :func:`_as_now` reads them) is not extended with ``settings``, or None.
+
+    The seed is not compared: it picks which configurations a run prices, not their prices, and workers of one search
+    need their own (with one seed they draw the same trials). The study keeps its creator's."""
     if not isinstance(old, dict):
         return "it was not created by `distplan tune`"
-    return "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
+    differ = [k for k, v in settings.items() if k not in _UNCOMPARED and old.get(k) != v]
+    differ += [k for k in old if k not in settings and k not in _UNCOMPARED]
+    if not differ:
+        return None
+    return "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in differ)
+
+
+_UNCOMPARED = frozenset({"seed"})
+"""Settings a study stores that a run extending it may change (:func:`_settings_differ`)."""
 
 
 CREATOR_WAIT_S = 30.0
@@ -645,7 +654,8 @@ def tune(
         storage: any Optuna RDB URL; SQLite by default.
         study_name: default ``distplan-<catalog>-B<global batch>-w<weight>`` (``-mo`` after it with ``multi_objective``). An existing study with the same
             settings is extended; one with different settings is refused (:class:`StudyConflictError`). An empty name is refused.
-        seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``). A single-objective search of
+        seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``); a run with another seed extends
+            the study (give each worker of one search its own). A single-objective search of
             20 or more trials keeps the last fifth (:data:`POLISH_SHARE`) for a local search from TPE's best plan
             (:func:`_polish`); the result's ``sampler`` says how many trials it used.
         max_instances: the most instances of one type to rent.

@@ -971,3 +971,17 @@ def test_a_storage_url_whose_driver_is_missing_names_the_driver_and_its_install(
 
     with pytest.raises(StorageUnreachableError, match=rf"its database driver '{module}' is not installed\. HINT: Install it \(pip install {package}\)"):
         open_storage(url)
+
+
+def test_a_worker_with_another_seed_extends_the_study(tmp_path, profile):
+    """Workers of one search on one study need their own seeds: with one seed they draw the same trials (two
+    `distplan tune --trials 200` processes stored 400 trials and the 83 feasible configurations one of them found),
+    and a run with another seed was refused ("settings differ: seed 0 -> 1"). The seed picks which configurations are
+    priced, not their prices."""
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=4, progress=False)
+    first = tune(profile, n_trials=20, seed=0, **kw)
+    second = tune(profile, n_trials=20, seed=1, **kw)
+    assert second.resumed and second.n_study_trials == 40 and second.n_feasible > first.n_feasible
+    with pytest.raises(StudyConflictError, match=r"settings differ: max_instances 4 -> 2;"):  # the other settings still count
+        tune(profile, n_trials=5, seed=1, **{**kw, "max_instances": 2})
