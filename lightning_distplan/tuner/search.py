@@ -340,6 +340,13 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
     return optuna.load_study(study_name=study_name, storage=storage)
 
 
+def _delete_command(name: str, storage: str) -> str:
+    """The shell command that deletes study ``name`` from ``storage`` (a password in the URL shown as ``***``)."""
+    import shlex
+
+    return f"`optuna delete-study --study-name {shlex.quote(name)} --storage {shlex.quote(shown_url(storage))}`"
+
+
 def _settings_differ(old: Any, settings: dict[str, Any]) -> str | None:
     """Why a study whose stored settings are ``old`` (as :func:`_as_now` reads them) is not extended with ``settings``, or None.
 
@@ -778,15 +785,14 @@ def _tune(
         if why is not None:
             raise StudyConflictError(
                 f"Study {name!r} already exists in {shown_url(storage)!r} and {why}; it was left untouched.",
-                hint="Pass a new --study-name, or delete the old study (optuna delete-study --study-name NAME --storage URL).",
+                hint=f"Pass a new --study-name, or delete the old study ({_delete_command(name, storage)}).",
             )
         repriced = _priced_otherwise(previous, catalog, space, bool(multi_objective))
         if repriced is not None:
             raise StudyConflictError(
                 f"Study {name!r} already exists in {shown_url(storage)!r} with these settings, but its trials were priced by another "
                 f"version of the cost model ({repriced}); it was left untouched.",
-                hint="Pass a new --study-name (a fresh search takes seconds), or delete the old study "
-                "(optuna delete-study --study-name NAME --storage URL).",
+                hint=f"Pass a new --study-name (a fresh search takes seconds), or delete the old study ({_delete_command(name, storage)}).",
             )
 
     directions = ["minimize", "minimize"] if multi_objective else ["minimize"]
