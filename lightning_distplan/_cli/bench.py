@@ -339,10 +339,13 @@ def run(args: argparse.Namespace) -> int:
     _quiet_lightning()
     created_group = False
     if _inside_torchrun() and not dist.is_initialized():
+        from lightning_distplan.bench._bench import ranks_per_machine
+
+        local = ranks_per_machine(args.world_size)  # a bad LOCAL_WORLD_SIZE, refused by every rank before the group starts
         use_cuda = args.device != "cpu" and torch.cuda.is_available()
         if use_cuda:
             # every rank refuses a node with fewer GPUs than its processes, not one rank alone at set_device
-            _check_gpu_count(args.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            _check_gpu_count(args.device, local)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if use_cuda else "gloo")
         created_group = True

@@ -183,8 +183,28 @@ def _gather(obj: Any, group: Any = None) -> list[Any]:
 
 
 def ranks_per_machine(world: int) -> int:
-    """Processes of this ``world``-process job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (1 when not distributed)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    """Processes of this ``world``-process job on this machine: torchrun's ``LOCAL_WORLD_SIZE`` (1 when not distributed,
+    or when the launcher did not set it).
+
+    Raises:
+        BenchError: ``LOCAL_WORLD_SIZE`` is no whole number from 1 to ``world`` that divides it (every machine runs as
+            many ranks: the runs' Trainers get ``devices`` = this, ``num_nodes`` = ``world`` / this).
+    """
+    if world <= 1:
+        return 1
+    text = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local = int(text)
+    except ValueError:
+        local = 0
+    if not 1 <= local <= world or world % local:
+        raise BenchError(
+            f"LOCAL_WORLD_SIZE ({text!r}), the processes of this job on one machine, must be a whole number that divides the "
+            f"world size ({world}).",
+            hint="Start the ranks with torchrun, which sets it, or set it to the processes per machine (e.g. "
+            f"LOCAL_WORLD_SIZE={world} for one machine).",
+        )
+    return local
 
 
 def planning_hardware(profile: Profile, world: int) -> Hardware:
@@ -419,6 +439,7 @@ def run_bench(
             hint=f"Launch it with `python -m torch.distributed.run --nproc-per-node {world_size} -m lightning_distplan.cli bench ...` "
             "(the `distplan bench` command does this itself when it is not inside a torchrun job).",
         )
+    ranks_per_machine(world)  # a launcher's bad LOCAL_WORLD_SIZE, refused before the profiling
     dataset = getattr(train_loader, "dataset", None)
     if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise BenchError(

@@ -723,3 +723,29 @@ def test_plot_without_matplotlib_is_refused_before_the_runs(tmp_path, monkeypatc
     assert "The optional package 'matplotlib'" in captured.err and 'HINT: Run `pip install "lightning_distplan[dashboard]"`' in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and "profiling" not in captured.out  # before the profiling
     assert not out.exists()
+
+
+@pytest.mark.parametrize("local", ["abc", "0", "-1", "3", " "])
+def test_a_bad_local_world_size_is_one_sentence_before_the_process_group_or_profiling(capsys, monkeypatch, local):
+    """LOCAL_WORLD_SIZE (the ranks on one machine, read from the launcher's environment) was read with int() after the
+    profiling: 'abc' ended the bench in a bare "ValueError: invalid literal for int()", 0 and -1 in the cost model's
+    `ranks_per_host` sentence, which names no variable the user set, each after minutes of profiling. Every rank now
+    refuses it in one sentence naming the variable, before the process group starts."""
+    from lightning_distplan.cli import main
+
+    for var, value in (("TORCHELASTIC_RUN_ID", "x"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", local), ("WORLD_SIZE", "2"), ("RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert main(["bench", *MODEL, "--world-size", "2", "--global-batch-size", "4", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"LOCAL_WORLD_SIZE ({local!r})" in err and "divides the world size (2)" in err and "HINT:" in err
+    assert "ValueError" not in err and not torch.distributed.is_initialized()
+
+
+def test_ranks_per_machine_reads_a_good_local_world_size(monkeypatch):
+    from lightning_distplan.bench._bench import ranks_per_machine
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ranks_per_machine(4) == 2 and ranks_per_machine(1) == 1  # not distributed: one
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert ranks_per_machine(4) == 1  # ranks started by hand without it: one a machine, as before
