@@ -420,8 +420,9 @@ def run_bench(
     Raises:
         BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
     """
+    from lightning_distplan._layers import discover_layers
     from lightning_distplan.plan import STRATEGIES
-    from lightning_distplan.planner import rank_plans
+    from lightning_distplan.planner import check_batch_before_profiling, rank_plans
     from lightning_distplan.profile import Profile, pool_profiles, unpoolable_reason
     from lightning_distplan.profiling import measure_links, profile_module
     from lightning_distplan.profiling._device import resolve_device
@@ -460,10 +461,14 @@ def run_bench(
 
     # -- profile (every rank; rank 0's profile is the one planned on) -----------------------------
     sizes = list(micro_batch_sizes) if micro_batch_sizes else default_bench_micro_batch_sizes(global_batch_size)
-    def take_profile(when: str) -> Profile:
-        say(f"profiling {when} on {dev} at micro-batch sizes {sizes} (world size {world})")
+    def take_profile(when: str, *, first: bool = False) -> Profile:
         torch.manual_seed(0)
         module = plugin.convert_module(make_module())  # the weights' dtype for the '*-true' precisions, as the Trainer converts them
+        if first:  # a global batch no plan can factor on this world size, refused before minutes of profiling
+            layers = discover_layers(module)
+            check_batch_before_profiling(world_size=world_size, global_batch_size=global_batch_size, n_layers=len(layers.names),
+                                         split_reason=None if layers.spec is not None else layers.split_reason, strategies=strategies)
+        say(f"profiling {when} on {dev} at micro-batch sizes {sizes} (world size {world})")
         taken = profile_module(module, train_loader, micro_batch_sizes=sizes, device=dev, repeats=profile_repeats, measure_links=False,
                                precision_plugin=plugin)
         del module
@@ -480,7 +485,7 @@ def run_bench(
             say(f"  pipelining runtime: {taken.framework.pipeline_slot_s * 1e3:.2f} ms per micro-batch slot beyond the hand-over")
         return taken
 
-    profile = take_profile("before the runs")
+    profile = take_profile("before the runs", first=True)
     profiles = [profile]
     pooled_after: list[int] = []  # the passes after which a profile was taken and pooled
     left_out: list[dict[str, Any]] = []  # those taken after a pass that could not be pooled with the first

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from lightning_distplan.planner._enumerate import PIN_KEYS, check_pins_before_profiling, enumerate_plans, nearest_valid_batch_sizes, satisfies_pins
+from lightning_distplan.planner._enumerate import PIN_KEYS, check_batch_before_profiling, check_pins_before_profiling, enumerate_plans, nearest_valid_batch_sizes, satisfies_pins
 from lightning_distplan.planner._explain import closest_to_fitting, explain, why_winner
 from lightning_distplan.planner._rank import NEAR_TIE, Candidate, near_tie_order, rank_order, rank_plans
 
@@ -19,6 +19,7 @@ __all__ = [
     "Candidate",
     "enumerate_plans",
     "check_pins_before_profiling",
+    "check_batch_before_profiling",
     "satisfies_pins",
     "rank_plans",
     "rank_order",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
@@ -13,7 +13,7 @@ from lightning_distplan.profile import unsplittable
 if TYPE_CHECKING:
     from lightning_distplan.profile import Profile
 
-__all__ = ["enumerate_plans", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS", "PIN_ALIASES", "MAX_WORLD_SIZE"]
+__all__ = ["enumerate_plans", "check_batch_before_profiling", "nearest_valid_batch_sizes", "satisfies_pins", "PIN_KEYS", "PIN_ALIASES", "MAX_WORLD_SIZE"]
 
 PIN_KEYS = (
     "strategy",
@@ -200,6 +200,74 @@ def _plan_value(plan: Plan, key: str) -> Any:
     if key == "schedule":
         return plan.schedule
     return getattr(plan, key)
+
+
+def _factored_plans(profile: Any, world_size: int, global_batch_size: int, strategies: Sequence[str], max_pp: int | None) -> list[Plan]:
+    """:func:`_raw_plans`, refused in one sentence (BatchNotFactorableError) when there is none.
+
+    ``profile`` is read for its ``layers`` (their names), ``pipeline_refusal`` and ``min_micro_batch_size`` only
+    (:func:`check_batch_before_profiling` passes a :class:`_Shape`)."""
+    plans = _raw_plans(profile, world_size, global_batch_size, strategies, max_pp)
+    if not plans and "dp_ga" not in strategies:
+        # Pipeline-only and no pipeline can exist at any batch size: say why, not "B does not factor".
+        reason = _no_pipeline_reason(profile, world_size, max_pp)
+        if reason is not None:
+            raise BatchNotFactorableError(
+                f"No {'/'.join(strategies)} plan exists on {world_size} devices: {reason}.",
+                hint="Allow strategy 'dp_ga', or change the world size / max_pp, or give the LightningModule a `pipeline_spec()` hook.",
+            )
+    if not plans:
+        below, above = nearest_valid_batch_sizes(
+            profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp
+        )
+        nearest = (f"{below} or " if below else "") + str(above)
+        need = profile.min_micro_batch_size
+        per_device = f" with at least {need} samples per device" if need > 1 else ""
+        pipelines = "" if not profile.pipeline_refusal and any(s != "dp_ga" for s in strategies) else f" (data parallel only: B must be a multiple of the world size{per_device})"
+        refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled (e.g. BatchNorm), so every micro-batch needs {need} or more" if need > 1 else ""
+        raise BatchNotFactorableError(
+            f"Global batch size {global_batch_size} cannot be factored over {world_size} devices{pipelines}{refused}.",
+            hint=f"Use the nearest valid global batch size, {nearest}, or a world size that divides it.",
+        )
+    return plans
+
+
+@dataclass(frozen=True)
+class _ShapeLayer:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What factoring the global batch reads of a profile, known before profiling (the smallest micro-batch is 1 until
+    the profiler finds sizes the model refuses)."""
+
+    layers: tuple[_ShapeLayer, ...]
+    pipeline_refusal: str | None
+    min_micro_batch_size: int = 1
+
+
+def check_batch_before_profiling(
+    *, world_size: int, global_batch_size: int, n_layers: int, split_reason: str | None = None, strategies: Sequence[str] = STRATEGIES
+) -> None:
+    """Refuse a global batch that no plan factors on ``world_size`` devices, before a profile is taken (minutes on a
+    large model): with only data parallel one that is no multiple of the world size, and so also one smaller than it;
+    with pipelines, one that no dp dividing both it and the world size leaves at most ``n_layers`` stages for.
+
+    ``n_layers``: the layers the profiler will find (``discover_layers``); ``split_reason``: why the model cannot be
+    split into pipeline stages, when it cannot. The profile may refuse more (micro-batches the model rejects), not fewer.
+
+    Raises:
+        BatchNotFactorableError: the message :func:`enumerate_plans` gives, with the nearest valid sizes.
+        InfeasiblePlanError: a world size or global batch that is not a positive integer, or unknown strategies.
+    """
+    world_size, global_batch_size = _check_sizes(world_size, global_batch_size)
+    strategies = _check_strategies(strategies)
+    shape = _Shape(
+        layers=tuple(_ShapeLayer(f"layer {i}") for i in range(max(1, n_layers))),
+        pipeline_refusal=None if split_reason is None else unsplittable(split_reason),
+    )
+    _factored_plans(shape, world_size, global_batch_size, strategies, None)
 
 
 def _pin_names(pins: dict[str, Any] | None) -> dict[str, str]:
@@ -390,28 +458,7 @@ def enumerate_plans(
     max_pp = _check_max_pp(max_pp)
     names = _pin_names(pins)
     pins = _normalise_pins(pins)
-    plans = _raw_plans(profile, world_size, global_batch_size, strategies, max_pp)
-    if not plans and "dp_ga" not in strategies:
-        # Pipeline-only and no pipeline can exist at any batch size: say why, not "B does not factor".
-        reason = _no_pipeline_reason(profile, world_size, max_pp)
-        if reason is not None:
-            raise BatchNotFactorableError(
-                f"No {'/'.join(strategies)} plan exists on {world_size} devices: {reason}.",
-                hint="Allow strategy 'dp_ga', or change the world size / max_pp, or give the LightningModule a `pipeline_spec()` hook.",
-            )
-    if not plans:
-        below, above = nearest_valid_batch_sizes(
-            profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp
-        )
-        nearest = (f"{below} or " if below else "") + str(above)
-        need = profile.min_micro_batch_size
-        per_device = f" with at least {need} samples per device" if need > 1 else ""
-        pipelines = "" if not profile.pipeline_refusal and any(s != "dp_ga" for s in strategies) else f" (data parallel only: B must be a multiple of the world size{per_device})"
-        refused = f"; the model refused micro-batches of {_samples(need - 1)} when profiled (e.g. BatchNorm), so every micro-batch needs {need} or more" if need > 1 else ""
-        raise BatchNotFactorableError(
-            f"Global batch size {global_batch_size} cannot be factored over {world_size} devices{pipelines}{refused}.",
-            hint=f"Use the nearest valid global batch size, {nearest}, or a world size that divides it.",
-        )
+    plans = _factored_plans(profile, world_size, global_batch_size, strategies, max_pp)
     for key, value in pins.items():
         name = names[key]
         if (key == "stage_boundaries" and not _valid_boundaries(value, len(profile.layers))) or not any(_matches(plan, key, value) for plan in plans):

@@ -749,3 +749,18 @@ def test_ranks_per_machine_reads_a_good_local_world_size(monkeypatch):
     assert ranks_per_machine(4) == 2 and ranks_per_machine(1) == 1  # not distributed: one
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert ranks_per_machine(4) == 1  # ranks started by hand without it: one a machine, as before
+
+
+def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(tmp_path, monkeypatch, capfd):
+    """--global-batch-size 3 on 2 processes in 64-true (data parallel only: pipelines do not train in float64) was
+    refused by rank_plans after the profile and the link measurement (45 s for this MLP, minutes for a real model).
+    Every rank now refuses it before the profiling, in one line: nothing was profiled."""
+    argv = ["bench", *MODEL, "--world-size", "2", "--global-batch-size", "3", "--precision", "64-true", "--profile-repeats", "1",
+            "--threads", "1", "--device", "cpu"]
+    returncode = _bench_command_here(monkeypatch, tmp_path, argv)
+    res = capfd.readouterr()
+    errors = [line for line in res.err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert returncode == 2 and len(errors) == 1, res.err[-2000:]
+    assert errors[0].startswith("distplan bench: error: Global batch size 3 cannot be factored over 2 devices (data parallel only")
+    assert "HINT: Use the nearest valid global batch size, 2 or 4" in errors[0]
+    assert "profiling" not in res.out and "allreduce:" not in res.out, res.out  # no profile, no link measurement

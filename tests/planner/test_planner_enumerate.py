@@ -256,3 +256,30 @@ def test_numpy_sizes_and_pins_plan_as_python_ints():
     plans = enumerate_plans(prof(), world_size=np.int64(4), global_batch_size=np.int64(32), max_pp=np.int32(2), pins={"micro_batch_size": np.int64(4)})
     assert plans == enumerate_plans(prof(), world_size=4, global_batch_size=32, max_pp=2, pins={"micro_batch_size": 4})
     assert plans and all(p.micro_batch_size == 4 and type(p.global_batch_size) is int for p in plans)
+
+
+def test_a_global_batch_no_plan_factors_is_refused_before_profiling_as_after():
+    """distplan bench met a global batch no plan factors (3 on 2 devices, data parallel only) in rank_plans, after the
+    profile (45 s for a 2-layer MLP under --precision 64-true). check_batch_before_profiling refuses it from the world
+    size, the batch and the layers found alone, in the words enumerate_plans uses once the profile is there."""
+    from lightning_distplan.planner import check_batch_before_profiling
+
+    two = [LayerSpec(), LayerSpec()]
+    cases = [  # (world, batch, layers, splittable, strategies)
+        (2, 3, 2, True, ("dp_ga",)),  # not a multiple of the world size, data parallel only
+        (4, 2, 2, True, ("dp_ga",)),  # smaller than the world size
+        (2, 3, 2, False, ("dp_ga", "gpipe", "1f1b")),  # pipelines allowed, but the model cannot be split
+        (4, 3, 2, True, ("dp_ga", "gpipe", "1f1b")),  # a pipeline on 4 devices would need 4 stages of 2 layers
+    ]
+    for world, batch, layers, splittable, strategies in cases:
+        profile = synthetic_profile([LayerSpec()] * layers, splittable=splittable)
+        with pytest.raises(BatchNotFactorableError) as after:
+            enumerate_plans(profile, world_size=world, global_batch_size=batch, strategies=strategies)
+        with pytest.raises(BatchNotFactorableError) as before:
+            check_batch_before_profiling(world_size=world, global_batch_size=batch, n_layers=layers,
+                                         split_reason=None if splittable else profile.split_reason, strategies=strategies)
+        assert str(before.value) == str(after.value) and "HINT: Use the nearest valid global batch size" in str(before.value)
+    # what a profile factors passes: 3 on 2 devices as a 2-stage pipeline, 1 on 2 devices as GPipe of one micro-batch
+    for world, batch in ((2, 3), (2, 1), (1, 7), (4, 8)):
+        assert enumerate_plans(synthetic_profile(two), world_size=world, global_batch_size=batch)
+        check_batch_before_profiling(world_size=world, global_batch_size=batch, n_layers=2)
