@@ -32,8 +32,11 @@ Usage::
 The full sweep writes ``benchmarks/results/cpu_cluster_sweep.json`` (the README's table is made from it; the
 script says so before it replaces that committed run 1); ``--quick`` writes ``runs/cpu_cluster_sweep_quick.json``,
 never the committed results. Ctrl-C or SIGTERM (or an error between settings, such as a link rate
-that cannot be applied) stops the nodes, removes the namespaces and keeps the settings measured so far in
-``<out>.partial.json``.
+that cannot be applied) stops the nodes, removes the namespaces and keeps the settings run so far in
+``<out>.partial.json``, the one it stopped in too. A setting that failed (its job stopped, timed out or
+was interrupted) keeps what it measured: ``plan_runs``, node 0's progress line of each plan's run, and
+``partial_result``, the bench's result file where it wrote one (a plan not every rank finished stops
+the bench after the plans before it were measured).
 """
 
 from __future__ import annotations
@@ -158,13 +161,32 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+class SettingInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while a setting ran: its nodes are stopped, and ``setting`` is its record (what it measured)."""
+
+    def __init__(self, setting: dict[str, Any]) -> None:
+        super().__init__()
+        self.setting = setting
+
+
+def _plan_runs(log: str) -> list[str]:
+    """Node 0's progress lines of the plans' runs (``[pass 1/3 2/7] rank 3 dp_ga ...: measured 9.8 ms, predicted ...``)."""
+    return [line.strip() for line in log.splitlines() if line.startswith("[") and "] rank " in line]
+
+
 def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
+    """One model x rate: the bench's result, or a failed setting's record with what it measured before it stopped.
+
+    Raises:
+        SettingInterrupted: Ctrl-C or SIGTERM while it ran (the nodes stopped; the exception holds the failed record).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         log0, log1 = Path(tmp) / "node0.log", Path(tmp) / "node1.log"
         cmds = [_node_cmd(i, spec, args, out, port) for i in (0, 1)]
         t0 = time.perf_counter()
         procs = []
+        why = None
         try:
             for cmd, log in zip(cmds, (log0, log1)):
                 procs.append(subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))
@@ -172,7 +194,9 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
             for p in procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            pass
+            why = f"timed out after {args.timeout} s (--timeout)"
+        except KeyboardInterrupt:
+            why = "interrupted"
         finally:
             for p in procs:  # only the two torchrun agents this function started (and their workers)
                 if p.poll() is None:
@@ -190,10 +214,24 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
                             os.kill(pid, signal.SIGKILL)
         wall = time.perf_counter() - t0
         codes = [p.returncode for p in procs]
-        if codes != [0, 0] or not out.exists():
-            tail = log0.read_text()[-2500:] + "\n--- node 1 ---\n" + log1.read_text()[-1500:]
-            print(f"  FAILED ({codes}, {wall:.0f} s):\n{tail}", flush=True)
-            return {"model_key": name, "rate": rate, "error": f"exit codes {codes}", "log_tail": tail, "wall_s": wall}
+        if why is not None or codes != [0, 0] or not out.exists():
+            text0 = log0.read_text() if log0.exists() else ""
+            tail = text0[-2500:] + "\n--- node 1 ---\n" + (log1.read_text()[-1500:] if log1.exists() else "")
+            failed = {"model_key": name, "rate": rate, "error": f"{why or 'failed'}; exit codes {codes}", "log_tail": tail, "wall_s": wall,
+                      "node_commands": [shlex.join(c) for c in cmds],
+                      # what it measured before it stopped: the bench's progress lines of each plan's run, and its result
+                      # file where it wrote one (a plan not every rank finished stops it with exit status 2, after the plans
+                      # before it were measured); the temporary folder goes with this function
+                      "plan_runs": _plan_runs(text0)}
+            if out.exists():
+                with contextlib.suppress(OSError, ValueError):
+                    failed["partial_result"] = json.loads(out.read_text())
+            kept = ", ".join(filter(None, [f"{len(failed['plan_runs'])} plan run(s) kept" if failed["plan_runs"] else "",
+                                            "its result file kept as partial_result" if "partial_result" in failed else ""]))
+            print(f"  FAILED ({failed['error']}, {wall:.0f} s{'; ' + kept if kept else ''}):\n{tail}", flush=True)
+            if why == "interrupted":
+                raise SettingInterrupted(failed)
+            return failed
         result = json.loads(out.read_text())
         print(log0.read_text().split("distplan bench:", 2)[-1][-2500:], flush=True)
     # the profile stays (~100 KB a setting): with it a later model can be replayed against these measurements
@@ -415,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             print(_sh("down"), flush=True)
     except (KeyboardInterrupt, Exception) as err:
         # Ctrl-C, SIGTERM, or an error between settings (a rate that could not be applied, say): the settings measured
-        # so far took minutes each, and are kept
+        # so far took minutes each, and are kept, with the one that was running (the plans it measured)
+        if isinstance(err, SettingInterrupted):
+            settings.append(err.setting)
         why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {type(err).__name__}: {err}"
         kept = ""
         if settings:
@@ -423,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
             doc = {"schema": "distplan-cpu-cluster-sweep/1", "stopped": why, "settings": settings,
                    "provenance": _provenance(argv, args, rates, catalog, names, started, load_before)}
             write_result(partial, doc)
-            kept = f"; the {len(settings)} setting(s) measured are in {partial}"
+            stopped = " (the one it stopped in with the plans it had measured)" if isinstance(err, SettingInterrupted) else ""
+            kept = f"; the {len(settings)} setting(s) run{stopped} are in {partial}"
         print(f"cpu_cluster_sweep: {why}; the nodes were stopped and the namespaces removed{kept}.", file=sys.stderr)
         return 130 if isinstance(err, KeyboardInterrupt) else 1
     try:

@@ -274,3 +274,125 @@ def test_sweep_stopped_by_an_error_between_settings_keeps_what_it_measured(tmp_p
     assert [(s["model_key"], s["rate"]) for s in partial["settings"]] == [("mlp", "unlimited")]
     assert partial["stopped"].startswith("stopped by RuntimeError") and not out.exists()
     assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # torn down
+
+
+HANGS_IN_ITS_THIRD_PLAN = """
+import os
+import time
+from pathlib import Path
+
+from lightning_distplan.bench.models import WideMLP
+
+FITS = []  # the plan fits this process ran
+
+
+class HangsInItsThirdPlan(WideMLP):
+    def on_fit_start(self):
+        FITS.append(self.trainer.global_rank)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if len(FITS) == 3:  # the third plan's run, on both ranks: the sweep is stopped here
+            Path(os.environ["DISTPLAN_TEST_MARK"]).touch()
+            time.sleep(600)
+"""
+
+_SWEEP_DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import cpu_cluster_sweep as sweep
+sweep.QUICK["mlp"] = {**sweep.QUICK["mlp"], "model": sys.argv[2]}
+sys.exit(sweep.main(sys.argv[3:]))
+"""
+
+
+def _start_sweep(tmp_path: Path, model: str, *args: str) -> subprocess.Popen:
+    """benchmarks/cpu_cluster_sweep.py --quick with its mlp replaced by ``model`` (a class in a module under tmp_path)."""
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]),
+           "DISTPLAN_TEST_MARK": str(tmp_path / "hung")}
+    cmd = [sys.executable, "-c", _SWEEP_DRIVER, str(SCRIPT.parents[1] / "benchmarks"), model, "--quick", "--models", "mlp",
+           "--rates", "unlimited", "--passes", "1", "--confirm", "0", "--min-time", "0", "--steps", "1", "--warmup", "0", *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_a_sweep_stopped_in_a_setting_keeps_the_plans_that_setting_measured(tmp_path):
+    """A sweep stopped (SIGTERM, Ctrl-C) while a setting ran kept only the settings before it: the plans that setting had
+    measured, minutes of runs, went with its temporary folder. Its record now goes into the partial file with them."""
+    import json
+    import signal
+
+    if shutil_which("ip") is None:
+        pytest.skip("no `ip` command")
+    (tmp_path / "hang_model.py").write_text(HANGS_IN_ITS_THIRD_PLAN)
+    out = tmp_path / "sweep.json"
+    proc = _start_sweep(tmp_path, "hang_model:HangsInItsThirdPlan", "--timeout", "400", "--out", str(out))
+    try:
+        deadline = time.monotonic() + 300
+        while not (tmp_path / "hung").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        if proc.poll() is None and (tmp_path / "hung").exists():
+            proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        _sh("down", check=False)
+    if proc.returncode == 77 or "skipped" in stderr:
+        pytest.skip(stderr.strip())
+    assert proc.returncode == 130, (stdout[-3000:], stderr[-3000:])
+    assert "Traceback" not in stderr and "the 1 setting(s) run (the one it stopped in with the plans it had measured) are in" in stderr, stderr[-2000:]
+    (setting,) = json.loads((tmp_path / "sweep.partial.json").read_text())["settings"]
+    assert setting["model_key"] == "mlp" and setting["error"].startswith("interrupted") and "summary" not in setting
+    runs = setting["plan_runs"]  # the two plans run before the third hung, as the bench reported them
+    assert len(runs) == 2 and all(" rank " in r and ": measured " in r and "predicted" in r for r in runs), runs
+    assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # torn down
+    left = subprocess.run(["pgrep", "-f", "hang_model:HangsInItsThirdPlan"], capture_output=True, text=True).stdout.split()
+    assert left == []  # no node left running
+
+
+def shutil_which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+FAILS_EVERY_PLAN = """
+from lightning_distplan.bench.models import WideMLP
+
+
+class FailsEveryPlan(WideMLP):
+    def on_train_batch_start(self, batch, batch_idx):  # profiled fine; every plan's run fails, on both ranks
+        raise RuntimeError("simulated failure of every run")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_a_failed_setting_keeps_the_result_file_its_bench_wrote(tmp_path):
+    """A setting whose bench wrote its result and exited non-zero (here: no plan produced a measurement, status 1; or a
+    plan not every rank finished, status 2, after the plans before it were measured) was recorded as 'exit codes [1, 1]'
+    and a log tail; the result file, each plan's prediction and error, went with the temporary folder."""
+    import json
+
+    if shutil_which("ip") is None:
+        pytest.skip("no `ip` command")
+    (tmp_path / "fails_model.py").write_text(FAILS_EVERY_PLAN)
+    out = tmp_path / "sweep.json"
+    proc = _start_sweep(tmp_path, "fails_model:FailsEveryPlan", "--plans", "1,2", "--timeout", "400", "--out", str(out))
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+        _sh("down", check=False)
+    if proc.returncode == 77 or "skipped" in stderr:
+        pytest.skip(stderr.strip())
+    assert proc.returncode == 1, (stdout[-3000:], stderr[-3000:])
+    (setting,) = json.loads(out.read_text())["settings"]
+    assert setting["error"] == "failed; exit codes [1, 1]" and "summary" not in setting
+    kept = setting["partial_result"]
+    assert kept["schema"] == "distplan-bench/1" and [p["rank"] for p in kept["plans"]] == [1, 2]
+    assert all("simulated failure of every run" in p["error"] and p["predicted_step_time_s"] > 0 for p in kept["plans"])
+    assert len(setting["plan_runs"]) == 2 and all(": failed: RuntimeError" in r for r in setting["plan_runs"])
+    assert "FAILED: failed; exit codes [1, 1]" in stdout
