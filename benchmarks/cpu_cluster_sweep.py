@@ -33,7 +33,8 @@ The full sweep writes ``benchmarks/results/cpu_cluster_sweep.json`` (the README'
 script says so before it replaces that committed run 1); ``--quick`` writes ``runs/cpu_cluster_sweep_quick.json``,
 never the committed results. Ctrl-C or SIGTERM (or an error between settings, such as a link rate
 that cannot be applied) stops the nodes, removes the namespaces and keeps the settings run so far in
-``<out>.partial.json``, the one it stopped in too. A setting that failed (its job stopped, timed out or
+``<out>.partial.json``, the one it stopped in too (``<out>.partial.2.json``, 3, ... when an earlier
+stopped sweep's file is there: that one is kept; the message names the file). A setting that failed (its job stopped, timed out or
 was interrupted) keeps what it measured: ``plan_runs``, node 0's progress line of each plan's run, and
 ``partial_result``, the bench's result file where it wrote one (a plan not every rank finished stops
 the bench after the plans before it were measured).
@@ -459,12 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         why = "interrupted" if isinstance(err, KeyboardInterrupt) else f"stopped by {type(err).__name__}: {err}"
         kept = ""
         if settings:
-            partial = out.with_name(out.stem + ".partial.json")
+            partial = _partial_path(out)
             doc = {"schema": "distplan-cpu-cluster-sweep/1", "stopped": why, "settings": settings,
                    "provenance": _provenance(argv, args, rates, catalog, names, started, load_before)}
             write_result(partial, doc)
             stopped = " (the one it stopped in with the plans it had measured)" if isinstance(err, SettingInterrupted) else ""
-            kept = f"; the {len(settings)} setting(s) run{stopped} are in {partial}"
+            earlier = out.with_name(out.stem + ".partial.json")
+            before = f"; an earlier stopped sweep's {earlier} is kept, and" if partial != earlier else ";"
+            kept = f"{before} the {len(settings)} setting(s) run{stopped} are in {partial}"
         print(f"cpu_cluster_sweep: {why}; the nodes were stopped and the namespaces removed{kept}.", file=sys.stderr)
         return 130 if isinstance(err, KeyboardInterrupt) else 1
     try:
@@ -490,6 +493,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # the JSON is the result; a missing plot is not fatal
         print(f"wrote {out} (plot failed: {err})")
     return 0 if all("summary" in s for s in settings) else 1
+
+
+def _partial_path(out: Path) -> Path:
+    """Where a stopped sweep keeps its settings: ``<out>.partial.json``, or ``<out>.partial.2.json`` (3, ...) when an
+    earlier stopped sweep's is there (never replaced: it holds the settings that sweep measured)."""
+    n = 1
+    while (path := out.with_name(out.stem + (".partial.json" if n == 1 else f".partial.{n}.json"))).exists():
+        n += 1
+    return path
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -396,3 +396,41 @@ def test_a_failed_setting_keeps_the_result_file_its_bench_wrote(tmp_path):
     assert all("simulated failure of every run" in p["error"] and p["predicted_step_time_s"] > 0 for p in kept["plans"])
     assert len(setting["plan_runs"]) == 2 and all(": failed: RuntimeError" in r for r in setting["plan_runs"])
     assert "FAILED: failed; exit codes [1, 1]" in stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
+def test_a_second_stopped_sweep_keeps_the_first_ones_partial_file(tmp_path):
+    """Two sweeps stopped with the same --out both wrote <out>.partial.json: the second replaced the first's settings
+    (minutes to hours of runs) without a word. The second now writes <out>.partial.2.json and names it."""
+    import json
+    import shutil
+
+    real_tc = shutil.which("tc")
+    if real_tc is None:
+        pytest.skip("no `tc` command")
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "tc").write_text(f'#!/bin/sh\ncase "$*" in *1gbit*) echo "tc: refused" >&2; exit 2;; esac\nexec {real_tc} "$@"\n')
+    (shim / "tc").chmod(0o755)
+    out = tmp_path / "sweep.json"
+    # --timeout 1: the unlimited setting is stopped at once and recorded as failed; then the 1gbit rate fails
+    cmd = [sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "cpu_cluster_sweep.py"), "--quick", "--models", "mlp",
+           "--rates", "unlimited,1gbit", "--timeout", "1", "--out", str(out)]
+    kept = []
+    for _ in range(2):
+        try:
+            proc = subprocess.run(cmd, env={**ENV, "PATH": f"{shim}:{os.environ['PATH']}"}, capture_output=True, text=True, timeout=180)
+        finally:
+            _sh("down", check=False)
+        if proc.returncode == 77 or "skipped" in proc.stderr:
+            pytest.skip(proc.stderr.strip())
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        kept.append(proc.stderr.strip().splitlines()[-1])
+        if len(kept) == 1:
+            first = (tmp_path / "sweep.partial.json").read_bytes()
+    assert kept[0].endswith(f"are in {tmp_path / 'sweep.partial.json'}."), kept[0]
+    assert kept[1].endswith(f"; an earlier stopped sweep's {tmp_path / 'sweep.partial.json'} is kept, and the 1 setting(s) run "
+                            f"are in {tmp_path / 'sweep.partial.2.json'}."), kept[1]
+    assert (tmp_path / "sweep.partial.json").read_bytes() == first  # the first sweep's file, untouched
+    second = json.loads((tmp_path / "sweep.partial.2.json").read_text())
+    assert [(s["model_key"], s["rate"]) for s in second["settings"]] == [("mlp", "unlimited")]
