@@ -764,3 +764,42 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(tmp_path
     assert errors[0].startswith("distplan bench: error: Global batch size 3 cannot be factored over 2 devices (data parallel only")
     assert "HINT: Use the nearest valid global batch size, 2 or 4" in errors[0]
     assert "profiling" not in res.out and "allreduce:" not in res.out, res.out  # no profile, no link measurement
+
+
+def test_with_min_time_the_plans_read_no_more_distinct_samples_than_warmup_plus_steps_batches(no_group_left):
+    """run_bench materialised every sample a pass reads, (warm-up + timed steps) x the global batch: with --min-time a
+    fast plan times up to 200 steps, so 202 x 64 images of 3x224x224 (576 MiB per 1000 measured) held ~7.3 GB on every
+    rank before the first run, and took ~50 s to build. The plans now read (warm-up + --steps) global batches of it over
+    and over: a pass is as long as before (the loader's length is the same), its distinct samples are bounded."""
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_distplan.bench import run_bench
+    from lightning_distplan.bench.models import RandomVectorData, WideMLP
+
+    dm = RandomVectorData(in_features=16, batch_size=4, num_samples=2048)
+    dm.setup("fit")
+
+    class Counting(Dataset):  # the datamodule's dataset, its reads counted
+        reads = 0
+
+        def __len__(self):
+            return len(dm.dataset)
+
+        def __getitem__(self, i):
+            Counting.reads += 1
+            return dm.dataset[i]
+
+    loader = DataLoader(Counting(), batch_size=4)
+    result = run_bench(lambda: WideMLP(in_features=16, hidden=32, depth=2), loader, world_size=1, global_batch_size=4,
+                       plans="top:1", steps=1, warmup=1, passes=1, min_time_s=10.0, reprofile=False, profile_repeats=1,
+                       micro_batch_sizes=[1, 2, 4], device="cpu")
+    (plan,) = result["plans"]
+    count = plan["timed_steps_per_pass"]  # about 10 s of steps, up to 200
+    assert plan["error"] is None and count >= 30 and len(plan["measured_step_times_s"]) == count
+    long_run, Counting.reads = Counting.reads, 0
+    # the same bench timing exactly --steps: the profiler and the host check read the same (a re-timed size or two more
+    # at most); before, the long run read (count - 1) x 4 samples more for its cache
+    run_bench(lambda: WideMLP(in_features=16, hidden=32, depth=2), loader, world_size=1, global_batch_size=4,
+              plans="top:1", steps=1, warmup=1, passes=1, min_time_s=0.0, reprofile=False, profile_repeats=1,
+              micro_batch_sizes=[1, 2, 4], device="cpu")
+    assert long_run - Counting.reads < 100, (long_run, Counting.reads)
