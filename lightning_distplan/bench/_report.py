@@ -67,7 +67,8 @@ def format_table(result: Mapping[str, Any]) -> str:
     firsts = [(r.get("first_profile") or {}).get("rank", r["rank"]) for r in result["plans"]]
     show_first = any(f != r["rank"] for f, r in zip(firsts, result["plans"]))
     first_head = f"{'1st':>4} " if show_first else ""
-    header = f"{'rank':>4}  {first_head}{'plan':52s} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>8} {'meas MiB':>8} {'error':>7}"
+    width = max([52, *(len(r["plan"]) for r in result["plans"])])  # a plan whole (a long split was cut mid-list)
+    header = f"{'rank':>4}  {first_head}{'plan':{width}s} {'pred ms':>9} {'meas ms':>9} {'error':>7}   {'pred MiB':>8} {'meas MiB':>8} {'error':>7}"
     lines += ["", header, "-" * len(header)]
     best_rank = (result["summary"].get("measured_best") or {}).get("rank")
     pick_rank = (result["summary"].get("pick") or {}).get("rank")
@@ -75,7 +76,7 @@ def format_table(result: Mapping[str, Any]) -> str:
         mark = ("*" if r["rank"] == pick_rank else " ") + ("!" if r["rank"] == best_rank else " ")
         lines.append(
             f"{r['rank']:>4}{mark}" + (f"{first:>4} " if show_first else "")
-            + f"{r['plan'][:52]:52s} {_ms(r['predicted_step_time_s'])} {_ms(r['measured_step_time_s'])} "
+            + f"{r['plan']:{width}s} {_ms(r['predicted_step_time_s'])} {_ms(r['measured_step_time_s'])} "
             f"{_pct(r['step_time_error']):>7}   {_mib(r['predicted_peak_memory_bytes'])} {_mib(r['measured_peak_memory_bytes'])} "
             f"{_pct(r['memory_error']):>7}" + (f"  FAILED {r['error']}" if r.get("error") else "")
         )

@@ -326,3 +326,22 @@ def test_a_multi_node_bench_prices_a_hybrids_stages_on_one_machine_sharing_its_l
         assert graded.breakdown["exposed_comm"] == pytest.approx(expected, rel=1e-12), local
         (auto, *_), _ = choose_plan(profile, ranks_per_host=int(local), **kw)  # what auto_plan prices on those machines
         assert auto.prediction.step_time_s == pytest.approx(best.prediction.step_time_s, rel=1e-12) == graded.step_time_s
+
+
+def test_table_shows_a_long_plan_whole_and_aligned():
+    """The plan column cut every plan at 52 characters: a 4-stage hybrid at a GPU-sized batch read
+    '1f1b dp=2 pp=4 m=16 n_microbatches=128 split=[12, 24' (its split cut off mid-list, no word said)."""
+    long = "1f1b dp=2 pp=4 m=16 n_microbatches=128 split=[12, 24, 36]"
+    plans = [{**_rec(1, 0.10, 0.11, long), "strategy": "1f1b", "step_time_error": -0.09, "predicted_peak_memory_bytes": 2**20,
+              "measured_peak_memory_bytes": 2**21, "memory_error": -0.5, "error": None},
+             {**_rec(2, 0.12, 0.10, "dp_ga dp=8 m=64 accumulate=8"), "strategy": "dp_ga", "step_time_error": 0.2,
+              "predicted_peak_memory_bytes": 2**20, "measured_peak_memory_bytes": 2**20, "memory_error": 0.0, "error": None}]
+    result = {"model": "m", "world_size": 8, "device": {"type": "cuda", "name": "x"}, "global_batch_size": 4096, "warmup": 1,
+              "steps": 2, "links": [], "plans": plans, "summary": summarize(plans), "memory_metric": "cuda_max_memory_allocated"}
+    lines = format_table(result).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank"))
+    rows = lines[header + 2: header + 4]
+    assert rows[0][6:].startswith(long + " ") and rows[1][6:].startswith("dp_ga dp=8 m=64 accumulate=8 ")
+    # every column still lines up under its heading
+    assert len({len(line) for line in (lines[header], lines[header + 1], *rows)}) == 1, [lines[header], *rows]
+    assert lines[header].index("pred ms") + len("pred ms") == rows[0].index(" 100.0") + len(" 100.0")
