@@ -31,12 +31,17 @@ def _load(name: str) -> dict | None:
 
 
 def sweep_files() -> list[Path]:
-    """The committed CPU cluster sweeps in run order: ``cpu_cluster_sweep.json``, then ``_run2``, ``_run3`` ..."""
-    def order(path: Path) -> int:
-        tail = path.stem.removeprefix("cpu_cluster_sweep").removeprefix("_run")
-        return int(tail) if tail.isdigit() else 1
+    """The committed CPU cluster sweeps in run order: ``cpu_cluster_sweep.json``, then ``_run2``, ``_run3`` ...
 
-    return sorted(RESULTS.glob("cpu_cluster_sweep*.json"), key=order)
+    Only those names: a full sweep stopped part-way leaves ``cpu_cluster_sweep.partial.json`` (``.partial.2.json``, ...)
+    beside them, which is no sweep's result (its settings, no summary)."""
+    def order(path: Path) -> int | None:
+        tail = path.stem.removeprefix("cpu_cluster_sweep")
+        if not tail:
+            return 1
+        return int(tail[4:]) if tail.startswith("_run") and tail[4:].isdigit() else None
+
+    return sorted((p for p in RESULTS.glob("cpu_cluster_sweep*.json") if order(p) is not None), key=lambda p: order(p) or 0)
 
 
 def _picks_by_rate(d: dict) -> str:
