@@ -382,7 +382,8 @@ def run_bench(
             t seconds a step runs ``max(steps, ceil(min_time_s / t))`` timed steps (at most
             :data:`MAX_TIMED_STEPS`; the first profile's prediction, fixed before the first pass, so
             every pass and confirmation pass of a plan times the same count). A fast plan's few
-            steps otherwise sample a fraction of a second of a noisy host. 0: exactly ``steps``.
+            steps otherwise sample a fraction of a second of a noisy host. 0: exactly ``steps``. The plans read the
+            first ``(warmup + steps)`` global batches of the dataset in turn, however many steps they time.
         reprofile: profile again (model and links) after each pass and predict from the mean of
             all the profiles (:func:`~lightning_distplan.profile.pool_profiles`), so predictions
             and measurements sample the same stretch of time; a host whose speed drifts then
