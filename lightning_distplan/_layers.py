@@ -13,6 +13,8 @@ data parallelism, not to build a pipeline).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = [
-    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "check_crossing", "discover_layers", "find_pipeline_spec", "register_adapter",
+    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "check_crossing", "MappingOutput", "discover_layers", "find_pipeline_spec", "register_adapter",
 ]
 
 _TARGET_LAYERS = 24  # enough granularity for a balanced split, few enough for cheap hooks
@@ -36,7 +38,8 @@ class PipelineSpec:
     Args:
         layers: blocks run in order; block 0 receives ``inputs(batch)``, every later block receives
             the previous block's output (a tensor, or a tuple or list of tensors unpacked as arguments; a
-            ``PackedSequence`` goes whole between two blocks of one stage, and no stage may end with it).
+            ``PackedSequence`` goes whole between two blocks of one stage, and no stage may end with it). The last
+            block may also return a flat mapping of tensors, which ``loss`` gets built again (:class:`MappingOutput`).
         inputs: maps a training batch to what block 0 receives (a tensor, or a tuple or list of tensors
             unpacked as arguments; only tensors cross stages, so no dicts or constants).
         loss: maps (last block's output, batch) to the scalar loss of ``training_step`` — the mean
@@ -120,11 +123,13 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
     only tensors to the next stage, as the positional arguments of its first layer. ``last``: ``layers[index]`` is the
     last layer, whose output torch's runtime checks by the same rule (its first-step shape inference refused a dict
     with "PipeliningMetadataError: Stage args must be a tensor, tuple, or list of tensors, got dict") before the
-    loss gets it. Between two layers of one stage anything may pass: the stage calls them as one process does.
+    loss gets it; there a mapping of tensors passes too, as its values in key order (:class:`MappingOutput`). Between
+    two layers of one stage anything may pass: the stage calls them as one process does.
 
     Raises:
         ModelSplitError: ``output`` is not a tensor or a tuple / list of tensors (None, a number, a dict, a nested tuple
-            in it, or a ``PackedSequence``, whose four tensors would arrive as four arguments).
+            in it, or a ``PackedSequence``, whose four tensors would arrive as four arguments), or, from the last layer,
+            no such thing nor a mapping :class:`MappingOutput` takes.
     """
     from torch import Tensor
     from torch.nn.utils.rnn import PackedSequence
@@ -132,6 +137,9 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
     from lightning_distplan.errors import ModelSplitError, described
 
     if isinstance(output, Tensor):
+        return
+    if last and isinstance(output, Mapping):
+        MappingOutput.of(output, index, layer)
         return
     if isinstance(output, PackedSequence) or not isinstance(output, (tuple, list)):
         given = described(output)
@@ -143,8 +151,8 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
     if last:
         raise ModelSplitError(
             f"PipelineSpec.layers[{index}] ({type(layer).__name__}), the last layer, returned {given}; torch's pipelining "
-            "runtime takes only tensors from a stage, the last one included, so it must return a tensor or a tuple (or "
-            "list) of tensors, which PipelineSpec.loss then gets.",
+            "runtime takes only tensors from a stage, the last one included, so it must return a tensor, a tuple (or "
+            "list) of tensors, or a dict of tensors, which PipelineSpec.loss then gets.",
             hint="Return the tensor(s) the loss needs (e.g. a wrapper of the head returning out['logits']) and read them "
             "in PipelineSpec.loss (loss=lambda out, batch: F.cross_entropy(out, batch['labels'])).",
         )
@@ -157,11 +165,85 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
     )
 
 
+@dataclass(frozen=True)
+class MappingOutput:
+    """The last layer's mapping of tensors (``{"logits": ...}``, a Hugging Face ``ModelOutput``) across torch's pipelining
+    runtime, which takes only a tensor or a tuple of tensors from a stage, the last one included: the last stage
+    returns the values in the mapping's key order (:meth:`flatten`), and the strategy builds the same mapping again
+    (:meth:`rebuild`: the same type, keys and order) before ``PipelineSpec.loss`` gets it and ``predict`` returns it.
+    The one-process chain (:func:`chain_output`: the check before the cut, the profiler) gives the loss the rebuilt
+    mapping too, so every run sees what the pipeline's loss sees."""
+
+    kind: type
+    keys: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, output: Mapping, index: int, layer: Any) -> MappingOutput:
+        """The form of ``output``, what ``layers[index]`` (the last layer) returned.
+
+        Raises:
+            ModelSplitError: ``output`` holds no value, a value that is no tensor (None, a tuple of hidden states, a
+                nested dict), or is of a mapping type that is not built again from its items (``type(output)(**items)``
+                for a dataclass such as ``ModelOutput``, ``type(output)(items)`` otherwise).
+        """
+        from torch import Tensor
+
+        from lightning_distplan.errors import ModelSplitError, described
+
+        what = f"PipelineSpec.layers[{index}] ({type(layer).__name__}), the last layer, returned {described(output)}"
+        hint = ("Return only the tensors the loss needs: a tensor, a tuple of tensors or a flat dict of tensors (e.g. "
+                "{'logits': out.logits}, leaving out None and nested values), and read them in PipelineSpec.loss.")
+        wrong = next(((k, v) for k, v in output.items() if not isinstance(v, Tensor)), None)
+        if wrong is not None or not output:
+            found = "no value" if wrong is None else f"{described(wrong[1])} under {wrong[0]!r}"
+            raise ModelSplitError(
+                f"{what} holding {found}; torch's pipelining runtime takes only tensors from the last stage, so the pipeline "
+                "passes a mapping's tensors and builds it again for PipelineSpec.loss, which takes no nested or non-tensor value.",
+                hint=hint,
+            )
+        form = cls(type(output), tuple(output.keys()))
+        try:
+            rebuilt = form.rebuild(tuple(output.values()))
+        except Exception:  # noqa: BLE001 - a type whose constructor takes no items: said below
+            rebuilt = None
+        if type(rebuilt) is not form.kind or tuple(rebuilt.keys()) != form.keys:
+            raise ModelSplitError(
+                f"{what}, which the pipeline cannot build again from its items for PipelineSpec.loss (torch's pipelining "
+                "runtime takes only tensors from the last stage, so the pipeline passes the mapping's tensors).",
+                hint="Return a dict of the tensors (dict(out)) and read them in PipelineSpec.loss.",
+            )
+        return form
+
+    def flatten(self, output: Any) -> tuple[Tensor, ...]:
+        """``output``'s values in key order.
+
+        Raises:
+            ModelSplitError: ``output`` is not a mapping of this type with these keys (a micro-batch whose last layer
+                returned other keys than the first one's).
+        """
+        from lightning_distplan.errors import ModelSplitError, described, described_type
+
+        if type(output) is not self.kind or tuple(output.keys()) != self.keys:
+            given = f"{described(output)} with keys {list(output.keys())}" if isinstance(output, Mapping) else described(output)
+            raise ModelSplitError(
+                f"The pipeline's last layer returned {given} where it returned {described_type(self.kind)} with keys "
+                f"{list(self.keys)} before; the pipeline builds the mapping again from its tensors by the keys it saw first.",
+                hint="Return the same keys for every micro-batch (leave optional outputs out, or always return them).",
+            )
+        return tuple(output.values())
+
+    def rebuild(self, values: Sequence[Any]) -> Mapping:
+        """The mapping of ``values`` (what :meth:`flatten` gave, or the micro-batches' merged) under the keys."""
+        items = dict(zip(self.keys, values, strict=True))
+        return self.kind(**items) if dataclasses.is_dataclass(self.kind) else self.kind(items.items())
+
+
 def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) -> Any:
     """What a pipeline computes from ``batch`` in one process: ``spec.inputs`` -> every layer -> ``spec.loss``, with
     ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it). ``cuts``: the indices of the
     layers that start a stage, and ``len(spec.layers)`` for the end of the last one; what the layer before each returns
-    is checked to cross (:func:`check_crossing`).
+    is checked to cross (:func:`check_crossing`), and a mapping the last layer returns reaches the loss rebuilt from
+    its tensors, as the pipeline's last stage gives it (:class:`MappingOutput`).
 
     Raises:
         BatchFormatError: ``spec.inputs(batch)`` is nothing a pipeline's first stage takes (:func:`first_layer_args`).
@@ -173,6 +255,9 @@ def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) 
         x = call_layer(layer, x)
         if i + 1 in cuts:
             check_crossing(x, i, layer, last=i + 1 == len(spec.layers))
+    if len(spec.layers) in cuts and isinstance(x, Mapping):
+        form = MappingOutput.of(x, len(spec.layers) - 1, spec.layers[-1])
+        x = form.rebuild(form.flatten(x))
     return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)
 
 

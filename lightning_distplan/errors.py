@@ -102,10 +102,13 @@ class DataLoadingError(ProfilingError):
 def described(value: object) -> str:
     """``value`` as a message names what was given: "None", "a dict", "an int", and "an object of type Out" for a class
     whose name no article fits by rule (a user's ModelOutput, a UserDict)."""
-    if value is None:
-        return "None"
-    name = type(value).__name__
-    if type(value).__module__ == "builtins":
+    return "None" if value is None else described_type(type(value))
+
+
+def described_type(kind: type) -> str:
+    """What :func:`described` says of a value of type ``kind``."""
+    name = kind.__name__
+    if kind.__module__ == "builtins":
         return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
     return f"an object of type {name}"
 

@@ -5,6 +5,7 @@ Nothing here talks to a process group, so everything tests in milliseconds on on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -12,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_distplan._layers import call_layer, check_crossing, first_layer_args
+from lightning_distplan._layers import MappingOutput, call_layer, check_crossing, first_layer_args
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
@@ -56,7 +57,9 @@ class StageModule(nn.Module):
     Between two blocks anything may pass (a dict, a ``ModelOutput``), as in one process; what the stage returns goes
     through torch's runtime, to the next stage or (the last stage) to the loss, and must be a tensor or a tuple of
     tensors (:func:`~lightning_distplan._layers.check_crossing`, the rule the check before the cut and the profiler
-    apply). ``start``: the index of the first block in ``PipelineSpec.layers``; ``last``: this is the last stage.
+    apply). The last stage may end with a mapping of tensors (``{"logits": ...}``): it returns the values in key order,
+    and :attr:`output_form` builds the mapping again for the loss and predict. ``start``: the index of the first block
+    in ``PipelineSpec.layers``; ``last``: this is the last stage.
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, start: int = 0, last: bool = False) -> None:
@@ -68,6 +71,8 @@ class StageModule(nn.Module):
         """What the blocks run in: the precision plugin's forward context (autocast for 'bf16-mixed')."""
         self.copy_inputs = False
         """Whether the blocks get a copy of the received activations (set once a block overwrote them in place)."""
+        self.output_form: MappingOutput | None = None
+        """The last stage's mapping, by the first one its last block returned (torch's shape inference runs it first)."""
 
     def forward(self, *args: Any) -> Any:
         if not self.copy_inputs:
@@ -92,7 +97,12 @@ class StageModule(nn.Module):
         with self.forward_context():
             for block in self.blocks:
                 x = call_layer(block, x)
-        check_crossing(x, self.start + len(self.blocks) - 1, self.blocks[-1], last=self.last)
+        index = self.start + len(self.blocks) - 1
+        if self.last and (self.output_form is not None or isinstance(x, Mapping)):
+            if self.output_form is None:
+                self.output_form = MappingOutput.of(x, index, self.blocks[-1])
+            x = self.output_form.flatten(x)  # what torch's runtime takes; the strategy rebuilds the mapping
+        check_crossing(x, index, self.blocks[-1], last=self.last)
         if isinstance(x, list):
             x = tuple(x)  # what crosses to the next stage: a tuple (torch's runtime takes no list)
         if isinstance(x, tuple):

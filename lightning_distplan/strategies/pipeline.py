@@ -881,6 +881,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         # The schedule only carries tensors as targets; it gets the micro-batch index and we look the
         # micro-batch's targets (any structure) up here.
         targets = self._targets[int(index.reshape(-1)[0])]
+        if self._stage_module.output_form is not None:  # the last layer's mapping, flattened to cross torch's runtime
+            output = self._stage_module.output_form.rebuild(output)
         with self.precision_plugin.forward_context():
             if self._loss_checked or not self._pruned:
                 loss = self._spec.loss(output, targets)
@@ -1156,7 +1158,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         schedule, mb_kwargs = self._prepare(batch, n, mode="predict", size=size, targets=False, what="prediction batch")
         with self._stage_random():
             out = schedule.eval(**mb_kwargs)
-        holder = [_cpu(out) if layout.stage == layout.pp - 1 else None]
+        form = self._stage_module.output_form  # the last layer's mapping: built again from its merged tensors, its own type
+        holder = [(_cpu(out) if form is None else form.rebuild(_cpu(out))) if layout.stage == layout.pp - 1 else None]
         if layout.pp > 1:
             dist.broadcast_object_list(holder, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
         return holder[0]

@@ -394,43 +394,68 @@ class _FromDict(nn.Linear):
 
 
 class _HeadDict(nn.Linear):
-    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return {"logits": super().forward(h)}
+    def __init__(self, *args: Any, nested: bool = False) -> None:
+        super().__init__(*args)
+        self.nested = nested
+
+    def forward(self, h: torch.Tensor) -> dict[str, Any]:  # type: ignore[override]
+        logits = super().forward(h)
+        # the hidden state too (the loss does not read it): as a tensor, or in a tuple as Hugging Face's hidden_states
+        return {"logits": logits, "hidden": (h,) if self.nested else h}
 
 
 class _DictOutputs(L.LightningModule):
     """``where="stage"``: a dict between two layers of the second stage; ``"last"``: the last layer returns a dict
-    (a Hugging Face style head) that the loss reads ``out["logits"]`` of. The stage boundary is after layers[0]."""
+    (a Hugging Face style head: the logits and the hidden state) that the loss reads ``out["logits"]`` of; ``"nested"``:
+    the same with the hidden state in a tuple. The stage boundary is after layers[0]."""
 
     def __init__(self, where: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.where = where
-        tail = [_ToDict(), _FromDict(16, CLASSES)] if where == "stage" else [nn.ReLU(), _HeadDict(16, CLASSES)]
+        tail = [_ToDict(), _FromDict(16, CLASSES)] if where == "stage" else [nn.ReLU(), _HeadDict(16, CLASSES, nested=where == "nested")]
         self.layers = nn.ModuleList([nn.Linear(4, 16), *tail])
 
     def loss(self, out: Any, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(out["logits"] if self.where == "last" else out, batch[1])
+        return F.cross_entropy(out if self.where == "stage" else out["logits"], batch[1])
 
     def pipeline_spec(self) -> PipelineSpec:
         return PipelineSpec(layers=list(self.layers), inputs=lambda b: b[0], loss=self.loss)
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x = batch[0]
+    def forward(self, x: torch.Tensor) -> Any:
         for layer in self.layers:
             x = layer(x)
-        return self.loss(x, batch)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(self(batch[0]), batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch[0])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def _dict_outputs(out: str) -> tuple[dict[str, torch.Tensor] | str, tuple[str, bool]]:
-    model = _DictOutputs("last")
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    refused = _fit(model, None, out, boundaries=[1])
+def _dict_outputs(out: str) -> dict[str, Any]:
+    """The weights after fits of the "stage" and "last" models, the "last" one's predictions on the first 16 samples
+    (and the module's own), and the "nested" fit's refusal with whether it left the weights as they were."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    nested = _DictOutputs("nested")
+    start = {k: v.clone() for k, v in nested.state_dict().items()}
+    refused = _fit(nested, None, out, boundaries=[1])
     assert isinstance(refused, str), "the fit trained"
-    return _fit(_DictOutputs("stage"), None, out, boundaries=[1]), (refused, all(torch.equal(v, start[k]) for k, v in model.state_dict().items()))
+    last = _DictOutputs("last")
+    trained_last = _fit(last, None, out, boundaries=[1])
+    strategy = PipelineStrategy(schedule="gpipe", stages=2, stage_boundaries=[1], n_microbatches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=out)
+    predicted = trainer.predict(last, DataLoader(_Rows(16), batch_size=BATCH))
+    with torch.no_grad():
+        own = [last(x) for x, _ in DataLoader(_Rows(16), batch_size=BATCH)]
+    return {"stage": _fit(_DictOutputs("stage"), None, out, boundaries=[1]), "last": trained_last, "predicted": predicted,
+            "own": own, "nested": (refused, all(torch.equal(v, start[k]) for k, v in nested.state_dict().items()))}
 
 
 def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
@@ -530,21 +555,28 @@ def test_a_none_that_would_cross_a_stage_is_refused_before_the_cut_on_every_rank
         assert whole
 
 
-def test_a_dict_is_refused_from_the_last_layer_before_the_cut_and_passes_inside_a_stage(fits: dict[str, Any]) -> None:
-    """A last layer returning {"logits": ...} (the loss reading out["logits"]) profiled as splittable, as the README
-    allowed it, but torch's runtime takes only tensors from the last stage too: the first step failed on rank 1 alone
-    ("ModelSplitError: The pipeline layer HeadDict returned a dict", torch's own shape inference refuses it likewise)
-    and rank 0 saw "Connection closed by peer". Now it is refused before the cut on every rank, weights untouched. A
-    dict between two layers of one stage, which torch never sees, was refused at the first step as well; it trains now
-    as one process does."""
-    for trained, (refused, whole) in fits["dict_outputs"]:
+def test_a_dict_from_the_last_layer_trains_and_predicts_and_passes_inside_a_stage(fits: dict[str, Any]) -> None:
+    """A last layer returning {"logits": ..., "hidden": ...} (the loss reading out["logits"]): torch's runtime takes only
+    tensors from the last stage too, and its shape inference refused the dict ("PipeliningMetadataError: Stage args must
+    be a tensor, tuple, or list of tensors, got dict"), so the fit was refused before the cut. Now the last stage passes
+    the dict's tensors in key order and the strategy builds the dict again for the loss and for predict: it trains as one
+    process does, and predict returns the module's own dicts. A tuple among its values is still refused before the cut on
+    every rank in one sentence, the weights untouched. A dict between two layers of one stage, which torch never sees,
+    trains as one process does."""
+    for got in fits["dict_outputs"]:
+        refused, whole = got["nested"]
         assert refused.startswith(
-            "ModelSplitError: PipelineSpec.layers[2] (_HeadDict), the last layer, returned a dict; torch's pipelining runtime "
-            "takes only tensors from a stage, the last one included"
+            "ModelSplitError: PipelineSpec.layers[2] (_HeadDict), the last layer, returned a dict holding a tuple under "
+            "'hidden'; torch's pipelining runtime takes only tensors from the last stage"
         ), refused
-        assert "HINT: Return the tensor(s) the loss needs" in refused and whole
-        assert not isinstance(trained, str), trained
-    torch.testing.assert_close(fits["dict_outputs"][0][0], _reference(_DictOutputs("stage"), None), rtol=1e-5, atol=1e-6)
+        assert "HINT: Return only the tensors the loss needs" in refused and whole
+        for key in ("stage", "last"):
+            assert not isinstance(got[key], str), got[key]
+        assert [list(p) for p in got["predicted"]] == [["logits", "hidden"]] * 2
+        torch.testing.assert_close(got["predicted"], got["own"])
+    rank0 = fits["dict_outputs"][0]
+    torch.testing.assert_close(rank0["stage"], _reference(_DictOutputs("stage"), None), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rank0["last"], _reference(_DictOutputs("last"), None), rtol=1e-5, atol=1e-6)
 
 
 def test_a_packed_sequence_between_two_layers_of_one_stage_goes_whole() -> None:

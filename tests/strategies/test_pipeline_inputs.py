@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -305,6 +306,51 @@ def test_a_one_device_pipeline_is_refused_before_training(tmp_path) -> None:
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
 
 
+def test_the_last_stage_passes_a_dicts_tensors_and_the_loss_gets_the_dict_again() -> None:
+    """torch's runtime takes only a tensor or a tuple of tensors from the last stage (its shape inference refused a dict):
+    the last stage returns a mapping's values in key order, and the strategy's loss (and predict) gets the mapping built
+    again, of its own type (a Hugging Face ModelOutput too). Other keys at a later micro-batch, a nested value or a None
+    are refused in one sentence."""
+    SequenceClassifierOutput = pytest.importorskip("transformers.modeling_outputs").SequenceClassifierOutput
+
+    from lightning_distplan._layers import MappingOutput, PipelineSpec
+
+    class Head(nn.Linear):
+        def __init__(self, kind: type = dict) -> None:
+            super().__init__(2, 3)
+            self.kind = kind
+
+        def forward(self, h: torch.Tensor) -> Any:  # type: ignore[override]
+            return self.kind(logits=super().forward(h), hidden_states=h)
+
+    torch.manual_seed(0)
+    for kind in (dict, SequenceClassifierOutput):
+        stage = StageModule([nn.Linear(2, 2), Head(kind)], start=3, last=True)
+        x = torch.randn(4, 2)
+        out = stage(x)
+        assert isinstance(out, tuple) and stage.output_form == MappingOutput(kind, ("logits", "hidden_states"))
+        strategy = PipelineStrategy(stages=2)
+        strategy._stage_module = stage
+        strategy._spec = PipelineSpec(layers=list(stage.blocks), inputs=lambda b: b[0],
+                                      loss=lambda out, batch: F.cross_entropy(out["logits"], batch[1]) if type(out) is kind else None)
+        y = torch.tensor([0, 1, 2, 0])
+        strategy._targets = [(x, y)]
+        expected = F.cross_entropy(stage.blocks[1](stage.blocks[0](x))["logits"], y)
+        torch.testing.assert_close(strategy._loss_fn(out, torch.tensor([0])), expected)
+    with pytest.raises(ModelSplitError, match=r"last layer returned a dict with keys \['logits'\] where it returned a dict with keys \['logits', 'hidden_states'\] before.*HINT"):
+        MappingOutput(dict, ("logits", "hidden_states")).flatten({"logits": x})
+    nested = SequenceClassifierOutput(logits=x, hidden_states=(x, x))
+    with pytest.raises(ModelSplitError, match=r"layers\[5\] \(Head\), the last layer, returned an object of type SequenceClassifierOutput holding a tuple under 'hidden_states'; .*HINT: Return only the tensors the loss needs"):
+        MappingOutput.of(nested, 5, Head())
+    with pytest.raises(ModelSplitError, match=r"returned a dict holding None under 'mask'; .*HINT"):
+        StageModule([nn.Identity(), _MaskOut()], last=True)(x)
+
+
+class _MaskOut(nn.Module):
+    def forward(self, h: torch.Tensor) -> dict[str, Any]:
+        return {"logits": h, "mask": None}
+
+
 def test_pipeline_spec_contract_breaks_are_named() -> None:
     """A layer returning a dict, or a loss that is not a scalar: one sentence naming the spec, not torch's internals."""
     from lightning_distplan._layers import PipelineSpec
@@ -320,12 +366,17 @@ def test_pipeline_spec_contract_breaks_are_named() -> None:
 
     with pytest.raises(ModelSplitError, match=r"layers\[4\] \(DictOut\) returned a dict; only tensors cross between pipeline stages.*HINT"):
         StageModule([nn.Linear(2, 2), DictOut()], start=3)(torch.zeros(3, 2))
-    with pytest.raises(ModelSplitError, match=r"layers\[1\] \(DictOut\), the last layer, returned a dict; .*HINT: Return the tensor\(s\) the loss"):
-        StageModule([nn.Linear(2, 2), DictOut()], last=True)(torch.zeros(3, 2))
+    class NoneOut(nn.Module):
+        def forward(self, x: torch.Tensor) -> None:
+            return None
+
+    with pytest.raises(ModelSplitError, match=r"layers\[1\] \(NoneOut\), the last layer, returned None; .*or a dict of tensors.*HINT: Return the tensor\(s\) the loss"):
+        StageModule([nn.Linear(2, 2), NoneOut()], last=True)(torch.zeros(3, 2))
     # between two blocks of one stage a dict passes, as in one process: torch's runtime never sees it
     assert torch.equal(StageModule([DictOut(), FromDict()], last=True)(torch.ones(3, 2)), torch.full((3, 2), 2.0))
 
     strategy = PipelineStrategy(stages=2)
+    strategy._stage_module = StageModule([nn.Identity()], last=True)
     strategy._spec = PipelineSpec(layers=[nn.Identity()], inputs=lambda b: b[0], loss=lambda out, batch: (out - batch[1]) ** 2)
     strategy._targets = [(torch.zeros(3, 2), torch.ones(3, 2))]
     with pytest.raises(BatchFormatError, match=r"PipelineSpec.loss returned a tensor of shape \(3, 2\); it must return .* scalar.*HINT"):
