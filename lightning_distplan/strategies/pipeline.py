@@ -426,11 +426,12 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
             fitting = trainer.state.fn == TrainerFn.FITTING
-            samples = self._first_samples(trainer) if fitting else None  # one fresh loader for both loss checks
+            samples = self._first_samples(trainer)  # one fresh loader for both loss checks
             if fitting:
                 self._check_guessed_loss(trainer, samples)
                 self._reuse_checkpoint_plan(trainer)
-            self._build_pipeline(samples, check_loss=fitting)
+            # validate / test / predict without a fit before: checked as a fit is (they failed on one rank, or hung)
+            self._build_pipeline(samples, check_loss=True, loss=trainer.state.fn != TrainerFn.PREDICTING)
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
             self._unpruned = []
@@ -485,9 +486,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             self._boundaries_arg = tuple(stored.stage_boundaries)
         rank_zero_info(f"PipelineStrategy: resuming with the checkpoint's plan {stored.describe()}.")
 
-    def _build_pipeline(self, samples: tuple[Any, torch.device] | None = None, *, check_loss: bool = False) -> None:
-        """Cut the module into this rank's stage; ``check_loss``: first refuse, on every rank, a loss the last stage
-        could not compute, run on ``samples`` (:meth:`_first_samples`)."""
+    def _build_pipeline(self, samples: tuple[Any, torch.device] | None = None, *, check_loss: bool = False, loss: bool = True) -> None:
+        """Cut the module into this rank's stage; ``check_loss``: first refuse, on every rank, a chain of layers (and,
+        with ``loss``, a loss) the stages could not compute, run on ``samples`` (:meth:`_first_samples`)."""
         module = self.lightning_module
         assert module is not None
         layout = self.layout
@@ -518,7 +519,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 for t in layer.buffers():
                     tensor_stages.setdefault(id(t), set()).add(k)
         if check_loss:
-            self._check_loss_before_cut(samples, spec, tensor_stages)
+            self._check_loss_before_cut(samples, spec, tensor_stages, loss=loss)
         self._ownership = StateOwnership.of(module, tensor_stages)
         # every stage's parameters, on every rank: which stages train decides which activations carry a gradient
         self._params_by_stage = [tuple(p for layer in layers[a:b] for p in layer.parameters()) for a, b in ranges]
@@ -616,19 +617,19 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             )
 
     def _first_samples(self, trainer: pl.Trainer) -> tuple[Any, torch.device] | None:
-        """Up to 4 samples of a fresh train loader's first batch as Lightning's loop hands a batch to ``training_step``:
+        """Up to 4 samples of the first batch of a fresh loader of the run (:func:`_fresh_loader`: the train loader for a
+        fit, the first validation / test / predict loader for the others) as Lightning's loop hands a batch to a step:
         through the precision plugin's ``convert_input`` and the module's (or datamodule's) ``on_before_batch_transfer``,
         ``transfer_batch_to_device`` and ``on_after_batch_transfer``, to the module's device. None when there is no
         batch to check a loss on here (the fit reports its loader's, or its hooks', error at its first batch)."""
         from lightning_distplan.profiling._batches import slice_samples
         from lightning_distplan.profiling._snapshot import ModuleSnapshot, RNGSnapshot
-        from lightning_distplan.strategies._auto_planning import fresh_train_loader
 
         module = self.lightning_module
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
         try:
-            loader = fresh_train_loader(trainer)
+            loader = _fresh_loader(trainer)
             batch = self.precision_plugin.convert_input(next(iter(loader)))
             # the hooks run once more than the fit runs them: what they count or draw (a counter on the module, an
             # augmentation's random numbers) goes back, as after the profiler's runs
@@ -646,12 +647,14 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             return None
         return slice_samples(batch, 0, min(n, 4), n), device
 
-    def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]]) -> None:
-        """Run the whole chain on up to 4 samples of a fresh train loader before the model is cut, and refuse on every
+    def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]],
+                               *, loss: bool = True) -> None:
+        """Run the whole chain on up to 4 samples of a fresh loader of the run before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
         boundary, the last layer's included, that cannot cross (``check_crossing``: torch's runtime failed on that stage
-        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone."""
+        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone.
+        ``loss=False`` (predict): the chain of layers alone, as predict runs no loss and the batch may hold no targets."""
         from lightning_distplan._layers import chain_output
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
@@ -665,14 +668,15 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
 
             def checked_loss(output: Any, targets: Any) -> Tensor:
                 with _RefuseTensors(elsewhere, stage=last):
-                    loss = spec.loss(output, targets)
-                _check_scalar_loss(loss)
-                return loss
+                    value = spec.loss(output, targets)
+                _check_scalar_loss(value)
+                return value
 
+            checked = dataclasses.replace(spec, loss=checked_loss) if loss else dataclasses.replace(spec, loss=lambda output, _: output, targets=None)
             snapshot = ModuleSnapshot.take(module, weights=False)  # buffers and counters the loss moves go back
             try:
                 with torch.no_grad(), _quiet_logging(module), self.precision_plugin.forward_context():
-                    chain_output(dataclasses.replace(spec, loss=checked_loss), batch, cuts=(*self._boundaries, len(spec.layers)))
+                    chain_output(checked, batch, cuts=(*self._boundaries, len(spec.layers)))
             except (ModelSplitError, BatchFormatError) as err:
                 refusal = err
             except Exception:  # noqa: BLE001 - anything else is the model's own error: the first step reports it as it is
@@ -682,8 +686,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         if _reduce(float(refusal is not None), "max"):  # every rank raises, the same error where they agree
             if refusal is None:
                 raise ModelSplitError(
-                    "PipelineStrategy cannot run this fit: PipelineSpec.loss failed on another rank's first samples before the "
-                    "model was cut.",
+                    "PipelineStrategy cannot run: the pipeline's layers or PipelineSpec.loss failed on another rank's first "
+                    "samples before the model was cut.",
                     hint="Its error is in that rank's output.",
                 )
             raise refusal
@@ -1341,6 +1345,30 @@ def _dataloader_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The ``dataloader_idx`` Lightning passes an evaluation step (only when it has several loaders), else 0."""
     idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
     return idx if isinstance(idx, int) else 0
+
+
+def _fresh_loader(trainer: pl.Trainer) -> Any:
+    """A new instance of the loader the run reads first (never its loop's): the train loader for a fit
+    (:func:`fresh_train_loader`), else the first of the validation / test / predict loaders.
+
+    Raises:
+        InfeasiblePlanError: a fit has no train loader, or several. Any error of the user's loader hook.
+    """
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+    from lightning.pytorch.utilities import CombinedLoader
+
+    from lightning_distplan.strategies._auto_planning import fresh_train_loader
+
+    fn = trainer.state.fn
+    if fn == TrainerFn.FITTING:
+        return fresh_train_loader(trainer)
+    loop = {TrainerFn.VALIDATING: trainer.validate_loop, TrainerFn.TESTING: trainer.test_loop}.get(fn, trainer.predict_loop)
+    loader = _request_dataloader(loop._data_source)
+    if isinstance(loader, CombinedLoader):
+        loader = loader.flattened
+    if isinstance(loader, Mapping):
+        loader = next(iter(loader.values()))
+    return loader[0] if isinstance(loader, (list, tuple)) else loader
 
 
 def _loader_of(trainer: pl.Trainer, loop: str, dataloader_idx: int) -> Any:

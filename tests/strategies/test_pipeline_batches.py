@@ -329,6 +329,28 @@ def _none_refused(none_in: str, out: str) -> tuple[str, bool]:
     return refused, all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
+def _eval_refused(out: str) -> dict[str, tuple[str, bool]]:
+    """trainer.validate / test / predict, with no fit before, of the model whose first layer's (h, None) crosses the
+    stage boundary: what each raised, and whether the module kept its weights."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    got = {}
+    for entry in ("validate", "test", "predict"):
+        model = _OptionalMask("output")
+        model.validation_step = model.test_step = lambda batch, batch_idx: None  # Lightning asks for them
+        model.forward = lambda x: model.layers[2](model.layers[1](*model.layers[0](x)))
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2),
+                            logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+        try:
+            getattr(trainer, entry)(model, DataLoader(_Rows(16), batch_size=BATCH))
+            refused = ""
+        except Exception as err:  # noqa: BLE001 - what the test reports
+            refused = f"{type(err).__name__}: {err}"
+        got[entry] = refused, all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    return got
+
+
 def _pairs(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """A list [inputs, targets] of two tensors alike in rank and dtype, as default_collate makes of (x, y) pairs."""
     x = torch.stack([x for x, _ in items])
@@ -467,13 +489,13 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
             "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out),
             "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out),
             "rechunked": _auto_plan_rechunked(out), "filled": _padded_last_batch_of_a_batch_sampler(out),
-            "dict_outputs": _dict_outputs(out)}
+            "dict_outputs": _dict_outputs(out), "eval_refused": _eval_refused(out)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled", "dict_outputs")
+    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled", "dict_outputs", "eval_refused")
     return {key: [rank[key] for rank in ranks] if key in every else ranks[0][key] for key in ranks[0]}
 
 
@@ -553,6 +575,21 @@ def test_a_none_that_would_cross_a_stage_is_refused_before_the_cut_on_every_rank
     for refused, whole in fits["none_in_inputs"]:
         assert refused.startswith("BatchFormatError: `PipelineSpec.inputs(batch)` gave the first layer None; "), refused
         assert whole
+
+
+def test_validate_test_and_predict_without_a_fit_refuse_what_a_fit_refuses_on_every_rank(fits: dict[str, Any]) -> None:
+    """The checks before the cut ran for fit alone: trainer.validate (test, predict) with no fit before, of a model whose
+    first layer's (h, None) crosses the stage boundary, failed at its first batch on rank 0 alone (torch's runtime, or
+    StageModule's "ModelSplitError: PipelineSpec.layers[0] (_MaskedFirst) returned a tuple holding None") while rank 1
+    saw gloo's "Connection closed by peer". Now each runs the chain on its own loader's first samples before the cut and
+    refuses on every rank in the fit's sentence, the weights untouched (predict without the loss)."""
+    for got in fits["eval_refused"]:
+        for entry, (refused, whole) in got.items():
+            assert refused.startswith(
+                "ModelSplitError: PipelineSpec.layers[0] (_MaskedFirst) returned a tuple holding None; only tensors cross "
+                "between pipeline stages"
+            ), (entry, refused)
+            assert "HINT: Return only the tensors the next layer takes" in refused and whole, entry
 
 
 def test_a_dict_from_the_last_layer_trains_and_predicts_and_passes_inside_a_stage(fits: dict[str, Any]) -> None:
