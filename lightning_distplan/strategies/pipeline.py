@@ -102,7 +102,7 @@ from lightning_distplan.strategies._pipeline_checkpoint import (
     refuse_partial_module,
     restore_full_module,
 )
-from lightning_distplan.profiling._batches import BatchSizer, loader_batch_size, tensors_in, uncut_part_found
+from lightning_distplan.profiling._batches import BatchSizer, loader_batch_size, tensors_in, uncut_part, uncut_part_found
 from lightning_distplan.strategies._pipeline_stage import GuardedStage
 from lightning_distplan.strategies._pipeline_summary import forget_whole_module_summaries, summarize_whole_module
 from lightning_distplan.strategies._pipeline_split import (
@@ -617,8 +617,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             )
 
     def _first_samples(self, trainer: pl.Trainer) -> tuple[Any, torch.device] | None:
-        """Up to 4 samples of the first batch of a fresh loader of the run (:func:`_fresh_loader`: the train loader for a
-        fit, the first validation / test / predict loader for the others) as Lightning's loop hands a batch to a step:
+        """Up to 4 samples (all where a part of the batch holds its rows uncut, :func:`uncut_part`) of the first batch of a
+        fresh loader of the run (:func:`_fresh_loader`: the train loader for a fit, the first validation / test / predict
+        loader for the others) as Lightning's loop hands a batch to a step:
         through the precision plugin's ``convert_input`` and the module's (or datamodule's) ``on_before_batch_transfer``,
         ``transfer_batch_to_device`` and ``on_after_batch_transfer``, to the module's device. None when there is no
         batch to check a loss on here (the fit reports its loader's, or its hooks', error at its first batch)."""
@@ -645,6 +646,10 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         n = BatchSizer(loader_batch_size(loader))(batch)  # as training reads it (_batch_rows)
         if not n:
             return None
+        if uncut_part(batch, n) is not None:
+            # a part that keeps all n rows when the batch is cut (an object holding them): 4 samples beside it fail in the
+            # loss where the first step refuses that part in its own sentence; all n run as training_step gets them
+            return batch, device
         return slice_samples(batch, 0, min(n, 4), n), device
 
     def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]],
@@ -653,7 +658,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
         boundary, the last layer's included, that cannot cross (``check_crossing``: torch's runtime failed on that stage
-        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone.
+        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone. Any other
+        error of the chain (the model's own: a shape error in a layer or the loss) is raised as it is, on every rank.
         ``loss=False`` (predict): the chain of layers alone, as predict runs no loss and the batch may hold no targets."""
         from lightning_distplan._layers import chain_output
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
@@ -679,8 +685,12 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                     chain_output(checked, batch, cuts=(*self._boundaries, len(spec.layers)))
             except (ModelSplitError, BatchFormatError) as err:
                 refusal = err
-            except Exception:  # noqa: BLE001 - anything else is the model's own error: the first step reports it as it is
-                pass
+            except Exception as err:  # noqa: BLE001 - the model's own error: raised as it is, but on every rank
+                # At the first step it was raised by the stage that ran the failing layer (or the loss) alone, and the
+                # other stages saw only gloo's "Connection closed by peer" (or waited for the peer while its process lived on).
+                err.add_note("PipelineStrategy: raised by the pipeline's layers or PipelineSpec.loss, run in one process (no "
+                             "gradients) on up to 4 samples of the run's first batch before the model was cut; every rank stops here.")
+                refusal = err
             finally:
                 snapshot.restore()
         if _reduce(float(refusal is not None), "max"):  # every rank raises, the same error where they agree

@@ -351,6 +351,40 @@ def _eval_refused(out: str) -> dict[str, tuple[str, bool]]:
     return got
 
 
+class _Broken(nn.Module):
+    """A first layer with a bug of the user's: it fails on every input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the user's layer failed")
+
+
+def _own_errors(rank: int, world: int, out: str) -> dict[str, tuple[str, list[str], bool]]:
+    """Fits (GPipe, stage boundary after layers[1]) of a model whose loss has a shape bug (``"loss"``: the last stage
+    fails) or whose first layer raises (``"layer"``: the first stage fails): each rank's error, its notes, and whether
+    the module kept its weights."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    got = {}
+    for where in ("loss", "layer"):
+        model = _OptionalMask("none")
+        if where == "layer":
+            model.layers[0] = _Broken()
+        else:
+            model.pipeline_spec = lambda m=model: PipelineSpec(layers=list(m.layers), inputs=lambda b: b[0],
+                                                             loss=lambda out, b: F.cross_entropy(out, b[1][:, None]))
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                            strategy=PipelineStrategy(schedule="gpipe", stages=2, stage_boundaries=[2], n_microbatches=2),
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+        try:
+            trainer.fit(model, DataLoader(_Rows(), batch_size=BATCH))
+            raised, notes = "", []
+        except Exception as err:  # noqa: BLE001 - what the test reports
+            raised, notes = f"{type(err).__name__}: {err}", list(getattr(err, "__notes__", []))
+        got[where] = raised, notes, all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    return got
+
+
 def _pairs(items: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     """A list [inputs, targets] of two tensors alike in rank and dtype, as default_collate makes of (x, y) pairs."""
     x = torch.stack([x for x, _ in items])
@@ -590,6 +624,21 @@ def test_validate_test_and_predict_without_a_fit_refuse_what_a_fit_refuses_on_ev
                 "between pipeline stages"
             ), (entry, refused)
             assert "HINT: Return only the tensors the next layer takes" in refused and whole, entry
+
+
+def test_the_models_own_error_before_the_cut_is_raised_on_every_rank(tmp_path: Any) -> None:
+    """A loss with a shape bug (or a first layer that raises): the check before the cut ran the chain on every rank, saw
+    the error and let it pass, so the first step raised it on the one rank whose stage holds the loss (or the layer),
+    and the other rank got only gloo's "RuntimeError: Connection closed by peer". Now every rank agrees on the failure
+    before the cut and raises the model's own error as it is, with a note saying where it ran; the weights are kept.
+    A launch of its own: with the errors on one rank, the next fit in the same processes hung until the timeout."""
+    expected = {"loss": "RuntimeError: 0D or 1D target tensor expected, multi-target not supported",
+                "layer": "ValueError: the user's layer failed"}
+    for got in run_on_ranks(_own_errors, 2, str(tmp_path), timeout=150):
+        for where, (raised, notes, whole) in got.items():
+            assert raised == expected[where], (where, raised)
+            assert any("before the model was cut; every rank stops here" in note for note in notes), notes
+            assert whole, where
 
 
 def test_a_dict_from_the_last_layer_trains_and_predicts_and_passes_inside_a_stage(fits: dict[str, Any]) -> None:
