@@ -8,9 +8,9 @@ good one; and the temporary folder must hold the whole checkpoint. Here the temp
 own folder, and a rename replaces the file in one step.
 
 A save killed mid-write (SIGKILL: a pre-empted job) cannot remove its temporary file. Its writer holds an exclusive
-``flock`` on it while writing, which the kernel drops when the process dies; each save that succeeds removes the
-temporary files of our naming in its folder that no process holds (and that are a minute old, past the instant between
-a file's creation and its lock). A save still being written elsewhere, and every other file, stay.
+``flock`` on it from its creation to its rename, which the kernel drops when the process dies; each save that succeeds
+removes the temporary files of our naming in its folder that no process holds (and that are a minute old, past the
+instant between a file's creation and its lock). A save still being written elsewhere, and every other file, stay.
 """
 
 from __future__ import annotations
@@ -65,13 +65,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             # 0666 less the umask, as open() makes a file; an existing checkpoint's own bits are kept below
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
             with os.fdopen(fd, "wb") as f:
-                _lock(f.fileno())  # held until the file is closed, or its writer dies
+                _lock(f.fileno())  # held until the file is renamed and closed, or its writer dies
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())  # the data is on the disk before the name points at it
-            if os.path.isfile(local) and not os.path.islink(local):
-                os.chmod(tmp, stat.S_IMODE(os.stat(local).st_mode))
-            os.replace(tmp, local)  # a link at the path is replaced, not the checkpoint it points at
+                if os.path.isfile(local) and not os.path.islink(local):
+                    os.chmod(tmp, stat.S_IMODE(os.stat(local).st_mode))
+                # Still open, so still locked: unlocked, a file whose last write is a minute old (a long fsync) is
+                # another save's cleanup's to remove. A link at the path is replaced, not the checkpoint it points at
+                os.replace(tmp, local)
         except BaseException as err:
             if os.path.exists(tmp):
                 os.remove(tmp)

@@ -160,3 +160,45 @@ def test_a_checkpoint_path_that_is_a_folder_or_lies_under_a_file_is_refused_in_o
             AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, path)
     assert (tmp_path / "notes.txt").read_text() == "mine" and list((tmp_path / "runs").iterdir()) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "runs"]
+
+
+_SAVE_HELD_BEFORE_ITS_RENAME = """
+import os, sys, torch
+from lightning_distplan.strategies._checkpoint_io import AtomicCheckpointIO
+path = os.path.join(sys.argv[1], "last.ckpt")
+AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, path)
+chmod = os.chmod
+def held(*args, **kwargs):  # the data is written and synced (a large checkpoint's fsync can take minutes); the rename is next
+    print("written", flush=True)
+    sys.stdin.readline()
+    return chmod(*args, **kwargs)
+os.chmod = held
+AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, path)
+"""
+
+
+def test_a_save_between_its_last_write_and_its_rename_is_not_taken_for_a_killed_ones_leftover(tmp_path: Path) -> None:
+    """The writer let go of its temporary file's lock when it closed it, before the rename; a save of another process
+    ending in that folder then took the file, its last write over a minute old (a long fsync), for a killed save's
+    leftover and removed it, and the live save failed at its rename (FileNotFoundError) with the checkpoint lost."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    live = subprocess.Popen([sys.executable, "-c", _SAVE_HELD_BEFORE_ITS_RENAME, str(tmp_path)], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout is not None and live.stdin is not None and live.stderr is not None
+        assert live.stdout.readline() == "written\n", live.stderr.read()
+        (writing,) = tmp_path.glob(".distplan-save-*.tmp")
+        hour_ago = time.time() - 3600
+        os.utime(writing, (hour_ago, hour_ago))
+
+        AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, tmp_path / "epoch=1.ckpt")
+        assert writing.exists()
+
+        live.stdin.write("go on\n")
+        live.stdin.close()
+        assert live.wait(timeout=60) == 0, live.stderr.read()
+    finally:
+        live.kill()
+        live.wait()
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["w"].tolist() == [1.0, 1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
