@@ -89,8 +89,8 @@ def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None)
     """``load()`` (the strategy's ``Strategy.load_checkpoint``), refusing in one sentence a file it cannot read, or one
     that is not a checkpoint Lightning wrote, where torch and Lightning name neither (``OSError: [Errno 22] Invalid
     argument`` for a checkpoint cut short, ``KeyError: 'pytorch-lightning_version'`` for a model's bare state_dict).
-    ``strategy``: the loading strategy; a fit it resumes refuses a weights-only checkpoint (Lightning's own refusal comes
-    after the weights loaded, as a ``KeyError``).
+    ``strategy``: the loading strategy; a fit it resumes refuses a weights-only checkpoint as the one it resumes from
+    (Lightning's own refusal comes after the weights loaded, as a ``KeyError``); other files it reads are not refused.
 
     Raises:
         CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint, or
@@ -128,6 +128,8 @@ def _refuse_weights_only_resume(checkpoint: Mapping[str, Any], path: Any, strate
     module = None if strategy is None else strategy.lightning_module
     trainer = None if module is None else module._trainer
     if trainer is None or trainer.state.fn != TrainerFn.FITTING or not strategy.lightning_restore_optimizer:
+        return
+    if trainer.ckpt_path is None or str(trainer.ckpt_path) != str(path):  # not the resume: a file a callback reads, say
         return
     if "optimizer_states" not in checkpoint:
         raise CheckpointFormatError(

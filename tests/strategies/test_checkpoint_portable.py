@@ -407,3 +407,32 @@ def test_a_fit_resumed_from_a_weights_only_checkpoint_is_refused_in_one_sentence
     L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), limit_val_batches=1).validate(evaluated, ckpt_path=path, verbose=False)
     torch.distributed.destroy_process_group()
     torch.testing.assert_close(cpu_state(evaluated), cpu_state(model), rtol=0, atol=0)
+
+
+class _LoadsWeightsAtStart(L.Callback):
+    """Reads a weights-only checkpoint through the strategy during the fit (a teacher's or an EMA's weights, say)."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.loaded = path, None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.loaded = trainer.strategy.load_checkpoint(self.path)["state_dict"]
+
+
+def test_a_weights_only_checkpoint_read_during_a_fit_is_not_taken_for_its_resume(tmp_path: Any) -> None:
+    """The refusal of a fit resumed from a weights-only checkpoint refused every weights-only checkpoint the strategy
+    read while fitting, also one a callback reads during a fit resumed from a full checkpoint or not resumed at all."""
+    model = TinyLM(n_samples=32, loader_batch=16)
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=1)
+    trainer.fit(model)
+    full, weights = str(tmp_path / "full.ckpt"), str(tmp_path / "weights.ckpt")
+    trainer.save_checkpoint(full)
+    trainer.save_checkpoint(weights, weights_only=True)
+    torch.distributed.destroy_process_group()
+    for ckpt_path in (None, full):
+        reader = _LoadsWeightsAtStart(weights)
+        trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=2, callbacks=[reader])
+        trainer.fit(TinyLM(n_samples=32, loader_batch=16), ckpt_path=ckpt_path)
+        torch.distributed.destroy_process_group()
+        assert reader.loaded is not None
+        torch.testing.assert_close(reader.loaded, cpu_state(model), rtol=0, atol=0)
