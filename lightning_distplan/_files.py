@@ -19,8 +19,9 @@ FIGURE_MARK = "distplan figure"
 """Written into every figure we save (PNG/SVG/PDF metadata, a JPEG comment): a later run may replace such a file."""
 
 
-def check_output_path(path: str | Path, option: str, *, example: str = "out.json") -> Path:
+def check_output_path(path: str | Path, option: str, *, example: str = "out.json", hint: str | None = None) -> Path:
     """``path`` when a file can be written there (its missing parent folders included); else :class:`OutputPathError`.
+    ``hint``: the error's HINT in place of the one naming ``option`` (a caller that knows the setting to change).
 
     Example:
         >>> check_output_path("runs/x/profile.json", "--out").name
@@ -28,14 +29,18 @@ def check_output_path(path: str | Path, option: str, *, example: str = "out.json
     """
     path = Path(path)
     if path.is_dir():
-        raise OutputPathError(f"{option} {str(path)!r} is a directory.", hint=f"Name a file, e.g. {option} {path / example}.")
+        raise OutputPathError(f"{option} {str(path)!r} is a directory.", hint=hint or f"Name a file, e.g. {option} {path / example}.")
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise OutputPathError(f"{option} {str(path)!r} lies under {str(ancestor)!r}, which is a file.", hint=f"Pick another path for {option}.")
+        raise OutputPathError(
+            f"{option} {str(path)!r} lies under {str(ancestor)!r}, which is a file.", hint=hint or f"Pick another path for {option}."
+        )
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable.", hint=f"Pick a writable path for {option}.")
+        raise OutputPathError(
+            f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable.", hint=hint or f"Pick a writable path for {option}."
+        )
     # Permissions do not tell a read-only mount or /proc: create (and remove) a file where ours will go.
     probe = ancestor / f".distplan-probe.{secrets.token_hex(8)}"
     try:
@@ -43,7 +48,7 @@ def check_output_path(path: str | Path, option: str, *, example: str = "out.json
     except OSError as err:
         raise OutputPathError(
             f"{option} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed ({err.strerror or err}).",
-            hint=f"Pick a path on a writable file system for {option}.",
+            hint=hint or f"Pick a path on a writable file system for {option}.",
             errno=err.errno,
         ) from None
     probe.unlink(missing_ok=True)

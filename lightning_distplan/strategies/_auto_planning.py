@@ -104,12 +104,13 @@ def check_artifact_dir(trainer: pl.Trainer, who: str) -> None:
     problem: OutputPathError | None = None
     if trainer.is_global_zero:
         try:
-            check_output_path(distplan_dir(trainer) / "plan.json", f"{who}'s plan file")
-        except OutputPathError as err:
-            problem = OutputPathError(
-                str(err).split(" HINT: ")[0],
+            check_output_path(
+                distplan_dir(trainer) / "plan.json",
+                f"{who}'s plan file",
                 hint=f"Set Trainer(default_root_dir=...) to a writable folder: {who} writes profile.json and plan.json in its distplan/.",
             )
+        except OutputPathError as err:
+            problem = err
     problem = trainer.strategy.broadcast(problem)
     if problem is not None:
         raise problem

@@ -96,14 +96,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def _check_checkpoint_path(path: str) -> None:
     """Refuse a path that is a folder, lies under a file or in a folder no file can be made in, before the folder's
     creation raises a bare ``FileExistsError`` (a ``ModelCheckpoint(dirpath=...)`` naming a file)."""
-    try:
-        check_output_path(path, "The checkpoint", example="last.ckpt")
-    except OutputPathError as err:
-        raise OutputPathError(
-            str(err).split(" HINT: ")[0],
-            hint="Save checkpoints to a file path in a writable folder (Trainer.save_checkpoint(path), ModelCheckpoint(dirpath=...)).",
-            errno=err.errno,
-        ) from None
+    hint = "Save checkpoints to a file path in a writable folder (Trainer.save_checkpoint(path), ModelCheckpoint(dirpath=...))."
+    check_output_path(path, "The checkpoint", example="last.ckpt", hint=hint)
 
 
 def _lock(fd: int) -> bool:
