@@ -39,6 +39,9 @@ larger than the loader batch, or not dividing it) gets the right total weight sp
 its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
 batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
 later micro-batch against the user's batches, so the steps no longer follow them: warned once too.
+An ``IterableDataset`` whose ``__len__`` overstates what a rank's iterator yields (a global length over the rank's shard)
+ends the epoch before Lightning's count: the micro-batch that ends it (looked ahead for after the short last batch) steps
+exactly when the user's run steps after the loader batch ending in it.
 Checkpoints count the epoch's progress in loader batches, and a fit resumed mid-epoch trains the
 loader batches a plain run trains there (Lightning replays a loader without state from its start).
 The ``batch_idx`` that hooks receive counts micro-batches.
@@ -460,10 +463,15 @@ class Rechunking:
         self._whole_epoch: int | None = None  # Lightning's count of an epoch's batches, set back at a resumed epoch's end
         self._val_check_next: int | None = None  # ... and its val_check_batch, set back after that
         self._frequencies: list[tuple[Any, int]] | None = None  # (config, user's frequency) of the step schedulers steered
+        self._user_accumulate = 1  # the user's accumulate_grad_batches
+        self._user_epoch: int | None = None  # the loader batches Lightning counts in an epoch of the user's loader (None: unsized)
+        self._accumulate: int | None = None  # the plan's accumulate_grad_batches, while a batch's step is steered (see _steer_step)
+        self._val_check_batch: int | None = None  # ... and Lightning's val_check_batch
 
     def remember(self, trainer: pl.Trainer) -> None:
         # Lightning has no val_check_interval attribute when it is a time ("00:00:05:00", a dict): nothing to convert then
         self._user = (trainer.limit_train_batches, getattr(trainer, "val_check_interval", _UNSET))
+        self._user_accumulate = trainer.accumulate_grad_batches
         self._done_total = self._epoch_seen = None
 
     def wrap(
@@ -504,7 +512,10 @@ class Rechunking:
         if cls is None and loader_batch is not None:
             _warn_batchnorm(trainer, m, loader_batch)
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
+        n = sized_len(dataloader)
+        self._user_epoch = n if n is None or limit is None else min(n, limit)
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
+        self._loader.ended = self._end_steered_step
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and sized_len(self._loader) is None:
             _refuse_uncounted(dataloader, loader_batch, m)
@@ -553,14 +564,15 @@ class Rechunking:
         if self._loader is None:
             self._weight = 1.0
             return
-        self._weight, ends = self._loader.next_batch()
+        self._end_steered_step()
+        self._weight, ends, last = self._loader.next_batch()
         if ends is None or self._per_user_batch is None or self._trainer is None:
             return
         trainer = self._trainer
         loop = trainer.fit_loop.epoch_loop
         if self._val_check_next is not None:  # the first batch after a resumed epoch
             trainer.val_check_batch, self._val_check_next = self._val_check_next, None
-        if self._whole_epoch is not None and loop.batch_progress.is_last_batch:
+        if self._whole_epoch is not None and (loop.batch_progress.is_last_batch or last):
             self._count_whole_epochs(trainer)
         resumed, self._resumed_counts = self._resumed_counts, None
         if self._done_total is None:  # the fit's first batch (a resumed fit continues Lightning's counts, in micro-batches)
@@ -572,6 +584,8 @@ class Rechunking:
         if self._val_every is not None:
             self._steer_validation(ends)
         self._steer_schedulers(ends)
+        if last:
+            self._steer_step(ends)
         self._done_epoch += ends  # the user's loader batches this micro-batch completes (what a checkpoint counts)
         self._done_total += ends
 
@@ -671,6 +685,51 @@ class Rechunking:
         for config, frequency in self._frequencies:
             config.frequency = index + 1 if done % frequency == 0 else index + 2
 
+    def _steer_step(self, ends: int) -> None:
+        """This micro-batch is the loader's last of the epoch although Lightning counts more (an IterableDataset whose
+        ``__len__`` is all ranks' samples where each rank iterates its shard): end the epoch's training as the user's run
+        does after the loader batch that ends in it.
+
+        Lightning steps where ``ready % accumulate_grad_batches == 0`` or at the epoch's last batch by its count. A run of
+        the user's loader does so after their loader batch ``j`` where ``j % (their accumulate_grad_batches) == 0`` or
+        ``j`` is their loader's count; the plan's micro-batches follow that while the loader batches are full, but the
+        epoch's short last batch holds fewer micro-batches than a full one, so the step it ends was lost (2 of 4 steps
+        in 2 epochs). Where ``j`` is their loader's count, their Lightning knows the epoch ends there (it also steps
+        epoch-interval schedulers and validates at the epoch's end): this one is told so (and validates there where
+        ``val_check_interval`` is the whole epoch). Before it (their Lightning does not know either),
+        ``accumulate_grad_batches`` is set for this micro-batch alone (Lightning zeroes the gradients before it, or not,
+        as it would; its loss is weighed for the other divisor) and set back when the loader ends.
+        """
+        trainer = self._trainer
+        assert trainer is not None
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        ready, s = progress.current.ready, trainer.accumulate_grad_batches
+        if progress.is_last_batch or ready == trainer.num_training_batches:
+            return  # Lightning knows the epoch ends here
+        done = range(self._done_epoch + 1, self._done_epoch + ends + 1)  # the user's loader batches ending in it
+        if self._user_epoch in done:
+            progress.is_last_batch = True
+            if self._val_every is None and type(trainer.val_check_batch) is int and trainer.val_check_batch == trainer.num_training_batches:
+                self._val_check_batch, trainer.val_check_batch = trainer.val_check_batch, ready
+            return
+        step = any(j % self._user_accumulate == 0 for j in done)
+        if step == (ready % s == 0):
+            return
+        index = ready - 1  # Lightning's batch_idx
+        accumulate = _accumulation_steering(index, first=index % s == 0, step=step)
+        self._accumulate, trainer.accumulate_grad_batches = s, accumulate
+        self._weight *= accumulate / s  # Lightning divides this loss by `accumulate`, not s
+
+    def _end_steered_step(self) -> None:
+        """Lightning's ``accumulate_grad_batches`` and ``val_check_batch`` back after an epoch's end :meth:`_steer_step`
+        steered."""
+        if self._trainer is not None:
+            if self._accumulate is not None:
+                self._trainer.accumulate_grad_batches = self._accumulate
+            if self._val_check_batch is not None:
+                self._trainer.val_check_batch = self._val_check_batch
+        self._accumulate = self._val_check_batch = None
+
     def _restore_frequencies(self) -> None:
         restore_frequencies(self._frequencies or [])
         self._frequencies = None
@@ -694,6 +753,7 @@ class Rechunking:
 
     def restore(self, trainer: pl.Trainer) -> None:
         self._restore_frequencies()
+        self._end_steered_step()
         if self._whole_epoch is not None:  # the fit stopped inside a resumed epoch (max_steps)
             _count_epochs_as(trainer, self._whole_epoch)
             self._whole_epoch = None
@@ -808,6 +868,18 @@ def _count_epochs_as(trainer: pl.Trainer, batches: int) -> None:
     combined = trainer.fit_loop._combined_loader
     if combined is not None and combined.limits is not None and len(combined.limits) == 1:
         combined.limits = [batches]
+
+
+def _accumulation_steering(index: int, *, first: bool, step: bool) -> int:
+    """An ``accumulate_grad_batches`` under which Lightning, at the epoch's batch ``index``, zeroes the gradients before
+    it when ``first`` and steps the optimizer after it when ``step`` (it zeroes where ``index % a == 0`` and steps where
+    ``(index + 1) % a == 0``). No ``a`` zeroes at index 1 without stepping: there the gradients are neither zeroed nor
+    stepped (the epoch ends with this batch; the next one zeroes them before its first)."""
+    if step:
+        return 1 if first else index + 1
+    if first and index != 1:
+        return 2 if index == 0 else index
+    return index + 2
 
 
 def _lightning_batches(length: int, limit: int | float) -> int:
@@ -956,15 +1028,19 @@ class _MicroBatchLoader:
     wrapped loader's, so Lightning's loops treat it like the original. ``limit_batches`` stops after
     that many loader batches. For each micro-batch it yields, the loss weight that keeps the user's
     weighting (``weight`` · its share of loader batches, see the module docstring) is queued, and
-    :meth:`next_weight` hands them out in the same order as the loop consumes the micro-batches.
+    :meth:`next_batch` hands them out in the same order as the loop consumes the micro-batches. ``ended`` (if set) is
+    called when an epoch's batches run out.
     """
+
+    ended: Callable[[], None] | None = None
 
     def __init__(self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None) -> None:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
         self._weight = weight
         self._limit_batches = limit_batches
-        self._weights: deque[tuple[float, int]] = deque()  # (loss weight, loader batches ending in it) per micro-batch yielded
+        # (loss weight, loader batches ending in it, whether the loader is known to end after it) per micro-batch yielded
+        self._weights: deque[tuple[float, int, bool]] = deque()
         self._warned: set[str] = set()  # a warning about uneven loader batches, once per fit
         self._resume: tuple[int, int] | None = None  # a resumed epoch's (loader batches, length as Lightning counts it)
         self._resume_began = False
@@ -991,9 +1067,15 @@ class _MicroBatchLoader:
 
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         expected = loader_batch_size(self._loader)
-        yielded = 0
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        for batch, pieces in _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected):
+        # An IterableDataset's length (its __len__) may overstate what this rank's iterator yields: after a loader batch of
+        # another size (the stream's short last one) look one micro-batch ahead, so its micro-batch is known as the epoch's
+        # last where Lightning, counting more, does not know it (Rechunking._steer_step)
+        peek = isinstance(getattr(self._loader, "dataset", None), torch.utils.data.IterableDataset) and sized_len(self) is not None
+        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected)
+        item = next(micro_batches, None)
+        while item is not None:
+            batch, pieces = item
             sources = [(i, n) for i, n, _, _ in pieces]
             if expected is None:
                 expected = sources[0][1]
@@ -1008,27 +1090,15 @@ class _MicroBatchLoader:
                                 f"({odd[1] if odd else '?'} samples) to those of a full batch, and weighs them alike, where a run of "
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
-            self._weights.append((self._weight * _share(pieces), _ends(pieces)))
+            _, n, _, end = pieces[-1]
+            looked = peek and n != expected and end == n
+            following = next(micro_batches, None) if looked else None
+            self._weights.append((self._weight * _share(pieces), _ends(pieces), looked and following is None))
             self._hold_state_of(sources[0][0])
-            yielded += 1
             yield batch
-        if limit is None:
-            self._warn_if_stream_ended_early(yielded)
-
-    def _warn_if_stream_ended_early(self, yielded: int) -> None:
-        """An iterable-style dataset is counted from its ``__len__``; one that yields fewer samples (a length of all ranks'
-        data where each rank iterates its own shard) ends the epoch before the micro-batch Lightning takes for its last,
-        so the micro-batches after the epoch's last full step are accumulated into the next epoch's first step, where a
-        run of the user's loader steps them at the epoch's end. Not detectable before the epoch ends: said then."""
-        dataset = getattr(self._loader, "dataset", None)
-        length = sized_len(self) if isinstance(dataset, torch.utils.data.IterableDataset) else None
-        if length is None or yielded >= length:
-            return
-        self._warn_once("stream", f"dp_ga: the train loader's IterableDataset says it holds {len(dataset)} samples (its __len__), "  # type: ignore[arg-type]
-                        f"so the epoch was counted as {length} micro-batches of {self.micro_batch_size}, but it yielded {yielded}: the "
-                        "micro-batches after the epoch's last full optimizer step go into the next epoch's first step (a run of your "
-                        "loader steps them at the epoch's end), and the weights differ from it. Make __len__ the samples this "
-                        "rank's iterator yields, or use micro_batch_size='auto' to train your batches as they are.")
+            item = following if looked else next(micro_batches, None)
+        if self.ended is not None:
+            self.ended()
 
     def _watch_labels(self, batches: Iterable[Any]) -> Iterator[Any]:
         """``batches``, warning once when the first few carry Hugging Face's -100 labels (tokens a loss ignores)."""
@@ -1089,11 +1159,11 @@ class _MicroBatchLoader:
             n = min(n, self._limit_batches * loader_batch_size(self._loader))  # type: ignore[operator]
         return n
 
-    def next_batch(self) -> tuple[float, int | None]:
-        """For the next micro-batch the loop trains on: its loss weight (1 for one cut from full loader batches) and
-        how many loader batches end in it (None: not known)."""
-        weight, ends = self._weights.popleft() if self._weights else (1.0, None)
-        return (1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight), ends
+    def next_batch(self) -> tuple[float, int | None, bool]:
+        """For the next micro-batch the loop trains on: its loss weight (1 for one cut from full loader batches), how
+        many loader batches end in it (None: not known) and whether the loader is known to end after it."""
+        weight, ends, last = self._weights.popleft() if self._weights else (1.0, None, False)
+        return (1.0 if math.isclose(weight, 1.0, rel_tol=1e-12) else weight), ends, last
 
     def __len__(self) -> int:
         if self._resume is not None:
@@ -1101,7 +1171,7 @@ class _MicroBatchLoader:
         return math.ceil(self._samples() / self.micro_batch_size)
 
     _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
-                      "_states", "_held", "_exhausted"})
+                      "_states", "_held", "_exhausted", "ended"})
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._OWN:  # during unpickling, before __init__ ran
