@@ -41,7 +41,8 @@ batch of another size *before* the epoch's end (a batch sampler of varying sizes
 later micro-batch against the user's batches, so the steps no longer follow them: warned once too.
 An ``IterableDataset`` whose ``__len__`` overstates what a rank's iterator yields (a global length over the rank's shard)
 ends the epoch before Lightning's count: the micro-batch that ends it (looked ahead for after the short last batch) steps
-exactly when the user's run steps after the loader batch ending in it.
+exactly when the user's run steps after the loader batch ending in it; one that yields more loader batches than the
+loader's length (several workers, each ending in a short batch) stops after that many, as Lightning stops a run of it.
 Checkpoints count the epoch's progress in loader batches, and a fit resumed mid-epoch trains the
 loader batches a plain run trains there (Lightning replays a loader without state from its start).
 The ``batch_idx`` that hooks receive counts micro-batches.
@@ -1113,7 +1114,15 @@ class _MicroBatchLoader:
             yield batch
 
     def _batches(self, limit: int | None) -> Iterable[Any]:
-        """The loader's batches, the first ``limit`` of them when limited."""
+        """The loader's batches, the first ``limit`` of them when limited.
+
+        Over an IterableDataset with ``__len__``, at most the loader's length of them: Lightning stops a run of the
+        user's loader there, where the stream may yield more (several workers each batch their share, each ending in a
+        short batch: 8, 8, 2, 2 where the loader's length is 3).
+        """
+        if isinstance(getattr(self._loader, "dataset", None), torch.utils.data.IterableDataset) and sized_len(self._loader) is not None:
+            length = sized_len(self._loader)
+            limit = length if limit is None else min(limit, length)
         source = self._loader if limit is None else itertools.islice(self._loader, limit)
         self._states, self._held, self._exhausted = None, None, False
         if isinstance(self._loader, _Stateful) and type(self)._iterate is _MicroBatchLoader._iterate and sized_len(self) is None:

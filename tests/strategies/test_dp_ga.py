@@ -1166,6 +1166,24 @@ def test_a_stream_that_ends_where_ddp_counts_its_last_batch_ends_the_epoch_as_dd
     torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
 
 
+class _WorkerShardedStream(_SizedStream):
+    """A sized stream that each DataLoader worker iterates a share of (every num_workers-th sample), as streaming datasets do."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        rows = self.x if info is None else self.x[info.id :: info.num_workers]
+        for row in rows:
+            yield row, row.sum(0, keepdim=True)
+
+
+def test_a_sized_stream_read_by_two_workers_trains_the_batches_ddp_trains(single_process_group: None) -> None:
+    """Two workers each batch their 10 of the 20 samples: 8, 8, 2, 2 where the loader's length is 3. Lightning stops a run
+    of the loader after its 3 batches; dp_ga counted 10 micro-batches of 2 and so trained the fourth batch's samples too
+    (weights 0.12 from DDP's). It now stops after the loader's length in batches, and the run is DDP's."""
+    loader = lambda x: torch.utils.data.DataLoader(_WorkerShardedStream(x), batch_size=8, num_workers=2)  # noqa: E731
+    _assert_as_ddp(_fit_ddp_and_dp_ga(loader, 1, 1, 2), 6)
+
+
 def test_accumulation_steering_zeroes_and_steps_as_asked() -> None:
     """Lightning zeroes before batch i where i % a == 0 and steps after it where (i + 1) % a == 0: the steered a does what
     is asked at every index, but zeroing without a step at index 1 (impossible: neither is done there)."""
