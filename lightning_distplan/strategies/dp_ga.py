@@ -453,6 +453,7 @@ class Rechunking:
         self._loader_batch: int | None = None
         self._warned_skip = False  # training_step returned None for a micro-batch: warned once per strategy
         self._saved_progress: dict[str, Any] | None = None  # the resumed checkpoint's batch progress, as Lightning restores it
+        self._saved_at_epoch_end = False  # ... was saved at the epoch's end (on_train_epoch_end): the next epoch starts whole
         self._resumed_from_micro: int | None = None  # an older checkpoint counted micro-batches of this many samples
         self._trainer: pl.Trainer | None = None
         self._val_every: int | None = None  # the user validates after every this many of their loader batches
@@ -534,12 +535,14 @@ class Rechunking:
 
         At the epoch's end, Lightning goes on to the next epoch only if it counts all of this one's micro-batches
         (``done`` scaled to micro-batches rounds down where ``m`` does not divide the epoch, or exceeds the epoch's
-        count where it ends in a short batch). Mid-epoch, Lightning replays the epoch's remaining count of batches from
-        the loader's start (a loader cannot resume in place), so the user's run trains its first ``n - done`` loader
-        batches, all full. Counted in micro-batches, the epoch's remaining count is not theirs: short by what the
-        short last batch lacks, or past them where they end inside a micro-batch. So this one epoch stops after those
-        loader batches, and Lightning counts it as the micro-batches trained before plus theirs; :meth:`start_batch`
-        sets Lightning's count back at its last batch.
+        count where it ends in a short batch). So it does from a checkpoint saved at the epoch's end with fewer batches
+        than its count (a stream shorter than its ``__len__``, max_steps inside the epoch): Lightning trains the next
+        epoch whole after it (this replayed the epoch's remaining count). Mid-epoch, Lightning replays the epoch's
+        remaining count of batches from the loader's start (a loader cannot resume in place), so the user's run trains
+        its first ``n - done`` loader batches, all full. Counted in micro-batches, the epoch's remaining count is not
+        theirs: short by what the short last batch lacks, or past them where they end inside a micro-batch. So this one
+        epoch stops after those loader batches, and Lightning counts it as the micro-batches trained before plus theirs;
+        :meth:`start_batch` sets Lightning's count back at its last batch.
         """
         assert self._loader is not None and self._resumed_counts is not None
         done = self._resumed_counts[0]
@@ -549,7 +552,7 @@ class Rechunking:
         n = n if limit is None else min(n, limit)
         whole = _lightning_batches(whole, trainer.limit_train_batches)
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        if done >= n:
+        if done >= n or self._saved_at_epoch_end:
             progress.load_state_dict(_recount_progress(progress.state_dict(), lambda part, count: whole if part == "current" else count))
             return
         if done.denominator != 1:
@@ -773,6 +776,9 @@ class Rechunking:
         self._resumed_from_micro = None
         saved = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
         self._saved_progress = saved if isinstance(saved, dict) else None
+        epoch = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("total")
+        # Lightning restarts on the epoch's end (it trains the next epoch whole) where the epoch was processed, not completed
+        self._saved_at_epoch_end = isinstance(epoch, dict) and epoch.get("started") == epoch.get("processed") == epoch.get("completed", -2) + 1
         plan = None if checkpoint.get(PROGRESS_KEY) == "loader_batches" else readable_plan(checkpoint)
         if plan is not None and plan.strategy == "dp_ga":
             self._resumed_from_micro = plan.micro_batch_size

@@ -517,6 +517,28 @@ def test_a_checkpoint_at_the_end_of_an_epoch_with_a_short_last_batch_resumes_at_
         torch.testing.assert_close(run[3], reference[3], rtol=1e-5, atol=1e-6)
 
 
+class _LongerThanItsStream(_Regression):
+    """The 76 samples of :class:`_ShortTail` from a stream whose ``__len__`` says 120 (Lightning counts 15 loader batches
+    where 10 come)."""
+
+    def train_dataloader(self) -> Any:
+        x = torch.randn(76, 4, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(_Stated(_SizedStream(x), 120), batch_size=8)
+
+
+class _Stated(torch.utils.data.IterableDataset):
+    """``stream`` with ``__len__`` ``length``."""
+
+    def __init__(self, stream: Any, length: int) -> None:
+        self.stream, self.length = stream, length
+
+    def __iter__(self) -> Any:
+        return iter(self.stream)
+
+    def __len__(self) -> int:
+        return self.length
+
+
 class _Even(_Regression):
     """80 samples in ten batches of 8; ``scheduled`` reads trainer.estimated_stepping_batches in configure_optimizers."""
 
@@ -550,6 +572,11 @@ _RESUMES = {  # name: (module, m, checkpoint settings, both fits' Trainer settin
     "epoch end, m not dividing it": (_Even, 24, dict(every_n_train_steps=4), dict(accumulate_grad_batches=3), {}),
     # saved at the end-of-epoch validation of an epoch ending in a short batch: one extra micro-batch and step
     "at the epoch's validation": (_ShortTail, 4, dict(save_on_train_epoch_end=False), {}, {}),
+    # saved at the end of an epoch that max_steps cut short: Lightning trains the next epoch whole, where dp_ga replayed
+    # the rest of this one (48 samples in the next epoch for DDP's 76)
+    "epoch's end, cut short": (_ShortTail, 2, dict(save_on_train_epoch_end=True), {}, {}, dict(max_steps=4)),
+    # ... and of an epoch whose stream ended before Lightning's count (its __len__): 40 samples for DDP's 76
+    "epoch's end, stream shorter than its length": (_LongerThanItsStream, 2, dict(save_on_train_epoch_end=True), {}, {}),
     # the train loader loaded before the loops were restored: the checkpoint's batches were read as micro-batches
     "estimated_stepping_batches": (lambda: _Even(scheduled=True), 2, dict(every_n_train_steps=8), {}, {}),
 }
