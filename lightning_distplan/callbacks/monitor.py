@@ -158,49 +158,79 @@ class _Totals:
             self.ratio_sum += observed_s / predicted_s
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
+class _ProfilerHook:
+    """A profiler's ``start`` or ``stop`` as it was, still called, and then told to the clocks installed on this profiler
+    (one per monitor fitting with it, whatever order they are put back in). Set on the profiler instance for a fit; a
+    copy of the profiler (pickle, ``copy.deepcopy``) gets the method it had, without this fit's timing."""
+
+    def __init__(self, profiler: Any, name: str) -> None:
+        self.profiler, self.name = profiler, name
+        self.inner = getattr(profiler, name)
+        self.had_attr = name in vars(profiler)  # a method the user set on the instance: put back, not removed
+        self.clocks: list[_CallbackClock] = []
+
+    def __call__(self, action_name: str) -> None:
+        if self.name == "start":
+            for clock in self.clocks:
+                clock.started(action_name)
+            self.inner(action_name)
+        else:
+            self.inner(action_name)
+            for clock in self.clocks:
+                clock.stopped(action_name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _same, (self.inner,)
+
+
 class _CallbackClock:
     """Seconds a Trainer spends in the hooks of callbacks other than one: Lightning runs every callback hook inside
     ``trainer.profiler.profile("[Callback]<state_key>.<hook>")``, so the profiler's ``start`` / ``stop`` bracket them
     whatever the callbacks' order (a checkpoint saved inside ``ModelCheckpoint.on_train_batch_end`` with its hook).
-    The profiler's own ``start`` / ``stop`` are wrapped on the instance, as they were called, and put back by
-    :meth:`remove`."""
+    The profiler's own ``start`` / ``stop`` are wrapped on the instance (:class:`_ProfilerHook`), still called as they
+    were, and put back by :meth:`remove` once no clock is left on them."""
 
     def __init__(self) -> None:
         self.total = 0.0
         """Seconds in the other callbacks' hooks since :meth:`install`."""
-        self._profiler: Any = None
-        self._own_methods: dict[str, Any] = {}
+        self._hooks: list[_ProfilerHook] = []
+        self._own = ""
+        self._running: str | None = None  # the outermost other callback's hook now running
+        self._since = 0.0
 
     def install(self, profiler: Any, *, own_key: str) -> None:
         self.remove()
-        self.total = 0.0
-        own, start, stop = f"[Callback]{own_key}.", profiler.start, profiler.stop
-        running: list[Any] = [None, 0.0]  # the outermost other callback's hook now running, and when it started
-
-        def timed_start(action_name: str) -> None:
-            if running[0] is None and action_name.startswith("[Callback]") and not action_name.startswith(own):
-                running[:] = [action_name, time.perf_counter()]
-            start(action_name)
-
-        def timed_stop(action_name: str) -> None:
-            stop(action_name)
-            if action_name == running[0]:
-                self.total += time.perf_counter() - running[1]
-                running[0] = None
-
-        self._profiler = profiler
-        self._own_methods = {name: profiler.__dict__.get(name) for name in ("start", "stop")}
-        profiler.start, profiler.stop = timed_start, timed_stop
+        self.total, self._running, self._own = 0.0, None, f"[Callback]{own_key}."
+        for name in ("start", "stop"):
+            hook = vars(profiler).get(name)
+            if not isinstance(hook, _ProfilerHook):  # the first clock on this profiler (a second monitor shares it)
+                hook = _ProfilerHook(profiler, name)
+                setattr(profiler, name, hook)
+            hook.clocks.append(self)
+            self._hooks.append(hook)
 
     def remove(self) -> None:
-        if self._profiler is None:
-            return
-        for name, own in self._own_methods.items():
-            if own is not None:
-                setattr(self._profiler, name, own)
-            else:
-                self._profiler.__dict__.pop(name, None)
-        self._profiler = None
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.clocks.remove(self)
+            if not hook.clocks and vars(hook.profiler).get(hook.name) is hook:  # else wrapped since by another: left inert
+                if hook.had_attr:
+                    setattr(hook.profiler, hook.name, hook.inner)
+                else:
+                    delattr(hook.profiler, hook.name)
+
+    def started(self, action_name: str) -> None:
+        if self._running is None and action_name.startswith("[Callback]") and not action_name.startswith(self._own):
+            self._running, self._since = action_name, time.perf_counter()
+
+    def stopped(self, action_name: str) -> None:
+        if action_name == self._running:
+            self.total += time.perf_counter() - self._since
+            self._running = None
 
 
 class StepTimeMonitor(Callback):

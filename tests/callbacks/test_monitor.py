@@ -119,6 +119,48 @@ def test_the_other_callbacks_work_is_left_out_of_the_step_wherever_they_stand(tm
     assert "start" not in vars(profiler) and "stop" not in vars(profiler)
 
 
+class _CopiesTheProfiler(Callback):
+    """Pickles and deep-copies trainer.profiler in the middle of a fit, and times an action of its own on each copy."""
+
+    def __init__(self) -> None:
+        self.copies: list[Any] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        import copy
+        import pickle
+
+        for made in (pickle.loads(pickle.dumps(trainer.profiler)), copy.deepcopy(trainer.profiler)):
+            made.start("a copy's own action")
+            made.stop("a copy's own action")
+            self.copies.append(made)
+
+
+def test_two_monitors_fitting_twice_with_one_profiler_each_leave_the_others_work_out_and_the_profiler_as_it_was(tmp_path: Path) -> None:
+    """Two monitors (a subclass has a state_key of its own) on one profiler, the Trainer fitted twice. Each wrapped the
+    profiler's methods on top of the other's and put back what it had found, so the first one to be put back removed
+    the second's wrapper and the second put the first's back: it stayed on the profiler after the fit, and in the next
+    fit the busy callback's 0.2 s was taken off that monitor's steps twice (steps of -0.2 s). A copy of the profiler
+    made mid-fit could not be pickled (a local function on it), and a deep copy timed into the original profiler."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    class OtherMonitor(StepTimeMonitor):
+        pass
+
+    first, second, profiler, copies = StepTimeMonitor(warmup_steps=0), OtherMonitor(warmup_steps=0), SimpleProfiler(), _CopiesTheProfiler()
+    busy = _Busy(0.2)
+    busy.on_train_batch_start = lambda *args: None  # type: ignore[method-assign]  # busy at each step's end only
+    trainer = _trainer(tmp_path, first, max_steps=2, limit_val_batches=0, profiler=profiler, callbacks=[busy, first, second, copies])
+    for steps in (2, 4):
+        trainer.fit_loop.epoch_loop.max_steps = steps
+        trainer.fit(BoringModel())
+        for monitor in (first, second):
+            assert len(monitor.history) == 2 and all(0 < h["observed_s"] < BOUND_S for h in monitor.history), monitor.history
+        assert "start" not in vars(profiler) and "stop" not in vars(profiler)
+    assert len(profiler.recorded_durations["[Callback]_Busy.on_train_batch_end"]) == 4
+    assert len(copies.copies) == 8 and "a copy's own action" not in profiler.recorded_durations
+    assert all(len(made.recorded_durations["a copy's own action"]) == 1 for made in copies.copies)
+
+
 def _busy_ddp_fit(rank: int, world_size: int, root: str) -> list[float]:
     monitor = StepTimeMonitor(warmup_steps=0)
     trainer = _trainer(Path(root), monitor, devices=world_size, strategy="ddp", max_steps=2, accumulate_grad_batches=2,
