@@ -161,26 +161,6 @@ def test_two_monitors_fitting_twice_with_one_profiler_each_leave_the_others_work
     assert all(len(made.recorded_durations["a copy's own action"]) == 1 for made in copies.copies)
 
 
-def _busy_ddp_fit(rank: int, world_size: int, root: str) -> list[float]:
-    monitor = StepTimeMonitor(warmup_steps=0)
-    trainer = _trainer(Path(root), monitor, devices=world_size, strategy="ddp", max_steps=2, accumulate_grad_batches=2,
-                       limit_val_batches=0, callbacks=[_Busy(0.15), monitor, _Busy(0.15)])
-    trainer.fit(BoringModel())
-    return [h["observed_s"] for h in monitor.history]
-
-
-def test_each_of_two_gloo_ranks_leaves_its_callbacks_work_out(tmp_path: Path) -> None:
-    """The same on 2 real gloo ranks under DDP: each rank's trainer.profiler times its own callbacks (0.9 s steps
-    without the fix)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "strategies"))
-    from _dist_utils import run_on_ranks
-
-    for observed in run_on_ranks(_busy_ddp_fit, 2, str(tmp_path)):
-        assert len(observed) == 2 and max(observed) < BOUND_S, observed
-
-
 def test_a_checkpoint_saved_by_time_between_micro_batches_is_left_out(tmp_path: Path) -> None:
     """ModelCheckpoint(train_time_interval=...) saves in on_train_batch_end once the interval is over, also between the
     micro-batches of a step (the global step not saved yet): with steps of 0.2 s and an interval of 0.3 s, the interval

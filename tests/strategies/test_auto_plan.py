@@ -93,9 +93,21 @@ class StepRates(L.Callback):
         self.frequencies = [c.frequency for c in trainer.strategy.lr_scheduler_configs]
 
 
-def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, **kw: Any) -> tuple[L.Trainer, LossRecorder]:
+BUSY_S = 0.6
+
+
+class BusyAtStepEnd(L.Callback):
+    """A user's callback working (sleeping BUSY_S) in on_train_batch_end, inside the step auto_plan's StepTimeMonitor
+    times: the monitor is put after the user's callbacks."""
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        time.sleep(BUSY_S)
+
+
+def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, callbacks: tuple[L.Callback, ...] = (),
+         **kw: Any) -> tuple[L.Trainer, LossRecorder]:
     rec = LossRecorder()
-    trainer = L.Trainer(**trainer_kwargs(tmp, strategy=strategy, devices=world, callbacks=[rec], **kw))
+    trainer = L.Trainer(**trainer_kwargs(tmp, strategy=strategy, devices=world, callbacks=[rec, *callbacks], **kw))
     trainer.fit(model)
     return trainer, rec
 
@@ -109,7 +121,7 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
     # -- 1. dp_ga is best: auto_plan vs DPGAStrategy(plan=...) run directly ------------------------------
     tmp = os.path.join(root, "dp")
     t0 = time.perf_counter()
-    auto, rec = _fit(ChainMLP(**DP_MODEL), tmp, "auto_plan", world, max_steps=STEPS)
+    auto, rec = _fit(ChainMLP(**DP_MODEL), tmp, "auto_plan", world, callbacks=(BusyAtStepEnd(),), max_steps=STEPS)
     out["dp_auto_s"] = time.perf_counter() - t0
     plan = auto.strategy.plan
     out["dp_plan"] = plan
@@ -246,8 +258,11 @@ def test_auto_plan_picks_dp_ga_and_matches_direct_run(results: dict[str, Any]) -
         torch.testing.assert_close(r["dp_state"], r["dp_direct_state"], rtol=1e-6, atol=1e-7)
     changed = max((r0["dp_state"][k] - ChainMLP(**DP_MODEL).state_dict()[k]).abs().max().item() for k in r0["dp_state"])
     assert changed > 1e-3
-    # monitor: predicted and observed step time per optimizer step
-    assert len(r0["dp_monitor"]) == STEPS and all(h["observed_s"] > 0 and h["predicted_s"] > 0 for h in r0["dp_monitor"])
+    # monitor: predicted and observed step time per optimizer step, on each rank without the user's busy callback (its
+    # BUSY_S at every step's end was step time: the monitor timed up to its own on_train_batch_end, after the user's)
+    for rank in results["ranks"]:
+        history = rank["dp_monitor"]
+        assert len(history) == STEPS and all(0 < h["observed_s"] < BUSY_S and h["predicted_s"] > 0 for h in history), history
 
 
 def test_auto_plan_writes_profile_and_plan_json(results: dict[str, Any]) -> None:
