@@ -10,7 +10,11 @@ callbacks), read off ``trainer.profiler``, which Lightning runs every callback h
 leaves out the loading of the step's first batch (Lightning fetches it before that hook; the
 fetches of later micro-batches fall inside) and any validation run inside the step, from the end
 of the micro-batch before it to the start of the one after it (its loader's start, and checkpoints
-saved after it, left out with it; so is the loading of that next micro-batch). Its state
+saved after it, left out with it; so is the loading of that next micro-batch). On CUDA its time
+stamps wait for the device (``torch.cuda.synchronize``, as ``distplan bench`` does), at each
+micro-batch's end and around the hooks the other callbacks implement, so that a step is the device's
+work, not the host's queueing of it, and a hook that waits for the device (a progress bar reading
+the logged loss) does not take the step's queued work off with it. Its state
 (re-plans, compute scale, the running plan and its prediction) goes into checkpoints, so a fit
 resumed with the checkpoint's plan still sets its steps beside that plan's prediction; it cannot
 re-plan (no profile is taken when the plan is reused).
@@ -40,15 +44,17 @@ import math
 import numbers
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Sequence
 
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, as_int
+from lightning_distplan.profiling._overhead import device_clock
 from lightning_distplan.strategies._auto_planning import check_count
 
 if TYPE_CHECKING:
@@ -192,7 +198,9 @@ class _CallbackClock:
     ``trainer.profiler.profile("[Callback]<state_key>.<hook>")``, so the profiler's ``start`` / ``stop`` bracket them
     whatever the callbacks' order (a checkpoint saved inside ``ModelCheckpoint.on_train_batch_end`` with its hook).
     The profiler's own ``start`` / ``stop`` are wrapped on the instance (:class:`_ProfilerHook`), still called as they
-    were, and put back by :meth:`remove` once no clock is left on them."""
+    were, and put back by :meth:`remove` once no clock is left on them. On CUDA (:meth:`read_synced`) the hooks a
+    callback implements are timed from a synchronized device: a hook that waits for the device (a progress bar reading
+    the logged loss) would otherwise take the step's queued work off the step as the callback's."""
 
     def __init__(self) -> None:
         self.total = 0.0
@@ -201,10 +209,13 @@ class _CallbackClock:
         self._own = ""
         self._running: str | None = None  # the outermost other callback's hook now running
         self._since = 0.0
+        self._now: Callable[[], float] = time.perf_counter
+        self._synced: frozenset[str] = frozenset()  # the actions timed with _now rather than time.perf_counter
 
     def install(self, profiler: Any, *, own_key: str) -> None:
         self.remove()
         self.total, self._running, self._own = 0.0, None, f"[Callback]{own_key}."
+        self._now, self._synced = time.perf_counter, frozenset()
         for name in ("start", "stop"):
             hook = vars(profiler).get(name)
             if not isinstance(hook, _ProfilerHook):  # the first clock on this profiler (a second monitor shares it)
@@ -223,14 +234,30 @@ class _CallbackClock:
                 else:
                     delattr(hook.profiler, hook.name)
 
+    def read_synced(self, now: Callable[[], float], actions: frozenset[str]) -> None:
+        """Time ``actions`` (profiler action names) with ``now``, a clock that synchronizes the device."""
+        self._now, self._synced = now, actions
+
     def started(self, action_name: str) -> None:
         if self._running is None and action_name.startswith("[Callback]") and not action_name.startswith(self._own):
-            self._running, self._since = action_name, time.perf_counter()
+            self._running, self._since = action_name, (self._now if action_name in self._synced else time.perf_counter)()
 
     def stopped(self, action_name: str) -> None:
         if action_name == self._running:
-            self.total += time.perf_counter() - self._since
+            self.total += (self._now if action_name in self._synced else time.perf_counter)() - self._since
             self._running = None
+
+
+_HOOKS = tuple(name for name in dir(Callback) if name.startswith("on_"))
+
+
+def _implemented_hooks(callbacks: Sequence[Callback], *, besides: Callback) -> frozenset[str]:
+    """The profiler actions of the hooks the callbacks other than ``besides`` implement (Lightning runs every hook of
+    every callback; the base class's do nothing)."""
+    return frozenset(
+        f"[Callback]{cb.state_key}.{hook}" for cb in callbacks if cb is not besides for hook in _HOOKS
+        if is_overridden(hook, cb, parent=Callback)
+    )
 
 
 class StepTimeMonitor(Callback):
@@ -302,6 +329,7 @@ class StepTimeMonitor(Callback):
         self._scale = 1.0
         self._t: float | None = None
         self._clock = _CallbackClock()
+        self._now: Callable[[], float] = time.perf_counter  # synchronizes the device on CUDA (set at the train start)
         self._in_callbacks = 0.0  # _clock.total when the step started (moved on past a validation): later time in them is not the step's
         self._last_step = -1
         self._observed: list[float] = []
@@ -379,6 +407,7 @@ class StepTimeMonitor(Callback):
             self.history = []
             self._totals = _Totals()
             self._t = None
+            self._now = time.perf_counter
             self._micro_end = None
             self._validated = False
             self._last_step = -1
@@ -398,6 +427,10 @@ class StepTimeMonitor(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # On CUDA a time stamp waits for the queued work, as StepTimer's (the bench's) do; off it, no cost
+        self._now = device_clock(trainer.strategy.root_device)
+        if self._now is not time.perf_counter:
+            self._clock.read_synced(self._now, _implemented_hooks(trainer.callbacks, besides=self))
         if self.replan == "auto" and (self._outcome is None or not self._replannable):
             rank_zero_warn(
                 f"distplan: StepTimeMonitor(replan='auto') re-plans under strategy='auto_plan' only; this fit runs "
@@ -432,12 +465,12 @@ class StepTimeMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._t is None:
-            self._t = time.perf_counter()
+            self._t = self._now()
             self._in_callbacks = self._clock.total
             self._micro_end = None
             self._micro = 0
         elif self._validated and self._micro_end is not None:
-            self._t += time.perf_counter() - self._micro_end
+            self._t += self._now() - self._micro_end
             self._in_callbacks += self._clock.total - self._micro_end_in_callbacks  # inside that gap: not taken off twice
         self._validated = False
         self._micro += 1
@@ -447,9 +480,9 @@ class StepTimeMonitor(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step <= self._last_step or self._t is None:
-            self._micro_end, self._micro_end_in_callbacks = time.perf_counter(), self._clock.total
+            self._micro_end, self._micro_end_in_callbacks = self._now(), self._clock.total
             return  # an accumulation micro-batch: the step is not done yet
-        observed = time.perf_counter() - self._t - (self._clock.total - self._in_callbacks)
+        observed = self._now() - self._t - (self._clock.total - self._in_callbacks)
         self._t = self._micro_end = None
         self._last_step = trainer.global_step
         warmup = self._totals.steps < self.warmup_steps

@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning.pytorch import Callback
@@ -30,7 +30,7 @@ from lightning.pytorch import Callback
 from lightning_distplan.profile import FrameworkProfile
 from lightning_distplan.profiling._snapshot import RNGSnapshot
 
-__all__ = ["measure_framework_overhead", "QUIET_FIT", "StepTimer"]
+__all__ = ["measure_framework_overhead", "QUIET_FIT", "StepTimer", "device_clock"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,20 @@ QUIET_FIT: dict[str, Any] = {
 """Trainer arguments for a measuring fit: training steps only, nothing logged, saved or printed."""
 
 
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """A clock for timing work on ``device``: ``time.perf_counter`` itself off CUDA; on CUDA, the same read after
+    ``torch.cuda.synchronize(device)``, so that a time stamp comes after the work queued before it has run (not when
+    the host had merely queued it)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synced
+
+
 class StepTimer(Callback):
     """Timestamps of optimizer-step boundaries (synchronised on CUDA): the first training batch's
     start, then every batch end where ``trainer.global_step`` advanced. Used by this tiny fit and by
@@ -55,9 +69,7 @@ class StepTimer(Callback):
         self._last_step = -1
 
     def _now(self, trainer: Any) -> float:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
-        return time.perf_counter()
+        return device_clock(trainer.strategy.root_device)()
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self.stamps:

@@ -161,6 +161,30 @@ def test_two_monitors_fitting_twice_with_one_profiler_each_leave_the_others_work
     assert all(len(made.recorded_durations["a copy's own action"]) == 1 for made in copies.copies)
 
 
+def test_off_cuda_the_monitor_reads_the_plain_clock_and_on_cuda_it_would_synchronize_around_the_hooks_callbacks_implement(
+    tmp_path: Path,
+) -> None:
+    """On CUDA the monitor's time stamps synchronize the device (device_clock, StepTimer's and so the bench's), and so
+    do the callback clock's around the hooks the other callbacks implement: a progress bar reading the logged loss in
+    on_train_batch_end waits there for the step's queued work, which was taken off the step as the progress bar's. No
+    GPU here: this checks that off CUDA the clock is time.perf_counter itself (no sync, the CPU path as it was) and which
+    hooks would be synchronized around in a real Trainer (the progress bar's and ModelCheckpoint's on_train_batch_end,
+    no callback's do-nothing on_before_backward, none of the monitor's own)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+
+    from lightning_distplan.callbacks.monitor import _implemented_hooks
+    from lightning_distplan.profiling._overhead import device_clock
+
+    assert device_clock(torch.device("cpu")) is time.perf_counter
+    monitor = StepTimeMonitor()
+    trainer = _trainer(tmp_path, monitor, enable_progress_bar=True, enable_checkpointing=True, callbacks=[monitor])
+    actions = _implemented_hooks(trainer.callbacks, besides=monitor)
+    bar, checkpoint = trainer.progress_bar_callback, trainer.checkpoint_callback
+    assert isinstance(bar, ProgressBar) and isinstance(checkpoint, ModelCheckpoint)
+    assert {f"[Callback]{bar.state_key}.on_train_batch_end", f"[Callback]{checkpoint.state_key}.on_train_batch_end"} <= actions
+    assert not {a for a in actions if a.endswith(".on_before_backward") or a.startswith("[Callback]StepTimeMonitor.")}
+
+
 def test_a_checkpoint_saved_by_time_between_micro_batches_is_left_out(tmp_path: Path) -> None:
     """ModelCheckpoint(train_time_interval=...) saves in on_train_batch_end once the interval is over, also between the
     micro-batches of a step (the global step not saved yet): with steps of 0.2 s and an interval of 0.3 s, the interval
