@@ -36,6 +36,8 @@ to all ranks. A new data-parallel plan (other micro-batch size / accumulation) i
 next epoch on (the train loader is re-processed, as with ``reload_dataloaders_every_n_epochs``); a
 switch between data parallel and a pipeline is logged and recorded in ``plan.json`` but not
 applied mid-run (it needs the model re-sharded: resume the last checkpoint with the pins it names).
+It does not re-plan at the fit's last epoch end as far as it can tell then; a stop asked for after
+it re-planned (``EarlyStopping`` decides last) is recorded at the fit's end (``ran: false``).
 """
 
 from __future__ import annotations
@@ -317,7 +319,8 @@ class StepTimeMonitor(Callback):
         warm-up steps) and ``partial`` (True for a step of fewer micro-batches than ``accumulate_grad_batches``); the
         re-plan check and :attr:`summary` leave out both kinds."""
         self.replans: list[dict[str, Any]] = []
-        """One record per re-plan: step, epoch, observed/predicted ratio, new scale, old and new plan, applied."""
+        """One record per re-plan: step, epoch, observed/predicted ratio, new scale, old and new plan, applied; at the fit's
+        end an applied one gets ``ran``: False where the fit stopped at that epoch's end (EarlyStopping) before it ran."""
         self.overhead_s: float | None = None
         self.run_s: float | None = None
         self._outcome: PlanningOutcome | None = None
@@ -336,6 +339,7 @@ class StepTimeMonitor(Callback):
         self._totals = _Totals()
         self._pending: float | None = None
         self._replan_s = 0.0
+        self._replans_before = 0  # re-plans restored from a checkpoint, before this fit's
         self._micro_end: float | None = None  # when this step's last finished micro-batch ended (a validation may follow it)
         self._micro_end_in_callbacks = 0.0  # _clock.total then
         self._micro = 0  # micro-batches (training batches) started in this step
@@ -429,6 +433,7 @@ class StepTimeMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # On CUDA a time stamp waits for the queued work, as StepTimer's (the bench's) do; off it, no cost
         self._now = device_clock(trainer.strategy.root_device)
+        self._replans_before = len(self.replans)  # a checkpoint's are loaded by now
         if self._now is not time.perf_counter:
             self._clock.read_synced(self._now, _implemented_hooks(trainer.callbacks, besides=self))
         if self.replan == "auto" and (self._outcome is None or not self._replannable):
@@ -536,7 +541,7 @@ class StepTimeMonitor(Callback):
 
     def _do_replan(self, trainer: pl.Trainer, ratio: float) -> None:
         from lightning_distplan.strategies._auto_concrete import _AutoDPGAStrategy
-        from lightning_distplan.strategies._auto_planning import PlanningOutcome, choose_plan, distplan_dir, jsonable_pins, write_artifacts
+        from lightning_distplan.strategies._auto_planning import PlanningOutcome, choose_plan
 
         outcome = self._outcome
         assert outcome is not None
@@ -592,12 +597,31 @@ class StepTimeMonitor(Callback):
                 f"resume from the last checkpoint with AutoPlanStrategy(strategy='{best.strategy}', stages={best.pp}) to run it"
             )
         rank_zero_info(f"distplan: re-planned with compute scale {scale:.3g} (observed/predicted {ratio:.2f}x): {what}.")
+        self._write_plan_json(trainer)
+
+    def _write_plan_json(self, trainer: pl.Trainer) -> None:
+        from lightning_distplan.strategies._auto_planning import distplan_dir, jsonable_pins, write_artifacts
+
         if trainer.is_global_zero:
             extra = {"pins": jsonable_pins(self._pins), "replans": self.replans}
             write_artifacts(distplan_dir(trainer), profile=None, outcome=self._outcome, extra=extra)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A switch made at an epoch's end runs from the next epoch, if there is one: _last_epoch cannot foresee a stop
+        # asked for after the re-plan (EarlyStopping checks in on_train_epoch_end after every other callback, and in
+        # on_validation_end after the monitor where it comes after it), so the record says whether the plan ran
+        unrun = None
+        for record in self.replans[self._replans_before:]:
+            if record["applied"]:
+                record["ran"] = record["step"] < trainer.global_step
+                unrun = None if record["ran"] else record
+        if unrun is not None:
+            rank_zero_info(
+                f"distplan: the fit stopped at the end of epoch {unrun['epoch']}, so {unrun['new_best']}, re-planned there, did not "
+                "run in it (a checkpoint saved at that epoch's end holds it, and a later fit of this Trainer would run it)."
+            )
+            self._write_plan_json(trainer)
         if self._fit_start is None or self._outcome is None:
             return
         self.run_s = time.perf_counter() - self._fit_start
@@ -605,7 +629,7 @@ class StepTimeMonitor(Callback):
         pct = 100.0 * self.overhead_s / self.run_s if self.run_s > 0 else 0.0
         rank_zero_info(
             f"distplan: planning overhead {self.overhead_s:.2f} s = {pct:.1f}% of this fit ({self.run_s:.1f} s; "
-            f"plan {self._outcome.plan.describe()}, {self._outcome.source})."
+            f"plan {unrun['old_plan'] if unrun else f'{self._outcome.plan.describe()}, {self._outcome.source}'})."
         )
 
     @override

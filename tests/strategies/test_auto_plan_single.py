@@ -416,7 +416,7 @@ def test_a_replan_is_recorded_where_it_runs_and_only_among_the_strategies_the_fi
     model_kwargs = dict(width=16, depth=3, n_samples=80, loader_batch=8, dropout=0.0, slow_after=3, slow_s=0.04)
     trainer.fit(_Validated(**model_kwargs) if validation else ChainMLP(**model_kwargs))
     assert asked == [("dp_ga",)]
-    assert [r["applied"] for r in monitor.replans] == [True] and trainer.strategy.plan.micro_batch_size == 2
+    assert [(r["applied"], r["ran"]) for r in monitor.replans] == [(True, True)] and trainer.strategy.plan.micro_batch_size == 2
     ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=10.ckpt", weights_only=False)  # the last of epoch 0
     assert ckpt["distplan_plan"]["micro_batch_size"] == 2  # was the m=8 plan epoch 0 ran
     monitor_state = next(v for k, v in ckpt["callbacks"].items() if k.startswith("StepTimeMonitor"))
@@ -431,6 +431,38 @@ def test_a_replan_is_recorded_where_it_runs_and_only_among_the_strategies_the_fi
     one_epoch.fit(_small(n_samples=80, loader_batch=8, slow_after=3, slow_s=0.04))
     assert monitor.replans == [] and len(asked) == 1  # a fresh count, and no plan decided that would never run
     assert json.loads((tmp_path / "again" / "distplan" / "plan.json").read_text())["source"] == "profiled"
+
+
+def test_a_replan_at_an_epoch_end_where_early_stopping_then_stops_the_fit_is_recorded_as_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The monitor does not re-plan at the fit's last epoch end as far as it can tell then, but EarlyStopping decides in
+    on_train_epoch_end after every other callback: the forced switch (m=8 to m=2) was made at epoch 0's end, the fit
+    stopped there, and plan.json and the log said the fit switched from the next epoch, which never ran. The record and
+    plan.json now say the plan did not run (ran: false)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    import lightning_distplan.strategies._auto_planning as planning
+
+    real = planning.choose_plan
+
+    def choose(profile: Any, **kwargs: Any) -> Any:
+        if kwargs.get("compute_scale") is not None:  # the re-plan
+            kwargs["pins"] = {**kwargs.get("pins", {}), "micro_batch_size": 2}
+        return real(profile, **kwargs)
+
+    monkeypatch.setattr(planning, "choose_plan", choose)
+    monitor = StepTimeMonitor(warmup_steps=1, window=3, max_replans=1)
+    stop = EarlyStopping(monitor="train_loss", check_on_train_epoch_end=True, stopping_threshold=1e9)  # at the first check
+    trainer = L.Trainer(**trainer_kwargs(
+        str(tmp_path), strategy=AutoPlanStrategy(replan="auto", profile_repeats=1, micro_batch_size=8), devices=1, max_epochs=3,
+        callbacks=[monitor, stop],
+    ))
+    trainer.fit(ChainMLP(width=16, depth=3, n_samples=80, loader_batch=8, dropout=0.0, slow_after=3, slow_s=0.04))
+    assert trainer.current_epoch == 1 and trainer.global_step == 10  # one epoch of 10 steps of m=8, then stopped
+    assert [(r["applied"], r["ran"], r["new_best"]) for r in monitor.replans] == [(True, False, "dp_ga dp=1 m=2 accumulate=4")]
+    record = json.loads((tmp_path / "distplan" / "plan.json").read_text())
+    assert [r["ran"] for r in record["replans"]] == [False]
 
 
 def test_resume_restores_the_monitor_it_added_without_a_callback_warning(tmp_path: Path) -> None:
