@@ -228,9 +228,23 @@ def load_optimizer_state_by_name(optimizer: Optimizer, named_params: NamedParams
     group's parameters; per-parameter state (momentum, Adam moments, step) is matched by name.
 
     Raises:
-        CheckpointFormatError: a parameter of ``optimizer`` is not in the checkpoint, or one of its
-            groups mixes parameters from different checkpoint groups.
+        CheckpointFormatError: ``state_by_name`` is not what :func:`optimizer_state_by_name` returns (no ``state``
+            dict or ``param_groups`` list of parameter names), a parameter of ``optimizer`` is not in it, or one of
+            its groups mixes parameters from different checkpoint groups.
     """
+    _load_state_by_name(
+        optimizer,
+        named_params,
+        state_by_name,
+        what="The optimizer state",
+        hint="Pass a state optimizer_state_by_name returned (a dict of 'state' by parameter name and 'param_groups' "
+        "listing parameter names).",
+    )
+
+
+def _load_state_by_name(optimizer: Optimizer, named_params: NamedParams, state_by_name: Any, *, what: str, hint: str) -> None:
+    """:func:`load_optimizer_state_by_name`; a malformed ``state_by_name`` is refused as ``what`` with ``hint``."""
+    _check_state_by_name(state_by_name, what, hint)
     names = _name_by_id(named_params)
     own_groups = _group_names(optimizer, names)
     group_of: dict[str, int] = {}
@@ -339,37 +353,46 @@ def load_portable_optimizer_states(
             hint="Resume with the same configure_optimizers as the run that saved the checkpoint.",
         )
     named = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
-    for optimizer, state in zip(optimizers, states):
-        load_optimizer_state_by_name(optimizer, named, state)
+    for i, (optimizer, state) in enumerate(zip(optimizers, states)):
+        _load_state_by_name(optimizer, named, state, what=f"The checkpoint's {OPTIMIZER_STATES_KEY!r} entry {i}", hint=_CHECKPOINT_HINT)
     return True
 
 
+_CHECKPOINT_HINT = (
+    f"Resume from a checkpoint a lightning_distplan strategy wrote, or delete its {OPTIMIZER_STATES_KEY!r} entry to "
+    "load Lightning's 'optimizer_states' instead."
+)
+
+
 def _check_states_by_name(states: Any) -> None:
-    """Refuse an ``OPTIMIZER_STATES_KEY`` entry that is not what :func:`add_portable_state` writes (one edited by hand or
-    by another tool), before a bare ``KeyError`` deep in the load, or a ``state`` read as empty (no Adam moments)."""
-    problem = None
+    """Refuse an ``OPTIMIZER_STATES_KEY`` entry that is not a list (each of its states is checked as it loads,
+    :func:`_check_state_by_name`)."""
     if not isinstance(states, (list, tuple)):
-        problem = f"is {described(states)}, not a list of one state per optimizer"
-    for i, state in enumerate(states if problem is None else ()):
-        missing = [k for k in ("state", "param_groups") if not isinstance(state, Mapping) or k not in state]
-        if not isinstance(state, Mapping) or missing:
-            problem = f"entry {i} is {described(state)} without {' or '.join(map(repr, missing))}"
-        elif not isinstance(state["state"], Mapping):
-            problem = f"entry {i} has {described(state['state'])} as 'state', not a dict by parameter name"
-        elif not isinstance(state["param_groups"], (list, tuple)):
-            problem = f"entry {i} has {described(state['param_groups'])} as 'param_groups', not a list"
-        else:
-            bad = [j for j, g in enumerate(state["param_groups"]) if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple))]
-            if bad:
-                problem = f"entry {i} has param group {bad[0]} without a list of parameter names as 'params'"
-        if problem is not None:
-            break
-    if problem is not None:
         raise CheckpointFormatError(
-            f"The checkpoint's {OPTIMIZER_STATES_KEY!r} {problem}, so the optimizer state cannot be loaded by parameter name.",
-            hint=f"Resume from a checkpoint a lightning_distplan strategy wrote, or delete its {OPTIMIZER_STATES_KEY!r} entry to "
-            "load Lightning's 'optimizer_states' instead.",
+            f"The checkpoint's {OPTIMIZER_STATES_KEY!r} is {described(states)}, not a list of one state per optimizer, so the "
+            "optimizer state cannot be loaded by parameter name.",
+            hint=_CHECKPOINT_HINT,
         )
+
+
+def _check_state_by_name(state: Any, what: str, hint: str) -> None:
+    """Refuse a by-name optimizer state that is not what :func:`optimizer_state_by_name` returns (a checkpoint's entry
+    edited by hand or by another tool), before a bare ``KeyError`` deep in the load, or a ``state`` read as empty (no
+    Adam moments)."""
+    problem = None
+    missing = [k for k in ("state", "param_groups") if not isinstance(state, Mapping) or k not in state]
+    if not isinstance(state, Mapping) or missing:
+        problem = f"is {described(state)} without {' or '.join(map(repr, missing))}"
+    elif not isinstance(state["state"], Mapping):
+        problem = f"has {described(state['state'])} as 'state', not a dict by parameter name"
+    elif not isinstance(state["param_groups"], (list, tuple)):
+        problem = f"has {described(state['param_groups'])} as 'param_groups', not a list"
+    else:
+        bad = [j for j, g in enumerate(state["param_groups"]) if not isinstance(g, Mapping) or not isinstance(g.get("params"), (list, tuple))]
+        if bad:
+            problem = f"has param group {bad[0]} without a list of parameter names as 'params'"
+    if problem is not None:
+        raise CheckpointFormatError(f"{what} {problem}, so the optimizer state cannot be loaded by parameter name.", hint=hint)
 
 
 def plan_context(strategy: Any) -> dict[str, Any]:

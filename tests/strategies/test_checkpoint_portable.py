@@ -84,6 +84,15 @@ def test_portable_state_errors_have_hints() -> None:
         load_optimizer_state_by_name(bad, named, full)
     with pytest.raises(CheckpointFormatError, match=r"mixes parameters of checkpoint groups \[0, 1\].*HINT"):
         load_optimizer_state_by_name(torch.optim.Adam(model.parameters()), model.named_parameters(), full)
+    # A malformed state passed to the public function is refused as the checkpoint loader refuses one (it was a bare
+    # KeyError: 'param_groups'), and the optimizer is left as it was.
+    before = copy.deepcopy(opt.state_dict())
+    for malformed, found in (({"state": {}}, "is a dict without 'param_groups'"), ([], "is a list without 'state' or 'param_groups'"),
+                             ({**full, "state": []}, "has a list as 'state', not a dict by parameter name")):
+        with pytest.raises(CheckpointFormatError, match=rf"^The optimizer state {found}, so the optimizer state cannot be loaded by "
+                           r"parameter name\. HINT: Pass a state optimizer_state_by_name returned"):
+            load_optimizer_state_by_name(opt, model.named_parameters(), malformed)
+    torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)
     other = {**full, "param_groups": [{**g, "lr": 0.5} for g in full["param_groups"]]}
     with pytest.raises(CheckpointFormatError, match=r"hyper-parameters.*HINT"):
         merge_stage_states([full, other])
