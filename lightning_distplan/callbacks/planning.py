@@ -401,6 +401,7 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
     samples by ``dp_ga``'s loader wrapper; ``trainer.accumulate_grad_batches`` becomes the plan's.
     ``on_train_batch_start`` and ``training_step`` are wrapped too, to weigh a short last loader
     batch as the user's run does (:class:`~lightning_distplan.strategies.dp_ga.Rechunking`).
+    When applying fails part-way, what was changed is put back before the error propagates.
     """
     strategy = trainer.strategy
     names = ("process_dataloader", "on_train_batch_start", "training_step")
@@ -438,12 +439,16 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
     def training_step(*args: Any, **kwargs: Any) -> Any:
         return rechunk.weigh(original_step(*args, **kwargs))
 
-    strategy.on_train_batch_start = on_train_batch_start
-    strategy.training_step = training_step
-    strategy.process_dataloader = process_dataloader
-    trainer.accumulate_grad_batches = plan.accumulate_grad_batches
-    rank_zero_info(
-        f"PlanningCallback: running micro-batches of {plan.micro_batch_size} with accumulate_grad_batches="
-        f"{plan.accumulate_grad_batches} (global batch {plan.global_batch_size})."
-    )
+    try:
+        strategy.on_train_batch_start = on_train_batch_start
+        strategy.training_step = training_step
+        strategy.process_dataloader = process_dataloader
+        trainer.accumulate_grad_batches = plan.accumulate_grad_batches
+        rank_zero_info(
+            f"PlanningCallback: running micro-batches of {plan.micro_batch_size} with accumulate_grad_batches="
+            f"{plan.accumulate_grad_batches} (global batch {plan.global_batch_size})."
+        )
+    except BaseException:  # no AppliedPlan reaches the caller to restore: undo what was changed (a Ctrl-C included)
+        applied.restore(trainer)
+        raise
     return applied

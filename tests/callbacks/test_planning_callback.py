@@ -4,6 +4,7 @@ and the StepTimeMonitor's argument checks."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,6 +108,46 @@ def test_a_fit_that_fails_puts_the_trainer_back_and_a_fit_again_plans_for_the_sa
     trainer.fit(_FailsOnce(loader_batch=8))
     assert (callback.plan.micro_batch_size, callback.plan.accumulate_grad_batches, callback.plan.global_batch_size) == (4, 4, 16)
     assert trainer.global_step == 3 and trainer.accumulate_grad_batches == 2
+
+
+class _ReadOnlyStep(SingleDeviceStrategy):
+    """A user's strategy whose training_step cannot be replaced on the instance (a property without a setter)."""
+
+    @property
+    def training_step(self) -> Any:
+        return super().training_step
+
+
+class _FailAtPlanLine(logging.Filter):
+    """Raises at the log line apply_dp_ga_plan writes after its last change, as a Ctrl-C there would."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "PlanningCallback: running micro-batches" in record.getMessage():
+            raise RuntimeError("stopped after the plan was applied")
+        return True
+
+
+def test_a_plan_that_fails_part_way_through_applying_leaves_nothing_changed(tmp_path: Path) -> None:
+    """apply_dp_ga_plan changes the strategy's methods one by one, then the Trainer's accumulate_grad_batches; failing
+    part-way, it returned no AppliedPlan to restore, so the failed fit left the wrapped on_train_batch_start on a
+    strategy whose training_step cannot be set, and the plan's accumulation (4 where the user gave 2) and all three
+    wrapped methods where it failed after the last change."""
+    from lightning_utilities.core import rank_zero
+
+    for strategy, found, fail_at_log in ((_ReadOnlyStep(torch.device("cpu")), "has no setter", False),
+                                         (None, "stopped after the plan was applied", True)):
+        trainer = L.Trainer(**_kwargs(tmp_path, max_steps=2, accumulate_grad_batches=2, callbacks=[PlanningCallback(micro_batch_size=4)],
+                                      **({"strategy": strategy} if strategy is not None else {})))
+        fail = _FailAtPlanLine()
+        if fail_at_log:
+            rank_zero.log.addFilter(fail)
+        try:
+            with pytest.raises((AttributeError, RuntimeError), match=found):
+                trainer.fit(Net(loader_batch=8))
+        finally:
+            rank_zero.log.removeFilter(fail)
+        assert trainer.accumulate_grad_batches == 2
+        assert not {"process_dataloader", "on_train_batch_start", "training_step", "setup"} & set(vars(trainer.strategy))
 
 
 class _UnusedHead(Net):
