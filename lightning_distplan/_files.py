@@ -19,9 +19,12 @@ FIGURE_MARK = "distplan figure"
 """Written into every figure we save (PNG/SVG/PDF metadata, a JPEG comment): a later run may replace such a file."""
 
 
-def check_output_path(path: str | Path, option: str, *, example: str = "out.json", hint: str | None = None) -> Path:
+def check_output_path(path: str | Path, option: str, *, example: str = "out.json", hint: str | None = None, probe: bool = True) -> Path:
     """``path`` when a file can be written there (its missing parent folders included); else :class:`OutputPathError`.
     ``hint``: the error's HINT in place of the one naming ``option`` (a caller that knows the setting to change).
+    ``probe``: create and remove a file where ``path`` will go, which permissions do not tell (a read-only mount, /proc);
+    False for a caller whose own file creation there comes next and fails in one sentence (a checkpoint save, frequent:
+    a probe its process is killed over stays behind).
 
     Example:
         >>> check_output_path("runs/x/profile.json", "--out").name
@@ -41,17 +44,19 @@ def check_output_path(path: str | Path, option: str, *, example: str = "out.json
         raise OutputPathError(
             f"{option} {str(path)!r} cannot be written: {str(ancestor)!r} is not writable.", hint=hint or f"Pick a writable path for {option}."
         )
+    if not probe:
+        return path
     # Permissions do not tell a read-only mount or /proc: create (and remove) a file where ours will go.
-    probe = ancestor / f".distplan-probe.{secrets.token_hex(8)}"
+    probe_file = ancestor / f".distplan-probe.{secrets.token_hex(8)}"
     try:
-        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.close(os.open(probe_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError as err:
         raise OutputPathError(
             f"{option} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed ({err.strerror or err}).",
             hint=hint or f"Pick a path on a writable file system for {option}.",
             errno=err.errno,
         ) from None
-    probe.unlink(missing_ok=True)
+    probe_file.unlink(missing_ok=True)
     return path
 
 

@@ -55,13 +55,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         _check_checkpoint_path(local)
         folder = os.path.dirname(os.path.abspath(local))
-        os.makedirs(folder, exist_ok=True)
         # Not named after the checkpoint: Lightning reads names in these folders (a killed save's leftover
         # '.hpc_ckpt_2.ckpt.<hex>.tmp' made a SLURM requeue resume from the missing 'hpc_ckpt_2<digits of hex>.ckpt')
         tmp = os.path.join(folder, f".distplan-save-{secrets.token_hex(8)}.tmp")  # _TEMP_NAME
         with _WRITING_LOCK:
             _WRITING.add(tmp)
         try:
+            # The folder's creation and this file's are what prove the folder writable (a read-only mount, /proc): no
+            # probe file first, which a process killed between its creation and removal left behind at every save
+            os.makedirs(folder, exist_ok=True)
             # 0666 less the umask, as open() makes a file; an existing checkpoint's own bits are kept below
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
             with os.fdopen(fd, "wb") as f:
@@ -94,10 +96,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def _check_checkpoint_path(path: str) -> None:
-    """Refuse a path that is a folder, lies under a file or in a folder no file can be made in, before the folder's
-    creation raises a bare ``FileExistsError`` (a ``ModelCheckpoint(dirpath=...)`` naming a file)."""
+    """Refuse a path that is a folder, lies under a file or in a folder its permissions keep us out of, before the
+    folder's creation raises a bare ``FileExistsError`` (a ``ModelCheckpoint(dirpath=...)`` naming a file). No probe
+    file: the save's own creation of its folder and temporary file comes next and fails in one sentence."""
     hint = "Save checkpoints to a file path in a writable folder (Trainer.save_checkpoint(path), ModelCheckpoint(dirpath=...))."
-    check_output_path(path, "The checkpoint", example="last.ckpt", hint=hint)
+    check_output_path(path, "The checkpoint", example="last.ckpt", hint=hint, probe=False)
 
 
 def _lock(fd: int) -> bool:

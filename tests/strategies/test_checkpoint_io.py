@@ -143,6 +143,33 @@ def test_a_killed_saves_leftover_goes_at_the_next_save_in_its_folder_but_a_live_
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hpc_ckpt_1.ckpt", "epoch=1.ckpt", "last.ckpt", *(u.name for u in users)])
 
 
+_KILLED_AT_A_PROBE = """
+import os, signal, sys, torch
+from lightning_distplan.strategies._checkpoint_io import AtomicCheckpointIO
+def kill_at_probe_removal(event, args):
+    if event == "os.remove" and os.path.basename(os.fspath(args[0])).startswith(".distplan-probe."):
+        os.kill(os.getpid(), signal.SIGKILL)  # the job ends between the probe's creation and its removal
+sys.addaudithook(kill_at_probe_removal)
+AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(3)}, os.path.join(sys.argv[1], "ckpts", "last.ckpt"))
+"""
+
+
+def test_a_save_makes_no_probe_file_a_killed_process_could_leave_behind(tmp_path: Path) -> None:
+    """Every local save created and removed an empty '.distplan-probe.<hex>' (check_output_path's proof that a file can
+    be made there) before its temporary file; a process killed in between left it for good, in the checkpoint folder or,
+    before the folder's first save, in its nearest existing parent, where no stale-file cleanup looks. The save's own
+    creation of its folder and temporary file is that proof: where it fails (/proc here) the save still says so in one
+    sentence, and nothing is made."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _KILLED_AT_A_PROBE, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["ckpts", os.path.join("ckpts", "last.ckpt")]
+    if Path("/proc/self").is_dir():
+        with pytest.raises(OutputPathError, match=r"^Saving the checkpoint '/proc/distplan-none/last\.ckpt' failed \(.+\); no file was "
+                           r"made\. HINT: "):
+            AtomicCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, "/proc/distplan-none/last.ckpt")
+
+
 def test_a_checkpoint_path_that_is_a_folder_or_lies_under_a_file_is_refused_in_one_sentence(tmp_path: Path) -> None:
     """A checkpoint path under a file (ModelCheckpoint(dirpath=...) naming a file) raised a bare 'FileExistsError: [Errno
     17] File exists' (or NotADirectoryError) from the folder's creation; a path that is a folder said 'failed (Is a
