@@ -389,8 +389,8 @@ class AppliedPlan:
                 else:
                     self.strategy.__dict__.pop(name, None)
         finally:
+            self.rechunk.restore(trainer)  # first: it puts back the plan's accumulate_grad_batches where it steered a step
             trainer.accumulate_grad_batches = self.accumulate_grad_batches
-            self.rechunk.restore(trainer)
 
 
 def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:

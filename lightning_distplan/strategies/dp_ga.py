@@ -308,8 +308,8 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         if module is not None and module._trainer is not None and self._user_accumulate is not None:
+            self._rechunk.restore(module.trainer)  # first: it puts back the plan's accumulate_grad_batches where it steered a step
             module.trainer.accumulate_grad_batches = self._user_accumulate
-            self._rechunk.restore(module.trainer)
         super().teardown()
 
 

@@ -15,7 +15,7 @@ from _dist_utils import run_on_ranks
 from _tiny_lm import TinyLM, cpu_state, token_dataset, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_distplan import InfeasiblePlanError, Plan
+from lightning_distplan import InfeasiblePlanError, Plan, PlanningCallback
 from lightning_distplan.strategies import DPGAStrategy
 from lightning_distplan.strategies.dp_ga import _accumulation_steering, _rebatch, resolve_dp_ga_plan
 
@@ -1209,6 +1209,43 @@ def test_a_sized_stream_read_by_two_workers_trains_the_batches_ddp_trains(single
     (weights 0.12 from DDP's). It now stops after the loader's length in batches, and the run is DDP's."""
     loader = lambda x: torch.utils.data.DataLoader(_WorkerShardedStream(x), batch_size=8, num_workers=2)  # noqa: E731
     _assert_as_ddp(_fit_ddp_and_dp_ga(loader, 1, 1, 2), 6)
+
+
+class _FailsAt(_ScheduledOver):
+    """Raises in ``training_step`` of the epoch's batch ``at``."""
+
+    def __init__(self, loader: Any, at: int | None) -> None:
+        super().__init__(loader)
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if batch_idx == self.at:
+            raise RuntimeError("the user's training_step failed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("planner", ["strategy", "callback"])
+@pytest.mark.parametrize("stop", ["max_steps", "exception"])
+def test_a_fit_that_stops_at_a_steered_step_leaves_the_users_accumulate_grad_batches(planner: str, stop: str,
+                                                                                      single_process_group: None) -> None:
+    """The stream's short last batch (20 per __len__, 10 yielded: loader batches 8, 2; m=2, 4 micro-batches per step) has
+    its step steered with accumulate_grad_batches=1. A fit that stops there (max_steps=2, or the user's training_step
+    raising) was torn down with the user's value put back first and the plan's (4) over it after: the Trainer kept 4,
+    which a second fit took for the user's accumulate_grad_batches (a global batch 4 times the user's)."""
+    model = _FailsAt(lambda x: torch.utils.data.DataLoader(_ShardOfStream(x), batch_size=8), at=4 if stop == "exception" else None)
+    extra: dict[str, Any] = {"max_steps": 2} if stop == "max_steps" else {"max_epochs": 1}
+    if planner == "strategy":
+        extra["strategy"] = DPGAStrategy(micro_batch_size=2, accumulate_grad_batches=4)
+    else:
+        extra.update(strategy="ddp", callbacks=[PlanningCallback(micro_batch_size=2, accumulate_grad_batches=4)])
+    trainer = L.Trainer(**trainer_kwargs(devices=1, limit_val_batches=0, **extra))
+    if stop == "exception":
+        with pytest.raises(RuntimeError, match="the user's training_step failed"):
+            trainer.fit(model)
+    else:
+        trainer.fit(model)
+        assert trainer.global_step == 2  # the second step is the steered one
+    assert trainer.accumulate_grad_batches == 1
 
 
 def test_accumulation_steering_zeroes_and_steps_as_asked() -> None:
