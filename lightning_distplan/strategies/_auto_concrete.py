@@ -243,6 +243,11 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._frequencies = step_frequencies(self.lr_scheduler_configs)
         self._count_scheduler_frequencies_in_steps(self.later_fits.user_accumulate)
 
+    @override
+    def _first_micro_batch_rows(self, rows: int, *, fitting: bool) -> int:
+        # a fit's batches are the user's re-chunked into the plan's m·n samples per replica (process_dataloader)
+        return self._auto_plan.micro_batch_size if fitting else super()._first_micro_batch_rows(rows, fitting=fitting)
+
     def _count_scheduler_frequencies_in_steps(self, per_step: Any) -> None:
         """A scheduler with ``interval="step"`` and ``frequency`` f steps where the user's run steps it.
 

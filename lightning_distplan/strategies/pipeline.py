@@ -426,12 +426,12 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             if _distributed_is_initialized():
                 _sync_module_states(self.model)  # same starting weights on every rank, as DDP does
             fitting = trainer.state.fn == TrainerFn.FITTING
-            samples = self._first_samples(trainer)  # one fresh loader for both loss checks
+            first = self._first_batch(trainer)  # one fresh loader for both loss checks
             if fitting:
-                self._check_guessed_loss(trainer, samples)
+                self._check_guessed_loss(trainer, first)
                 self._reuse_checkpoint_plan(trainer)
             # validate / test / predict without a fit before: checked as a fit is (they failed on one rank, or hung)
-            self._build_pipeline(samples, check_loss=True, loss=trainer.state.fn != TrainerFn.PREDICTING)
+            self._build_pipeline(first, check_loss=True, loss=trainer.state.fn != TrainerFn.PREDICTING)
         elif not self._pruned:  # a later fit/test of this strategy: the module was made whole after the last one
             self._keep = {id(t) for name, t in _named_tensors(self.model) if name in self._keep_names}
             self._unpruned = []
@@ -486,9 +486,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             self._boundaries_arg = tuple(stored.stage_boundaries)
         rank_zero_info(f"PipelineStrategy: resuming with the checkpoint's plan {stored.describe()}.")
 
-    def _build_pipeline(self, samples: tuple[Any, torch.device] | None = None, *, check_loss: bool = False, loss: bool = True) -> None:
+    def _build_pipeline(self, first: _FirstBatch | None = None, *, check_loss: bool = False, loss: bool = True) -> None:
         """Cut the module into this rank's stage; ``check_loss``: first refuse, on every rank, a chain of layers (and,
-        with ``loss``, a loss) the stages could not compute, run on ``samples`` (:meth:`_first_samples`)."""
+        with ``loss``, a loss) the stages could not compute, run on ``first`` (:meth:`_first_batch`)."""
         module = self.lightning_module
         assert module is not None
         layout = self.layout
@@ -519,7 +519,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 for t in layer.buffers():
                     tensor_stages.setdefault(id(t), set()).add(k)
         if check_loss:
-            self._check_loss_before_cut(samples, spec, tensor_stages, loss=loss)
+            self._check_loss_before_cut(first, spec, tensor_stages, loss=loss)
         self._ownership = StateOwnership.of(module, tensor_stages)
         # every stage's parameters, on every rank: which stages train decides which activations carry a gradient
         self._params_by_stage = [tuple(p for layer in layers[a:b] for p in layer.parameters()) for a, b in ranges]
@@ -581,7 +581,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             f"stage boundaries {list(self._boundaries)}; rank 0 freed {freed / 2**20:.1f} MiB of other stages' tensors."
         )
 
-    def _check_guessed_loss(self, trainer: pl.Trainer, samples: tuple[Any, torch.device] | None) -> None:
+    def _check_guessed_loss(self, trainer: pl.Trainer, first: _FirstBatch | None) -> None:
         """Refuse, before the model is cut, a fit whose pipeline loss is a built-in adapter's guess that differs from
         what ``training_step`` computes (label smoothing, a penalty): the pipeline would train another objective,
         silently. Compared on the first 4 samples of a fresh train loader, as the profiler compares them for auto_plan;
@@ -596,8 +596,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         spec = find_pipeline_spec(module)[0]
         differs: str | None = None
         if spec is not None:
-            if samples is not None:
-                batch, device = samples
+            if first is not None:
+                batch, device = first.samples(min(first.rows, 4)), first.device
                 # training_step may count, log or update metrics: put them back (no optimizer steps: the weights stay)
                 snapshot = ModuleSnapshot.take(module, weights=False)
                 try:
@@ -616,14 +616,12 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 "layer's output, or train with strategy='dp_ga' / 'ddp'.",
             )
 
-    def _first_samples(self, trainer: pl.Trainer) -> tuple[Any, torch.device] | None:
-        """Up to 4 samples (all where a part of the batch holds its rows uncut, :func:`uncut_part`) of the first batch of a
-        fresh loader of the run (:func:`_fresh_loader`: the train loader for a fit, the first validation / test / predict
-        loader for the others) as Lightning's loop hands a batch to a step:
+    def _first_batch(self, trainer: pl.Trainer) -> _FirstBatch | None:
+        """The first batch of a fresh loader of the run (:func:`_fresh_loader`: the train loader for a fit, the first
+        validation / test / predict loader for the others) as Lightning's loop hands a batch to a step:
         through the precision plugin's ``convert_input`` and the module's (or datamodule's) ``on_before_batch_transfer``,
         ``transfer_batch_to_device`` and ``on_after_batch_transfer``, to the module's device. None when there is no
         batch to check a loss on here (the fit reports its loader's, or its hooks', error at its first batch)."""
-        from lightning_distplan.profiling._batches import slice_samples
         from lightning_distplan.profiling._snapshot import ModuleSnapshot, RNGSnapshot
 
         module = self.lightning_module
@@ -646,21 +644,22 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         n = BatchSizer(loader_batch_size(loader))(batch)  # as training reads it (_batch_rows)
         if not n:
             return None
-        if uncut_part(batch, n) is not None:
-            # a part that keeps all n rows when the batch is cut (an object holding them): 4 samples beside it fail in the
-            # loss where the first step refuses that part in its own sentence; all n run as training_step gets them
-            return batch, device
-        return slice_samples(batch, 0, min(n, 4), n), device
+        return _FirstBatch(batch, n, device)
 
-    def _check_loss_before_cut(self, samples: tuple[Any, torch.device] | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]],
+    def _check_loss_before_cut(self, first: _FirstBatch | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]],
                                *, loss: bool = True) -> None:
         """Run the whole chain on up to 4 samples of a fresh loader of the run before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
         boundary, the last layer's included, that cannot cross (``check_crossing``: torch's runtime failed on that stage
-        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone. Any other
-        error of the chain (the model's own: a shape error in a layer or the loss) is raised as it is, on every rank.
-        ``loss=False`` (predict): the chain of layers alone, as predict runs no loss and the batch may hold no targets."""
+        alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone.
+        ``loss=False`` (predict): the chain of layers alone, as predict runs no loss and the batch may hold no targets.
+
+        Any other error of the chain (the model's own: a shape error in a layer or the loss) is raised as it is, on every
+        rank, where it is no artefact of the check: the chain runs again as the first step runs it (the first micro-batch's
+        rows, with gradients in a fit, in eval mode for validate / test / predict) and the error is raised only when that run fails
+        too. Where the check cannot run as the step does (the module is not yet on the step's device, as before a GPU
+        run's cut; fewer rows in the loader's batch than a re-chunked micro-batch holds) it is left to the first step."""
         from lightning_distplan._layers import chain_output
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
@@ -669,8 +668,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         last = self.layout.pp - 1
         elsewhere = {id(t): name for name, t in _named_tensors(module) if id(t) in tensor_stages and last not in tensor_stages[id(t)]}
         refusal: Exception | None = None
-        if samples is not None:
-            batch = samples[0]
+        if first is not None:
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
 
             def checked_loss(output: Any, targets: Any) -> Tensor:
                 with _RefuseTensors(elsewhere, stage=last):
@@ -679,20 +678,39 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 return value
 
             checked = dataclasses.replace(spec, loss=checked_loss) if loss else dataclasses.replace(spec, loss=lambda output, _: output, targets=None)
-            snapshot = ModuleSnapshot.take(module, weights=False)  # buffers and counters the loss moves go back
-            try:
-                with torch.no_grad(), _quiet_logging(module), self.precision_plugin.forward_context():
-                    chain_output(checked, batch, cuts=(*self._boundaries, len(spec.layers)))
-            except (ModelSplitError, BatchFormatError) as err:
-                refusal = err
-            except Exception as err:  # noqa: BLE001 - the model's own error: raised as it is, but on every rank
-                # At the first step it was raised by the stage that ran the failing layer (or the loss) alone, and the
-                # other stages saw only gloo's "Connection closed by peer" (or waited for the peer while its process lived on).
-                err.add_note("PipelineStrategy: raised by the pipeline's layers or PipelineSpec.loss, run in one process (no "
-                             "gradients) on up to 4 samples of the run's first batch before the model was cut; every rank stops here.")
-                refusal = err
-            finally:
-                snapshot.restore()
+
+            def run(batch: Any, *, grad: bool) -> Exception | None:
+                snapshot = ModuleSnapshot.take(module, weights=False)  # buffers, counters and train / eval flags go back
+                if not fitting:  # as their loops set it (a BatchNorm of 1 sample predicts in eval mode); a fit keeps the
+                    module.eval()  # module's modes (a frozen part left in eval mode stays so)
+                try:
+                    with torch.set_grad_enabled(grad), _quiet_logging(module), self.precision_plugin.forward_context():
+                        chain_output(checked, batch, cuts=(*self._boundaries, len(spec.layers)))
+                except Exception as err:  # noqa: BLE001 - a refusal of the check's, or the model's own error
+                    return err
+                finally:
+                    snapshot.restore()
+                return None
+
+            few = min(first.rows, 4)
+            refusal = run(first.samples(few), grad=False)  # cheap: a few samples, no activations kept
+            if refusal is not None and not isinstance(refusal, (ModelSplitError, BatchFormatError)):
+                # The model's own error. At the first step the stage that ran the failing layer (or the loss) raised it
+                # alone, and the other stages saw only gloo's "Connection closed by peer" (or waited for the peer while
+                # its process lived on); but the check's few samples without gradients may be what failed (a loss's
+                # view(8, -1), a gradient penalty): run as the step runs it first.
+                rows = self._first_micro_batch_rows(first.rows, fitting=fitting)
+                micro = first.samples(rows)
+                if micro is None or first.device != self.root_device:
+                    refusal = None  # not what the step runs: the first step reports its own error
+                elif rows != few or fitting:
+                    refusal = run(micro, grad=fitting)
+                if refusal is not None and not isinstance(refusal, (ModelSplitError, BatchFormatError)):
+                    refusal.add_note(
+                        f"PipelineStrategy: raised by the pipeline's layers or PipelineSpec.loss, run in one process as the first "
+                        f"step runs them (a micro-batch of {rows} sample(s) of the run's first batch, "
+                        f"{'with' if fitting else 'without'} gradients) before the model was cut; every rank stops here."
+                    )
         if _reduce(float(refusal is not None), "max"):  # every rank raises, the same error where they agree
             if refusal is None:
                 raise ModelSplitError(
@@ -701,6 +719,14 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                     hint="Its error is in that rank's output.",
                 )
             raise refusal
+
+    def _first_micro_batch_rows(self, rows: int, *, fitting: bool) -> int:
+        """The samples of the first micro-batch the run's first step cuts from a batch of ``rows`` of the run's loader, as
+        :meth:`training_step` (:meth:`_eval_step`, :meth:`predict_step`) chooses the micro-batches (the first ones of an
+        uneven split are the longer, as ``split_structure`` cuts)."""
+        pp = self.layout.pp
+        n = (self._n or auto_n_microbatches(rows, pp)) if fitting else _largest_divisor_at_most(rows, self._n or 4 * pp)
+        return -(-rows // n)
 
     def _maybe_defer_batchnorm(self, module: nn.Module) -> None:
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
@@ -1355,6 +1381,26 @@ def _dataloader_idx(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The ``dataloader_idx`` Lightning passes an evaluation step (only when it has several loaders), else 0."""
     idx = args[2] if len(args) > 2 else kwargs.get("dataloader_idx", 0)
     return idx if isinstance(idx, int) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _FirstBatch:
+    """The run's first batch as its step gets it (through the transfer hooks, on the module's ``device``) and its ``rows``
+    as the step reads them (:meth:`PipelineStrategy._batch_rows`), for the checks before the cut."""
+
+    batch: Any
+    rows: int
+    device: torch.device
+
+    def samples(self, k: int) -> Any | None:
+        """The batch's first ``k`` samples; None where it holds fewer. The whole batch where a part of it holds its rows
+        uncut (:func:`uncut_part`, an object holding them): ``k`` samples beside that part fail in the loss where the first
+        step refuses it in its own sentence."""
+        from lightning_distplan.profiling._batches import slice_samples
+
+        if uncut_part(self.batch, self.rows) is not None:
+            return self.batch
+        return slice_samples(self.batch, 0, k, self.rows) if k <= self.rows else None
 
 
 def _fresh_loader(trainer: pl.Trainer) -> Any:

@@ -358,13 +358,83 @@ class _Broken(nn.Module):
         raise ValueError("the user's layer failed")
 
 
-def _own_errors(rank: int, world: int, out: str) -> dict[str, tuple[str, list[str], bool]]:
-    """Fits (GPipe, stage boundary after layers[1]) of a model whose loss has a shape bug (``"loss"``: the last stage
-    fails) or whose first layer raises (``"layer"``: the first stage fails): each rank's error, its notes, and whether
-    the module kept its weights."""
+class _StepConditions(L.LightningModule):
+    """A model that fails where the check before the cut ran it, but not as the step runs it: ``"view"``, a loss written
+    for its micro-batch of 8 (``out.view(8, -1)``; the check ran 4 samples); ``"penalty"``, a gradient penalty on the
+    output (``torch.autograd.grad``; the check ran without gradients); ``"batchnorm"``, a BatchNorm predicting one sample
+    (in eval mode, as predict runs it; the check ran the module in train mode); ``"frozen"``, the penalty with a BatchNorm
+    the user keeps in eval mode (a frozen part), trained on micro-batches of one sample (a fit keeps the module's modes,
+    so the check must not put it in train mode when it runs the chain again as the step does)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        norm = [nn.BatchNorm1d(16)] if kind in ("batchnorm", "frozen") else []
+        self.layers = nn.ModuleList([nn.Linear(4, 16), *norm, nn.ReLU(), nn.Linear(16, CLASSES)])
+        if kind == "frozen":
+            self.layers[1].eval()
+
+    def loss(self, out: torch.Tensor, batch: Any) -> torch.Tensor:
+        if self.kind == "view":
+            out = out.view(8, -1)
+        loss = F.cross_entropy(out, batch[1])
+        if self.kind in ("penalty", "frozen"):
+            (grad,) = torch.autograd.grad(out.pow(2).sum(), out, create_graph=True)
+            loss = loss + 0.01 * grad.pow(2).mean()
+        return loss
+
+    def pipeline_spec(self) -> PipelineSpec:
+        return PipelineSpec(layers=list(self.layers), inputs=lambda b: b[0], loss=self.loss)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss(self(batch[0]), batch)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _step_conditions(out: str) -> dict[str, Any]:
+    """The "view" model fitted on batches of 16 (2 micro-batches of 8), the "penalty" one on batches of 8, the "frozen"
+    one on batches of 2 (the weights, or the error), and the "batchnorm" one's predictions on batches of 1 (or the error)
+    with its own in eval mode."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
-    got = {}
+    got: dict[str, Any] = {}
+    for kind, batch_size in (("view", 16), ("penalty", BATCH), ("frozen", 2), ("batchnorm", 1)):
+        model = _StepConditions(kind)
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                            strategy=PipelineStrategy(schedule="gpipe", stages=2, stage_boundaries=[2], n_microbatches=2),
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
+        loader = DataLoader(_Rows(16 if kind == "batchnorm" else SAMPLES), batch_size=batch_size)
+        try:
+            if kind == "batchnorm":
+                predicted = trainer.predict(model, loader)
+                with torch.no_grad():
+                    got[kind] = predicted, [model.eval()(x) for x, _ in loader]
+            else:
+                trainer.fit(model, loader)
+                got[kind] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        except Exception as err:  # noqa: BLE001 - what the test reports
+            got[kind] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return got
+
+
+def _own_errors(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Fits (GPipe, stage boundary after layers[1]) of a model whose loss has a shape bug (``"loss"``: the last stage
+    fails) or whose first layer raises (``"layer"``: the first stage fails): each rank's error, its notes, and whether
+    the module kept its weights; then, in the same processes, the runs of :func:`_step_conditions` (``"conditions"``)."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    got: dict[str, Any] = {}
     for where in ("loss", "layer"):
         model = _OptionalMask("none")
         if where == "layer":
@@ -382,6 +452,7 @@ def _own_errors(rank: int, world: int, out: str) -> dict[str, tuple[str, list[st
         except Exception as err:  # noqa: BLE001 - what the test reports
             raised, notes = f"{type(err).__name__}: {err}", list(getattr(err, "__notes__", []))
         got[where] = raised, notes, all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    got["conditions"] = _step_conditions(out)
     return got
 
 
@@ -634,11 +705,37 @@ def test_the_models_own_error_before_the_cut_is_raised_on_every_rank(tmp_path: A
     A launch of its own: with the errors on one rank, the next fit in the same processes hung until the timeout."""
     expected = {"loss": "RuntimeError: 0D or 1D target tensor expected, multi-target not supported",
                 "layer": "ValueError: the user's layer failed"}
-    for got in run_on_ranks(_own_errors, 2, str(tmp_path), timeout=150):
-        for where, (raised, notes, whole) in got.items():
+    ranks = run_on_ranks(_own_errors, 2, str(tmp_path), timeout=150)
+    for got in ranks:
+        for where in expected:
+            raised, notes, whole = got[where]
             assert raised == expected[where], (where, raised)
-            assert any("before the model was cut; every rank stops here" in note for note in notes), notes
+            assert any("as the first step runs them (a micro-batch of 4 sample(s) of the run's first batch, with gradients) "
+                       "before the model was cut; every rank stops here" in note for note in notes), notes
             assert whole, where
+    _check_step_conditions([got["conditions"] for got in ranks])
+
+
+def _check_step_conditions(ranks: list[dict[str, Any]]) -> None:
+    """What test_the_models_own_error_before_the_cut_is_raised_on_every_rank's launch ran after the errors (in the same
+    processes, which the errors left clean): models that fail only where the check before the cut ran them. Raised from
+    the check, the loss written for its micro-batch of 8 (RuntimeError: shape '[8, -1]' is invalid for input of size 12),
+    the gradient penalty (element 0 of tensors does not require grad) and the BatchNorm of one sample predicting (Expected
+    more than 1 value per channel when training) were each refused on both ranks, though each runs as a pipeline: the
+    check now runs a failing chain again as the step does (the first micro-batch's rows, gradients in a fit, eval mode
+    in predict; a fit keeps the module's modes, so the frozen BatchNorm of one sample is not put in train mode) and
+    raises only what fails there too. They train (the penalty's and the frozen one's weights are one process's) and
+    predict as the module does."""
+    for got in ranks:
+        for kind in ("view", "penalty", "frozen"):
+            assert not isinstance(got[kind], str), (kind, got[kind])
+        assert not isinstance(got["batchnorm"], str), got["batchnorm"]
+        predicted, own = got["batchnorm"]
+        torch.testing.assert_close(predicted, own)
+    torch.testing.assert_close(ranks[0]["penalty"], _reference(_StepConditions("penalty"), None), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[0]["frozen"], _reference(_StepConditions("frozen"), None, batch_size=2), rtol=1e-5, atol=1e-6)
+    assert all(torch.isfinite(v).all() for v in ranks[0]["view"].values())
+    assert not torch.equal(ranks[0]["view"]["layers.0.weight"], _StepConditions("view").layers[0].weight)
 
 
 def test_a_dict_from_the_last_layer_trains_and_predicts_and_passes_inside_a_stage(fits: dict[str, Any]) -> None:
