@@ -653,7 +653,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
         boundary, the last layer's included, that cannot cross (``check_crossing``: torch's runtime failed on that stage
         alone with a PipeliningMetadataError): raised there alone, the other stages only saw their peer gone.
-        ``loss=False`` (predict): the chain of layers alone, as predict runs no loss and the batch may hold no targets.
+        ``loss=False`` (predict): the chain of layers alone, as predict runs no loss and the batch may hold no targets, and
+        a last layer's output predict cannot join (:func:`_check_joinable`).
 
         Any other error of the chain (the model's own: a shape error in a layer or the loss) is raised as it is, on every
         rank, where it is no artefact of the check: the chain runs again as the first step runs it (the first micro-batch's
@@ -677,9 +678,10 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 _check_scalar_loss(value)
                 return value
 
-            checked = dataclasses.replace(spec, loss=checked_loss) if loss else dataclasses.replace(spec, loss=lambda output, _: output, targets=None)
-
-            def run(batch: Any, *, grad: bool) -> Exception | None:
+            def run(k: int, *, grad: bool) -> Exception | None:
+                batch, rows = first.samples(k), first.rows_in(k)
+                checked = dataclasses.replace(spec, loss=checked_loss) if loss else dataclasses.replace(
+                    spec, loss=lambda output, _: _check_joinable(output, rows, len(spec.layers) - 1, spec.layers[-1]), targets=None)
                 snapshot = ModuleSnapshot.take(module, weights=False)  # buffers, counters and train / eval flags go back
                 if not fitting:  # as their loops set it (a BatchNorm of 1 sample predicts in eval mode); a fit keeps the
                     module.eval()  # module's modes (a frozen part left in eval mode stays so)
@@ -693,18 +695,17 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 return None
 
             few = min(first.rows, 4)
-            refusal = run(first.samples(few), grad=False)  # cheap: a few samples, no activations kept
+            refusal = run(few, grad=False)  # cheap: a few samples, no activations kept
             if refusal is not None and not isinstance(refusal, (ModelSplitError, BatchFormatError)):
                 # The model's own error. At the first step the stage that ran the failing layer (or the loss) raised it
                 # alone, and the other stages saw only gloo's "Connection closed by peer" (or waited for the peer while
                 # its process lived on); but the check's few samples without gradients may be what failed (a loss's
                 # view(8, -1), a gradient penalty): run as the step runs it first.
                 rows = self._first_micro_batch_rows(first.rows, fitting=fitting)
-                micro = first.samples(rows)
-                if micro is None or first.device != self.root_device:
+                if first.samples(rows) is None or first.device != self.root_device:
                     refusal = None  # not what the step runs: the first step reports its own error
                 elif rows != few or fitting:
-                    refusal = run(micro, grad=fitting)
+                    refusal = run(rows, grad=fitting)
                 if refusal is not None and not isinstance(refusal, (ModelSplitError, BatchFormatError)):
                     refusal.add_note(
                         f"PipelineStrategy: raised by the pipeline's layers or PipelineSpec.loss, run in one process as the first "
@@ -1402,6 +1403,10 @@ class _FirstBatch:
             return self.batch
         return slice_samples(self.batch, 0, k, self.rows) if k <= self.rows else None
 
+    def rows_in(self, k: int) -> int:
+        """The samples :meth:`samples` gives for ``k``."""
+        return self.rows if uncut_part(self.batch, self.rows) is not None else k
+
 
 def _fresh_loader(trainer: pl.Trainer) -> Any:
     """A new instance of the loader the run reads first (never its loop's): the train loader for a fit
@@ -1544,6 +1549,33 @@ def _check_scalar_loss(loss: Any) -> None:
             f"PipelineSpec.loss returned {what}; it must return the micro-batch's mean loss as a scalar tensor.",
             hint="Reduce the loss in PipelineSpec.loss, e.g. F.cross_entropy(..., reduction='mean') or loss.mean().",
         )
+
+
+def _check_joinable(output: Any, rows: int, index: int, layer: Any) -> Any:
+    """``output``, what ``layers[index]`` (the last layer) returned for ``rows`` samples, where predict can return it:
+    torch's runtime joins the micro-batches' outputs along dim 0 (``torch.cat`` of each tensor, of each value of a
+    mapping), which fails on the last stage alone for a 0-d tensor and joins a tensor without the rows there (a [3] class
+    bias beside [rows, 3] logits) into a wrong one.
+
+    Raises:
+        ModelSplitError: a tensor in ``output`` is 0-d or holds another number of rows than ``rows`` along dim 0.
+    """
+    if isinstance(output, Mapping):
+        items = [(f" under {key!r}", value) for key, value in output.items()]
+    elif isinstance(output, (tuple, list)):
+        items = [(f" at [{i}]", value) for i, value in enumerate(output)]
+    else:
+        items = [("", output)]
+    for where, value in items:
+        if isinstance(value, Tensor) and (value.dim() == 0 or value.shape[0] != rows):
+            raise ModelSplitError(
+                f"PipelineSpec.layers[{index}] ({type(layer).__name__}), the last layer, returned a tensor of shape "
+                f"{tuple(value.shape)}{where} for {rows} sample(s); predict joins the micro-batches' outputs along dim 0, so "
+                "each tensor it returns must hold one row per sample there.",
+                hint="Return per-sample tensors only from the last layer (compute a batch-wide value such as logits.sum() "
+                "from predict's output), or predict with strategy='dp_ga' / 'ddp'.",
+            )
+    return output
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:

@@ -521,12 +521,14 @@ class _FromDict(nn.Linear):
 
 
 class _HeadDict(nn.Linear):
-    def __init__(self, *args: Any, nested: bool = False) -> None:
+    def __init__(self, *args: Any, nested: bool = False, total: bool = False) -> None:
         super().__init__(*args)
-        self.nested = nested
+        self.nested, self.total = nested, total
 
     def forward(self, h: torch.Tensor) -> dict[str, Any]:  # type: ignore[override]
         logits = super().forward(h)
+        if self.total:  # a batch-wide 0-d value beside the logits
+            return {"logits": logits, "total": logits.sum()}
         # the hidden state too (the loss does not read it): as a tensor, or in a tuple as Hugging Face's hidden_states
         return {"logits": logits, "hidden": (h,) if self.nested else h}
 
@@ -534,13 +536,15 @@ class _HeadDict(nn.Linear):
 class _DictOutputs(L.LightningModule):
     """``where="stage"``: a dict between two layers of the second stage; ``"last"``: the last layer returns a dict
     (a Hugging Face style head: the logits and the hidden state) that the loss reads ``out["logits"]`` of; ``"nested"``:
-    the same with the hidden state in a tuple. The stage boundary is after layers[0]."""
+    the same with the hidden state in a tuple; ``"total"``: the logits and their 0-d sum. The stage boundary is after
+    layers[0]."""
 
     def __init__(self, where: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.where = where
-        tail = [_ToDict(), _FromDict(16, CLASSES)] if where == "stage" else [nn.ReLU(), _HeadDict(16, CLASSES, nested=where == "nested")]
+        head = _HeadDict(16, CLASSES, nested=where == "nested", total=where == "total")
+        tail = [_ToDict(), _FromDict(16, CLASSES)] if where == "stage" else [nn.ReLU(), head]
         self.layers = nn.ModuleList([nn.Linear(4, 16), *tail])
 
     def loss(self, out: Any, batch: Any) -> torch.Tensor:
@@ -566,7 +570,8 @@ class _DictOutputs(L.LightningModule):
 
 def _dict_outputs(out: str) -> dict[str, Any]:
     """The weights after fits of the "stage" and "last" models, the "last" one's predictions on the first 16 samples
-    (and the module's own), and the "nested" fit's refusal with whether it left the weights as they were."""
+    (and the module's own), the "nested" fit's refusal with whether it left the weights as they were, and the "total"
+    model's predict's refusal."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     nested = _DictOutputs("nested")
@@ -581,7 +586,14 @@ def _dict_outputs(out: str) -> dict[str, Any]:
     predicted = trainer.predict(last, DataLoader(_Rows(16), batch_size=BATCH))
     with torch.no_grad():
         own = [last(x) for x, _ in DataLoader(_Rows(16), batch_size=BATCH)]
-    return {"stage": _fit(_DictOutputs("stage"), None, out, boundaries=[1]), "last": trained_last, "predicted": predicted,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineStrategy(schedule="gpipe", stages=2, stage_boundaries=[1], n_microbatches=2),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+    try:
+        trainer.predict(_DictOutputs("total"), DataLoader(_Rows(16), batch_size=BATCH))
+        total = ""
+    except Exception as err:  # noqa: BLE001 - what the test reports
+        total = f"{type(err).__name__}: {err}"
+    return {"total": total, "stage": _fit(_DictOutputs("stage"), None, out, boundaries=[1]), "last": trained_last, "predicted": predicted,
             "own": own, "nested": (refused, all(torch.equal(v, start[k]) for k, v in nested.state_dict().items()))}
 
 
@@ -760,6 +772,19 @@ def test_a_dict_from_the_last_layer_trains_and_predicts_and_passes_inside_a_stag
     rank0 = fits["dict_outputs"][0]
     torch.testing.assert_close(rank0["stage"], _reference(_DictOutputs("stage"), None), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rank0["last"], _reference(_DictOutputs("last"), None), rtol=1e-5, atol=1e-6)
+
+
+def test_predict_of_a_last_layers_0d_value_is_refused_before_the_cut_on_every_rank(fits: dict[str, Any]) -> None:
+    """A last layer returning {"logits": ..., "total": logits.sum()}: predict joins the micro-batches' outputs along dim 0
+    (torch.cat), which failed on the last stage alone ("RuntimeError: zero-dimensional tensor (at position 0) cannot be
+    concatenated") while the first saw gloo's "Connection closed by peer" (a [3] bias would have been joined into a [6]
+    one, silently). Now predict's check before the cut refuses it on every rank in one sentence."""
+    for got in fits["dict_outputs"]:
+        assert got["total"].startswith(
+            "ModelSplitError: PipelineSpec.layers[2] (_HeadDict), the last layer, returned a tensor of shape () under 'total' "
+            "for 4 sample(s); predict joins the micro-batches' outputs along dim 0"
+        ), got["total"]
+        assert "HINT: Return per-sample tensors only from the last layer" in got["total"]
 
 
 def test_a_packed_sequence_between_two_layers_of_one_stage_goes_whole() -> None:
