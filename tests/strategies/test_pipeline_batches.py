@@ -606,13 +606,13 @@ def _worker(rank: int, world: int, out: str) -> dict[str, Any]:
             "label_sets": _first_layer_calls(out), "batch_sampler": _short_last_batch_of_a_batch_sampler(out),
             "none_in_inputs": _none_refused("inputs", out), "none_in_output": _none_refused("output", out),
             "rechunked": _auto_plan_rechunked(out), "filled": _padded_last_batch_of_a_batch_sampler(out),
-            "dict_outputs": _dict_outputs(out), "eval_refused": _eval_refused(out)}
+            "dict_outputs": _dict_outputs(out), "eval_refused": _eval_refused(out), "own_errors": _own_errors(rank, world, out)}
 
 
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ranks = run_on_ranks(_worker, 2, str(tmp_path_factory.mktemp("pipeline_batches")), timeout=280)
-    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled", "dict_outputs", "eval_refused")
+    every = ("object", "batch_sampler", "none_in_inputs", "none_in_output", "hooked", "filled", "dict_outputs", "eval_refused", "own_errors")
     return {key: [rank[key] for rank in ranks] if key in every else ranks[0][key] for key in ranks[0]}
 
 
@@ -709,15 +709,16 @@ def test_validate_test_and_predict_without_a_fit_refuse_what_a_fit_refuses_on_ev
             assert "HINT: Return only the tensors the next layer takes" in refused and whole, entry
 
 
-def test_the_models_own_error_before_the_cut_is_raised_on_every_rank(tmp_path: Any) -> None:
+def test_the_models_own_error_before_the_cut_is_raised_on_every_rank(fits: dict[str, Any]) -> None:
     """A loss with a shape bug (or a first layer that raises): the check before the cut ran the chain on every rank, saw
     the error and let it pass, so the first step raised it on the one rank whose stage holds the loss (or the layer),
     and the other rank got only gloo's "RuntimeError: Connection closed by peer". Now every rank agrees on the failure
     before the cut and raises the model's own error as it is, with a note saying where it ran; the weights are kept.
-    A launch of its own: with the errors on one rank, the next fit in the same processes hung until the timeout."""
+    (Run last in the fixture's launch: with the errors on one rank, the next fit in the same processes hung until the
+    timeout.)"""
     expected = {"loss": "RuntimeError: 0D or 1D target tensor expected, multi-target not supported",
                 "layer": "ValueError: the user's layer failed"}
-    ranks = run_on_ranks(_own_errors, 2, str(tmp_path), timeout=150)
+    ranks = fits["own_errors"]
     for got in ranks:
         for where in expected:
             raised, notes, whole = got[where]
@@ -729,8 +730,8 @@ def test_the_models_own_error_before_the_cut_is_raised_on_every_rank(tmp_path: A
 
 
 def _check_step_conditions(ranks: list[dict[str, Any]]) -> None:
-    """What test_the_models_own_error_before_the_cut_is_raised_on_every_rank's launch ran after the errors (in the same
-    processes, which the errors left clean): models that fail only where the check before the cut ran them. Raised from
+    """What the fixture's launch ran after test_the_models_own_error_before_the_cut_is_raised_on_every_rank's errors (in
+    the same processes, which the errors left clean): models that fail only where the check before the cut ran them. Raised from
     the check, the loss written for its micro-batch of 8 (RuntimeError: shape '[8, -1]' is invalid for input of size 12),
     the gradient penalty (element 0 of tensors does not require grad) and the BatchNorm of one sample predicting (Expected
     more than 1 value per channel when training) were each refused on both ranks, though each runs as a pipeline: the
