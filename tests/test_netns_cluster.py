@@ -241,9 +241,12 @@ def test_up_interrupted_half_way_leaves_nothing_behind(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
-def test_sweep_stopped_by_an_error_between_settings_keeps_what_it_measured(tmp_path):
+def test_sweep_stopped_by_an_error_between_settings_keeps_what_it_measured_beside_an_earlier_partial_file(tmp_path):
     """benchmarks/cpu_cluster_sweep.py kept the settings measured so far on Ctrl-C only: a rate that could not be applied
-    (here `tc` refuses 1gbit) ended the sweep with a traceback and nothing written, after every setting of the rates before."""
+    (here `tc` refuses 1gbit) ended the sweep with a traceback and nothing written, after every setting of the rates before.
+    And a second stopped sweep with the same --out replaced the first one's <out>.partial.json (hours of runs on a full
+    sweep) without a word: with an earlier stopped sweep's file there, this one writes <out>.partial.2.json and says so.
+    (A first stopped sweep's own <out>.partial.json: test_a_stopped_sweep_keeps_what_its_failed_and_its_interrupted_settings_measured.)"""
     import json
     import shutil
 
@@ -255,6 +258,10 @@ def test_sweep_stopped_by_an_error_between_settings_keeps_what_it_measured(tmp_p
     (shim / "tc").write_text(f'#!/bin/sh\ncase "$*" in *1gbit*) echo "tc: refused" >&2; exit 2;; esac\nexec {real_tc} "$@"\n')
     (shim / "tc").chmod(0o755)
     out = tmp_path / "sweep.json"
+    earlier = tmp_path / "sweep.partial.json"  # an earlier stopped sweep's settings
+    earlier.write_text(json.dumps({"schema": "distplan-cpu-cluster-sweep/1", "stopped": "interrupted",
+                                   "settings": [{"model_key": "mlp", "rate": "100mbit", "error": "interrupted; exit codes [-15, -15]"}]}))
+    first = earlier.read_bytes()
     # --timeout 1: the one unlimited setting is stopped at once and recorded as failed, which is enough to keep
     cmd = [sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "cpu_cluster_sweep.py"), "--quick", "--models", "mlp",
            "--rates", "unlimited,1gbit", "--timeout", "1", "--out", str(out)]
@@ -270,13 +277,16 @@ def test_sweep_stopped_by_an_error_between_settings_keeps_what_it_measured(tmp_p
         pytest.skip(stderr.strip())
     assert proc.returncode == 1, stderr[-2000:]
     assert "Traceback" not in stderr and "cpu_cluster_sweep: stopped by RuntimeError: netns_cluster.sh up --rate 1gbit failed" in stderr
-    partial = json.loads((tmp_path / "sweep.partial.json").read_text())
+    assert stderr.strip().splitlines()[-1].endswith(
+        f"; an earlier stopped sweep's {earlier} is kept, and the 1 setting(s) run are in {tmp_path / 'sweep.partial.2.json'}."), stderr[-2000:]
+    assert earlier.read_bytes() == first  # the earlier sweep's file, untouched
+    partial = json.loads((tmp_path / "sweep.partial.2.json").read_text())
     assert [(s["model_key"], s["rate"]) for s in partial["settings"]] == [("mlp", "unlimited")]
     assert partial["stopped"].startswith("stopped by RuntimeError") and not out.exists()
     assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # torn down
 
 
-HANGS_IN_ITS_THIRD_PLAN = """
+STOPPING_MODELS = """
 import os
 import time
 from pathlib import Path
@@ -286,48 +296,58 @@ from lightning_distplan.bench.models import WideMLP
 FITS = []  # the plan fits this process ran
 
 
-class HangsInItsThirdPlan(WideMLP):
+class FailsEveryPlan(WideMLP):
+    def on_train_batch_start(self, batch, batch_idx):  # profiled fine; every plan's run fails, on both ranks
+        raise RuntimeError("simulated failure of every run")
+
+
+class HangsInItsSecondPlan(WideMLP):
     def on_fit_start(self):
         FITS.append(self.trainer.global_rank)
 
     def on_train_batch_start(self, batch, batch_idx):
-        if len(FITS) == 3:  # the third plan's run, on both ranks: the sweep is stopped here
+        if len(FITS) == 2:  # the second plan's run, on both ranks: the sweep is stopped here
             Path(os.environ["DISTPLAN_TEST_MARK"]).touch()
             time.sleep(600)
 """
 
 _SWEEP_DRIVER = """
+import json
 import sys
 sys.path.insert(0, sys.argv[1])
 import cpu_cluster_sweep as sweep
-sweep.QUICK["mlp"] = {**sweep.QUICK["mlp"], "model": sys.argv[2]}
+sweep.QUICK.update({key: {**sweep.QUICK["mlp"], "model": model} for key, model in json.loads(sys.argv[2]).items()})
 sys.exit(sweep.main(sys.argv[3:]))
 """
 
 
-def _start_sweep(tmp_path: Path, model: str, *args: str) -> subprocess.Popen:
-    """benchmarks/cpu_cluster_sweep.py --quick with its mlp replaced by ``model`` (a class in a module under tmp_path)."""
-    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]),
-           "DISTPLAN_TEST_MARK": str(tmp_path / "hung")}
-    cmd = [sys.executable, "-c", _SWEEP_DRIVER, str(SCRIPT.parents[1] / "benchmarks"), model, "--quick", "--models", "mlp",
-           "--rates", "unlimited", "--passes", "1", "--confirm", "0", "--min-time", "0", "--steps", "1", "--warmup", "0", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
-def test_a_sweep_stopped_in_a_setting_keeps_the_plans_that_setting_measured(tmp_path):
-    """A sweep stopped (SIGTERM, Ctrl-C) while a setting ran kept only the settings before it: the plans that setting had
-    measured, minutes of runs, went with its temporary folder. Its record now goes into the partial file with them."""
+def test_a_stopped_sweep_keeps_what_its_failed_and_its_interrupted_settings_measured(tmp_path):
+    """One sweep of two settings (the nodes' start is most of a setting's time; one sweep run proves both):
+
+    * a setting whose bench wrote its result and exited non-zero (here: no plan produced a measurement, status 1; or a
+      plan not every rank finished, status 2, after the plans before it were measured) was recorded as 'exit codes
+      [1, 1]' and a log tail; the result file, each plan's prediction and error, went with the temporary folder;
+    * a sweep stopped (SIGTERM, Ctrl-C) while a setting ran kept only the settings before it: the plans that setting had
+      measured, minutes of runs, went with its temporary folder.
+
+    Both records now go into <out>.partial.json with what they measured."""
     import json
     import signal
 
     if shutil_which("ip") is None:
         pytest.skip("no `ip` command")
-    (tmp_path / "hang_model.py").write_text(HANGS_IN_ITS_THIRD_PLAN)
+    (tmp_path / "stopping_models.py").write_text(STOPPING_MODELS)
     out = tmp_path / "sweep.json"
-    proc = _start_sweep(tmp_path, "hang_model:HangsInItsThirdPlan", "--timeout", "400", "--out", str(out))
+    models = {"fails": "stopping_models:FailsEveryPlan", "hangs": "stopping_models:HangsInItsSecondPlan"}
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH", "")]),
+           "DISTPLAN_TEST_MARK": str(tmp_path / "hung")}
+    cmd = [sys.executable, "-c", _SWEEP_DRIVER, str(SCRIPT.parents[1] / "benchmarks"), json.dumps(models), "--quick", "--models", "fails,hangs",
+           "--rates", "unlimited", "--passes", "1", "--confirm", "0", "--min-time", "0", "--steps", "1", "--warmup", "0", "--plans", "1,2",
+           "--timeout", "400", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 400
         while not (tmp_path / "hung").exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(1)
         if proc.poll() is None and (tmp_path / "hung").exists():
@@ -341,13 +361,22 @@ def test_a_sweep_stopped_in_a_setting_keeps_the_plans_that_setting_measured(tmp_
     if proc.returncode == 77 or "skipped" in stderr:
         pytest.skip(stderr.strip())
     assert proc.returncode == 130, (stdout[-3000:], stderr[-3000:])
-    assert "Traceback" not in stderr and "the 1 setting(s) run (the one it stopped in with the plans it had measured) are in" in stderr, stderr[-2000:]
-    (setting,) = json.loads((tmp_path / "sweep.partial.json").read_text())["settings"]
-    assert setting["model_key"] == "mlp" and setting["error"].startswith("interrupted") and "summary" not in setting
-    runs = setting["plan_runs"]  # the two plans run before the third hung, as the bench reported them
-    assert len(runs) == 2 and all(" rank " in r and ": measured " in r and "predicted" in r for r in runs), runs
+    assert "Traceback" not in stderr and "the 2 setting(s) run (the one it stopped in with the plans it had measured) are in" in stderr, stderr[-2000:]
+    failed, stopped = json.loads((tmp_path / "sweep.partial.json").read_text())["settings"]
+    # the failed setting: its bench's result file, both plans' predictions and errors, kept under partial_result
+    assert failed["model_key"] == "fails" and failed["error"] == "failed; exit codes [1, 1]" and "summary" not in failed
+    kept = failed["partial_result"]
+    # --plans 1,2 names the first profile's ranks (the final ones, from the mean of the profiles, may differ)
+    assert kept["schema"] == "distplan-bench/1" and sorted(p["first_profile"]["rank"] for p in kept["plans"]) == [1, 2]
+    assert all("simulated failure of every run" in p["error"] and p["predicted_step_time_s"] > 0 for p in kept["plans"])
+    assert len(failed["plan_runs"]) == 2 and all(": failed: RuntimeError" in r for r in failed["plan_runs"])
+    assert "FAILED (failed; exit codes [1, 1]" in stdout and "its result file kept as partial_result" in stdout
+    # the interrupted setting: the plan run before the second hung, as the bench reported it
+    assert stopped["model_key"] == "hangs" and stopped["error"].startswith("interrupted") and "summary" not in stopped
+    runs = stopped["plan_runs"]
+    assert len(runs) == 1 and all(" rank " in r and ": measured " in r and "predicted" in r for r in runs), runs
     assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # torn down
-    left = subprocess.run(["pgrep", "-f", "hang_model:HangsInItsThirdPlan"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-f", "stopping_models:HangsInItsSecondPlan"], capture_output=True, text=True).stdout.split()
     assert left == []  # no node left running
 
 
@@ -355,83 +384,3 @@ def shutil_which(name: str) -> str | None:
     import shutil
 
     return shutil.which(name)
-
-
-FAILS_EVERY_PLAN = """
-from lightning_distplan.bench.models import WideMLP
-
-
-class FailsEveryPlan(WideMLP):
-    def on_train_batch_start(self, batch, batch_idx):  # profiled fine; every plan's run fails, on both ranks
-        raise RuntimeError("simulated failure of every run")
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
-def test_a_failed_setting_keeps_the_result_file_its_bench_wrote(tmp_path):
-    """A setting whose bench wrote its result and exited non-zero (here: no plan produced a measurement, status 1; or a
-    plan not every rank finished, status 2, after the plans before it were measured) was recorded as 'exit codes [1, 1]'
-    and a log tail; the result file, each plan's prediction and error, went with the temporary folder."""
-    import json
-
-    if shutil_which("ip") is None:
-        pytest.skip("no `ip` command")
-    (tmp_path / "fails_model.py").write_text(FAILS_EVERY_PLAN)
-    out = tmp_path / "sweep.json"
-    proc = _start_sweep(tmp_path, "fails_model:FailsEveryPlan", "--plans", "1,2", "--timeout", "400", "--out", str(out))
-    try:
-        stdout, stderr = proc.communicate(timeout=500)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.communicate(timeout=60)
-        _sh("down", check=False)
-    if proc.returncode == 77 or "skipped" in stderr:
-        pytest.skip(stderr.strip())
-    assert proc.returncode == 1, (stdout[-3000:], stderr[-3000:])
-    (setting,) = json.loads(out.read_text())["settings"]
-    assert setting["error"] == "failed; exit codes [1, 1]" and "summary" not in setting
-    kept = setting["partial_result"]
-    # --plans 1,2 names the first profile's ranks (the final ones, from the mean of the profiles, may differ)
-    assert kept["schema"] == "distplan-bench/1" and sorted(p["first_profile"]["rank"] for p in kept["plans"]) == [1, 2]
-    assert all("simulated failure of every run" in p["error"] and p["predicted_step_time_s"] > 0 for p in kept["plans"])
-    assert len(setting["plan_runs"]) == 2 and all(": failed: RuntimeError" in r for r in setting["plan_runs"])
-    assert "FAILED: failed; exit codes [1, 1]" in stdout
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux-only")
-def test_a_second_stopped_sweep_keeps_the_first_ones_partial_file(tmp_path):
-    """Two sweeps stopped with the same --out both wrote <out>.partial.json: the second replaced the first's settings
-    (minutes to hours of runs) without a word. The second now writes <out>.partial.2.json and names it."""
-    import json
-    import shutil
-
-    real_tc = shutil.which("tc")
-    if real_tc is None:
-        pytest.skip("no `tc` command")
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "tc").write_text(f'#!/bin/sh\ncase "$*" in *1gbit*) echo "tc: refused" >&2; exit 2;; esac\nexec {real_tc} "$@"\n')
-    (shim / "tc").chmod(0o755)
-    out = tmp_path / "sweep.json"
-    # --timeout 1: the unlimited setting is stopped at once and recorded as failed; then the 1gbit rate fails
-    cmd = [sys.executable, str(SCRIPT.parents[1] / "benchmarks" / "cpu_cluster_sweep.py"), "--quick", "--models", "mlp",
-           "--rates", "unlimited,1gbit", "--timeout", "1", "--out", str(out)]
-    kept = []
-    for _ in range(2):
-        try:
-            proc = subprocess.run(cmd, env={**ENV, "PATH": f"{shim}:{os.environ['PATH']}"}, capture_output=True, text=True, timeout=180)
-        finally:
-            _sh("down", check=False)
-        if proc.returncode == 77 or "skipped" in proc.stderr:
-            pytest.skip(proc.stderr.strip())
-        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        kept.append(proc.stderr.strip().splitlines()[-1])
-        if len(kept) == 1:
-            first = (tmp_path / "sweep.partial.json").read_bytes()
-    assert kept[0].endswith(f"are in {tmp_path / 'sweep.partial.json'}."), kept[0]
-    assert kept[1].endswith(f"; an earlier stopped sweep's {tmp_path / 'sweep.partial.json'} is kept, and the 1 setting(s) run "
-                            f"are in {tmp_path / 'sweep.partial.2.json'}."), kept[1]
-    assert (tmp_path / "sweep.partial.json").read_bytes() == first  # the first sweep's file, untouched
-    second = json.loads((tmp_path / "sweep.partial.2.json").read_text())
-    assert [(s["model_key"], s["rate"]) for s in second["settings"]] == [("mlp", "unlimited")]
