@@ -175,6 +175,15 @@ def _plan_runs(log: str) -> list[str]:
     return [line.strip() for line in log.splitlines() if line.startswith("[") and "] rank " in line]
 
 
+def _node_log(path: Path, out: Path) -> str:
+    """A node's log, less the lines naming ``out``, the bench's result file in the setting's temporary folder (its "result
+    written to ..."): that folder is gone once the setting ends; its result is in the sweep's file (a failed setting's
+    under ``partial_result``)."""
+    if not path.exists():
+        return ""
+    return "".join(line for line in path.read_text().splitlines(keepends=True) if str(out) not in line)
+
+
 def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Namespace, port: int) -> dict[str, Any]:
     """One model x rate: the bench's result, or a failed setting's record with what it measured before it stopped.
 
@@ -216,8 +225,8 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
         wall = time.perf_counter() - t0
         codes = [p.returncode for p in procs]
         if why is not None or codes != [0, 0] or not out.exists():
-            text0 = log0.read_text() if log0.exists() else ""
-            tail = text0[-2500:] + "\n--- node 1 ---\n" + (log1.read_text()[-1500:] if log1.exists() else "")
+            text0 = _node_log(log0, out)
+            tail = text0[-2500:] + "\n--- node 1 ---\n" + _node_log(log1, out)[-1500:]
             failed = {"model_key": name, "rate": rate, "error": f"{why or 'failed'}; exit codes {codes}", "log_tail": tail, "wall_s": wall,
                       "node_commands": [shlex.join(c) for c in cmds],
                       # what it measured before it stopped: the bench's progress lines of each plan's run, and its result
@@ -234,7 +243,7 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
                 raise SettingInterrupted(failed)
             return failed
         result = json.loads(out.read_text())
-        print(log0.read_text().split("distplan bench:", 2)[-1][-2500:], flush=True)
+        print(_node_log(log0, out).split("distplan bench:", 2)[-1][-2500:], flush=True)
     # the profile stays (~100 KB a setting): with it a later model can be replayed against these measurements
     result.update(model_key=name, rate=rate, wall_s=wall, node_commands=[shlex.join(c) for c in cmds])
     return result

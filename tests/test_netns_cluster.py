@@ -331,7 +331,8 @@ def test_a_stopped_sweep_keeps_what_its_failed_and_its_interrupted_settings_meas
     * a sweep stopped (SIGTERM, Ctrl-C) while a setting ran kept only the settings before it: the plans that setting had
       measured, minutes of runs, went with its temporary folder.
 
-    Both records now go into <out>.partial.json with what they measured."""
+    Both records now go into <out>.partial.json with what they measured; and the nodes' logs are shown without their
+    'result written to /tmp/tmpXXXX/bench.json', a folder gone by then."""
     import json
     import signal
 
@@ -375,6 +376,8 @@ def test_a_stopped_sweep_keeps_what_its_failed_and_its_interrupted_settings_meas
     assert stopped["model_key"] == "hangs" and stopped["error"].startswith("interrupted") and "summary" not in stopped
     runs = stopped["plan_runs"]
     assert len(runs) == 1 and all(" rank " in r and ": measured " in r and "predicted" in r for r in runs), runs
+    # the nodes' logs are shown without the line naming the deleted temporary folder's result file
+    assert "result written to" not in stdout and "result written to" not in failed["log_tail"], stdout[-3000:]
     assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # torn down
     left = subprocess.run(["pgrep", "-f", "stopping_models:HangsInItsSecondPlan"], capture_output=True, text=True).stdout.split()
     assert left == []  # no node left running
