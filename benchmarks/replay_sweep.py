@@ -47,6 +47,8 @@ def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[st
     and after each pass) or, in sweeps that stored one, from ``profile``; ``first_profile`` and
     ``summary_first_profile`` hold the first profile's, when there were several.
     ``tie``: the planner's near-tie margin (:func:`~lightning_distplan.planner.near_tie_order`); 0 ranks by predicted time alone.
+    The plans are priced with the ranks per machine the bench recorded (``ranks_per_host``); a setting from before it was
+    recorded is priced as one machine of all the ranks, as its replay always was.
     """
     source = f"{setting.get('model_key')}@{setting.get('rate')}"
     rounds = [Profile.from_dict(p, source=source) for p in stored_profiles(setting)]
@@ -55,7 +57,7 @@ def replay_setting(setting: dict[str, Any], *, tie: float = NEAR_TIE) -> dict[st
 
     def grade(profile: Profile) -> list[dict[str, Any]]:
         out = []
-        for rec, (pred, rank) in zip(measured, predict_ranked(profile, plans, tie=tie)):
+        for rec, (pred, rank) in zip(measured, predict_ranked(profile, plans, tie=tie, ranks_per_host=setting.get("ranks_per_host"))):
             err = relative_error(pred.step_time_s, rec["measured_step_time_s"])
             out.append({"rank": rank, "predicted_step_time_s": pred.step_time_s, "predicted_peak_memory_bytes": pred.peak_memory_bytes,
                         "feasible": pred.feasible, "step_time_error": err, "abs_step_time_error": abs(err)})

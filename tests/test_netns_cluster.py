@@ -370,6 +370,7 @@ def test_a_stopped_sweep_keeps_what_its_failed_and_its_interrupted_settings_meas
     # --plans 1,2 names the first profile's ranks (the final ones, from the mean of the profiles, may differ)
     assert kept["schema"] == "distplan-bench/1" and sorted(p["first_profile"]["rank"] for p in kept["plans"]) == [1, 2]
     assert all("simulated failure of every run" in p["error"] and p["predicted_step_time_s"] > 0 for p in kept["plans"])
+    assert kept["ranks_per_host"] == 1  # 2 nodes of 1 rank: what a replay prices the plans with
     assert len(failed["plan_runs"]) == 2 and all(": failed: RuntimeError" in r for r in failed["plan_runs"])
     assert "FAILED (failed; exit codes [1, 1]" in stdout and "its result file kept as partial_result" in stdout
     # the interrupted setting: the plan run before the second hung, as the bench reported it

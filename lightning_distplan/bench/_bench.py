@@ -414,7 +414,8 @@ def run_bench(
         the one before the runs, then those after each pass, up to a stop), ``profiles_left_out`` (each one taken
         after a pass that could not be pooled with the first: ``after_pass``, ``reason``, ``profile``),
         ``prediction_profile`` (which profiles the predictions rest on, in words),
-        ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
+        ``ranks_per_host`` (:func:`ranks_per_machine`: the ranks on one machine, which share a CPU host's RAM and,
+        over several machines, a machine's link; ``world_size`` / it machines), ``links``, ``host_checks`` (after each pass, the whole step at the largest profiled
         micro-batch timed again, slowest rank: its ratio to the profile's fit there shows roughly,
         to about ±10% on a noisy CPU, how far the host's speed drifted while the plans ran),
         ``provenance`` (date, host, the command, ``versions`` of Python, torch, lightning, this package and, when
@@ -665,6 +666,7 @@ def run_bench(
         "schema": RESULT_SCHEMA,
         "model": profile.model,
         "world_size": world_size,
+        "ranks_per_host": local,  # the ranks on one machine the plans were priced with (a replay prices them alike)
         "global_batch_size": global_batch_size,
         "steps": steps,
         "min_time_s": min_time_s,

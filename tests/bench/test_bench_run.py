@@ -46,6 +46,7 @@ def _check(result: dict, world_size: int) -> None:
     from lightning_distplan.bench._bench import timed_steps
 
     assert result["schema"] == "distplan-bench/1" and result["world_size"] == world_size
+    assert result["ranks_per_host"] == world_size  # one machine: torchrun --nproc-per-node world_size
     assert result["plans"], "no plan was run"
     for rec in result["plans"]:
         assert PLAN_KEYS <= rec.keys()

@@ -320,3 +320,29 @@ def test_a_stopped_sweeps_partial_file_is_no_committed_sweep(tmp_path: Path, mon
         (tmp_path / name).write_text("{}")
     monkeypatch.setattr(readme_table, "RESULTS", tmp_path)
     assert [p.name for p in readme_table.sweep_files()] == names[:3]
+
+
+def test_a_replay_prices_the_plans_with_the_ranks_per_machine_the_bench_recorded() -> None:
+    """A bench result did not say how many of its ranks ran on one machine, so replay_sweep priced every setting as one
+    machine of all the ranks: a 2-machine x 2-rank run's 1f1b dp=2 pp=2 had its two stages' all-reduces alone on the
+    link, where the bench (and auto_plan) priced them sharing the machine's one link. The bench now records
+    ranks_per_host and the replay prices with it; a setting from before it was recorded replays as before."""
+    from replay_sweep import replay_setting
+
+    from lightning_distplan.bench import predict_ranked
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=0.01, bwd_alpha=0.02, param_bytes=b) for b in (3_000_000, 1_000_000)])
+    (best, *_) = rank_plans(profile, world_size=4, global_batch_size=8, pins={"strategy": "1f1b", "stages": 2})
+    plan = best.plan
+    record = {"rank": 1, "plan": plan.describe(), "plan_json": plan.to_dict(), "strategy": plan.strategy, "error": None,
+              "measured_step_time_s": 0.5, "predicted_step_time_s": None}
+    old = {"model_key": "m", "rate": "unlimited", "profile": profile.to_dict(), "plans": [record]}
+    ((shared, _),) = predict_ranked(profile, [plan], ranks_per_host=2)  # 2 machines of 2 ranks, as the bench priced them
+    ((alone, _),) = predict_ranked(profile, [plan], ranks_per_host=4)  # one machine of 4
+    assert shared.step_time_s > alone.step_time_s
+    (again,) = replay_setting({**old, "ranks_per_host": 2})["plans"]
+    assert again["predicted_step_time_s"] == pytest.approx(shared.step_time_s, rel=1e-12)
+    (before,) = replay_setting(old)["plans"]  # no ranks_per_host recorded: one machine, as replays always priced it
+    assert before["predicted_step_time_s"] == pytest.approx(alone.step_time_s, rel=1e-12)
