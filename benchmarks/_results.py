@@ -7,7 +7,8 @@ written, or an existing file that is not a result of these scripts (:func:`is_re
 after minutes of measuring), and when no ``--out`` was given and the default file exists it says,
 before the run, that the run will replace it and how to keep it. :func:`write_result` replaces the
 file atomically (recording the code's versions and git commit), so a run stopped while writing never leaves half a
-result. :func:`read_sweep` reads a CPU cluster sweep's result for the scripts that replay or summarise one, and refuses any other file in one line.
+result. :func:`read_sweep` reads a CPU cluster sweep's result for the scripts that replay or summarise one, and refuses any other file in one line;
+:func:`read_sweeps` reads the files those scripts are given, a stopped sweep's partial file left out.
 
 It imports ``lightning_distplan`` (torch, lightning) only where it writes, so a script that only reads stays light.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-__all__ = ["is_result", "result_path", "figure_path", "write_result", "read_sweep", "shown", "positive_ints"]
+__all__ = ["is_result", "result_path", "figure_path", "write_result", "read_sweep", "read_sweeps", "shown", "positive_ints"]
 SWEEP_SCHEMA = "distplan-cpu-cluster-sweep/1"
 # examples/auto_plan_overhead.py writes it into benchmarks/results/ (with a check of its own)
 RESULT_SCHEMAS = (SWEEP_SCHEMA, "distplan-auto-plan-overhead/1")
@@ -139,3 +140,23 @@ def read_sweep(path: str | Path, *, script: str) -> dict:
     if not isinstance(doc, dict) or doc.get("schema") != SWEEP_SCHEMA or not isinstance(doc.get("settings"), list):
         raise SystemExit(f"{script}: {path} is not a CPU cluster sweep result ({SWEEP_SCHEMA}). {hint}")
     return doc
+
+
+def read_sweeps(paths: list[str | Path], *, script: str) -> list[tuple[Path, dict]]:
+    """The sweep results at ``paths`` (:func:`read_sweep`), each with its path, less the partial files of stopped sweeps.
+
+    A sweep stopped part-way writes ``<out>.partial.json`` (``.partial.2.json``, ...) beside its ``--out``, so the
+    documented ``benchmarks/results/cpu_cluster_sweep*.json`` matches it too: its settings are no sweep's result (a
+    setting that was stopped, no summary), and pooled with the committed runs they would count twice or half-measured.
+    Each one left out is named on stderr; ``SystemExit`` with one line when no sweep is left."""
+    docs = []
+    for path in paths:
+        doc = read_sweep(path, script=script)
+        if "stopped" in doc:  # only cpu_cluster_sweep.py's stopped runs write it
+            print(f"{script}: left out {path}, a stopped sweep's partial file ({doc['stopped']}).", file=sys.stderr, flush=True)
+            continue
+        docs.append((Path(path), doc))
+    if not docs:
+        raise SystemExit(f"{script}: every file given is a stopped sweep's partial file, which is no sweep's result. "
+                         "HINT: pass sweep results written by benchmarks/cpu_cluster_sweep.py, e.g. benchmarks/results/cpu_cluster_sweep.json.")
+    return docs

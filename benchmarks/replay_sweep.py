@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import read_sweep  # noqa: E402
+from _results import read_sweeps  # noqa: E402
 from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 
 from lightning_distplan.bench import first_profile_view, predict_ranked, relative_error, summarize  # noqa: E402
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     pooled: list[dict[str, Any]] = []
     rates: list[str] = []
-    for path in args.sweeps:
-        doc = read_sweep(path, script="replay_sweep")
+    for path, doc in read_sweeps(args.sweeps, script="replay_sweep"):  # a stopped sweep's partial file left out
         settings = [s for s in doc["settings"] if "profile" in s and "summary" in s]
         if not settings:
             raise SystemExit(f"{path}: no setting with a stored profile and measurements; it cannot be replayed.")

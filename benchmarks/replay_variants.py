@@ -25,6 +25,8 @@ Run:  python benchmarks/replay_variants.py samples benchmarks/results/earlier/cp
       python benchmarks/replay_variants.py side-by-side benchmarks/results/cpu_cluster_sweep*.json benchmarks/results/earlier/cpu_cluster_sweep*.json
       python benchmarks/replay_variants.py no-1f1b-preference benchmarks/results/cpu_cluster_sweep*.json
       python benchmarks/replay_variants.py links benchmarks/results/earlier/cpu_cluster_sweep_*.json
+
+A stopped sweep's ``.partial.json`` the globs also match is left out (and named).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import read_sweep  # noqa: E402
+from _results import read_sweeps  # noqa: E402
 from cpu_cluster_sweep import confirmed_picks, summarize_sweep  # noqa: E402
 from replay_sweep import replay_setting, stored_profiles  # noqa: E402
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slot-ms", type=float, default=0.8, help="the slot variant's cost per stage and micro-batch")
     parser.add_argument("--gpipe-slot-ms", type=float, default=None, help="the slot variant's cost for GPipe plans (default: --slot-ms)")
     args = parser.parse_args(argv)
-    docs = [read_sweep(p, script="replay_variants") for p in args.sweeps]
+    docs = [doc for _, doc in read_sweeps(args.sweeps, script="replay_variants")]
     print(f"today's model: {_pooled(docs)}")
     if args.variant == "links":
         again = [refit_links(d) for d in docs]

@@ -11,6 +11,8 @@ For the given sweeps, pooled, this prints:
 The errors and picks come from ``benchmarks/readme_table.py`` and ``benchmarks/replay_sweep.py``.
 
 Run:  python benchmarks/sweep_stats.py benchmarks/results/cpu_cluster_sweep*.json
+
+(a stopped sweep's ``.partial.json`` beside them is left out, and named).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import read_sweep  # noqa: E402
+from _results import read_sweeps  # noqa: E402
 
 
 def p90(values: list[float]) -> float:
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep result JSON files")
     args = parser.parse_args(argv)
-    s = sweep_stats([read_sweep(p, script="sweep_stats") for p in args.sweeps])
+    s = sweep_stats([doc for _, doc in read_sweeps(args.sweeps, script="sweep_stats")])
     worst, where = s["spread_max"]
     print(f"pass-median spread: median {s['spread_median']:.2f}x, p90 {s['spread_p90']:.2f}x, largest {worst:.2f}x ({where})")
     if s["timed_steps"]:

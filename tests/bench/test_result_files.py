@@ -243,3 +243,26 @@ def test_seed000_figure_goes_beside_out_and_leaves_the_default_figure(tmp_path: 
     assert reproduce_seed000_ga.main(quick) == 0
     assert default_png.read_bytes() != before and (tmp_path / "results" / "seed000_ga.json").is_file()
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["seed000_ga.json", "seed000_ga.png"]
+
+
+@pytest.mark.parametrize("name", ["replay_sweep", "replay_variants", "sweep_stats"])
+def test_replay_scripts_leave_out_a_stopped_sweeps_partial_file(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Their documented commands glob benchmarks/results/cpu_cluster_sweep*.json, which also matches the
+    cpu_cluster_sweep.partial.json a stopped full sweep leaves beside the committed runs: its settings (here one measured
+    before the stop) were pooled with the committed runs' and counted again. They are now left out, and named."""
+    script = __import__(name)
+    committed = RESULTS / "cpu_cluster_sweep_run2.json"
+    doc = json.loads(committed.read_text())
+    partial = tmp_path / "cpu_cluster_sweep.partial.json"  # what cpu_cluster_sweep.py writes when stopped after one setting
+    partial.write_text(json.dumps({"schema": doc["schema"], "stopped": "interrupted", "settings": doc["settings"][:1],
+                                   "provenance": doc["provenance"]}))
+    lead = ["no-1f1b-preference"] if name == "replay_variants" else []
+    assert script.main([*lead, str(committed)]) == 0
+    alone = capsys.readouterr().out
+    assert script.main([*lead, str(committed), str(partial)]) == 0
+    both = capsys.readouterr()
+    assert both.out == alone  # the committed run's figures only
+    assert both.err.strip() == f"{name}: left out {partial}, a stopped sweep's partial file (interrupted)."
+    with pytest.raises(SystemExit) as info:  # nothing else given: one line
+        script.main([*lead, str(partial)])
+    assert str(info.value.code).startswith(f"{name}: every file given is a stopped sweep's partial file") and "HINT:" in str(info.value.code)
