@@ -61,7 +61,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from _results import figure_path, result_path, write_result  # noqa: E402
-from lightning_distplan.bench import first_profile_view  # noqa: E402
 
 SCRIPT = ROOT / "scripts" / "netns_cluster.sh"
 PREFIX = os.environ.get("DISTPLAN_NETNS_PREFIX", "distplan_n")
@@ -162,6 +161,29 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _stop_nodes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """Stop the nodes of ``procs`` still running (torchrun agents, each in a session of its own) and their workers.
+
+    torchrun's workers run in sessions of their own, and a worker in a fit ignores SIGTERM (Lightning's handler); one
+    whose agent was killed ran on as an orphan, so they get SIGKILL at the end. Every agent is sent SIGTERM at once and
+    they share one ``grace_s`` before SIGKILL: one after the other, a Ctrl-C waited twice as long for two nodes."""
+    running = [p for p in procs if p.poll() is None]
+    workers = [pid for p in running for pid in _descendants(p.pid)]
+    for p in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 class SettingInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM while a setting ran: its nodes are stopped, and ``setting`` is its record (what it measured)."""
 
@@ -208,20 +230,7 @@ def _run_setting(name: str, spec: dict[str, Any], rate: str, args: argparse.Name
         except KeyboardInterrupt:
             why = "interrupted"
         finally:
-            for p in procs:  # only the two torchrun agents this function started (and their workers)
-                if p.poll() is None:
-                    # torchrun's workers run in sessions of their own, and a worker in a fit ignores SIGTERM
-                    # (Lightning's handler); one whose agent was killed ran on as an orphan
-                    workers = _descendants(p.pid)
-                    os.killpg(p.pid, signal.SIGTERM)
-                    try:
-                        p.wait(timeout=10)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(p.pid, signal.SIGKILL)
-                        p.wait()
-                    for pid in workers:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
+            _stop_nodes(procs)  # only the two torchrun agents this function started (and their workers)
         wall = time.perf_counter() - t0
         codes = [p.returncode for p in procs]
         if why is not None or codes != [0, 0] or not out.exists():
@@ -304,6 +313,8 @@ def confirmed_picks(summary: dict[str, Any]) -> str:
 
 def first_profile_settings(settings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The settings as graded from their first profile alone (those that profiled more than once)."""
+    from lightning_distplan.bench import first_profile_view  # imported here: Lightning takes seconds, and most of the script needs none
+
     return [
         {**{k: v for k, v in s.items() if k != "summary_first_profile"}, "plans": first_profile_view(s["plans"]), "summary": s["summary_first_profile"]}
         for s in settings
