@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -355,14 +356,24 @@ def schema_hint(err: BaseException, url: str) -> str | None:
             "(pip install -U optuna), or pass another --storage.")
 
 
+_USER_PASSWORD = re.compile(r"^(?P<head>[^:/?#]+://[^:/?#@]*:).*@", re.DOTALL)
+"""``scheme://user:`` and everything up to the URL's last ``@``: the widest span a password can take."""
+
+
 def shown_url(url: str) -> str:
-    """``url`` as messages and results show it: a password in it replaced by ``***`` (SQLAlchemy's rendering)."""
+    """``url`` as messages and results show it: a password in it replaced by ``***`` (SQLAlchemy's rendering).
+
+    A URL SQLAlchemy cannot read (a port that is no number) or one whose password holds an unescaped ``@`` (SQLAlchemy
+    ends the password at the first ``@`` and takes the rest of it for the host) has everything from ``user:`` to its
+    last ``@`` hidden instead: either way no part of the password is shown."""
     try:
         from sqlalchemy.engine import make_url
 
         parsed = make_url(url)
-    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: shown as typed (the error says so)
-        return url
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: shown as typed (the error says so), less a password
+        parsed = None
+    if parsed is None or "@" in (parsed.host or ""):
+        return _USER_PASSWORD.sub(r"\g<head>***@", url) if isinstance(url, str) else url
     return parsed.render_as_string(hide_password=True) if parsed.password else url
 
 

@@ -150,6 +150,10 @@ def test_flag_names_match_plan_and_profile_and_old_names_still_work(tmp_path, pr
         (["--max-pp", "-1", "--strategy", "gpipe"], r"--max-pp must be an integer >= 1, got -1\. HINT"),
         # a password in the URL is never printed
         (["--storage", "postgresql://user:s3cret@127.0.0.1:1/db"], r"Cannot open the study storage 'postgresql://user:\*\*\*@127\.0\.0\.1:1/db'.*HINT"),
+        # nor any part of one with an unescaped @ (SQLAlchemy took "s3cret@127.0.0.1" for the host), nor of a URL
+        # SQLAlchemy cannot read (a port that is no number: it was shown as typed)
+        (["--storage", "postgresql://user:pw@s3cret@127.0.0.1:1/db"], r"Cannot open the study storage 'postgresql://user:\*\*\*@127\.0\.0\.1:1/db'.*HINT"),
+        (["--storage", "postgresql://user:s3cret@127.0.0.1:port/db"], r"Cannot open the study storage 'postgresql://user:\*\*\*@127\.0\.0\.1:port/db'.*HINT"),
         # the built-in catalogs have on-demand prices only
         (["--catalog", "aws-2026", "--pricing", "spot"],
          r"Catalog 'aws-2026' has no spot prices \(the built-in catalogs list on-demand prices only\).*HINT: Pass a SkyPilot-style CSV with a SpotPrice"),
