@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
-    "StudyStorageError", "damage_problem", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "StudyStorageError", "damage_problem", "delete_study_without_trials", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
     "is_optuna_database", "schema_hint", "shown_url", "write_trials",
 ]
 
@@ -396,6 +396,39 @@ def write_trials(study: Any, trials: Sequence[Any]) -> None:
         study.add_trials(trials)
 
 
+def delete_study_without_trials(storage: Any, study_name: str) -> bool:
+    """Delete study ``study_name`` from ``storage`` (an RDBStorage) if it holds no trial; True when it did.
+
+    The check and the delete are one transaction that no other run's write of trials can fall between: a run that
+    created a study and failed to write its own trials removes it, never the trials another run added meanwhile.
+    Checked first and deleted after (``get_all_trials``, then ``optuna.delete_study``), a run's trials committed in
+    between went with the study while that run reported them written."""
+    from optuna.storages._rdb import models
+
+    rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+    session = rdb.scoped_session()
+    try:
+        # PostgreSQL / MySQL: the study's row lock, which _bulk_insert takes too. SQLite has no row locks and pysqlite
+        # begins a transaction only at a write: the no-op UPDATE makes this the database's one writer before the count.
+        study = session.query(models.StudyModel).filter(models.StudyModel.study_name == study_name).with_for_update().one_or_none()
+        if study is None:
+            return False
+        session.query(models.StudyModel).filter(models.StudyModel.study_id == study.study_id).update(
+            {models.StudyModel.study_name: study.study_name}, synchronize_session=False
+        )
+        if session.query(models.TrialModel.trial_id).filter(models.TrialModel.study_id == study.study_id).first() is not None:
+            session.rollback()
+            return False
+        session.delete(study)
+        session.commit()
+        return True
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
 def _bulk_insert(rdb: Any, study_id: int, trials: Sequence[Any]) -> None:
     from optuna import distributions
     from optuna.storages._rdb import models
@@ -423,6 +456,9 @@ def _bulk_insert(rdb: Any, study_id: int, trials: Sequence[Any]) -> None:
                     models.TrialModel.study_id == study_id, models.TrialModel.trial_id < tid
                 ).count()
                 row.number = first
+                # ...and the study is looked up again: on SQLite the lookup above ran before this transaction, and a
+                # run that deleted the study meanwhile (delete_study_without_trials) left these trials in no study
+                models.StudyModel.find_or_raise_by_id(study_id, session)
             values = t.values if t.values is not None else []
             for objective, value in enumerate(values):
                 stored, kind = models.TrialValueModel.value_to_stored_repr(value)

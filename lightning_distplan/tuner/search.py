@@ -51,7 +51,7 @@ from lightning_distplan.plan import STRATEGIES, Plan, as_int
 from lightning_distplan.planner._enumerate import _check_strategies
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
-from lightning_distplan.tuner._storage import StudyStorageError, open_storage, shown_url, write_trials
+from lightning_distplan.tuner._storage import StudyStorageError, delete_study_without_trials, open_storage, shown_url, write_trials
 from lightning_distplan.tuner.catalog import PRICINGS, Catalog, load_catalog, spot_priced, with_bandwidth
 
 __all__ = ["TuneResult", "ExhaustiveResult", "StudyStorageError", "StudyConflictError", "tune", "exhaustive", "pareto_front", "TIME_WEIGHTS"]
@@ -872,7 +872,7 @@ def _tune(
 
     # Write the finished run in one pass; a failure while writing a study this call created removes it
     # again (never one another run created meanwhile under the same name, nor one another run has written trials to).
-    created = joined = False
+    created = joined = deleted = False
     with _signals_held() as held:  # a Ctrl-C or SIGTERM now waits until the trials are written (or refused)
         try:
             target = existing
@@ -911,8 +911,7 @@ def _tune(
         except BaseException as err:
             if created:
                 try:
-                    if not store.get_all_trials(store.get_study_id_from_name(name), deepcopy=False):  # not another run's trials
-                        optuna.delete_study(study_name=name, storage=store)
+                    deleted = delete_study_without_trials(store, name)  # not another run's trials
                 except Exception:  # the original error matters more
                     pass
             from sqlalchemy.exc import SQLAlchemyError
@@ -923,7 +922,7 @@ def _tune(
                 cause = getattr(err, "orig", None) or err.__cause__ or err.__context__ or err
                 raise StudyStorageError(
                     f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
-                    f"{'the study was not created' if created else 'the study was left as it was'}.",
+                    f"{'the study was not created' if deleted else 'the study was left as it was'}.",
                     hint="Check that the database is writable and reachable, then re-run the same command.",
                 ) from None
             if isinstance(err, KeyError) and not created and _existing_study_gone(store, name):

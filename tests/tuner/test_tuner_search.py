@@ -210,6 +210,68 @@ def test_a_study_another_run_created_meanwhile_with_other_settings_is_never_dele
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 6
 
 
+def test_a_failed_run_never_deletes_trials_another_run_wrote_to_the_study_it_created(tmp_path, profile, monkeypatch):
+    """A run whose write fails deletes the study it created when the study holds no trial. Checked, then deleted
+    (get_all_trials, then optuna.delete_study), the trials another run extending the study committed in between went
+    with it while that run reported them written; and on SQLite a run whose study was deleted just before its insert
+    wrote its trials into no study, reporting success. Here the other run writes right after the check."""
+    import threading
+
+    import sqlalchemy
+    from sqlalchemy import event
+
+    import lightning_distplan.tuner.search as search
+
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    main, real_write = threading.get_ident(), search.write_trials
+    failed, other_writes, other_done = threading.Event(), threading.Event(), threading.Event()
+    other: dict = {}
+
+    def write(study, trials):
+        if threading.get_ident() == main:  # the creator's write fails (a full disk)
+            failed.set()
+            raise sqlalchemy.exc.OperationalError("INSERT INTO trials ...", {}, sqlite3.OperationalError("database or disk is full"))
+        other_writes.set()
+        real_write(study, trials)
+
+    def other_run():
+        try:
+            other["result"] = tune(profile, n_trials=5, seed=1, **kw)
+        except BaseException as err:  # noqa: BLE001 - examined below
+            other["error"] = err
+        finally:
+            other_done.set()
+
+    def after_statement(conn, cursor, statement, parameters, context, executemany):
+        if failed.is_set() and threading.get_ident() == main and "FROM trials" in statement and "thread" not in other:
+            # the failed run has looked for trials in its study: another run extends the study and writes now
+            other["thread"] = threading.Thread(target=other_run, daemon=True)
+            other["thread"].start()
+            assert other_writes.wait(120), other
+            other_done.wait(5)  # it lands, or waits for this transaction (the fix)
+
+    monkeypatch.setattr(search, "write_trials", write)
+    event.listen(sqlalchemy.engine.Engine, "after_cursor_execute", after_statement)
+    try:
+        with pytest.raises(StudyStorageError, match=r"database or disk is full"):
+            tune(profile, n_trials=5, **kw)
+    finally:
+        event.remove(sqlalchemy.engine.Engine, "after_cursor_execute", after_statement)
+    assert "thread" in other
+    other["thread"].join(120)
+    con = sqlite3.connect(tmp_path / "study.db")
+    orphans = con.execute("select count(*) from trials where study_id not in (select study_id from studies)").fetchone()[0]
+    con.close()
+    assert orphans == 0
+    if "result" in other:  # the other run says its trials are written: they are, in the study
+        assert optuna.get_all_study_names(url) == ["s"]
+        assert len(optuna.load_study(study_name="s", storage=url).trials) == other["result"].n_study_trials == 5
+    else:  # the study went before they were: the other run says so
+        assert isinstance(other["error"], StudyConflictError) and "was deleted from" in str(other["error"]), other
+        assert optuna.get_all_study_names(url) == []
+
+
 @pytest.mark.parametrize("strategies", [("1f1b",), ("gpipe", "1f1b")])
 def test_pipeline_only_search_starts_from_pipeline_corners(tmp_path, profile, strategies):
     result = tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=12, storage=_url(tmp_path), study_name="p",
