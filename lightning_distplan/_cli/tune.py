@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "the two; far above it, the fastest (seed 000's 256, 4096 and 65536 all pick the fastest for the demo profile "
         "on both built-in catalogs)",
     )
-    parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300)")
+    parser.add_argument("--trials", type=int, default=300, help="Optuna trials to run (default 300); at least as many as the configurations left to price prices each of them once instead")
     parser.add_argument("--storage", default="sqlite:///distplan.db", help="Optuna RDB URL (default sqlite:///distplan.db)")
     parser.add_argument(
         "--study-name", default=None,
@@ -92,6 +92,7 @@ def _table(result: dict[str, Any]) -> str:
         f"of {result['space_size']} (the study has {result['n_feasible']} feasible ones); "
         f"{'objectives (C, T), best by ' if result.get('multi_objective') else 'objective '}C + w*T, w={result['time_weight']:g}; "
         f"{result.get('pricing', 'on-demand')} prices of catalog {result['catalog']}",
+        *([f"no sampler ran: {result['sampler'].removeprefix('none: ')}"] if result.get("sampler", "").startswith("none:") else []),
         "",
         "best:",
         header,

@@ -61,6 +61,15 @@ def test_tune_table_format(tmp_path, profile_path, capsys):
     assert len(header) == len(lines[lines.index("best:") + 2])
 
 
+def test_the_table_says_when_the_trials_priced_every_configuration_instead_of_sampling(tmp_path, profile_path, capsys):
+    rc = main(["tune", "--profile", profile_path, "--catalog", "alicloud-2023", "--global-batch-size", "32", "--trials", "100",
+               "--storage", f"sqlite:///{tmp_path / 't.db'}", "--format", "table", "--max-instances", "1", "--quiet"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0 and lines[0].startswith("study 'distplan-alicloud-2023-B32-w0' in sqlite:///") and ": 72 trials, 72 configurations priced of 72" in lines[0]
+    assert lines[1] == "no sampler ran: 100 trials asked >= the 72 configurations left to price, so each was priced once"
+    assert lines[2:4] == ["", "best:"]
+
+
 def test_tune_says_which_network_figures_are_burst_peaks(tmp_path, profile_path, capsys):
     """aws-2026 prices its "Up to N Gbps" instances at N; the result (JSON and table) says so, and how to replace it."""
     common = ["--profile", profile_path, "--catalog", "aws-2026", "--global-batch-size", "32", "--trials", "5", "--max-instances", "2", "--quiet"]
