@@ -293,22 +293,21 @@ def open_storage(url: Any) -> Any:
     missing = missing_folder_problem(url)
     if missing is not None:
         raise StudyStorageError(missing[0], hint=missing[1])
-    foreign = foreign_database_problem(url)
-    if foreign is not None:
-        raise StudyStorageError(foreign[0], hint=foreign[1])
-    damage = damage_problem(url)
-    if damage is not None:
-        raise StudyStorageError(damage[0], hint=damage[1])
-    read_only = read_only_problem(url)
-    if read_only is not None:
-        raise StudyStorageError(read_only, hint="Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")
+    problem = None
     try:
         # SQLite lets one writer in at a time: a second `tune` extending the same study waits for the first's
         # trials (a bulk insert of thousands takes seconds) instead of failing after pysqlite's 5 s.
         engine = {"connect_args": {"timeout": 300}} if is_sqlite(url) else None
         with _sqlite_creation_lock(url):
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
-            storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
+            # Looked at under the lock: a file another run is creating Optuna's schema in has some of its tables
+            # until that run is done, and was refused as someone else's database ("holds other tables (studies)").
+            problem = foreign_database_problem(url) or damage_problem(url)
+            read_only = None if problem is not None else read_only_problem(url)
+            if read_only is not None:
+                problem = (read_only, "Pass a --storage this user can write (a SQLite file in a writable folder), or make the file writable.")
+            if problem is None:
+                storage = optuna.storages.RDBStorage(url, engine_kwargs=engine)
+                storage.get_all_studies()  # a real round trip: the database answers and has Optuna's schema
     except Exception as err:  # sqlalchemy ArgumentError / OperationalError, a missing driver: all mean "cannot use it"
         driver = missing_driver_problem(err, url)
         if driver is not None:
@@ -316,6 +315,8 @@ def open_storage(url: Any) -> Any:
         raise StudyStorageError(
             f"Cannot open the study storage {shown_url(url)!r} ({type(err).__name__}: {first_line(err)[:200]}).", hint=schema_hint(err, url) or _HINT
         ) from None
+    if problem is not None:
+        raise StudyStorageError(problem[0], hint=problem[1])
     return storage
 
 
