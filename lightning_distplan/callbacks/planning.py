@@ -188,6 +188,12 @@ class PlanningCallback(Callback):
             )
             return
         reused = self._checkpoint_plan(trainer, loader) if self._apply else None
+        nothing = None if reused is not None else trains_nothing(trainer, self._resuming)
+        if nothing is not None:  # resumed where its limits are reached: Lightning restores the progress after this
+            rank_zero_info(f"PlanningCallback: this fit trains no batch ({nothing} reached by the checkpoint it resumes), "
+                           "so nothing is profiled or planned.")
+            self._resuming = None
+            return
         if reused is not None:  # DESIGN §3.5: a resumed fit keeps the plan it ran, without profiling again
             self.outcome, self.alternative = PlanningOutcome(plan=reused, source="checkpoint"), None
             limit = stored_plan_context(self._resuming or {}).get("memory_limit_bytes")

@@ -13,6 +13,7 @@ snapshots and restores every progress counter of the fit loop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -185,13 +186,20 @@ def _progress_objects(loop: Any, prefix: str, seen: set[int] | None = None) -> l
     return out
 
 
-def trains_nothing(trainer: pl.Trainer) -> str | None:
+def trains_nothing(trainer: pl.Trainer, checkpoint: Mapping[str, Any] | None = None) -> str | None:
     """Why this fit will train no batch, as Lightning's fit loop decides before its first (``_FitLoop.skip``:
     ``max_steps`` or ``max_epochs`` reached, 0 in a new fit, or ``limit_train_batches=0``), e.g. ``"max_epochs=0"``;
-    None when it trains. Profiling such a fit spends seconds to minutes on a plan that never runs."""
+    None when it trains. Profiling such a fit spends seconds to minutes on a plan that never runs.
+
+    ``checkpoint``: the one this fit resumes from (``ckpt_path=``), whose progress Lightning restores only after the
+    strategy's setup, where the plan is made: a fit resumed from the end of its last epoch trains nothing either."""
     loop = trainer.fit_loop
-    for name, done, limit in (("max_steps", trainer.global_step, loop.max_steps),
-                              ("max_epochs", loop.epoch_progress.current.processed, loop.max_epochs)):
+    steps, epochs = trainer.global_step, loop.epoch_progress.current.processed
+    if checkpoint is not None:
+        steps = checkpoint.get("global_step", steps)
+        with contextlib.suppress(KeyError, TypeError):
+            epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"]
+    for name, done, limit in (("max_steps", steps, loop.max_steps), ("max_epochs", epochs, loop.max_epochs)):
         if isinstance(limit, int) and limit != -1 and done >= limit:  # Lightning's _is_max_limit_reached
             return f"{name}={limit}"
     if trainer.limit_train_batches == 0:

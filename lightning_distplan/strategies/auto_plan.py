@@ -24,8 +24,9 @@ datamodule's ``setup`` hooks, restores the checkpoint's weights (``ckpt_path=``)
    ``trainer._accelerator_connector.strategy``) and call its ``setup(trainer)``. Everything after
    (dataloader processing, steps, checkpoints, teardown) is the concrete strategy's.
 
-A fit that trains no batch (``max_epochs=0``, ``max_steps=0``, ``limit_train_batches=0``: Lightning's fit loop skips
-it) is neither profiled nor planned; it runs as plain DDP, as a fit with manual optimization does.
+A fit that trains no batch (``max_epochs=0``, ``max_steps=0``, ``limit_train_batches=0``, or one resumed from a
+checkpoint that already reached ``max_epochs`` / ``max_steps``: Lightning's fit loop skips it) is neither profiled nor
+planned; it runs as plain DDP, as a fit with manual optimization does.
 
 A :class:`~lightning_distplan.callbacks.StepTimeMonitor` is added to the trainer's callbacks: it logs
 predicted vs observed step time and, with ``replan="auto"``, re-plans at an epoch boundary when
@@ -237,7 +238,7 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
         self._checkpoint_plan = readable_plan(checkpoint, "auto_plan")
         self._checkpoint_context = stored_plan_context(checkpoint)
         # not the weights; the loops too: Rechunking.resumed tells by their progress whether Lightning restored them yet
-        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY, "loops") if k in checkpoint}
+        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY, "loops", "global_step") if k in checkpoint}
         return checkpoint
 
     @override
@@ -260,7 +261,7 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
             return
         assert self.accelerator is not None and self.lightning_module is not None
         name = type(self.lightning_module).__name__
-        if self._checkpoint_plan is None and (nothing := trains_nothing(trainer)) is not None:
+        if self._checkpoint_plan is None and (nothing := trains_nothing(trainer, self._resuming)) is not None:
             # Lightning skips the training ("`Trainer.fit` stopped: `max_epochs=0` reached."): no plan to make for it
             rank_zero_info(f"auto_plan: this fit trains no batch ({nothing}), so nothing is profiled or planned: running as plain DDP.")
             super().setup(trainer)

@@ -925,3 +925,35 @@ def test_a_fit_that_trains_no_batch_is_neither_profiled_nor_planned(tmp_path: Pa
             assert trainer.strategy.plan is None and trainer.strategy.profile is None
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_a_fit_resumed_where_its_limits_are_reached_is_neither_profiled_nor_planned(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning restores a checkpoint's progress after the strategy's setup, where the plan is made: a fit resumed
+    from the end of its last epoch (a plain checkpoint, no plan in it) skips training ("`max_epochs=1` reached"), and
+    auto_plan and PlanningCallback profiled and planned it all the same (2-5 s here, a ranked table and plan.json)."""
+    import logging
+
+    from lightning_utilities.core import rank_zero
+
+    from lightning_distplan import PlanningCallback
+
+    caplog.set_level(logging.INFO, logger=rank_zero.log.name)
+    first = L.Trainer(**trainer_kwargs(str(tmp_path / "plain"), devices=1, max_epochs=1))
+    first.fit(_small())
+    ckpt = str(tmp_path / "end-of-epoch-1.ckpt")
+    first.save_checkpoint(ckpt)
+    for strategy, callbacks, who in ((AutoPlanStrategy(), [], "auto_plan"), ("auto", [PlanningCallback()], "PlanningCallback")):
+        root = tmp_path / who
+        trainer = L.Trainer(**trainer_kwargs(str(root), strategy=strategy, devices=1, callbacks=callbacks, max_epochs=1))
+        trainer.fit(_small(), ckpt_path=ckpt)
+        assert trainer.global_step == first.global_step  # restored, and nothing trained
+        assert not (root / "distplan").exists(), who
+        assert [m for m in caplog.messages if m.startswith(f"{who}: this fit trains no batch (max_epochs=1")], caplog.messages
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    # one more epoch to go: planned as any resumed fit
+    trainer = L.Trainer(**trainer_kwargs(str(tmp_path / "more"), strategy=AutoPlanStrategy(), devices=1, max_epochs=2))
+    trainer.fit(_small(), ckpt_path=ckpt)
+    assert trainer.global_step == 2 * first.global_step and trainer.strategy.plan is not None
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
