@@ -343,10 +343,12 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
 
 
 def _delete_command(name: str, storage: str) -> str:
-    """The shell command that deletes study ``name`` from ``storage`` (a password in the URL shown as ``***``)."""
+    """The shell command that deletes study ``name`` from ``storage`` (a password in the URL shown as ``***``).
+
+    ``--study-name=NAME``: a name that starts with ``-`` is read as an option after a space (argparse: "expected one argument")."""
     import shlex
 
-    return f"`optuna delete-study --study-name {shlex.quote(name)} --storage {shlex.quote(shown_url(storage))}`"
+    return f"`optuna delete-study --study-name={shlex.quote(name)} --storage={shlex.quote(shown_url(storage))}`"
 
 
 def _settings_differ(old: Any, settings: dict[str, Any]) -> str | None:

@@ -1050,19 +1050,21 @@ def test_a_worker_with_another_seed_extends_the_study(tmp_path, profile):
         tune(profile, n_trials=5, seed=1, **{**kw, "max_instances": 2})
 
 
-def test_the_refusal_hint_names_the_delete_command_for_this_study_and_it_works(tmp_path, profile):
-    """The HINT said `optuna delete-study --study-name NAME --storage URL`: the command, with this study's name and URL."""
+@pytest.mark.parametrize("name", ["it's", "-x"])
+def test_the_refusal_hint_names_the_delete_command_for_this_study_and_it_works(tmp_path, profile, name):
+    """The HINT said `optuna delete-study --study-name NAME --storage URL`: the command, with this study's name and URL
+    (a name starting with '-' after a space was an option to the optuna CLI: "argument --study-name: expected one argument")."""
     import shlex
     import subprocess
     import sys
 
     url = _url(tmp_path, "my studies.db")  # a space: the command quotes it
-    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="it's", max_instances=2, progress=False)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name=name, max_instances=2, progress=False)
     tune(profile, n_trials=5, **kw)
     with pytest.raises(StudyConflictError) as refused:
         tune(profile, n_trials=5, time_weight=1.0, **kw)
     command = re.search(r"\(`(optuna delete-study [^`]*)`\)", str(refused.value)).group(1)
-    assert shlex.split(command)[2:] == ["--study-name", "it's", "--storage", url]
+    assert shlex.split(command)[2:] == [f"--study-name={name}", f"--storage={url}"]
     optuna_cli = Path(sys.executable).with_name("optuna")
     subprocess.run([str(optuna_cli), *shlex.split(command)[1:]], check=True, capture_output=True, timeout=120)
     assert tune(profile, n_trials=5, time_weight=1.0, **kw).n_study_trials == 5  # the name is free again
