@@ -7,6 +7,7 @@ World size 1 runs in one process; world size 2 goes through torchrun (the comman
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -776,6 +777,9 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(monkeypa
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
     peer = subprocess.Popen([sys.executable, "-c", _GROUP_PEER], env={**os.environ, **env, "RANK": "1"})
+    # The command quiets Lightning's loggers for its process; here that process is pytest's: put them back after
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies")]
+    levels = [lg.level for lg in loggers]
     try:
         for var, value in {**env, "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
             monkeypatch.setenv(var, value)
@@ -783,6 +787,8 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(monkeypa
                            "--profile-repeats", "1", "--device", "cpu"])
         assert peer.wait(timeout=120) == 0
     finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
         if peer.poll() is None:
             peer.kill()
             peer.wait()
