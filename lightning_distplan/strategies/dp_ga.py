@@ -1078,7 +1078,7 @@ class _MicroBatchLoader:
         # An IterableDataset's length (its __len__) may overstate what this rank's iterator yields: after a loader batch of
         # another size (the stream's short last one) look one micro-batch ahead, so its micro-batch is known as the epoch's
         # last where Lightning, counting more, does not know it (Rechunking._steer_step)
-        peek = isinstance(getattr(self._loader, "dataset", None), torch.utils.data.IterableDataset) and sized_len(self) is not None
+        peek = self._stream and sized_len(self) is not None
         micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected)
         item = next(micro_batches, None)
         while item is not None:
@@ -1107,6 +1107,11 @@ class _MicroBatchLoader:
         if self.ended is not None:
             self.ended()
 
+    @property
+    def _stream(self) -> bool:
+        """Whether the loader reads an IterableDataset (whose ``__len__``, if any, need not be what it yields)."""
+        return isinstance(getattr(self._loader, "dataset", None), torch.utils.data.IterableDataset)
+
     def _watch_labels(self, batches: Iterable[Any]) -> Iterator[Any]:
         """``batches``, warning once when the first few carry Hugging Face's -100 labels (tokens a loss ignores)."""
         for i, batch in enumerate(batches):
@@ -1126,8 +1131,8 @@ class _MicroBatchLoader:
         user's loader there, where the stream may yield more (several workers each batch their share, each ending in a
         short batch: 8, 8, 2, 2 where the loader's length is 3).
         """
-        if isinstance(getattr(self._loader, "dataset", None), torch.utils.data.IterableDataset) and sized_len(self._loader) is not None:
-            length = sized_len(self._loader)
+        length = sized_len(self._loader) if self._stream else None
+        if length is not None:
             limit = length if limit is None else min(limit, length)
         source = self._loader if limit is None else itertools.islice(self._loader, limit)
         self._states, self._held, self._exhausted = None, None, False
