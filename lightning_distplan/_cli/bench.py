@@ -15,6 +15,7 @@ ranks run the candidates one after the other in the same processes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_parser", "run", "torchrun_command", "worker_env"]
@@ -197,11 +199,22 @@ def _progress_stream(args: argparse.Namespace) -> Any:
     return sys.stderr if args.format == "json" else sys.stdout
 
 
-def _quiet_lightning() -> None:
-    # One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report.
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval|isinstance\\(treespec, LeafSpec\\)|PipelineStrategy runs the pipeline itself).*")
+@contextlib.contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """One Trainer per plan: Lightning's per-fit banners ("GPU available ...") would drown the report. Only while the
+    command runs: ``main(["bench", ...])`` may run in the caller's process (a notebook, a test), whose logger levels and
+    warning filters it gives back."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        for lg in loggers:
+            lg.setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|number of training batches|max_epochs=-1|smaller than the logging interval|isinstance\\(treespec, LeafSpec\\)|PipelineStrategy runs the pipeline itself).*")
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 def _check_before_launch(args: argparse.Namespace, init_args: dict[str, Any], dm_args: dict[str, Any]) -> None:
@@ -320,8 +333,6 @@ def run(args: argparse.Namespace) -> int:
                       file=_progress_stream(args))
             return _run_torchrun(cmd)
 
-    from lightning.pytorch import LightningModule
-
     cls = _load_class(args.model, what="model", option="")
     _check_kind(cls, args.model, "model")
     dm_cls = None
@@ -330,13 +341,25 @@ def run(args: argparse.Namespace) -> int:
         _check_kind(dm_cls, args.datamodule, "datamodule")
 
     import torch
-    import torch.distributed as dist
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
         # Lightning's DDP sets torch's threads to cpu_count // processes unless OMP_NUM_THREADS is set.
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    _quiet_lightning()
+    with _quiet_lightning():
+        return _bench_here(args, cls, dm_cls, init_args, dm_args, sizes)
+
+
+def _bench_here(args: argparse.Namespace, cls: type, dm_cls: type | None, init_args: dict[str, Any], dm_args: dict[str, Any],
+                sizes: list[int] | None) -> int:
+    """The bench itself, in this process: one rank of a torchrun job, or the whole of a --world-size 1 run."""
+    import torch.distributed as dist
+    from lightning.pytorch import LightningModule
+
+    from lightning_distplan._cli.profile import _build, train_loader
+    from lightning_distplan._files import write_text_atomic
+    from lightning_distplan.bench._bench import BenchError
+
     created_group = False
     if _inside_torchrun() and not dist.is_initialized():
         from lightning_distplan.bench._bench import ranks_per_machine

@@ -12,6 +12,7 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -777,9 +778,10 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(monkeypa
         port = s.getsockname()[1]
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
     peer = subprocess.Popen([sys.executable, "-c", _GROUP_PEER], env={**os.environ, **env, "RANK": "1"})
-    # The command quiets Lightning's loggers for its process; here that process is pytest's: put them back after
+    # The command quiets Lightning's loggers while it runs; here in pytest's process, whose levels and warning filters
+    # it must give back (it once left lightning.pytorch at WARNING for every later test)
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning_distplan.strategies")]
-    levels = [lg.level for lg in loggers]
+    levels, filters = [lg.level for lg in loggers], list(warnings.filters)
     try:
         for var, value in {**env, "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
             monkeypatch.setenv(var, value)
@@ -787,8 +789,6 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(monkeypa
                            "--profile-repeats", "1", "--device", "cpu"])
         assert peer.wait(timeout=120) == 0
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
         if peer.poll() is None:
             peer.kill()
             peer.wait()
@@ -798,6 +798,7 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(monkeypa
     assert errors[0].startswith("distplan bench: error: Global batch size 3 cannot be factored over 2 devices (data parallel only")
     assert "HINT: Use the nearest valid global batch size, 2 or 4" in errors[0]
     assert "profiling" not in res.out and "allreduce:" not in res.out, res.out  # no profile, no link measurement
+    assert [lg.level for lg in loggers] == levels and warnings.filters == filters
     assert not torch.distributed.is_initialized()  # the command's group is gone with it
 
 
