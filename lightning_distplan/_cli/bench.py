@@ -274,8 +274,8 @@ def _check_kind(cls: type, path: str, what: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lightning_distplan._cli.profile import _build, _json_kwargs, _load_class, _sizes, train_loader
-    from lightning_distplan._files import check_output_path, check_replaceable, check_replaceable_figure, write_text_atomic
+    from lightning_distplan._cli.profile import _json_kwargs, _load_class, _sizes
+    from lightning_distplan._files import check_output_path, check_replaceable, check_replaceable_figure
     from lightning_distplan.bench._bench import RANK_TIMEOUT_S, BenchError, check_counts, parse_plans_spec
 
     if args.world_size < 1 or args.global_batch_size < 1:
@@ -353,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
 def _bench_here(args: argparse.Namespace, cls: type, dm_cls: type | None, init_args: dict[str, Any], dm_args: dict[str, Any],
                 sizes: list[int] | None) -> int:
     """The bench itself, in this process: one rank of a torchrun job, or the whole of a --world-size 1 run."""
+    import torch
     import torch.distributed as dist
     from lightning.pytorch import LightningModule
 
