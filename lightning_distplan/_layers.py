@@ -38,10 +38,12 @@ class PipelineSpec:
     Args:
         layers: blocks run in order; block 0 receives ``inputs(batch)``, every later block receives
             the previous block's output (a tensor, or a tuple or list of tensors unpacked as arguments; a
-            ``PackedSequence`` goes whole between two blocks of one stage, and no stage may end with it). The last
-            block may also return a flat mapping of tensors, which ``loss`` gets built again (:class:`MappingOutput`).
+            ``PackedSequence`` goes whole between two blocks of one stage, and no stage may end with it). A block
+            may also return a flat mapping of tensors (``{"hidden": h, "mask": m}``, a Hugging Face ``ModelOutput``):
+            the next block, on the next stage too, and after the last block ``loss``, get it built again
+            (:class:`MappingOutput`).
         inputs: maps a training batch to what block 0 receives (a tensor, or a tuple or list of tensors
-            unpacked as arguments; only tensors cross stages, so no dicts or constants).
+            unpacked as arguments; the first stage cuts them into micro-batches, so no dicts or constants).
         loss: maps (last block's output, batch) to the scalar loss of ``training_step`` — the mean
             over the micro-batch, so the mean of micro-batch losses is the loss of the full batch.
         targets: maps a batch to the tensor(s) ``loss`` needs from it (sliced along dim 0 with the
@@ -118,18 +120,19 @@ def first_layer_args(inputs: Any) -> tuple[Any, ...]:
     return args
 
 
-def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -> None:
+def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -> MappingOutput | None:
     """Refuse what ``layers[index]`` returned where a pipeline stage ends after it: torch's pipelining runtime sends
-    only tensors to the next stage, as the positional arguments of its first layer. ``last``: ``layers[index]`` is the
-    last layer, whose output torch's runtime checks by the same rule (its first-step shape inference refused a dict
-    with "PipeliningMetadataError: Stage args must be a tensor, tuple, or list of tensors, got dict") before the
-    loss gets it; there a mapping of tensors passes too, as its values in key order (:class:`MappingOutput`). Between
-    two layers of one stage anything may pass: the stage calls them as one process does.
+    only tensors to the next stage, as the positional arguments of its first layer, and takes only tensors from the
+    last stage (``last``: ``layers[index]`` is the last layer; its first-step shape inference refused a dict with
+    "PipeliningMetadataError: Stage args must be a tensor, tuple, or list of tensors, got dict") before the loss gets
+    them. A flat mapping of tensors passes too, as its values in key order, and the next stage's first layer (or the
+    loss) gets it built again: its :class:`MappingOutput` is returned. Between two layers of one stage anything may
+    pass: the stage calls them as one process does.
 
     Raises:
-        ModelSplitError: ``output`` is not a tensor or a tuple / list of tensors (None, a number, a dict, a nested tuple
-            in it, or a ``PackedSequence``, whose four tensors would arrive as four arguments), or, from the last layer,
-            no such thing nor a mapping :class:`MappingOutput` takes.
+        ModelSplitError: ``output`` is not a tensor, a tuple / list of tensors nor a mapping :class:`MappingOutput`
+            takes (None, a number, a nested tuple in it, or a ``PackedSequence``, whose four tensors would arrive as
+            four arguments).
     """
     from torch import Tensor
     from torch.nn.utils.rnn import PackedSequence
@@ -137,16 +140,15 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
     from lightning_distplan.errors import ModelSplitError, described
 
     if isinstance(output, Tensor):
-        return
-    if last and isinstance(output, Mapping):
-        MappingOutput.of(output, index, layer)
-        return
+        return None
+    if isinstance(output, Mapping):
+        return MappingOutput.of(output, index, layer, last=last)
     if isinstance(output, PackedSequence) or not isinstance(output, (tuple, list)):
         given = described(output)
     else:
         wrong = next((a for a in output if not isinstance(a, Tensor)), output)
         if wrong is output:
-            return
+            return None
         given = f"{described(output)} holding {described(wrong)}"
     if last:
         raise ModelSplitError(
@@ -158,7 +160,7 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
         )
     raise ModelSplitError(
         f"PipelineSpec.layers[{index}] ({type(layer).__name__}) returned {given}; only tensors cross between pipeline "
-        "stages, so a layer that a stage ends with must return a tensor or a tuple (or list) of tensors.",
+        "stages, so a layer that a stage ends with must return a tensor, a tuple (or list) of tensors, or a dict of tensors.",
         hint="Return only the tensors the next layer takes (leave None and constants to its defaults, turn a PackedSequence "
         "into the padded tensor and the lengths with torch.nn.utils.rnn.pad_packed_sequence), or make the two layers one "
         "block so that no stage ends between them.",
@@ -167,19 +169,20 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
 
 @dataclass(frozen=True)
 class MappingOutput:
-    """The last layer's mapping of tensors (``{"logits": ...}``, a Hugging Face ``ModelOutput``) across torch's pipelining
-    runtime, which takes only a tensor or a tuple of tensors from a stage, the last one included: the last stage
-    returns the values in the mapping's key order (:meth:`flatten`), and the strategy builds the same mapping again
-    (:meth:`rebuild`: the same type, keys and order) before ``PipelineSpec.loss`` gets it and ``predict`` returns it.
-    The one-process chain (:func:`chain_output`: the check before the cut, the profiler) gives the loss the rebuilt
-    mapping too, so every run sees what the pipeline's loss sees."""
+    """A mapping of tensors a layer returns at a stage boundary (``{"hidden": h, "mask": m}``, ``{"logits": ...}``, a
+    Hugging Face ``ModelOutput``) across torch's pipelining runtime, which takes only a tensor or a tuple of tensors from
+    a stage, the last one included: the stage returns the values in the mapping's key order (:meth:`flatten`), and the
+    same mapping is built again (:meth:`rebuild`: the same type, keys and order) for the next stage's first layer, or,
+    after the last layer, before ``PipelineSpec.loss`` gets it and ``predict`` returns it. The one-process chain
+    (:func:`chain_output`: the check before the cut, the profiler) passes the rebuilt mapping on too, so every run sees
+    what the pipeline's layers and loss see."""
 
     kind: type
     keys: tuple[Any, ...]
 
     @classmethod
-    def of(cls, output: Mapping, index: int, layer: Any) -> MappingOutput:
-        """The form of ``output``, what ``layers[index]`` (the last layer) returned.
+    def of(cls, output: Mapping, index: int, layer: Any, *, last: bool = True) -> MappingOutput:
+        """The form of ``output``, what ``layers[index]`` returned at a stage boundary (``last``: the last layer's).
 
         Raises:
             ModelSplitError: ``output`` holds no value, a value that is no tensor (None, a tuple of hidden states, a
@@ -190,15 +193,25 @@ class MappingOutput:
 
         from lightning_distplan.errors import ModelSplitError, described
 
-        what = f"PipelineSpec.layers[{index}] ({type(layer).__name__}), the last layer, returned {described(output)}"
-        hint = ("Return only the tensors the loss needs: a tensor, a tuple of tensors or a flat dict of tensors (e.g. "
-                "{'logits': out.logits}, leaving out None and nested values), and read them in PipelineSpec.loss.")
+        name = f"PipelineSpec.layers[{index}] ({type(layer).__name__}){', the last layer,' if last else ''}"
+        what = f"{name} returned {described(output)}"
+        if last:
+            why = "torch's pipelining runtime takes only tensors from the last stage, so the pipeline passes"
+            gets = "PipelineSpec.loss"
+            hint = ("Return only the tensors the loss needs: a tensor, a tuple of tensors or a flat dict of tensors (e.g. "
+                    "{'logits': out.logits}, leaving out None and nested values), and read them in PipelineSpec.loss.")
+        else:
+            why = "only tensors cross between pipeline stages, so the pipeline passes"
+            gets = "the next stage's first layer"
+            hint = ("Return only the tensors the next layer takes, as a flat dict of tensors (leave None and constants to its "
+                    "defaults, put a tuple's tensors under keys of their own), or make the two layers one block so that no "
+                    "stage ends between them.")
         wrong = next(((k, v) for k, v in output.items() if not isinstance(v, Tensor)), None)
         if wrong is not None or not output:
             found = "no value" if wrong is None else f"{described(wrong[1])} under {wrong[0]!r}"
             raise ModelSplitError(
-                f"{what} holding {found}; torch's pipelining runtime takes only tensors from the last stage, so the pipeline "
-                "passes a mapping's tensors and builds it again for PipelineSpec.loss, which takes no nested or non-tensor value.",
+                f"{what} holding {found}; {why} a mapping's tensors and builds it again for {gets}, which takes no nested "
+                "or non-tensor value.",
                 hint=hint,
             )
         form = cls(type(output), tuple(output.keys()))
@@ -208,17 +221,16 @@ class MappingOutput:
             rebuilt = None
         if type(rebuilt) is not form.kind or tuple(rebuilt.keys()) != form.keys:
             raise ModelSplitError(
-                f"{what}, which the pipeline cannot build again from its items for PipelineSpec.loss (torch's pipelining "
-                "runtime takes only tensors from the last stage, so the pipeline passes the mapping's tensors).",
-                hint="Return a dict of the tensors (dict(out)) and read them in PipelineSpec.loss.",
+                f"{what}, which the pipeline cannot build again from its items for {gets} ({why} the mapping's tensors).",
+                hint=f"Return a dict of the tensors (dict(out)) and read them in {gets}.",
             )
         return form
 
-    def flatten(self, output: Any) -> tuple[Tensor, ...]:
-        """``output``'s values in key order.
+    def flatten(self, output: Any, *, name: str = "The pipeline's last layer") -> tuple[Tensor, ...]:
+        """``output``'s values in key order; ``name``: the layer that returned it, for the error.
 
         Raises:
-            ModelSplitError: ``output`` is not a mapping of this type with these keys (a micro-batch whose last layer
+            ModelSplitError: ``output`` is not a mapping of this type with these keys (a micro-batch whose layer
                 returned other keys than the first one's).
         """
         from lightning_distplan.errors import ModelSplitError, described, described_type
@@ -226,7 +238,7 @@ class MappingOutput:
         if type(output) is not self.kind or tuple(output.keys()) != self.keys:
             given = f"{described(output)} with keys {list(output.keys())}" if isinstance(output, Mapping) else described(output)
             raise ModelSplitError(
-                f"The pipeline's last layer returned {given} where it returned {described_type(self.kind)} with keys "
+                f"{name} returned {given} where it returned {described_type(self.kind)} with keys "
                 f"{list(self.keys)} before; the pipeline builds the mapping again from its tensors by the keys it saw first.",
                 hint="Return the same keys for every micro-batch (leave optional outputs out, or always return them).",
             )
@@ -238,12 +250,13 @@ class MappingOutput:
         return self.kind(**items) if dataclasses.is_dataclass(self.kind) else self.kind(items.items())
 
 
-def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) -> Any:
+def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = (), forms: dict[int, MappingOutput] | None = None) -> Any:
     """What a pipeline computes from ``batch`` in one process: ``spec.inputs`` -> every layer -> ``spec.loss``, with
     ``spec.targets(batch)`` when the spec names its targets (as the last stage calls it). ``cuts``: the indices of the
     layers that start a stage, and ``len(spec.layers)`` for the end of the last one; what the layer before each returns
-    is checked to cross (:func:`check_crossing`), and a mapping the last layer returns reaches the loss rebuilt from
-    its tensors, as the pipeline's last stage gives it (:class:`MappingOutput`).
+    is checked to cross (:func:`check_crossing`), and a mapping it returns reaches the next layer (or the loss) rebuilt
+    from its tensors, as the pipeline's next stage gets it (:class:`MappingOutput`). ``forms``: filled with the mapping's
+    form by the index of the cut it crosses, as the chain passes each cut.
 
     Raises:
         BatchFormatError: ``spec.inputs(batch)`` is nothing a pipeline's first stage takes (:func:`first_layer_args`).
@@ -254,10 +267,11 @@ def chain_output(spec: PipelineSpec, batch: Any, *, cuts: Collection[int] = ()) 
     for i, layer in enumerate(spec.layers):
         x = call_layer(layer, x)
         if i + 1 in cuts:
-            check_crossing(x, i, layer, last=i + 1 == len(spec.layers))
-    if len(spec.layers) in cuts and isinstance(x, Mapping):
-        form = MappingOutput.of(x, len(spec.layers) - 1, spec.layers[-1])
-        x = form.rebuild(form.flatten(x))
+            form = check_crossing(x, i, layer, last=i + 1 == len(spec.layers))
+            if form is not None:
+                x = form.rebuild(form.flatten(x))
+                if forms is not None:
+                    forms[i + 1] = form
     return spec.loss(x, spec.targets(batch) if spec.targets is not None else batch)
 
 

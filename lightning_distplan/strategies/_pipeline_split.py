@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_distplan._layers import MappingOutput, call_layer, check_crossing, first_layer_args
-from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError
+from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError, described
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
 
@@ -55,24 +55,30 @@ class StageModule(nn.Module):
     ``state_dict`` keys never change.
 
     Between two blocks anything may pass (a dict, a ``ModelOutput``), as in one process; what the stage returns goes
-    through torch's runtime, to the next stage or (the last stage) to the loss, and must be a tensor or a tuple of
-    tensors (:func:`~lightning_distplan._layers.check_crossing`, the rule the check before the cut and the profiler
-    apply). The last stage may end with a mapping of tensors (``{"logits": ...}``): it returns the values in key order,
-    and :attr:`output_form` builds the mapping again for the loss and predict. ``start``: the index of the first block
-    in ``PipelineSpec.layers``; ``last``: this is the last stage.
+    through torch's runtime, to the next stage or (the last stage) to the loss, and must be a tensor, a tuple of
+    tensors or a flat mapping of tensors (:func:`~lightning_distplan._layers.check_crossing`, the rule the check before
+    the cut and the profiler apply). A mapping crosses as its values in key order (:attr:`output_form`) and is built
+    again: by the next stage for its first block (its :attr:`input_form`), by the strategy for the loss and predict.
+    ``start``: the index of the first block in ``PipelineSpec.layers``; ``last``: this is the last stage;
+    ``input_form`` / ``output_form``: the mappings the check before the cut saw cross into and out of this stage (a
+    later stage learns the keys it gets nowhere else; the last stage's own output form is found at its first forward).
     """
 
-    def __init__(self, layers: Sequence[nn.Module], *, start: int = 0, last: bool = False) -> None:
+    def __init__(self, layers: Sequence[nn.Module], *, start: int = 0, last: bool = False,
+                 input_form: MappingOutput | None = None, output_form: MappingOutput | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(layers)
         self.start = start
         self.last = last
+        self.input_form = input_form
+        """The mapping the previous stage's last block returned: its tensors arrive, the first block gets it again."""
         self.forward_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         """What the blocks run in: the precision plugin's forward context (autocast for 'bf16-mixed')."""
         self.copy_inputs = False
         """Whether the blocks get a copy of the received activations (set once a block overwrote them in place)."""
-        self.output_form: MappingOutput | None = None
-        """The last stage's mapping, by the first one its last block returned (torch's shape inference runs it first)."""
+        self.output_form = output_form
+        """The mapping this stage's last block returns, whose tensors cross (the last stage's: by the first one it
+        returned, at torch's shape inference, which runs it first)."""
 
     def forward(self, *args: Any) -> Any:
         if not self.copy_inputs:
@@ -94,14 +100,23 @@ class StageModule(nn.Module):
         x: Any = tuple(_ContiguousGrad.apply(a) if isinstance(a, Tensor) and a.requires_grad else a for a in args)
         if self.copy_inputs:
             x = tuple(a.clone() if isinstance(a, Tensor) and a.requires_grad else a for a in x)
+        if self.input_form is not None:
+            x = (self.input_form.rebuild(x),)  # the previous stage's mapping, as one argument of the first block
         with self.forward_context():
             for block in self.blocks:
                 x = call_layer(block, x)
         index = self.start + len(self.blocks) - 1
-        if self.last and (self.output_form is not None or isinstance(x, Mapping)):
+        name = f"PipelineSpec.layers[{index}] ({type(self.blocks[-1]).__name__}){', the last layer,' if self.last else ''}"
+        if self.output_form is not None or isinstance(x, Mapping):
             if self.output_form is None:
+                if not self.last:
+                    raise ModelSplitError(
+                        f"{name} returned {described(x)} at a stage boundary where the check before the cut saw none (or could "
+                        "not run on the run's first batch); the next stage builds a mapping again only by the keys seen there.",
+                        hint="Return a mapping at a stage boundary for every batch (or a tuple of tensors for every batch).",
+                    )
                 self.output_form = MappingOutput.of(x, index, self.blocks[-1])
-            x = self.output_form.flatten(x)  # what torch's runtime takes; the strategy rebuilds the mapping
+            x = self.output_form.flatten(x, name=name)  # what torch's runtime takes; rebuilt after it
         check_crossing(x, index, self.blocks[-1], last=self.last)
         if isinstance(x, list):
             x = tuple(x)  # what crosses to the next stage: a tuple (torch's runtime takes no list)

@@ -80,7 +80,7 @@ from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from lightning_distplan._layers import PipelineSpec, discover_layers
+from lightning_distplan._layers import MappingOutput, PipelineSpec, discover_layers
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError, described
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
@@ -518,8 +518,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                     param_stages.setdefault(p, set()).add(k)
                 for t in layer.buffers():
                     tensor_stages.setdefault(id(t), set()).add(k)
-        if check_loss:
-            self._check_loss_before_cut(first, spec, tensor_stages, loss=loss)
+        forms = self._check_loss_before_cut(first, spec, tensor_stages, loss=loss) if check_loss else {}
         self._ownership = StateOwnership.of(module, tensor_stages)
         # every stage's parameters, on every rank: which stages train decides which activations carry a gradient
         self._params_by_stage = [tuple(p for layer in layers[a:b] for p in layer.parameters()) for a, b in ranges]
@@ -542,7 +541,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         self._rng_state: tuple[Tensor, Tensor | None] | None = None
         mark_partial(module, k)
         a, b = ranges[k]
-        self._stage_module = StageModule(layers[a:b], start=a, last=k == layout.pp - 1)
+        # a mapping that crosses a stage boundary: its tensors cross, its keys are the check's before the cut
+        self._stage_module = StageModule(layers[a:b], start=a, last=k == layout.pp - 1, input_form=forms.get(a), output_form=forms.get(b))
         self._spec = spec
 
         # Every rank creates every group, in the same order (a requirement of new_group).
@@ -647,7 +647,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         return _FirstBatch(batch, n, device)
 
     def _check_loss_before_cut(self, first: _FirstBatch | None, spec: PipelineSpec, tensor_stages: dict[int, set[int]],
-                               *, loss: bool = True) -> None:
+                               *, loss: bool = True) -> dict[int, MappingOutput]:
         """Run the whole chain on up to 4 samples of a fresh loader of the run before the model is cut, and refuse on every
         rank a ``PipelineSpec.loss`` that the last stage would refuse at the first step (a loss reaching into another
         stage's layer, or one that is not a scalar), first-layer inputs that are no tensors, and a layer output at a stage
@@ -660,7 +660,11 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         rank, where it is no artefact of the check: the chain runs again as the first step runs it (the first micro-batch's
         rows, with gradients in a fit, in eval mode for validate / test / predict) and the error is raised only when that run fails
         too. Where the check cannot run as the step does (the module is not yet on the step's device, as before a GPU
-        run's cut; fewer rows in the loader's batch than a re-chunked micro-batch holds) it is left to the first step."""
+        run's cut; fewer rows in the loader's batch than a re-chunked micro-batch holds) it is left to the first step.
+
+        Returns the form of each mapping of tensors the chain passed across a stage boundary, by the index of the layer
+        after it (:class:`~lightning_distplan._layers.MappingOutput`): the stage after it gets only its tensors, in key
+        order, and builds it again by these keys for its first layer."""
         from lightning_distplan._layers import chain_output
         from lightning_distplan.profiling._profiler import _quiet_logging, _reduce
         from lightning_distplan.profiling._snapshot import ModuleSnapshot
@@ -669,6 +673,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         last = self.layout.pp - 1
         elsewhere = {id(t): name for name, t in _named_tensors(module) if id(t) in tensor_stages and last not in tensor_stages[id(t)]}
         refusal: Exception | None = None
+        forms: dict[int, MappingOutput] = {}
         if first is not None:
             fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
 
@@ -687,7 +692,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                     module.eval()  # module's modes (a frozen part left in eval mode stays so)
                 try:
                     with torch.set_grad_enabled(grad), _quiet_logging(module), self.precision_plugin.forward_context():
-                        chain_output(checked, batch, cuts=(*self._boundaries, len(spec.layers)))
+                        chain_output(checked, batch, cuts=(*self._boundaries, len(spec.layers)), forms=forms)
                 except Exception as err:  # noqa: BLE001 - a refusal of the check's, or the model's own error
                     return err
                 finally:
@@ -720,6 +725,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                     hint="Its error is in that rank's output.",
                 )
             raise refusal
+        return forms
 
     def _first_micro_batch_rows(self, rows: int, *, fitting: bool) -> int:
         """The samples of the first micro-batch the run's first step cuts from a batch of ``rows`` of the run's loader, as

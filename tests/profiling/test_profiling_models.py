@@ -234,3 +234,36 @@ def test_a_layer_output_that_cannot_cross_a_stage_is_profiled_as_not_splittable(
         "PipelineSpec.layers[0] (_PassesItsMask) returned a tuple holding None; only tensors cross between pipeline stages"
     ), profile.split_reason
     assert "HINT: " in profile.split_reason
+
+
+class _DictEmbed(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {"hidden": super().forward(x), "scale": (x[:, :1] > 0).float() + 1}
+
+
+class _DictBlock(torch.nn.Module):
+    def forward(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
+        return out["hidden"].relu() * out["scale"]
+
+
+class _DictBetween(_OptionalMask):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_DictEmbed(4, 16), _DictBlock(), torch.nn.Linear(16, 3)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, block, head = self.layers
+        return F.cross_entropy(head(block(first(batch[0]))), batch[1])
+
+
+def test_a_dict_of_tensors_a_layer_passes_on_is_profiled_as_splittable_with_its_tensors_bytes() -> None:
+    """A layer returning {"hidden": h, "scale": s}: the profile was not splittable ("returned a dict; only tensors cross
+    between pipeline stages"), as the pipeline refused a cut after it. Its tensors cross a stage boundary now, so the
+    profile is splittable, and what a cut after the layer sends is its output bytes: both tensors' (16 + 1 floats)."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4), torch.tensor(i % 3)) for i in range(16)]
+    profile = profile_module(_DictBetween(), DataLoader(data, batch_size=4), micro_batch_sizes=[2, 4], repeats=1)
+    assert profile.splittable, profile.split_reason
+    assert profile.layers[0].output_bytes_per_sample == pytest.approx((16 + 1) * 4)

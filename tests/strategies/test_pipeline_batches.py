@@ -133,11 +133,11 @@ def _reference(model: L.LightningModule, collate: Any, batch_size: int = BATCH) 
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _fit(model: L.LightningModule, collate: Any, out: str, boundaries: Any = "auto") -> dict[str, torch.Tensor] | str:
-    """The weights after a 2-stage GPipe fit of 2 micro-batches, or the error it raised (type and first line)."""
+def _fit(model: L.LightningModule, collate: Any, out: str, boundaries: Any = "auto", schedule: str = "gpipe") -> dict[str, torch.Tensor] | str:
+    """The weights after a 2-stage GPipe (or ``schedule``) fit of 2 micro-batches, or the error it raised (type and first line)."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
-    strategy = PipelineStrategy(schedule="gpipe", stages=2, stage_boundaries=boundaries, n_microbatches=2)
+    strategy = PipelineStrategy(schedule=schedule, stages=2, stage_boundaries=boundaries, n_microbatches=2)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out)
@@ -511,13 +511,20 @@ def _padded_last_batch_of_a_batch_sampler(out: str) -> tuple[str, int]:
 
 
 class _ToDict(nn.Module):
-    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"hidden": h.relu()}
+    """The hidden state and a per-sample scale (an integer tensor without gradient, as an attention mask is), or
+    ``none=True``: None for the scale (an optional mask left out)."""
+
+    def __init__(self, none: bool = False) -> None:
+        super().__init__()
+        self.none = none
+
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        return {"hidden": h.relu(), "scale": None if self.none else (h[:, :1] > 0).long() + 1}
 
 
 class _FromDict(nn.Linear):
-    def forward(self, out: dict[str, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(out["hidden"])
+    def forward(self, out: dict[str, torch.Tensor | None]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(out["hidden"] if out["scale"] is None else out["hidden"] * out["scale"])
 
 
 class _HeadDict(nn.Linear):
@@ -534,7 +541,8 @@ class _HeadDict(nn.Linear):
 
 
 class _DictOutputs(L.LightningModule):
-    """``where="stage"``: a dict between two layers of the second stage; ``"last"``: the last layer returns a dict
+    """``where="stage"``: a dict between two layers of the second stage (cut at ``boundaries=[2]``, it crosses from the
+    first stage to the second); ``"none"``: the same with None among its values; ``"last"``: the last layer returns a dict
     (a Hugging Face style head: the logits and the hidden state) that the loss reads ``out["logits"]`` of; ``"nested"``:
     the same with the hidden state in a tuple; ``"total"``: the logits and their 0-d sum. The stage boundary is after
     layers[0]."""
@@ -544,11 +552,11 @@ class _DictOutputs(L.LightningModule):
         torch.manual_seed(0)
         self.where = where
         head = _HeadDict(16, CLASSES, nested=where == "nested", total=where == "total")
-        tail = [_ToDict(), _FromDict(16, CLASSES)] if where == "stage" else [nn.ReLU(), head]
+        tail = [_ToDict(none=where == "none"), _FromDict(16, CLASSES)] if where in ("stage", "none") else [nn.ReLU(), head]
         self.layers = nn.ModuleList([nn.Linear(4, 16), *tail])
 
     def loss(self, out: Any, batch: Any) -> torch.Tensor:
-        return F.cross_entropy(out if self.where == "stage" else out["logits"], batch[1])
+        return F.cross_entropy(out if self.where in ("stage", "none") else out["logits"], batch[1])
 
     def pipeline_spec(self) -> PipelineSpec:
         return PipelineSpec(layers=list(self.layers), inputs=lambda b: b[0], loss=self.loss)
@@ -571,7 +579,8 @@ class _DictOutputs(L.LightningModule):
 def _dict_outputs(out: str) -> dict[str, Any]:
     """The weights after fits of the "stage" and "last" models, the "last" one's predictions on the first 16 samples
     (and the module's own), the "nested" fit's refusal with whether it left the weights as they were, and the "total"
-    model's predict's refusal."""
+    model's predict's refusal; ``"between"``: the "stage" model's weights after a GPipe and a 1F1B fit with its dict
+    crossing the stage boundary, and the "none" model's refusal there with whether it kept its weights."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     nested = _DictOutputs("nested")
@@ -593,7 +602,12 @@ def _dict_outputs(out: str) -> dict[str, Any]:
         total = ""
     except Exception as err:  # noqa: BLE001 - what the test reports
         total = f"{type(err).__name__}: {err}"
+    between = {schedule: _fit(_DictOutputs("stage"), None, out, boundaries=[2], schedule=schedule) for schedule in ("gpipe", "1f1b")}
+    none = _DictOutputs("none")
+    none_start = {k: v.clone() for k, v in none.state_dict().items()}
+    between["none"] = (_fit(none, None, out, boundaries=[2]), all(torch.equal(v, none_start[k]) for k, v in none.state_dict().items()))
     return {"total": total, "stage": _fit(_DictOutputs("stage"), None, out, boundaries=[1]), "last": trained_last, "predicted": predicted,
+            "between": between,
             "own": own, "nested": (refused, all(torch.equal(v, start[k]) for k, v in nested.state_dict().items()))}
 
 
@@ -773,6 +787,25 @@ def test_a_dict_from_the_last_layer_trains_and_predicts_and_passes_inside_a_stag
     rank0 = fits["dict_outputs"][0]
     torch.testing.assert_close(rank0["stage"], _reference(_DictOutputs("stage"), None), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rank0["last"], _reference(_DictOutputs("last"), None), rtol=1e-5, atol=1e-6)
+
+
+def test_a_dict_crossing_the_stage_boundary_trains_as_one_process_with_gpipe_and_1f1b(fits: dict[str, Any]) -> None:
+    """A layer returning {"hidden": h, "scale": s} (s an integer tensor without gradient, as an attention mask) where the
+    first stage ends, the next layer reading both: it was refused before the cut on every rank ("PipelineSpec.layers[1]
+    (_ToDict) returned a dict; only tensors cross between pipeline stages"). Now its tensors cross in key order and the
+    second stage's first layer gets the dict again: GPipe and 1F1B train to the one-process training_step's weights on
+    every rank. None among its values is still refused before the cut on every rank in one sentence, weights untouched."""
+    reference = _reference(_DictOutputs("stage"), None)
+    for got in fits["dict_outputs"]:
+        for schedule in ("gpipe", "1f1b"):
+            assert not isinstance(got["between"][schedule], str), (schedule, got["between"][schedule])
+            torch.testing.assert_close(got["between"][schedule], reference, rtol=1e-5, atol=1e-6)
+        refused, whole = got["between"]["none"]
+        assert refused.startswith(
+            "ModelSplitError: PipelineSpec.layers[1] (_ToDict) returned a dict holding None under 'scale'; only tensors cross "
+            "between pipeline stages, so the pipeline passes a mapping's tensors and builds it again for the next stage's first layer"
+        ), refused
+        assert "HINT: Return only the tensors the next layer takes, as a flat dict" in refused and whole
 
 
 def test_predict_of_a_last_layers_0d_value_is_refused_before_the_cut_on_every_rank(fits: dict[str, Any]) -> None:

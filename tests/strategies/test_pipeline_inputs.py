@@ -351,6 +351,67 @@ class _MaskOut(nn.Module):
         return {"logits": h, "mask": None}
 
 
+class _Embed(nn.Linear):
+    """Returns the hidden state and a per-sample scale (an integer tensor, no gradient) as ``kind(hidden=, scale=)``;
+    ``scale="none"``: None for it, ``"tuple"``: in a tuple, ``"gone"``: the key left out."""
+
+    def __init__(self, kind: type = dict, scale: str = "tensor") -> None:
+        super().__init__(4, 4)
+        self.kind, self.scale = kind, scale
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        h = super().forward(x)
+        scale = (x[:, :1] > 0).long() + 1
+        if self.scale == "gone":
+            return self.kind(hidden=h)
+        return self.kind(hidden=h, scale={"none": None, "tuple": (scale,)}.get(self.scale, scale))
+
+
+class _Scaled(nn.Linear):
+    def forward(self, out: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(out["hidden"] * out["scale"])
+
+
+def test_a_dict_crossing_a_stage_boundary_reaches_the_next_stages_first_layer_again() -> None:
+    """A layer returning {"hidden": h, "scale": s} where a stage ends (Hugging Face style blocks; a ModelOutput too) was
+    refused: only tensors cross torch's runtime. The check before the cut (chain_output) now records its form, the
+    sending stage returns its tensors in key order, and the receiving stage builds the same mapping, its type too, for
+    its first layer: the stages compute what one process does. A None or a tuple among the values, or other keys at a
+    later micro-batch, are refused in one sentence naming the layer."""
+    from dataclasses import dataclass
+
+    from lightning_distplan._layers import MappingOutput, PipelineSpec, chain_output
+
+    ModelOutput = pytest.importorskip("transformers.utils").ModelOutput
+
+    @dataclass
+    class BlockOutput(ModelOutput):
+        hidden: torch.Tensor | None = None
+        scale: torch.Tensor | None = None
+
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    for kind in (dict, BlockOutput):
+        embed, head = _Embed(kind), _Scaled(4, 3)
+        spec = PipelineSpec(layers=[embed, head], inputs=lambda b: b[0], loss=lambda out, b: F.cross_entropy(out, b[1]))
+        forms: dict[int, MappingOutput] = {}
+        expected = F.cross_entropy(head(embed(x)), y)
+        torch.testing.assert_close(chain_output(spec, (x, y), cuts=(1, 2), forms=forms), expected)
+        assert forms == {1: MappingOutput(kind, ("hidden", "scale"))}
+        sent = StageModule([embed], output_form=forms[1])(x)
+        assert isinstance(sent, tuple) and [t.dtype for t in sent] == [torch.float32, torch.long]
+        got = StageModule([head], start=1, last=True, input_form=forms[1])(*sent)
+        torch.testing.assert_close(got, head(embed(x)))
+        with pytest.raises(ModelSplitError, match=r"layers\[0\] \(_Embed\) returned .* with keys \['hidden'\] where it returned .* with keys \['hidden', 'scale'\] before.*HINT: Return the same keys"):
+            StageModule([_Embed(kind, "gone")], output_form=forms[1])(x)
+    for scale, found in (("none", "None"), ("tuple", "a tuple")):
+        spec = PipelineSpec(layers=[_Embed(dict, scale), _Scaled(4, 3)], inputs=lambda b: b[0], loss=lambda out, b: out.mean())
+        with pytest.raises(ModelSplitError, match=rf"^PipelineSpec.layers\[0\] \(_Embed\) returned a dict holding {found} under 'scale'; only tensors "
+                           r"cross between pipeline stages, so the pipeline passes a mapping's tensors and builds it again for the next "
+                           r"stage's first layer.*HINT: Return only the tensors the next layer takes, as a flat dict"):
+            chain_output(spec, (x, y), cuts=(1, 2))
+
+
 def test_pipeline_spec_contract_breaks_are_named() -> None:
     """A layer returning a dict, or a loss that is not a scalar: one sentence naming the spec, not torch's internals."""
     from lightning_distplan._layers import PipelineSpec
@@ -364,7 +425,8 @@ def test_pipeline_spec_contract_breaks_are_named() -> None:
         def forward(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
             return out["hidden"] * 2
 
-    with pytest.raises(ModelSplitError, match=r"layers\[4\] \(DictOut\) returned a dict; only tensors cross between pipeline stages.*HINT"):
+    # a dict crosses a stage boundary by the keys the check before the cut saw (input_form / output_form); without them
+    with pytest.raises(ModelSplitError, match=r"layers\[4\] \(DictOut\) returned a dict at a stage boundary where the check before the cut saw none.*HINT"):
         StageModule([nn.Linear(2, 2), DictOut()], start=3)(torch.zeros(3, 2))
     class NoneOut(nn.Module):
         def forward(self, x: torch.Tensor) -> None:
