@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_distplan.profiling._batches import tensors_in
+
 __all__ = ["LayerRecorder", "RunRecord"]
 
 
@@ -46,21 +48,6 @@ class _Clock:
         if self.cuda:
             return a.elapsed_time(b) / 1000.0
         return b - a
-
-
-def _tensor_leaves(obj: Any, out: list[Tensor]) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensor_leaves(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensor_leaves(v, out)
-    elif hasattr(obj, "__dataclass_fields__"):  # e.g. transformers' ModelOutput
-        for name in obj.__dataclass_fields__:
-            _tensor_leaves(getattr(obj, name, None), out)
-    return out
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:
@@ -194,7 +181,7 @@ class LayerRecorder:
             self._last_done = i
             # after this block, glue is charged to it (or to the enclosing block, if nested)
             self._fwd_events.append((self.clock.mark(), self._owner(), self._flop_total()))
-            leaves = _tensor_leaves(output, [])
+            leaves = list(tensors_in(output))  # every tensor a cut after this layer sends: a mapping's too
             if self._count_saved:
                 self._outputs[i] += sum(t.nelement() * t.element_size() for t in leaves)
                 for t in leaves:

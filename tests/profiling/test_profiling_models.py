@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as L
@@ -265,5 +266,41 @@ def test_a_dict_of_tensors_a_layer_passes_on_is_profiled_as_splittable_with_its_
     torch.manual_seed(0)
     data = [(torch.randn(4), torch.tensor(i % 3)) for i in range(16)]
     profile = profile_module(_DictBetween(), DataLoader(data, batch_size=4), micro_batch_sizes=[2, 4], repeats=1)
+    assert profile.splittable, profile.split_reason
+    assert profile.layers[0].output_bytes_per_sample == pytest.approx((16 + 1) * 4)
+
+
+class _Frozen(Mapping):
+    """A read-only mapping that is no dict (built from its items, as the pipeline builds a mapping again)."""
+
+    def __init__(self, items: Any) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class _FrozenEmbed(_DictEmbed):
+    def forward(self, x: torch.Tensor) -> _Frozen:  # type: ignore[override]
+        return _Frozen(super().forward(x).items())
+
+
+def test_a_mapping_that_is_no_dict_is_profiled_with_its_tensors_bytes() -> None:
+    """The same layer returning its tensors in a Mapping that is no dict subclass: the pipeline sends its tensors across
+    a cut after it as a dict's, but the recorder looked only inside dicts, so the layer's output counted 0 bytes (a cut
+    after it predicted free) and its tensors got no backward hook. Now it counts both tensors, as the dict's."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    data = [(torch.randn(4), torch.tensor(i % 3)) for i in range(16)]
+    model = _DictBetween()
+    model.layers[0] = _FrozenEmbed(4, 16)
+    profile = profile_module(model, DataLoader(data, batch_size=4), micro_batch_sizes=[2, 4], repeats=1)
     assert profile.splittable, profile.split_reason
     assert profile.layers[0].output_bytes_per_sample == pytest.approx((16 + 1) * 4)
