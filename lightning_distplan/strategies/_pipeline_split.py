@@ -61,7 +61,8 @@ class StageModule(nn.Module):
     again: by the next stage for its first block (its :attr:`input_form`), by the strategy for the loss and predict.
     ``start``: the index of the first block in ``PipelineSpec.layers``; ``last``: this is the last stage;
     ``input_form`` / ``output_form``: the mappings the check before the cut saw cross into and out of this stage (a
-    later stage learns the keys it gets nowhere else; the last stage's own output form is found at its first forward).
+    later stage learns the keys it gets nowhere else; the last stage's own output form, where the check did not run, is
+    found at its first forward).
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, start: int = 0, last: bool = False,
@@ -77,8 +78,9 @@ class StageModule(nn.Module):
         self.copy_inputs = False
         """Whether the blocks get a copy of the received activations (set once a block overwrote them in place)."""
         self.output_form = output_form
-        """The mapping this stage's last block returns, whose tensors cross (the last stage's: by the first one it
-        returned, at torch's shape inference, which runs it first)."""
+        """The mapping this stage's last block returns, whose tensors cross: the check's before the cut (the last
+        stage's, where the check did not run: by the first one it returned, at torch's shape inference, which runs it
+        first)."""
 
     def forward(self, *args: Any) -> Any:
         if not self.copy_inputs:
