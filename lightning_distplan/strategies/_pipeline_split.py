@@ -114,8 +114,10 @@ class StageModule(nn.Module):
                 if not self.last:
                     raise ModelSplitError(
                         f"{name} returned {described(x)} at a stage boundary where the check before the cut saw none (or could "
-                        "not run on the run's first batch); the next stage builds a mapping again only by the keys seen there.",
-                        hint="Return a mapping at a stage boundary for every batch (or a tuple of tensors for every batch).",
+                        "not run that far on the run's first batch); the next stage builds a mapping again only by the keys seen there.",
+                        hint="Return a mapping there for every batch; where the check cannot run (the run's first batch unreadable, or "
+                        "the layers failing on its CPU samples before a GPU run's cut), return a tuple of tensors, which crosses "
+                        "without keys.",
                     )
                 self.output_form = MappingOutput.of(x, index, self.blocks[-1])
             x = self.output_form.flatten(x, name=name)  # what torch's runtime takes; rebuilt after it
