@@ -38,7 +38,19 @@ from loader batches of one size; a micro-batch that joins the short batch to a f
 larger than the loader batch, or not dividing it) gets the right total weight spread evenly over
 its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
 batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
-later micro-batch against the user's batches, so the steps no longer follow them: warned once too.
+later micro-batch against the user's batches, so the steps no longer follow them: warned once too
+(on several processes only a longer one: a shorter one is cut as below).
+On several processes the ranks must run the same micro-batches: Lightning broadcasts at every batch
+and DDP all-reduces at every step, so ranks whose short last batches differ (a per-rank sampler or
+dataset, a stream sharded by rank: 17 and 23 samples cut by ``m = 20`` into 1 and 2 micro-batches)
+deadlocked the fit. There a loader batch shorter than the loader's batch size is cut as a full one
+is, its samples spread evenly over a full batch's places: as many micro-batches as a full batch gives
+there, of fewer samples (the weights stay as above; each holds samples of one loader batch where
+``m`` divides it). One with fewer samples than that many micro-batches (1 sample, 4 micro-batches)
+fills the others with its first sample at loss weight 0: no gradient, but ``training_step`` sees it
+(warned on that rank). As under DDP, each rank's loader must yield the same number of batches. On one
+process, or where a ``DistributedSampler`` (Lightning's) gives every rank as many samples, nothing is to
+agree on, and a short batch is cut into micro-batches of ``m``.
 An ``IterableDataset`` whose ``__len__`` overstates what a rank's iterator yields (a global length over the rank's shard)
 ends the epoch before Lightning's count: the micro-batch that ends it (looked ahead for after the short last batch) steps
 exactly when the user's run steps after the loader batch ending in it; one that yields more loader batches than the
@@ -56,6 +68,7 @@ import inspect
 import itertools
 import logging
 import math
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
@@ -68,6 +81,7 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
@@ -516,7 +530,8 @@ class Rechunking:
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         n = sized_len(dataloader)
         self._user_epoch = n if n is None or limit is None else min(n, limit)
-        self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit)
+        stretch = cls is None and trainer.world_size > 1 and not isinstance(loader_sampler(dataloader)[0], DistributedSampler)
+        self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit, stretch=stretch)
         self._loader.ended = self._end_steered_step
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and sized_len(self._loader) is None:
@@ -1036,14 +1051,19 @@ class _MicroBatchLoader:
     that many loader batches. For each micro-batch it yields, the loss weight that keeps the user's
     weighting (``weight`` · its share of loader batches, see the module docstring) is queued, and
     :meth:`next_batch` hands them out in the same order as the loop consumes the micro-batches. ``ended`` (if set) is
-    called when an epoch's batches run out.
+    called when an epoch's batches run out. ``stretch`` (set on several ranks) cuts a
+    loader batch shorter than the loader's batch size into the micro-batches a full one gives (:func:`_rebatch_pieces`),
+    so every rank runs, and counts, the same micro-batches.
     """
 
     ended: Callable[[], None] | None = None
 
-    def __init__(self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None) -> None:
+    def __init__(
+        self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *, stretch: bool = False,
+    ) -> None:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
+        self.stretch = stretch  # cut a short loader batch as a full one (several ranks: see _rebatch_pieces)
         self._weight = weight
         self._limit_batches = limit_batches
         # (loss weight, loader batches ending in it, whether the loader is known to end after it) per micro-batch yielded
@@ -1079,14 +1099,15 @@ class _MicroBatchLoader:
         # another size (the stream's short last one) look one micro-batch ahead, so its micro-batch is known as the epoch's
         # last where Lightning, counting more, does not know it (Rechunking._steer_step)
         peek = self._stream and sized_len(self) is not None
-        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected)
+        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, stretch=self.stretch)
         item = next(micro_batches, None)
         while item is not None:
             batch, pieces = item
             sources = [(i, n) for i, n, _, _ in pieces]
             if expected is None:
                 expected = sources[0][1]
-            odd = odd or next(((i, n) for i, n in sources if n != expected), None)
+            # a short batch cut as a full one (stretch) leaves the later micro-batches where the user's batches start
+            odd = odd or next(((i, n) for i, n in sources if n > expected or (n < expected and not self.stretch)), None)
             if odd is not None and sources[-1][0] > odd[0]:
                 self._warn_once("uneven", f"dp_ga: a train loader batch of {odd[1]} samples, not {expected}, came before the epoch's "
                                 f"end, so the micro-batches of {self.micro_batch_size} after it no longer start where your batches do "
@@ -1094,10 +1115,15 @@ class _MicroBatchLoader:
                                 "micro_batch_size='auto' to train your batches as they are.")
             elif len({n for _, n in sources}) > 1:
                 self._warn_once("joined", f"dp_ga: a micro-batch of {self.micro_batch_size} joins samples of the epoch's short last batch "
-                                f"({odd[1] if odd else '?'} samples) to those of a full batch, and weighs them alike, where a run of "
+                                f"({min(n for _, n in sources)} samples) to those of a full batch, and weighs them alike, where a run of "
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
-            _, n, _, end = pieces[-1]
+            _, n, first, end = pieces[-1]
+            if first == end:
+                self._warn_once("filler", f"dp_ga: a train loader batch of {n} samples holds fewer samples than the micro-batches a "
+                                f"full one of {expected} is cut into, which every rank runs alike (its ranks meet at each); the "
+                                "missing ones repeat a sample with loss weight 0 (no gradient, but training_step sees it). Use "
+                                "drop_last=True, or micro_batch_size='auto', to run no such micro-batch.", any_rank=True)
             looked = peek and n != expected and end == n
             following = next(micro_batches, None) if looked else None
             self._weights.append((self._weight * _share(pieces), _ends(pieces), looked and following is None))
@@ -1165,10 +1191,13 @@ class _MicroBatchLoader:
     def _held_state_dict(self) -> Any:
         return self._held
 
-    def _warn_once(self, kind: str, message: str) -> None:
+    def _warn_once(self, kind: str, message: str, *, any_rank: bool = False) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            rank_zero_warn(message)
+            if any_rank:  # what happens on this rank alone
+                warnings.warn(message, UserWarning, stacklevel=2)
+            else:
+                rank_zero_warn(message)
 
     def _samples(self) -> int:
         """Samples per epoch through :meth:`_batches`; TypeError (Lightning: not sized) when unknown."""
@@ -1188,9 +1217,13 @@ class _MicroBatchLoader:
     def __len__(self) -> int:
         if self._resume is not None:
             return self._resume[1]
-        return math.ceil(self._samples() / self.micro_batch_size)
+        samples = self._samples()
+        batch = loader_batch_size(self._loader)
+        if self.stretch and batch:  # every loader batch is cut as a full one
+            samples = math.ceil(samples / batch) * batch
+        return math.ceil(samples / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
+    _OWN = frozenset({"_loader", "micro_batch_size", "stretch", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
                       "_states", "_held", "_exhausted", "ended"})
 
     def __getattr__(self, name: str) -> Any:
@@ -1253,28 +1286,46 @@ Piece = tuple[int, int, int, int]
 """Where some of a micro-batch's samples come from: (index of the loader batch in this pass, its size, first, end)."""
 
 
-def _rebatch_pieces(batches: Iterable[Any], m: int, expected: int | None = None) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
+def _rebatch_pieces(batches: Iterable[Any], m: int, expected: int | None = None, *, stretch: bool = False) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
-    tells the batch dimension from per-batch constants (:class:`BatchSizer`)."""
+    tells the batch dimension from per-batch constants (:class:`BatchSizer`).
+
+    ``stretch`` (several ranks): a loader batch shorter than ``expected`` is cut as a full one would be, its samples
+    spread evenly over the ``expected`` places of a full batch, so it gives as many micro-batches as a full batch in the
+    same place, whatever its size (ranks whose short batches differ run the same micro-batches: Lightning and DDP meet in
+    a collective at each). A micro-batch whose places hold none of its samples (a batch of fewer samples than
+    micro-batches) is a filler: the batch's first sample, with a piece of no samples (``first == end == 0``: loss
+    weight 0)."""
     sizer = BatchSizer(expected)
     pending: list[tuple[Any, Piece]] = []  # (samples, where they come from)
-    have = 0
+    have = 0  # places of the micro-batch filled (samples, or a stretched batch's places)
     for i, batch in enumerate(batches):
         n = _batch_n(batch, sizer)
         if i == 0 and n != m:
             _refuse_uncut_parts(batch, n, m)
+        places = expected if stretch and expected is not None and n < expected else n  # n places hold n samples: one each
         offset = 0
-        while offset < n:
-            take = min(m - have, n - offset)
-            samples = batch if take == n else slice_samples(batch, offset, offset + take, n)  # a slice is a view, no copy
-            pending.append((samples, (i, n, offset, offset + take)))
+        while offset < places:
+            take = min(m - have, places - offset)
+            first, end = offset * n // places, (offset + take) * n // places  # the samples at these places
+            if end > first:
+                samples = batch if end - first == n else slice_samples(batch, first, end, n)  # a slice is a view, no copy
+                pending.append((samples, (i, n, first, end)))
             have += take
             offset += take
             if have == m:
-                yield _joined(pending), tuple(piece for _, piece in pending)
+                yield _joined_or_filler(pending, batch, i, n)
                 pending, have = [], 0
-    if pending:
-        yield _joined(pending), tuple(piece for _, piece in pending)
+    if have:
+        yield _joined_or_filler(pending, batch, i, n)
+
+
+def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, index: int, n: int) -> tuple[Any, tuple[Piece, ...]]:
+    """The micro-batch of ``pending``, or where it holds no samples, a filler: loader batch ``index``'s first sample,
+    counted as none of its samples."""
+    if not pending:
+        return slice_samples(batch, 0, 1, n), ((index, n, 0, 0),)
+    return _joined(pending), tuple(piece for _, piece in pending)
 
 
 def _refuse_uncut_parts(batch: Any, n: int, m: int) -> None:

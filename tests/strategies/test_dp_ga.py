@@ -1261,9 +1261,9 @@ def test_accumulation_steering_zeroes_and_steps_as_asked() -> None:
                     assert (index % a == 0, (index + 1) % a == 0) == (first, step), (index, first, step, a)
 
 
-def _fit_sharded_stream(rank: int, world_size: int, cases: list[tuple[int, int, int]]) -> list[dict[str, tuple[Any, ...]]]:
+def _fit_sharded_stream(rank: int, world_size: int, cases: list[tuple[Any, int, int]]) -> list[dict[str, tuple[Any, ...]]]:
     torch.manual_seed(0)
-    return [_fit_ddp_and_dp_ga(functools.partial(_sharded_loader, n=n), world_size, accumulate, m) for n, accumulate, m in cases]
+    return [_fit_ddp_and_dp_ga(loader, world_size, accumulate, m) for loader, accumulate, m in cases]
 
 
 def _sharded_loader(x: torch.Tensor, n: int) -> Any:
@@ -1272,14 +1272,47 @@ def _sharded_loader(x: torch.Tensor, n: int) -> Any:
     return torch.utils.data.DataLoader(_ShardOfStream(torch.randn(n, 4, generator=g)), batch_size=8)
 
 
+class _UnevenShards(torch.utils.data.IterableDataset):
+    """A stream sharded by rank into shards of unequal sizes (``sizes[rank]`` samples), whose ``__len__`` is all ranks'."""
+
+    def __init__(self, x: torch.Tensor, sizes: tuple[int, ...]) -> None:
+        self.x, self.sizes = x, sizes
+
+    def __iter__(self) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        start = sum(self.sizes[:rank])
+        for row in self.x[start : start + self.sizes[rank]]:
+            yield row, row.sum(0, keepdim=True)
+
+    def __len__(self) -> int:
+        return sum(self.sizes)
+
+
+def _uneven_loader(x: torch.Tensor, sizes: tuple[int, ...]) -> Any:
+    """Loader batches of 40 from :class:`_UnevenShards`: the same number of them on each rank, the last ones of unequal sizes."""
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(_UnevenShards(torch.randn(sum(sizes), 4, generator=g), sizes), batch_size=40)
+
+
 def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_ranks() -> None:
     """2 gloo ranks, each iterating its shard of a stream whose __len__ is the whole stream's: 40 samples (20 per rank:
     loader batches 8, 8, 4) with m=2, where dp_ga took 4 steps in 2 epochs and DDP 6; and 56 samples (28 per rank: 8, 8, 8,
     4) with accumulate_grad_batches=2 and m=4, where DDP steps after the short fourth batch. Same steps, learning rates
-    and weights as DDP on both ranks."""
-    cases = [(40, 1, 2), (56, 2, 4)]
+    and weights as DDP on both ranks.
+
+    Shards of unequal sizes (the same number of loader batches of 40 per rank, the last ones of 17 and 23 samples) with
+    m=20: rank 0 cut its last batch into 1 micro-batch and rank 1 into 2, and the fit hung (Lightning broadcasts at every
+    batch, DDP all-reduces at every step: one rank waited in a collective the other never reached). Every rank now cuts a
+    short batch into as many micro-batches as a full one; also where a rank's last batch (1 sample) holds fewer samples
+    than that (m=10, 4 micro-batches per batch: 3 of them repeat the sample with loss weight 0)."""
+    cases = [
+        (functools.partial(_sharded_loader, n=40), 1, 2),
+        (functools.partial(_sharded_loader, n=56), 2, 4),
+        (functools.partial(_uneven_loader, sizes=(57, 63)), 1, 20),
+        (functools.partial(_uneven_loader, sizes=(41, 63)), 2, 10),
+    ]
     results = run_on_ranks(_fit_sharded_stream, 2, cases)
     torch.set_num_threads(1)
-    for steps, ranks in zip((6, 4), zip(*results)):
+    for steps, ranks in zip((6, 4, 4, 2), zip(*results)):
         for runs in ranks:
             _assert_as_ddp(runs, steps)
