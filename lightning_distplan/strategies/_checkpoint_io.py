@@ -11,11 +11,19 @@ A save killed mid-write (SIGKILL: a pre-empted job) cannot remove its temporary 
 ``flock`` on it from its creation to its rename, which the kernel drops when the process dies; each save that succeeds
 removes the temporary files of our naming in its folder that no process holds (and that are a minute old, past the
 instant between a file's creation and its lock). A save still being written elsewhere, and every other file, stay.
+
+In a multi-process fit global rank 0 alone writes the file. Where that failed (a read-only folder, a full disk, a path
+that is a folder) it alone raised the clear error, and the other ranks, waiting in Lightning's barrier after the save,
+saw only gloo's "Connection closed by peer" (or waited until the timeout). :meth:`AtomicSaves.save_checkpoint` ends
+in one all-reduce that tells every rank whether, and where, the save failed (:func:`raise_on_every_rank`), and every
+rank raises that error; it takes the place of Lightning's barrier after the save, so a save that succeeds waits as
+long as before.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import secrets
 import stat
@@ -24,6 +32,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.types import _PATH
@@ -32,9 +41,9 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from typing_extensions import override
 
 from lightning_distplan._files import check_output_path
-from lightning_distplan.errors import OutputPathError
+from lightning_distplan.errors import OutputPathError, first_line
 
-__all__ = ["AtomicCheckpointIO", "AtomicSaves"]
+__all__ = ["AtomicCheckpointIO", "AtomicSaves", "raise_on_every_rank"]
 
 _TEMP_NAME = re.compile(r"\.distplan-save-[0-9a-f]{16}\.tmp")
 _STALE_AFTER_S = 60.0
@@ -153,12 +162,76 @@ def _os_error(err: BaseException | None) -> OSError | None:
     return None
 
 
+def raise_on_every_rank(failure: Exception | None, *, doing: str, device: Any = None) -> None:
+    """Collective over the default group (every rank calls it): raise on every rank the error one rank had ``doing``
+    something only some ranks do or that fails on some only (global rank 0's checkpoint write, a file one node lacks).
+    A rank that failed raises its own error; the others raise the lowest failing rank's, with a note naming that rank.
+    One all-reduce of one number when nothing failed; the error travels only when one did. Not distributed, or one
+    rank: ``failure`` is raised as it is. ``device``: where the all-reduce's tensor lies (the strategy's
+    ``root_device``: a GPU under NCCL)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if failure is not None:
+            raise failure
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cpu") if device is None else torch.device(device)
+    first = torch.tensor([world if failure is None else rank], dtype=torch.int64, device=device)
+    try:
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    except RuntimeError:  # a peer gone or a timeout: this rank's own error says more than gloo's
+        if failure is not None:
+            raise failure from None
+        raise
+    src = int(first.item())
+    if src == world:
+        return
+    box = [_sendable(failure) if rank == src else None]
+    dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
+    if failure is not None:
+        raise failure
+    err = box[0]
+    err.add_note(f"Raised on global rank {src} {doing}; global rank {rank} stops with it.")
+    raise err
+
+
+def _sendable(err: BaseException) -> BaseException:
+    """``err`` where it survives pickling (the broadcast to the other ranks), else a ``RuntimeError`` with its first line."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # an exception class whose __init__ pickling cannot call again, a lock in its attributes
+        return RuntimeError(f"{type(err).__name__}: {first_line(err)}")
+    return err
+
+
 class AtomicSaves:
     """Mixin for a Lightning strategy whose ``checkpoint_io`` is :class:`AtomicCheckpointIO` where Lightning puts its
     default ``TorchCheckpointIO`` (no plugin given, or a wrapping one such as ``AsyncCheckpointIO`` without its own):
-    checkpoints are written atomically also where TMPDIR is another file system. Put it before the Lightning base."""
+    checkpoints are written atomically also where TMPDIR is another file system. Put it before the Lightning base.
+
+    Its :meth:`save_checkpoint` raises on every rank the error global rank 0's write raised (see the module
+    docstring)."""
 
     _checkpoint_io: CheckpointIO | None
+    _saved_together = False  # a save's all-reduce ran since the last barrier: Trainer.save_checkpoint's barrier is done
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Lightning's (global rank 0 writes the file), then every rank raises the error that write raised, if any."""
+        failure = None
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+        except Exception as err:  # not a KeyboardInterrupt: no collective then
+            failure = err
+        self._saved_together = False
+        raise_on_every_rank(failure, doing="saving the checkpoint", device=self.root_device)  # type: ignore[attr-defined]
+        self._saved_together = True
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        # Trainer.save_checkpoint's barrier waits for global rank 0's write, which the save's own all-reduce came after
+        if name == "Trainer.save_checkpoint" and self._saved_together:
+            self._saved_together = False
+            return
+        self._saved_together = False
+        super().barrier(name, *args, **kwargs)  # type: ignore[misc]
 
     @property
     def checkpoint_io(self) -> CheckpointIO:

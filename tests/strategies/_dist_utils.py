@@ -25,13 +25,22 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["run_on_ranks", "free_port"]
+__all__ = ["run_on_ranks", "free_port", "error_of"]
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def error_of(fn: Callable[[], Any]) -> tuple[str, str, list[str]] | None:
+    """What ``fn()`` raised on this rank, as ``(type name, message, notes)`` (picklable for the parent), or None."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 — the test compares what every rank raised
+        return type(err).__name__, str(err), list(getattr(err, "__notes__", []))
+    return None
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from _dist_utils import run_on_ranks
+from _dist_utils import error_of, run_on_ranks
 from torch.utils.data import DataLoader, DistributedSampler
 
 EPOCH = 160  # samples: 5 optimizer steps of 32 per epoch, so every hop resumes at an epoch boundary
@@ -53,6 +53,7 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     trainer.save_checkpoint(c)
     plans["1f1b"], plans["steps"] = strategy.plan, trainer.global_step
     plans["strict"] = _strict_loading_into_the_built_pipeline(rank, trainer, model, c)
+    pipelined = trainer
 
     # strategy="1f1b" with every argument 'auto', resumed from that checkpoint (at its end: nothing more trains), runs
     # the stored plan (4 micro-batches; re-derived, it was 8) and says so; from the gpipe one it says why it does not
@@ -65,6 +66,10 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
         trainer.fit(build("transformer"), DataLoader(data, batch_size=32), ckpt_path=ckpt)
         plans[f"resumed from {os.path.basename(ckpt)}"] = (trainer.strategy._n, trainer.strategy.checkpoint_plan)
     plans["said"] = [line for line in said if "checkpoint's plan" in line]
+
+    # A save global rank 0 cannot make (the path lies under a file: the checkpoint, which stays) stops every stage with
+    # rank 0's error; stage 1 saw only gloo's "Connection closed by peer" (last: the ranks' collectives then paired wrongly)
+    plans["save under a file"] = error_of(lambda: pipelined.save_checkpoint(os.path.join(c, "x.ckpt")))
     return plans
 
 
@@ -95,7 +100,8 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     from _pipeline_models import build, token_data
 
     t0 = time.perf_counter()
-    plans = run_on_ranks(_chain, 2, str(tmp_path))[0]
+    ranks = run_on_ranks(_chain, 2, str(tmp_path))
+    plans = ranks[0]
     assert plans["steps"] == 15
     assert plans["strict"] == [
         "loaded", "The checkpoint holds 1 entries the model does not have, e.g. ['head.weight']. HINT: Load a checkpoint of this "
@@ -127,6 +133,11 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
         assert ckpt["distplan_plan"]["strategy"] == name
     final = torch.load(tmp_path / "1f1b.ckpt", weights_only=False)["state_dict"]
     torch.testing.assert_close(final, {k: v.detach() for k, v in reference.state_dict().items()}, rtol=1e-5, atol=2e-6)
+    bad = os.path.join(tmp_path, "1f1b.ckpt")
+    sentence = f"The checkpoint {os.path.join(bad, 'x.ckpt')!r} lies under {bad!r}, which is a file. HINT: Save checkpoints to"
+    for r, notes in ((ranks[0], []), (ranks[1], ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
+        kind, message, raised_notes = r["save under a file"]
+        assert (kind, raised_notes) == ("OutputPathError", notes) and message.startswith(sentence), r["save under a file"]
     print(f"gpipe -> dp_ga -> 1f1b chain {time.perf_counter() - t0:.1f}s")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from _dist_utils import run_on_ranks
+from _dist_utils import error_of, run_on_ranks
 from _tiny_lm import TinyLM, cpu_state, trainer_kwargs
 from torch import nn
 
@@ -118,6 +118,7 @@ def _phases(rank: int, world_size: int, path: str) -> dict[str, Any]:
     trainer = L.Trainer(**kw, strategy=strategy, max_epochs=1)
     trainer.fit(model)
     trainer.save_checkpoint(path)
+    first, first_path = trainer, path
     out["first_plan"], out["first_state"], out["first_steps"] = strategy.plan, cpu_state(model), trainer.global_step
 
     # resume with a different plan (m=8, s=2)
@@ -160,6 +161,12 @@ def _phases(rank: int, world_size: int, path: str) -> dict[str, Any]:
         trainer = L.Trainer(**kw, strategy=resumed_under, max_epochs=2, callbacks=[epochs])
         trainer.fit(model, ckpt_path=os.path.join(mid_dir, path))
         out[f"mid_{name}"] = {"state": cpu_state(model), "epoch_end_steps": epochs.steps}
+
+    # Saves global rank 0 cannot make (the path is a folder, or lies under a file: the checkpoint) stop every rank with
+    # rank 0's error; rank 1 saw only gloo's "Connection closed by peer" (last, as the ranks' collectives then paired
+    # wrongly). The checkpoint stays as it was (the parent loads it).
+    for name, bad in (("folder", mid_dir), ("under a file", os.path.join(first_path, "x.ckpt"))):
+        out[f"save to {name}"] = error_of(lambda: first.save_checkpoint(bad))
     return out
 
 
@@ -213,6 +220,12 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
     for name in ("same", "other", "ddp", "old"):  # "old": an unmarked checkpoint dp_ga wrote in micro-batches before
         assert r0[f"mid_{name}"]["epoch_end_steps"] == [5, 10], name
         torch.testing.assert_close(r0[f"mid_{name}"]["state"], r0["mid_same"]["state"], rtol=1e-5, atol=1e-6)
+    for name, bad, found in (("folder", tmp_path / "mid", "is a directory"), ("under a file", tmp_path / "dp_ga.ckpt" / "x.ckpt",
+                                                                               f"lies under {path!r}, which is a file")):
+        sentence = f"The checkpoint {str(bad)!r} {found}. HINT: Save checkpoints to a file path in a writable folder"
+        for r, notes in ((r0, []), (r1, ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
+            kind, message, raised_notes = r[f"save to {name}"]
+            assert (kind, raised_notes) == ("OutputPathError", notes) and message.startswith(sentence), (name, r[f"save to {name}"])
     print(f"checkpoint resume test {time.perf_counter() - t0:.1f}s")
 
 
