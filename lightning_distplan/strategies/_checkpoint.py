@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_distplan.errors import DistPlanError, described
 from lightning_distplan.plan import Plan
+from lightning_distplan.strategies._checkpoint_io import raise_on_every_rank
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -92,10 +93,34 @@ def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None)
     ``strategy``: the loading strategy; a fit it resumes refuses a weights-only checkpoint as the one it resumes from
     (Lightning's own refusal comes after the weights loaded, as a ``KeyError``); other files it reads are not refused.
 
+    The Trainer's own read (a fit, validate, ... from ``ckpt_path``) runs on every rank, and every rank raises where
+    one failed (:func:`raise_on_every_rank`: a file one node lacks or holds damaged); the failing rank alone raised,
+    and the others stopped at their next collective with gloo's "Connection closed by peer". One all-reduce per read.
+
     Raises:
         CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint, or
             holds weights only for a fit to resume.
     """
+    if not _trainers_read(strategy, path):
+        return _read_checkpoint(load, path, strategy)
+    failure = None
+    try:
+        checkpoint = _read_checkpoint(load, path, strategy)
+    except Exception as err:  # not a KeyboardInterrupt: no collective then
+        failure = err
+    raise_on_every_rank(failure, doing="reading the checkpoint", device=strategy.root_device)
+    return checkpoint
+
+
+def _trainers_read(strategy: Any, path: Any) -> bool:
+    """Whether this read is the Trainer's of its ``ckpt_path``, which every rank makes (not a file a callback reads on
+    one rank, which no other rank would wait for)."""
+    module = None if strategy is None else strategy.lightning_module
+    trainer = None if module is None else module._trainer
+    return trainer is not None and trainer.ckpt_path is not None and str(trainer.ckpt_path) == str(path)
+
+
+def _read_checkpoint(load: Callable[[], Any], path: Any, strategy: Any) -> dict[str, Any]:
     try:
         checkpoint = load()
     except Exception as err:
@@ -125,11 +150,10 @@ def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None)
 
 
 def _refuse_weights_only_resume(checkpoint: Mapping[str, Any], path: Any, strategy: Any) -> None:
-    module = None if strategy is None else strategy.lightning_module
-    trainer = None if module is None else module._trainer
-    if trainer is None or trainer.state.fn != TrainerFn.FITTING or not strategy.lightning_restore_optimizer:
+    if not _trainers_read(strategy, path):  # not the resume: a file a callback reads, say
         return
-    if trainer.ckpt_path is None or str(trainer.ckpt_path) != str(path):  # not the resume: a file a callback reads, say
+    module = strategy.lightning_module
+    if module._trainer.state.fn != TrainerFn.FITTING or not strategy.lightning_restore_optimizer:
         return
     if "optimizer_states" not in checkpoint:
         raise CheckpointFormatError(

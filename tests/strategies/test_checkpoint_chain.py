@@ -70,6 +70,14 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     # A save global rank 0 cannot make (the path lies under a file: the checkpoint, which stays) stops every stage with
     # rank 0's error; stage 1 saw only gloo's "Connection closed by peer" (last: the ranks' collectives then paired wrongly)
     plans["save under a file"] = error_of(lambda: pipelined.save_checkpoint(os.path.join(c, "x.ckpt")))
+    # A resume one rank cannot read (its node holds a copy cut short) stops every stage with that rank's error
+    cut = os.path.join(out, f"cut-{rank}.ckpt")
+    with open(c, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(1000))
+    trainer = L.Trainer(**_kw(world, 4), strategy=PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=4))
+    plans["resume a rank cannot read"] = error_of(
+        lambda: trainer.fit(build("transformer"), DataLoader(data, batch_size=32), ckpt_path=c if rank == 0 else cut)
+    )
     return plans
 
 
@@ -138,6 +146,11 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     for r, notes in ((ranks[0], []), (ranks[1], ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
         kind, message, raised_notes = r["save under a file"]
         assert (kind, raised_notes) == ("OutputPathError", notes) and message.startswith(sentence), r["save under a file"]
+    cut = os.path.join(tmp_path, "cut-1.ckpt")
+    sentence = f"The checkpoint {cut!r} cannot be read (RuntimeError: PytorchStreamReader failed reading zip archive"
+    for r, notes in ((ranks[1], []), (ranks[0], ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])):
+        kind, message, raised_notes = r["resume a rank cannot read"]
+        assert (kind, raised_notes) == ("CheckpointFormatError", notes) and message.startswith(sentence), r["resume a rank cannot read"]
     print(f"gpipe -> dp_ga -> 1f1b chain {time.perf_counter() - t0:.1f}s")
 
 

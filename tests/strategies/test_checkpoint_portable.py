@@ -167,6 +167,10 @@ def _phases(rank: int, world_size: int, path: str) -> dict[str, Any]:
     # wrongly). The checkpoint stays as it was (the parent loads it).
     for name, bad in (("folder", mid_dir), ("under a file", os.path.join(first_path, "x.ckpt"))):
         out[f"save to {name}"] = error_of(lambda: first.save_checkpoint(bad))
+    # A resume one rank cannot read (a node without the file) stops every rank with that rank's error, before a step;
+    # rank 0 went on and stopped at its next collective with gloo's "Connection closed by peer"
+    model, trainer = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd"), L.Trainer(**kw, strategy=DPGAStrategy(), max_epochs=2)
+    out["resume a rank lacks"] = error_of(lambda: trainer.fit(model, ckpt_path=first_path if rank == 0 else first_path + ".missing"))
     return out
 
 
@@ -226,6 +230,9 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
         for r, notes in ((r0, []), (r1, ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
             kind, message, raised_notes = r[f"save to {name}"]
             assert (kind, raised_notes) == ("OutputPathError", notes) and message.startswith(sentence), (name, r[f"save to {name}"])
+    missing = ("FileNotFoundError", f"Checkpoint file not found: {path}.missing")
+    assert r1["resume a rank lacks"] == (*missing, [])
+    assert r0["resume a rank lacks"] == (*missing, ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])
     print(f"checkpoint resume test {time.perf_counter() - t0:.1f}s")
 
 
