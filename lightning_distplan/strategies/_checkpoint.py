@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import functools
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
@@ -46,6 +47,7 @@ __all__ = [
     "PLAN_KEY",
     "OPTIMIZER_STATES_KEY",
     "CheckpointFormatError",
+    "join_resume_reads",
     "read_checkpoint",
     "optimizer_state_by_name",
     "load_optimizer_state_by_name",
@@ -108,8 +110,44 @@ def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None)
         checkpoint = _read_checkpoint(load, path, strategy)
     except Exception as err:  # not a KeyboardInterrupt: no collective then
         failure = err
-    raise_on_every_rank(failure, doing="reading the checkpoint", device=strategy.root_device)
+    raise_on_every_rank(failure, doing=_READING, device=strategy.root_device, skipped=False, mixed=_resumes_on_some_ranks)
     return checkpoint
+
+
+_READING = "reading the checkpoint"
+
+
+def join_resume_reads(trainer: Any) -> None:
+    """Make a rank whose ``ckpt_path`` came to nothing (``ckpt_path="last"`` on a node whose disk holds no last
+    checkpoint, or ``None`` there) join the all-reduce that ends the other ranks' read (:func:`read_checkpoint`):
+    Lightning reads no file on it, so it went on to the strategy's setup collectives, which then paired with that
+    all-reduce and every rank waited until the process group's timeout. It raises the error a reading rank had; where
+    the others read well, every rank raises that the ranks would train from different states. Wraps the trainer's
+    ``resume_start`` once (every rank calls it in each run, with or without a path); one all-reduce where no rank reads
+    a file. Called by every strategy's ``setup_environment``
+    (:class:`~lightning_distplan.strategies._checkpoint_io.AtomicSaves`)."""
+    connector = trainer._checkpoint_connector
+    resume_start = connector.resume_start
+    if getattr(resume_start, "_joins_reads", False):
+        return
+
+    @functools.wraps(resume_start)
+    def joined(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        if not checkpoint_path:
+            raise_on_every_rank(None, doing=_READING, device=trainer.strategy.root_device, skipped=True, mixed=_resumes_on_some_ranks)
+        resume_start(checkpoint_path, weights_only=weights_only)
+
+    joined._joins_reads = True  # type: ignore[attr-defined]
+    connector.resume_start = joined
+
+
+def _resumes_on_some_ranks(rank: int) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"Some ranks resume from a checkpoint but global rank {rank} has none (its ckpt_path came to no file, as "
+        "ckpt_path='last' does on a node whose disk holds no last checkpoint), so the ranks would train from different states.",
+        hint="Put the checkpoints in a folder every node reads (ModelCheckpoint(dirpath=...) on shared storage) and pass that "
+        "file as ckpt_path on every rank, or ckpt_path=None on every rank to start afresh.",
+    )
 
 
 def _trainers_read(strategy: Any, path: Any) -> bool:

@@ -29,6 +29,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -162,28 +163,36 @@ def _os_error(err: BaseException | None) -> OSError | None:
     return None
 
 
-def raise_on_every_rank(failure: Exception | None, *, doing: str, device: Any = None) -> None:
+def raise_on_every_rank(
+    failure: Exception | None, *, doing: str, device: Any = None, skipped: bool | None = None,
+    mixed: Callable[[int], Exception] | None = None,
+) -> None:
     """Collective over the default group (every rank calls it): raise on every rank the error one rank had ``doing``
     something only some ranks do or that fails on some only (global rank 0's checkpoint write, a file one node lacks).
     A rank that failed raises its own error; the others raise the lowest failing rank's, with a note naming that rank.
-    One all-reduce of one number when nothing failed; the error travels only when one did. Not distributed, or one
+    One all-reduce of three numbers when nothing failed; the error travels only when one did. Not distributed, or one
     rank: ``failure`` is raised as it is. ``device``: where the all-reduce's tensor lies (the strategy's
-    ``root_device``: a GPU under NCCL)."""
+    ``root_device``: a GPU under NCCL). ``skipped``: whether this rank had nothing to do (a resume that came to no file on
+    it); where some ranks skipped and others did not and none failed, every rank raises ``mixed(lowest skipping rank)``."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         if failure is not None:
             raise failure
         return
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cpu") if device is None else torch.device(device)
-    first = torch.tensor([world if failure is None else rank], dtype=torch.int64, device=device)
+    # MIN of: the lowest failing rank, the lowest skipping rank, and -1 where some rank did what the others skipped
+    mine = [world if failure is None else rank, rank if skipped else world, -1 if skipped is False else 0]
+    first = torch.tensor(mine, dtype=torch.int64, device=device)
     try:
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
     except RuntimeError:  # a peer gone or a timeout: this rank's own error says more than gloo's
         if failure is not None:
             raise failure from None
         raise
-    src = int(first.item())
+    src, skipper, did = (int(v) for v in first.tolist())
     if src == world:
+        if skipper < world and did < 0 and mixed is not None:
+            raise mixed(skipper)
         return
     box = [_sendable(failure) if rank == src else None]
     dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
@@ -209,7 +218,8 @@ class AtomicSaves:
     checkpoints are written atomically also where TMPDIR is another file system. Put it before the Lightning base.
 
     Its :meth:`save_checkpoint` raises on every rank the error global rank 0's write raised (see the module
-    docstring)."""
+    docstring); its :meth:`setup_environment` makes a rank that resumes from no file join the all-reduce of the ranks
+    that read one (:func:`~lightning_distplan.strategies._checkpoint.join_resume_reads`)."""
 
     _checkpoint_io: CheckpointIO | None
     _saved_together = False  # a save's all-reduce ran since the last barrier: Trainer.save_checkpoint's barrier is done
@@ -224,6 +234,14 @@ class AtomicSaves:
         self._saved_together = False
         raise_on_every_rank(failure, doing="saving the checkpoint", device=self.root_device)  # type: ignore[attr-defined]
         self._saved_together = True
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        from lightning_distplan.strategies._checkpoint import join_resume_reads  # it imports this module
+
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is not None and module._trainer is not None:
+            join_resume_reads(module._trainer)
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         # Trainer.save_checkpoint's barrier waits for global rank 0's write, which the save's own all-reduce came after

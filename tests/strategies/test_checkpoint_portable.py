@@ -171,6 +171,11 @@ def _phases(rank: int, world_size: int, path: str) -> dict[str, Any]:
     # rank 0 went on and stopped at its next collective with gloo's "Connection closed by peer"
     model, trainer = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd"), L.Trainer(**kw, strategy=DPGAStrategy(), max_epochs=2)
     out["resume a rank lacks"] = error_of(lambda: trainer.fit(model, ckpt_path=first_path if rank == 0 else first_path + ".missing"))
+    # A resume that comes to no file on one rank only (ckpt_path="last" on a node whose disk holds none: None there) stops
+    # every rank with one sentence; rank 1 went on into the setup collectives, which paired with rank 0's read all-reduce,
+    # and both waited for the process group's timeout
+    model, trainer = TinyLM(n_samples=160, loader_batch=16, optimizer="sgd"), L.Trainer(**kw, strategy=DPGAStrategy(), max_epochs=2)
+    out["resume on one rank only"] = error_of(lambda: trainer.fit(model, ckpt_path=first_path if rank == 0 else None))
     return out
 
 
@@ -233,6 +238,10 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
     missing = ("FileNotFoundError", f"Checkpoint file not found: {path}.missing")
     assert r1["resume a rank lacks"] == (*missing, [])
     assert r0["resume a rank lacks"] == (*missing, ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])
+    for r in (r0, r1):
+        kind, message, notes = r["resume on one rank only"]
+        assert (kind, notes) == ("CheckpointFormatError", []), r["resume on one rank only"]
+        assert message.startswith("Some ranks resume from a checkpoint but global rank 1 has none") and "HINT: " in message, message
     print(f"checkpoint resume test {time.perf_counter() - t0:.1f}s")
 
 
