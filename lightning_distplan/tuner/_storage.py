@@ -22,7 +22,7 @@ from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
     "StudyStorageError", "damage_problem", "delete_study_without_trials", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
-    "is_optuna_database", "schema_hint", "shown_url", "write_trials",
+    "is_optuna_database", "schema_hint", "shown_url", "worker_slot", "write_trials",
 ]
 
 log = logging.getLogger(__name__)
@@ -268,6 +268,58 @@ def _open_lock_file(parent: Path, path: Path) -> int:
 
     key = hashlib.sha256(str(parent / path.name).encode()).hexdigest()[:20]
     return os.open(Path(tempfile.gettempdir()) / f"distplan-sqlite-{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+
+
+@contextlib.contextmanager
+def worker_slot(url: str, study_name: str) -> Any:
+    """Yield this run's worker number on study ``study_name`` of ``url``: the lowest k that no other run on this
+    machine holds for that study (0 for a run alone), held until the block ends.
+
+    Workers of one search started at once all see the same study (none, or the same trials) when they start, so
+    nothing in the database sets them apart; a run's number is what makes its draws its own. Each k is an exclusive
+    flock on a file of its own in the temporary folder, keyed by the database (its resolved path for SQLite, else the
+    URL less its password) and the study name, and removed by the run that held it (a killed run's is freed by the
+    kernel and taken again). 0 where there is no flock (not POSIX) or no temporary folder to write."""
+    import hashlib
+    import tempfile
+
+    try:
+        import fcntl
+    except ImportError:
+        yield 0
+        return
+    path = sqlite_path(url)
+    where = str(path.expanduser().resolve()) if path is not None else shown_url(url)
+    key = hashlib.sha256(f"{where}\0{study_name}".encode()).hexdigest()[:20]
+    held = None
+    k = 0
+    while held is None and k < 1024:
+        lock = Path(tempfile.gettempdir()) / f"distplan-worker-{key}-{k}.lock"
+        try:
+            handle = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:  # no temporary folder to write, a lock file of another user's: as a run alone
+            break
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another run holds k
+            os.close(handle)
+            k += 1
+            continue
+        try:
+            same = os.stat(lock).st_ino == os.fstat(handle).st_ino
+        except OSError:
+            same = False
+        if same:
+            held = (lock, handle)
+        else:  # its holder removed the file between our open and our lock: take k anew
+            os.close(handle)
+    try:
+        yield k if held is not None else 0
+    finally:
+        if held is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(held[0])  # while still locked: a run that opened it meanwhile sees another file and retries
+            os.close(held[1])
 
 
 def open_storage(url: Any) -> Any:

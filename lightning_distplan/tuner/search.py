@@ -52,7 +52,7 @@ from lightning_distplan.plan import STRATEGIES, Plan, as_int
 from lightning_distplan.planner._enumerate import _check_strategies
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
-from lightning_distplan.tuner._storage import StudyStorageError, delete_study_without_trials, open_storage, shown_url, write_trials
+from lightning_distplan.tuner._storage import StudyStorageError, delete_study_without_trials, open_storage, shown_url, worker_slot, write_trials
 from lightning_distplan.tuner.catalog import PRICINGS, Catalog, load_catalog, spot_priced, with_bandwidth
 
 __all__ = ["TuneResult", "ExhaustiveResult", "StudyStorageError", "StudyConflictError", "tune", "exhaustive", "pareto_front", "TIME_WEIGHTS"]
@@ -106,8 +106,9 @@ class TuneResult:
     elapsed_s: float
     resumed: bool = False
     sampler: str = "TPESampler"
-    """The sampler's class, and ``+ local search (N trials)`` when :func:`_polish` ran; ``none: ...`` (why) when the run
-    priced every configuration the study lacked instead."""
+    """The sampler's class, and ``+ local search (N trials)`` when :func:`_polish` ran, and ``(worker k of this study on this
+    machine: seed S)`` for a run started while others ran on the study (:func:`worker_seed`); ``none: ...`` (why) when the
+    run priced every configuration the study lacked instead."""
     pricing: str = "on-demand"
     """Which price the costs use: ``"on-demand"`` or ``"spot"``."""
     multi_objective: bool = False
@@ -351,11 +352,23 @@ def _delete_command(name: str, storage: str) -> str:
     return f"`optuna delete-study --study-name={shlex.quote(name)} --storage={shlex.quote(shown_url(storage))}`"
 
 
+def worker_seed(seed: int, worker: int) -> int:
+    """The sampler seed of worker ``worker`` of a search run with ``seed``: ``seed`` itself for worker 0 (a run alone,
+    so a run with a given seed is reproducible), else one derived from both (SHA-256 of ``"seed/worker"``).
+
+    A run's worker number (:func:`~lightning_distplan.tuner._storage.worker_slot`) is how many other runs on the same
+    study on this machine were running when it started: workers left on one seed drew the same trials (two
+    ``distplan tune --trials 100`` started together stored 200 trials and 63 distinct configurations)."""
+    if not worker:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{worker}".encode()).digest()[:4], "big")
+
+
 def _settings_differ(old: Any, settings: dict[str, Any]) -> str | None:
     """Why a study whose stored settings are ``old`` (as :func:`_as_now` reads them) is not extended with ``settings``, or None.
 
     The seed is not compared: it picks which configurations a run prices, not their prices, and workers of one search
-    need their own (with one seed they draw the same trials). The study keeps its creator's."""
+    draw with seeds of their own (:func:`worker_seed`). The study keeps its creator's."""
     if not isinstance(old, dict):
         return "it was not created by `distplan tune`"
     differ = [k for k, v in settings.items() if k not in _UNCOMPARED and old.get(k) != v]
@@ -705,7 +718,11 @@ def tune(
         study_name: default ``distplan-<catalog>-B<global batch>-w<weight>`` (``-mo`` after it with ``multi_objective``). An existing study with the same
             settings is extended; one with different settings is refused (:class:`StudyConflictError`). An empty name is refused.
         seed: seeds the sampler (TPESampler, or NSGAIISampler with ``multi_objective``); a run with another seed extends
-            the study (give each worker of one search its own). A single-objective search of
+            the study. A run alone on its study uses ``seed`` itself, so it is reproducible; a run started while k others
+            run on the same study on this machine (workers of one search) is worker k and draws with a seed derived from
+            ``seed`` and k (:func:`worker_seed`; the result's ``sampler`` names it), and leaves the initial design to
+            worker 0, so workers spread out instead of pricing the same trials. Workers on other machines (a database
+            server) do not see each other: give each its own seed. A single-objective search of
             20 or more trials keeps the last fifth (:data:`POLISH_SHARE`) for a local search from TPE's best plan
             (:func:`_polish`); the result's ``sampler`` says how many trials it used.
         max_instances: the most instances of one type to rent.
@@ -735,12 +752,13 @@ def tune(
     level = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's INFO line per trial and per study would drown the output
     try:
-        return _tune(
-            profile, catalog=catalog, global_batch_size=global_batch_size, time_weight=time_weight, n_trials=n_trials, storage=storage,
-            study_name=study_name, seed=seed, max_instances=max_instances, strategies=strategies, max_pp=max_pp,
-            multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, pricing=pricing, progress=progress, sampler=sampler,
-            initial_design=initial_design,
-        )
+        with contextlib.ExitStack() as held:
+            return _tune(
+                profile, catalog=catalog, global_batch_size=global_batch_size, time_weight=time_weight, n_trials=n_trials, storage=storage,
+                study_name=study_name, seed=seed, max_instances=max_instances, strategies=strategies, max_pp=max_pp,
+                multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, pricing=pricing, progress=progress,
+                sampler=sampler, initial_design=initial_design, held=held,
+            )
     finally:
         optuna.logging.set_verbosity(level)
 
@@ -765,6 +783,7 @@ def _tune(
     progress: bool,
     sampler: Any,
     initial_design: bool,
+    held: contextlib.ExitStack,
 ) -> TuneResult:
     import optuna
 
@@ -819,6 +838,7 @@ def _tune(
     # a multi-objective study has two values per trial: its own default name, so one never meets the other
     name = study_name or f"distplan-{catalog.name}-B{global_batch_size}-w{time_weight:g}" + ("-mo" if multi_objective else "")
     store = open_storage(storage)
+    worker = held.enter_context(worker_slot(storage, name))  # 0 for a run alone; held until this run has written its trials
     with _reading_study(storage, name):
         existing = _existing_study(store, name)
         old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
@@ -841,7 +861,8 @@ def _tune(
     directions = ["minimize", "minimize"] if multi_objective else ["minimize"]
     chosen = sampler
     if sampler is None:
-        sampler = optuna.samplers.NSGAIISampler(seed=seed) if multi_objective else optuna.samplers.TPESampler(seed=seed)
+        run_seed = worker_seed(seed, worker)
+        sampler = optuna.samplers.NSGAIISampler(seed=run_seed) if multi_objective else optuna.samplers.TPESampler(seed=run_seed)
     memory_study = optuna.create_study(directions=directions, sampler=sampler, study_name=name)
     n_before = 0
     if existing is not None:
@@ -885,7 +906,7 @@ def _tune(
     # trials took 193 s and priced 239 of 264 configurations): each is priced once instead (all 264 in about a second).
     todo = _unpriced(space, previous) if chosen is None and n_trials + len(previous) >= space_size else None
     every = todo is not None and n_trials >= len(todo)
-    if existing is None and initial_design and not every:
+    if existing is None and initial_design and not every and not (chosen is None and worker):  # worker 0 tries the corners
         for point in _initial_design(types, max_instances, global_batch_size, strategy_choices)[: max(0, n_trials // 4)]:
             memory_study.enqueue_trial(point)
     # Optuna logs a failed trial (a Ctrl-C too) with its traceback at WARNING before re-raising: the error
@@ -1027,7 +1048,8 @@ def _tune(
         elapsed_s=time.perf_counter() - started,
         resumed=existing is not None or joined,
         sampler=(_every_configuration(n_trials, len(todo or ())) if every
-                 else type(sampler).__name__ + (f" + local search ({used} trials)" if used else "")),
+                 else type(sampler).__name__ + (f" + local search ({used} trials)" if used else "")
+                 + (f" (worker {worker} of this study on this machine: seed {worker_seed(seed, worker)})" if chosen is None and worker else "")),
         projections=projections,
         pricing=catalog.pricing,
         multi_objective=bool(multi_objective),

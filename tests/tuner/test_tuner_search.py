@@ -1050,6 +1050,36 @@ def test_a_worker_with_another_seed_extends_the_study(tmp_path, profile):
         tune(profile, n_trials=5, seed=1, **{**kw, "max_instances": 2})
 
 
+def _priced(url: str) -> list[tuple]:
+    """The configurations a study's trials priced, in trial order."""
+    fields = ("instance_type", "count", "strategy", "dp", "pp", "micro_batch_size")
+    return [tuple(t.user_attrs.get(k) for k in fields) for t in optuna.load_study(study_name="s", storage=url).trials]
+
+
+def test_workers_started_on_one_study_at_once_with_one_seed_spread_out_and_a_run_alone_is_reproducible(tmp_path, profile):
+    """Two `distplan tune --trials 100` processes started at once on one SQLite study, both on the default seed, drew
+    the same trials: 200 stored, 63 distinct configurations (one run of 200 priced 103). A run started while another
+    runs on the study (here from inside that run's search) is worker 1: its own seed, no initial corners."""
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, study_name="s", max_instances=4, progress=False)
+    alone = _url(tmp_path, "alone.db")
+    tune(profile, n_trials=10, storage=alone, **kw)
+    url = _url(tmp_path, "workers.db")
+    second: list = []
+
+    class FirstWorker(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):
+            if trial.number == 0:  # while this run searches, another run of the same command starts on the study
+                second.append(tune(profile, n_trials=10, storage=url, **kw))
+            super().before_trial(study, trial)
+
+    tune(profile, n_trials=2, storage=url, sampler=FirstWorker(seed=0), **kw)
+    worker = _priced(url)[:10]  # the second run wrote first
+    assert len(set(worker) & set(_priced(alone))) <= 3, (worker, _priced(alone))
+    assert "(worker 1 of this study on this machine: seed " in second[0].sampler
+    again = _url(tmp_path, "again.db")  # its slot is free again: a run alone draws as before (one seed, one search)
+    assert tune(profile, n_trials=10, storage=again, **kw).sampler == "TPESampler" and _priced(again) == _priced(alone)
+
+
 @pytest.mark.parametrize("name", ["it's", "-x"])
 def test_the_refusal_hint_names_the_delete_command_for_this_study_and_it_works(tmp_path, profile, name):
     """The HINT said `optuna delete-study --study-name NAME --storage URL`: the command, with this study's name and URL
