@@ -344,12 +344,15 @@ def _existing_study(storage: Any, study_name: str) -> Any | None:
 
 
 def _delete_command(name: str, storage: str) -> str:
-    """The shell command that deletes study ``name`` from ``storage`` (a password in the URL shown as ``***``).
+    """The shell command that deletes study ``name`` from ``storage`` (a password in the URL shown as ``***``, and
+    then said to be put back: run as shown, it failed to log in).
 
     ``--study-name=NAME``: a name that starts with ``-`` is read as an option after a space (argparse: "expected one argument")."""
     import shlex
 
-    return f"`optuna delete-study --study-name={shlex.quote(name)} --storage={shlex.quote(shown_url(storage))}`"
+    shown = shown_url(storage)
+    command = f"`optuna delete-study --study-name={shlex.quote(name)} --storage={shlex.quote(shown)}`"
+    return command + (", with your password in place of ***" if shown != storage else "")
 
 
 def worker_seed(seed: int, worker: int) -> int:

@@ -1100,6 +1100,19 @@ def test_the_refusal_hint_names_the_delete_command_for_this_study_and_it_works(t
     assert tune(profile, n_trials=5, time_weight=1.0, **kw).n_study_trials == 5  # the name is free again
 
 
+def test_the_delete_command_of_a_url_with_a_password_says_to_put_the_password_back():
+    """For postgresql+psycopg2://dp:s3cr3t@host/db (reproduced on a local PostgreSQL 15) the refusal HINT showed the
+    command with --storage='postgresql+psycopg2://dp:***@...' and no word that *** stands for the password: run as
+    shown, it fails to log in."""
+    from lightning_distplan.tuner.search import _delete_command
+
+    hidden = _delete_command("s", "postgresql+psycopg2://dp:s3cr3t@127.0.0.1:55432/postgres")
+    assert hidden == ("`optuna delete-study --study-name=s --storage='postgresql+psycopg2://dp:***@127.0.0.1:55432/postgres'`, "
+                      "with your password in place of ***")
+    assert "s3cr3t" not in hidden
+    assert _delete_command("s", "sqlite:///a.db") == "`optuna delete-study --study-name=s --storage=sqlite:///a.db`"  # nothing hidden
+
+
 @pytest.mark.parametrize("multi_objective", [False, True])
 def test_trials_for_every_configuration_price_each_once_and_samplers_extend_the_study(tmp_path, profile, multi_objective):
     """With --trials at least the size of the space, TPE mostly drew priced configurations again (2000 trials took 193 s
