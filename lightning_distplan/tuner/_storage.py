@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
-    "StudyStorageError", "damage_problem", "delete_study_without_trials", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "StudyStorageError", "create_study_with_attrs", "damage_problem", "delete_study_without_trials", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
     "is_optuna_database", "schema_hint", "shown_url", "worker_slot", "write_trials",
 ]
 
@@ -447,6 +447,54 @@ def write_trials(study: Any, trials: Sequence[Any]) -> None:
     except Exception as err:  # noqa: BLE001 - an internal mismatch with this Optuna (no row written): the public API
         log.info("Bulk trial insert unavailable (%s: %s); using Study.add_trials.", type(err).__name__, err)
         study.add_trials(trials)
+
+
+def create_study_with_attrs(storage: Any, study_name: str, directions: Sequence[Any], user_attrs: dict[str, Any]) -> bool:
+    """Create study ``study_name`` in ``storage`` (an RDBStorage) with its ``directions`` (``StudyDirection``) and
+    ``user_attrs`` in one transaction; True when it did, False (nothing written) where this Optuna's models do not fit
+    and the caller creates it through the public API.
+
+    Why: created first and given its attributes after (``optuna.create_study``, then ``set_user_attr``), a study is
+    for a moment without them, so a run that finds a study of its name without distplan's settings cannot tell someone
+    else's from one another worker is still setting up, and waited 30 s before refusing. Created whole, a study of this
+    version never lacks them.
+
+    Raises:
+        optuna.exceptions.DuplicatedStudyError: a study of that name exists.
+        sqlalchemy.exc.SQLAlchemyError: the database refused the write (rolled back)."""
+    import optuna
+    from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+
+    rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+    try:
+        from optuna.storages._rdb import models
+
+        session = rdb.scoped_session()
+    except Exception as err:  # noqa: BLE001 - an internal mismatch with this Optuna: the public API
+        log.info("Creating a study in one transaction is unavailable (%s: %s); using optuna.create_study.", type(err).__name__, err)
+        return False
+    try:
+        study = models.StudyModel(
+            study_name=study_name, directions=[models.StudyDirectionModel(objective=i, direction=d) for i, d in enumerate(directions)]
+        )
+        session.add(study)
+        session.flush()  # the unique name: IntegrityError when it is taken; assigns study.study_id
+        for key, value in user_attrs.items():
+            session.add(models.StudyUserAttributeModel(study_id=study.study_id, key=key, value_json=json.dumps(value)))
+        session.commit()
+        return True
+    except IntegrityError:  # as Optuna's own create_new_study reads it
+        session.rollback()
+        raise optuna.exceptions.DuplicatedStudyError(f"Another study with name '{study_name}' already exists.") from None
+    except SQLAlchemyError:
+        session.rollback()
+        raise
+    except Exception as err:  # noqa: BLE001 - an internal mismatch with this Optuna (rolled back): the public API
+        session.rollback()
+        log.info("Creating a study in one transaction is unavailable (%s: %s); using optuna.create_study.", type(err).__name__, err)
+        return False
+    finally:
+        session.close()
 
 
 def delete_study_without_trials(storage: Any, study_name: str) -> bool:

@@ -52,7 +52,9 @@ from lightning_distplan.plan import STRATEGIES, Plan, as_int
 from lightning_distplan.planner._enumerate import _check_strategies
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
-from lightning_distplan.tuner._storage import StudyStorageError, delete_study_without_trials, open_storage, shown_url, worker_slot, write_trials
+from lightning_distplan.tuner._storage import (
+    StudyStorageError, create_study_with_attrs, delete_study_without_trials, open_storage, shown_url, worker_slot, write_trials,
+)
 from lightning_distplan.tuner.catalog import PRICINGS, Catalog, load_catalog, spot_priced, with_bandwidth
 
 __all__ = ["TuneResult", "ExhaustiveResult", "StudyStorageError", "StudyConflictError", "tune", "exhaustive", "pareto_front", "TIME_WEIGHTS"]
@@ -386,16 +388,23 @@ _UNCOMPARED = frozenset({"seed"})
 
 
 CREATOR_WAIT_S = 30.0
-"""How long a run whose new study another run created meanwhile waits for that run to store the study's settings."""
+"""How long a run whose new study another run created meanwhile waits for that run to store the study's settings, where
+studies are not created whole (:func:`~lightning_distplan.tuner._storage.create_study_with_attrs` fell back to Optuna's
+public API, which creates a study first and sets its attributes after)."""
 
 
-def _created_meanwhile(storage: Any, study_name: str) -> Any:
+def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
     """The study another run created under ``study_name`` while this one searched, once its creator has stored its
-    settings (it does right after creating it; a write of the other run may hold SQLite's lock meanwhile), or as it
-    is after :data:`CREATOR_WAIT_S`."""
+    settings, or as it is after ``wait_s``.
+
+    A run of this version creates its study with its settings in one transaction, so a study without them is someone
+    else's (``optuna create-study``, another program): read once (``wait_s`` 0) and refused at once; it was refused
+    after 30 s. Only where this Optuna makes runs create a study first and set its settings after (a write of the other
+    run may hold SQLite's lock meanwhile) is it waited for, :data:`CREATOR_WAIT_S`. A run of a version before
+    2026-11-29 (which created it so) mid-way through its creation is refused as someone else's."""
     import optuna
 
-    deadline = time.monotonic() + CREATOR_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         study = optuna.load_study(study_name=study_name, storage=storage)
         if SETTINGS_ATTR in study.user_attrs or time.monotonic() > deadline:
@@ -963,13 +972,27 @@ def _tune(
         try:
             target = existing
             if target is None:
+                attrs = {
+                    SETTINGS_ATTR: settings,
+                    "objective": OBJECTIVES[False] if not multi_objective else "(C, T) per optimizer step",  # as studies made before
+                    "currency": catalog.currency,
+                    "catalog": {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
+                                "instances": [i.to_dict() for i in catalog.instances]},
+                    "projections": projections,
+                    "global_batch_size": global_batch_size,
+                    "time_weight": float(time_weight),
+                }
+                whole = True  # created with its settings in one transaction, as every run of this version creates it
                 try:
-                    target = optuna.create_study(storage=store, study_name=name, directions=directions)
+                    if not create_study_with_attrs(store, name, [optuna.study.StudyDirection.MINIMIZE] * len(directions), attrs):
+                        whole = False
+                        optuna.create_study(storage=store, study_name=name, directions=directions)
                     created = True
+                    target = optuna.load_study(study_name=name, storage=store)
                 except optuna.exceptions.DuplicatedStudyError:
                     # Another run (a second worker of the same command) created it while this one searched: extend it, as
                     # this run would have had it started a moment later, when it was made with the same settings.
-                    target = _created_meanwhile(store, name)
+                    target = _created_meanwhile(store, name, wait_s=0.0 if whole else CREATOR_WAIT_S)
                     why = _settings_differ(_as_now(target.user_attrs.get(SETTINGS_ATTR), catalog, profile), settings)
                     if why is None:
                         repriced = _priced_otherwise(target.get_trials(deepcopy=False), catalog, space, bool(multi_objective))
@@ -982,14 +1005,9 @@ def _tune(
                         ) from None
                     joined = True
             if created:
-                target.set_user_attr(SETTINGS_ATTR, settings)
-                target.set_user_attr("objective", OBJECTIVES[False] if not multi_objective else "(C, T) per optimizer step")  # as studies made before
-                target.set_user_attr("currency", catalog.currency)
-                target.set_user_attr("catalog", {"name": catalog.name, "pricing": catalog.pricing, "source": catalog.source, "date": catalog.date,
-                                                 "instances": [i.to_dict() for i in catalog.instances]})
-                target.set_user_attr("projections", projections)
-                target.set_user_attr("global_batch_size", global_batch_size)
-                target.set_user_attr("time_weight", float(time_weight))
+                if not whole:  # Optuna's public API: the study first, its attributes after
+                    for key, value in attrs.items():
+                        target.set_user_attr(key, value)
                 with warnings.catch_warnings():  # experimental in Optuna; what optuna-dashboard labels the values with
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     target.set_metric_names(list(METRIC_NAMES[bool(multi_objective)]))

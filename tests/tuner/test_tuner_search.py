@@ -210,6 +210,30 @@ def test_a_study_another_run_created_meanwhile_with_other_settings_is_never_dele
     assert len(optuna.load_study(study_name="s", storage=url).trials) == 6
 
 
+def test_a_study_of_that_name_someone_else_created_meanwhile_is_refused_at_once(tmp_path, profile):
+    """`optuna create-study --study-name s` while a `distplan tune --study-name s` searched: the run waited 30 s for the
+    study's distplan settings before refusing it (reproduced: refused 30.0 s after its search ended). A run creates its
+    study with its settings in one transaction now, so a study without them is someone else's."""
+    import time
+
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+
+    class SomeoneElse(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):
+            if trial.number == 0:
+                optuna.create_study(study_name="s", storage=url)
+            super().before_trial(study, trial)
+
+    started = time.monotonic()
+    with pytest.raises(StudyConflictError, match=r"^Study 's' was created in .* by another run while this one searched, and it was not created by "
+                                                 r"`distplan tune`; it was left untouched and this run's 3 trials were not written\. HINT: Pass another --study-name\.$"):
+        tune(profile, n_trials=3, sampler=SomeoneElse(seed=0), **kw)
+    assert time.monotonic() - started < 10
+    foreign = optuna.load_study(study_name="s", storage=url)
+    assert foreign.trials == [] and foreign.user_attrs == {}  # left as its owner made it
+
+
 def test_a_failed_run_never_deletes_trials_another_run_wrote_to_the_study_it_created(tmp_path, profile, monkeypatch):
     """A run whose write fails deletes the study it created when the study holds no trial. Checked, then deleted
     (get_all_trials, then optuna.delete_study), the trials another run extending the study committed in between went
