@@ -279,7 +279,8 @@ def worker_slot(url: str, study_name: str) -> Any:
     nothing in the database sets them apart; a run's number is what makes its draws its own. Each k is an exclusive
     flock on a file of its own in the temporary folder, keyed by the database (its resolved path for SQLite, else the
     URL less its password) and the study name, and removed by the run that held it (a killed run's is freed by the
-    kernel and taken again). 0 where there is no flock (not POSIX) or no temporary folder to write."""
+    kernel and taken again); a k whose file cannot be opened (another user's) is passed over, as taken. 0 where there
+    is no flock (not POSIX) or no temporary folder to write."""
     import hashlib
     import tempfile
 
@@ -297,8 +298,11 @@ def worker_slot(url: str, study_name: str) -> Any:
         lock = Path(tempfile.gettempdir()) / f"distplan-worker-{key}-{k}.lock"
         try:
             handle = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:  # no temporary folder to write, a lock file of another user's: as a run alone
-            break
+        except OSError:
+            if not os.path.lexists(lock):  # no temporary folder to write: as a run alone
+                break
+            k += 1  # a lock file of another user's: k is neither ours nor free
+            continue
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another run holds k

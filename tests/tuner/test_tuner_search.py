@@ -1104,6 +1104,26 @@ def test_workers_started_on_one_study_at_once_with_one_seed_spread_out_and_a_run
     assert tune(profile, n_trials=10, storage=again, **kw).sampler == "TPESampler" and _priced(again) == _priced(alone)
 
 
+def test_a_worker_whose_next_lock_file_cannot_be_opened_passes_it_over_instead_of_taking_worker_0(tmp_path):
+    """With worker 0 held and worker 1's lock file not openable (another user's, under fs.protected_regular; here a
+    folder in its place), a second run took worker 0 too: the first run's seed, so the same draws."""
+    import hashlib
+    import tempfile
+
+    from lightning_distplan.tuner._storage import worker_slot
+
+    url = _url(tmp_path, "w.db")
+    key = hashlib.sha256(f"{(tmp_path / 'w.db').resolve()}\0s".encode()).hexdigest()[:20]
+    blocker = Path(tempfile.gettempdir()) / f"distplan-worker-{key}-1.lock"
+    with worker_slot(url, "s") as first:
+        blocker.mkdir()
+        try:
+            with worker_slot(url, "s") as second:
+                assert (first, second) == (0, 2)
+        finally:
+            blocker.rmdir()
+
+
 @pytest.mark.parametrize("name", ["it's", "-x"])
 def test_the_refusal_hint_names_the_delete_command_for_this_study_and_it_works(tmp_path, profile, name):
     """The HINT said `optuna delete-study --study-name NAME --storage URL`: the command, with this study's name and URL
