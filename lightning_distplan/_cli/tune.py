@@ -42,7 +42,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--format", choices=("json", "table"), default="json", help="json (default) or a readable table")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed (default 0); a run with another seed extends the same study. Workers started on one study on this "
-                        "machine while others run draw with seeds derived from it (so they spread out); on other machines give each its own")
+                        "machine (same temporary folder, not Windows) while others run draw with seeds derived from it (so they spread out); "
+                        "elsewhere give each its own")
     parser.add_argument("--max-instances", type=int, default=8, help="most instances of one type (default 8)")
     parser.add_argument("--strategy", nargs="+", choices=STRATEGIES, default=list(STRATEGIES), help="strategies to consider")
     parser.add_argument("--max-pp", type=int, default=None, help="most pipeline stages to consider (default: as many as the profile has layers and the world size allows)")
