@@ -277,7 +277,9 @@ def test_pipeline_flushes_per_step_repeat_everything_but_the_optimizer_step():
 def test_bubble_fraction_equal_stages(strategy, p, n):
     layers = [LayerSpec(fwd_alpha=0.01, fwd_beta=0.002, bwd_alpha=0.02, bwd_beta=0.004)] * 24  # 24 layers: equal stages for p = 2, 3, 4, 8
     profile = synthetic_profile(layers, optimizer_step_time_s=0.0)
-    plan = Plan(strategy=strategy, dp=1, pp=p, micro_batch_size=3, n_microbatches=n, global_batch_size=3 * n)
+    # the equal split pinned: 1F1B at n = p prices some unequal splits of these layers lower, and predict() picks those
+    equal = tuple(24 // p * k for k in range(1, p))
+    plan = Plan(strategy=strategy, dp=1, pp=p, micro_batch_size=3, n_microbatches=n, global_batch_size=3 * n, stage_boundaries=equal)
     pred = predict(profile, plan, hw(p2p_latency_s=0.0, allreduce_latency_s=0.0))  # no loop sync / loss all-reduce latency
     pipeline = pred.step_time_s - pred.breakdown["framework"]
     assert pred.breakdown["framework"] == pytest.approx(2 * (p - 1) * 4 / (p * 1e9), rel=1e-12)  # the 4-byte loss all-reduce
