@@ -689,7 +689,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
             priced = _predict_pipeline(profile, replace(plan, stage_boundaries=other), hw)
             if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
                 pred = priced
-    if not plan.stage_boundaries:
+    if not plan.stage_boundaries and not notes:  # where no split fits in memory, the programme's split keeps saying so
         pred = _best_priced_split(profile, plan, hw, pred, times)
     return pred
 
@@ -710,6 +710,9 @@ def _simulated_slots(p: int, n: int) -> int:
 
 def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, times: list[float]) -> Prediction:
     """``pred``, or the prediction of the contiguous split that :func:`predict` itself prices lowest, where every split can be weighed.
+
+    Not called where the programme found no split that fits every stage in memory: every split is then infeasible, and
+    ``pred``'s reason says that none fits (a split priced here carries no such note).
 
     The programme (:func:`~lightning_distplan.costmodel.partition_pipeline`) minimises the slowest stage; the step
     also pays the schedule's fill and drain (Σ of the other stages, which outweighs the slowest at small n), 1F1B's

@@ -226,3 +226,16 @@ def test_a_frozen_stage_holds_no_gradients_or_optimizer_state():
     full = predict(base, plan, hw())  # the same model all trainable: the step is split over both stages
     assert full.breakdown["optimizer"] == pytest.approx(0.005)
     assert full.breakdown["exposed_comm"] > 0 and pred.breakdown["exposed_comm"] > full.breakdown["exposed_comm"]
+
+
+def test_a_plan_no_split_of_which_fits_still_says_so():
+    """Where no split into pp stages fits in memory, the automatic split's reason says so, and stays the programme's:
+    four layers of 100 MiB on a 300 MiB device, GPipe at n = 1. The search over every split's step time took the
+    fastest infeasible split, priced without the note, so the plan read as if another split might fit."""
+    layers = [LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=100 << 20, activation_bytes_per_sample=1e6, output_bytes_per_sample=out)
+              for out in (1e3, 1e8, 1e3, 1e3)]
+    device = Hardware(device_memory_bytes=300 << 20, allreduce_latency_s=5e-5, allreduce_bandwidth_bytes_per_s=1e9,
+                      p2p_latency_s=5e-5, p2p_bandwidth_bytes_per_s=1e9)
+    pred = predict(synthetic_profile(layers), Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=1, n_microbatches=1, global_batch_size=1), device)
+    assert not pred.feasible
+    assert "exceeds 90%" in pred.reason and "no split into 2 stages fits every stage in memory" in pred.reason
