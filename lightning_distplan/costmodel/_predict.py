@@ -698,14 +698,22 @@ _EXHAUSTIVE_SPLITS = 4096
 # The most contiguous splits _best_priced_split enumerates (a lower bound each: cheap); a model with more keeps the
 # programme's split (and the refinements above).
 _EXHAUSTIVE_SLOTS = 1 << 15
-# The most stage-slots (stages × simulated micro-batches, summed over the splits it prices) _best_priced_split simulates
-# for one plan: at least 112 pricings of 2 stages at any n, 8 of 16 stages × 256 micro-batches.
+# The most work _best_priced_split spends on pricing splits for one plan, in stage-slots (stages × simulated
+# micro-batches) with each pricing also charged its per-layer sums and fixed work (_pricing_cost): 0.2-0.5 s on a
+# 2-core host. About 100 pricings of 2 stages of a few layers at any n, 7 of 16 stages × 256 micro-batches.
 
 
-def _simulated_slots(p: int, n: int) -> int:
-    """Stage-slots one pricing of a p-stage, n-micro-batch pipeline simulates (schedule_time's line past 6·n0 + 2)."""
+def _pricing_cost(p: int, n: int, n_layers: int) -> int:
+    """One full pricing of a p-stage, n-micro-batch split of ``n_layers`` layers, in stage-slots of simulation.
+
+    The stage-slots schedule_time simulates (its line past 6·n0 + 2), plus one per layer and 32 for the rest:
+    _predict_pipeline's per-layer sums cost about what a simulated slot does. Measured per pricing: 8 layers, 2 stages,
+    n = 1: 0.34 ms; 91 layers, 3 stages, n = 1: 0.80 ms; 4000 layers, 2 stages: 27 ms; 8 layers, 2 stages, 1F1B over one
+    stream at n = 146 (292 slots): 2.5 ms. Counting the slots alone, 4005 splits of 91 layers into 3 stages at n = 1 all
+    fitted in the budget and one predict() took 3.7 s.
+    """
     n0 = 16 + 4 * p
-    return p * (n if n <= 6 * n0 + 2 else 2 * (2 * n0 + 1) + 2 * n0)
+    return p * (n if n <= 6 * n0 + 2 else 2 * (2 * n0 + 1) + 2 * n0) + n_layers + 32
 
 
 def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, times: list[float]) -> Prediction:
@@ -725,7 +733,7 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     0's through the stages before it, stage 0's last backward for micro-batch n − 1's from stage s, and every other
     term of the step is non-negative), stopping where that bound reaches the best step priced (a feasible
     one: an infeasible split ranks after it whatever its time). So the split is the exact best under this model
-    wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_SLOTS` of simulation;
+    wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_SLOTS` of pricing;
     where the budget runs out, the best split priced (never worse than ``pred``); with more splits, ``pred`` (20-24 layers
     in 6-8 stages at n = p or 2p: it priced above a split one boundary away in 15 of 25 random settings, up to 1.10x;
     walking boundaries one layer at a time there tripled planning_scale's planning time, so it is not done).
@@ -739,7 +747,7 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
         edges = (0, *cut, n_layers)
         bounded.append((plan.accumulate_grad_batches * max(n * (pt[b] - pt[a]) + pt[a] for a, b in zip(edges, edges[1:])), cut))
     bounded.sort()
-    cost, spent = _simulated_slots(p, n), 0
+    cost, spent = _pricing_cost(p, n, n_layers), 0
     for bound, cut in bounded:
         if pred.feasible and bound >= pred.step_time_s:
             break  # no split left can price lower

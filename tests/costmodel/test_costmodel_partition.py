@@ -326,3 +326,31 @@ def test_predict_picks_the_split_it_prices_lowest_on_random_settings():
         if auto.step_time_s > best.step_time_s * (1 + 1e-12):
             worse.append((trial, auto.step_time_s / best.step_time_s, auto.stage_boundaries, best.stage_boundaries))
     assert not worse, worse
+
+
+def test_the_split_search_budget_counts_each_pricings_layers(monkeypatch):
+    """91 layers into 3 stages have 4005 splits, and at n = 1 the step-time bound orders but stops none of them (every
+    split's compute bound is the whole model's). The budget counted only simulated stage-slots (3 per pricing), so
+    predict() priced all 4005 in full, 0.8 ms each for their per-layer sums: 3.7 s for one plan, and a 91-layer model
+    on 6 devices took 11 s to plan instead of 0.15 s. Each pricing is charged its layers too."""
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.costmodel import _predict
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    layers = [LayerSpec(fwd_alpha=1e-3 * (1 + i % 3), fwd_beta=1e-4, bwd_alpha=2e-3 * (1 + i % 3), bwd_beta=1e-4, param_bytes=4 << 20,
+                        activation_bytes_per_sample=1e6, output_bytes_per_sample=1e5) for i in range(91)]
+    profile = synthetic_profile(layers, device_memory_bytes=80 << 30)
+    hw = Hardware.from_profile(profile, warn_default_links=False)
+    plan = Plan(strategy="gpipe", dp=1, pp=3, micro_batch_size=1, n_microbatches=1, global_batch_size=1)
+    real, pricings = _predict._predict_pipeline, []
+
+    def counted(*args):
+        pricings.append(args[1].stage_boundaries)
+        return real(*args)
+
+    monkeypatch.setattr(_predict, "_predict_pipeline", counted)
+    pred = predict(profile, plan, hw)
+    assert pred.feasible and len(pred.stage_boundaries) == 2
+    # one pricing costs 3 slots + 91 layers + 32 of the 2^15 budget: 260 splits beside the first
+    assert len(pricings) <= 1 + _predict._EXHAUSTIVE_SLOTS // (3 + 91 + 32)
