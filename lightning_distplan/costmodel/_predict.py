@@ -459,6 +459,23 @@ def _boundary_corrections(profile: Profile, m: int, acts: list[float]) -> tuple[
     return kept, resaved
 
 
+def _pipeline_framework(profile: Profile, plan: Plan, hw: Hardware, busy: float) -> float:
+    """A pipeline step's training loop, loss all-reduce and runtime slots, the devices busy ``busy`` seconds.
+
+    Lightning sees one training batch per step (per flush): the schedule runs the n micro-batches inside it. The
+    runtime's own work adds the same to every stage's slot, so it never changes which stage is slowest: n slots on the
+    slowest stage plus one in each of the p − 1 others (fill and drain). Never more for a larger ``busy``.
+    """
+    k, n, p, world = plan.accumulate_grad_batches, plan.n_microbatches, plan.pp, plan.world_size
+    # PipelineStrategy averages the last stage's loss over all ranks once per step (one number:
+    # latency-bound), so every rank reports the same train_loss.
+    loss_allreduce = ring_allreduce_time(4, world, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+    # measured over the profiled process group where there was one (FrameworkProfile.pipeline_slot_s)
+    measured_slot = profile.framework.pipeline_slot_s
+    slot = 0.0 if hw.host_overlap else (PIPELINE_SLOT_S if measured_slot is None else measured_slot)
+    return _loop_time(profile, hw, k, world, busy) + k * loss_allreduce + k * (n + p - 1) * slot
+
+
 def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
     k_flush = plan.accumulate_grad_batches  # flushes per optimizer step (Lightning's accumulate_grad_batches; 1 in planned plans)
@@ -599,17 +616,11 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         )
 
     allreduce = max(link_time(behind) for behind in _stages_behind_links(p, w, hw.devices_per_link))
-    # PipelineStrategy averages the last stage's loss over all ranks once per step (one number:
-    # latency-bound), so every rank reports the same train_loss.
-    loss_allreduce = ring_allreduce_time(4, w * p, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
     optimizer = c * profile.optimizer.step_time_s * max(stage_train)
     # Under accumulate_grad_batches = k every flush runs (and hybrid dp×pp all-reduces its gradients, as
     # PipelineStrategy.backward does at each) k times per optimizer step; the optimizer steps once.
     compute, bubble, p2p, allreduce = (k_flush * x for x in (compute, bubble, p2p, allreduce))
     busy = compute + bubble + optimizer
-    # measured over the profiled process group where there was one (FrameworkProfile.pipeline_slot_s)
-    measured_slot = profile.framework.pipeline_slot_s
-    slot = 0.0 if hw.host_overlap else (PIPELINE_SLOT_S if measured_slot is None else measured_slot)
     breakdown = {
         "compute": compute,
         "p2p": p2p,
@@ -617,10 +628,7 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         "exposed_comm": allreduce,
         # each stage steps its own parameters in parallel: the stage with the most parameters waits longest
         "optimizer": optimizer,
-        # Lightning sees one training batch per step: the schedule runs the n micro-batches inside it
-        # the runtime's own work adds the same to every stage's slot, so it never changes which stage
-        # is slowest: n slots on the slowest stage plus one in each of the p − 1 others (fill and drain)
-        "framework": _loop_time(profile, hw, k_flush, w * p, busy) + k_flush * loss_allreduce + k_flush * (n + p - 1) * slot,
+        "framework": _pipeline_framework(profile, plan, hw, busy),
         # each of the n + p − 1 slots ends when the slowest of the p stages hands over
         "sync_wait": k_flush * (n + p - 1) * expected_max_excess(p) * profile.step.spread * slot_compute,
     }
@@ -728,10 +736,14 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     and GPipe's separate forward and backward maxima. In 300 random settings (2-8 layers, 2-4 stages, 1-16 micro-batches,
     dp 1-4; tests/costmodel/test_costmodel_partition.py) the programme's split priced above the best split's in 55, by
     more than 5% in 18, up to 1.33× (1F1B, n = 4, one stream). Here every split is weighed in full, in the order of a
-    lower bound no split's step time goes below, k·max_s(n·C_s + Σ_{j<s} C_j) over its stages' compute C (under either
-    schedule stage s runs its n forwards and backwards one after the other, its first forward waits for micro-batch
-    0's through the stages before it, stage 0's last backward for micro-batch n − 1's from stage s, and every other
-    term of the step is non-negative), stopping where that bound reaches the best step priced (a feasible
+    lower bound no split's step time goes below, k·max_s(n·C_s + Σ_{j<s} (C_j + 2·H_j)) + O + F + S over its stages'
+    compute C, hand-overs H and optimizer step O (under either schedule stage s runs its n forwards and backwards one
+    after the other, its first forward waits for micro-batch 0's through the stages and hand-overs before it, stage 0's
+    last backward for micro-batch n − 1's from stage s back through them, the optimizer step is priced as O), the loop's
+    least time F (:func:`_pipeline_framework` with its host work hidden) and the sync wait S at the slowest stage's
+    compute (a GPipe slot's forward and backward maxima are no less); the all-reduce is non-negative. Without H, O, F
+    and S, at n = 1 every split's bound was the model's compute and none stopped the search (91 layers into 3 stages:
+    all 4005 splits priced). The search stops where that bound reaches the best step priced (a feasible
     one: an infeasible split ranks after it whatever its time). So the split is the exact best under this model
     wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_SLOTS` of pricing;
     where the budget runs out, the best split priced (never worse than ``pred``); with more splits, ``pred`` (20-24 layers
@@ -742,10 +754,24 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     if p < 2 or math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
         return pred
     pt = [0.0, *accumulate(times)]
+    trained = [0.0, *accumulate(_param_shares(profile, trainable=True))]
+    step_per_share = hw.compute_scale * profile.optimizer.step_time_s
+    # a cut before layer b hands layer b − 1's output over, the same bytes each way, as _predict_pipeline prices it
+    hand_over = [0.0] + [hw.p2p_latency_s + plan.micro_batch_size * x.output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s
+                         for x in profile.layers]
+    k = plan.accumulate_grad_batches
+    # the loop's time at its least (hidden behind any device time) and the slots' spread per slowest stage's compute
+    floor, spread = _pipeline_framework(profile, plan, hw, math.inf), k * (n + p - 1) * expected_max_excess(p) * profile.step.spread
     bounded = []
     for cut in combinations(range(1, n_layers), p - 1):  # every split into p non-empty contiguous stages
         edges = (0, *cut, n_layers)
-        bounded.append((plan.accumulate_grad_batches * max(n * (pt[b] - pt[a]) + pt[a] for a, b in zip(edges, edges[1:])), cut))
+        path = before = slowest = most = 0.0
+        for a, b in zip(edges, edges[1:]):
+            path = max(path, before + n * (pt[b] - pt[a]))
+            before += pt[b] - pt[a] + 2 * hand_over[b]
+            slowest = max(slowest, pt[b] - pt[a])
+            most = max(most, trained[b] - trained[a])
+        bounded.append((k * path + step_per_share * most + floor + spread * slowest, cut))
     bounded.sort()
     cost, spent = _pricing_cost(p, n, n_layers), 0
     for bound, cut in bounded:

@@ -328,11 +328,10 @@ def test_predict_picks_the_split_it_prices_lowest_on_random_settings():
     assert not worse, worse
 
 
-def test_the_split_search_budget_counts_each_pricings_layers(monkeypatch):
-    """91 layers into 3 stages have 4005 splits, and at n = 1 the step-time bound orders but stops none of them (every
-    split's compute bound is the whole model's). The budget counted only simulated stage-slots (3 per pricing), so
-    predict() priced all 4005 in full, 0.8 ms each for their per-layer sums: 3.7 s for one plan, and a 91-layer model
-    on 6 devices took 11 s to plan instead of 0.15 s. Each pricing is charged its layers too."""
+def _counted_pricings(monkeypatch, strategy, n, one_stream):
+    """(prediction, splits priced in full) of 91 planning_scale-like layers in 3 stages: 4005 splits."""
+    from dataclasses import replace
+
     from lightning_distplan.costmodel import Hardware, predict
     from lightning_distplan.costmodel import _predict
     from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
@@ -341,8 +340,8 @@ def test_the_split_search_budget_counts_each_pricings_layers(monkeypatch):
     layers = [LayerSpec(fwd_alpha=1e-3 * (1 + i % 3), fwd_beta=1e-4, bwd_alpha=2e-3 * (1 + i % 3), bwd_beta=1e-4, param_bytes=4 << 20,
                         activation_bytes_per_sample=1e6, output_bytes_per_sample=1e5) for i in range(91)]
     profile = synthetic_profile(layers, device_memory_bytes=80 << 30)
-    hw = Hardware.from_profile(profile, warn_default_links=False)
-    plan = Plan(strategy="gpipe", dp=1, pp=3, micro_batch_size=1, n_microbatches=1, global_batch_size=1)
+    hw = replace(Hardware.from_profile(profile, warn_default_links=False), p2p_one_stream=one_stream)
+    plan = Plan(strategy=strategy, dp=1, pp=3, micro_batch_size=1, n_microbatches=n, global_batch_size=n)
     real, pricings = _predict._predict_pipeline, []
 
     def counted(*args):
@@ -350,7 +349,27 @@ def test_the_split_search_budget_counts_each_pricings_layers(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(_predict, "_predict_pipeline", counted)
-    pred = predict(profile, plan, hw)
+    return predict(profile, plan, hw), pricings
+
+
+def test_the_split_search_budget_counts_each_pricings_layers(monkeypatch):
+    """91 layers into 3 stages have 4005 splits, and GPipe at n = 2 leaves the step-time bound loose. The budget
+    counted only simulated stage-slots (6 per pricing), so predict() priced 1017 splits in full, 0.8 ms each for
+    their per-layer sums (at n = 1, all 4005: a 91-layer model on 6 devices took 11 s to plan instead of 0.15 s).
+    Each pricing is charged its layers too."""
+    from lightning_distplan.costmodel import _predict
+
+    pred, pricings = _counted_pricings(monkeypatch, "gpipe", 2, True)
     assert pred.feasible and len(pred.stage_boundaries) == 2
-    # one pricing costs 3 slots + 91 layers + 32 of the 2^15 budget: 260 splits beside the first
-    assert len(pricings) <= 1 + _predict._EXHAUSTIVE_SLOTS // (3 + 91 + 32)
+    # one pricing costs 6 slots + 91 layers + 32 of the 2^15 budget: 254 splits beside the first
+    assert len(pricings) <= 1 + _predict._EXHAUSTIVE_SLOTS // (6 + 91 + 32)
+
+
+def test_the_split_search_stops_at_one_microbatch(monkeypatch):
+    """At n = 1 the step-time bound of compute alone was the whole model's for every split, below every priced step by
+    the hand-overs and the loss all-reduce, so it stopped none of 4005 splits: the budget's 260 were priced. With the
+    hand-overs, optimizer step, loop and sync wait in the bound, GPipe's step at n = 1 is its bound and the search
+    stops at once, with the split it would have found."""
+    pred, pricings = _counted_pricings(monkeypatch, "gpipe", 1, True)
+    assert pred.feasible
+    assert len(pricings) <= 3
