@@ -39,18 +39,24 @@ larger than the loader batch, or not dividing it) gets the right total weight sp
 its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
 batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
 later micro-batch against the user's batches, so the steps no longer follow them: warned once too
-(on several processes only a longer one: a shorter one is cut as below).
+(on several processes where the size the ranks agree on, below, is another).
 On several processes the ranks must run the same micro-batches: Lightning broadcasts at every batch
 and DDP all-reduces at every step, so ranks whose short last batches differ (a per-rank sampler or
 dataset, a stream sharded by rank: 17 and 23 samples cut by ``m = 20`` into 1 and 2 micro-batches)
-deadlocked the fit. There a loader batch shorter than the loader's batch size is cut as a full one
-is, its samples spread evenly over a full batch's places: as many micro-batches as a full batch gives
-there, of fewer samples (the weights stay as above; each holds samples of one loader batch where
-``m`` divides it). One with fewer samples than that many micro-batches (1 sample, 4 micro-batches)
-fills the others with its first sample at loss weight 0: no gradient, but ``training_step`` sees it
-(warned on that rank). As under DDP, each rank's loader must yield the same number of batches. On one
-process, or where a ``DistributedSampler`` (Lightning's) gives every rank as many samples, nothing is to
-agree on, and a short batch is cut into micro-batches of ``m``.
+deadlocked the fit. There (no ``DistributedSampler``) the ranks agree on each loader batch's size: one
+all-reduce (MAX) of two integers per loader batch, on the strategy's root device, and every rank cuts
+the batch as one of the largest size. The rank(s) holding it cut it as one process does (equal shards:
+exactly as one process, no micro-batch shorter than that cut's); a rank with fewer samples spreads them
+evenly over as many micro-batches (the weights stay as above), and where it has fewer samples than those
+micro-batches (1 sample where another rank's 23 make 3), fills the others with its first sample at loss
+weight 0: no gradient, but ``training_step`` sees it (warned on that rank). As under DDP, each rank's
+loader must yield the same number of batches (a rank whose loader ends before another's raises). The
+micro-batch loader's length, which Lightning counts, is then every loader batch counted as a full one:
+the same on every rank without a collective, and an upper bound. Where the ranks' last batches are all
+short, the epoch ends before it, and its last micro-batch is known as an ``IterableDataset``'s below
+(looked ahead for, a decision taken from the agreed sizes so the ranks meet in the same collectives).
+On one process, or where a ``DistributedSampler`` (Lightning's) gives every rank as many samples, nothing
+is to agree on, and a short batch is cut into micro-batches of ``m``.
 An ``IterableDataset`` whose ``__len__`` overstates what a rank's iterator yields (a global length over the rank's shard)
 ends the epoch before Lightning's count: the micro-batch that ends it (looked ahead for after the short last batch) steps
 exactly when the user's run steps after the loader batch ending in it; one that yields more loader batches than the
@@ -84,7 +90,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_distplan.errors import InfeasiblePlanError
+from lightning_distplan.errors import DataLoadingError, InfeasiblePlanError
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, loader_batch_size, slice_samples, uncut_part_found
 from lightning_distplan.strategies._auto_planning import check_count
@@ -530,8 +536,10 @@ class Rechunking:
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         n = sized_len(dataloader)
         self._user_epoch = n if n is None or limit is None else min(n, limit)
-        stretch = cls is None and trainer.world_size > 1 and not isinstance(loader_sampler(dataloader)[0], DistributedSampler)
-        self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit, stretch=stretch)
+        agree = None
+        if cls is None and trainer.world_size > 1 and not isinstance(loader_sampler(dataloader)[0], DistributedSampler):
+            agree = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
+        self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
         self._loader.ended = self._end_steered_step
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and sized_len(self._loader) is None:
@@ -1051,19 +1059,23 @@ class _MicroBatchLoader:
     that many loader batches. For each micro-batch it yields, the loss weight that keeps the user's
     weighting (``weight`` · its share of loader batches, see the module docstring) is queued, and
     :meth:`next_batch` hands them out in the same order as the loop consumes the micro-batches. ``ended`` (if set) is
-    called when an epoch's batches run out. ``stretch`` (set on several ranks) cuts a
-    loader batch shorter than the loader's batch size into the micro-batches a full one gives (:func:`_rebatch_pieces`),
-    so every rank runs, and counts, the same micro-batches.
+    called when an epoch's batches run out. ``agree`` (set on several ranks without a ``DistributedSampler``, see
+    :func:`_agreed_batch_sizes`) has the ranks agree on each loader batch's size, the largest of theirs, and every rank
+    cuts it as a batch of that size (:func:`_rebatch_pieces`), so every rank runs the same micro-batches. ``__len__`` then
+    counts every loader batch as a full one (the same on every rank without a collective): where the ranks' last batches
+    are all short, the epoch ends before that count, its last micro-batch looked ahead for (as an IterableDataset's).
     """
 
     ended: Callable[[], None] | None = None
 
     def __init__(
-        self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *, stretch: bool = False,
+        self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *,
+        agree: Callable[[int], tuple[int, int]] | None = None,
     ) -> None:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
-        self.stretch = stretch  # cut a short loader batch as a full one (several ranks: see _rebatch_pieces)
+        self.agree = agree  # several ranks: (largest, smallest) of the ranks' loader batch sizes (see _agreed_batch_sizes)
+        self._agreed: dict[int, int] = {}  # the size the ranks agreed on, per loader batch index of this pass
         self._weight = weight
         self._limit_batches = limit_batches
         # (loss weight, loader batches ending in it, whether the loader is known to end after it) per micro-batch yielded
@@ -1098,16 +1110,19 @@ class _MicroBatchLoader:
         # An IterableDataset's length (its __len__) may overstate what this rank's iterator yields: after a loader batch of
         # another size (the stream's short last one) look one micro-batch ahead, so its micro-batch is known as the epoch's
         # last where Lightning, counting more, does not know it (Rechunking._steer_step)
-        peek = self._stream and sized_len(self) is not None
-        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, stretch=self.stretch)
+        # (so does a loader cut as the ranks agree: __len__ counts its batches as full). Every decision that pulls a loader
+        # batch (the look-ahead) is made from agreed sizes, so the ranks meet in its collective at the same place.
+        peek = (self._stream or self.agree is not None) and sized_len(self) is not None
+        self._agreed = {}
+        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, agree=self._agree)
         item = next(micro_batches, None)
         while item is not None:
             batch, pieces = item
-            sources = [(i, n) for i, n, _, _ in pieces]
+            # (index, size): the size the ranks agreed on (where they do), which is how the batch was cut
+            sources = [(i, self._agreed.get(i, n)) for i, n, _, _ in pieces]
             if expected is None:
                 expected = sources[0][1]
-            # a short batch cut as a full one (stretch) leaves the later micro-batches where the user's batches start
-            odd = odd or next(((i, n) for i, n in sources if n > expected or (n < expected and not self.stretch)), None)
+            odd = odd or next(((i, n) for i, n in sources if n != expected), None)
             if odd is not None and sources[-1][0] > odd[0]:
                 self._warn_once("uneven", f"dp_ga: a train loader batch of {odd[1]} samples, not {expected}, came before the epoch's "
                                 f"end, so the micro-batches of {self.micro_batch_size} after it no longer start where your batches do "
@@ -1118,16 +1133,18 @@ class _MicroBatchLoader:
                                 f"({min(n for _, n in sources)} samples) to those of a full batch, and weighs them alike, where a run of "
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
-            _, n, first, end = pieces[-1]
+            index, n, first, end = pieces[-1]
             if first == end:
-                self._warn_once("filler", f"dp_ga: a train loader batch of {n} samples holds fewer samples than the micro-batches a "
-                                f"full one of {expected} is cut into, which every rank runs alike (its ranks meet at each); the "
-                                "missing ones repeat a sample with loss weight 0 (no gradient, but training_step sees it). Use "
-                                "drop_last=True, or micro_batch_size='auto', to run no such micro-batch.", any_rank=True)
-            looked = peek and n != expected and end == n
+                self._warn_once("filler", f"dp_ga: a train loader batch of {n} samples holds fewer samples than the micro-batches "
+                                f"another rank's batch of {sources[-1][1]} there is cut into, which every rank runs alike (its ranks "
+                                "meet at each); the missing ones repeat a sample with loss weight 0 (no gradient, but training_step "
+                                "sees it). Use drop_last=True, or micro_batch_size='auto', to run no such micro-batch.", any_rank=True)
+            looked = peek and sources[-1][1] != expected and first < end == n  # the agreed size: alike on every rank
             following = next(micro_batches, None) if looked else None
             self._weights.append((self._weight * _share(pieces), _ends(pieces), looked and following is None))
             self._hold_state_of(sources[0][0])
+            for old in [i for i in self._agreed if i < index]:
+                del self._agreed[old]
             yield batch
             item = following if looked else next(micro_batches, None)
         if self.ended is not None:
@@ -1199,6 +1216,24 @@ class _MicroBatchLoader:
             else:
                 rank_zero_warn(message)
 
+    def _agree(self, index: int, n: int) -> int:
+        """The size to cut loader batch ``index`` of ``n`` samples as (``n`` is the end of the epoch's batches): ``n``
+        on one rank; on several, the largest of the ranks' sizes (:func:`_agreed_batch_sizes`)."""
+        if self.agree is None:
+            return n
+        largest, smallest = self.agree(n)
+        if smallest == 0 < largest:
+            raise DataLoadingError(
+                f"dp_ga: the ranks' train loaders yielded different numbers of batches this epoch (this rank's "
+                f"{'ended after' if n == 0 else 'yielded more than'} {index}), where the ranks cut each loader batch alike and meet "
+                "at each, so they must yield as many (as under DDP).",
+                hint="Give each rank's loader as many batches (a DistributedSampler, or drop_last=True with shards of equal "
+                "sizes).",
+            )
+        if largest != n:
+            self._agreed[index] = largest
+        return largest
+
     def _samples(self) -> int:
         """Samples per epoch through :meth:`_batches`; TypeError (Lightning: not sized) when unknown."""
         n = _samples_per_epoch(self._loader)
@@ -1219,11 +1254,12 @@ class _MicroBatchLoader:
             return self._resume[1]
         samples = self._samples()
         batch = loader_batch_size(self._loader)
-        if self.stretch and batch:  # every loader batch is cut as a full one
+        # several ranks: each batch counted as a full one (another rank's may be: each rank's count alike, no collective)
+        if self.agree is not None and batch:
             samples = math.ceil(samples / batch) * batch
         return math.ceil(samples / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "stretch", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
+    _OWN = frozenset({"_loader", "micro_batch_size", "agree", "_agreed", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
                       "_states", "_held", "_exhausted", "ended"})
 
     def __getattr__(self, name: str) -> Any:
@@ -1286,24 +1322,27 @@ Piece = tuple[int, int, int, int]
 """Where some of a micro-batch's samples come from: (index of the loader batch in this pass, its size, first, end)."""
 
 
-def _rebatch_pieces(batches: Iterable[Any], m: int, expected: int | None = None, *, stretch: bool = False) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
+def _rebatch_pieces(
+    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[[int, int], int] | None = None,
+) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
     tells the batch dimension from per-batch constants (:class:`BatchSizer`).
 
-    ``stretch`` (several ranks): a loader batch shorter than ``expected`` is cut as a full one would be, its samples
-    spread evenly over the ``expected`` places of a full batch, so it gives as many micro-batches as a full batch in the
-    same place, whatever its size (ranks whose short batches differ run the same micro-batches: Lightning and DDP meet in
-    a collective at each). A micro-batch whose places hold none of its samples (a batch of fewer samples than
-    micro-batches) is a filler: the batch's first sample, with a piece of no samples (``first == end == 0``: loss
-    weight 0)."""
+    ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
+    0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`). A batch
+    of that size is cut as it is; a smaller one has its samples spread evenly over that many places, so it gives the
+    same micro-batches (ranks whose short batches differ run the same ones: Lightning and DDP meet in a collective at
+    each). A micro-batch whose places hold none of its samples (a batch of fewer samples than micro-batches) is a
+    filler: the batch's first sample, with a piece of no samples (``first == end == 0``: loss weight 0)."""
     sizer = BatchSizer(expected)
     pending: list[tuple[Any, Piece]] = []  # (samples, where they come from)
-    have = 0  # places of the micro-batch filled (samples, or a stretched batch's places)
+    have = 0  # places of the micro-batch filled (samples, or a spread batch's places)
+    i = -1
     for i, batch in enumerate(batches):
         n = _batch_n(batch, sizer)
         if i == 0 and n != m:
             _refuse_uncut_parts(batch, n, m)
-        places = expected if stretch and expected is not None and n < expected else n  # n places hold n samples: one each
+        places = n if agree is None else agree(i, n)  # n places hold n samples: one each
         offset = 0
         while offset < places:
             take = min(m - have, places - offset)
@@ -1316,8 +1355,19 @@ def _rebatch_pieces(batches: Iterable[Any], m: int, expected: int | None = None,
             if have == m:
                 yield _joined_or_filler(pending, batch, i, n)
                 pending, have = [], 0
+    if agree is not None:
+        agree(i + 1, 0)  # the ranks' loaders end together (a rank that has another batch raises)
     if have:
         yield _joined_or_filler(pending, batch, i, n)
+
+
+def _agreed_batch_sizes(device: torch.device, n: int) -> tuple[int, int]:
+    """The largest and the smallest of the ranks' ``n`` (this rank's loader batch size; 0: its loader ended), by one
+    all-reduce of two integers on ``device`` (the strategy's root device, so NCCL can)."""
+    sizes = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
+    largest, negative_smallest = sizes.tolist()
+    return largest, -negative_smallest
 
 
 def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, index: int, n: int) -> tuple[Any, tuple[Piece, ...]]:

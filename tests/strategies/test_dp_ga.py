@@ -1112,12 +1112,12 @@ class _ShardOfStream(torch.utils.data.IterableDataset):
         return len(self.x)
 
 
-def _fit_ddp_and_dp_ga(loader: Any, devices: int, accumulate: int, m: int) -> dict[str, tuple[Any, ...]]:
+def _fit_ddp_and_dp_ga(loader: Any, devices: int, accumulate: int, m: int, model_class: Any = None) -> dict[str, tuple[Any, ...]]:
     """DDP and dp_ga (micro-batches of ``m``) over ``loader`` for 2 epochs: (estimated_stepping_batches, optimizer steps,
-    learning rate at each step, weights) of each."""
+    learning rate at each step, weights) of each. ``model_class``: :class:`_ScheduledOver` (default) or a subclass."""
     runs = {}
     for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=m))):
-        model = _ScheduledOver(loader)
+        model = (model_class or _ScheduledOver)(loader)
         trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, max_epochs=2, limit_val_batches=0,
                                              accumulate_grad_batches=accumulate))
         trainer.fit(model)
@@ -1261,9 +1261,30 @@ def test_accumulation_steering_zeroes_and_steps_as_asked() -> None:
                     assert (index % a == 0, (index + 1) % a == 0) == (first, step), (index, first, step, a)
 
 
-def _fit_sharded_stream(rank: int, world_size: int, cases: list[tuple[Any, int, int]]) -> list[dict[str, tuple[Any, ...]]]:
+def _fit_sharded_stream(rank: int, world_size: int, cases: list[tuple[Any, ...]]) -> tuple[list[dict[str, tuple[Any, ...]]], str]:
+    """The runs of each case, then the error dp_ga raises where the ranks' loaders yield 1 and 2 batches (last: the fit
+    stops there)."""
     torch.manual_seed(0)
-    return [_fit_ddp_and_dp_ga(loader, world_size, accumulate, m) for loader, accumulate, m in cases]
+    runs = [_fit_ddp_and_dp_ga(loader, world_size, *rest) for loader, *rest in cases]
+    model = _ScheduledOver(functools.partial(_uneven_loader, sizes=(30, 63)))
+    trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=20), devices=world_size, max_epochs=1, limit_val_batches=0))
+    with pytest.raises(ValueError, match="different numbers of batches") as error:
+        trainer.fit(model)
+    return runs, str(error.value)
+
+
+class _ScheduledOverBatchNorm(_ScheduledOver):
+    """:class:`_ScheduledOver` plus a training BatchNorm1d (no running statistics) over a feature that is constant over the
+    samples, so its output (its bias) and gradients do not depend on how a batch is cut, but, as every BatchNorm in
+    training, it refuses a batch of 1 sample ("Expected more than 1 value per channel when training")."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        self.norm = torch.nn.BatchNorm1d(1, track_running_stats=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        return torch.nn.functional.mse_loss(self.lin(x) + self.norm(x.new_ones(len(x), 1)), batch[1])
 
 
 def _sharded_loader(x: torch.Tensor, n: int) -> Any:
@@ -1302,17 +1323,28 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
 
     Shards of unequal sizes (the same number of loader batches of 40 per rank, the last ones of 17 and 23 samples) with
     m=20: rank 0 cut its last batch into 1 micro-batch and rank 1 into 2, and the fit hung (Lightning broadcasts at every
-    batch, DDP all-reduces at every step: one rank waited in a collective the other never reached). Every rank now cuts a
-    short batch into as many micro-batches as a full one; also where a rank's last batch (1 sample) holds fewer samples
-    than that (m=10, 4 micro-batches per batch: 3 of them repeat the sample with loss weight 0)."""
+    batch, DDP all-reduces at every step: one rank waited in a collective the other never reached). The ranks now agree
+    on each loader batch's size (the largest of theirs, 23) and cut it as that: rank 0 spreads its 17 samples over the 2
+    micro-batches; also where a rank's last batch (1 sample) holds fewer samples than those (m=10, 3 micro-batches for
+    the batch of 23: 2 of them repeat the sample with loss weight 0).
+
+    Equal shards of 43 samples (last batches of 3) with m=10 and a BatchNorm1d in training: f09f7a5 cut every short
+    batch as a full one of 40 (4 micro-batches: 3 of 1 sample and a filler), and BatchNorm refused the batch of 1 sample
+    where DDP runs; the agreed size (3) cuts it into one micro-batch of 3, as one process does.
+
+    Shards whose loaders yield 1 and 2 batches (DDP itself aborts there): both ranks raise, rather than one waiting in
+    the agreement the other never makes."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
         (functools.partial(_uneven_loader, sizes=(57, 63)), 1, 20),
         (functools.partial(_uneven_loader, sizes=(41, 63)), 2, 10),
+        (functools.partial(_uneven_loader, sizes=(43, 43)), 1, 10, _ScheduledOverBatchNorm),
     ]
     results = run_on_ranks(_fit_sharded_stream, 2, cases)
     torch.set_num_threads(1)
-    for steps, ranks in zip((6, 4, 4, 2), zip(*results)):
+    for steps, ranks in zip((6, 4, 4, 2, 4), zip(*(runs for runs, _ in results))):
         for runs in ranks:
             _assert_as_ddp(runs, steps)
+    assert ["this rank's ended after 1)" in results[0][1], "this rank's yielded more than 1)" in results[1][1]] == [True, True], results
+    assert all(" HINT: " in error for _, error in results)
