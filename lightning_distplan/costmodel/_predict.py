@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from itertools import accumulate, combinations
+from itertools import accumulate
 from statistics import NormalDist
 from typing import TYPE_CHECKING
 
@@ -736,14 +736,12 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     and GPipe's separate forward and backward maxima. In 300 random settings (2-8 layers, 2-4 stages, 1-16 micro-batches,
     dp 1-4; tests/costmodel/test_costmodel_partition.py) the programme's split priced above the best split's in 55, by
     more than 5% in 18, up to 1.33× (1F1B, n = 4, one stream). Here every split is weighed in full, in the order of a
-    lower bound no split's step time goes below, k·max_s(n·C_s + Σ_{j<s} (C_j + 2·H_j)) + O + F + S over its stages'
-    compute C, hand-overs H and optimizer step O (under either schedule stage s runs its n forwards and backwards one
-    after the other, its first forward waits for micro-batch 0's through the stages and hand-overs before it, stage 0's
-    last backward for micro-batch n − 1's from stage s back through them, the optimizer step is priced as O), the loop's
-    least time F (:func:`_pipeline_framework` with its host work hidden) and the sync wait S at the slowest stage's
-    compute (a GPipe slot's forward and backward maxima are no less); the all-reduce is non-negative. Without H, O, F
-    and S, at n = 1 every split's bound was the model's compute and none stopped the search (91 layers into 3 stages:
-    all 4005 splits priced). The search stops where that bound reaches the best step priced (a feasible
+    lower bound no split's step time goes below (:func:`_split_bounds`: the schedule's fill and drain through the other
+    stages and hand-overs, GPipe's passes each a pipeline, the optimizer step and all-reduce of the stage with the most
+    trainable parameters, the loop's least time and the sync wait). With compute alone in it, at n = 1 every split's
+    bound was the model's compute and none stopped the search (91 layers into 3 stages: all 4005 splits priced); without
+    the drain, the passes and the all-reduce, GPipe at n = 2-4 and 1F1B at n = p spent the whole budget (0.2-0.4 s a
+    plan; 248 pricings for GPipe dp = 2 at n = 3, 3 now). The search stops where that bound reaches the best step priced (a feasible
     one: an infeasible split ranks after it whatever its time). So the split is the exact best under this model
     wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_SLOTS` of pricing;
     where the budget runs out, the best split priced (never worse than ``pred``); with more splits, ``pred`` (20-24 layers
@@ -753,26 +751,7 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     p, n, n_layers = plan.pp, plan.n_microbatches, len(times)
     if p < 2 or math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
         return pred
-    pt = [0.0, *accumulate(times)]
-    trained = [0.0, *accumulate(_param_shares(profile, trainable=True))]
-    step_per_share = hw.compute_scale * profile.optimizer.step_time_s
-    # a cut before layer b hands layer b − 1's output over, the same bytes each way, as _predict_pipeline prices it
-    hand_over = [0.0] + [hw.p2p_latency_s + plan.micro_batch_size * x.output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s
-                         for x in profile.layers]
-    k = plan.accumulate_grad_batches
-    # the loop's time at its least (hidden behind any device time) and the slots' spread per slowest stage's compute
-    floor, spread = _pipeline_framework(profile, plan, hw, math.inf), k * (n + p - 1) * expected_max_excess(p) * profile.step.spread
-    bounded = []
-    for cut in combinations(range(1, n_layers), p - 1):  # every split into p non-empty contiguous stages
-        edges = (0, *cut, n_layers)
-        path = before = slowest = most = 0.0
-        for a, b in zip(edges, edges[1:]):
-            path = max(path, before + n * (pt[b] - pt[a]))
-            before += pt[b] - pt[a] + 2 * hand_over[b]
-            slowest = max(slowest, pt[b] - pt[a])
-            most = max(most, trained[b] - trained[a])
-        bounded.append((k * path + step_per_share * most + floor + spread * slowest, cut))
-    bounded.sort()
+    bounded = _split_bounds(profile, plan, hw, times, pred.step_time_s if pred.feasible else math.inf)
     cost, spent = _pricing_cost(p, n, n_layers), 0
     for bound, cut in bounded:
         if pred.feasible and bound >= pred.step_time_s:
@@ -786,6 +765,85 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
         if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
             pred = priced
     return pred
+
+
+def _split_bounds(profile: Profile, plan: Plan, hw: Hardware, times: list[float], limit: float) -> list[tuple[float, tuple[int, ...]]]:
+    """(lower bound of the step, boundaries) of every split into ``plan.pp`` contiguous stages whose bound is below ``limit``, lowest first.
+
+    The bound, k·(max(max_s(Σ_{j<s} (C_j + 2·H_j) + n·C_s + I_s), G) + A) + O + F + S, over the stages' compute C
+    (forward F, backward B), the hand-overs H after them, the all-reduce A over dp and optimizer step O of the stage with
+    the most trainable parameters, the loop's least time F (:func:`_pipeline_framework` with its host work hidden) and
+    the sync wait S at the slowest stage's compute. Stage s's first forward waits for micro-batch 0's through the
+    stages and hand-overs before it, stage 0's last backward for micro-batch n − 1's from stage s back through them,
+    and stage s runs its n forwards and backwards one at a time, idle I_s at least: after its first forward it runs
+    w_s − 1 more (stage_order: all n under GPipe, min(n, p − s) under 1F1B) before micro-batch 0 comes back through the
+    later stages, D_s = Σ_{j>s} C_j + 2·Σ_{j≥s} H_j, so max(0, D_s − (w_s − 1)·F_s); after its last forward it runs
+    w_s − 1 backwards before micro-batch n − 1 comes back, max(0, D_s − (w_s − 1)·B_s); the two waits apart (their sum)
+    where it runs a forward after its first backward (n > w_s), else the larger. Under GPipe each pass is also a
+    pipeline of its own: G = Σ C + 2·Σ H + (n − 1)·(max F + max B); under 1F1B G = 0. The priced step's all-reduce is
+    that of the busiest link's stages (at least the largest stage's), and its schedule also waits for its links; so no
+    split's step goes below its bound (tests/costmodel/test_costmodel_partition.py checks it on random settings).
+
+    The splits are enumerated stage by stage, and a prefix whose bound over its own stages (the later hand-overs left
+    out, which only adds to D) already reaches ``limit`` is not extended: that bound grows with the stage's last layer and
+    with every stage added, so no split behind it can go below; nor is one whose layers left, in the stages left, put at
+    least their share on one stage that would reach it (91 layers into 3 stages, GPipe at n = 3: 187 bounds, not 4005).
+    """
+    p, n, n_layers = plan.pp, plan.n_microbatches, len(times)
+    pt = [0.0, *accumulate(times)]
+    pf = [0.0, *accumulate(_layer_times(profile, plan.micro_batch_size, hw.compute_scale)[0])]
+    trained = [0.0, *accumulate(_param_shares(profile, trainable=True))]
+    step_per_share = hw.compute_scale * profile.optimizer.step_time_s
+    # a cut before layer b hands layer b − 1's output over, the same bytes each way, as _predict_pipeline prices it
+    hand_over = [0.0] + [hw.p2p_latency_s + plan.micro_batch_size * x.output_bytes_per_sample / hw.p2p_bandwidth_bytes_per_s
+                         for x in profile.layers]
+    k = plan.accumulate_grad_batches
+    gpipe = plan.strategy == "gpipe"
+    warmup = [n if gpipe else min(n, p - s) for s in range(p)]  # forwards each stage runs before its first backward
+    # the loop's time at its least (hidden behind any device time) and the slots' spread per slowest stage's compute
+    floor, spread = _pipeline_framework(profile, plan, hw, math.inf), k * (n + p - 1) * expected_max_excess(p) * profile.step.spread
+
+    def bound(edges: tuple[int, ...], rest: bool = False) -> float:
+        """The bound over the stages between ``edges``: all, or the first ones with only their own hand-overs counted
+        and, with ``rest``, the layers after them in the stages left (one of which holds at least their share)."""
+        whole = pt[-1] + 2 * sum(hand_over[b] for b in edges[1:-1])  # micro-batch 0's way through every stage and back
+        path = before = slowest = most = forward = backward = 0.0
+        for s, (a, b) in enumerate(zip(edges, edges[1:])):
+            compute, fwd = pt[b] - pt[a], pf[b] - pf[a]
+            # micro-batch 0's way back to stage s after its forward, less the forwards s runs meanwhile, and micro-batch
+            # n − 1's, less the backwards s runs meanwhile: apart where s runs a forward after its first backward
+            way, held = whole - before - compute, warmup[s] - 1
+            first, last = max(0.0, way - held * fwd), max(0.0, way - held * (compute - fwd))
+            path = max(path, before + n * compute + (first + last if n > warmup[s] else max(first, last)))
+            before += compute + 2 * hand_over[b]
+            slowest, forward, backward = max(slowest, compute), max(forward, fwd), max(backward, compute - fwd)
+            most = max(most, trained[b] - trained[a])
+        if rest:
+            share = (pt[-1] - pt[edges[-1]]) / (p + 1 - len(edges))
+            path, slowest = max(path, before + n * share), max(slowest, share)
+        if gpipe:
+            path = max(path, whole + (n - 1) * max(forward + backward, slowest))
+        allreduce = ring_allreduce_time(most * profile.memory.grad_bytes, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
+        return k * (path + allreduce) + step_per_share * most + floor + spread * slowest
+
+    bounded = []
+
+    def extend(edges: tuple[int, ...]) -> None:  # edges: 0 and the cuts so far
+        final = len(edges) == p - 1  # the next cut is the last: the last stage takes the rest
+        for b in range(edges[-1] + 1, n_layers - (p - 1 - len(edges))):
+            prefix = (*edges, b)
+            if bound(prefix) >= limit:  # grows with b
+                break
+            if final:
+                full = bound((*prefix, n_layers))
+                if full < limit:
+                    bounded.append((full, prefix[1:]))
+            elif bound(prefix, rest=True) < limit:
+                extend(prefix)
+
+    extend((0,))
+    bounded.sort()
+    return bounded
 
 
 def _stages_behind_links(p: int, w: int, devices_per_link: int) -> list[frozenset[int]]:
