@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from lightning_distplan.costmodel._hardware import Hardware
 from lightning_distplan.costmodel._partition import partition_pipeline, stage_sums
-from lightning_distplan.costmodel._schedule import schedule_time
+from lightning_distplan.costmodel._schedule import schedule_time, simulated_microbatches
 from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
 if TYPE_CHECKING:
@@ -714,14 +714,13 @@ _EXHAUSTIVE_SLOTS = 1 << 15
 def _pricing_cost(p: int, n: int, n_layers: int) -> int:
     """One full pricing of a p-stage, n-micro-batch split of ``n_layers`` layers, in stage-slots of simulation.
 
-    The stage-slots schedule_time simulates (its line past 6·n0 + 2), plus one per layer and 32 for the rest:
+    The stage-slots schedule_time simulates (:func:`~lightning_distplan.costmodel._schedule.simulated_microbatches`), plus one per layer and 32 for the rest:
     _predict_pipeline's per-layer sums cost about what a simulated slot does. Measured per pricing: 8 layers, 2 stages,
     n = 1: 0.34 ms; 91 layers, 3 stages, n = 1: 0.80 ms; 4000 layers, 2 stages: 27 ms; 8 layers, 2 stages, 1F1B over one
     stream at n = 146 (292 slots): 2.5 ms. Counting the slots alone, 4005 splits of 91 layers into 3 stages at n = 1 all
     fitted in the budget and one predict() took 3.7 s.
     """
-    n0 = 16 + 4 * p
-    return p * (n if n <= 6 * n0 + 2 else 2 * (2 * n0 + 1) + 2 * n0) + n_layers + 32
+    return p * simulated_microbatches(p, n) + n_layers + 32
 
 
 def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, times: list[float]) -> Prediction:

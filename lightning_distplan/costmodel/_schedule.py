@@ -141,6 +141,24 @@ def _program(strategy: str, n: int, p: int, k: int, op: Callable, run: Callable,
     return program
 
 
+def _line_start(p: int) -> int:
+    """n0: past 6·n0 + 2 micro-batches, :func:`schedule_time` simulates n0, n0 + 1, 2·n0 and 2·n0 + 1 of ``p`` stages
+    and extends the line through them."""
+    return 16 + 4 * p
+
+
+def simulated_microbatches(p: int, n: int) -> int:
+    """The micro-batches per stage :func:`schedule_time` simulates for ``n`` of ``p`` stages: ``n``, or past 6·n0 + 2 the
+    four short runs of :func:`_line_start`'s n0, 6·n0 + 2 together (also what a priced split costs,
+    ``_predict._pricing_cost``).
+
+    Example:
+        >>> simulated_microbatches(2, 100), simulated_microbatches(2, 10_000)
+        (100, 146)
+    """
+    return min(n, 6 * _line_start(p) + 2)
+
+
 def schedule_time(
     stage_fwd: Sequence[float],
     stage_bwd: Sequence[float],
@@ -174,8 +192,8 @@ def schedule_time(
         34.0
     """
     p = len(stage_fwd)
-    n0 = 16 + 4 * p
-    if n > 6 * n0 + 2:  # below, the four short runs cost more than the long one
+    n0 = _line_start(p)
+    if simulated_microbatches(p, n) < n:  # below, the four short runs cost more than the long one
         # Past the fill every further micro-batch adds the same period, so t(n) is affine in n.
         # Simulate n0, n0 + 1, 2·n0 and 2·n0 + 1 micro-batches and extend the line when all four lie
         # on it (so in every random case of tests/costmodel/test_costmodel_schedule.py); else

@@ -95,7 +95,7 @@ def test_long_schedules_extend_the_simulated_line_exactly() -> None:
     event-by-event simulation of all n."""
     import random
 
-    from lightning_distplan.costmodel._schedule import _simulate
+    from lightning_distplan.costmodel._schedule import _simulate, simulated_microbatches
 
     rng = random.Random(0)
     for _ in range(12):
@@ -104,9 +104,28 @@ def test_long_schedules_extend_the_simulated_line_exactly() -> None:
         bwd = [rng.uniform(0.1, 4) for _ in range(p)]
         hand = [rng.choice([0.0, rng.uniform(0, 3)]) for _ in range(p - 1)]
         strategy, shared = rng.choice(["gpipe", "1f1b"]), rng.choice([False, True])
-        for n in (6 * (16 + 4 * p) + 3, 400):
+        for n in (simulated_microbatches(p, 10**9) + 1, 400):  # the first past the line, and one further
             full = _simulate(fwd, bwd, n, strategy, hand, shared)
             assert schedule_time(fwd, bwd, n, strategy, hand, shared_stream=shared) == pytest.approx(full, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 3, 8])
+def test_simulated_microbatches_is_where_schedule_time_takes_its_line(p: int) -> None:
+    """_predict._pricing_cost charges a pricing what schedule_time simulates (simulated_microbatches); it repeated
+    schedule_time's cutoff by hand. Up to the cutoff schedule_time simulates n itself (no short runs), one past it the
+    four short runs it extends the line through, 6·n0 + 2 micro-batches together."""
+    from lightning_distplan.costmodel._schedule import _line_start, _simulate_cached, simulated_microbatches
+
+    cutoff = simulated_microbatches(p, 10**9)
+    assert simulated_microbatches(p, cutoff) == cutoff and simulated_microbatches(p, 5) == 5
+    fwd, bwd = [1.0 + 0.123 * p + 0.001 * k for k in range(p)], [2.0] * p  # stages no other test simulates
+    before = _simulate_cached.cache_info().misses
+    schedule_time(fwd, bwd, cutoff, "gpipe")
+    assert _simulate_cached.cache_info().misses == before
+    schedule_time(fwd, bwd, cutoff + 1, "gpipe")
+    assert _simulate_cached.cache_info().misses == before + 4
+    n0 = _line_start(p)
+    assert n0 + (n0 + 1) + 2 * n0 + (2 * n0 + 1) == cutoff
 
 
 def test_fast_routes_give_the_event_by_event_length() -> None:
