@@ -476,12 +476,14 @@ def _pipeline_framework(profile: Profile, plan: Plan, hw: Hardware, busy: float)
     return _loop_time(profile, hw, k, world, busy) + k * loss_allreduce + k * (n + p - 1) * slot
 
 
-def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
+def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]] | None = None) -> Prediction:
+    """:func:`predict` of a pipeline plan; ``layer_times``: :func:`_layer_times` at the plan's micro-batch, where the caller has them
+    (another split of the same plan: the split search prices many)."""
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
     k_flush = plan.accumulate_grad_batches  # flushes per optimizer step (Lightning's accumulate_grad_batches; 1 in planned plans)
     n_layers = len(profile.layers)
     c = hw.compute_scale
-    fwd_times, bwd_times = _layer_times(profile, m, c)
+    fwd_times, bwd_times = layer_times if layer_times is not None else _layer_times(profile, m, c)
     times = [f + b for f, b in zip(fwd_times, bwd_times)]
     acts = _layer_activations(profile, m)
     # Parameters spread by each layer's parameter bytes; gradients, optimizer state, its step time and the
@@ -694,11 +696,11 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware) -> Prediction:
         pred = _shorter_allreduce_splits(profile, plan, hw, pred, *frontier)
     for other in dict.fromkeys(alternatives):
         if other != pred.stage_boundaries:
-            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=other), hw)
+            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=other), hw, (fwd_times, bwd_times))
             if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
                 pred = priced
     if not plan.stage_boundaries and not notes:  # where no split fits in memory, the programme's split keeps saying so
-        pred = _best_priced_split(profile, plan, hw, pred, times)
+        pred = _best_priced_split(profile, plan, hw, pred, (fwd_times, bwd_times))
     return pred
 
 
@@ -723,7 +725,7 @@ def _pricing_cost(p: int, n: int, n_layers: int) -> int:
     return p * simulated_microbatches(p, n) + n_layers + 32
 
 
-def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, times: list[float]) -> Prediction:
+def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, layer_times: tuple[list[float], list[float]]) -> Prediction:
     """``pred``, or the prediction of the contiguous split that :func:`predict` itself prices lowest, where every split can be weighed.
 
     Not called where the programme found no split that fits every stage in memory: every split is then infeasible, and
@@ -747,10 +749,10 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     in 6-8 stages at n = p or 2p: it priced above a split one boundary away in 15 of 25 random settings, up to 1.10x;
     walking boundaries one layer at a time there tripled planning_scale's planning time, so it is not done).
     """
-    p, n, n_layers = plan.pp, plan.n_microbatches, len(times)
+    p, n, n_layers = plan.pp, plan.n_microbatches, len(profile.layers)
     if p < 2 or math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
         return pred
-    bounded = _split_bounds(profile, plan, hw, times, pred.step_time_s if pred.feasible else math.inf)
+    bounded = _split_bounds(profile, plan, hw, layer_times, pred.step_time_s if pred.feasible else math.inf)
     cost, spent = _pricing_cost(p, n, n_layers), 0
     for bound, cut in bounded:
         if pred.feasible and bound >= pred.step_time_s:
@@ -760,14 +762,18 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
         if cut == pred.stage_boundaries:
             continue
         spent += cost
-        priced = _predict_pipeline(profile, replace(plan, stage_boundaries=cut), hw)
+        priced = _predict_pipeline(profile, replace(plan, stage_boundaries=cut), hw, layer_times)
         if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
             pred = priced
     return pred
 
 
-def _split_bounds(profile: Profile, plan: Plan, hw: Hardware, times: list[float], limit: float) -> list[tuple[float, tuple[int, ...]]]:
+def _split_bounds(
+    profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]], limit: float
+) -> list[tuple[float, tuple[int, ...]]]:
     """(lower bound of the step, boundaries) of every split into ``plan.pp`` contiguous stages whose bound is below ``limit``, lowest first.
+
+    ``layer_times``: each layer's forward and backward times (:func:`_layer_times` at the plan's micro-batch).
 
     The bound, k·(max(max_s(Σ_{j<s} (C_j + 2·H_j) + n·C_s + I_s), G) + A) + O + F + S, over the stages' compute C
     (forward F, backward B), the hand-overs H after them, the all-reduce A over dp and optimizer step O of the stage with
@@ -788,9 +794,9 @@ def _split_bounds(profile: Profile, plan: Plan, hw: Hardware, times: list[float]
     with every stage added, so no split behind it can go below; nor is one whose layers left, in the stages left, put at
     least their share on one stage that would reach it (91 layers into 3 stages, GPipe at n = 3: 187 bounds, not 4005).
     """
-    p, n, n_layers = plan.pp, plan.n_microbatches, len(times)
-    pt = [0.0, *accumulate(times)]
-    pf = [0.0, *accumulate(_layer_times(profile, plan.micro_batch_size, hw.compute_scale)[0])]
+    p, n, n_layers = plan.pp, plan.n_microbatches, len(profile.layers)
+    pt = [0.0, *accumulate(f + b for f, b in zip(*layer_times))]
+    pf = [0.0, *accumulate(layer_times[0])]
     trained = [0.0, *accumulate(_param_shares(profile, trainable=True))]
     step_per_share = hw.compute_scale * profile.optimizer.step_time_s
     # a cut before layer b hands layer b − 1's output over, the same bytes each way, as _predict_pipeline prices it
