@@ -109,6 +109,20 @@ def test_long_schedules_extend_the_simulated_line_exactly() -> None:
             assert schedule_time(fwd, bwd, n, strategy, hand, shared_stream=shared) == pytest.approx(full, rel=1e-9)
 
 
+def test_the_line_waits_for_the_busiest_stage_to_become_the_bottleneck() -> None:
+    """1F1B, stages of 0.995, 0, 0.36 and 0.98 s a micro-batch: the last one, behind by the fill, set the period
+    (0.98 s) from 32 to 65 micro-batches, and the first (0.995 s) only from about 70 on. The line through the four
+    short runs priced 400 micro-batches at 393.355 s, below the 398 s the first stage alone computes; a period below
+    the busiest stage's work is not the line's, so schedule_time simulates all n there."""
+    from lightning_distplan.costmodel._schedule import _simulate
+
+    fwd, bwd = [0.35, 0.0, 0.27, 0.15], [0.645, 0.0, 0.09, 0.83]
+    for n in (291, 400):
+        t = schedule_time(fwd, bwd, n, "1f1b")
+        assert t >= n * 0.995
+        assert t == pytest.approx(_simulate(fwd, bwd, n, "1f1b", [0.0] * 3, False), rel=1e-9)
+
+
 @pytest.mark.parametrize("p", [2, 3, 8])
 def test_simulated_microbatches_is_where_schedule_time_takes_its_line(p: int) -> None:
     """_predict._pricing_cost charges a pricing what schedule_time simulates (simulated_microbatches); it repeated
