@@ -50,7 +50,11 @@ exactly as one process, no micro-batch shorter than that cut's); a rank with few
 evenly over as many micro-batches (the weights stay as above), and where it has fewer samples than those
 micro-batches (1 sample where another rank's 23 make 3), fills the others with its first sample at loss
 weight 0: no gradient, but ``training_step`` sees it (warned on that rank). As under DDP, each rank's
-loader must yield the same number of batches (a rank whose loader ends before another's raises). The
+loader must yield the same number of batches: where the ranks' loaders report one length (a stream with a
+global ``__len__``) a rank whose loader ends first raises on every rank; where their lengths differ (per-rank
+map-style datasets of different batch counts) Lightning stops each at its own and the ranks fall out of step
+(as DDP's do). Known gap: ranks whose batch samplers give batches of different sizes in the middle of an
+epoch can decide the look-ahead below differently and meet in different collectives. The
 micro-batch loader's length, which Lightning counts, is then every loader batch counted as a full one:
 the same on every rank without a collective, and an upper bound. Where the ranks' last batches are all
 short, the epoch ends before it, and its last micro-batch is known as an ``IterableDataset``'s below
