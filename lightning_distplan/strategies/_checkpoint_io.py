@@ -16,8 +16,7 @@ In a multi-process fit global rank 0 alone writes the file. Where that failed (a
 that is a folder) it alone raised the clear error, and the other ranks, waiting in Lightning's barrier after the save,
 saw only gloo's "Connection closed by peer" (or waited until the timeout). :meth:`AtomicSaves.save_checkpoint` ends
 in one all-reduce that tells every rank whether, and where, the save failed (:func:`raise_on_every_rank`), and every
-rank raises that error; it takes the place of Lightning's barrier after the save, so a save that succeeds waits as
-long as before.
+rank raises that error (Lightning's barrier after the save then finds every rank there).
 """
 
 from __future__ import annotations
@@ -222,7 +221,6 @@ class AtomicSaves:
     that read one (:func:`~lightning_distplan.strategies._checkpoint.join_resume_reads`)."""
 
     _checkpoint_io: CheckpointIO | None
-    _saved_together = False  # a save's all-reduce ran since the last barrier: Trainer.save_checkpoint's barrier is done
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Lightning's (global rank 0 writes the file), then every rank raises the error that write raised, if any."""
@@ -231,9 +229,7 @@ class AtomicSaves:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
         except Exception as err:  # not a KeyboardInterrupt: no collective then
             failure = err
-        self._saved_together = False
         raise_on_every_rank(failure, doing="saving the checkpoint", device=self.root_device)  # type: ignore[attr-defined]
-        self._saved_together = True
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
@@ -242,14 +238,6 @@ class AtomicSaves:
         module = self.lightning_module  # type: ignore[attr-defined]
         if module is not None and module._trainer is not None:
             join_resume_reads(module._trainer)
-
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        # Trainer.save_checkpoint's barrier waits for global rank 0's write, which the save's own all-reduce came after
-        if name == "Trainer.save_checkpoint" and self._saved_together:
-            self._saved_together = False
-            return
-        self._saved_together = False
-        super().barrier(name, *args, **kwargs)  # type: ignore[misc]
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
