@@ -263,11 +263,17 @@ def _open_folder(parent: Path, path: Path) -> int:
 
 def _open_lock_file(parent: Path, path: Path) -> int:
     """The lock file of the database at ``path`` in the temporary folder (where its folder cannot be locked)."""
+    return os.open(_temp_lock_path("sqlite", str(parent / path.name)), os.O_RDWR | os.O_CREAT, 0o666)
+
+
+def _temp_lock_path(kind: str, what: str, suffix: str = "") -> Path:
+    """``distplan-<kind>-<hash of what><suffix>.lock`` in the temporary folder: a lock file every run of this user's
+    machine that locks ``what`` names alike."""
     import hashlib
     import tempfile
 
-    key = hashlib.sha256(str(parent / path.name).encode()).hexdigest()[:20]
-    return os.open(Path(tempfile.gettempdir()) / f"distplan-sqlite-{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    key = hashlib.sha256(what.encode()).hexdigest()[:20]
+    return Path(tempfile.gettempdir()) / f"distplan-{kind}-{key}{suffix}.lock"
 
 
 @contextlib.contextmanager
@@ -281,9 +287,6 @@ def worker_slot(url: str, study_name: str) -> Any:
     URL less its password) and the study name, and removed by the run that held it (a killed run's is freed by the
     kernel and taken again); a k whose file cannot be opened (another user's) is passed over, as taken. 0 where there
     is no flock (not POSIX) or no temporary folder to write."""
-    import hashlib
-    import tempfile
-
     try:
         import fcntl
     except ImportError:
@@ -291,11 +294,10 @@ def worker_slot(url: str, study_name: str) -> Any:
         return
     path = sqlite_path(url)
     where = str(path.expanduser().resolve()) if path is not None else shown_url(url)
-    key = hashlib.sha256(f"{where}\0{study_name}".encode()).hexdigest()[:20]
     held = None
     k = 0
     while held is None and k < 1024:
-        lock = Path(tempfile.gettempdir()) / f"distplan-worker-{key}-{k}.lock"
+        lock = _temp_lock_path("worker", f"{where}\0{study_name}", f"-{k}")
         try:
             handle = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:

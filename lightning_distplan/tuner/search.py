@@ -764,12 +764,12 @@ def tune(
     level = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # Optuna's INFO line per trial and per study would drown the output
     try:
-        with contextlib.ExitStack() as held:
+        with contextlib.ExitStack() as slots:
             return _tune(
                 profile, catalog=catalog, global_batch_size=global_batch_size, time_weight=time_weight, n_trials=n_trials, storage=storage,
                 study_name=study_name, seed=seed, max_instances=max_instances, strategies=strategies, max_pp=max_pp,
                 multi_objective=multi_objective, precision=precision, bandwidth_gbps=bandwidth_gbps, pricing=pricing, progress=progress,
-                sampler=sampler, initial_design=initial_design, held=held,
+                sampler=sampler, initial_design=initial_design, slots=slots,
             )
     finally:
         optuna.logging.set_verbosity(level)
@@ -795,7 +795,7 @@ def _tune(
     progress: bool,
     sampler: Any,
     initial_design: bool,
-    held: contextlib.ExitStack,
+    slots: contextlib.ExitStack,
 ) -> TuneResult:
     import optuna
 
@@ -850,7 +850,7 @@ def _tune(
     # a multi-objective study has two values per trial: its own default name, so one never meets the other
     name = study_name or f"distplan-{catalog.name}-B{global_batch_size}-w{time_weight:g}" + ("-mo" if multi_objective else "")
     store = open_storage(storage)
-    worker = held.enter_context(worker_slot(storage, name))  # 0 for a run alone; held until this run has written its trials
+    worker = slots.enter_context(worker_slot(storage, name))  # 0 for a run alone; held until this run has written its trials
     with _reading_study(storage, name):
         existing = _existing_study(store, name)
         old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
