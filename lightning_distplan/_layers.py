@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
 __all__ = [
-    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "check_crossing", "MappingOutput", "discover_layers", "find_pipeline_spec", "register_adapter",
+    "PipelineSpec", "DiscoveredLayers", "call_layer", "first_layer_args", "check_crossing", "layer_name", "MappingOutput", "discover_layers", "find_pipeline_spec", "register_adapter",
 ]
 
 _TARGET_LAYERS = 24  # enough granularity for a balanced split, few enough for cheap hooks
@@ -72,6 +72,11 @@ class PipelineSpec:
                     hint="Use a module (nn.ReLU(), nn.Flatten(), or a small nn.Module whose forward calls the function), "
                     "or fold the function into the neighbouring layer.",
                 )
+
+
+def layer_name(index: int, layer: Any, *, last: bool = False) -> str:
+    """How messages name ``PipelineSpec.layers[index]``: ``PipelineSpec.layers[3] (Block)``, ``, the last layer,`` after it."""
+    return f"PipelineSpec.layers[{index}] ({type(layer).__name__}){', the last layer,' if last else ''}"
 
 
 def call_layer(layer: Any, x: Any) -> Any:
@@ -152,14 +157,14 @@ def check_crossing(output: Any, index: int, layer: Any, *, last: bool = False) -
         given = f"{described(output)} holding {described(wrong)}"
     if last:
         raise ModelSplitError(
-            f"PipelineSpec.layers[{index}] ({type(layer).__name__}), the last layer, returned {given}; torch's pipelining "
+            f"{layer_name(index, layer, last=True)} returned {given}; torch's pipelining "
             "runtime takes only tensors from a stage, the last one included, so it must return a tensor, a tuple (or "
             "list) of tensors, or a dict of tensors, which PipelineSpec.loss then gets.",
             hint="Return the tensor(s) the loss needs (e.g. a wrapper of the head returning out['logits']) and read them "
             "in PipelineSpec.loss (loss=lambda out, batch: F.cross_entropy(out, batch['labels'])).",
         )
     raise ModelSplitError(
-        f"PipelineSpec.layers[{index}] ({type(layer).__name__}) returned {given}; only tensors cross between pipeline "
+        f"{layer_name(index, layer)} returned {given}; only tensors cross between pipeline "
         "stages, so a layer that a stage ends with must return a tensor, a tuple (or list) of tensors, or a dict of tensors.",
         hint="Return only the tensors the next layer takes (leave None and constants to its defaults, turn a PackedSequence "
         "into the padded tensor and the lengths with torch.nn.utils.rnn.pad_packed_sequence), or make the two layers one "
@@ -193,7 +198,7 @@ class MappingOutput:
 
         from lightning_distplan.errors import ModelSplitError, described
 
-        name = f"PipelineSpec.layers[{index}] ({type(layer).__name__}){', the last layer,' if last else ''}"
+        name = layer_name(index, layer, last=last)
         what = f"{name} returned {described(output)}"
         if last:
             why = "torch's pipelining runtime takes only tensors from the last stage, so the pipeline passes"

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_distplan._layers import MappingOutput, call_layer, check_crossing, first_layer_args
+from lightning_distplan._layers import MappingOutput, call_layer, check_crossing, first_layer_args, layer_name
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, InfeasiblePlanError, ModelSplitError, described
 from lightning_distplan.profiling._batches import find_batch_size as batch_size_of
 from lightning_distplan.profiling._batches import slice_samples
@@ -108,8 +108,8 @@ class StageModule(nn.Module):
             for block in self.blocks:
                 x = call_layer(block, x)
         index = self.start + len(self.blocks) - 1
-        name = f"PipelineSpec.layers[{index}] ({type(self.blocks[-1]).__name__}){', the last layer,' if self.last else ''}"
         if self.output_form is not None or isinstance(x, Mapping):
+            name = layer_name(index, self.blocks[-1], last=self.last)
             if self.output_form is None:
                 if not self.last:
                     raise ModelSplitError(
