@@ -53,12 +53,13 @@ weight 0: no gradient, but ``training_step`` sees it (warned on that rank). As u
 loader must yield the same number of batches: where the ranks' loaders report one length (a stream with a
 global ``__len__``) a rank whose loader ends first raises on every rank; where their lengths differ (per-rank
 map-style datasets of different batch counts) Lightning stops each at its own and the ranks fall out of step
-(as DDP's do). Known gap: ranks whose batch samplers give batches of different sizes in the middle of an
-epoch can decide the look-ahead below differently and meet in different collectives. The
-micro-batch loader's length, which Lightning counts, is then every loader batch counted as a full one:
-the same on every rank without a collective, and an upper bound. Where the ranks' last batches are all
-short, the epoch ends before it, and its last micro-batch is known as an ``IterableDataset``'s below
-(looked ahead for, a decision taken from the agreed sizes so the ranks meet in the same collectives).
+(as DDP's do). The micro-batch loader's length, which Lightning counts, is then every one of the loader's
+batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
+agreed sizes fall short of it (the ranks' last batches all short, or a batch sampler's batches of other sizes
+mid-epoch: 40, 30, 20, 40 on one rank and 40, 30, 1, 40 on another), the epoch ends before it, and its last
+micro-batch is known as an ``IterableDataset``'s below (looked ahead for, a decision taken only from what
+the ranks agreed on: the sizes each batch is cut as, and where its places fall in the micro-batches, so the
+ranks meet in the same collectives).
 On one process, or where a ``DistributedSampler`` (Lightning's) gives every rank as many samples, nothing
 is to agree on, and a short batch is cut into micro-batches of ``m``.
 An ``IterableDataset`` whose ``__len__`` overstates what a rank's iterator yields (a global length over the rank's shard)
@@ -1066,8 +1067,9 @@ class _MicroBatchLoader:
     called when an epoch's batches run out. ``agree`` (set on several ranks without a ``DistributedSampler``, see
     :func:`_agreed_batch_sizes`) has the ranks agree on each loader batch's size, the largest of theirs, and every rank
     cuts it as a batch of that size (:func:`_rebatch_pieces`), so every rank runs the same micro-batches. ``__len__`` then
-    counts every loader batch as a full one (the same on every rank without a collective): where the ranks' last batches
-    are all short, the epoch ends before that count, its last micro-batch looked ahead for (as an IterableDataset's).
+    counts every one of the loader's batches as a full one (the same on every rank without a collective): where the
+    agreed sizes fall short of that (short last batches, or other sizes mid-epoch), the epoch ends before that count,
+    its last micro-batch looked ahead for (as an IterableDataset's).
     """
 
     ended: Callable[[], None] | None = None
@@ -1079,7 +1081,6 @@ class _MicroBatchLoader:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
         self.agree = agree  # several ranks: (largest, smallest) of the ranks' loader batch sizes (see _agreed_batch_sizes)
-        self._agreed: dict[int, int] = {}  # the size the ranks agreed on, per loader batch index of this pass
         self._weight = weight
         self._limit_batches = limit_batches
         # (loss weight, loader batches ending in it, whether the loader is known to end after it) per micro-batch yielded
@@ -1111,19 +1112,20 @@ class _MicroBatchLoader:
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         expected = loader_batch_size(self._loader)
         odd: tuple[int, int] | None = None  # (index, size) of the first loader batch of another size than the others
-        # An IterableDataset's length (its __len__) may overstate what this rank's iterator yields: after a loader batch of
-        # another size (the stream's short last one) look one micro-batch ahead, so its micro-batch is known as the epoch's
-        # last where Lightning, counting more, does not know it (Rechunking._steer_step)
-        # (so does a loader cut as the ranks agree: __len__ counts its batches as full). Every decision that pulls a loader
-        # batch (the look-ahead) is made from agreed sizes, so the ranks meet in its collective at the same place.
+        # An IterableDataset's length (its __len__) may overstate what this rank's iterator yields: once a loader batch of
+        # another size came (the stream's short last one), look one micro-batch ahead after each that ends a loader batch,
+        # so the epoch's last is known where Lightning, counting more, does not know it (Rechunking._steer_step)
+        # (so does a loader cut as the ranks agree: __len__ counts its batches as full, and one of another size may come
+        # mid-epoch). Every decision that pulls a loader batch (the look-ahead) is made from what the ranks agreed on (the
+        # sizes each batch was cut as, and the pieces' places, alike on every rank: see Piece), so they meet in its
+        # collective at the same place.
         peek = (self._stream or self.agree is not None) and sized_len(self) is not None
-        self._agreed = {}
         micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, agree=self._agree)
         item = next(micro_batches, None)
         while item is not None:
             batch, pieces = item
             # (index, size): the size the ranks agreed on (where they do), which is how the batch was cut
-            sources = [(i, self._agreed.get(i, n)) for i, n, _, _ in pieces]
+            sources = [(i, cut) for i, _, _, _, cut in pieces]
             if expected is None:
                 expected = sources[0][1]
             odd = odd or next(((i, n) for i, n in sources if n != expected), None)
@@ -1137,18 +1139,16 @@ class _MicroBatchLoader:
                                 f"({min(n for _, n in sources)} samples) to those of a full batch, and weighs them alike, where a run of "
                                 "your loader weighs each batch's mean loss alike (the short batch's samples more). drop_last=True, "
                                 "or a micro-batch size that divides the loader's batch, gives the same weights.")
-            index, n, first, end = pieces[-1]
-            if first == end:
+            _, n, _, end, cut = pieces[-1]
+            if all(first == end for _, _, first, end, _ in pieces):
                 self._warn_once("filler", f"dp_ga: a train loader batch of {n} samples holds fewer samples than the micro-batches "
-                                f"another rank's batch of {sources[-1][1]} there is cut into, which every rank runs alike (its ranks "
+                                f"another rank's batch of {cut} there is cut into, which every rank runs alike (its ranks "
                                 "meet at each); the missing ones repeat a sample with loss weight 0 (no gradient, but training_step "
                                 "sees it). Use drop_last=True, or micro_batch_size='auto', to run no such micro-batch.", any_rank=True)
-            looked = peek and sources[-1][1] != expected and first < end == n  # the agreed size: alike on every rank
+            looked = peek and odd is not None and end == n  # its last place ends a loader batch: alike on every rank
             following = next(micro_batches, None) if looked else None
             self._weights.append((self._weight * _share(pieces), _ends(pieces), looked and following is None))
             self._hold_state_of(sources[0][0])
-            for old in [i for i in self._agreed if i < index]:
-                del self._agreed[old]
             yield batch
             item = following if looked else next(micro_batches, None)
         if self.ended is not None:
@@ -1234,8 +1234,6 @@ class _MicroBatchLoader:
                 hint="Give each rank's loader as many batches (a DistributedSampler, or drop_last=True with shards of equal "
                 "sizes).",
             )
-        if largest != n:
-            self._agreed[index] = largest
         return largest
 
     def _samples(self) -> int:
@@ -1258,12 +1256,14 @@ class _MicroBatchLoader:
             return self._resume[1]
         samples = self._samples()
         batch = loader_batch_size(self._loader)
-        # several ranks: each batch counted as a full one (another rank's may be: each rank's count alike, no collective)
+        # several ranks: each of the loader's batches counted as a full one (another rank's may be, also mid-epoch: each
+        # rank's count alike where their loaders yield as many batches, with no collective)
         if self.agree is not None and batch:
-            samples = math.ceil(samples / batch) * batch
+            batches = len(self._loader)  # type: ignore[arg-type]  # known: _samples counts from it
+            samples = (batches if self._limit_batches is None else min(batches, self._limit_batches)) * batch
         return math.ceil(samples / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "agree", "_agreed", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
+    _OWN = frozenset({"_loader", "micro_batch_size", "agree", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
                       "_states", "_held", "_exhausted", "ended"})
 
     def __getattr__(self, name: str) -> Any:
@@ -1322,8 +1322,11 @@ def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
         yield batch
 
 
-Piece = tuple[int, int, int, int]
-"""Where some of a micro-batch's samples come from: (index of the loader batch in this pass, its size, first, end)."""
+Piece = tuple[int, int, int, int, int]
+"""Where some of a micro-batch's samples come from: (index of the loader batch in this pass, its size, first, end, the size
+it was cut as). On several ranks the last is the size they agreed on, and a micro-batch has a piece for each loader batch
+whose places it holds, also one of no samples there (``first == end``), so its pieces' indices, cut sizes and ends
+(``end == size``: the batch's last place) are alike on every rank."""
 
 
 def _rebatch_pieces(
@@ -1336,8 +1339,9 @@ def _rebatch_pieces(
     0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`). A batch
     of that size is cut as it is; a smaller one has its samples spread evenly over that many places, so it gives the
     same micro-batches (ranks whose short batches differ run the same ones: Lightning and DDP meet in a collective at
-    each). A micro-batch whose places hold none of its samples (a batch of fewer samples than micro-batches) is a
-    filler: the batch's first sample, with a piece of no samples (``first == end == 0``: loss weight 0)."""
+    each), with the same pieces (:data:`Piece`: places that hold none of the batch's samples give a piece of none). A
+    micro-batch whose places hold none of its samples (a batch of fewer samples than micro-batches) is a filler: the
+    batch's first sample, its piece of no samples (loss weight 0). A batch's last place holds its last sample."""
     sizer = BatchSizer(expected)
     pending: list[tuple[Any, Piece]] = []  # (samples, where they come from)
     have = 0  # places of the micro-batch filled (samples, or a spread batch's places)
@@ -1351,18 +1355,17 @@ def _rebatch_pieces(
         while offset < places:
             take = min(m - have, places - offset)
             first, end = offset * n // places, (offset + take) * n // places  # the samples at these places
-            if end > first:
-                samples = batch if end - first == n else slice_samples(batch, first, end, n)  # a slice is a view, no copy
-                pending.append((samples, (i, n, first, end)))
+            samples = None if end == first else batch if end - first == n else slice_samples(batch, first, end, n)  # a view
+            pending.append((samples, (i, n, first, end, places)))
             have += take
             offset += take
             if have == m:
-                yield _joined_or_filler(pending, batch, i, n)
+                yield _joined_or_filler(pending, batch, n)
                 pending, have = [], 0
     if agree is not None:
         agree(i + 1, 0)  # the ranks' loaders end together (a rank that has another batch raises)
     if have:
-        yield _joined_or_filler(pending, batch, i, n)
+        yield _joined_or_filler(pending, batch, n)
 
 
 def _agreed_batch_sizes(device: torch.device, n: int) -> tuple[int, int]:
@@ -1374,12 +1377,11 @@ def _agreed_batch_sizes(device: torch.device, n: int) -> tuple[int, int]:
     return largest, -negative_smallest
 
 
-def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, index: int, n: int) -> tuple[Any, tuple[Piece, ...]]:
-    """The micro-batch of ``pending``, or where it holds no samples, a filler: loader batch ``index``'s first sample,
-    counted as none of its samples."""
-    if not pending:
-        return slice_samples(batch, 0, 1, n), ((index, n, 0, 0),)
-    return _joined(pending), tuple(piece for _, piece in pending)
+def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> tuple[Any, tuple[Piece, ...]]:
+    """The micro-batch of ``pending``, or where it holds no samples, a filler: the first sample of ``batch`` (the loader
+    batch of ``n`` samples whose places it holds), counted as none of its samples."""
+    held = [(samples, piece) for samples, piece in pending if samples is not None]
+    return (_joined(held) if held else slice_samples(batch, 0, 1, n)), tuple(piece for _, piece in pending)
 
 
 def _refuse_uncut_parts(batch: Any, n: int, m: int) -> None:
@@ -1396,14 +1398,14 @@ def _refuse_uncut_parts(batch: Any, n: int, m: int) -> None:
 
 
 def _joined(pending: list[tuple[Any, Piece]]) -> Any:
-    return concat_samples([samples for samples, _ in pending], [end - first for _, (_, _, first, end) in pending])
+    return concat_samples([samples for samples, _ in pending], [end - first for _, (_, _, first, end, _) in pending])
 
 
 def _share(pieces: Iterable[Piece]) -> float:
     """A micro-batch's share of loader batches: Σ (its samples from batch b) / (size of b)."""
-    return sum((end - first) / n for _, n, first, end in pieces)
+    return sum((end - first) / n for _, n, first, end, _ in pieces)
 
 
 def _ends(pieces: Iterable[Piece]) -> int:
     """How many loader batches end in a micro-batch (their last sample is in it)."""
-    return sum(end == n for _, n, _, end in pieces)
+    return sum(end == n for _, n, _, end, _ in pieces)
