@@ -312,11 +312,15 @@ class HangsInItsSecondPlan(WideMLP):
 """
 
 _SWEEP_DRIVER = """
+import functools
 import json
 import sys
 sys.path.insert(0, sys.argv[1])
 import cpu_cluster_sweep as sweep
 sweep.QUICK.update({key: {**sweep.QUICK["mlp"], "model": model} for key, model in json.loads(sys.argv[2]).items()})
+# The hung workers ignore SIGTERM (Lightning's handler in a fit), so the stop always ran into the 10 s grace before SIGKILL:
+# 1 s is as good a grace here (test_a_stopped_setting_gives_its_two_nodes_one_grace_period_together tests the grace itself)
+sweep._stop_nodes = functools.partial(sweep._stop_nodes, grace_s=1.0)
 sys.exit(sweep.main(sys.argv[3:]))
 """
 
