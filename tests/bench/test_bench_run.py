@@ -28,12 +28,14 @@ PLAN_KEYS = {
 SUMMARY_KEYS = {"median_abs_error", "p90_abs_error", "pick", "measured_best", "pick_is_best", "pick_within", "regret"}
 
 
-def _bench(tmp_path, *extra: str, cwd=None) -> dict:
+def _bench_argv(out: Path, *extra: str) -> list[str]:
+    return ["bench", *MODEL, "--steps", "2", "--warmup", "1", "--threads", "1", "--profile-repeats", "1", "--out", str(out), "--quiet", *extra]
+
+
+def _bench(tmp_path, *extra: str, cwd: Path) -> dict:
+    """The console script run from ``cwd`` (another folder: `python -m` would import from that folder itself)."""
     out = tmp_path / "bench.json"
-    # from another folder, the console script (`python -m` would import from that folder itself)
-    command = [sys.executable, "-m", "lightning_distplan.cli"] if cwd is None else [str(Path(sys.executable).parent / "distplan")]
-    cmd = [*command, "bench", *MODEL, "--steps", "2", "--warmup", "1", "--threads", "1",
-           "--profile-repeats", "1", "--out", str(out), "--quiet", *extra]
+    cmd = [str(Path(sys.executable).parent / "distplan"), *_bench_argv(out, *extra)]
     temporary = tmp_path / "tmp"  # the run's temporary folder, looked at afterwards
     temporary.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temporary)}
@@ -102,8 +104,16 @@ def _check_profiles(result: dict) -> None:
     assert result["summary_first_profile"] == summarize(first_profile_view(result["plans"]))
 
 
-def test_bench_world_size_1(tmp_path):
-    result = _bench(tmp_path, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--confirm", "1", "--plot", str(tmp_path / "p.png"))
+def test_bench_world_size_1(tmp_path, monkeypatch, capfd, no_group_left):
+    # The command run by its main in this process (one process: no torchrun); a subprocess imported torch and Lightning
+    # again first, seconds of the test. The real command line: test_bench_world_size_2_torchrun_loopback.
+    out = tmp_path / "bench.json"
+    argv = _bench_argv(out, "--world-size", "1", "--global-batch-size", "4", "--plans", "top:2", "--confirm", "1", "--plot", str(tmp_path / "p.png"))
+    returncode = _bench_command_here(monkeypatch, tmp_path, argv)
+    printed = capfd.readouterr()
+    assert returncode == 0, printed.err[-3000:]
+    assert "step time |error|: median" in printed.out and "host speed:" in printed.out  # the readable table was printed
+    result = json.loads(out.read_text())
     _check(result, 1)
     # one confirmation pass of the contenders (the pick, the measured best, plans within 10% of it); the pick judged on it alone
     from lightning_distplan.bench import confirm_candidates
