@@ -529,8 +529,10 @@ def test_sigterm_to_a_two_process_bench_stops_its_workers_and_writes_nothing(tmp
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert err.strip().splitlines()[-1] == "distplan bench: terminated; no result file was written"
-    time.sleep(3)
-    left = subprocess.run(["pgrep", "-f", f"bench .*{out}"], capture_output=True, text=True).stdout.split()
+    # until no process of the run is left (only they could still write --out), for up to the 3 s it once slept
+    deadline = time.monotonic() + 3
+    while (left := subprocess.run(["pgrep", "-f", f"bench .*{out}"], capture_output=True, text=True).stdout.split()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert left == [] and not out.exists()
 
 
