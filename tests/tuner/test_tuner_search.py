@@ -523,11 +523,11 @@ def test_pipeline_only_on_an_unsplittable_profile_names_the_split_not_the_batch(
 
 
 _APPEND = """
-import sys, time
+import sys
 import optuna
 from lightning_distplan.tuner._storage import open_storage, write_trials
 optuna.logging.set_verbosity(optuna.logging.ERROR)
-url, start = sys.argv[1], float(sys.argv[2])
+url = sys.argv[1]
 study = optuna.load_study(study_name="s", storage=open_storage(url))
 memory = optuna.create_study()
 def objective(trial):
@@ -535,8 +535,8 @@ def objective(trial):
         trial.set_user_attr(f"a{k}", k)
     return trial.suggest_float("x", 0, 1)
 memory.optimize(objective, n_trials=300)
-while time.time() < start:
-    time.sleep(0.001)
+print("ready", flush=True)
+sys.stdin.readline()  # "go", written to both children at once
 write_trials(study, memory.get_trials())
 """
 
@@ -546,13 +546,26 @@ def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
     own number, so Optuna (and the dashboard) sees all of them (numbered from one count, it saw half)."""
     import subprocess
     import sys
-    import time
 
     url = f"sqlite:///{tmp_path / 'race.db'}"
     optuna.create_study(study_name="s", storage=url).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)
-    start = time.time() + 12  # both children import and run their 300 trials first
-    children = [subprocess.Popen([sys.executable, "-c", _APPEND, url, str(start)]) for _ in range(2)]
-    assert [child.wait(timeout=240) for child in children] == [0, 0]
+    children = [subprocess.Popen([sys.executable, "-c", _APPEND, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for _ in range(2)]
+    try:
+        # both children import and run their 300 trials first (they once waited for a fixed 12 s from now)
+        assert [child.stdout.readline().strip() for child in children] == ["ready", "ready"]
+        for child in children:  # then both write at once
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        for child in children:
+            child.stdin.close()
+        assert [child.wait(timeout=240) for child in children] == [0, 0]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            child.stdout.close()
     numbers = [t.number for t in optuna.load_study(study_name="s", storage=url).trials]
     assert sorted(numbers) == list(range(603))
 
