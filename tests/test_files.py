@@ -76,6 +76,8 @@ def test_an_output_path_where_no_file_can_be_made_is_refused_up_front(tmp_path):
 _FULL_DISK = """
 import errno, resource, signal, sys
 from pathlib import Path
+import _distplan_cli
+_distplan_cli.starting = True  # as the console script imports the package for `plan`: neither torch nor Lightning (~10 s of CPU)
 from lightning_distplan._files import write_text_atomic
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk or quota
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))

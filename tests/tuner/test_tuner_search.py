@@ -524,6 +524,8 @@ def test_pipeline_only_on_an_unsplittable_profile_names_the_split_not_the_batch(
 
 _APPEND = """
 import sys
+import _distplan_cli
+_distplan_cli.starting = True  # as `distplan tune` imports the package: neither torch nor Lightning (~10 s of CPU)
 import optuna
 from lightning_distplan.tuner._storage import open_storage, write_trials
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -606,6 +608,8 @@ def test_a_run_that_another_run_extended_the_study_under_counts_the_study_as_sto
 
 _FULL_DISK = """
 import resource, sys, os
+import _distplan_cli
+_distplan_cli.starting = True  # as `distplan tune` imports the package: neither torch nor Lightning (~10 s of CPU)
 import optuna
 from lightning_distplan.tuner._storage import open_storage, write_trials
 optuna.logging.set_verbosity(optuna.logging.ERROR)
