@@ -48,6 +48,8 @@ from lightning_distplan.costmodel._schedule import schedule_time, simulated_micr
 from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from lightning_distplan.plan import Plan
     from lightning_distplan.profile import LinearFit, Profile
 
@@ -192,7 +194,8 @@ def predict(profile: Profile, plan: Plan, hardware: Hardware | None = None) -> P
             :func:`~lightning_distplan.costmodel.partition_pipeline` (slowest stage, hand-overs
             included, as short as it can be with every stage in memory; for hybrid dp×pp weighed against
             the gradient all-reduce of the stages behind the busiest link), or, where every contiguous split
-            can be weighed, with the split this function prices lowest (:func:`_best_priced_split`).
+            can be weighed, with the split this function prices lowest (:func:`_best_priced_split`); where there are
+            too many, that split with one boundary at a time moved a layer while its price drops (:func:`_moved_boundaries`).
         hardware: target devices and links; default :meth:`Hardware.from_profile` (for a CPU profile, the host's RAM
             shared by the plan's ``world_size`` ranks).
 
@@ -706,21 +709,25 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware, layer_times: t
 
 _EXHAUSTIVE_SPLITS = 4096
 # The most contiguous splits _best_priced_split enumerates (a lower bound each: cheap); a model with more keeps the
-# programme's split (and the refinements above).
+# programme's split (and the refinements above), moved one boundary at a time while its price drops (_moved_boundaries).
 _EXHAUSTIVE_SLOTS = 1 << 15
-# The most work _best_priced_split spends on pricing splits for one plan, in stage-slots (stages × simulated
-# micro-batches) with each pricing also charged its per-layer sums and fixed work (_pricing_cost): 0.2-0.5 s on a
-# 2-core host. About 100 pricings of 2 stages of a few layers at any n, 7 of 16 stages × 256 micro-batches.
+# The most work _best_priced_split (or _moved_boundaries) spends on pricing splits for one plan, in stage-slots
+# (stages × simulated micro-batches) with each pricing also charged its per-layer sums and fixed work (_pricing_cost):
+# 0.1-0.4 s of CPU on a 2-core host (_pricing_cost's timings). About 100 pricings of 2 stages of a few layers at any n,
+# 7 of 16 stages × 256 micro-batches.
 
 
 def _pricing_cost(p: int, n: int, n_layers: int) -> int:
     """One full pricing of a p-stage, n-micro-batch split of ``n_layers`` layers, in stage-slots of simulation.
 
     The stage-slots schedule_time simulates (:func:`~lightning_distplan.costmodel._schedule.simulated_microbatches`), plus one per layer and 32 for the rest:
-    _predict_pipeline's per-layer sums cost about what a simulated slot does. Measured per pricing: 8 layers, 2 stages,
-    n = 1: 0.34 ms; 91 layers, 3 stages, n = 1: 0.80 ms; 4000 layers, 2 stages: 27 ms; 8 layers, 2 stages, 1F1B over one
-    stream at n = 146 (292 slots): 2.5 ms. Counting the slots alone, 4005 splits of 91 layers into 3 stages at n = 1 all
-    fitted in the budget and one predict() took 3.7 s.
+    _predict_pipeline's per-layer sums cost about what a simulated slot does. Measured per pricing as the split search
+    prices (the plan's layer times passed in, 2c13c00; time.process_time, median of 5, 2-core host, planning_scale's
+    layers): 8 layers, 2 stages, GPipe n = 1: 0.22 ms (cost 42); 91 layers, 3 stages, n = 1: 0.44 ms (126); 4000 layers,
+    2 stages: 9.0 ms (4034); 24 layers, 7 stages, 1F1B over one stream at n = 8: 1.7 ms (112); 8 layers, 2 stages, 1F1B
+    over one stream at n = 146 (292 slots, event by event): 3.7 ms (332). So 2-4 µs a unit where layers or GPipe's sweeps
+    dominate, about 11 µs where the event queue does. Counting the slots alone, 4005 splits of 91 layers into 3 stages at
+    n = 1 all fitted in the budget and one predict() took 3.7 s.
     """
     return p * simulated_microbatches(p, n) + n_layers + 32
 
@@ -745,13 +752,18 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     plan; 248 pricings for GPipe dp = 2 at n = 3, 3 now). The search stops where that bound reaches the best step priced (a feasible
     one: an infeasible split ranks after it whatever its time). So the split is the exact best under this model
     wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_SLOTS` of pricing;
-    where the budget runs out, the best split priced (never worse than ``pred``); with more splits, ``pred`` (20-24 layers
-    in 6-8 stages at n = p or 2p: it priced above a split one boundary away in 15 of 25 random settings, up to 1.10x;
-    walking boundaries one layer at a time there tripled planning_scale's planning time, so it is not done).
+    where the budget runs out, the best split priced (never worse than ``pred``). With more splits, ``pred`` with its
+    boundaries moved one layer at a time while the price drops, within the same budget (:func:`_moved_boundaries`):
+    ``pred`` alone priced above a split one boundary away in 58 of 100 random settings of 20-30 layers in 6-8 stages
+    (tests/costmodel/test_costmodel_partition.py's settings otherwise), up to 1.12x; the moves, tried in the order of
+    their bound and only below the best price, left planning_scale's planning time as it was (47.5 s of CPU over its
+    eight cases, medians of 3, before and after).
     """
     p, n, n_layers = plan.pp, plan.n_microbatches, len(profile.layers)
-    if p < 2 or math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
+    if p < 2:
         return pred
+    if math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
+        return _moved_boundaries(profile, plan, hw, pred, layer_times)
     bounded = _split_bounds(profile, plan, hw, layer_times, pred.step_time_s if pred.feasible else math.inf)
     cost, spent = _pricing_cost(p, n, n_layers), 0
     for bound, cut in bounded:
@@ -766,6 +778,41 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
         if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
             pred = priced
     return pred
+
+
+def _moved_boundaries(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, layer_times: tuple[list[float], list[float]]) -> Prediction:
+    """``pred``, or the split reached from it by moving one boundary one layer at a time while the price drops.
+
+    Where there are too many splits to weigh all (:data:`_EXHAUSTIVE_SPLITS`), each round prices the splits one boundary
+    one layer away from the current one, in the order of their :func:`_split_bound` and only those whose bound is below
+    the round's best price, and moves to the lowest-priced where it prices below the current split (steepest descent;
+    a split priced before is not priced again: it priced no lower than the split that round moved to). The rounds end
+    where no such split prices lower (the split is then a local best: none one boundary away prices lower) or where
+    the next pricing would pass :data:`_EXHAUSTIVE_SLOTS` of :func:`_pricing_cost`.
+    """
+    n_layers = len(profile.layers)
+    bound = _split_bound(profile, plan, hw, layer_times)
+    cost, spent = _pricing_cost(plan.pp, plan.n_microbatches, n_layers), 0
+    priced_before = {pred.stage_boundaries}
+    while True:
+        edges = (0, *pred.stage_boundaries, n_layers)
+        moved_splits = [(*edges[1:i], b, *edges[i + 1 : -1])
+                        for i in range(1, len(edges) - 1) for b in (edges[i] - 1, edges[i] + 1) if edges[i - 1] < b < edges[i + 1]]
+        moves = sorted((bound((0, *moved, n_layers)), moved) for moved in moved_splits if moved not in priced_before)
+        best = pred
+        for lower, moved in moves:
+            if best.feasible and lower >= best.step_time_s:
+                break  # no move left can price lower
+            if spent + cost > _EXHAUSTIVE_SLOTS:
+                return best
+            spent += cost
+            priced_before.add(moved)
+            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=moved), hw, layer_times)
+            if (not priced.feasible, priced.step_time_s) < (not best.feasible, best.step_time_s):
+                best = priced
+        if best is pred:
+            return pred
+        pred = best
 
 
 def _split_bounds(
@@ -794,7 +841,33 @@ def _split_bounds(
     with every stage added, so no split behind it can go below; nor is one whose layers left, in the stages left, put at
     least their share on one stage that would reach it (91 layers into 3 stages, GPipe at n = 3: 187 bounds, not 4005).
     """
-    p, n, n_layers = plan.pp, plan.n_microbatches, len(profile.layers)
+    p, n_layers = plan.pp, len(profile.layers)
+    bound = _split_bound(profile, plan, hw, layer_times)
+    bounded = []
+
+    def extend(edges: tuple[int, ...]) -> None:  # edges: 0 and the cuts so far
+        final = len(edges) == p - 1  # the next cut is the last: the last stage takes the rest
+        for b in range(edges[-1] + 1, n_layers - (p - 1 - len(edges))):
+            prefix = (*edges, b)
+            if bound(prefix) >= limit:  # grows with b
+                break
+            if final:
+                full = bound((*prefix, n_layers))
+                if full < limit:
+                    bounded.append((full, prefix[1:]))
+            elif bound(prefix, rest=True) < limit:
+                extend(prefix)
+
+    extend((0,))
+    bounded.sort()
+    return bounded
+
+
+def _split_bound(
+    profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]]
+) -> Callable[..., float]:
+    """:func:`_split_bounds`'s lower bound of the step as a function of a split's edges (0, its boundaries, the layer count)."""
+    p, n = plan.pp, plan.n_microbatches
     pt = [0.0, *accumulate(f + b for f, b in zip(*layer_times))]
     pf = [0.0, *accumulate(layer_times[0])]
     trained = [0.0, *accumulate(_param_shares(profile, trainable=True))]
@@ -831,24 +904,7 @@ def _split_bounds(
         allreduce = ring_allreduce_time(most * profile.memory.grad_bytes, plan.dp, hw.allreduce_latency_s, hw.allreduce_bandwidth_bytes_per_s)
         return k * (path + allreduce) + step_per_share * most + floor + spread * slowest
 
-    bounded = []
-
-    def extend(edges: tuple[int, ...]) -> None:  # edges: 0 and the cuts so far
-        final = len(edges) == p - 1  # the next cut is the last: the last stage takes the rest
-        for b in range(edges[-1] + 1, n_layers - (p - 1 - len(edges))):
-            prefix = (*edges, b)
-            if bound(prefix) >= limit:  # grows with b
-                break
-            if final:
-                full = bound((*prefix, n_layers))
-                if full < limit:
-                    bounded.append((full, prefix[1:]))
-            elif bound(prefix, rest=True) < limit:
-                extend(prefix)
-
-    extend((0,))
-    bounded.sort()
-    return bounded
+    return bound
 
 
 def _stages_behind_links(p: int, w: int, devices_per_link: int) -> list[frozenset[int]]:
