@@ -479,9 +479,11 @@ def _pipeline_framework(profile: Profile, plan: Plan, hw: Hardware, busy: float)
     return _loop_time(profile, hw, k, world, busy) + k * loss_allreduce + k * (n + p - 1) * slot
 
 
-def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]] | None = None) -> Prediction:
+def _predict_pipeline(
+    profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]] | None = None, full_runs: list[int] | None = None
+) -> Prediction:
     """:func:`predict` of a pipeline plan; ``layer_times``: :func:`_layer_times` at the plan's micro-batch, where the caller has them
-    (another split of the same plan: the split search prices many)."""
+    (another split of the same plan: the split search prices many); ``full_runs``: :func:`schedule_time`'s, for the search's budget."""
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
     k_flush = plan.accumulate_grad_batches  # flushes per optimizer step (Lightning's accumulate_grad_batches; 1 in planned plans)
     n_layers = len(profile.layers)
@@ -586,8 +588,8 @@ def _predict_pipeline(profile: Profile, plan: Plan, hw: Hardware, layer_times: t
     # (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages, which exceeds the (n + p − 1)·St
     # any non-interleaved 1F1B schedule takes once n > p (schedule_time of equal stages gives the latter).
     hand_over = send[: p - 1]
-    free_links = schedule_time(stage_fwd, stage_bwd, n, plan.strategy)
-    length = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, hand_over, shared_stream=hw.p2p_one_stream)
+    free_links = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, full_runs=full_runs)
+    length = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, hand_over, shared_stream=hw.p2p_one_stream, full_runs=full_runs)
     if plan.strategy == "gpipe":
         compute = n * (max(stage_fwd) + max(stage_bwd))
     else:
@@ -712,7 +714,8 @@ _EXHAUSTIVE_SPLITS = 4096
 # programme's split (and the refinements above), moved one boundary at a time while its price drops (_moved_boundaries).
 _EXHAUSTIVE_SLOTS = 1 << 15
 # The most work _best_priced_split (or _moved_boundaries) spends on pricing splits for one plan, in stage-slots
-# (stages × simulated micro-batches) with each pricing also charged its per-layer sums and fixed work (_pricing_cost):
+# (stages × simulated micro-batches) with each pricing also charged its per-layer sums and fixed work (_pricing_cost),
+# and the steps schedule_time simulated in full past its line where the short runs did not lie on one (its full_runs):
 # 0.1-0.4 s of CPU on a 2-core host (_pricing_cost's timings). About 100 pricings of 2 stages of a few layers at any n,
 # 7 of 16 stages × 256 micro-batches.
 
@@ -727,7 +730,8 @@ def _pricing_cost(p: int, n: int, n_layers: int) -> int:
     2 stages: 9.0 ms (4034); 24 layers, 7 stages, 1F1B over one stream at n = 8: 1.7 ms (112); 8 layers, 2 stages, 1F1B
     over one stream at n = 146 (292 slots, event by event): 3.7 ms (332). So 2-4 µs a unit where layers or GPipe's sweeps
     dominate, about 11 µs where the event queue does. Counting the slots alone, 4005 splits of 91 layers into 3 stages at
-    n = 1 all fitted in the budget and one predict() took 3.7 s.
+    n = 1 all fitted in the budget and one predict() took 3.7 s. Not counted here: schedule_time's full runs past its
+    line, known only once a split is priced; the searches charge them as they happen (its ``full_runs``).
     """
     return p * simulated_microbatches(p, n) + n_layers + 32
 
@@ -765,16 +769,16 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     if math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
         return _moved_boundaries(profile, plan, hw, pred, layer_times)
     bounded = _split_bounds(profile, plan, hw, layer_times, pred.step_time_s if pred.feasible else math.inf)
-    cost, spent = _pricing_cost(p, n, n_layers), 0
+    cost, spent, full_runs = _pricing_cost(p, n, n_layers), 0, []
     for bound, cut in bounded:
         if pred.feasible and bound >= pred.step_time_s:
             break  # no split left can price lower
-        if spent + cost > _EXHAUSTIVE_SLOTS:
+        if spent + sum(full_runs) + cost > _EXHAUSTIVE_SLOTS:
             break
         if cut == pred.stage_boundaries:
             continue
         spent += cost
-        priced = _predict_pipeline(profile, replace(plan, stage_boundaries=cut), hw, layer_times)
+        priced = _predict_pipeline(profile, replace(plan, stage_boundaries=cut), hw, layer_times, full_runs)
         if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
             pred = priced
     return pred
@@ -788,11 +792,11 @@ def _moved_boundaries(profile: Profile, plan: Plan, hw: Hardware, pred: Predicti
     the round's best price, and moves to the lowest-priced where it prices below the current split (steepest descent;
     a split priced before is not priced again: it priced no lower than the split that round moved to). The rounds end
     where no such split prices lower (the split is then a local best: none one boundary away prices lower) or where
-    the next pricing would pass :data:`_EXHAUSTIVE_SLOTS` of :func:`_pricing_cost`.
+    the next pricing would pass :data:`_EXHAUSTIVE_SLOTS` (:func:`_pricing_cost` each, and their full runs).
     """
     n_layers = len(profile.layers)
     bound = _split_bound(profile, plan, hw, layer_times)
-    cost, spent = _pricing_cost(plan.pp, plan.n_microbatches, n_layers), 0
+    cost, spent, full_runs = _pricing_cost(plan.pp, plan.n_microbatches, n_layers), 0, []
     priced_before = {pred.stage_boundaries}
     while True:
         edges = (0, *pred.stage_boundaries, n_layers)
@@ -803,11 +807,11 @@ def _moved_boundaries(profile: Profile, plan: Plan, hw: Hardware, pred: Predicti
         for lower, moved in moves:
             if best.feasible and lower >= best.step_time_s:
                 break  # no move left can price lower
-            if spent + cost > _EXHAUSTIVE_SLOTS:
+            if spent + sum(full_runs) + cost > _EXHAUSTIVE_SLOTS:
                 return best
             spent += cost
             priced_before.add(moved)
-            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=moved), hw, layer_times)
+            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=moved), hw, layer_times, full_runs)
             if (not priced.feasible, priced.step_time_s) < (not best.feasible, best.step_time_s):
                 best = priced
         if best is pred:

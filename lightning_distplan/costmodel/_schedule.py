@@ -151,7 +151,7 @@ def simulated_microbatches(p: int, n: int) -> int:
     """The micro-batches per stage :func:`schedule_time` simulates for ``n`` of ``p`` stages: ``n``, or past 6·n0 + 2 the
     four short runs of :func:`_line_start`'s n0, 6·n0 + 2 together (also what a priced split costs,
     ``_predict._pricing_cost``). Not counted: the rarer fall-backs to all n, where the short runs' period is not yet
-    the busiest stage's or they do not lie on one line.
+    the busiest stage's or they do not lie on one line (:func:`schedule_time` reports them in ``full_runs``).
 
     Example:
         >>> simulated_microbatches(2, 100), simulated_microbatches(2, 10_000)
@@ -168,6 +168,7 @@ def schedule_time(
     hand_over: Sequence[float] | None = None,
     *,
     shared_stream: bool = False,
+    full_runs: list[int] | None = None,
 ) -> float:
     """Time from the first stage's first forward to the last action of any stage, for one step.
 
@@ -178,7 +179,9 @@ def schedule_time(
     its message starts to cross (the kernel buffers the rest). ``shared_stream``: the recv's
     "ready" notice reaches the sender only after the data already queued the other way on the
     same connection, as over gloo's one TCP stream per pair; without it (NCCL, assumed) the two
-    directions are independent.
+    directions are independent. ``full_runs``: where given, the stage-slots (p·n) of a step simulated in full past
+    the line :func:`simulated_microbatches` counts (the short runs did not lie on one line) are appended to it, so a
+    caller that budgets its simulations can charge them.
 
     Example:
         >>> schedule_time([2.0, 1.0], [2.0, 1.0], 2, "gpipe")  # the first stage the slowest: eq. (1) per pass
@@ -213,6 +216,8 @@ def schedule_time(
         if (step >= busiest * (1 - 1e-9) and math.isclose(d - c, step, rel_tol=1e-9, abs_tol=1e-12)
                 and math.isclose(c - a, n0 * step, rel_tol=1e-9, abs_tol=1e-12)):
             return d + (n - 2 * n0 - 1) * step
+        if full_runs is not None:
+            full_runs.append(p * n)
     return _length(stage_fwd, stage_bwd, n, strategy, hand_over, shared_stream)
 
 

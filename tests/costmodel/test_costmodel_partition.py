@@ -497,3 +497,53 @@ def test_the_split_search_works_out_the_layer_times_once(monkeypatch):
     pred, pricings = _counted_pricings(monkeypatch, "1f1b", 3, True)
     assert pred.feasible and len(pricings) >= 2
     assert len(calls) == 1
+
+
+def test_the_split_search_charges_the_schedules_full_runs_to_its_budget(monkeypatch):
+    """Past its line (n > 6·n0 + 2) schedule_time simulates four short runs, which _pricing_cost counts, but where they do
+    not lie on one line it simulates all n micro-batches, which the search did not charge: 27 layers into 4 stages, 1F1B
+    at n = 500, one of the search's six pricings simulates 4 × 500 stage-slots in full where 835 were charged. With a
+    budget one slot short of the six pricings and that full run, the search priced all six (7010 slots of work against
+    7009). Every pricing it starts now fits in the budget with the full runs before it counted."""
+    from lightning_distplan.costmodel import Hardware, predict
+    from lightning_distplan.costmodel import _predict, _schedule
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    # (forward ms, backward ms, log10 of the output bytes) per layer
+    spec = [(1.97, 0.57, 6), (1.73, 1.88, 6), (1.97, 4.85, 5), (1.2, 5.41, 3), (2.18, 4.93, 6), (1.84, 4.85, 3), (2.12, 0.89, 6),
+            (1.69, 0.74, 5), (2.19, 5.45, 5), (2.4, 1.06, 3), (2.03, 2.06, 3), (1.54, 2.45, 3), (0.84, 3.99, 6), (1.35, 4.88, 6),
+            (2.44, 3.23, 5), (1.59, 5.37, 6), (2.29, 2.96, 3), (0.99, 2.84, 5), (0.34, 5.4, 6), (1.98, 3.6, 6), (0.49, 1.53, 3),
+            (1.26, 4.68, 6), (1.57, 3.99, 6), (2.27, 5.5, 3), (2.22, 5.94, 6), (0.28, 4.31, 3), (2.76, 3.66, 5)]
+    layers = [LayerSpec(fwd_alpha=f * 1e-3, bwd_alpha=b * 1e-3, param_bytes=4 << 20, activation_bytes_per_sample=1e3,
+                        output_bytes_per_sample=10.0**o) for f, b, o in spec]
+    profile = synthetic_profile(layers, device_memory_bytes=80 << 30)
+    hw = Hardware(device_memory_bytes=80 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=1.25e8,
+                  p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=1.25e8)
+    n = 500
+    plan = Plan(strategy="1f1b", dp=1, pp=4, micro_batch_size=1, n_microbatches=n, global_batch_size=n)
+    cost = _predict._pricing_cost(4, n, len(layers))
+    assert _schedule.simulated_microbatches(4, n) < n  # past the line: four short runs are charged
+    events = []  # per pricing, the stage-slots of the full runs it simulated
+    real_length, real_pricing = _schedule._length, _predict._predict_pipeline
+
+    def length(stage_fwd, stage_bwd, m, *args):
+        if m == n:  # a full run (the short runs are of 32 to 65 micro-batches)
+            events[-1].append(len(stage_fwd) * m)
+        return real_length(stage_fwd, stage_bwd, m, *args)
+
+    def pricing(*args):
+        events.append([])
+        return real_pricing(*args)
+
+    monkeypatch.setattr(_schedule, "_length", length)
+    monkeypatch.setattr(_predict, "_predict_pipeline", pricing)
+    monkeypatch.setattr(_predict, "_EXHAUSTIVE_SLOTS", 6 * cost + 4 * n - 1)
+    _schedule._simulate_cached.cache_clear()
+    pred = predict(profile, plan, hw)
+    assert pred.feasible
+    searched = events[1:]  # the first is the plan's own pricing, before the search
+    assert any(searched), "no pricing of the search ran in full: the case no longer tests the charge"
+    for k in range(len(searched)):
+        charged = k * cost + sum(map(sum, searched[:k]))
+        assert charged + cost <= _predict._EXHAUSTIVE_SLOTS, (k, charged, searched)
