@@ -759,9 +759,10 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     where the budget runs out, the best split priced (never worse than ``pred``). With more splits, ``pred`` with its
     boundaries moved one layer at a time while the price drops, within the same budget (:func:`_moved_boundaries`):
     ``pred`` alone priced above a split one boundary away in 58 of 100 random settings of 20-30 layers in 6-8 stages
-    (tests/costmodel/test_costmodel_partition.py's settings otherwise), up to 1.12x; the moves, tried in the order of
-    their bound and only below the best price, left planning_scale's planning time as it was (47.5 s of CPU over its
-    eight cases, medians of 3, before and after).
+    (tests/costmodel/test_costmodel_partition.py's settings otherwise), up to 1.12x. The moves are tried in the order of
+    their bound and only below the best price, yet they cost planning time: planning_scale's eight cases spent 6.7 s of
+    CPU in them, 36 s before and 43 s after (one run each, schedule cache cleared per case); 32 layers on 16 devices
+    over gloo 0.41 s before, 0.93 s after.
     """
     p, n, n_layers = plan.pp, plan.n_microbatches, len(profile.layers)
     if p < 2:

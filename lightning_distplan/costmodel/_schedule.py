@@ -180,7 +180,7 @@ def schedule_time(
     "ready" notice reaches the sender only after the data already queued the other way on the
     same connection, as over gloo's one TCP stream per pair; without it (NCCL, assumed) the two
     directions are independent. ``full_runs``: where given, the stage-slots (p·n) of a step simulated in full past
-    the line :func:`simulated_microbatches` counts (the short runs did not lie on one line) are appended to it, so a
+    the line :func:`simulated_microbatches` counts (the short runs gave no line: off one, or slower than the busiest stage) are appended to it, so a
     caller that budgets its simulations can charge them.
 
     Example:
