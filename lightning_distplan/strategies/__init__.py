@@ -11,6 +11,7 @@ import logging
 
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
+    CheckpointNotFoundError,
     load_optimizer_state_by_name,
     merge_stage_states,
     optimizer_state_by_name,
@@ -22,6 +23,7 @@ __all__ = [
     "DPGAStrategy",
     "register_strategies",
     "CheckpointFormatError",
+    "CheckpointNotFoundError",
     "optimizer_state_by_name",
     "load_optimizer_state_by_name",
     "merge_stage_states",

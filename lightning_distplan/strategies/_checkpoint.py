@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import errno
 import functools
+import os
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
@@ -47,6 +48,7 @@ __all__ = [
     "PLAN_KEY",
     "OPTIMIZER_STATES_KEY",
     "CheckpointFormatError",
+    "CheckpointNotFoundError",
     "join_resume_reads",
     "read_checkpoint",
     "optimizer_state_by_name",
@@ -72,6 +74,10 @@ NamedParams = Union[Mapping[str, "Tensor"], Iterable[tuple[str, "Tensor"]]]
 class CheckpointFormatError(DistPlanError, ValueError):
     """A checkpoint does not hold the state a strategy needs (missing parameter, mismatched groups), or its file is not a
     checkpoint Lightning can read (cut short, damaged, or another kind of file)."""
+
+
+class CheckpointNotFoundError(CheckpointFormatError, FileNotFoundError):
+    """The checkpoint file to read does not exist (a ``FileNotFoundError`` as well, as Lightning's own was)."""
 
 
 # What torch.load raises on a file cut short or damaged, or not written by torch.save: an empty file (EOFError), a zip
@@ -100,6 +106,8 @@ def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None)
     and the others stopped at their next collective with gloo's "Connection closed by peer". One all-reduce per read.
 
     Raises:
+        CheckpointNotFoundError: (a ``CheckpointFormatError`` and a ``FileNotFoundError``) there is no file at ``path``;
+            Lightning's own said only "Checkpoint file not found: <path>".
         CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint, or
             holds weights only for a fit to resume.
     """
@@ -161,6 +169,13 @@ def _trainers_read(strategy: Any, path: Any) -> bool:
 def _read_checkpoint(load: Callable[[], Any], path: Any, strategy: Any) -> dict[str, Any]:
     try:
         checkpoint = load()
+    except FileNotFoundError as err:  # Lightning's checkpoint_io found no file at the path
+        where = "" if "://" in str(path) or os.path.isabs(str(path)) else f" (relative to the working folder {os.getcwd()!r})"
+        raise CheckpointNotFoundError(
+            f"The checkpoint {str(path)!r} does not exist{where}.",
+            hint="Check the path, or pass ckpt_path='last' to resume from the last checkpoint ModelCheckpoint saved (a fit "
+            "where it saved none starts afresh) or ckpt_path=None to start afresh.",
+        ) from err
     except Exception as err:
         if not _damaged(err):
             raise

@@ -78,6 +78,12 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     plans["resume a rank cannot read"] = error_of(
         lambda: trainer.fit(build("transformer"), DataLoader(data, batch_size=32), ckpt_path=c if rank == 0 else cut)
     )
+    # A resume from a file one rank lacks stops every stage with one sentence and a hint (Lightning's own said only
+    # "Checkpoint file not found: <path>")
+    trainer = L.Trainer(**_kw(world, 4), strategy=PipelineStrategy(schedule="1f1b", stages=2, n_microbatches=4))
+    plans["resume a rank lacks"] = error_of(
+        lambda: trainer.fit(build("transformer"), DataLoader(data, batch_size=32), ckpt_path=c if rank == 0 else cut + ".missing")
+    )
     return plans
 
 
@@ -151,6 +157,10 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     for r, notes in ((ranks[1], []), (ranks[0], ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])):
         kind, message, raised_notes = r["resume a rank cannot read"]
         assert (kind, raised_notes) == ("CheckpointFormatError", notes) and message.startswith(sentence), r["resume a rank cannot read"]
+    missing = f"The checkpoint {cut + '.missing'!r} does not exist. HINT: Check the path, or pass ckpt_path='last'"
+    for r, notes in ((ranks[1], []), (ranks[0], ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])):
+        kind, message, raised_notes = r["resume a rank lacks"]
+        assert (kind, raised_notes) == ("CheckpointNotFoundError", notes) and message.startswith(missing), r["resume a rank lacks"]
     print(f"gpipe -> dp_ga -> 1f1b chain {time.perf_counter() - t0:.1f}s")
 
 

@@ -235,7 +235,10 @@ def test_checkpoint_resumes_under_other_plans_and_plain_ddp(tmp_path: Any) -> No
         for r, notes in ((r0, []), (r1, ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
             kind, message, raised_notes = r[f"save to {name}"]
             assert (kind, raised_notes) == ("OutputPathError", notes) and message.startswith(sentence), (name, r[f"save to {name}"])
-    missing = ("FileNotFoundError", f"Checkpoint file not found: {path}.missing")
+    # Lightning's own said "FileNotFoundError: Checkpoint file not found: <path>", with no hint
+    missing = ("CheckpointNotFoundError", f"The checkpoint {path + '.missing'!r} does not exist. HINT: Check the path, or pass "
+               "ckpt_path='last' to resume from the last checkpoint ModelCheckpoint saved (a fit where it saved none starts afresh) "
+               "or ckpt_path=None to start afresh.")
     assert r1["resume a rank lacks"] == (*missing, [])
     assert r0["resume a rank lacks"] == (*missing, ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])
     for r in (r0, r1):
@@ -370,12 +373,15 @@ def test_a_checkpoint_file_cut_short_or_not_lightnings_is_refused_in_one_sentenc
     cut = r"cannot be read \({}\): the file is cut short or damaged .* HINT: Resume from another checkpoint"
     bare = r"holds a dict without 'state_dict' or 'pytorch-lightning_version' \(keys 'model.embedding.weight', .*\), not a checkpoint "
     expected = {"half.ckpt": cut.format(r"OSError: \[Errno 22\] Invalid argument"), "empty.ckpt": cut.format("EOFError: no data"),
-                "weights.pt": bare + "Lightning wrote. HINT: Load the weights into the module before the run"}
+                "weights.pt": bare + "Lightning wrote. HINT: Load the weights into the module before the run",
+                # Lightning's own: "FileNotFoundError: Checkpoint file not found: <path>", no hint
+                "missing.ckpt": r"The checkpoint '.*missing.ckpt' does not exist\. HINT: Check the path, or pass ckpt_path='last'"}
     for name, message in expected.items():
         for run in ("fit", "validate"):
             trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=2, limit_val_batches=1)
-            with pytest.raises(CheckpointFormatError, match=message):
+            with pytest.raises(CheckpointFormatError, match=message) as raised:
                 getattr(trainer, run)(_Validated(n_samples=32, loader_batch=16), ckpt_path=str(tmp_path / name))
+            assert isinstance(raised.value, FileNotFoundError) == (name == "missing.ckpt")  # still what Lightning raised
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
         for strategy in (PipelineStrategy(schedule="gpipe"), AutoPlanStrategy()):
