@@ -16,7 +16,8 @@ In a multi-process fit global rank 0 alone writes the file. Where that failed (a
 that is a folder) it alone raised the clear error, and the other ranks, waiting in Lightning's barrier after the save,
 saw only gloo's "Connection closed by peer" (or waited until the timeout). :meth:`AtomicSaves.save_checkpoint` ends
 in one all-reduce that tells every rank whether, and where, the save failed (:func:`raise_on_every_rank`), and every
-rank raises that error (Lightning's barrier after the save then finds every rank there).
+rank raises that error (Lightning's barrier after the save then finds every rank there). What a strategy adds to the
+checkpoint on rank 0 alone before the write (:meth:`AtomicSaves._complete_checkpoint`) fails the same way.
 """
 
 from __future__ import annotations
@@ -223,13 +224,20 @@ class AtomicSaves:
     _checkpoint_io: CheckpointIO | None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Lightning's (global rank 0 writes the file), then every rank raises the error that write raised, if any."""
+        """:meth:`_complete_checkpoint` and Lightning's save (global rank 0 writes the file), then every rank raises the
+        error either raised, if any."""
         failure = None
         try:
+            self._complete_checkpoint(checkpoint)
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
         except Exception as err:  # not a KeyboardInterrupt: no collective then
             failure = err
         raise_on_every_rank(failure, doing="saving the checkpoint", device=self.root_device)  # type: ignore[attr-defined]
+
+    def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add to ``checkpoint`` before its write what only some ranks add (a pipeline's by-name optimizer state, on
+        global rank 0, which alone holds the gathered state): an error raised here reaches every rank as the write's
+        does. Nothing here."""
 
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]

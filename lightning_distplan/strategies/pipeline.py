@@ -1294,7 +1294,11 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         return checkpoint
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The portable keys; the by-name optimizer state on global rank 0 only, which alone holds the gathered one
+        (:meth:`optimizer_state`). Inside :meth:`save_checkpoint`'s agreement: an error here reached rank 0 alone, and
+        the other ranks' save waited in its all-reduce for a rank that had gone on (a hang, or gloo's "Connection
+        closed by peer")."""
         by_name = None
         if self._built and self.is_global_zero and "optimizer_states" in checkpoint:
             by_name = [
@@ -1302,7 +1306,6 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 for opt, full in zip(self.optimizers, checkpoint["optimizer_states"])
             ]
         add_portable_state(checkpoint, plan=self.plan, optimizer_states_by_name=by_name, context=plan_context(self))
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
 
 class _PipelineMultiProcessingLauncher(_MultiProcessingLauncher):

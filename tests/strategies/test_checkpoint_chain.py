@@ -70,6 +70,12 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
     # A save global rank 0 cannot make (the path lies under a file: the checkpoint, which stays) stops every stage with
     # rank 0's error; stage 1 saw only gloo's "Connection closed by peer" (last: the ranks' collectives then paired wrongly)
     plans["save under a file"] = error_of(lambda: pipelined.save_checkpoint(os.path.join(c, "x.ckpt")))
+    # An error in what rank 0 alone adds before the write (the by-name optimizer state, here of a state a user's hook left
+    # without its param groups) stops every stage too; the other stage waited in the save's all-reduce while rank 0 went
+    # on, and the next collectives hung
+    pipelined.callbacks.append(_DropsParamGroups())
+    plans["save after a hook"] = error_of(lambda: pipelined.save_checkpoint(os.path.join(out, "hooked.ckpt")))
+    pipelined.callbacks.pop()
     # A resume one rank cannot read (its node holds a copy cut short) stops every stage with that rank's error
     cut = os.path.join(out, f"cut-{rank}.ckpt")
     with open(c, "rb") as src, open(cut, "wb") as dst:
@@ -85,6 +91,14 @@ def _chain(rank: int, world: int, out: str) -> dict[str, Any]:
         lambda: trainer.fit(build("transformer"), DataLoader(data, batch_size=32), ckpt_path=c if rank == 0 else cut + ".missing")
     )
     return plans
+
+
+class _DropsParamGroups(L.Callback):
+    """A user's hook that leaves the optimizer's param groups out of the checkpoint (its other ranks hold no state)."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        for state in checkpoint.get("optimizer_states", []):
+            state.pop("param_groups", None)
 
 
 def _strict_loading_into_the_built_pipeline(rank: int, trainer: L.Trainer, model: L.LightningModule, good: str) -> list[str]:
@@ -152,6 +166,9 @@ def test_gpipe_to_dp_ga_to_1f1b_equals_uninterrupted_run(tmp_path: Any) -> None:
     for r, notes in ((ranks[0], []), (ranks[1], ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
         kind, message, raised_notes = r["save under a file"]
         assert (kind, raised_notes) == ("OutputPathError", notes) and message.startswith(sentence), r["save under a file"]
+    for r, notes in ((ranks[0], []), (ranks[1], ["Raised on global rank 0 saving the checkpoint; global rank 1 stops with it."])):
+        assert r["save after a hook"] == ("KeyError", "'param_groups'", notes), r["save after a hook"]
+    assert not os.path.exists(os.path.join(tmp_path, "hooked.ckpt"))
     cut = os.path.join(tmp_path, "cut-1.ckpt")
     sentence = f"The checkpoint {cut!r} cannot be read (RuntimeError: PytorchStreamReader failed reading zip archive"
     for r, notes in ((ranks[1], []), (ranks[0], ["Raised on global rank 1 reading the checkpoint; global rank 0 stops with it."])):
