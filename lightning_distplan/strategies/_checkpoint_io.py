@@ -17,9 +17,12 @@ that is a folder) it alone raised the clear error, and the other ranks, waiting 
 saw only gloo's "Connection closed by peer" (or waited until the timeout). :meth:`AtomicSaves.save_checkpoint` ends
 in one all-reduce that tells every rank whether, and where, the save failed (:func:`raise_on_every_rank`), and every
 rank raises that error (Lightning's barrier after the save then finds every rank there). What a strategy adds to the
-checkpoint on rank 0 alone before the write (:meth:`AtomicSaves._complete_checkpoint`) fails the same way, and so
-does rank 0's removal of an old checkpoint (ModelCheckpoint's ``save_top_k``, :meth:`AtomicSaves.remove_checkpoint`),
-where the other ranks trained on into gloo's "Connection reset by peer".
+checkpoint on rank 0 alone before the write (:meth:`AtomicSaves._complete_checkpoint`) fails the same way.
+
+An old checkpoint global rank 0 cannot remove (ModelCheckpoint's ``save_top_k``; a read-only or immutable file) is a
+warning there, and every rank trains on (:meth:`AtomicCheckpointIO.remove_checkpoint`): rank 0 alone raised a bare
+``PermissionError``, and the others trained on into gloo's "Connection reset by peer". No collective: the file stays,
+and a removal some ranks make alone (a callback's, on rank 0) must not wait for the others.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import secrets
 import stat
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -108,17 +112,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Lightning's, refusing in one sentence a file that could not be removed (ModelCheckpoint's top-k removal of an
-        old checkpoint: a read-only or immutable file, a folder the process may not change)."""
+        """Lightning's, where a file that cannot be removed (ModelCheckpoint's top-k removal of an old checkpoint: a
+        read-only or immutable file, a folder the process may not change) is a warning and the fit goes on: it raised
+        a bare ``PermissionError`` on global rank 0 alone, the rank that removes files (so the warning is that rank's)."""
         try:
             super().remove_checkpoint(path)
         except OSError as err:
-            raise OutputPathError(
-                f"Removing the checkpoint {str(path)!r} failed ({err.strerror or err}); the file is left in place.",
-                hint="Let this process delete files in that folder (its permissions; a read-only or immutable file), or keep "
-                "every checkpoint (ModelCheckpoint(save_top_k=-1)).",
-                errno=err.errno,
-            ) from err
+            warnings.warn(
+                f"Removing the old checkpoint {str(path)!r} failed ({err.strerror or err}), so it is left in place and "
+                "training goes on. HINT: Let this process delete files in that folder (its permissions; a read-only or "
+                "immutable file), or keep every checkpoint (ModelCheckpoint(save_top_k=-1)).",
+                UserWarning,
+                stacklevel=2,
+            )
 
 
 def _check_checkpoint_path(path: str) -> None:
@@ -233,8 +239,8 @@ class AtomicSaves:
     default ``TorchCheckpointIO`` (no plugin given, or a wrapping one such as ``AsyncCheckpointIO`` without its own):
     checkpoints are written atomically also where TMPDIR is another file system. Put it before the Lightning base.
 
-    Its :meth:`save_checkpoint` and :meth:`remove_checkpoint` raise on every rank the error global rank 0's write or
-    removal raised (see the module docstring); its :meth:`setup_environment` makes a rank that resumes from no file join the all-reduce of the ranks
+    Its :meth:`save_checkpoint` raises on every rank the error global rank 0's write raised (see the module
+    docstring); its :meth:`setup_environment` makes a rank that resumes from no file join the all-reduce of the ranks
     that read one (:func:`~lightning_distplan.strategies._checkpoint.join_resume_reads`)."""
 
     _checkpoint_io: CheckpointIO | None
@@ -249,16 +255,6 @@ class AtomicSaves:
         except Exception as err:  # not a KeyboardInterrupt: no collective then
             failure = err
         raise_on_every_rank(failure, doing="saving the checkpoint", device=self.root_device)  # type: ignore[attr-defined]
-
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Lightning's (global rank 0 removes the file), then every rank raises the error that removal raised, if any.
-        Every rank calls it, as ModelCheckpoint does."""
-        failure = None
-        try:
-            super().remove_checkpoint(filepath)  # type: ignore[misc]
-        except Exception as err:  # not a KeyboardInterrupt: no collective then
-            failure = err
-        raise_on_every_rank(failure, doing="removing an old checkpoint", device=self.root_device)  # type: ignore[attr-defined]
 
     def _complete_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add to ``checkpoint`` before its write what only some ranks add (a pipeline's by-name optimizer state, on
