@@ -108,8 +108,8 @@ def read_checkpoint(load: Callable[[], Any], path: Any, *, strategy: Any = None)
     Raises:
         CheckpointNotFoundError: (a ``CheckpointFormatError`` and a ``FileNotFoundError``) there is no file at ``path``;
             Lightning's own said only "Checkpoint file not found: <path>".
-        CheckpointFormatError: the file is cut short, damaged or not a torch file, or holds no Lightning checkpoint, or
-            holds weights only for a fit to resume.
+        CheckpointFormatError: ``path`` is a folder (a bare ``IsADirectoryError`` before), the file is cut short,
+            damaged or not a torch file, or holds no Lightning checkpoint, or holds weights only for a fit to resume.
     """
     if not _trainers_read(strategy, path):
         return _read_checkpoint(load, path, strategy)
@@ -169,6 +169,17 @@ def _trainers_read(strategy: Any, path: Any) -> bool:
 def _read_checkpoint(load: Callable[[], Any], path: Any, strategy: Any) -> dict[str, Any]:
     try:
         checkpoint = load()
+    except IsADirectoryError as err:  # a folder: torch.load's open() raised a bare "[Errno 21] Is a directory"
+        try:
+            held = sorted(name for name in os.listdir(path) if name.endswith(".ckpt"))
+        except OSError:  # a folder we may not list, a remote path
+            held = []
+        names = ", ".join(map(repr, held[:3])) + (", ..." if len(held) > 3 else "")
+        raise CheckpointFormatError(
+            f"The checkpoint {str(path)!r} is a folder, not a checkpoint file" + (f" (it holds {names})." if held else "."),
+            hint="Pass the path of a checkpoint file as ckpt_path (such as one ModelCheckpoint saved in that folder), or "
+            "ckpt_path='last' to resume from the last checkpoint ModelCheckpoint saved.",
+        ) from err
     except FileNotFoundError as err:  # Lightning's checkpoint_io found no file at the path
         where = "" if "://" in str(path) or os.path.isabs(str(path)) else f" (relative to the working folder {os.getcwd()!r})"
         raise CheckpointNotFoundError(

@@ -413,12 +413,17 @@ def test_a_checkpoint_file_cut_short_or_not_lightnings_is_refused_in_one_sentenc
     (tmp_path / "half.ckpt").write_bytes(raw[: len(raw) // 2])
     (tmp_path / "empty.ckpt").write_bytes(b"")
     torch.save(model.state_dict(), tmp_path / "weights.pt")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.ckpt").write_bytes(raw)
     cut = r"cannot be read \({}\): the file is cut short or damaged .* HINT: Resume from another checkpoint"
     bare = r"holds a dict without 'state_dict' or 'pytorch-lightning_version' \(keys 'model.embedding.weight', .*\), not a checkpoint "
     expected = {"half.ckpt": cut.format(r"OSError: \[Errno 22\] Invalid argument"), "empty.ckpt": cut.format("EOFError: no data"),
                 "weights.pt": bare + "Lightning wrote. HINT: Load the weights into the module before the run",
                 # Lightning's own: "FileNotFoundError: Checkpoint file not found: <path>", no hint
-                "missing.ckpt": r"The checkpoint '.*missing.ckpt' does not exist\. HINT: Check the path, or pass ckpt_path='last'"}
+                "missing.ckpt": r"The checkpoint '.*missing.ckpt' does not exist\. HINT: Check the path, or pass ckpt_path='last'",
+                # torch.load's own: a bare "IsADirectoryError: [Errno 21] Is a directory"
+                "run": r"The checkpoint '.*run' is a folder, not a checkpoint file \(it holds 'last.ckpt'\)\. HINT: Pass the path of a "
+                "checkpoint file as ckpt_path"}
     for name, message in expected.items():
         for run in ("fit", "validate"):
             trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=2, limit_val_batches=1)
