@@ -56,6 +56,7 @@ __all__ = [
     "merge_stage_states",
     "to_torch_optimizer_state",
     "add_portable_state",
+    "check_states_to_save",
     "load_portable_optimizer_states",
     "stored_plan",
     "readable_plan",
@@ -463,10 +464,28 @@ def _check_states_by_name(states: Any) -> None:
         )
 
 
-def _check_state_by_name(state: Any, what: str, hint: str) -> None:
+def check_states_to_save(states: Sequence[Any]) -> None:
+    """Refuse a checkpoint's torch-format optimizer states (``checkpoint["optimizer_states"]``) that a user's
+    ``on_save_checkpoint`` hook left without what the by-name copy reads, before a bare ``KeyError: 'param_groups'``
+    in the save."""
+    for i, state in enumerate(states):
+        _check_state_by_name(
+            state,
+            f"The optimizer state to save (checkpoint['optimizer_states'][{i}])",
+            hint="An on_save_checkpoint hook (a Callback's or the LightningModule's) changed it: leave "
+            "checkpoint['optimizer_states'] as Lightning made it (change a copy), or save the weights only "
+            "(Trainer.save_checkpoint(path, weights_only=True)).",
+            so="so it cannot be stored by parameter name",
+        )
+
+
+def _check_state_by_name(
+    state: Any, what: str, hint: str, so: str = "so the optimizer state cannot be loaded by parameter name"
+) -> None:
     """Refuse a by-name optimizer state that is not what :func:`optimizer_state_by_name` returns (a checkpoint's entry
     edited by hand or by another tool), before a bare ``KeyError`` deep in the load, or a ``state`` read as empty (no
-    Adam moments)."""
+    Adam moments). A torch-format state has the same outline (``params`` lists ids), which a save checks
+    (:func:`check_states_to_save`); ``so``: what follows from the problem."""
     problem = None
     missing = [k for k in ("state", "param_groups") if not isinstance(state, Mapping) or k not in state]
     if not isinstance(state, Mapping) or missing:
@@ -480,7 +499,7 @@ def _check_state_by_name(state: Any, what: str, hint: str) -> None:
         if bad:
             problem = f"has param group {bad[0]} without a list of parameter names as 'params'"
     if problem is not None:
-        raise CheckpointFormatError(f"{what} {problem}, so the optimizer state cannot be loaded by parameter name.", hint=hint)
+        raise CheckpointFormatError(f"{what} {problem}, {so}.", hint=hint)
 
 
 def plan_context(strategy: Any) -> dict[str, Any]:

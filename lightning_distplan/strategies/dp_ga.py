@@ -102,6 +102,7 @@ from lightning_distplan.strategies._auto_planning import check_count
 from lightning_distplan.strategies._checkpoint import (
     CheckpointFormatError,
     add_portable_state,
+    check_states_to_save,
     load_portable_optimizer_states,
     optimizer_state_by_name,
     plan_context,
@@ -294,6 +295,7 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         by_name = None
         if "optimizer_states" in checkpoint and self.lightning_module is not None:
+            check_states_to_save(checkpoint["optimizer_states"])  # a user's hook changed them: one sentence, not a KeyError
             named = dict(self.lightning_module.named_parameters())
             try:
                 by_name = [

@@ -84,7 +84,14 @@ from lightning_distplan._layers import MappingOutput, PipelineSpec, discover_lay
 from lightning_distplan.errors import BatchFormatError, BatchNotFactorableError, CheckpointMismatchError, InfeasiblePlanError, ModelSplitError, described
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.strategies._auto_planning import check_boundaries, check_count
-from lightning_distplan.strategies._checkpoint import add_portable_state, load_portable_optimizer_states, plan_context, read_checkpoint, readable_plan
+from lightning_distplan.strategies._checkpoint import (
+    add_portable_state,
+    check_states_to_save,
+    load_portable_optimizer_states,
+    plan_context,
+    read_checkpoint,
+    readable_plan,
+)
 from lightning_distplan.strategies._checkpoint_io import AtomicSaves
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
@@ -1301,6 +1308,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         closed by peer")."""
         by_name = None
         if self._built and self.is_global_zero and "optimizer_states" in checkpoint:
+            check_states_to_save(checkpoint["optimizer_states"])  # a user's hook changed them: one sentence, not a KeyError
             by_name = [
                 optimizer_state_names(full, self._opt_index[id(getattr(opt, "_optimizer", opt))])
                 for opt, full in zip(self.optimizers, checkpoint["optimizer_states"])

@@ -438,6 +438,30 @@ def test_a_checkpoint_file_cut_short_or_not_lightnings_is_refused_in_one_sentenc
     assert stored_plan(PipelineStrategy(schedule="1f1b").load_checkpoint(str(good))) is not None  # an intact one loads
 
 
+class _DropsParamGroups(L.Callback):
+    """A user's hook that leaves the optimizer's param groups out of the checkpoint it is handed."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        for state in checkpoint.get("optimizer_states", []):
+            state.pop("param_groups", None)
+
+
+def test_an_optimizer_state_a_hook_broke_is_refused_on_save_in_one_sentence(tmp_path: Any) -> None:
+    """An on_save_checkpoint hook that drops the optimizer state's 'param_groups' stopped dp_ga's save with a bare
+    "KeyError: 'param_groups'" (the pipeline's: test_checkpoint_chain); no file is made, and the next save works."""
+    trainer = L.Trainer(**trainer_kwargs(devices=1), strategy=DPGAStrategy(), max_steps=1)
+    trainer.fit(TinyLM(n_samples=32, loader_batch=16, optimizer="adam"))
+    trainer.callbacks.append(_DropsParamGroups())
+    with pytest.raises(CheckpointFormatError, match=r"^The optimizer state to save \(checkpoint\['optimizer_states'\]\[0\]\) is a dict "
+                       r"without 'param_groups', so it cannot be stored by parameter name\. HINT: An on_save_checkpoint hook"):
+        trainer.save_checkpoint(tmp_path / "hooked.ckpt")
+    trainer.callbacks.pop()
+    assert os.listdir(tmp_path) == []
+    trainer.save_checkpoint(tmp_path / "good.ckpt")
+    torch.distributed.destroy_process_group()
+    assert "param_groups" in torch.load(tmp_path / "good.ckpt", weights_only=False)["optimizer_states"][0]
+
+
 def test_a_malformed_by_name_optimizer_state_is_refused_in_one_sentence(tmp_path: Any) -> None:
     """A checkpoint whose 'distplan_optimizer_states' entry is not what the strategies write (edited by hand or by
     another tool) stopped the resume with a bare "KeyError: 'param_groups'" (or 'state', 'params'), and one whose
