@@ -191,31 +191,77 @@ class _FullBatchLoader(_MicroBatchLoader):
     """Yields exactly ``micro_batch_size`` samples per batch; a trailing short batch is dropped (a
     pipeline schedule needs ``n`` equal micro-batches). ``shortfall`` (set by the strategy: samples per replica and
     epoch that DDP would train and this does not, None where the loader's length is unknown) is warned about when an
-    epoch starts; an unknown one when the epoch ends short."""
+    epoch starts; an unknown one when the epoch ends short.
+
+    ``agree`` (set by :meth:`Rechunking.wrap` on several replicas without a ``DistributedSampler``, as for dp_ga): the
+    replicas' loaders may hold different numbers of samples (a dataset per rank), and their gradient all-reduce meets at
+    every step, so a replica stepping more often than another hung the fit (16 and 14 samples per rank in steps of 8:
+    2 steps and 1). The ranks agree, when the loader is made (on every rank as Lightning processes its train loader), on
+    the epoch's steps: the fewest any rank's samples fill (one :func:`_agreed_batch_sizes` of the samples per epoch); each
+    stops there, and ``__len__`` is that count. Where a rank's length is unknown or may overstate what it yields (an
+    IterableDataset), they agree at every step, before it, whether every rank has a full one. With a DistributedSampler
+    (every replica as many samples) nothing is agreed.
+    """
 
     shortfall: int | None = None
-    _OWN = _MicroBatchLoader._OWN | {"shortfall"}  # its own attribute, not the wrapped loader's
+    _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step)
+    _spread: tuple[int, int] | None = None  # the fewest and most samples per epoch of the ranks' loaders, where they differ
+    _OWN = _MicroBatchLoader._OWN | {"shortfall", "_steps", "_spread"}  # its own attributes, not the wrapped loader's
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.agree is None:
+            return
+        try:
+            samples = -1 if self._stream else self._samples()  # -1: agree step by step
+        except TypeError:
+            samples = -1
+        largest, smallest = self.agree(samples)
+        if smallest >= 0:
+            self._steps = smallest // self.micro_batch_size
+            self._spread = (smallest, largest) if largest != smallest else None
 
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
+        m = self.micro_batch_size
         if self.shortfall and limit is None:
             self._warn_once(
                 "shortfall", f"auto_plan: the epoch's last {self.shortfall} samples per replica do not fill a pipeline step of "
-                f"{self.micro_batch_size} samples and are skipped (a run of your loader under DDP trains them)."
+                f"{m} samples and are skipped (a run of your loader under DDP trains them)."
             )
-        dropped = 0
-        for batch in _rebatch(batches, self.micro_batch_size):
-            if _batch_n(batch) == self.micro_batch_size:
-                yield batch
-            else:
+        agreed = self._steps
+        if self._spread is not None and agreed is not None:
+            smallest, largest = self._spread
+            self._warn_once(
+                "replicas", f"auto_plan: the ranks' train loaders hold from {smallest} to {largest} samples per epoch, and the "
+                f"replicas' gradient all-reduce meets at every step, so every replica stops after the {agreed} pipeline "
+                f"steps of {m} samples the fewest fill, skipping up to {largest - agreed * m} samples per epoch (give every "
+                "replica as many samples, e.g. Lightning's DistributedSampler, to train them all)."
+            )
+        each_step = self.agree if agreed is None else None  # no count agreed: the ranks agree before every step
+        dropped = steps = 0
+        for batch in _rebatch(batches, m):
+            if steps == agreed:
+                break  # the steps the ranks agreed on (warned above, where a rank has more)
+            if _batch_n(batch) != m:
                 dropped += _batch_n(batch)
+                continue
+            if each_step is not None and each_step(1)[1] == 0:
+                self._warn_once("ended", f"auto_plan: another replica's train loader ended before this one's; this replica "
+                                "stops with it (their gradient all-reduce meets at every step), skipping the rest of its epoch.",
+                                any_rank=True)
+                return
+            steps += 1
+            yield batch
+        if each_step is not None:
+            each_step(0)  # this rank has no further step: the others stop at their next
         if dropped and self.shortfall is None and limit is None:
             self._warn_once(
                 "dropped", f"auto_plan: the epoch's last {dropped} samples of this replica did not fill a pipeline step of "
-                f"{self.micro_batch_size} samples and were skipped (the loader's length is unknown, so this could not be said before)."
+                f"{m} samples and were skipped (the loader's length is unknown, so this could not be said before)."
             )
 
     def __len__(self) -> int:
-        return self._samples() // self.micro_batch_size
+        return self._steps if self._steps is not None else self._samples() // self.micro_batch_size
 
 
 _EVAL_PREFIXES = ("val", "test", "predict")

@@ -544,7 +544,9 @@ class Rechunking:
         n = sized_len(dataloader)
         self._user_epoch = n if n is None or limit is None else min(n, limit)
         agree = None
-        if cls is None and trainer.world_size > 1 and not isinstance(loader_sampler(dataloader)[0], DistributedSampler):
+        # several replicas whose data may differ (no DistributedSampler): their loaders agree (a pipeline's, see
+        # _FullBatchLoader, on the epoch's steps; the stages of one replica read the same batches)
+        if trainer.world_size > replica_share and not isinstance(loader_sampler(dataloader)[0], DistributedSampler):
             agree = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
         self._loader.ended = self._end_steered_step
@@ -1371,8 +1373,9 @@ def _rebatch_pieces(
 
 
 def _agreed_batch_sizes(device: torch.device, n: int) -> tuple[int, int]:
-    """The largest and the smallest of the ranks' ``n`` (this rank's loader batch size; 0: its loader ended), by one
-    all-reduce of two integers on ``device`` (the strategy's root device, so NCCL can)."""
+    """The largest and the smallest of the ranks' ``n`` (dp_ga: this rank's loader batch size, 0 where its loader ended;
+    a pipeline's ``_FullBatchLoader``: its samples per epoch, or whether it has a full step), by one all-reduce of two
+    integers on ``device`` (the strategy's root device, so NCCL can)."""
     sizes = torch.tensor([n, -n], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
     largest, negative_smallest = sizes.tolist()

@@ -6,7 +6,7 @@
 * Memory: 1F1B keeps fewer micro-batches of activations alive than GPipe, as the cost model says.
 
 To keep the suite fast, the module has ONE launch (a module-scoped fixture): four processes run the
-hybrid checks, then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
+hybrid checks (and auto_plan's dp x pp on replicas of unequal data), then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
 so Lightning treats them as externally launched; weights come back through the strategy's
 full-state-dict checkpoint gather.
 """
@@ -955,19 +955,76 @@ def _hybrid_worker(rank: int, world: int, out: str) -> None:
         _fit(rank, world, run, out)
 
 
-def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, port: int) -> dict[str, Any] | None:
-    """The hybrid runs on all 4 ranks; then ranks 2 and 3 are done and ranks 0 and 1 run every 2-rank check on a fresh
-    world of two (its own port), as a 2-process launch of its own did: starting Python, torch and Lightning in two
-    more processes costs more than many of the fits."""
+class _StepsAtEpochEnd(L.Callback):
+    """The global step at each epoch's end, and the weights of this rank's stage at the fit's start."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.start: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.start = {k: v.detach().clone() for k, v in trainer.strategy._stage_module.state_dict().items()}
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen.append(trainer.global_step)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """The samples of a dataset as a stream: no length."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        return iter(self.data)
+
+
+def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -> dict[str, Any]:
+    """auto_plan's pipeline, dp=2 x pp=2, where each rank reads data of its own (use_distributed_sampler=False):
+    replica 0's ranks 16 samples, replica 1's 14, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
+    and from a stream (its length unknown). A pipeline step takes 8 samples per replica: 16 fill 2, 14 fill 1, and the
+    replica stepping twice waited in the replicas' gradient all-reduce for good. Run on a group of its own with a 120 s
+    timeout (set up by Lightning, the port in the environment), so that a hang fails here rather than holding the launch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    results: dict[str, Any] = {}
+    data = mlp_data(16 if rank < 2 else 14, seed=rank // 2)
+    for kind, dataset in (("sized", data), ("stream", _Stream(data))):
+        steps = _StepsAtEpochEnd()
+        strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
+                                    timeout=datetime.timedelta(seconds=120))
+        trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, kind), callbacks=[steps], use_distributed_sampler=False),
+                               "max_steps": -1, "max_epochs": 2})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TinyMLP(), DataLoader(dataset, batch_size=4))
+        results[kind] = {"plan": trainer.strategy.plan, "steps": steps.seen, "start": steps.start,
+                         "stage": {k: v.detach().clone() for k, v in trainer.strategy._stage_module.state_dict().items()},
+                         "warned": [str(w.message) for w in caught if "skipping" in str(w.message)]}
+    dist.destroy_process_group()
+    return results
+
+
+def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, ports: tuple[int, int]) -> dict[str, Any]:
+    """The hybrid runs on all 4 ranks, then auto_plan's on replicas of unequal data on a fresh world of four; then ranks
+    2 and 3 are done and ranks 0 and 1 run every 2-rank check on a fresh world of two (each world its own port), as a
+    2-process launch of its own did: starting Python, torch and Lightning in two more processes costs more than many of
+    the fits."""
     import torch.distributed as dist
 
     _hybrid_worker(rank, world, hybrid_out)
     if dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.update(MASTER_PORT=str(ports[0]))
+    unequal = _replicas_of_unequal_data_under_auto_plan(rank, world, os.path.join(hybrid_out, "unequal"))
     if rank >= 2:
-        return None
-    os.environ.update(MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-    return _two_rank_worker(rank, 2, out)
+        return {"unequal": unequal}
+    os.environ.update(MASTER_PORT=str(ports[1]), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    return {**_two_rank_worker(rank, 2, out), "unequal": unequal}
 
 
 @pytest.fixture(scope="module")
@@ -977,14 +1034,15 @@ def _launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[di
 
     hybrid_out = str(tmp_path_factory.mktemp("pipeline_hybrid"))
     out = str(tmp_path_factory.mktemp("pipeline_2ranks"))
-    results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, free_port(), timeout=560)  # under pytest's 600 s, so a stall gets run_on_ranks's message
-    return hybrid_out, out, results[:2]
+    ports = (free_port(), free_port())
+    results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, ports, timeout=560)  # under pytest's 600 s, so a stall gets run_on_ranks's message
+    return hybrid_out, out, results
 
 
 @pytest.fixture(scope="module")
 def two_rank_run(_launch: tuple[str, str, list[dict[str, Any]]]) -> tuple[str, list[dict[str, Any]]]:
     _, out, results = _launch
-    return out, results
+    return out, results[:2]
 
 
 def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
@@ -1001,6 +1059,32 @@ def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
     n_params = len(list(model.configure_optimizers().param_groups[0]["params"]))
     assert sorted(ckpt["optimizer_states"][0]["param_groups"][0]["params"]) == list(range(n_params))
     assert torch.isfinite(torch.load(os.path.join(out, f"{name}-{schedule}-{world}.loss"))).all()
+
+
+@pytest.mark.parametrize("kind", ["sized", "stream"])
+def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weights(_launch, kind: str) -> None:
+    """Each rank's own data, 16 samples on replica 0 and 14 on replica 1 (see _replicas_of_unequal_data_under_auto_plan):
+    the ranks agree on the epoch's steps (a dataset: when the loader is made; a stream: at every step), the fewest either
+    replica fills (1 of 8 samples), so every rank steps once per epoch and the replicas of a stage end with the same
+    weights; the samples skipped are warned about."""
+    unequal = [r["unequal"][kind] for r in _launch[2]]
+    assert all(u["plan"].describe() == "gpipe dp=2 pp=2 m=4 n_microbatches=2 split=[4]" for u in unequal), [u["plan"] for u in unequal]
+    assert [u["steps"] for u in unequal] == [[1, 2]] * 4
+    for stage in (0, 1):  # ranks `stage` and 2 + `stage` run the same stage in replicas 0 and 1
+        ours, theirs = unequal[stage]["stage"], unequal[2 + stage]["stage"]
+        assert list(ours) == list(theirs) and ours
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        assert max((v - unequal[stage]["start"][k]).abs().max().item() for k, v in ours.items()) > 1e-4  # trained
+    if kind == "sized":  # known before the epoch: rank 0 says it for every replica
+        assert [u["warned"] for u in unequal] == [[
+            "auto_plan: the ranks' train loaders hold from 14 to 16 samples per epoch, and the replicas' gradient all-reduce meets "
+            "at every step, so every replica stops after the 1 pipeline steps of 8 samples the fewest fill, skipping up to 8 "
+            "samples per epoch (give every replica as many samples, e.g. Lightning's DistributedSampler, to train them all)."
+        ], [], [], []]
+    else:  # known when another replica's stream ends: the ranks of the replica with more say it
+        ended = ["auto_plan: another replica's train loader ended before this one's; this replica stops with it (their gradient "
+                 "all-reduce meets at every step), skipping the rest of its epoch."]
+        assert [u["warned"] for u in unequal] == [ended, ended, [], []]
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
