@@ -198,13 +198,14 @@ class _FullBatchLoader(_MicroBatchLoader):
     every step, so a replica stepping more often than another hung the fit (16 and 14 samples per rank in steps of 8:
     2 steps and 1). The ranks agree, when the loader is made (on every rank as Lightning processes its train loader), on
     the epoch's steps: the fewest any rank's samples fill (one :func:`_agreed_batch_sizes` of the samples per epoch); each
-    stops there, and ``__len__`` is that count. Where a rank's length is unknown or may overstate what it yields (an
-    IterableDataset), they agree at every step, before it, whether every rank has a full one. With a DistributedSampler
-    (every replica as many samples) nothing is agreed.
+    stops there, and ``__len__`` is that count (also an IterableDataset's with a length of each rank's own: Lightning
+    stops where ``__len__`` says, so each rank's count of its own let one rank step more). Where a rank's length is
+    unknown or may overstate what it yields (an IterableDataset), they also agree at every step, before it, whether
+    every rank has a full one. With a DistributedSampler (every replica as many samples) nothing is agreed.
     """
 
     shortfall: int | None = None
-    _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step)
+    _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step alone)
     _spread: tuple[int, int] | None = None  # the fewest and most samples per epoch of the ranks' loaders, where they differ
     _OWN = _MicroBatchLoader._OWN | {"shortfall", "_steps", "_spread"}  # its own attributes, not the wrapped loader's
 
@@ -213,9 +214,9 @@ class _FullBatchLoader(_MicroBatchLoader):
         if self.agree is None:
             return
         try:
-            samples = -1 if self._stream else self._samples()  # -1: agree step by step
+            samples = self._samples()
         except TypeError:
-            samples = -1
+            samples = -1  # unknown on this rank: the ranks agree step by step
         largest, smallest = self.agree(samples)
         if smallest >= 0:
             self._steps = smallest // self.micro_batch_size
@@ -237,7 +238,8 @@ class _FullBatchLoader(_MicroBatchLoader):
                 f"steps of {m} samples the fewest fill, skipping up to {largest - agreed * m} samples per epoch (give every "
                 "replica as many samples, e.g. Lightning's DistributedSampler, to train them all)."
             )
-        each_step = self.agree if agreed is None else None  # no count agreed: the ranks agree before every step
+        # no count agreed, or a stream's (its length may overstate what it yields): the ranks agree before every step
+        each_step = self.agree if agreed is None or self._stream else None
         dropped = steps = 0
         for batch in _rebatch(batches, m):
             if steps == agreed:

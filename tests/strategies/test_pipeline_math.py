@@ -979,10 +979,18 @@ class _Stream(torch.utils.data.IterableDataset):
         return iter(self.data)
 
 
+class _SizedStream(_Stream):
+    """A stream whose length is its rank's own number of samples."""
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -> dict[str, Any]:
     """auto_plan's pipeline, dp=2 x pp=2, where each rank reads data of its own (use_distributed_sampler=False):
     replica 0's ranks 16 samples, replica 1's 14, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
-    and from a stream (its length unknown). A pipeline step takes 8 samples per replica: 16 fill 2, 14 fill 1, and the
+    from a stream (its length unknown) and from a stream with each rank's own length (Lightning stopped each rank where
+    its length said: replica 0 after 2 steps, replica 1 after 1, which hung likewise). A pipeline step takes 8 samples per replica: 16 fill 2, 14 fill 1, and the
     replica stepping twice waited in the replicas' gradient all-reduce for good. Run on a group of its own with a 120 s
     timeout (set up by Lightning, the port in the environment), so that a hang fails here rather than holding the launch."""
     import datetime
@@ -993,7 +1001,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
 
     results: dict[str, Any] = {}
     data = mlp_data(16 if rank < 2 else 14, seed=rank // 2)
-    for kind, dataset in (("sized", data), ("stream", _Stream(data))):
+    for kind, dataset in (("sized", data), ("stream", _Stream(data)), ("sized-stream", _SizedStream(data))):
         steps = _StepsAtEpochEnd()
         strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=120))
@@ -1061,10 +1069,11 @@ def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
     assert torch.isfinite(torch.load(os.path.join(out, f"{name}-{schedule}-{world}.loss"))).all()
 
 
-@pytest.mark.parametrize("kind", ["sized", "stream"])
+@pytest.mark.parametrize("kind", ["sized", "stream", "sized-stream"])
 def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weights(_launch, kind: str) -> None:
     """Each rank's own data, 16 samples on replica 0 and 14 on replica 1 (see _replicas_of_unequal_data_under_auto_plan):
-    the ranks agree on the epoch's steps (a dataset: when the loader is made; a stream: at every step), the fewest either
+    the ranks agree on the epoch's steps (a dataset: when the loader is made; a stream: at every step, and when the
+    loader is made where it has a length, so that Lightning counts as many steps on every rank), the fewest either
     replica fills (1 of 8 samples), so every rank steps once per epoch and the replicas of a stage end with the same
     weights; the samples skipped are warned about."""
     unequal = [r["unequal"][kind] for r in _launch[2]]
@@ -1075,7 +1084,7 @@ def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weigh
         assert list(ours) == list(theirs) and ours
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
         assert max((v - unequal[stage]["start"][k]).abs().max().item() for k, v in ours.items()) > 1e-4  # trained
-    if kind == "sized":  # known before the epoch: rank 0 says it for every replica
+    if kind in ("sized", "sized-stream"):  # known before the epoch: rank 0 says it for every replica
         assert [u["warned"] for u in unequal] == [[
             "auto_plan: the ranks' train loaders hold from 14 to 16 samples per epoch, and the replicas' gradient all-reduce meets "
             "at every step, so every replica stops after the 1 pipeline steps of 8 samples the fewest fill, skipping up to 8 "
