@@ -53,8 +53,10 @@ weight 0: no gradient, but ``training_step`` sees it (warned on that rank). As u
 loader must yield the same number of batches: where the ranks' loaders report one length (a stream with a
 global ``__len__``) a rank whose loader ends first raises on every rank; where their lengths differ (per-rank
 map-style datasets of different batch counts) Lightning stops each at its own and the ranks fall out of step
-(as DDP's do). The micro-batch loader's length, which Lightning counts, is then every one of the loader's
-batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
+(as DDP's do). A refusal that may hold on one rank only (its batch sampler's samples per epoch cannot be
+counted, its first batch has a part that cannot be cut) says so in that agreement, and every rank
+raises it (the others with a note naming the rank). The micro-batch loader's length, which Lightning counts, is
+then every one of the loader's batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
 agreed sizes fall short of it (the ranks' last batches all short, or a batch sampler's batches of other sizes
 mid-epoch: 40, 30, 20, 40 on one rank and 40, 30, 1, 40 on another), the epoch ends before it, and its last
 micro-batch is known as an ``IterableDataset``'s below (looked ahead for, a decision taken only from what
@@ -109,7 +111,7 @@ from lightning_distplan.strategies._checkpoint import (
     read_checkpoint,
     readable_plan,
 )
-from lightning_distplan.strategies._checkpoint_io import AtomicSaves
+from lightning_distplan.strategies._checkpoint_io import AtomicSaves, raise_on_every_rank
 from lightning_distplan.strategies._exit import destroy_process_groups_at_exit
 from lightning_distplan.strategies._grad_norm import gradient_norm, norm_order
 from lightning_distplan.strategies._pipeline_checkpoint import refuse_partial_module
@@ -551,8 +553,11 @@ class Rechunking:
         self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
         self._loader.ended = self._end_steered_step
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
-                and sized_len(self._loader) is None:
-            _refuse_uncounted(dataloader, loader_batch, m)
+                and _samples_per_epoch(dataloader) is None:
+            if agree is None or cls is not None:  # a pipeline's _FullBatchLoader agrees on its steps, not per batch
+                raise _uncounted(dataloader, loader_batch, m)
+            # maybe on this rank only (the ranks' own samplers): raised on every rank at the first agreement
+            self._loader.refusal = _uncounted(dataloader, loader_batch, m)
         self._trainer, self._steer = trainer, None
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
@@ -975,14 +980,15 @@ def _count_in_micro_batches(trainer: pl.Trainer, loader_batch: int, m: int, *, l
         trainer.val_check_interval = micro if not micro_batches else min(micro, micro_batches)
 
 
-def _refuse_uncounted(dataloader: object, loader_batch: int, m: int) -> None:
-    """A sized train loader whose samples per epoch cannot be known (a batch sampler without a ``sampler`` of its own
-    whose length is not the number of batches the whole dataset makes, or one whose ``sampler`` holds more samples than
-    its batches can: :func:`_samples_per_epoch`) would have its micro-batches miscounted: Lightning, given a
-    length, ends the epoch (and steps) at that count, so an optimizer step ran across the epoch's end and
-    ``estimated_stepping_batches`` was not DDP's. Refused before the first batch."""
+def _uncounted(dataloader: object, loader_batch: int, m: int) -> InfeasiblePlanError:
+    """The refusal of a sized train loader whose samples per epoch cannot be known (a batch sampler without a ``sampler``
+    of its own whose length is not the number of batches the whole dataset makes, or one whose ``sampler`` holds more
+    samples than its batches can: :func:`_samples_per_epoch`), which would have its micro-batches miscounted: Lightning,
+    given a length, ends the epoch (and steps) at that count, so an optimizer step ran across the epoch's end and
+    ``estimated_stepping_batches`` was not DDP's. Raised before the first batch (on several ranks that agree, at the
+    first agreement, on every rank: :func:`_agreed_batch_sizes`)."""
     name = type(getattr(dataloader, "batch_sampler", None)).__name__
-    raise InfeasiblePlanError(
+    return InfeasiblePlanError(
         f"The train loader has {len(dataloader)} batches of up to {loader_batch} samples, but how many samples its {name} "  # type: ignore[arg-type]
         f"yields per epoch cannot be told from its sampler, so its micro-batches of {m} cannot be counted (counted wrong, an "
         "optimizer step would run across the epoch's end).",
@@ -1073,18 +1079,20 @@ class _MicroBatchLoader:
     cuts it as a batch of that size (:func:`_rebatch_pieces`), so every rank runs the same micro-batches. ``__len__`` then
     counts every one of the loader's batches as a full one (the same on every rank without a collective): where the
     agreed sizes fall short of that (short last batches, or other sizes mid-epoch), the epoch ends before that count,
-    its last micro-batch looked ahead for (as an IterableDataset's).
+    its last micro-batch looked ahead for (as an IterableDataset's). A refusal that may hold on some ranks only (of a
+    batch, or ``refusal``, set before the first batch) is raised on every rank at the agreement.
     """
 
     ended: Callable[[], None] | None = None
+    refusal: Exception | None = None  # several ranks: raised on every rank at the first agreement (see _agreed_batch_sizes)
 
     def __init__(
         self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *,
-        agree: Callable[[int], tuple[int, int]] | None = None,
+        agree: Callable[[int, Exception | None], tuple[int, int]] | None = None,
     ) -> None:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
-        self.agree = agree  # several ranks: (largest, smallest) of the ranks' loader batch sizes (see _agreed_batch_sizes)
+        self.agree = agree  # several ranks: (largest, smallest) of the ranks' batch sizes; raises a rank's refusal (see _agreed_batch_sizes)
         self._weight = weight
         self._limit_batches = limit_batches
         # (loss weight, loader batches ending in it, whether the loader is known to end after it) per micro-batch yielded
@@ -1224,12 +1232,16 @@ class _MicroBatchLoader:
             else:
                 rank_zero_warn(message)
 
-    def _agree(self, index: int, n: int) -> int:
+    def _agree(self, index: int, n: int, failure: Exception | None = None) -> int:
         """The size to cut loader batch ``index`` of ``n`` samples as (``n`` is the end of the epoch's batches): ``n``
-        on one rank; on several, the largest of the ranks' sizes (:func:`_agreed_batch_sizes`)."""
+        on one rank; on several, the largest of the ranks' sizes (:func:`_agreed_batch_sizes`). ``failure`` (this rank's
+        refusal of the batch, else :attr:`refusal`) is raised, on several ranks on every rank."""
+        failure = failure or self.refusal
         if self.agree is None:
+            if failure is not None:
+                raise failure
             return n
-        largest, smallest = self.agree(n)
+        largest, smallest = self.agree(n, failure)
         if smallest == 0 < largest:
             raise DataLoadingError(
                 f"dp_ga: the ranks' train loaders yielded different numbers of batches this epoch (this rank's "
@@ -1258,17 +1270,19 @@ class _MicroBatchLoader:
     def __len__(self) -> int:
         if self._resume is not None:
             return self._resume[1]
-        samples = self._samples()
         batch = loader_batch_size(self._loader)
         # several ranks: each of the loader's batches counted as a full one (another rank's may be, also mid-epoch: each
-        # rank's count alike where their loaders yield as many batches, with no collective)
+        # rank's count alike where their loaders yield as many batches, with no collective; also on a rank whose samples
+        # per epoch are unknown, which is refused at the first agreement: the ranks meet there)
         if self.agree is not None and batch:
-            batches = len(self._loader)  # type: ignore[arg-type]  # known: _samples counts from it
+            batches = len(self._loader)  # type: ignore[arg-type]  # TypeError where it has no length: not sized
             samples = (batches if self._limit_batches is None else min(batches, self._limit_batches)) * batch
+        else:
+            samples = self._samples()
         return math.ceil(samples / self.micro_batch_size)
 
     _OWN = frozenset({"_loader", "micro_batch_size", "agree", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
-                      "_states", "_held", "_exhausted", "ended"})
+                      "_states", "_held", "_exhausted", "ended", "refusal"})
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._OWN:  # during unpickling, before __init__ ran
@@ -1334,13 +1348,14 @@ whose places it holds, also one of no samples there (``first == end``), so its p
 
 
 def _rebatch_pieces(
-    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[[int, int], int] | None = None,
+    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None,
 ) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
     tells the batch dimension from per-batch constants (:class:`BatchSizer`).
 
     ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
-    0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`). A batch
+    0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`); called
+    with a batch's refusal (its size unknown, a part that cannot be cut), it raises it on every rank. A batch
     of that size is cut as it is; a smaller one has its samples spread evenly over that many places, so it gives the
     same micro-batches (ranks whose short batches differ run the same ones: Lightning and DDP meet in a collective at
     each), with the same pieces (:data:`Piece`: places that hold none of the batch's samples give a piece of none). A
@@ -1351,9 +1366,15 @@ def _rebatch_pieces(
     have = 0  # places of the micro-batch filled (samples, or a spread batch's places)
     i = -1
     for i, batch in enumerate(batches):
-        n = _batch_n(batch, sizer)
-        if i == 0 and n != m:
-            _refuse_uncut_parts(batch, n, m)
+        try:
+            n = _batch_n(batch, sizer)
+            if i == 0 and n != m:
+                _refuse_uncut_parts(batch, n, m)
+        except InfeasiblePlanError as refusal:
+            if agree is None:
+                raise
+            agree(i, 0, refusal)  # raises it on every rank (another rank's batch may be fine: it waits at the agreement)
+            raise
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
         offset = 0
         while offset < places:
@@ -1372,13 +1393,17 @@ def _rebatch_pieces(
         yield _joined_or_filler(pending, batch, n)
 
 
-def _agreed_batch_sizes(device: torch.device, n: int) -> tuple[int, int]:
+def _agreed_batch_sizes(device: torch.device, n: int, failure: Exception | None = None) -> tuple[int, int]:
     """The largest and the smallest of the ranks' ``n`` (dp_ga: this rank's loader batch size, 0 where its loader ended;
-    a pipeline's ``_FullBatchLoader``: its samples per epoch, or whether it has a full step), by one all-reduce of two
-    integers on ``device`` (the strategy's root device, so NCCL can)."""
-    sizes = torch.tensor([n, -n], dtype=torch.int64, device=device)
+    a pipeline's ``_FullBatchLoader``: its samples per epoch, -1 where unknown, or whether it has a full step), by one
+    all-reduce of three integers on ``device`` (the strategy's root device, so NCCL can). A rank with a ``failure`` (its
+    refusal of the batch, maybe on it alone) says so in the third; where one did, every rank raises the lowest such
+    rank's error (:func:`raise_on_every_rank`, collectives only then) rather than one waiting at the next agreement."""
+    sizes = torch.tensor([n, -n, failure is not None], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
-    largest, negative_smallest = sizes.tolist()
+    largest, negative_smallest, failed = sizes.tolist()
+    if failed:
+        raise_on_every_rank(failure, doing="reading its train loader", device=device)
     return largest, -negative_smallest
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import time
 from typing import Any
 
@@ -1262,9 +1263,9 @@ def test_accumulation_steering_zeroes_and_steps_as_asked() -> None:
 
 
 def _fit_sharded_stream(rank: int, world_size: int,
-                        cases: list[tuple[Any, ...]]) -> tuple[list[dict[str, tuple[Any, ...]]], str, tuple[Any, ...]]:
+                        cases: list[tuple[Any, ...]]) -> tuple[list[dict[str, tuple[Any, ...]]], str, tuple[Any, ...], list[Any]]:
     """The runs of each case, then the error dp_ga raises where the ranks' loaders yield 1 and 2 batches (last: the fit
-    stops there), then :func:`_fit_varying_batches`'s run."""
+    stops there), then :func:`_fit_varying_batches`'s run, then :func:`_refused_on_one_rank`'s errors."""
     torch.manual_seed(0)
     runs = [_fit_ddp_and_dp_ga(loader, world_size, *rest) for loader, *rest in cases]
     varying = _fit_varying_batches(world_size)
@@ -1272,7 +1273,40 @@ def _fit_sharded_stream(rank: int, world_size: int,
     trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=20), devices=world_size, max_epochs=1, limit_val_batches=0))
     with pytest.raises(ValueError, match="different numbers of batches") as error:
         trainer.fit(model)
-    return runs, str(error.value), varying
+    return runs, str(error.value), varying, _refused_on_one_rank(world_size)
+
+
+def _uncounted_loader(_: torch.Tensor) -> Any:
+    """:func:`_varying_loader` with a batch sampler of no ``sampler``: rank 0's 130 samples are counted from its dataset (4
+    batches of 40, as its sampler's length says), rank 1's 111 are not (3 such batches, where it has 4)."""
+    mine = VARYING[torch.distributed.get_rank()]
+    x = torch.randn(sum(mine), 4)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_sampler=_SizedBatches(list(mine), 40))
+
+
+def _uncut_on_rank_1(x: torch.Tensor) -> Any:
+    """Batches of 8 (x, y), whose targets are a :class:`_Targets` (which micro-batches cannot be cut from) on rank 1 only."""
+    def collate(items: list[Any]) -> Any:
+        x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
+        return x, (_Targets(y) if torch.distributed.get_rank() == 1 else y)
+
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, collate_fn=collate)
+
+
+def _refused_on_one_rank(world_size: int) -> list[Any]:
+    """(error type, message, notes, optimizer steps, weights unchanged) of dp_ga's fits (no DistributedSampler) over
+    :func:`_uncounted_loader` (m=20) and :func:`_uncut_on_rank_1` (m=4), each refused on rank 1 only."""
+    errors = []
+    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4)):
+        model = _ScheduledOver(loader)
+        before = cpu_state(model)
+        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
+                                             use_distributed_sampler=False))
+        with pytest.raises(Exception) as error:  # noqa: PT011  # the test compares what each rank raised
+            trainer.fit(model)
+        unchanged = all(torch.equal(a, b) for a, b in zip(cpu_state(model).values(), before.values()))
+        errors.append((type(error.value), str(error.value), getattr(error.value, "__notes__", None), trainer.global_step, unchanged))
+    return errors
 
 
 VARYING = ((40, 30, 20, 40), (40, 30, 1, 40))  # each rank's loader batches (batch_size 40), of different sizes mid-epoch
@@ -1367,7 +1401,12 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     as full batches but the last (8 and 6 micro-batches), so the second rank stopped before the first's last agreement.
     Both now run the same 7 micro-batches per epoch (the second rank's batch of 1 spread over 2 of them) and step after
     the epoch's last, in step: the same learning rates and weights on both ranks (the steps shift against the user's
-    batches there, as warned, so not DDP's)."""
+    batches there, as warned, so not DDP's).
+
+    A refusal on one rank only (its batch sampler has no ``sampler`` and its samples, unlike rank 0's, cannot be counted
+    from its dataset; its first batch holds a part that cannot be cut): that rank raised and the other waited in the
+    agreement (or died with gloo's "Connection closed by peer" once the first rank's process ended). Both now raise the
+    refusal before any step, rank 0 with a note naming rank 1."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1377,12 +1416,18 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     ]
     results = run_on_ranks(_fit_sharded_stream, 2, cases)
     torch.set_num_threads(1)
-    for steps, ranks in zip((6, 4, 4, 2, 4), zip(*(runs for runs, _, _ in results))):
+    for steps, ranks in zip((6, 4, 4, 2, 4), zip(*(runs for runs, *_ in results))):
         for runs in ranks:
             _assert_as_ddp(runs, steps)
     assert ["this rank's ended after 1)" in results[0][1], "this rank's yielded more than 1)" in results[1][1]] == [True, True], results
-    assert all(" HINT: " in error for _, error, _ in results)
+    assert all(" HINT: " in error for _, error, *_ in results)
     (total, steps, lrs, trained, state), other = results[0][2], results[1][2]
     assert (total, steps) == (8, 8) and other[:3] == (total, steps, lrs), (results[0][2][:3], other[:3])
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
+    note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
+    for refused, matching in zip(zip(results[0][3], results[1][3]), (r"4 batches of up to 40 samples, but how many samples its _SizedBatches",
+                                                                    r"The training batch\[1\] is a _Targets holding the batch's 8 rows")):
+        assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
+        assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
+        assert [r[2:] for r in refused] == [(note, 0, True), (None, 0, True)], refused
