@@ -1212,6 +1212,32 @@ def test_a_sized_stream_read_by_two_workers_trains_the_batches_ddp_trains(single
     _assert_as_ddp(_fit_ddp_and_dp_ga(loader, 1, 1, 2), 6)
 
 
+class _UnequalWorkerShards(_SizedStream):
+    """A sized stream of 20 samples whose two DataLoader workers iterate shards of 5 and 15 (a stream's files of unequal
+    sizes): in batches of 4, 4, 4, 1, 4, 4, 3 in the DataLoader's order (it takes the workers' batches in turn), where
+    the loader's length is 5."""
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        rows = self.x if info is None else (self.x[:5], self.x[5:])[info.id]
+        for row in rows:
+            yield row, row.sum(0, keepdim=True)
+
+
+def test_a_sized_stream_whose_workers_shards_differ_steps_as_a_run_of_its_loader(single_process_group: None) -> None:
+    """Worker shards of 5 and 15 samples (loader batches 4, 4, 1, 4, 4 within the loader's length of 5, the short one
+    mid-epoch), micro-batches of 2 and accumulate_grad_batches=2: a run of the loader steps after its batches 2, 4 and
+    5, 6 times in 2 epochs. 08b0d44 stepped 4 times (no epoch's last micro-batch, the ninth of 10 counted, was known: it
+    looked ahead only after a micro-batch that ends with the short batch's last sample, and no micro-batch does here: that
+    sample is joined to the next batch's first); e8d0171 looks ahead after every micro-batch that ends a loader batch
+    once the short one came. Same estimated_stepping_batches, steps and learning
+    rates as the run of the loader (the weights differ: the micro-batches after the short batch no longer start where
+    the loader's batches do, as warned)."""
+    loader = lambda x: torch.utils.data.DataLoader(_UnequalWorkerShards(x), batch_size=4, num_workers=2)  # noqa: E731
+    runs = _fit_ddp_and_dp_ga(loader, 1, 2, 2)
+    assert runs["ddp"][:2] == (6, 6) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
+
+
 class _FailsAt(_ScheduledOver):
     """Raises in ``training_step`` of the epoch's batch ``at``."""
 
