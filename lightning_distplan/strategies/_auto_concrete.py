@@ -248,7 +248,7 @@ class _FullBatchLoader(_MicroBatchLoader):
                 dropped += _batch_n(batch)
                 continue
             if each_step is not None and each_step(1)[1] == 0:
-                self._warn_once("ended", f"auto_plan: another replica's train loader ended before this one's; this replica "
+                self._warn_once("ended", "auto_plan: another replica's train loader ended before this one's; this replica "
                                 "stops with it (their gradient all-reduce meets at every step), skipping the rest of its epoch.",
                                 any_rank=True)
                 return
