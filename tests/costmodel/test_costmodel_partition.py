@@ -289,6 +289,32 @@ def test_hybrid_split_judges_the_busiest_links_summed_all_reduce_as_priced():
         assert auto.step_time_s < 0.85 * largest_stage_pick.step_time_s
 
 
+def _random_pipeline_setting(rng, n_layers, p):
+    """A (profile, hardware, plan) of ``n_layers`` random layers in ``p`` stages, the plan's split left to predict():
+    random compute, weights, activations and outputs, GPipe / 1F1B at 1-16 micro-batches, dp 1-4, links of 1 to
+    80 Gbit/s as over gloo (one stream) or NCCL."""
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    layers = [LayerSpec(fwd_alpha=rng.uniform(0.2, 3) * 1e-3, fwd_beta=rng.uniform(0, 1) * 1e-4,
+                        bwd_alpha=rng.uniform(0.4, 6) * 1e-3, bwd_beta=rng.uniform(0, 2) * 1e-4,
+                        param_bytes=int(rng.choice([1, 4, 30, 100]) * rng.uniform(0.5, 1.5)) << 20,
+                        activation_bytes_per_sample=rng.uniform(1e3, 1e6),
+                        output_bytes_per_sample=rng.choice([1e3, 1e5, rng.uniform(1e5, 5e6)])) for _ in range(n_layers)]
+    profile = synthetic_profile(layers, optimizer_step_time_s=rng.choice([0.0, 1e-3, 1e-2]))
+    bandwidth = rng.choice([1.25e8, 5e8, 1.25e9, 1e10])
+    hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=bandwidth,
+                  p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=bandwidth, devices_per_link=rng.choice([1, 2, 4]),
+                  p2p_one_stream=rng.random() < 0.5, host_overlap=rng.random() < 0.5)
+    dp, n = rng.choice([1, 1, 2, 4]), rng.choice([1, 2, 3, 4, 6, 8, 16])
+    strategy = rng.choice(["gpipe", "1f1b"])
+    n = max(n, p) if strategy == "1f1b" else n
+    m = rng.choice([1, 2, 4, 8])
+    plan = Plan(strategy=strategy, dp=dp, pp=p, micro_batch_size=m, n_microbatches=n, global_batch_size=m * n * dp)
+    return profile, hw, plan
+
+
 def test_predict_picks_the_split_it_prices_lowest_on_random_settings():
     """predict()'s own split is the brute-force best of every contiguous split under predict()'s own step time (exact:
     rel 1e-12), in 300 random settings: 2-8 layers of random compute, weights, activations and outputs, 2-4 stages,
@@ -296,30 +322,14 @@ def test_predict_picks_the_split_it_prices_lowest_on_random_settings():
     slowest-stage split alone was worse in 55 of them, by >5% in 18, up to 1.33x (1F1B, n = 4, one stream)."""
     from dataclasses import replace
 
-    from lightning_distplan.costmodel import Hardware, predict
-    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
-    from lightning_distplan.plan import Plan
+    from lightning_distplan.costmodel import predict
 
     rng = random.Random(0)
     worse = []
     for trial in range(300):
         n_layers = rng.randint(2, 8)
         p = rng.randint(2, min(n_layers, 4))
-        layers = [LayerSpec(fwd_alpha=rng.uniform(0.2, 3) * 1e-3, fwd_beta=rng.uniform(0, 1) * 1e-4,
-                            bwd_alpha=rng.uniform(0.4, 6) * 1e-3, bwd_beta=rng.uniform(0, 2) * 1e-4,
-                            param_bytes=int(rng.choice([1, 4, 30, 100]) * rng.uniform(0.5, 1.5)) << 20,
-                            activation_bytes_per_sample=rng.uniform(1e3, 1e6),
-                            output_bytes_per_sample=rng.choice([1e3, 1e5, rng.uniform(1e5, 5e6)])) for _ in range(n_layers)]
-        profile = synthetic_profile(layers, optimizer_step_time_s=rng.choice([0.0, 1e-3, 1e-2]))
-        bandwidth = rng.choice([1.25e8, 5e8, 1.25e9, 1e10])
-        hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=bandwidth,
-                      p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=bandwidth, devices_per_link=rng.choice([1, 2, 4]),
-                      p2p_one_stream=rng.random() < 0.5, host_overlap=rng.random() < 0.5)
-        dp, n = rng.choice([1, 1, 2, 4]), rng.choice([1, 2, 3, 4, 6, 8, 16])
-        strategy = rng.choice(["gpipe", "1f1b"])
-        n = max(n, p) if strategy == "1f1b" else n
-        m = rng.choice([1, 2, 4, 8])
-        plan = Plan(strategy=strategy, dp=dp, pp=p, micro_batch_size=m, n_microbatches=n, global_batch_size=m * n * dp)
+        profile, hw, plan = _random_pipeline_setting(rng, n_layers, p)
         priced = [predict(profile, replace(plan, stage_boundaries=cut), hw) for cut in itertools.combinations(range(1, n_layers), p - 1)]
         best = min(priced, key=lambda pred: (not pred.feasible, pred.step_time_s))
         auto = predict(profile, plan, hw)
@@ -335,30 +345,13 @@ def test_predict_split_past_the_exhaustive_search_is_a_local_best_on_random_sett
     n = 4, dp = 4; 17 of the 30 here). Now no such split prices below predict()'s own (rel 1e-12) in those 30."""
     from dataclasses import replace
 
-    from lightning_distplan.costmodel import Hardware, predict
-    from lightning_distplan.costmodel import _predict
-    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
-    from lightning_distplan.plan import Plan
+    from lightning_distplan.costmodel import _predict, predict
 
     rng = random.Random(0)
     worse = []
     for trial in range(30):
         n_layers, p = rng.randint(20, 30), rng.randint(6, 8)
-        layers = [LayerSpec(fwd_alpha=rng.uniform(0.2, 3) * 1e-3, fwd_beta=rng.uniform(0, 1) * 1e-4,
-                            bwd_alpha=rng.uniform(0.4, 6) * 1e-3, bwd_beta=rng.uniform(0, 2) * 1e-4,
-                            param_bytes=int(rng.choice([1, 4, 30, 100]) * rng.uniform(0.5, 1.5)) << 20,
-                            activation_bytes_per_sample=rng.uniform(1e3, 1e6),
-                            output_bytes_per_sample=rng.choice([1e3, 1e5, rng.uniform(1e5, 5e6)])) for _ in range(n_layers)]
-        profile = synthetic_profile(layers, optimizer_step_time_s=rng.choice([0.0, 1e-3, 1e-2]))
-        bandwidth = rng.choice([1.25e8, 5e8, 1.25e9, 1e10])
-        hw = Hardware(device_memory_bytes=16 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=bandwidth,
-                      p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=bandwidth, devices_per_link=rng.choice([1, 2, 4]),
-                      p2p_one_stream=rng.random() < 0.5, host_overlap=rng.random() < 0.5)
-        dp, n = rng.choice([1, 1, 2, 4]), rng.choice([1, 2, 3, 4, 6, 8, 16])
-        strategy = rng.choice(["gpipe", "1f1b"])
-        n = max(n, p) if strategy == "1f1b" else n
-        m = rng.choice([1, 2, 4, 8])
-        plan = Plan(strategy=strategy, dp=dp, pp=p, micro_batch_size=m, n_microbatches=n, global_batch_size=m * n * dp)
+        profile, hw, plan = _random_pipeline_setting(rng, n_layers, p)
         assert math.comb(n_layers - 1, p - 1) > _predict._EXHAUSTIVE_SPLITS
         auto = predict(profile, plan, hw)
         assert auto.feasible, trial
