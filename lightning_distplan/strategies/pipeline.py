@@ -23,7 +23,9 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   accumulation, LR schedulers and ``optimizer_step`` hooks untouched, which a manual-optimization
   rewrite of the user's module would not.
 * ``validation_step`` / ``test_step``: a forward-only run of the pipeline (``schedule.eval``) that
-  logs ``val_loss`` / ``test_loss`` (the true mean over the global batch) on every rank; the
+  logs ``val_loss`` / ``test_loss`` on every rank: each step its replica's mean, which ``sync_dist``
+  averages over the ranks at the epoch's end, weighted by the batch sizes, as under DDP (no collective
+  across replicas per step, so replicas with different numbers of batches, a dataset per rank, finish); the
   module's own ``validation_step``/``test_step`` is not called, but Lightning still requires the
   module to define it before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
   ``predict_step`` returns the last stage's merged output on every rank of the replica. Checked
@@ -1060,13 +1062,29 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             "tensors the loss needs.",
         )
 
+    def _local_mean(self, losses: list[Tensor]) -> Tensor:
+        """The mean of this rank's micro-batch losses (none but on the last stage: 0)."""
+        local = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=self.root_device)
+        return local.to(self.root_device)
+
     def _global_mean(self, losses: list[Tensor]) -> Tensor:
         layout = self.layout
-        local = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=self.root_device)
-        local = local.to(self.root_device)
+        local = self._local_mean(losses)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)  # only last-stage ranks contribute
         return local / layout.dp
+
+    def _replica_mean(self, losses: list[Tensor]) -> Tensor:
+        """The mean loss of this replica's batch on each of its ranks (the last stage's, sent to the others over the
+        pipeline's group). An evaluation step meets no other replica: without a DistributedSampler the replicas may
+        hold different numbers of evaluation batches (a dataset per rank), and a collective over all ranks at every
+        step (:meth:`_global_mean`) hung the one with more. Lightning's ``sync_dist`` averages over the ranks once,
+        at the epoch's end, weighted by the batch sizes, as under DDP."""
+        layout = self.layout
+        local = self._local_mean(losses)
+        if layout.pp > 1 and _distributed_is_initialized():
+            dist.broadcast(local, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
+        return local
 
     def _warn_bypass(self) -> None:
         if not self._warned_bypass:
@@ -1185,9 +1203,10 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         losses: list[Tensor] = []
         with self._stage_random():
             schedule.eval(**mb_kwargs, losses=losses)
-        loss = self._global_mean(losses)
-        # Every rank already holds the same global mean; sync_dist only averages equal values once per
-        # epoch (evaluation logs on epoch), and spares the user Lightning's advice to add it to a log
+        loss = self._replica_mean(losses)
+        # Every rank holds its replica's mean; sync_dist averages them over the ranks once per epoch (evaluation
+        # logs on epoch), weighted by the batch sizes: every sample counts alike, as under DDP, also where the
+        # replicas ran different numbers of batches. It also spares the user Lightning's advice to add it to a log
         # call that is ours.
         self.lightning_module.log(name, loss, prog_bar=True, batch_size=size, sync_dist=True)
         return loss

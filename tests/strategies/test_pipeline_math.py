@@ -6,7 +6,7 @@
 * Memory: 1F1B keeps fewer micro-batches of activations alive than GPipe, as the cost model says.
 
 To keep the suite fast, the module has ONE launch (a module-scoped fixture): four processes run the
-hybrid checks (and auto_plan's dp x pp on replicas of unequal data), then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
+hybrid checks (and auto_plan's dp x pp on replicas of unequal training and evaluation data), then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
 so Lightning treats them as externally launched; weights come back through the strategy's
 full-state-dict checkpoint gather.
 """
@@ -986,13 +986,31 @@ class _SizedStream(_Stream):
         return len(self.data)
 
 
+class _EvaluatedMLP(TinyMLP):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # (the pipeline runs its loss in its place)
+        pass
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        pass
+
+
+def _unequal_val_data(rank: int) -> TensorDataset:
+    """Each replica's own evaluation data: 8 samples on replica 0 (ranks 0, 1), 4 on replica 1 (ranks 2, 3)."""
+    return mlp_data(8, seed=10) if rank < 2 else mlp_data(4, seed=11)
+
+
 def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -> dict[str, Any]:
     """auto_plan's pipeline, dp=2 x pp=2, where each rank reads data of its own (use_distributed_sampler=False):
     replica 0's ranks 16 samples, replica 1's 14, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
     from a stream (its length unknown) and from a stream with each rank's own length (Lightning stopped each rank where
     its length said: replica 0 after 2 steps, replica 1 after 1, which hung likewise). A pipeline step takes 8 samples per replica: 16 fill 2, 14 fill 1, and the
     replica stepping twice waited in the replicas' gradient all-reduce for good. Run on a group of its own with a 120 s
-    timeout (set up by Lightning, the port in the environment), so that a hang fails here rather than holding the launch."""
+    timeout (set up by Lightning, the port in the environment), so that a hang fails here rather than holding the launch.
+
+    The dataset's fit also validates (sanity check and each epoch) on evaluation data of each replica's own, 8 and 4
+    samples in batches of 4, and then a plain PipelineStrategy validates and tests a fresh model on it: every
+    evaluation step all-reduced its loss over all ranks, so the replica with 2 batches waited for good (gloo's recv
+    timeout) at its second. ``evaluated``: (val_loss, test_loss, the whole model's loss on all 12 samples)."""
     import datetime
 
     import torch.distributed as dist
@@ -1005,14 +1023,30 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
         steps = _StepsAtEpochEnd()
         strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=120))
+        validated = kind == "sized"
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, kind), callbacks=[steps], use_distributed_sampler=False),
-                               "max_steps": -1, "max_epochs": 2})
+                               "max_steps": -1, "max_epochs": 2,
+                               **({"limit_val_batches": 1.0, "num_sanity_val_steps": 2} if validated else {})})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(TinyMLP(), DataLoader(dataset, batch_size=4))
+            trainer.fit(_EvaluatedMLP() if validated else TinyMLP(), DataLoader(dataset, batch_size=4),
+                        DataLoader(_unequal_val_data(rank), batch_size=4) if validated else None)
         results[kind] = {"plan": trainer.strategy.plan, "steps": steps.seen, "start": steps.start,
                          "stage": {k: v.detach().clone() for k, v in trainer.strategy._stage_module.state_dict().items()},
-                         "warned": [str(w.message) for w in caught if "skipping" in str(w.message)]}
+                         "warned": [str(w.message) for w in caught if "skipping" in str(w.message)],
+                         "val_loss": trainer.callback_metrics["val_loss"].item() if validated else None}
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    torch.manual_seed(0)
+    model = _EvaluatedMLP()
+    both = [_unequal_val_data(0), _unequal_val_data(2)]
+    with torch.no_grad():
+        whole = F.mse_loss(model.model(torch.cat([d.tensors[0] for d in both])), torch.cat([d.tensors[1] for d in both])).item()
+    kwargs = {**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY]),
+                               os.path.join(out, "evaluated"), use_distributed_sampler=False), "limit_val_batches": 1.0}
+    trainer = L.Trainer(**kwargs)
+    val = DataLoader(_unequal_val_data(rank), batch_size=4)
+    results["evaluated"] = (trainer.validate(model, val, verbose=False)[0]["val_loss"], trainer.test(model, val, verbose=False)[0]["test_loss"], whole)
     dist.destroy_process_group()
     return results
 
@@ -1094,6 +1128,17 @@ def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weigh
         ended = ["auto_plan: another replica's train loader ended before this one's; this replica stops with it (their gradient "
                  "all-reduce meets at every step), skipping the rest of its epoch."]
         assert [u["warned"] for u in unequal] == [ended, ended, [], []]
+
+
+def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
+    """Each replica's own evaluation data, 8 samples and 4 (see _replicas_of_unequal_data_under_auto_plan): auto_plan's
+    fit (sanity check, and validation each epoch) and a plain PipelineStrategy's validate and test finish (they hung in
+    the per-step all-reduce of the loss), and give every rank the mean over all 12 samples, as DDP does."""
+    ranks = _launch[2]
+    fit_val = [r["unequal"]["sized"]["val_loss"] for r in ranks]
+    assert len(set(fit_val)) == 1 and fit_val[0] == fit_val[0], fit_val  # one finite value on every rank
+    for val_loss, test_loss, whole in (r["unequal"]["evaluated"] for r in ranks):
+        assert val_loss == pytest.approx(whole, rel=1e-5) and test_loss == pytest.approx(whole, rel=1e-5), (val_loss, test_loss, whole)
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
