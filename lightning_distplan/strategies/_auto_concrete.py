@@ -204,6 +204,7 @@ class _FullBatchLoader(_MicroBatchLoader):
     every rank has a full one. With a DistributedSampler (every replica as many samples) nothing is agreed.
     """
 
+    _AGREES_PER_BATCH = False  # its ranks agree on the epoch's steps when it is made (and, some, before each step)
     shortfall: int | None = None
     _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step alone)
     _spread: tuple[int, int] | None = None  # the fewest and most samples per epoch of the ranks' loaders, where they differ

@@ -85,7 +85,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 import torch
 from lightning.fabric.utilities.data import sized_len
@@ -550,11 +550,12 @@ class Rechunking:
         # _FullBatchLoader, on the epoch's steps; the stages of one replica read the same batches)
         if trainer.world_size > replica_share and not isinstance(loader_sampler(dataloader)[0], DistributedSampler):
             agree = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
-        self._loader = (cls or _MicroBatchLoader)(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
+        loader_cls = cls or _MicroBatchLoader
+        self._loader = loader_cls(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
         self._loader.ended = self._end_steered_step
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and _samples_per_epoch(dataloader) is None:
-            if agree is None or cls is not None:  # a pipeline's _FullBatchLoader agrees on its steps, not per batch
+            if agree is None or not loader_cls._AGREES_PER_BATCH:  # no agreement at its first batch to raise it at
                 raise _uncounted(dataloader, loader_batch, m)
             # maybe on this rank only (the ranks' own samplers): raised on every rank at the first agreement
             self._loader.refusal = _uncounted(dataloader, loader_batch, m)
@@ -1085,6 +1086,9 @@ class _MicroBatchLoader:
 
     ended: Callable[[], None] | None = None
     refusal: Exception | None = None  # several ranks: raised on every rank at the first agreement (see _agreed_batch_sizes)
+    _AGREES_PER_BATCH: ClassVar[bool] = True
+    """Whether ``agree``, where set, is called at each loader batch (from the first on), so a refusal known before the first
+    batch (:attr:`refusal`) reaches every rank there; a loader class whose ranks agree otherwise says False."""
 
     def __init__(
         self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *,
