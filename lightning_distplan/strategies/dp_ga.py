@@ -55,8 +55,10 @@ global ``__len__``) a rank whose loader ends first raises on every rank; where t
 map-style datasets of different batch counts) Lightning stops each at its own and the ranks fall out of step
 (as DDP's do). A refusal that may hold on one rank only (its batch sampler's samples per epoch cannot be
 counted, its first batch has a part that cannot be cut) says so in that agreement, and every rank
-raises it (the others with a note naming the rank). The micro-batch loader's length, which Lightning counts, is
-then every one of the loader's batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
+raises it (the others with a note naming the rank); the first also where nothing is agreed per batch (a
+``DistributedSampler`` under a batch sampler that filters on one rank), agreed on once as the loader is set up.
+Where the ranks agree per batch, the micro-batch loader's length, which Lightning counts, is every one of the loader's
+batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
 agreed sizes fall short of it (the ranks' last batches all short, or a batch sampler's batches of other sizes
 mid-epoch: 40, 30, 20, 40 on one rank and 40, 30, 1, 40 on another), the epoch ends before it, and its last
 micro-batch is known as an ``IterableDataset``'s below (looked ahead for, a decision taken only from what
@@ -553,12 +555,17 @@ class Rechunking:
         loader_cls = cls or _MicroBatchLoader
         self._loader = loader_cls(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
         self._loader.ended = self._end_steered_step
+        refusal = None  # maybe on this rank only (a batch sampler's own filter or shard, also over a DistributedSampler)
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and _samples_per_epoch(dataloader) is None:
-            if agree is None or not loader_cls._AGREES_PER_BATCH:  # no agreement at its first batch to raise it at
-                raise _uncounted(dataloader, loader_batch, m)
-            # maybe on this rank only (the ranks' own samplers): raised on every rank at the first agreement
-            self._loader.refusal = _uncounted(dataloader, loader_batch, m)
+            refusal = _uncounted(dataloader, loader_batch, m)
+        if agree is not None and loader_cls._AGREES_PER_BATCH:
+            self._loader.refusal = refusal  # raised on every rank at the first agreement
+        else:
+            # No agreement at its batches to carry it: raised now, on several processes on every rank (one all-reduce per
+            # loader set up). A rank refusing alone had left the others waiting in Lightning's next collective (its sum of
+            # the loaders' lengths, right after this hook), until this rank's process ended under them.
+            raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device)
         self._trainer, self._steer = trainer, None
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
@@ -986,8 +993,9 @@ def _uncounted(dataloader: object, loader_batch: int, m: int) -> InfeasiblePlanE
     of its own whose length is not the number of batches the whole dataset makes, or one whose ``sampler`` holds more
     samples than its batches can: :func:`_samples_per_epoch`), which would have its micro-batches miscounted: Lightning,
     given a length, ends the epoch (and steps) at that count, so an optimizer step ran across the epoch's end and
-    ``estimated_stepping_batches`` was not DDP's. Raised before the first batch (on several ranks that agree, at the
-    first agreement, on every rank: :func:`_agreed_batch_sizes`)."""
+    ``estimated_stepping_batches`` was not DDP's. Raised before the first batch, on several ranks on every rank: at the
+    first agreement where they agree per batch (:func:`_agreed_batch_sizes`), else as the loader is set up
+    (:meth:`Rechunking.wrap`)."""
     name = type(getattr(dataloader, "batch_sampler", None)).__name__
     return InfeasiblePlanError(
         f"The train loader has {len(dataloader)} batches of up to {loader_batch} samples, but how many samples its {name} "  # type: ignore[arg-type]

@@ -1319,11 +1319,39 @@ def _uncut_on_rank_1(x: torch.Tensor) -> Any:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, collate_fn=collate)
 
 
+class _FilteredBatches(torch.utils.data.Sampler):
+    """Batches of ``batch_size`` from ``sampler`` (a DistributedSampler: 10 of the 20 samples per rank) that, on rank 1
+    only, leave out its last 2 samples (a filter of the user's): 2 batches of 4 where its ``sampler`` holds 10, so that
+    rank's samples per epoch cannot be counted from it (rank 0's 4, 4, 2 can)."""
+
+    def __init__(self, sampler: Any, batch_size: int) -> None:
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, False
+
+    def _kept(self) -> list[int]:
+        indices = list(self.sampler)
+        return indices[:-2] if torch.distributed.get_rank() == 1 else indices
+
+    def __iter__(self) -> Any:
+        kept = self._kept()
+        for k in range(0, len(kept), self.batch_size):
+            yield kept[k : k + self.batch_size]
+
+    def __len__(self) -> int:
+        return -(-len(self._kept()) // self.batch_size)
+
+
+def _filtered_on_rank_1(x: torch.Tensor) -> Any:
+    """Loader batches of :class:`_FilteredBatches` over a DistributedSampler of the user's (so no agreement per batch)."""
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(data, batch_sampler=_FilteredBatches(torch.utils.data.DistributedSampler(data, shuffle=False), 4))
+
+
 def _refused_on_one_rank(world_size: int) -> list[Any]:
-    """(error type, message, notes, optimizer steps, weights unchanged) of dp_ga's fits (no DistributedSampler) over
-    :func:`_uncounted_loader` (m=20) and :func:`_uncut_on_rank_1` (m=4), each refused on rank 1 only."""
+    """(error type, message, notes, optimizer steps, weights unchanged) of dp_ga's fits over :func:`_uncounted_loader`
+    (m=20) and :func:`_uncut_on_rank_1` (m=4), no DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a
+    DistributedSampler, each refused on rank 1 only (the last last: without an agreement rank 1 went on alone)."""
     errors = []
-    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4)):
+    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (_filtered_on_rank_1, 2)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1432,7 +1460,10 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     A refusal on one rank only (its batch sampler has no ``sampler`` and its samples, unlike rank 0's, cannot be counted
     from its dataset; its first batch holds a part that cannot be cut): that rank raised and the other waited in the
     agreement (or died with gloo's "Connection closed by peer" once the first rank's process ended). Both now raise the
-    refusal before any step, rank 0 with a note naming rank 1."""
+    refusal before any step, rank 0 with a note naming rank 1. So where the ranks read through a DistributedSampler (no
+    agreement per batch) and rank 1's batch sampler filters its samples (uncounted there alone): rank 1 raised while the
+    loader was set up and rank 0 waited in Lightning's sum of the loaders' lengths (gloo's "Connection closed by peer"
+    here, once rank 1's process ended); the refusal is now agreed on there, once per loader set up."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1452,8 +1483,10 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
+    assert len(results[0][3]) == len(results[1][3]) == 3
     for refused, matching in zip(zip(results[0][3], results[1][3]), (r"4 batches of up to 40 samples, but how many samples its _SizedBatches",
-                                                                    r"The training batch\[1\] is a _Targets holding the batch's 8 rows")):
+                                                                    r"The training batch\[1\] is a _Targets holding the batch's 8 rows",
+                                                                    r"2 batches of up to 4 samples, but how many samples its _FilteredBatches")):
         assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
         assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
         assert [r[2:] for r in refused] == [(note, 0, True), (None, 0, True)], refused
