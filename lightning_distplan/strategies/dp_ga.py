@@ -39,7 +39,10 @@ larger than the loader batch, or not dividing it) gets the right total weight sp
 its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
 batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
 later micro-batch against the user's batches, so the steps no longer follow them: warned once too
-(on several processes where the size the ranks agree on, below, is another).
+(on several processes where the size the ranks agree on, below, is another). One larger than the loader's batch size
+is refused there where the epoch's micro-batches are counted from that size (several processes, a limit of loader
+batches, a batch sampler that drops the short last batch): Lightning ended the epoch at the count, before its last
+samples.
 On several processes the ranks must run the same micro-batches: Lightning broadcasts at every batch
 and DDP all-reduces at every step, so ranks whose short last batches differ (a per-rank sampler or
 dataset, a stream sharded by rank: 17 and 23 samples cut by ``m = 20`` into 1 and 2 micro-batches)
@@ -1144,7 +1147,8 @@ class _MicroBatchLoader:
         # sizes each batch was cut as, and the pieces' places, alike on every rank: see Piece), so they meet in its
         # collective at the same place.
         peek = (self._stream or self.agree is not None) and sized_len(self) is not None
-        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, agree=self._agree)
+        most = expected if self._counts_full_batches(limit) else None
+        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, agree=self._agree, most=most)
         item = next(micro_batches, None)
         while item is not None:
             batch, pieces = item
@@ -1177,6 +1181,16 @@ class _MicroBatchLoader:
             item = following if looked else next(micro_batches, None)
         if self.ended is not None:
             self.ended()
+
+    def _counts_full_batches(self, limit: int | None) -> bool:
+        """Whether Lightning's count of the epoch's micro-batches (:meth:`__len__`) takes every loader batch to hold at most
+        the loader's batch size: on several ranks that agree (each batch counted as a full one), under a limit of loader
+        batches (or a resumed epoch's), or where the batches drop the short last one (the batches times the batch size).
+        A larger batch (a batch sampler's own sizes) then ended the epoch before its last samples, without a word."""
+        if sized_len(self) is None:
+            return False
+        limited = limit is not None and limit < (sized_len(self._loader) or 0)
+        return self.agree is not None or limited or bool(loader_sampler(self._loader)[1])
 
     @property
     def _stream(self) -> bool:
@@ -1360,10 +1374,11 @@ whose places it holds, also one of no samples there (``first == end``), so its p
 
 
 def _rebatch_pieces(
-    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None,
+    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None, most: int | None = None,
 ) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
-    tells the batch dimension from per-batch constants (:class:`BatchSizer`).
+    tells the batch dimension from per-batch constants (:class:`BatchSizer`). ``most``: the largest loader batch the
+    epoch's count of micro-batches allows (:meth:`_MicroBatchLoader._counts_full_batches`); a larger one is refused.
 
     ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
     0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`); called
@@ -1382,6 +1397,8 @@ def _rebatch_pieces(
             n = _batch_n(batch, sizer)
             if i == 0 and n != m:
                 _refuse_uncut_parts(batch, n, m)
+            if most is not None and n > most:
+                raise _oversized(i, n, most, m)
         except InfeasiblePlanError as refusal:
             if agree is None:
                 raise
@@ -1424,6 +1441,18 @@ def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> t
     batch of ``n`` samples whose places it holds), counted as none of its samples."""
     held = [(samples, piece) for samples, piece in pending if samples is not None]
     return (_joined(held) if held else slice_samples(batch, 0, 1, n)), tuple(piece for _, piece in pending)
+
+
+def _oversized(index: int, n: int, most: int, m: int) -> InfeasiblePlanError:
+    """The refusal of loader batch ``index`` of ``n`` samples where the epoch's micro-batches of ``m`` were counted from
+    batches of at most ``most`` (the loader's batch size): Lightning would end the epoch at that count, before the
+    epoch's last samples, which a run of the user's loader trains (it counts loader batches, whatever their sizes)."""
+    return InfeasiblePlanError(
+        f"The train loader's batch {index + 1} of the epoch holds {n} samples, more than its batch size of {most}, from which "
+        f"dp_ga counts the epoch's micro-batches of {m}, so the epoch would end before its last samples (DDP trains them).",
+        hint=f"Use micro_batch_size={most} (your batches as they are), a batch sampler whose batches hold at most its "
+        "`batch_size` samples, or strategy='ddp'.",
+    )
 
 
 def _refuse_uncut_parts(batch: Any, n: int, m: int) -> None:

@@ -928,6 +928,52 @@ def test_a_batch_sampler_whose_samples_per_epoch_cannot_be_counted_is_refused_be
     torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=0, atol=0)
 
 
+class _DropLastBatches(_SizedBatches):
+    """:class:`_SizedBatches` that says it drops the short last batch, so its samples per epoch count as its batches times
+    its ``batch_size``, whose batches may hold more than that size (a bucketing sampler's)."""
+
+    drop_last = True
+
+
+def _sized_batches_loader(sizes: tuple[int, ...], sampler_class: type, *, counted: bool = False) -> Any:
+    """Batches of ``sizes`` (batch size 8) of fresh samples by ``sampler_class``; ``counted``: its ``sampler`` holds them all."""
+
+    def loader(_: torch.Tensor) -> Any:
+        x = torch.randn(sum(sizes), 4, generator=torch.Generator().manual_seed(0))
+        batches = sampler_class(list(sizes), 8)
+        if counted:
+            batches.sampler = range(sum(sizes))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_sampler=batches)
+
+    return loader
+
+
+def test_a_batch_sampler_whose_batches_exceed_its_batch_size_is_refused_not_cut_short(single_process_group: None) -> None:
+    """Micro-batches of 4 from a batch sampler of batches 8, 12, 8 that drops the short last one (batch size 8): dp_ga
+    counted the epoch's samples as 3 batches of 8 (6 micro-batches), Lightning ended the epoch there, and the last 4 of
+    the 28 samples (DDP trains them all) were never trained, without a word; so under limit_train_batches=2 over batches
+    of 12, 8, 4 (16 samples counted, 20 come). Refused at the larger batch now; where the count is the sampler's own
+    total (no drop_last, no limit) the batches of 12, 8, 4 train whole, as under DDP."""
+    for sizes, sampler_class, extra, index in (((8, 12, 8), _DropLastBatches, {}, 2), ((12, 8, 4), _SizedBatches, {"limit_train_batches": 2}, 1)):
+        model = _ScheduledOver(_sized_batches_loader(sizes, sampler_class, counted=sampler_class is _SizedBatches))
+        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=4), devices=1, max_epochs=1, limit_val_batches=0,
+                                             use_distributed_sampler=False, **extra))
+        with pytest.raises(InfeasiblePlanError, match=rf"batch {index} of the epoch holds 12 samples, more than its batch size of 8, from "
+                                                      r"which dp_ga counts the epoch's micro-batches of 4.*HINT: Use micro_batch_size=8"):
+            trainer.fit(model)
+        assert sum(n for _, n in model.trained) <= 8 * (index - 1)  # nothing of the larger batch trained
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    trained = []
+    for strategy in ("ddp", DPGAStrategy(micro_batch_size=4)):
+        model = _ScheduledOver(_sized_batches_loader((12, 8, 4), _SizedBatches, counted=True))
+        L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0, use_distributed_sampler=False)).fit(model)
+        trained.append(sum(n for _, n in model.trained))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert trained == [24, 24]
+
+
 class _Targets:
     """A user's target container that Lightning moves with its ``to`` method (no dataclass: nothing to look into)."""
 
@@ -1346,12 +1392,17 @@ def _filtered_on_rank_1(x: torch.Tensor) -> Any:
     return torch.utils.data.DataLoader(data, batch_sampler=_FilteredBatches(torch.utils.data.DistributedSampler(data, shuffle=False), 4))
 
 
+OVERSIZED = ((40, 40, 40), (40, 50, 30))  # rank 1's second batch holds more than the batch size (40) its loader says
+
+
 def _refused_on_one_rank(world_size: int) -> list[Any]:
     """(error type, message, notes, optimizer steps, weights unchanged) of dp_ga's fits over :func:`_uncounted_loader`
-    (m=20) and :func:`_uncut_on_rank_1` (m=4), no DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a
-    DistributedSampler, each refused on rank 1 only (the last last: without an agreement rank 1 went on alone)."""
+    (m=20), :func:`_uncut_on_rank_1` (m=4) and :func:`_varying_loader` of :data:`OVERSIZED` (m=20), no
+    DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a DistributedSampler, each refused on rank 1 only (the
+    last last: without an agreement rank 1 went on alone)."""
     errors = []
-    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (_filtered_on_rank_1, 2)):
+    oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
+    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_filtered_on_rank_1, 2)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1463,7 +1514,12 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     refusal before any step, rank 0 with a note naming rank 1. So where the ranks read through a DistributedSampler (no
     agreement per batch) and rank 1's batch sampler filters its samples (uncounted there alone): rank 1 raised while the
     loader was set up and rank 0 waited in Lightning's sum of the loaders' lengths (gloo's "Connection closed by peer"
-    here, once rank 1's process ended); the refusal is now agreed on there, once per loader set up."""
+    here, once rank 1's process ended); the refusal is now agreed on there, once per loader set up.
+
+    A rank's batch sampler whose second batch holds 50 samples where its batch size says 40 (:data:`OVERSIZED`, m=20):
+    the ranks count each loader batch as a full one of 40 (6 micro-batches), cut that batch as 50 (3 micro-batches), and
+    Lightning ended the epoch after the sixth of the 7, rank 1's last samples never trained, without a word. Refused
+    now, on both ranks, at that batch (after the first batch's step)."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1483,10 +1539,13 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 3
-    for refused, matching in zip(zip(results[0][3], results[1][3]), (r"4 batches of up to 40 samples, but how many samples its _SizedBatches",
-                                                                    r"The training batch\[1\] is a _Targets holding the batch's 8 rows",
-                                                                    r"2 batches of up to 4 samples, but how many samples its _FilteredBatches")):
+    assert len(results[0][3]) == len(results[1][3]) == 4
+    # (what the message says, the optimizer steps before it: the oversized batch comes after the first batch's step)
+    expected = ((r"4 batches of up to 40 samples, but how many samples its _SizedBatches", 0),
+                (r"The training batch\[1\] is a _Targets holding the batch's 8 rows", 0),
+                (r"batch 2 of the epoch holds 50 samples, more than its batch size of 40.*HINT: Use micro_batch_size=40", 1),
+                (r"2 batches of up to 4 samples, but how many samples its _FilteredBatches", 0))
+    for refused, (matching, steps) in zip(zip(results[0][3], results[1][3]), expected):
         assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
         assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
-        assert [r[2:] for r in refused] == [(note, 0, True), (None, 0, True)], refused
+        assert [r[2:] for r in refused] == [(note, steps, steps == 0), (None, steps, steps == 0)], refused
