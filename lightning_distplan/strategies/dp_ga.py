@@ -39,10 +39,10 @@ larger than the loader batch, or not dividing it) gets the right total weight sp
 its samples, with one warning per fit (a per-sample weight would need the user's loss). A loader
 batch of another size *before* the epoch's end (a batch sampler of varying sizes) shifts every
 later micro-batch against the user's batches, so the steps no longer follow them: warned once too
-(on several processes where the size the ranks agree on, below, is another). One larger than the loader's batch size
-is refused there where the epoch's micro-batches are counted from that size (several processes, a limit of loader
-batches, a batch sampler that drops the short last batch): Lightning ended the epoch at the count, before its last
-samples.
+(on several processes where the size the ranks agree on, below, is another). Where the epoch's micro-batches are counted
+from that size (several processes, a limit of loader batches, a batch sampler that drops the short last batch), larger
+batches that fill the count before the last batch, or overflow it, are refused: Lightning ended the epoch at the count,
+before its last samples (larger ones that fit, 12, 4, 8 counted as 3 of 8, train whole).
 On several processes the ranks must run the same micro-batches: Lightning broadcasts at every batch
 and DDP all-reduces at every step, so ranks whose short last batches differ (a per-rank sampler or
 dataset, a stream sharded by rank: 17 and 23 samples cut by ``m = 20`` into 1 and 2 micro-batches)
@@ -1147,8 +1147,8 @@ class _MicroBatchLoader:
         # sizes each batch was cut as, and the pieces' places, alike on every rank: see Piece), so they meet in its
         # collective at the same place.
         peek = (self._stream or self.agree is not None) and sized_len(self) is not None
-        most = expected if self._counts_full_batches(limit) else None
-        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, agree=self._agree, most=most)
+        micro_batches = _rebatch_pieces(self._watch_labels(batches), self.micro_batch_size, expected, agree=self._agree,
+                                        room=self._counted_room(limit, expected))
         item = next(micro_batches, None)
         while item is not None:
             batch, pieces = item
@@ -1182,15 +1182,22 @@ class _MicroBatchLoader:
         if self.ended is not None:
             self.ended()
 
-    def _counts_full_batches(self, limit: int | None) -> bool:
-        """Whether Lightning's count of the epoch's micro-batches (:meth:`__len__`) takes every loader batch to hold at most
-        the loader's batch size: on several ranks that agree (each batch counted as a full one), under a limit of loader
-        batches (or a resumed epoch's), or where the batches drop the short last one (the batches times the batch size).
-        A larger batch (a batch sampler's own sizes) then ended the epoch before its last samples, without a word."""
-        if sized_len(self) is None:
-            return False
-        limited = limit is not None and limit < (sized_len(self._loader) or 0)
-        return self.agree is not None or limited or bool(loader_sampler(self._loader)[1])
+    def _counted_room(self, limit: int | None, expected: int | None) -> tuple[int, int, int] | None:
+        """(places, loader batches, batch size): where Lightning's count of this pass's micro-batches (:meth:`__len__`) takes
+        every loader batch as a full one (on several ranks that agree, under a limit of loader batches or a resumed
+        epoch's, or where the batches drop the short last one), the places its micro-batches hold and the loader batches
+        and batch size counted. Batches holding more samples in all (a batch sampler's own sizes) ended the epoch at
+        that count before their last samples, without a word (:func:`_rebatch_pieces` refuses them); larger ones that
+        fit (12, 4, 8 where 3 of 8 were counted) train whole. None: counted otherwise (the sampler's own total)."""
+        batches = sized_len(self._loader)
+        if expected is None or batches is None or sized_len(self) is None:
+            return None
+        limited = limit is not None and limit < batches
+        if not (self.agree is not None or limited or loader_sampler(self._loader)[1]):
+            return None
+        batches = batches if limit is None else min(batches, limit)
+        m = self.micro_batch_size
+        return math.ceil(batches * expected / m) * m, batches, expected
 
     @property
     def _stream(self) -> bool:
@@ -1374,11 +1381,14 @@ whose places it holds, also one of no samples there (``first == end``), so its p
 
 
 def _rebatch_pieces(
-    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None, most: int | None = None,
+    batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None,
+    room: tuple[int, int, int] | None = None,
 ) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
-    tells the batch dimension from per-batch constants (:class:`BatchSizer`). ``most``: the largest loader batch the
-    epoch's count of micro-batches allows (:meth:`_MicroBatchLoader._counts_full_batches`); a larger one is refused.
+    tells the batch dimension from per-batch constants (:class:`BatchSizer`). ``room``: the places the epoch's count of
+    micro-batches holds, and the loader batches and batch size it was counted from
+    (:meth:`_MicroBatchLoader._counted_room`); batches that fill them before the last counted one, or overflow them,
+    are refused (Lightning ends the epoch there), as the ranks cut them, so alike on every rank.
 
     ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
     0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`); called
@@ -1391,20 +1401,22 @@ def _rebatch_pieces(
     sizer = BatchSizer(expected)
     pending: list[tuple[Any, Piece]] = []  # (samples, where they come from)
     have = 0  # places of the micro-batch filled (samples, or a spread batch's places)
+    placed = 0  # places of the epoch's batches so far
     i = -1
     for i, batch in enumerate(batches):
         try:
             n = _batch_n(batch, sizer)
             if i == 0 and n != m:
                 _refuse_uncut_parts(batch, n, m)
-            if most is not None and n > most:
-                raise _oversized(i, n, most, m)
         except InfeasiblePlanError as refusal:
             if agree is None:
                 raise
             agree(i, 0, refusal)  # raises it on every rank (another rank's batch may be fine: it waits at the agreement)
             raise
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
+        placed += places
+        if room is not None and (placed > room[0] or placed == room[0] and i + 1 < room[1]):
+            raise _cut_short(i, placed, room, m)
         offset = 0
         while offset < places:
             take = min(m - have, places - offset)
@@ -1443,14 +1455,18 @@ def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> t
     return (_joined(held) if held else slice_samples(batch, 0, 1, n)), tuple(piece for _, piece in pending)
 
 
-def _oversized(index: int, n: int, most: int, m: int) -> InfeasiblePlanError:
-    """The refusal of loader batch ``index`` of ``n`` samples where the epoch's micro-batches of ``m`` were counted from
-    batches of at most ``most`` (the loader's batch size): Lightning would end the epoch at that count, before the
-    epoch's last samples, which a run of the user's loader trains (it counts loader batches, whatever their sizes)."""
+def _cut_short(index: int, placed: int, room: tuple[int, int, int], m: int) -> InfeasiblePlanError:
+    """The refusal of loader batch ``index`` whose ``placed`` samples (the epoch's so far, as the ranks cut them) fill or
+    overflow the ``room`` the epoch's micro-batches of ``m`` were counted with (:meth:`_MicroBatchLoader._counted_room`):
+    Lightning would end the epoch at that count, before the epoch's last samples, which a run of the user's loader
+    trains (it counts loader batches, whatever their sizes)."""
+    places, batches, batch = room
+    left = "before its last samples" if placed > places else f"before its {batches - index - 1} batch(es) left"
     return InfeasiblePlanError(
-        f"The train loader's batch {index + 1} of the epoch holds {n} samples, more than its batch size of {most}, from which "
-        f"dp_ga counts the epoch's micro-batches of {m}, so the epoch would end before its last samples (DDP trains them).",
-        hint=f"Use micro_batch_size={most} (your batches as they are), a batch sampler whose batches hold at most its "
+        f"The train loader's first {index + 1} batches of the epoch hold {placed} samples, where dp_ga counts the epoch's "
+        f"{batches} batches as at most {batch} samples each ({places // m} micro-batches of {m}), so the epoch would end {left} "
+        "(DDP trains them).",
+        hint=f"Use micro_batch_size={batch} (your batches as they are), a batch sampler whose batches hold at most its "
         "`batch_size` samples, or strategy='ddp'.",
     )
 

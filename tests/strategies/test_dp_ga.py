@@ -952,26 +952,34 @@ def test_a_batch_sampler_whose_batches_exceed_its_batch_size_is_refused_not_cut_
     """Micro-batches of 4 from a batch sampler of batches 8, 12, 8 that drops the short last one (batch size 8): dp_ga
     counted the epoch's samples as 3 batches of 8 (6 micro-batches), Lightning ended the epoch there, and the last 4 of
     the 28 samples (DDP trains them all) were never trained, without a word; so under limit_train_batches=2 over batches
-    of 12, 8, 4 (16 samples counted, 20 come). Refused at the larger batch now; where the count is the sampler's own
-    total (no drop_last, no limit) the batches of 12, 8, 4 train whole, as under DDP."""
-    for sizes, sampler_class, extra, index in (((8, 12, 8), _DropLastBatches, {}, 2), ((12, 8, 4), _SizedBatches, {"limit_train_batches": 2}, 1)):
+    of 12, 8, 4 (16 samples counted, 20 come), and over 12, 12, 8 (the first two fill the count: the third never came).
+    Refused where the batches overflow (or fill) the count now. Batches 12, 4, 8 (24 samples, as counted) train whole,
+    as under DDP (a larger batch alone was refused too), and so do 12, 8, 4 where the count is the sampler's own total
+    (no drop_last, no limit)."""
+    refused = (((8, 12, 8), _DropLastBatches, {}, r"first 3 batches of the epoch hold 28 samples, where dp_ga counts the epoch's 3 "
+                r"batches as at most 8 samples each \(6 micro-batches of 4\), so the epoch would end before its last samples", 20),
+               ((12, 8, 4), _SizedBatches, {"limit_train_batches": 2}, r"first 2 batches of the epoch hold 20 samples, where dp_ga "
+                r"counts the epoch's 2 batches as at most 8 samples each \(4 micro-batches of 4\)", 12),
+               ((12, 12, 8), _DropLastBatches, {}, r"first 2 batches of the epoch hold 24 samples.*would end before its 1 batch\(es\) "
+                r"left", 12))
+    for sizes, sampler_class, extra, matching, trained in refused:
         model = _ScheduledOver(_sized_batches_loader(sizes, sampler_class, counted=sampler_class is _SizedBatches))
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=4), devices=1, max_epochs=1, limit_val_batches=0,
                                              use_distributed_sampler=False, **extra))
-        with pytest.raises(InfeasiblePlanError, match=rf"batch {index} of the epoch holds 12 samples, more than its batch size of 8, from "
-                                                      r"which dp_ga counts the epoch's micro-batches of 4.*HINT: Use micro_batch_size=8"):
+        with pytest.raises(InfeasiblePlanError, match=matching + r".*HINT: Use micro_batch_size=8"):
             trainer.fit(model)
-        assert sum(n for _, n in model.trained) <= 8 * (index - 1)  # nothing of the larger batch trained
+        assert sum(n for _, n in model.trained) == trained  # the batches before the one that overflows the count
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    trained = []
-    for strategy in ("ddp", DPGAStrategy(micro_batch_size=4)):
-        model = _ScheduledOver(_sized_batches_loader((12, 8, 4), _SizedBatches, counted=True))
-        L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0, use_distributed_sampler=False)).fit(model)
-        trained.append(sum(n for _, n in model.trained))
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert trained == [24, 24]
+    for sizes, sampler_class in (((12, 8, 4), _SizedBatches), ((12, 4, 8), _DropLastBatches)):
+        trained = []
+        for strategy in ("ddp", DPGAStrategy(micro_batch_size=4)):
+            model = _ScheduledOver(_sized_batches_loader(sizes, sampler_class, counted=sampler_class is _SizedBatches))
+            L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=1, limit_val_batches=0, use_distributed_sampler=False)).fit(model)
+            trained.append(sum(n for _, n in model.trained))
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        assert trained == [24, 24], sizes
 
 
 class _Targets:
@@ -1519,7 +1527,7 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     A rank's batch sampler whose second batch holds 50 samples where its batch size says 40 (:data:`OVERSIZED`, m=20):
     the ranks count each loader batch as a full one of 40 (6 micro-batches), cut that batch as 50 (3 micro-batches), and
     Lightning ended the epoch after the sixth of the 7, rank 1's last samples never trained, without a word. Refused
-    now, on both ranks, at that batch (after the first batch's step)."""
+    now, on both ranks, at the batch that overflows the count (the third, after two steps)."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1541,11 +1549,13 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
     assert len(results[0][3]) == len(results[1][3]) == 4
     # (what the message says, the optimizer steps before it: the oversized batch comes after the first batch's step)
-    expected = ((r"4 batches of up to 40 samples, but how many samples its _SizedBatches", 0),
-                (r"The training batch\[1\] is a _Targets holding the batch's 8 rows", 0),
-                (r"batch 2 of the epoch holds 50 samples, more than its batch size of 40.*HINT: Use micro_batch_size=40", 1),
-                (r"2 batches of up to 4 samples, but how many samples its _FilteredBatches", 0))
-    for refused, (matching, steps) in zip(zip(results[0][3], results[1][3]), expected):
+    # (the oversized batches: every rank refuses the batches as they cut them, alike, so none names another)
+    expected = ((r"4 batches of up to 40 samples, but how many samples its _SizedBatches", 0, note),
+                (r"The training batch\[1\] is a _Targets holding the batch's 8 rows", 0, note),
+                (r"first 3 batches of the epoch hold 130 samples, where dp_ga counts the epoch's 3 batches as at most 40 samples "
+                 r"each \(6 micro-batches of 20\).*HINT: Use micro_batch_size=40", 2, None),
+                (r"2 batches of up to 4 samples, but how many samples its _FilteredBatches", 0, note))
+    for refused, (matching, steps, noted) in zip(zip(results[0][3], results[1][3]), expected):
         assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
         assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
-        assert [r[2:] for r in refused] == [(note, steps, steps == 0), (None, steps, steps == 0)], refused
+        assert [r[2:] for r in refused] == [(noted, steps, steps == 0), (None, steps, steps == 0)], refused
