@@ -564,6 +564,9 @@ class Rechunking:
             refusal = _uncounted(dataloader, loader_batch, m)
         if agree is not None and loader_cls._AGREES_PER_BATCH:
             self._loader.refusal = refusal  # raised on every rank at the first agreement
+        elif trainer.world_size < 2:  # the trainer's ranks agree, not a wider default group's (no collective for one)
+            if refusal is not None:
+                raise refusal
         else:
             # No agreement at its batches to carry it: raised now, on several processes on every rank (one all-reduce per
             # loader set up). A rank refusing alone had left the others waiting in Lightning's next collective (its sum of
