@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from lightning_distplan.costmodel._hardware import Hardware
 from lightning_distplan.costmodel._partition import partition_pipeline, stage_sums
-from lightning_distplan.costmodel._schedule import schedule_time, simulated_microbatches
+from lightning_distplan.costmodel._schedule import schedule_time, simulation_work
 from lightning_distplan.errors import InfeasiblePlanError, ModelSplitError
 
 if TYPE_CHECKING:
@@ -480,10 +480,10 @@ def _pipeline_framework(profile: Profile, plan: Plan, hw: Hardware, busy: float)
 
 
 def _predict_pipeline(
-    profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]] | None = None, full_runs: list[int] | None = None
+    profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]] | None = None, work: list[int] | None = None
 ) -> Prediction:
     """:func:`predict` of a pipeline plan; ``layer_times``: :func:`_layer_times` at the plan's micro-batch, where the caller has them
-    (another split of the same plan: the split search prices many); ``full_runs``: :func:`schedule_time`'s, for the search's budget."""
+    (another split of the same plan: the split search prices many); ``work``: :func:`schedule_time`'s, for the search's budget."""
     m, n, p, w = plan.micro_batch_size, plan.n_microbatches, plan.pp, plan.dp
     k_flush = plan.accumulate_grad_batches  # flushes per optimizer step (Lightning's accumulate_grad_batches; 1 in planned plans)
     n_layers = len(profile.layers)
@@ -588,8 +588,8 @@ def _predict_pipeline(
     # (n − 1) slowest-stage times, i.e. (2n − 1)·St for equal stages, which exceeds the (n + p − 1)·St
     # any non-interleaved 1F1B schedule takes once n > p (schedule_time of equal stages gives the latter).
     hand_over = send[: p - 1]
-    free_links = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, full_runs=full_runs)
-    length = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, hand_over, shared_stream=hw.p2p_one_stream, full_runs=full_runs)
+    free_links = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, work=work)
+    length = schedule_time(stage_fwd, stage_bwd, n, plan.strategy, hand_over, shared_stream=hw.p2p_one_stream, work=work)
     if plan.strategy == "gpipe":
         compute = n * (max(stage_fwd) + max(stage_bwd))
     else:
@@ -712,28 +712,65 @@ def _predict_pipeline(
 _EXHAUSTIVE_SPLITS = 4096
 # The most contiguous splits _best_priced_split enumerates (a lower bound each: cheap); a model with more keeps the
 # programme's split (and the refinements above), moved one boundary at a time while its price drops (_moved_boundaries).
-_EXHAUSTIVE_SLOTS = 1 << 15
-# The most work _best_priced_split (or _moved_boundaries) spends on pricing splits for one plan, in stage-slots
-# (stages × simulated micro-batches) with each pricing also charged its per-layer sums and fixed work (_pricing_cost),
-# and the steps schedule_time simulated in full past its line where the short runs did not lie on one (its full_runs):
-# 0.1-0.4 s of CPU on a 2-core host (_pricing_cost's timings). About 100 pricings of 2 stages of a few layers at any n,
-# 7 of 16 stages × 256 micro-batches.
+_EXHAUSTIVE_WORK = 1 << 17
+# The most work _best_priced_split (or _moved_boundaries) spends on pricing splits for one plan: the steps of every
+# schedule_time simulation its pricings ran (its ``work``: full runs past the line included) and each pricing's per-layer
+# sums and fixed work (_pricing_cost). It was 1 << 15 stage-slots, four sweep steps each under GPipe (two schedules
+# priced, two passes each), so GPipe's searches stop where they did; 1F1B's, charged by their slots too, did 4-5 (one
+# walk per schedule) to 6-12 (over one stream, the event queue) times the steps per slot. A whole budget of pricings,
+# GPipe, 1F1B and 1F1B over one stream alike: 22-56 ms of CPU (0.17-0.43 µs a unit; 2-96 layers, 2-32 stages, n 2-146,
+# 4000 layers in 2 stages; time.process_time on the 2-core host under load), where 1F1B over one stream took 17 µs a
+# slot against GPipe's 1.8 before. 780 pricings of 8 layers in 2 stages (GPipe, n = 2), 4 of 16 stages × 64
+# micro-batches over one stream (GPipe 29).
 
 
-def _pricing_cost(p: int, n: int, n_layers: int) -> int:
-    """One full pricing of a p-stage, n-micro-batch split of ``n_layers`` layers, in stage-slots of simulation.
+_LAYER_WORK = 4
+# What a pricing is charged per layer (and 32 times that for its fixed work) beside its simulations: a stage-slot's
+# four GPipe sweep steps, as when the budget counted slots.
 
-    The stage-slots schedule_time simulates (:func:`~lightning_distplan.costmodel._schedule.simulated_microbatches`), plus one per layer and 32 for the rest:
-    _predict_pipeline's per-layer sums cost about what a simulated slot does. Measured per pricing as the split search
-    prices (the plan's layer times passed in, 2c13c00; time.process_time, median of 5, 2-core host, planning_scale's
-    layers): 8 layers, 2 stages, GPipe n = 1: 0.22 ms (cost 42); 91 layers, 3 stages, n = 1: 0.44 ms (126); 4000 layers,
-    2 stages: 9.0 ms (4034); 24 layers, 7 stages, 1F1B over one stream at n = 8: 1.7 ms (112); 8 layers, 2 stages, 1F1B
-    over one stream at n = 146 (292 slots, event by event): 3.7 ms (332). So 2-4 µs a unit where layers or GPipe's sweeps
-    dominate, about 11 µs where the event queue does. Counting the slots alone, 4005 splits of 91 layers into 3 stages at
-    n = 1 all fitted in the budget and one predict() took 3.7 s. Not counted here: schedule_time's full runs past its
-    line, known only once a split is priced; the searches charge them as they happen (its ``full_runs``).
+
+def _pricing_cost(p: int, n: int, n_layers: int, strategy: str, event_queue: bool) -> int:
+    """The most work one pricing of a p-stage, n-micro-batch split of ``n_layers`` layers does, short of full runs.
+
+    Its two simulations (:func:`~lightning_distplan.costmodel._schedule.simulation_work`: the schedule with free links,
+    and with its hand-overs, over the event queue where ``event_queue``: 1F1B over one stream), plus :data:`_LAYER_WORK`
+    per layer and 32 times that for the rest (_predict_pipeline's per-layer sums cost about what a simulated
+    stage-slot's sweeps do). The searches start a pricing only where this fits in what is left of the budget, and then
+    charge it its fixed part and what its simulations reported (``work``: the event queue's events as handled, and the
+    full runs past the line, known only once a split is priced).
+
+    Charged by stage-slots alone (p·slots + layers + 32, before), a 1F1B pricing cost what a GPipe one did, while its
+    walks take 4-5 times the steps per slot of GPipe's sweeps (over one stream 6-12 times) and each step longer: 64
+    layers, 16 stages, n = 64, one stream: 10 pricings charged 11,200 slots did 543,664 steps in 189 ms of CPU (17 µs
+    a slot; GPipe's 28 pricings, 31,360 slots, 229,376 steps, 55 ms, 1.8 µs a slot). Measured per pricing under the
+    old charge (the plan's layer times passed in, 2c13c00; time.process_time, median of 5, 2-core host,
+    planning_scale's layers): 8 layers, 2 stages, GPipe n = 1: 0.22 ms (42 slots); 91 layers, 3 stages, n = 1: 0.44 ms
+    (126); 4000 layers, 2 stages: 9.0 ms (4034); 24 layers, 7 stages, 1F1B over one stream at n = 8: 1.7 ms (112); 8
+    layers, 2 stages, 1F1B over one stream at n = 146: 3.7 ms (332). Counting the slots alone, 4005 splits of 91 layers
+    into 3 stages at n = 1 all fitted in the budget and one predict() took 3.7 s.
     """
-    return p * simulated_microbatches(p, n) + n_layers + 32
+    return simulation_work(p, n, strategy) + simulation_work(p, n, strategy, event_queue) + _LAYER_WORK * (n_layers + 32)
+
+
+class _SearchCharge:
+    """What a split search has spent of :data:`_EXHAUSTIVE_WORK`: each pricing's per-layer and fixed work and the steps its
+    simulations reported (schedule_time's ``work``), the work it did, not an estimate. A pricing starts only where its
+    most (:func:`_pricing_cost`) fits in what is left."""
+
+    def __init__(self, plan: Plan, hw: Hardware, n_layers: int) -> None:
+        self.fixed = _LAYER_WORK * (n_layers + 32)
+        # the schedule with hand-overs takes the event queue under 1F1B over one stream (where a hand-over takes time)
+        self.most = _pricing_cost(plan.pp, plan.n_microbatches, n_layers, plan.strategy, plan.strategy != "gpipe" and hw.p2p_one_stream)
+        self.spent = 0
+
+    def fits(self) -> bool:
+        return self.spent + self.most <= _EXHAUSTIVE_WORK
+
+    def price(self, profile: Profile, plan: Plan, hw: Hardware, layer_times: tuple[list[float], list[float]]) -> Prediction:
+        work: list[int] = []
+        priced = _predict_pipeline(profile, plan, hw, layer_times, work)
+        self.spent += self.fixed + sum(work)
+        return priced
 
 
 def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Prediction, layer_times: tuple[list[float], list[float]]) -> Prediction:
@@ -755,7 +792,7 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     the drain, the passes and the all-reduce, GPipe at n = 2-4 and 1F1B at n = p spent the whole budget (0.2-0.4 s a
     plan; 248 pricings for GPipe dp = 2 at n = 3, 3 now). The search stops where that bound reaches the best step priced (a feasible
     one: an infeasible split ranks after it whatever its time). So the split is the exact best under this model
-    wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_SLOTS` of pricing;
+    wherever the search completes: at most :data:`_EXHAUSTIVE_SPLITS` splits and :data:`_EXHAUSTIVE_WORK` of pricing;
     where the budget runs out, the best split priced (never worse than ``pred``). With more splits, ``pred`` with its
     boundaries moved one layer at a time while the price drops, within the same budget (:func:`_moved_boundaries`):
     ``pred`` alone priced above a split one boundary away in 58 of 100 random settings of 20-30 layers in 6-8 stages
@@ -770,16 +807,15 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     if math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
         return _moved_boundaries(profile, plan, hw, pred, layer_times)
     bounded = _split_bounds(profile, plan, hw, layer_times, pred.step_time_s if pred.feasible else math.inf)
-    cost, spent, full_runs = _pricing_cost(p, n, n_layers), 0, []
+    charge = _SearchCharge(plan, hw, n_layers)
     for bound, cut in bounded:
         if pred.feasible and bound >= pred.step_time_s:
             break  # no split left can price lower
-        if spent + sum(full_runs) + cost > _EXHAUSTIVE_SLOTS:
+        if not charge.fits():
             break
         if cut == pred.stage_boundaries:
             continue
-        spent += cost
-        priced = _predict_pipeline(profile, replace(plan, stage_boundaries=cut), hw, layer_times, full_runs)
+        priced = charge.price(profile, replace(plan, stage_boundaries=cut), hw, layer_times)
         if (not priced.feasible, priced.step_time_s) < (not pred.feasible, pred.step_time_s):
             pred = priced
     return pred
@@ -793,11 +829,11 @@ def _moved_boundaries(profile: Profile, plan: Plan, hw: Hardware, pred: Predicti
     the round's best price, and moves to the lowest-priced where it prices below the current split (steepest descent;
     a split priced before is not priced again: it priced no lower than the split that round moved to). The rounds end
     where no such split prices lower (the split is then a local best: none one boundary away prices lower) or where
-    the next pricing would pass :data:`_EXHAUSTIVE_SLOTS` (:func:`_pricing_cost` each, and their full runs).
+    the next pricing would pass :data:`_EXHAUSTIVE_WORK` (:class:`_SearchCharge`).
     """
     n_layers = len(profile.layers)
     bound = _split_bound(profile, plan, hw, layer_times)
-    cost, spent, full_runs = _pricing_cost(plan.pp, plan.n_microbatches, n_layers), 0, []
+    charge = _SearchCharge(plan, hw, n_layers)
     priced_before = {pred.stage_boundaries}
     while True:
         edges = (0, *pred.stage_boundaries, n_layers)
@@ -808,11 +844,10 @@ def _moved_boundaries(profile: Profile, plan: Plan, hw: Hardware, pred: Predicti
         for lower, moved in moves:
             if best.feasible and lower >= best.step_time_s:
                 break  # no move left can price lower
-            if spent + sum(full_runs) + cost > _EXHAUSTIVE_SLOTS:
+            if not charge.fits():
                 return best
-            spent += cost
             priced_before.add(moved)
-            priced = _predict_pipeline(profile, replace(plan, stage_boundaries=moved), hw, layer_times, full_runs)
+            priced = charge.price(profile, replace(plan, stage_boundaries=moved), hw, layer_times)
             if (not priced.feasible, priced.step_time_s) < (not best.feasible, best.step_time_s):
                 best = priced
         if best is pred:

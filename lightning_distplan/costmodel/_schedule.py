@@ -149,15 +149,62 @@ def _line_start(p: int) -> int:
 
 def simulated_microbatches(p: int, n: int) -> int:
     """The micro-batches per stage :func:`schedule_time` simulates for ``n`` of ``p`` stages: ``n``, or past 6·n0 + 2 the
-    four short runs of :func:`_line_start`'s n0, 6·n0 + 2 together (also what a priced split costs,
-    ``_predict._pricing_cost``). Not counted: the rarer fall-backs to all n, where the short runs' period is not yet
-    the busiest stage's or they do not lie on one line (:func:`schedule_time` reports them in ``full_runs``).
+    four short runs of :func:`_line_start`'s n0, 6·n0 + 2 together (:func:`simulation_work` counts their work). Not
+    counted: the rarer fall-backs to all n, where the short runs' period is not yet the busiest stage's or they do not
+    lie on one line (:func:`schedule_time` reports their work in ``work``).
 
     Example:
         >>> simulated_microbatches(2, 100), simulated_microbatches(2, 10_000)
         (100, 146)
     """
     return min(n, 6 * _line_start(p) + 2)
+
+
+def simulation_work(p: int, n: int, strategy: str, event_queue: bool = False) -> int:
+    """The most work :func:`schedule_time` does for ``n`` micro-batches of ``p`` stages, in the steps ``work`` counts,
+    short of its full runs past the line (known only once it has simulated the short runs): each run it simulates, ``n``
+    or the four short ones (:func:`simulated_microbatches`), counted by :func:`_run_work`; ``event_queue``: the run
+    takes the event queue (1F1B with hand-overs over one stream), its events counted at their most. What a split
+    search expects a pricing to cost (``_predict._pricing_cost``).
+
+    Example:
+        >>> simulation_work(2, 3, "gpipe"), simulation_work(2, 3, "1f1b"), simulation_work(2, 3, "1f1b", event_queue=True)
+        (12, 36, 64)
+    """
+    if simulated_microbatches(p, n) == n:
+        return _run_work(strategy, n, p, event_queue)
+    n0 = _line_start(p)
+    return sum(_run_work(strategy, m, p, event_queue) for m in (n0, n0 + 1, 2 * n0, 2 * n0 + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _program_work(strategy: str, n: int, p: int) -> tuple[int, int]:
+    """(steps, most events) of simulating every stage's :func:`stage_program`: one step per computation and per op a
+    post or a wait handles (the in-order walk's work, op by op); for the event queue at most one event per stage
+    started, per op posted, per recv's notice (its data's event) and per wait (a blocked stage woken)."""
+    steps = events = 0
+    for program in _compiled_programs(strategy, n, p):
+        events += 1
+        for step, arg in program:
+            steps += len(arg) if step else 1
+            if step == 1:
+                events += len(arg) + sum(op & 1 for op in arg)
+            elif step == 2:
+                events += 1
+    return steps, events
+
+
+def _run_work(strategy: str, n: int, p: int, event_queue: bool) -> int:
+    """The most work :func:`_length` does for one run, in :func:`schedule_time`'s ``work`` steps (it reports the exact
+    count). GPipe's sweeps: one step per stage, micro-batch and pass, 2·p·n. 1F1B: its programs' steps
+    (:func:`_program_work`), and over the event queue also its events. Measured per step (time.process_time, 2-core
+    host, p = 2-32, n = 8-256): 0.11-0.17 µs in the sweeps, 0.17-0.25 µs in the in-order walk, 0.24-0.41 µs in the event
+    queue (steps and events together); per stage-slot, what the split search's budget counted before, 1F1B's walk
+    took 5-7 times a GPipe sweep's time and the event queue 11-22 times."""
+    if strategy == "gpipe":
+        return 2 * p * n
+    steps, events = _program_work(strategy, n, p)
+    return steps + events if event_queue else steps
 
 
 def schedule_time(
@@ -168,7 +215,7 @@ def schedule_time(
     hand_over: Sequence[float] | None = None,
     *,
     shared_stream: bool = False,
-    full_runs: list[int] | None = None,
+    work: list[int] | None = None,
 ) -> float:
     """Time from the first stage's first forward to the last action of any stage, for one step.
 
@@ -179,9 +226,10 @@ def schedule_time(
     its message starts to cross (the kernel buffers the rest). ``shared_stream``: the recv's
     "ready" notice reaches the sender only after the data already queued the other way on the
     same connection, as over gloo's one TCP stream per pair; without it (NCCL, assumed) the two
-    directions are independent. ``full_runs``: where given, the stage-slots (p·n) of a step simulated in full past
-    the line :func:`simulated_microbatches` counts (the short runs gave no line: off one, or slower than the busiest stage) are appended to it, so a
-    caller that budgets its simulations can charge them.
+    directions are independent. ``work``: where given, the work of every run simulated here is appended to it
+    (:func:`_run_work`'s steps, the event queue's events as they happened; a short run the cache already held costs
+    none), the full runs past the line too (the short runs gave no line: off one, or slower than the busiest stage), so
+    a caller that budgets its simulations can charge what they did.
 
     Example:
         >>> schedule_time([2.0, 1.0], [2.0, 1.0], 2, "gpipe")  # the first stage the slowest: eq. (1) per pass
@@ -203,7 +251,14 @@ def schedule_time(
         # on it (so in every random case of tests/costmodel/test_costmodel_schedule.py); else
         # simulate all n. Planning a large global batch then costs what a small one does.
         key = (tuple(stage_fwd), tuple(stage_bwd), strategy, None if hand_over is None else tuple(hand_over), shared_stream)
-        a, b, c, d = (_simulate_cached(k, *key) for k in (n0, n0 + 1, 2 * n0, 2 * n0 + 1))
+        runs = []
+        for k in (n0, n0 + 1, 2 * n0, 2 * n0 + 1):
+            missed = _simulate_cached.cache_info().misses
+            length, done = _simulate_cached(k, *key)
+            if work is not None and _simulate_cached.cache_info().misses > missed:
+                work.append(done)
+            runs.append(length)
+        a, b, c, d = runs
         step = b - a
         # Every further micro-batch adds at least the busiest stage's work (GPipe: the busiest forward and backward,
         # its passes being pipelines of their own). A period below it is a bottleneck not yet reached: a stage the fill
@@ -216,22 +271,23 @@ def schedule_time(
         if (step >= busiest * (1 - 1e-9) and math.isclose(d - c, step, rel_tol=1e-9, abs_tol=1e-12)
                 and math.isclose(c - a, n0 * step, rel_tol=1e-9, abs_tol=1e-12)):
             return d + (n - 2 * n0 - 1) * step
-        if full_runs is not None:
-            full_runs.append(p * n)
-    return _length(stage_fwd, stage_bwd, n, strategy, hand_over, shared_stream)
+    return _length(stage_fwd, stage_bwd, n, strategy, hand_over, shared_stream, work)
 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate_cached(
     n: int, stage_fwd: tuple[float, ...], stage_bwd: tuple[float, ...], strategy: str, hand_over: tuple[float, ...] | None, shared_stream: bool
-) -> float:
+) -> tuple[float, int]:
     # The four lengths the line goes through do not depend on n: plans that differ only in n
-    # (the same stages and micro-batch, another dp) share them.
-    return _length(stage_fwd, stage_bwd, n, strategy, hand_over, shared_stream)
+    # (the same stages and micro-batch, another dp) share them. (length, the run's work)
+    work: list[int] = []
+    length = _length(stage_fwd, stage_bwd, n, strategy, hand_over, shared_stream, work)
+    return length, work[0]
 
 
 def _length(
-    stage_fwd: Sequence[float], stage_bwd: Sequence[float], n: int, strategy: str, hand_over: Sequence[float] | None, shared_stream: bool
+    stage_fwd: Sequence[float], stage_bwd: Sequence[float], n: int, strategy: str, hand_over: Sequence[float] | None, shared_stream: bool,
+    work: list[int] | None = None,
 ) -> float:
     """One step's simulated length, by the cheapest exact route.
 
@@ -240,13 +296,23 @@ def _length(
     takes the event queue (:func:`_simulate`). tests/costmodel/test_costmodel_schedule.py holds
     the first two to the third in random cases. One step of 64 stages and 512 micro-batches took
     1.4 to 1.9 s to simulate event by event; now 0.02 s (GPipe), 0.2 s (1F1B) or 0.5 s (1F1B over
-    one stream), on this project's 2-core machine (benchmarks/planning_scale.py times whole plannings).
+    one stream), on this project's 2-core machine (benchmarks/planning_scale.py times whole plannings). ``work``: its
+    steps (:func:`_run_work`; the event queue's events as many as it handled) are appended to it.
     """
-    links = [0.0] * (len(stage_fwd) - 1) if hand_over is None else [float(x) for x in hand_over]
+    p = len(stage_fwd)
+    links = [0.0] * (p - 1) if hand_over is None else [float(x) for x in hand_over]
     if strategy == "gpipe":
+        if work is not None:
+            work.append(_run_work(strategy, n, p, False))
         return _gpipe_length(stage_fwd, stage_bwd, n, links)
     if shared_stream and any(links):
-        return _simulate(stage_fwd, stage_bwd, n, strategy, links, shared_stream)
+        events: list[int] = []
+        length = _simulate(stage_fwd, stage_bwd, n, strategy, links, shared_stream, events)
+        if work is not None:
+            work.append(_program_work(strategy, n, p)[0] + events[0])
+        return length
+    if work is not None:
+        work.append(_run_work(strategy, n, p, False))
     return _simulate_in_order(stage_fwd, stage_bwd, n, strategy, links)
 
 
@@ -378,9 +444,10 @@ def _simulate_in_order(stage_fwd: Sequence[float], stage_bwd: Sequence[float], n
 
 
 def _simulate(
-    stage_fwd: Sequence[float], stage_bwd: Sequence[float], n: int, strategy: str, hand_over: Sequence[float] | None, shared_stream: bool
+    stage_fwd: Sequence[float], stage_bwd: Sequence[float], n: int, strategy: str, hand_over: Sequence[float] | None, shared_stream: bool,
+    events_handled: list[int] | None = None,
 ) -> float:
-    """:func:`schedule_time` by running every stage's program event by event.
+    """:func:`schedule_time` by running every stage's program event by event (``events_handled``: the count is appended).
 
     Events are (time, order of posting, kind, what): a stage running on from a time, a recv's
     "ready" notice leaving its receiver, or a message's data able to cross. Message m crosses
@@ -455,4 +522,6 @@ def _simulate(
             src, dst = (b + 1, b) if what & 1 else (b, b + 1)
             wake(src)
             wake(dst)
+    if events_handled is not None:
+        events_handled.append(seq)  # each event pushed once and handled once
     return _finished(programs, pc, clock, strategy, n)

@@ -447,8 +447,8 @@ def test_the_split_search_budget_counts_each_pricings_layers(monkeypatch):
 
     pred, pricings = _counted_pricings(monkeypatch, "gpipe", 2, True)
     assert pred.feasible and len(pred.stage_boundaries) == 2
-    # one pricing costs 6 slots + 91 layers + 32 of the 2^15 budget: 254 splits beside the first
-    assert len(pricings) <= 1 + _predict._EXHAUSTIVE_SLOTS // (6 + 91 + 32)
+    # one pricing costs 6 slots' sweeps (4 steps each) + 4 per layer and 128 of the 2^17 budget: 254 splits beside the first
+    assert len(pricings) <= 1 + _predict._EXHAUSTIVE_WORK // (4 * (6 + 91 + 32))
 
 
 def test_the_split_search_stops_at_one_microbatch(monkeypatch):
@@ -492,14 +492,9 @@ def test_the_split_search_works_out_the_layer_times_once(monkeypatch):
     assert len(calls) == 1
 
 
-def test_the_split_search_charges_the_schedules_full_runs_to_its_budget(monkeypatch):
-    """Past its line (n > 6·n0 + 2) schedule_time simulates four short runs, which _pricing_cost counts, but where they do
-    not lie on one line it simulates all n micro-batches, which the search did not charge: 27 layers into 4 stages, 1F1B
-    at n = 500, one of the search's six pricings simulates 4 × 500 stage-slots in full where 835 were charged. With a
-    budget one slot short of the six pricings and that full run, the search priced all six (7010 slots of work against
-    7009). Every pricing it starts now fits in the budget with the full runs before it counted."""
-    from lightning_distplan.costmodel import Hardware, predict
-    from lightning_distplan.costmodel import _predict, _schedule
+def _full_run_case():
+    """27 layers into 4 stages, 1F1B at n = 500 over two streams: one of the search's pricings falls back to all n."""
+    from lightning_distplan.costmodel import Hardware
     from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
     from lightning_distplan.plan import Plan
 
@@ -513,30 +508,101 @@ def test_the_split_search_charges_the_schedules_full_runs_to_its_budget(monkeypa
     profile = synthetic_profile(layers, device_memory_bytes=80 << 30)
     hw = Hardware(device_memory_bytes=80 << 30, allreduce_latency_s=50e-6, allreduce_bandwidth_bytes_per_s=1.25e8,
                   p2p_latency_s=50e-6, p2p_bandwidth_bytes_per_s=1.25e8)
-    n = 500
-    plan = Plan(strategy="1f1b", dp=1, pp=4, micro_batch_size=1, n_microbatches=n, global_batch_size=n)
-    cost = _predict._pricing_cost(4, n, len(layers))
-    assert _schedule.simulated_microbatches(4, n) < n  # past the line: four short runs are charged
-    events = []  # per pricing, the stage-slots of the full runs it simulated
-    real_length, real_pricing = _schedule._length, _predict._predict_pipeline
+    return profile, Plan(strategy="1f1b", dp=1, pp=4, micro_batch_size=1, n_microbatches=500, global_batch_size=500), hw
 
-    def length(stage_fwd, stage_bwd, m, *args):
-        if m == n:  # a full run (the short runs are of 32 to 65 micro-batches)
-            events[-1].append(len(stage_fwd) * m)
-        return real_length(stage_fwd, stage_bwd, m, *args)
 
-    def pricing(*args):
-        events.append([])
-        return real_pricing(*args)
+def _walk_case(strategy, one_stream):
+    """24 planning_scale-like layers into 7 stages at n = 8 (100947 splits: the boundary walk)."""
+    from dataclasses import replace
 
-    monkeypatch.setattr(_schedule, "_length", length)
-    monkeypatch.setattr(_predict, "_predict_pipeline", pricing)
-    monkeypatch.setattr(_predict, "_EXHAUSTIVE_SLOTS", 6 * cost + 4 * n - 1)
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    layers = [LayerSpec(fwd_alpha=1e-3 * (1 + i % 3), fwd_beta=1e-4, bwd_alpha=2e-3 * (1 + i % 3), bwd_beta=1e-4, param_bytes=4 << 20,
+                        activation_bytes_per_sample=1e6, output_bytes_per_sample=1e5) for i in range(24)]
+    profile = synthetic_profile(layers, device_memory_bytes=80 << 30)
+    hw = replace(Hardware.from_profile(profile, warn_default_links=False), p2p_one_stream=one_stream)
+    return profile, Plan(strategy=strategy, dp=1, pp=7, micro_batch_size=1, n_microbatches=8, global_batch_size=8), hw
+
+
+def _searched_work(monkeypatch, profile, plan, hw):
+    """(prediction, per search pricing: (what the search charged, the work counted)), the work counted apart from the
+    code that reports it: GPipe's sweeps one step per stage, micro-batch and pass; 1F1B's programs (stage_program) one
+    step per computation and per op posted or waited; the event queue's heap pushes."""
+    import heapq
+
+    from lightning_distplan.costmodel import _predict, _schedule, predict
+
+    counted = [0]
+
+    def program_steps(strategy, n, p):
+        return sum(1 if step[0] == "run" else len(step[1]) for k in range(p) for step in _schedule.stage_program(strategy, n, p, k))
+
+    real_gpipe, real_in_order, real_queue = _schedule._gpipe_length, _schedule._simulate_in_order, _schedule._simulate
+
+    def gpipe(stage_fwd, stage_bwd, n, *args):
+        counted[0] += 2 * len(stage_fwd) * n
+        return real_gpipe(stage_fwd, stage_bwd, n, *args)
+
+    def in_order(stage_fwd, stage_bwd, n, strategy, *args):
+        counted[0] += program_steps(strategy, n, len(stage_fwd))
+        return real_in_order(stage_fwd, stage_bwd, n, strategy, *args)
+
+    def queue(stage_fwd, stage_bwd, n, strategy, *args):
+        counted[0] += program_steps(strategy, n, len(stage_fwd))
+        return real_queue(stage_fwd, stage_bwd, n, strategy, *args)
+
+    class CountedHeap:
+        heappop = staticmethod(heapq.heappop)
+
+        @staticmethod
+        def heappush(heap, item):
+            counted[0] += 1
+            heapq.heappush(heap, item)
+
+    pricings, real_price = [], _predict._SearchCharge.price
+
+    def price(self, *args):
+        spent, before = self.spent, counted[0]
+        priced = real_price(self, *args)
+        pricings.append((spent, self.spent - spent, _predict._LAYER_WORK * (len(profile.layers) + 32) + counted[0] - before))
+        return priced
+
+    monkeypatch.setattr(_schedule, "_gpipe_length", gpipe)
+    monkeypatch.setattr(_schedule, "_simulate_in_order", in_order)
+    monkeypatch.setattr(_schedule, "_simulate", queue)
+    monkeypatch.setattr(_schedule, "heapq", CountedHeap)
+    monkeypatch.setattr(_predict._SearchCharge, "price", price)
     _schedule._simulate_cached.cache_clear()
-    pred = predict(profile, plan, hw)
-    assert pred.feasible
-    searched = events[1:]  # the first is the plan's own pricing, before the search
-    assert any(searched), "no pricing of the search ran in full: the case no longer tests the charge"
-    for k in range(len(searched)):
-        charged = k * cost + sum(map(sum, searched[:k]))
-        assert charged + cost <= _predict._EXHAUSTIVE_SLOTS, (k, charged, searched)
+    return predict(profile, plan, hw), pricings
+
+
+@pytest.mark.parametrize("case", ["gpipe", "1f1b", "1f1b one stream", "1f1b full run"])
+def test_the_split_search_charges_the_work_its_simulations_did(monkeypatch, case):
+    """The search's budget counted stage-slots: each pricing p·(simulated micro-batches) + layers + 32, whatever the
+    schedule. A GPipe slot is four sweep steps (two schedules priced, two passes each); 1F1B walks its programs step by
+    step, 4-5 times the steps (24 layers in 7 stages, n = 8: 1984 against 448 per pricing, both charged 112 slots), and
+    over one stream also runs the event queue: 2792 steps and events. So within the same budget a 1F1B search over one
+    stream ran 6-12 times the work, 17 µs of CPU a charged slot against GPipe's 1.8. Now each pricing is charged its
+    layers and fixed work and the work its simulations did, counted here apart: exactly that, the full run past the
+    line included (27 layers, 4 stages, n = 500). A pricing starts only where its most fits in the budget left, so with
+    the budget cut to a few pricings the search stops within it (where no full run it could not foresee came)."""
+    from lightning_distplan.costmodel import _predict
+
+    profile, plan, hw = _full_run_case() if case == "1f1b full run" else _walk_case(case.split()[0], "one stream" in case)
+    _, unbounded = _searched_work(monkeypatch, profile, plan, hw)
+    assert len(unbounded) >= 4, "the search prices too few splits to test its budget"
+    for spent, charged, counted in unbounded:
+        assert charged == counted, (case, charged, counted)
+    most = _predict._SearchCharge(plan, hw, len(profile.layers)).most
+    budget = most * 3 + most // 2
+    monkeypatch.setattr(_predict, "_EXHAUSTIVE_WORK", budget)
+    pred, bounded = _searched_work(monkeypatch, profile, plan, hw)
+    assert pred.feasible and 1 <= len(bounded) < len(unbounded)
+    for spent, charged, counted in bounded:
+        assert charged == counted and spent + most <= budget, (case, spent, charged, counted, budget)
+    full_runs = case == "1f1b full run"
+    assert full_runs or sum(counted for _, _, counted in bounded) <= budget
+    # the most a pricing can do bounds what each did, but a full run past the line
+    assert any(counted > most for _, _, counted in unbounded) == full_runs
