@@ -606,3 +606,36 @@ def test_the_split_search_charges_the_work_its_simulations_did(monkeypatch, case
     assert full_runs or sum(counted for _, _, counted in bounded) <= budget
     # the most a pricing can do bounds what each did, but a full run past the line
     assert any(counted > most for _, _, counted in unbounded) == full_runs
+
+
+def test_a_split_searchs_price_does_not_depend_on_what_was_priced_before():
+    """The search charged a short run (past the line) only where schedule_time's cache missed, so the same predict()
+    went further on its second call, its short runs now cached, than on its first: 39 layers into 9 stages, 1F1B over
+    one stream at n = 416, 22.955 s at (6, 12, 15, ...) cold, 21.822 s at (6, 12, 14, ...) warm; in rank_plans a plan
+    priced after another of the same stages (another dp) searched further than priced alone. A short run is charged
+    its work whether simulated now or before, so one plan gets one price."""
+    from dataclasses import replace
+
+    from lightning_distplan.costmodel import Hardware, _schedule, predict
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.plan import Plan
+
+    # per layer: forward ms, backward ms / 2, output bytes per sample / 1e4 (a random draw that shows it)
+    drawn = [(4.21, 3.73, 201), (1.68, 3.11, 182), (2.99, 0.96, 130), (2.09, 3.67, 298), (4.76, 2.81, 134), (1.49, 0.37, 9),
+             (2.43, 1.73, 115), (4.48, 2.72, 169), (1.33, 0.31, 98), (0.86, 2.65, 300), (3.44, 1.07, 268), (4.02, 3.73, 272),
+             (3.86, 3.99, 107), (4.91, 4.82, 49), (3.82, 3.63, 139), (2.75, 2.55, 278), (2.6, 4.19, 107), (4.44, 4.52, 139),
+             (2.92, 4.62, 217), (2.54, 1.26, 98), (3.56, 1.0, 272), (1.49, 4.57, 94), (4.8, 3.59, 152), (2.69, 3.33, 177),
+             (1.7, 1.2, 154), (4.68, 3.19, 24), (4.14, 3.68, 272), (1.12, 3.77, 19), (3.33, 1.51, 69), (4.4, 0.71, 157),
+             (4.3, 1.38, 64), (4.43, 2.23, 215), (0.35, 1.94, 52), (3.43, 0.6, 286), (0.32, 3.7, 7), (1.43, 4.1, 48),
+             (1.08, 3.52, 116), (0.41, 4.95, 46), (0.37, 1.85, 185)]
+    layers = [LayerSpec(fwd_alpha=1e-3 * f, fwd_beta=1e-4, bwd_alpha=2e-3 * b, bwd_beta=1e-4, param_bytes=4 << 20,
+                        activation_bytes_per_sample=1e6, output_bytes_per_sample=o * 1e4) for f, b, o in drawn]
+    profile = synthetic_profile(layers, device_memory_bytes=80 << 30)
+    hw = replace(Hardware.from_profile(profile, warn_default_links=False), p2p_one_stream=True)
+    plan = Plan(strategy="1f1b", dp=1, pp=9, micro_batch_size=1, n_microbatches=416, global_batch_size=416)
+    assert _schedule.simulated_microbatches(9, 416) < 416  # past the line: the short runs go through the cache
+    _schedule._simulate_cached.cache_clear()
+    cold = predict(profile, plan, hw)
+    warm = predict(profile, plan, hw)
+    assert cold.feasible
+    assert (warm.step_time_s, warm.stage_boundaries) == (cold.step_time_s, cold.stage_boundaries)
