@@ -720,7 +720,7 @@ _EXHAUSTIVE_WORK = 1 << 17
 # walk per schedule) to 6-12 (over one stream, the event queue) times the steps per slot. A whole budget of pricings,
 # GPipe, 1F1B and 1F1B over one stream alike: 22-56 ms of CPU (0.17-0.43 µs a unit; 2-96 layers, 2-32 stages, n 2-146,
 # 4000 layers in 2 stages; time.process_time on the 2-core host under load), where 1F1B over one stream took 17 µs a
-# slot against GPipe's 1.8 before. 780 pricings of 8 layers in 2 stages (GPipe, n = 2), 4 of 16 stages × 64
+# slot against GPipe's 1.8 before. 744 pricings of 8 layers in 2 stages (GPipe, n = 2), 4 of 16 stages × 64
 # micro-batches over one stream (GPipe 29).
 
 
