@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
@@ -31,6 +32,7 @@ from lightning_distplan.strategies.dp_ga import (
     _is_count,
     _MicroBatchLoader,
     _rebatch,
+    _samples_per_epoch,
     loader_batch_size,
     loader_sampler,
     restore_frequencies,
@@ -199,9 +201,10 @@ class _FullBatchLoader(_MicroBatchLoader):
     2 steps and 1). The ranks agree, when the loader is made (on every rank as Lightning processes its train loader), on
     the epoch's steps: the fewest any rank's samples fill (one :func:`_agreed_batch_sizes` of the samples per epoch); each
     stops there, and ``__len__`` is that count (also an IterableDataset's with a length of each rank's own: Lightning
-    stops where ``__len__`` says, so each rank's count of its own let one rank step more). Where a rank's length is
-    unknown or may overstate what it yields (an IterableDataset), they also agree at every step, before it, whether
-    every rank has a full one. With a DistributedSampler (every replica as many samples) nothing is agreed.
+    stops where ``__len__`` says, so each rank's count of its own let one rank step more). Where the loaders hold
+    different numbers, that spread is warned about in place of ``shortfall``. Where a rank's length is unknown or may
+    overstate what it yields (an IterableDataset), they also agree at every step, before it, whether every rank has a
+    full one. With a DistributedSampler (every replica as many samples) nothing is agreed.
     """
 
     _AGREES_PER_BATCH = False  # its ranks agree on the epoch's steps when it is made (and, some, before each step)
@@ -225,19 +228,20 @@ class _FullBatchLoader(_MicroBatchLoader):
 
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         m = self.micro_batch_size
-        if self.shortfall and limit is None:
-            self._warn_once(
-                "shortfall", f"auto_plan: the epoch's last {self.shortfall} samples per replica do not fill a pipeline step of "
-                f"{m} samples and are skipped (a run of your loader under DDP trains them)."
-            )
         agreed = self._steps
         if self._spread is not None and agreed is not None:
+            # (not the shortfall: each rank's is of its own samples, and rank 0 alone would say its own for every replica)
             smallest, largest = self._spread
             self._warn_once(
                 "replicas", f"auto_plan: the ranks' train loaders hold from {smallest} to {largest} samples per epoch, and the "
                 f"replicas' gradient all-reduce meets at every step, so every replica stops after the {agreed} pipeline "
                 f"steps of {m} samples the fewest fill, skipping up to {largest - agreed * m} samples per epoch (give every "
                 "replica as many samples, e.g. Lightning's DistributedSampler, to train them all)."
+            )
+        elif self.shortfall and limit is None:
+            self._warn_once(
+                "shortfall", f"auto_plan: the epoch's last {self.shortfall} samples per replica do not fill a pipeline step of "
+                f"{m} samples and are skipped (a run of your loader under DDP trains them)."
             )
         # no count agreed, or a stream's (its length may overstate what it yields): the ranks agree before every step
         each_step = self.agree if agreed is None or self._stream else None
@@ -370,9 +374,19 @@ class _AutoPipelineStrategy(PipelineStrategy):
 
 def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool) -> int | None:
     """:func:`pipeline_shortfall` of a pipeline ``plan`` for the user's train loader, or None where its length is unknown;
-    ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own."""
+    ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own.
+
+    Set up for the fit without a ``DistributedSampler`` (``use_distributed_sampler=False``, an IterableDataset), the
+    loader is its rank's own data, not a shard of a dataset every rank holds: DDP trains each process's loader whole, and
+    a replica whose stages read it trains its whole steps, so the shortfall is its samples per epoch beyond those. (Read
+    as a dataset to shard, it was a wrong figure, 2 for 20 samples per rank in steps of 8 on 2 replicas of 2 stages,
+    or none where the sampler does not name its dataset, the samples skipped unsaid. Replicas whose loaders hold
+    different numbers: :class:`_FullBatchLoader` says their spread.)"""
     b = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
+    if sharded and not isinstance(sampler, DistributedSampler):
+        samples = _samples_per_epoch(dataloader)
+        return None if samples is None else samples % (plan.micro_batch_size * plan.n_microbatches)
     try:
         n = len(getattr(sampler, "dataset", None) if sharded else sampler)  # type: ignore[arg-type]
     except TypeError:

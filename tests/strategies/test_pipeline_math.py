@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist_utils import run_on_ranks  # noqa: E402
+from _dist_utils import error_of, run_on_ranks  # noqa: E402
 from _pipeline_models import (  # noqa: E402
     GLOBAL_BATCH,
     MLP_BOUNDARY,
@@ -1001,16 +1001,21 @@ def _unequal_val_data(rank: int) -> TensorDataset:
 
 def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -> dict[str, Any]:
     """auto_plan's pipeline, dp=2 x pp=2, where each rank reads data of its own (use_distributed_sampler=False):
-    replica 0's ranks 16 samples, replica 1's 14, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
+    replica 0's ranks 14 samples, replica 1's 16, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
     from a stream (its length unknown) and from a stream with each rank's own length (Lightning stopped each rank where
-    its length said: replica 0 after 2 steps, replica 1 after 1, which hung likewise). A pipeline step takes 8 samples per replica: 16 fill 2, 14 fill 1, and the
-    replica stepping twice waited in the replicas' gradient all-reduce for good. Run on a group of its own with a 120 s
+    its length said: replica 1 after 2 steps, replica 0 after 1, which hung likewise). A pipeline step takes 8 samples per replica: 16 fill 2, 14 fill 1, and the
+    replica stepping twice waited in the replicas' gradient all-reduce for good. Replica 0 has the fewer, so that rank 0,
+    which warns for every replica, has samples of its own beyond its whole steps (6): its own figure is no replica's skip. Run on a group of its own with a 120 s
     timeout (set up by Lightning, the port in the environment), so that a hang fails here rather than holding the launch.
 
     The dataset's fit also validates (sanity check and each epoch) on evaluation data of each replica's own, 8 and 4
     samples in batches of 4, and then a plain PipelineStrategy validates and tests a fresh model on it: every
     evaluation step all-reduced its loss over all ranks, so the replica with 2 batches waited for good (gloo's recv
-    timeout) at its second. ``evaluated``: (val_loss, test_loss, the whole model's loss on all 12 samples)."""
+    timeout) at its second. ``evaluated``: (val_loss, test_loss, the whole model's loss on all 12 samples).
+
+    ``equal``: every rank 20 samples of its own, 2 steps of 8 and 4 left over per replica: the shortfall was read as of
+    a dataset to shard over the ranks, none where the sampler does not name its dataset (the samples skipped unsaid; 2
+    where it does)."""
     import datetime
 
     import torch.distributed as dist
@@ -1018,7 +1023,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
 
     results: dict[str, Any] = {}
-    data = mlp_data(16 if rank < 2 else 14, seed=rank // 2)
+    data = mlp_data(14 if rank < 2 else 16, seed=rank // 2)
     for kind, dataset in (("sized", data), ("stream", _Stream(data)), ("sized-stream", _SizedStream(data))):
         steps = _StepsAtEpochEnd()
         strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
@@ -1033,8 +1038,21 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                         DataLoader(_unequal_val_data(rank), batch_size=4) if validated else None)
         results[kind] = {"plan": trainer.strategy.plan, "steps": steps.seen, "start": steps.start,
                          "stage": {k: v.detach().clone() for k, v in trainer.strategy._stage_module.state_dict().items()},
-                         "warned": [str(w.message) for w in caught if "skipping" in str(w.message)],
+                         "warned": [str(w.message) for w in caught if "skipp" in str(w.message)],
                          "val_loss": trainer.callback_metrics["val_loss"].item() if validated else None}
+
+    def fit_own_data(kind: str, loader: DataLoader) -> None:
+        steps = _StepsAtEpochEnd()
+        strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
+                                    timeout=datetime.timedelta(seconds=120))
+        trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, kind), callbacks=[steps], use_distributed_sampler=False),
+                               "max_steps": -1, "max_epochs": 1})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            raised = error_of(lambda: trainer.fit(TinyMLP(), loader))
+        results[kind] = {"raised": raised, "steps": steps.seen, "warned": [str(w.message) for w in caught if "skipp" in str(w.message)]}
+
+    fit_own_data("equal", DataLoader(mlp_data(20, seed=rank // 2), batch_size=4))
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     torch.manual_seed(0)
@@ -1105,11 +1123,12 @@ def _check(out: str, name: str, schedule: str, world: int, dp: int) -> None:
 
 @pytest.mark.parametrize("kind", ["sized", "stream", "sized-stream"])
 def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weights(_launch, kind: str) -> None:
-    """Each rank's own data, 16 samples on replica 0 and 14 on replica 1 (see _replicas_of_unequal_data_under_auto_plan):
+    """Each rank's own data, 14 samples on replica 0 and 16 on replica 1 (see _replicas_of_unequal_data_under_auto_plan):
     the ranks agree on the epoch's steps (a dataset: when the loader is made; a stream: at every step, and when the
     loader is made where it has a length, so that Lightning counts as many steps on every rank), the fewest either
     replica fills (1 of 8 samples), so every rank steps once per epoch and the replicas of a stage end with the same
-    weights; the samples skipped are warned about."""
+    weights; the samples skipped are warned about: the spread (known before the epoch), not rank 0's own samples beyond
+    its steps as every replica's shortfall."""
     unequal = [r["unequal"][kind] for r in _launch[2]]
     assert all(u["plan"].describe() == "gpipe dp=2 pp=2 m=4 n_microbatches=2 split=[4]" for u in unequal), [u["plan"] for u in unequal]
     assert [u["steps"] for u in unequal] == [[1, 2]] * 4
@@ -1124,10 +1143,25 @@ def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weigh
             "at every step, so every replica stops after the 1 pipeline steps of 8 samples the fewest fill, skipping up to 8 "
             "samples per epoch (give every replica as many samples, e.g. Lightning's DistributedSampler, to train them all)."
         ], [], [], []]
-    else:  # known when another replica's stream ends: the ranks of the replica with more say it
+    else:  # known when another replica's stream ends: the ranks of the replica with more say it; rank 0 what it skipped
         ended = ["auto_plan: another replica's train loader ended before this one's; this replica stops with it (their gradient "
                  "all-reduce meets at every step), skipping the rest of its epoch."]
-        assert [u["warned"] for u in unequal] == [ended, ended, [], []]
+        dropped = ["auto_plan: the epoch's last 6 samples of this replica did not fill a pipeline step of 8 samples and were skipped "
+                   "(the loader's length is unknown, so this could not be said before)."]
+        assert [u["warned"] for u in unequal] == [dropped, [], ended, ended]
+
+
+def test_auto_plan_warns_of_the_samples_each_replica_of_its_own_data_skips(_launch) -> None:
+    """Every rank 20 samples of its own (use_distributed_sampler=False, see _replicas_of_unequal_data_under_auto_plan):
+    each replica trains 2 steps of 8 and skips its last 4, which a DDP run of each rank's loader trains. The shortfall was
+    figured as of one dataset sharded over the 4 ranks: none here (the sampler names no dataset), so the 4 samples were
+    skipped unsaid (2, where the sampler names its dataset)."""
+    equal = [r["unequal"]["equal"] for r in _launch[2]]
+    assert [(u["raised"], u["steps"]) for u in equal] == [(None, [2])] * 4
+    assert [u["warned"] for u in equal] == [[
+        "auto_plan: the epoch's last 4 samples per replica do not fill a pipeline step of 8 samples and are skipped (a run of "
+        "your loader under DDP trains them)."
+    ], [], [], []]
 
 
 def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
