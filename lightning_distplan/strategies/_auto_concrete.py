@@ -202,9 +202,12 @@ class _FullBatchLoader(_MicroBatchLoader):
     the epoch's steps: the fewest any rank's samples fill (one :func:`_agreed_batch_sizes` of the samples per epoch); each
     stops there, and ``__len__`` is that count (also an IterableDataset's with a length of each rank's own: Lightning
     stops where ``__len__`` says, so each rank's count of its own let one rank step more). Where the loaders hold
-    different numbers, that spread is warned about in place of ``shortfall``. Where a rank's length is unknown or may
-    overstate what it yields (an IterableDataset), they also agree at every step, before it, whether every rank has a
-    full one. With a DistributedSampler (every replica as many samples) nothing is agreed.
+    different numbers, that spread is warned about in place of ``shortfall``. They also agree at every step, before it,
+    whether every rank has a full one (where a rank's length is unknown or may overstate what it yields, an
+    IterableDataset) and whether a rank refused its batch (its size unreadable, maybe in this rank's data alone): one
+    rank raising alone left the others waiting in the agreement or the gradient all-reduce until the process group's
+    timeout; every rank raises its error (:func:`_agreed_batch_sizes`, as dp_ga's loader does). One all-reduce of three
+    integers per step. With a DistributedSampler (every replica as many samples) nothing is agreed.
     """
 
     _AGREES_PER_BATCH = False  # its ranks agree on the epoch's steps when it is made (and, some, before each step)
@@ -243,15 +246,23 @@ class _FullBatchLoader(_MicroBatchLoader):
                 "shortfall", f"auto_plan: the epoch's last {self.shortfall} samples per replica do not fill a pipeline step of "
                 f"{m} samples and are skipped (a run of your loader under DDP trains them)."
             )
-        # no count agreed, or a stream's (its length may overstate what it yields): the ranks agree before every step
-        each_step = self.agree if agreed is None or self._stream else None
+        # several replicas of their own data agree before every step: whether every rank has a full one (no count agreed,
+        # or a stream's, whose length may overstate what it yields), and whether one could not read its batch
+        each_step = self.agree
         dropped = steps = 0
-        for batch in _rebatch(batches, m):
-            if steps == agreed:
-                break  # the steps the ranks agreed on (warned above, where a rank has more)
-            if _batch_n(batch) != m:
-                dropped += _batch_n(batch)
-                continue
+        micro_batches = _rebatch(batches, m)
+        while steps != agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
+            try:
+                batch = next(micro_batches, None)
+                n = 0 if batch is None else _batch_n(batch)
+            except InfeasiblePlanError as refusal:  # maybe on this rank alone (its own data): the others wait at the agreement
+                if each_step is None:
+                    raise
+                each_step(0, refusal)  # raises it on every rank
+                raise
+            if n != m:
+                dropped += n  # the short last one, or none
+                break
             if each_step is not None and each_step(1)[1] == 0:
                 self._warn_once("ended", "auto_plan: another replica's train loader ended before this one's; this replica "
                                 "stops with it (their gradient all-reduce meets at every step), skipping the rest of its epoch.",

@@ -1015,7 +1015,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
 
     ``equal``: every rank 20 samples of its own, 2 steps of 8 and 4 left over per replica: the shortfall was read as of
     a dataset to shard over the ranks, none where the sampler does not name its dataset (the samples skipped unsaid; 2
-    where it does)."""
+    where it does). ``refused``: rank 3's loader yields batches of strings after its first step's (its size unreadable,
+    on that rank alone): it raised alone, and the other ranks waited in the gradient all-reduce (or p2p) until gloo
+    gave up; what each rank raised."""
     import datetime
 
     import torch.distributed as dist
@@ -1065,6 +1067,11 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     trainer = L.Trainer(**kwargs)
     val = DataLoader(_unequal_val_data(rank), batch_size=4)
     results["evaluated"] = (trainer.validate(model, val, verbose=False)[0]["val_loss"], trainer.test(model, val, verbose=False)[0]["test_loss"], whole)
+    # last in this world: where rank 3 raised alone, the others' fit failed (gloo's timeout, or rank 3's connections
+    # closing as it left), not the checks after it
+    full = mlp_data(16, seed=rank // 2)
+    fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
+                                       batch_size=4))
     dist.destroy_process_group()
     return results
 
@@ -1162,6 +1169,18 @@ def test_auto_plan_warns_of_the_samples_each_replica_of_its_own_data_skips(_laun
         "auto_plan: the epoch's last 4 samples per replica do not fill a pipeline step of 8 samples and are skipped (a run of "
         "your loader under DDP trains them)."
     ], [], [], []]
+
+
+def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_rank(_launch) -> None:
+    """Rank 3's loader alone yields batches of strings at its second step (see _replicas_of_unequal_data_under_auto_plan):
+    it raised alone, and ranks 0-2 waited in the replicas' gradient all-reduce (or p2p) for gloo's timeout or a closed
+    connection, a raw gloo error. The ranks' per-step agreement carries the refusal (as dp_ga's per-batch one does):
+    every rank raises rank 3's one sentence and HINT, the others with a note naming it."""
+    raised = [r["unequal"]["refused"]["raised"] for r in _launch[2]]
+    sentence = ("A training batch of type list holds no tensor with a batch dimension to split into micro-batches. HINT: Return "
+                "tensors (or dicts/lists/tuples of tensors) from the train dataloader, or use micro_batch_size='auto'.")
+    assert raised == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; global rank {r} stops with it."])
+                      for r in range(3)] + [("InfeasiblePlanError", sentence, [])], raised
 
 
 def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
