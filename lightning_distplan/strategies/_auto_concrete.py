@@ -193,7 +193,7 @@ class _FullBatchLoader(_MicroBatchLoader):
     """Yields exactly ``micro_batch_size`` samples per batch; a trailing short batch is dropped (a
     pipeline schedule needs ``n`` equal micro-batches). ``shortfall`` (set by the strategy: samples per replica and
     epoch that DDP would train and this does not, None where the loader's length is unknown) is warned about when an
-    epoch starts; an unknown one when the epoch ends short.
+    epoch starts; an unknown one when the epoch ends short, as is a stream's that ends shorter than its length said.
 
     ``agree`` (set by :meth:`Rechunking.wrap` on several replicas without a ``DistributedSampler``, as for dp_ga): the
     replicas' loaders may hold different numbers of samples (a dataset per rank), and their gradient all-reduce meets at
@@ -272,10 +272,13 @@ class _FullBatchLoader(_MicroBatchLoader):
             yield batch
         if each_step is not None:
             each_step(0)  # this rank has no further step: the others stop at their next
-        if dropped and self.shortfall is None and limit is None:
+        # unknown before the epoch, or a stream's said from its length, which need not be what it yields (shorter, a
+        # shortfall of 0 had said nothing, and its skipped samples went unsaid)
+        if dropped and limit is None and (self.shortfall is None or self._stream and dropped != self.shortfall):
+            why = "the loader's length is unknown" if self.shortfall is None else "its stream yielded fewer samples than its length"
             self._warn_once(
                 "dropped", f"auto_plan: the epoch's last {dropped} samples of this replica did not fill a pipeline step of "
-                f"{m} samples and were skipped (the loader's length is unknown, so this could not be said before)."
+                f"{m} samples and were skipped ({why}, so this could not be said before)."
             )
 
     def __len__(self) -> int:

@@ -276,6 +276,42 @@ def test_a_pipeline_loader_warns_of_the_samples_it_skips_known_before_the_epoch_
         assert [len(b) for b in unknown] == [16, 16, 16]
 
 
+@pytest.mark.parametrize(("length", "yields", "warned"), [
+    (36, 36, ["the epoch's last 4 samples per replica do not fill"]),  # its length is what it yields: said before the epoch
+    (32, 28, ["the epoch's last 4 samples of this replica did not fill a pipeline step of 8 samples and were skipped (its stream "
+              "yielded fewer samples than its length"]),  # 32 fill 4 steps: nothing said before; 4 skipped at the end
+    (36, 30, ["the epoch's last 4 samples per replica do not fill",  # the length's 4, then the 6 it skipped
+              "the epoch's last 6 samples of this replica did not fill a pipeline step of 8 samples and were skipped (its stream "
+              "yielded fewer samples than its length"]),
+])
+def test_a_pipeline_loader_of_a_stream_shorter_than_its_length_warns_of_what_it_skipped(length: int, yields: int, warned: list[str]) -> None:
+    """A pipeline's loader of each rank's own data (no DistributedSampler) over an IterableDataset with a length: the
+    shortfall said before the epoch is figured from its length, which need not be what it yields (the loader agrees
+    step by step for that reason). 32 said, 28 yielded, in steps of 8: the shortfall 0 had silenced the end-of-epoch
+    count, and its last 4 samples were skipped without a word."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_distplan.plan import Plan
+    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader, loader_shortfall
+
+    class SizedStream(IterableDataset):
+        def __len__(self) -> int:
+            return length
+
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            return iter([torch.tensor([float(i)]) for i in range(yields)])
+
+    loader = DataLoader(SizedStream(), batch_size=4)
+    plan = Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=4, accumulate_grad_batches=1, global_batch_size=8, n_microbatches=2)
+    wrapped = _FullBatchLoader(loader, 8)
+    wrapped.shortfall = loader_shortfall(loader, plan, sharded=True)  # as _AutoPipelineStrategy.process_dataloader sets it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [len(b) for b in wrapped] == [8] * (yields // 8)
+    said = [str(w.message) for w in caught if "skipp" in str(w.message)]
+    assert len(said) == len(warned) and all(part in text for part, text in zip(warned, said)), said
+
+
 def test_impossible_pin_is_explained(tmp_path: Path) -> None:
     trainer = L.Trainer(**trainer_kwargs(str(tmp_path), strategy=AutoPlanStrategy(stages=2, profile_repeats=1), devices=1, max_steps=1))
     with pytest.raises(InfeasiblePlanError, match=r"pin stages=2 is impossible: stages must divide world_size 1.*HINT"):
