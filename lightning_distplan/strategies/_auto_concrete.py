@@ -343,12 +343,13 @@ class _AutoPipelineStrategy(PipelineStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             if trainer.state.stage is not None and trainer.state.stage.dataloader_prefix in _EVAL_PREFIXES:
+                # before the pipeline's agreement on the evaluation batches (PipelineStrategy.process_dataloader), which counts under it
                 self._count_eval_limit_per_replica(trainer, trainer.state.stage.dataloader_prefix)
-            return dataloader
+            return super().process_dataloader(dataloader)
+        dataloader = super().process_dataloader(dataloader)
         self.later_fits.check_loader(dataloader, self.world_size)
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan

@@ -25,9 +25,11 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
 * ``validation_step`` / ``test_step``: a forward-only run of the pipeline (``schedule.eval``) that
   logs ``val_loss`` / ``test_loss`` on every rank: each step its replica's mean, which ``sync_dist``
   averages over the ranks at the epoch's end, weighted by the batch sizes, as under DDP (no collective
-  across replicas per step, so replicas with different numbers of batches, a dataset per rank, finish); the
-  module's own ``validation_step``/``test_step`` is not called, but Lightning still requires the
-  module to define it before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
+  across replicas per step, so replicas with different numbers of batches, a dataset per rank, finish; a
+  replica's stages must hold as many, and no replica none beside others with some: checked where the loaders are
+  set up, see :meth:`PipelineStrategy._agree_on_evaluation_batches`); the module's own
+  ``validation_step``/``test_step`` is not called, but Lightning still requires the module to define it
+  before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
   ``predict_step`` returns the last stage's merged output on every rank of the replica. Checked
   against a single process in ``tests/strategies/test_pipeline_math.py`` (fit with a val loader,
   ``validate``, ``test``, ``predict``).
@@ -68,11 +70,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -858,6 +861,62 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
     @override
     def on_predict_start(self) -> None:
         self._sizers = {}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
+        if stage is not None and stage != RunningStage.TRAINING and _distributed_is_initialized() and dist.get_world_size() > 1:
+            self._agree_on_evaluation_batches(module.trainer, dataloader, stage.dataloader_prefix)
+        return dataloader
+
+    def _agree_on_evaluation_batches(self, trainer: pl.Trainer, dataloader: object, prefix: str) -> None:
+        """Refuse, on every rank, evaluation loaders whose numbers of batches cannot run together (they hung, or
+        timed out in gloo's recv, at the first batch one rank lacked).
+
+        The stages of a replica run each evaluation batch together (stage 0 sends the next its activations, the last
+        broadcasts the loss), so they must hold as many batches: a loader of each rank's own
+        (``use_distributed_sampler=False``) may differ. Replicas may differ (``val_loss`` is averaged once, at the
+        epoch's end), but not one with none beside others with some: a replica of no batches skips the loop, and the
+        others wait for it in that average (a replica skipping ``predict`` meets the others again at the teardown,
+        as Lightning's ``allow_zero_length_dataloader_with_multiple_devices`` lets it). Lightning refuses an empty
+        loader on its own rank only (its ``has_len_all_ranks``), and the other ranks hung. One all-gather of a count
+        per rank, where Lightning sets the loader up (every rank, once per loader: no collective per step); a loader
+        without a length (a stream) is not counted."""
+        length = sized_len(dataloader)
+        limit = getattr(trainer, f"limit_{prefix}_batches")
+        mine = -1 if length is None else min(length, limit) if isinstance(limit, int) else int(length * limit)
+        device = self.root_device
+        every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, torch.tensor([mine], dtype=torch.int64, device=device))
+        counts = [int(c.item()) for c in every]
+        layout = self.layout
+        what = {"val": "validation", "test": "test", "predict": "prediction"}[prefix]
+        replicas = [[counts[r] for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
+        said = [[str(c) if c >= 0 else "no length" for c in stages] for stages in replicas]
+        for replica, stages in enumerate(replicas):
+            if len({c for c in stages if c >= 0}) > 1:
+                raise BatchFormatError(
+                    f"The stages of pipeline replica {replica} hold different numbers of {what} batches "
+                    f"({', '.join(f'stage {k}: {c}' for k, c in enumerate(said[replica]))}), but they "
+                    "must run the same batches together (the first stage feeds the inputs, the last computes the loss).",
+                    hint="Give every rank of a pipeline replica the same loader: let Lightning shard the data "
+                    "(use_distributed_sampler=True, no sampler of your own), or shard by trainer.strategy.distributed_sampler_kwargs"
+                    "['rank'] / ['num_replicas'] (the data-parallel replica), not by the global rank.",
+                )
+        module = self.lightning_module
+        allowed = module.allow_zero_length_dataloader_with_multiple_devices or (
+            trainer.datamodule is not None and trainer.datamodule.allow_zero_length_dataloader_with_multiple_devices)
+        empty = [replica for replica, stages in enumerate(replicas) if all(c == 0 for c in stages)]
+        if empty and len(empty) < layout.dp and not (prefix == "predict" and allowed):
+            sizes = ", ".join(f"replica {replica}: {stages[0]}" for replica, stages in enumerate(said))
+            raise BatchFormatError(
+                f"Pipeline replica {empty[0]} (ranks {', '.join(map(str, layout.pipeline_ranks(empty[0])))}) has no {what} "
+                f"batches while other replicas have some ({sizes}), and the others would wait for it in a collective it never joins.",
+                hint="Give every replica at least one batch (with use_distributed_sampler=False each replica reads a loader of "
+                "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
+            )
 
     def _check_last_batch(self) -> None:
         """Refuse, before the first step, an epoch whose short last batch cannot be split into the micro-batches

@@ -6,7 +6,7 @@
 * Memory: 1F1B keeps fewer micro-batches of activations alive than GPipe, as the cost model says.
 
 To keep the suite fast, the module has ONE launch (a module-scoped fixture): four processes run the
-hybrid checks (and auto_plan's dp x pp on replicas of unequal training and evaluation data), then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
+hybrid checks (and auto_plan's dp x pp on replicas of unequal training and evaluation data, then evaluation data a pipeline cannot run), then two of them, on a fresh world of two, run every 2-rank check. Processes are torchrun-like (env vars, gloo),
 so Lightning treats them as externally launched; weights come back through the strategy's
 full-state-dict checkpoint gather.
 """
@@ -1076,7 +1076,49 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     return results
 
 
-def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, ports: tuple[int, int]) -> dict[str, Any]:
+class _PredictedMLP(_EvaluatedMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (Lightning's predict requires it; the pipeline runs in its place)
+        return self.model(x)
+
+
+def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Evaluation loaders of each rank's own (use_distributed_sampler=False) whose numbers of batches cannot run
+    together, on 4 ranks (dp=2 x pp=2, replica 0 is ranks 0 and 1): replica 1 with none beside replica 0's 2 (validate:
+    Lightning refused the empty loader on ranks 2 and 3 only, and ranks 0 and 1 waited for them in the epoch-end
+    average of val_loss), stage 1 of replica 0 with 1 batch beside stage 0's 2 (validate) and with none (test): both
+    stages waited, in gloo's recv or in different collectives, until the timeout. Each is now one BatchFormatError on
+    every rank. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
+    steps meet no other replica. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
+    environment), so that a hang fails here quickly rather than holding the launch."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    def batches(counts: list[int]) -> DataLoader:
+        n = counts[rank]
+        return DataLoader(mlp_data(4 * n, seed=12) if n else TensorDataset(torch.zeros(0, 16), torch.zeros(0, 4)), batch_size=4)
+
+    results: dict[str, Any] = {}
+    for case, fn, counts in (("empty replica", "validate", [2, 2, 0, 0]), ("stages differ", "validate", [2, 1, 2, 2]),
+                             ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0])):
+        strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
+                                    timeout=datetime.timedelta(seconds=20))
+        trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
+                               "limit_val_batches": 1.0})
+        model = _PredictedMLP()
+        model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
+        try:
+            got = getattr(trainer, fn)(model, batches(counts))
+            results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
+        except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
+            results[case] = f"{type(err).__name__}: {err}"
+    dist.destroy_process_group()
+    return results
+
+
+def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, ports: tuple[int, int, int]) -> dict[str, Any]:
     """The hybrid runs on all 4 ranks, then auto_plan's on replicas of unequal data on a fresh world of four; then ranks
     2 and 3 are done and ranks 0 and 1 run every 2-rank check on a fresh world of two (each world its own port), as a
     2-process launch of its own did: starting Python, torch and Lightning in two more processes costs more than many of
@@ -1088,6 +1130,8 @@ def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, por
         dist.destroy_process_group()
     os.environ.update(MASTER_PORT=str(ports[0]))
     unequal = _replicas_of_unequal_data_under_auto_plan(rank, world, os.path.join(hybrid_out, "unequal"))
+    os.environ.update(MASTER_PORT=str(ports[2]))
+    unequal["cannot run"] = _evaluation_data_a_pipeline_cannot_run(rank, world, os.path.join(hybrid_out, "cannot"))
     if rank >= 2:
         return {"unequal": unequal}
     os.environ.update(MASTER_PORT=str(ports[1]), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
@@ -1101,7 +1145,7 @@ def _launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[di
 
     hybrid_out = str(tmp_path_factory.mktemp("pipeline_hybrid"))
     out = str(tmp_path_factory.mktemp("pipeline_2ranks"))
-    ports = (free_port(), free_port())
+    ports = (free_port(), free_port(), free_port())
     results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, ports, timeout=560)  # under pytest's 600 s, so a stall gets run_on_ranks's message
     return hybrid_out, out, results
 
@@ -1192,6 +1236,23 @@ def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_laun
     assert len(set(fit_val)) == 1 and fit_val[0] == fit_val[0], fit_val  # one finite value on every rank
     for val_loss, test_loss, whole in (r["unequal"]["evaluated"] for r in ranks):
         assert val_loss == pytest.approx(whole, rel=1e-5) and test_loss == pytest.approx(whole, rel=1e-5), (val_loss, test_loss, whole)
+
+
+def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch) -> None:
+    """See _evaluation_data_a_pipeline_cannot_run: one BatchFormatError, the same on every rank, where the ranks hung
+    (or timed out in gloo's recv); an empty replica's predict finishes (no prediction on its ranks)."""
+    ranks = [r["unequal"]["cannot run"] for r in _launch[2]]
+    expected = {
+        "empty replica": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation batches while other replicas have "
+                         "some (replica 0: 2, replica 1: 0)",
+        "stages differ": "BatchFormatError: The stages of pipeline replica 0 hold different numbers of validation batches "
+                         "(stage 0: 2, stage 1: 1)",
+        "empty stage": "BatchFormatError: The stages of pipeline replica 1 hold different numbers of test batches (stage 0: 2, stage 1: 0)",
+    }
+    for case, start in expected.items():
+        got = [r[case] for r in ranks]
+        assert len(set(got)) == 1 and got[0].startswith(start) and "HINT: " in got[0] and ". " not in got[0].split(" HINT: ")[0], got
+    assert [r["empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
