@@ -326,6 +326,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
         self._checked_batch = False  # whether this fit checked that the stages read the same batch
+        # evaluation prefixes ("val", "test") with a loader whose batches were not counted at its setup (a stream):
+        # their steps check that the replica's stages end together (see _replica_mean)
+        self._uncounted_eval: set[str] = set()
         self._loss_checked = False  # whether PipelineSpec.loss ran once since the build (checked for other stages' tensors)
         self._warned_shapes = False
 
@@ -883,7 +886,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         as Lightning's ``allow_zero_length_dataloader_with_multiple_devices`` lets it). Lightning refuses an empty
         loader on its own rank only (its ``has_len_all_ranks``), and the other ranks hung. One all-gather of a count
         per rank, where Lightning sets the loader up (every rank, once per loader: no collective per step); a loader
-        without a length (a stream) is not counted."""
+        without a length (a stream) is not counted: its evaluation steps check that the stages end together
+        (:meth:`_replica_mean`)."""
         length = sized_len(dataloader)
         limit = getattr(trainer, f"limit_{prefix}_batches")
         mine = -1 if length is None else min(length, limit) if isinstance(limit, int) else int(length * limit)
@@ -895,6 +899,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         what = {"val": "validation", "test": "test", "predict": "prediction"}[prefix]
         replicas = [[counts[r] for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
         said = [[str(c) if c >= 0 else "no length" for c in stages] for stages in replicas]
+        if any(c < 0 for c in replicas[layout.replica]):  # alike on the replica's ranks, which run the steps together
+            self._uncounted_eval.add(prefix)
         for replica, stages in enumerate(replicas):
             if len({c for c in stages if c >= 0}) > 1:
                 raise BatchFormatError(
@@ -1133,17 +1139,40 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             dist.all_reduce(local)  # only last-stage ranks contribute
         return local / layout.dp
 
-    def _replica_mean(self, losses: list[Tensor]) -> Tensor:
+    def _replica_mean(self, losses: list[Tensor], *, position: tuple[int, bool, str] | None = None) -> Tensor:
         """The mean loss of this replica's batch on each of its ranks (the last stage's, sent to the others over the
         pipeline's group). An evaluation step meets no other replica: without a DistributedSampler the replicas may
         hold different numbers of evaluation batches (a dataset per rank), and a collective over all ranks at every
         step (:meth:`_global_mean`) hung the one with more. Lightning's ``sync_dist`` averages over the ranks once,
-        at the epoch's end, weighted by the batch sizes, as under DDP."""
+        at the epoch's end, weighted by the batch sizes, as under DDP.
+
+        ``position`` (the batch's dataloader index, whether it is its loop's last, and the loop's name), for a loader
+        whose batches were not counted at its setup (a stream, :meth:`_agree_on_evaluation_batches`): the stages say
+        where they are in the same collective (a sum: the other stages add 0 to the loss, and the stages' places x
+        are alike exactly when (Σx)² = pp·Σx²), and a stage whose
+        stream ended before another's is refused on each rank of the replica, at the batch where they part (the
+        stage that went on waited for good in gloo's send or recv)."""
         layout = self.layout
         local = self._local_mean(losses)
-        if layout.pp > 1 and _distributed_is_initialized():
+        if layout.pp < 2 or not _distributed_is_initialized():
+            return local
+        if position is None:
             dist.broadcast(local, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
-        return local
+            return local
+        index, last, what = position
+        at = 2 * index + int(last)
+        mine = torch.tensor([0.0, at, at * at], dtype=torch.float64, device=local.device)
+        mine[0] = local.double()  # 0 but on the last stage
+        dist.all_reduce(mine, group=self._pipe_group)
+        total, squares = mine[1].item(), mine[2].item()
+        if total * total != layout.pp * squares:
+            raise BatchFormatError(
+                f"The stages of pipeline replica {layout.replica} read different numbers of {what} batches from a loader "
+                "without a length (one stage's ended where another's went on), but they must run the same batches together.",
+                hint="Give every rank of a pipeline replica the same loader: shard a stream by trainer.strategy.distributed_sampler_kwargs"
+                "['rank'] / ['num_replicas'] (the data-parallel replica), not by the global rank.",
+            )
+        return mine[0].to(local.dtype)
 
     def _warn_bypass(self) -> None:
         if not self._warned_bypass:
@@ -1262,7 +1291,12 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         losses: list[Tensor] = []
         with self._stage_random():
             schedule.eval(**mb_kwargs, losses=losses)
-        loss = self._replica_mean(losses)
+        prefix = "val" if name == "val_loss" else "test"
+        position = None
+        if prefix in self._uncounted_eval:
+            loop = self.lightning_module.trainer._active_loop
+            position = (dataloader_idx, bool(loop.batch_progress.is_last_batch), "validation" if prefix == "val" else "test")
+        loss = self._replica_mean(losses, position=position)
         # Every rank holds its replica's mean; sync_dist averages them over the ranks once per epoch (evaluation
         # logs on epoch), weighted by the batch sizes: every sample counts alike, as under DDP, also where the
         # replicas ran different numbers of batches. It also spares the user Lightning's advice to add it to a log

@@ -1086,8 +1086,10 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     together, on 4 ranks (dp=2 x pp=2, replica 0 is ranks 0 and 1): replica 1 with none beside replica 0's 2 (validate:
     Lightning refused the empty loader on ranks 2 and 3 only, and ranks 0 and 1 waited for them in the epoch-end
     average of val_loss), stage 1 of replica 0 with 1 batch beside stage 0's 2 (validate) and with none (test): both
-    stages waited, in gloo's recv or in different collectives, until the timeout. Each is now one BatchFormatError on
-    every rank. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
+    stages waited, in gloo's recv or in different collectives, until the timeout; so did the stages of each replica
+    reading streams of 3 and 2 batches (validate; not counted at the loader's setup, checked at each step). Each is now
+    one BatchFormatError on every rank (the streams': each replica's rank its own replica's, at the second batch).
+    Streams of equal stages, 2 batches per replica and 1, still test. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
     steps meet no other replica. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
     environment), so that a hang fails here quickly rather than holding the launch."""
     import datetime
@@ -1096,13 +1098,15 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
 
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
-    def batches(counts: list[int]) -> DataLoader:
+    def batches(counts: list[int], stream: bool) -> DataLoader:
         n = counts[rank]
-        return DataLoader(mlp_data(4 * n, seed=12) if n else TensorDataset(torch.zeros(0, 16), torch.zeros(0, 4)), batch_size=4)
+        data = mlp_data(4 * n, seed=12) if n else TensorDataset(torch.zeros(0, 16), torch.zeros(0, 4))
+        return DataLoader(_Stream(data) if stream else data, batch_size=4)
 
     results: dict[str, Any] = {}
     for case, fn, counts in (("empty replica", "validate", [2, 2, 0, 0]), ("stages differ", "validate", [2, 1, 2, 2]),
-                             ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0])):
+                             ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0]),
+                             ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
@@ -1110,7 +1114,7 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         model = _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
-            got = getattr(trainer, fn)(model, batches(counts))
+            got = getattr(trainer, fn)(model, batches(counts, stream=case.startswith("streams")))
             results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
         except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
             results[case] = f"{type(err).__name__}: {err}"
@@ -1248,10 +1252,17 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "stages differ": "BatchFormatError: The stages of pipeline replica 0 hold different numbers of validation batches "
                          "(stage 0: 2, stage 1: 1)",
         "empty stage": "BatchFormatError: The stages of pipeline replica 1 hold different numbers of test batches (stage 0: 2, stage 1: 0)",
+        "streams of stages differ": "BatchFormatError: The stages of pipeline replica {} read different numbers of validation "
+                                    "batches from a loader without a length",
     }
     for case, start in expected.items():
-        got = [r[case] for r in ranks]
-        assert len(set(got)) == 1 and got[0].startswith(start) and "HINT: " in got[0] and ". " not in got[0].split(" HINT: ")[0], got
+        for replica in (0, 1):
+            got = [r[case] for r in ranks[2 * replica:2 * replica + 2]] + ([r[case] for r in ranks[2 - 2 * replica:4 - 2 * replica]]
+                                                                           if "{}" not in start else [])
+            assert len(set(got)) == 1 and got[0].startswith(start.format(replica)), got
+            assert "HINT: " in got[0] and ". " not in got[0].split(" HINT: ")[0], got
+    tested = [r["streams"][0]["test_loss"] for r in ranks]
+    assert len(set(tested)) == 1 and tested[0] == tested[0], tested  # one finite value on every rank
     assert [r["empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
 
 
