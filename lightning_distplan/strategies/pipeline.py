@@ -887,7 +887,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         loader on its own rank only (its ``has_len_all_ranks``), and the other ranks hung. One all-gather of a count
         per rank, where Lightning sets the loader up (every rank, once per loader: no collective per step); a loader
         without a length (a stream) is not counted: its evaluation steps check that the stages end together
-        (:meth:`_replica_mean`)."""
+        (:meth:`_replica_mean`). Loaders with a length beside streams are refused: Lightning's ``has_len_all_ranks``
+        sums the lengths in a collective over every rank that the ranks reading a stream skip (it hung)."""
         length = sized_len(dataloader)
         limit = getattr(trainer, f"limit_{prefix}_batches")
         mine = -1 if length is None else min(length, limit) if isinstance(limit, int) else int(length * limit)
@@ -899,6 +900,14 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         what = {"val": "validation", "test": "test", "predict": "prediction"}[prefix]
         replicas = [[counts[r] for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
         said = [[str(c) if c >= 0 else "no length" for c in stages] for stages in replicas]
+        streams = [rank for rank, c in enumerate(counts) if c < 0]
+        if streams and len(streams) < len(counts):
+            raise BatchFormatError(
+                f"The {what} loaders of ranks {', '.join(map(str, streams))} have no length (a stream) while those of the other "
+                "ranks have one, and Lightning sums their lengths in a collective that only the ranks with a length join.",
+                hint="Give every rank a loader of the same kind: a dataset with a length on every rank (map-style, or an "
+                "IterableDataset with __len__), or a stream without one on every rank.",
+            )
         if any(c < 0 for c in replicas[layout.replica]):  # alike on the replica's ranks, which run the steps together
             self._uncounted_eval.add(prefix)
         for replica, stages in enumerate(replicas):

@@ -1089,7 +1089,9 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     stages waited, in gloo's recv or in different collectives, until the timeout; so did the stages of each replica
     reading streams of 3 and 2 batches (validate; not counted at the loader's setup, checked at each step). Each is now
     one BatchFormatError on every rank (the streams': each replica's rank its own replica's, at the second batch).
-    Streams of equal stages, 2 batches per replica and 1, still test. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
+    Streams of equal stages, 2 batches per replica and 1, still test. Stage 1 of each replica reading a stream beside
+    stage 0's loader with a length (validate) waited in Lightning's has_len_all_ranks, a collective only stage 0 joined;
+    it is refused on every rank at the loader's setup too. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
     steps meet no other replica. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
     environment), so that a hang fails here quickly rather than holding the launch."""
     import datetime
@@ -1106,7 +1108,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     results: dict[str, Any] = {}
     for case, fn, counts in (("empty replica", "validate", [2, 2, 0, 0]), ("stages differ", "validate", [2, 1, 2, 2]),
                              ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0]),
-                             ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1])):
+                             ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1]),
+                             ("lengths beside streams", "validate", [2, 2, 2, 2])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
@@ -1114,7 +1117,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         model = _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
-            got = getattr(trainer, fn)(model, batches(counts, stream=case.startswith("streams")))
+            stream = case.startswith("streams") or (case == "lengths beside streams" and rank % 2 == 1)
+            got = getattr(trainer, fn)(model, batches(counts, stream=stream))
             results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
         except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
             results[case] = f"{type(err).__name__}: {err}"
@@ -1254,6 +1258,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "empty stage": "BatchFormatError: The stages of pipeline replica 1 hold different numbers of test batches (stage 0: 2, stage 1: 0)",
         "streams of stages differ": "BatchFormatError: The stages of pipeline replica {} read different numbers of validation "
                                     "batches from a loader without a length",
+        "lengths beside streams": "BatchFormatError: The validation loaders of ranks 1, 3 have no length (a stream) while those of "
+                                  "the other ranks have one",
     }
     for case, start in expected.items():
         for replica in (0, 1):
