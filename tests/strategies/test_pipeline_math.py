@@ -13,6 +13,7 @@ full-state-dict checkpoint gather.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -1089,7 +1090,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     stages waited, in gloo's recv or in different collectives, until the timeout; so did the stages of each replica
     reading streams of 3 and 2 batches (validate; not counted at the loader's setup, checked at each step). Each is now
     one BatchFormatError on every rank (the streams': each replica's rank its own replica's, at the second batch).
-    Streams of equal stages, 2 batches per replica and 1, still test. Stage 1 of each replica reading a stream beside
+    Streams of equal stages, 2 batches per replica and 1, still test, to the test_loss of the same data with a length
+    (the loss broadcast, not summed with the stages' places). Stage 1 of each replica reading a stream beside
     stage 0's loader with a length (validate) waited in Lightning's has_len_all_ranks, a collective only stage 0 joined;
     it is refused on every rank at the loader's setup too. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
     steps meet no other replica. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
@@ -1109,11 +1111,12 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     for case, fn, counts in (("empty replica", "validate", [2, 2, 0, 0]), ("stages differ", "validate", [2, 1, 2, 2]),
                              ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0]),
                              ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1]),
-                             ("lengths beside streams", "validate", [2, 2, 2, 2])):
+                             ("the streams' data", "test", [2, 2, 1, 1]), ("lengths beside streams", "validate", [2, 2, 2, 2])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
                                "limit_val_batches": 1.0})
+        torch.manual_seed(3)  # the same weights in "streams" and "the streams' data"
         model = _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
@@ -1268,7 +1271,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
             assert len(set(got)) == 1 and got[0].startswith(start.format(replica)), got
             assert "HINT: " in got[0] and ". " not in got[0].split(" HINT: ")[0], got
     tested = [r["streams"][0]["test_loss"] for r in ranks]
-    assert len(set(tested)) == 1 and tested[0] == tested[0], tested  # one finite value on every rank
+    assert len(set(tested)) == 1 and math.isfinite(tested[0]), tested
+    assert tested[0] == pytest.approx(ranks[0]["the streams' data"][0]["test_loss"], rel=1e-6), (tested, ranks[0]["the streams' data"])
     assert [r["empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
 
 
