@@ -801,7 +801,7 @@ def _best_priced_split(profile: Profile, plan: Plan, hw: Hardware, pred: Predict
     CPU in them, 36 s before and 43 s after (one run each, schedule cache cleared per case); 32 layers on 16 devices
     over gloo 0.41 s before, 0.93 s after.
     """
-    p, n, n_layers = plan.pp, plan.n_microbatches, len(profile.layers)
+    p, n_layers = plan.pp, len(profile.layers)
     if p < 2:
         return pred
     if math.comb(n_layers - 1, p - 1) > _EXHAUSTIVE_SPLITS:
