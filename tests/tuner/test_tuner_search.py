@@ -234,6 +234,115 @@ def test_a_study_of_that_name_someone_else_created_meanwhile_is_refused_at_once(
     assert foreign.trials == [] and foreign.user_attrs == {}  # left as its owner made it
 
 
+def test_a_study_is_created_through_optunas_api_where_its_models_do_not_fit(tmp_path, profile, monkeypatch, caplog):
+    """Where this Optuna's models do not fit create_study_with_attrs (here: its user attribute model refuses the
+    arguments), the half-made study row is rolled back and the run creates the study through Optuna's public API: a
+    study left behind would make that create fail as a duplicate of the run's own, and the run would refuse it."""
+    import logging
+
+    from optuna.storages._rdb import models
+
+    from lightning_distplan.tuner._storage import create_study_with_attrs, open_storage
+
+    url = _url(tmp_path)
+    store = open_storage(url)
+
+    class Refused(models.StudyUserAttributeModel):
+        def __init__(self, **kwargs):
+            raise TypeError("a model of another Optuna")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(models, "StudyUserAttributeModel", Refused)
+        with caplog.at_level(logging.INFO, logger="lightning_distplan.tuner._storage"):
+            assert create_study_with_attrs(store, "s", [optuna.study.StudyDirection.MINIMIZE], {"a": 1}) is False
+    assert "Creating a study in one transaction is unavailable (TypeError: a model of another Optuna)" in caplog.text
+    assert optuna.get_all_study_names(url) == []  # nothing written: the study row went with the transaction
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    monkeypatch.setattr("lightning_distplan.tuner.search.create_study_with_attrs", lambda *a, **k: False)
+    result = tune(profile, n_trials=5, **kw)
+    study = optuna.load_study(study_name="s", storage=url)
+    assert result.n_study_trials == len(study.trials) == 5 and not result.resumed
+    assert study.user_attrs["distplan_settings"]["global_batch_size"] == B and study.user_attrs["currency"] == "RMB"
+    assert tune(profile, n_trials=3, **kw).n_study_trials == 8  # and extended as any other
+
+
+_CREATOR_PAUSED = """
+import sys
+import _distplan_cli
+_distplan_cli.starting = True  # as `distplan tune` imports the package: neither torch nor Lightning (~10 s of CPU)
+sys.path.insert(0, sys.argv[2])
+import optuna
+from tuner_profile_factory import make_profile
+from lightning_distplan.tuner import search
+search.create_study_with_attrs = lambda *a, **k: False  # an Optuna whose models do not fit: the public API
+set_user_attr = optuna.study.Study.set_user_attr
+def paused(self, key, value):  # the study is created, none of its attributes set yet
+    if not self.user_attrs:
+        print("created", flush=True)
+        sys.stdin.readline()  # "go"
+    set_user_attr(self, key, value)
+optuna.study.Study.set_user_attr = paused
+r = search.tune(make_profile(), catalog="alicloud-2023", global_batch_size=64, storage=sys.argv[1], study_name="s", max_instances=2,
+                n_trials=6, progress=False)
+print(r.n_trials, flush=True)
+"""
+
+
+def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through_optunas_api(tmp_path, profile, monkeypatch):
+    """Where studies are created through Optuna's public API (create_study_with_attrs does not fit this Optuna), a
+    study is created first and given its settings after. A run that finds its new study's name taken by another
+    worker of the same command caught in between (here: a `tune` in another process, held there) waits for the
+    settings (CREATOR_WAIT_S) and then extends that study with its trials, as it would have had it started later."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from lightning_distplan.tuner import search
+
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    monkeypatch.setattr(search, "create_study_with_attrs", lambda *a, **k: False)
+    children: list = []
+    waited: list[float] = []
+
+    class OtherRunCreatesMeanwhile(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):
+            if trial.number == 0:  # this run has found no study "s"; the other one creates it now
+                child = subprocess.Popen([sys.executable, "-c", _CREATOR_PAUSED, url, str(Path(__file__).parent)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                children.append(child)
+                assert child.stdout.readline().strip() == "created"
+                assert optuna.load_study(study_name="s", storage=url).user_attrs == {}
+
+                def go() -> None:  # released once this run has waited a while for the settings
+                    time.sleep(2.0)
+                    waited.append(time.monotonic())
+                    child.stdin.write("go\n")
+                    child.stdin.close()
+
+                threading.Thread(target=go, daemon=True).start()
+            super().before_trial(study, trial)
+
+    try:
+        result = tune(profile, n_trials=5, sampler=OtherRunCreatesMeanwhile(seed=0), **kw)
+        joined = time.monotonic()
+        assert children[0].wait(timeout=240) == 0
+        assert children[0].stdout.read().strip() == "6"
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            child.stdout.close()
+    assert waited and joined >= waited[0]  # it waited for the other run's settings, not refused the study at once
+    assert result.resumed and result.n_trials == 5
+    study = optuna.load_study(study_name="s", storage=url)
+    assert sorted(t.number for t in study.trials) == list(range(11))
+    assert study.user_attrs["distplan_settings"]["max_instances"] == 2 and study.user_attrs["currency"] == "RMB"
+    assert tune(profile, n_trials=3, **kw).n_study_trials == 14  # one study, extended as any other
+
+
 def test_a_failed_run_never_deletes_trials_another_run_wrote_to_the_study_it_created(tmp_path, profile, monkeypatch):
     """A run whose write fails deletes the study it created when the study holds no trial. Checked, then deleted
     (get_all_trials, then optuna.delete_study), the trials another run extending the study committed in between went
