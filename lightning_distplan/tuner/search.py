@@ -376,11 +376,28 @@ def _settings_differ(old: Any, settings: dict[str, Any]) -> str | None:
     draw with seeds of their own (:func:`worker_seed`). The study keeps its creator's."""
     if not isinstance(old, dict):
         return "it was not created by `distplan tune`"
+    newer = _newer_settings_version(old, settings)
+    if newer is not None:
+        # compared key by key, its settings read as differences ("pricing 'spot' -> None" for a key this version
+        # does not know), and the HINT said to delete a study that its own version extends
+        return f"it was written by a newer distplan (settings version {newer}; this one writes version {settings['version']})"
     differ = [k for k, v in settings.items() if k not in _UNCOMPARED and old.get(k) != v]
     differ += [k for k in old if k not in settings and k not in _UNCOMPARED]
     if not differ:
         return None
     return "settings differ: " + ", ".join(f"{k} {old.get(k)!r} -> {settings.get(k)!r}" for k in differ)
+
+
+def _newer_settings_version(old: Any, settings: dict[str, Any]) -> int | None:
+    """The settings version of a study a newer distplan wrote (``old``, its stored settings), else None."""
+    version = old.get("version") if isinstance(old, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version > settings["version"]:
+        return version
+    return None
+
+
+_NEWER_HINT = "Extend it with the newer lightning_distplan that wrote it (pip install -U lightning_distplan)"
+"""How a HINT about a study of a newer distplan begins: its trials are valid there, so not "delete the old study"."""
 
 
 _UNCOMPARED = frozenset({"seed"})
@@ -860,7 +877,8 @@ def _tune(
         if why is not None:
             raise StudyConflictError(
                 f"Study {name!r} already exists in {shown_url(storage)!r} and {why}; it was left untouched.",
-                hint=f"Pass a new --study-name, or delete the old study ({_delete_command(name, storage)}).",
+                hint=f"{_NEWER_HINT}, or pass a new --study-name." if _newer_settings_version(old, settings) is not None
+                else f"Pass a new --study-name, or delete the old study ({_delete_command(name, storage)}).",
             )
         repriced = _priced_otherwise(previous, catalog, space, bool(multi_objective))
         if repriced is not None:
@@ -993,7 +1011,8 @@ def _tune(
                     # Another run (a second worker of the same command) created it while this one searched: extend it, as
                     # this run would have had it started a moment later, when it was made with the same settings.
                     target = _created_meanwhile(store, name, wait_s=0.0 if whole else CREATOR_WAIT_S)
-                    why = _settings_differ(_as_now(target.user_attrs.get(SETTINGS_ATTR), catalog, profile), settings)
+                    theirs = _as_now(target.user_attrs.get(SETTINGS_ATTR), catalog, profile)
+                    why = _settings_differ(theirs, settings)
                     if why is None:
                         repriced = _priced_otherwise(target.get_trials(deepcopy=False), catalog, space, bool(multi_objective))
                         why = None if repriced is None else f"its trials were priced by another version of the cost model ({repriced})"
@@ -1001,7 +1020,8 @@ def _tune(
                         raise StudyConflictError(
                             f"Study {name!r} was created in {shown_url(storage)!r} by another run while this one searched, and {why}; "
                             f"it was left untouched and this run's {len(new_trials)} trials were not written.",
-                            hint="Pass another --study-name.",
+                            hint=f"{_NEWER_HINT} to search on, or pass another --study-name." if _newer_settings_version(theirs, settings) is not None
+                            else "Pass another --study-name.",
                         ) from None
                     joined = True
             if created:

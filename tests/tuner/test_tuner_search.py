@@ -949,6 +949,96 @@ def test_a_study_whose_fingerprint_has_an_empty_unused_parameters_list_is_extend
     assert again.resumed and again.n_study_trials == 10
 
 
+def test_a_study_a_newer_or_no_distplan_marked_is_refused_and_left_untouched(tmp_path, profile):
+    """The study's settings carry the version of distplan's settings format. A study a newer distplan wrote (version 2,
+    with a setting this version does not know) was refused as "settings differ: version 2 -> 1, pricing 'spot' ->
+    None", with a HINT to delete it; it is named as a newer distplan's now, with a HINT to extend it there. One
+    without the marker is refused as before. Neither is changed by a row."""
+    from lightning_distplan.tuner.search import SETTINGS_ATTR
+
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, max_instances=2, progress=False)
+    for name in ("newer", "unmarked"):
+        tune(profile, study_name=name, **kw)
+        study = optuna.load_study(study_name=name, storage=url)
+        settings = dict(study.user_attrs[SETTINGS_ATTR])
+        if name == "newer":
+            settings.update(version=2, pricing="spot")
+        else:
+            del settings["version"]
+        study.set_user_attr(SETTINGS_ATTR, settings)
+    before = _snapshot(tmp_path / "study.db")
+    with pytest.raises(StudyConflictError, match=r"^Study 'newer' already exists in .* and it was written by a newer distplan \(settings version 2; "
+                                                 r"this one writes version 1\); it was left untouched\. HINT: Extend it with the newer "
+                                                 r"lightning_distplan that wrote it .*, or pass a new --study-name\.$"):
+        tune(profile, study_name="newer", **kw)
+    with pytest.raises(StudyConflictError, match=r"^Study 'unmarked' already exists in .* and settings differ: version None -> 1; it was left "
+                                                 r"untouched\. HINT: Pass a new --study-name, or delete the old study"):
+        tune(profile, study_name="unmarked", **kw)
+    assert _snapshot(tmp_path / "study.db") == before
+
+
+def test_a_newer_distplans_worker_creating_the_study_meanwhile_keeps_it_whole(tmp_path, profile, monkeypatch):
+    """Mixed-version workers of one search: a newer distplan's run (its settings version 2) creates the new study while
+    this one searches. This run refuses to write into it, names why, and leaves the newer run's study and trials as
+    they were."""
+    from lightning_distplan.tuner import search
+
+    url = _url(tmp_path)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
+    before: list = []
+
+    class NewerRunMeanwhile(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):
+            if trial.number == 0:
+                with monkeypatch.context() as patch:
+                    patch.setattr(search, "_SETTINGS_VERSION", 2)
+                    tune(profile, n_trials=6, **kw)
+                before.append(_snapshot(tmp_path / "study.db"))
+            super().before_trial(study, trial)
+
+    with pytest.raises(StudyConflictError, match=r"^Study 's' was created in .* by another run while this one searched, and it was written by a "
+                                                 r"newer distplan \(settings version 2; this one writes version 1\); it was left untouched and this "
+                                                 r"run's 5 trials were not written\. HINT: Extend it with the newer lightning_distplan that wrote it "
+                                                 r".* to search on, or pass another --study-name\.$"):
+        tune(profile, n_trials=5, sampler=NewerRunMeanwhile(seed=0), **kw)
+    assert _snapshot(tmp_path / "study.db") == before[0]
+    stored = optuna.load_study(study_name="s", storage=url)
+    assert len(stored.trials) == 6 and stored.user_attrs["distplan_settings"]["version"] == 2
+
+
+def test_two_runs_extending_a_study_an_earlier_version_wrote_keep_its_settings_as_written(tmp_path, profile):
+    """Two runs of this version extend, at once, a study an earlier version wrote (its profile fingerprinted with an
+    empty `unused_parameters`, the catalog with its rows' sources, the strategies as typed): both read its settings as
+    this version writes them and add their trials; the stored settings stay as the earlier version wrote them, so a
+    worker of that version still extends the study after them."""
+    from lightning_distplan.tuner import load_catalog
+    from lightning_distplan.tuner.search import SETTINGS_ATTR, _catalog_fingerprint, _profile_fingerprint
+
+    url = _url(tmp_path)
+    common = dict(catalog="aws-2026", strategies=("gpipe", "dp_ga"), global_batch_size=B, storage=url, study_name="s",
+                  max_instances=2, progress=False)
+    tune(profile, n_trials=5, **common)
+    study = optuna.load_study(study_name="s", storage=url)
+    old = dict(study.user_attrs[SETTINGS_ATTR])
+    old.update(profile=_profile_fingerprint(profile, with_empty_unused=True), strategies=["gpipe", "dp_ga"],
+               catalog_fingerprint=_catalog_fingerprint(load_catalog("aws-2026"), with_sources=True))
+    assert old != study.user_attrs[SETTINGS_ATTR]
+    study.set_user_attr(SETTINGS_ATTR, old)
+
+    class OtherRunMeanwhile(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):
+            if trial.number == 5:  # this run has read the study (5 trials); the other one extends it now
+                assert tune(profile, n_trials=4, **common).n_study_trials == 9
+            super().before_trial(study, trial)
+
+    result = tune(profile, n_trials=6, sampler=OtherRunMeanwhile(seed=0), **common)
+    assert result.resumed and result.n_study_trials == 15
+    stored = optuna.load_study(study_name="s", storage=url)
+    assert sorted(t.number for t in stored.trials) == list(range(15))
+    assert stored.user_attrs[SETTINGS_ATTR] == old
+
+
 def test_a_foreign_sqlite_file_is_refused_and_left_unchanged(profile, tmp_path):
     """A --storage naming the user's own database (other tables, no Optuna study) or a file that is no database:
     refused before the search, so Optuna's tables are never added to it."""
