@@ -1228,6 +1228,13 @@ def _retime_outliers(prof: _Profiler, samples: list[TimingSample]) -> list[Timin
     time, so of two timings of the same work the smaller is the less disturbed. A size that is
     really off the line (a step dominated by fixed overhead at m = 1) times the same again, and
     keeps its value. The timings are already the slowest rank's, so every rank decides alike.
+
+    Only a size above the line through the others is timed again, one above a line that predicts no
+    time at all at its size counts as off it, and the size furthest above its line (in seconds) goes
+    first: with two stalled sizes of four (m = 8 and 64, beside busy loops on 2 cores), each one's
+    line through the others, bent by the other stall, went below 0 at its size, so neither counted
+    as off it, and both re-timings went to sizes lying below the bent lines, which no stall of their
+    own had put there.
     """
     def total(s: TimingSample) -> float:
         return s.forward_s + s.backward_s
@@ -1238,22 +1245,27 @@ def _retime_outliers(prof: _Profiler, samples: list[TimingSample]) -> list[Timin
         xs = sorted(by_size)
         if len(xs) < 3:
             break
-        worst, where, line = 0.0, 0, 0.0
+        worst, where, line, excess = 0.0, 0, 0.0, 0.0
         for m in xs:
             others = [x for x in xs if x != m]
             expected = LinearFit.fit(others, [total(by_size[x]) for x in others])(m)
-            off = abs(total(by_size[m]) / expected - 1) if expected > 0 else 0.0
-            if m not in retimed and off > worst:
-                worst, where, line = off, m, expected
-        if worst <= _OUTLIER:
+            if m in retimed or total(by_size[m]) <= expected:  # below the line: another size's stall bent it there
+                continue
+            off = total(by_size[m]) / expected - 1 if expected > 0 else math.inf
+            # the worst is the one furthest above in seconds: a stall adds time, and bends the fit by what it added (by
+            # relative distance, a 3 ms step above a line that the stall of m = 64 bent below 0 came first)
+            if off > _OUTLIER and total(by_size[m]) - expected > excess:
+                worst, where, line, excess = off, m, expected, total(by_size[m]) - expected
+        if not where:
             break
         first = by_size[where]
         f, bw, _, _ = prof.time_step(where, warmup=1)
         again = TimingSample(micro_batch_size=where, forward_s=_reduce(f, "max"), backward_s=_reduce(bw, "max"))
         retimed.add(where)
         by_size[where] = keep = min(first, again, key=total)
+        how_far = f"{worst:.0%} off" if math.isfinite(worst) else "above"
         prof.say(
-            f"micro-batch {where}: {total(first) * 1e3:.1f} ms was {worst:.0%} off the line through the "
+            f"micro-batch {where}: {total(first) * 1e3:.1f} ms was {how_far} the line through the "
             f"other sizes ({line * 1e3:.1f} ms); timed again: {total(again) * 1e3:.1f} ms; kept {total(keep) * 1e3:.1f} ms"
         )
     return [by_size[s.micro_batch_size] for s in samples]
