@@ -1235,6 +1235,13 @@ def _retime_outliers(prof: _Profiler, samples: list[TimingSample]) -> list[Timin
     line through the others, bent by the other stall, went below 0 at its size, so neither counted
     as off it, and both re-timings went to sizes lying below the bent lines, which no stall of their
     own had put there.
+
+    Of the sizes above their lines, the one whose leaving out straightens the others most goes
+    first: its distance above the line through the others times sqrt(1 - h), h its leverage in the
+    fit through all sizes (leaving a point out lowers the fit's squared error by distance² · (1 - h)).
+    By distance alone, one stall at the smallest of sizes 8..64 tilts the line through the others
+    so far that the largest lies further above it than the stall itself (m = 64 1.3 times the stall
+    above it), and the first re-timing went to that unstalled size.
     """
     def total(s: TimingSample) -> float:
         return s.forward_s + s.backward_s
@@ -1245,17 +1252,21 @@ def _retime_outliers(prof: _Profiler, samples: list[TimingSample]) -> list[Timin
         xs = sorted(by_size)
         if len(xs) < 3:
             break
-        worst, where, line, excess = 0.0, 0, 0.0, 0.0
+        worst, where, line, gain = 0.0, 0, 0.0, 0.0
+        mean = sum(xs) / len(xs)
+        spread = sum((x - mean) ** 2 for x in xs)
         for m in xs:
             others = [x for x in xs if x != m]
             expected = LinearFit.fit(others, [total(by_size[x]) for x in others])(m)
             if m in retimed or total(by_size[m]) <= expected:  # below the line: another size's stall bent it there
                 continue
             off = total(by_size[m]) / expected - 1 if expected > 0 else math.inf
-            # the worst is the one furthest above in seconds: a stall adds time, and bends the fit by what it added (by
-            # relative distance, a 3 ms step above a line that the stall of m = 64 bent below 0 came first)
-            if off > _OUTLIER and total(by_size[m]) - expected > excess:
-                worst, where, line, excess = off, m, expected, total(by_size[m]) - expected
+            # the worst is the one whose leaving out straightens the others most, in seconds: a stall adds time, and
+            # bends the fit by what it added (by relative distance, a 3 ms step above a line that the stall of m = 64
+            # bent below 0 came first; by distance alone, an end size the other end's stall tilted the line away from)
+            straightens = (total(by_size[m]) - expected) * math.sqrt(1 - (1 / len(xs) + (m - mean) ** 2 / spread))  # 1 - leverage
+            if off > _OUTLIER and straightens > gain:
+                worst, where, line, gain = off, m, expected, straightens
         if not where:
             break
         first = by_size[where]

@@ -105,6 +105,17 @@ def test_two_stalled_sizes_are_both_timed_again() -> None:
         _undisturbed_kept(m, step, said, model, lines)
 
 
+
+def test_a_stall_at_the_smallest_size_is_timed_again_first() -> None:
+    """One stall at m = 8 tilts the line through 16, 32 and 64 so far that m = 64 lies further above the line through
+    8 (stalled), 16 and 32 than the stall itself (~1.3 times it): by distance alone the first of the two re-timings
+    went to the unstalled m = 64. The size whose leaving out straightens the others most (distance times
+    sqrt(1 - leverage)) is the stalled one."""
+    step, said, model, lines = _retimed({8: 7})
+    assert said and next(iter(said)) == 8, lines  # the first re-timing; a noisy ~1 ms size may be timed again after it
+    _undisturbed_kept(8, step, said, model, lines)
+
+
 class Heavy(BoringModel):
     """Enough matrix work per sample (a 1024-wide MLP) that even its smallest step here takes milliseconds.
 
