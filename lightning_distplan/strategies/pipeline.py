@@ -915,7 +915,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 raise BatchFormatError(
                     f"The stages of pipeline replica {replica} hold different numbers of {what} batches "
                     f"({', '.join(f'stage {k}: {c}' for k, c in enumerate(said[replica]))}), but they "
-                    "must run the same batches together (the first stage feeds the inputs, the last computes the loss).",
+                    "must run the same batches together (the first stage feeds the inputs, the last computes the loss or the predictions).",
                     hint="Give every rank of a pipeline replica the same loader: let Lightning shard the data "
                     "(use_distributed_sampler=True, no sampler of your own), or shard by trainer.strategy.distributed_sampler_kwargs"
                     "['rank'] / ['num_replicas'] (the data-parallel replica), not by the global rank.",
