@@ -125,7 +125,8 @@ def test_the_line_waits_for_the_busiest_stage_to_become_the_bottleneck() -> None
 
 @pytest.mark.parametrize("p", [2, 3, 8])
 def test_simulated_microbatches_is_where_schedule_time_takes_its_line(p: int) -> None:
-    """_predict._pricing_cost charges a pricing what schedule_time simulates (simulated_microbatches); it repeated
+    """_predict._pricing_cost expects a pricing to cost what schedule_time simulates (simulated_microbatches, through
+    _schedule.simulation_work); it repeated
     schedule_time's cutoff by hand. Up to the cutoff schedule_time simulates n itself (no short runs), one past it the
     four short runs it extends the line through, 6·n0 + 2 micro-batches together."""
     from lightning_distplan.costmodel._schedule import _line_start, _simulate_cached, simulated_microbatches
