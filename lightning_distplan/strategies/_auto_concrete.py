@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DistributedSampler, IterableDataset
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
@@ -389,9 +389,12 @@ class _AutoPipelineStrategy(PipelineStrategy):
                 setattr(module.trainer, f"limit_{prefix}_batches", value)
 
 
-def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool) -> int | None:
+def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distributed_sampler: bool = True) -> int | None:
     """:func:`pipeline_shortfall` of a pipeline ``plan`` for the user's train loader, or None where its length is unknown;
-    ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own.
+    ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own, which
+    Lightning shards (a ``DistributedSampler`` of its own) where ``distributed_sampler`` (the Trainer's
+    ``use_distributed_sampler``) and the loader has no ``DistributedSampler`` already and is not an IterableDataset (its
+    ``_requires_distributed_sampler``); else it will be its rank's own data as it is.
 
     Set up for the fit without a ``DistributedSampler`` (``use_distributed_sampler=False``, an IterableDataset), the
     loader is its rank's own data, not a shard of a dataset every rank holds: DDP trains each process's loader whole, and
@@ -401,7 +404,12 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool) -> int | 
     different numbers: :class:`_FullBatchLoader` says their spread.)"""
     b = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
-    if sharded and not isinstance(sampler, DistributedSampler):
+    if sharded:
+        own = not isinstance(sampler, DistributedSampler)
+    else:  # planning, before the fit's loader is set up (rank 0's: the replicas' may differ, see _FullBatchLoader)
+        own = (not distributed_sampler or isinstance(sampler, DistributedSampler)
+               or isinstance(getattr(dataloader, "dataset", None), IterableDataset))
+    if own:
         samples = _samples_per_epoch(dataloader)
         return None if samples is None else samples % (plan.micro_batch_size * plan.n_microbatches)
     try:

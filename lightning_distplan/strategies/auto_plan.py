@@ -408,7 +408,9 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
                 )
                 whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
                 if not self._pipeline_pinned() and whole_epoch:
-                    candidates = whole_epochs_first(candidates, loader)
+                    # Trainer(use_distributed_sampler=False): each rank's loader is its own data (no public accessor)
+                    sharding = getattr(trainer._accelerator_connector, "use_distributed_sampler", True)
+                    candidates = whole_epochs_first(candidates, loader, distributed_sampler=sharding)
                 decision = ("ok", candidates, hardware, profile.unused_parameters)
             except Exception as err:  # every rank must raise, not only rank 0
                 decision = ("error", err)
@@ -498,24 +500,33 @@ _DDP_BASE_ARGS = (
 )
 
 
-def skipped_samples(plan: Plan, loader: object) -> int:
+def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool) -> int:
     """Samples per replica and epoch a pipeline plan would not train that a DDP run of the user's ``loader`` (not yet
-    sharded) trains (:func:`~lightning_distplan.strategies._auto_concrete.pipeline_shortfall`); 0 for dp_ga, which
-    trains the short last batch, or where the loader's length is unknown."""
-    return 0 if plan.strategy == "dp_ga" else loader_shortfall(loader, plan, sharded=False) or 0
+    sharded) trains (:func:`~lightning_distplan.strategies._auto_concrete.loader_shortfall`); 0 for dp_ga, which
+    trains the short last batch, or where the loader's length is unknown.
+
+    ``distributed_sampler``: the Trainer's ``use_distributed_sampler``. Where it is False the loader is its rank's own
+    data, which DDP trains whole, and the figure is its samples per epoch beyond whole pipeline steps: read as one
+    dataset that Lightning shards over the ranks, 20 samples per rank in steps of 8 on 2 replicas of 2 stages were said
+    to skip 2 (they skip 4), and 24 per rank 4 (they skip none), which moved a pipeline that trains them all behind
+    the other plans; under ``drop_last`` ones that skip samples were said to skip none."""
+    if plan.strategy == "dp_ga":
+        return 0
+    return loader_shortfall(loader, plan, sharded=False, distributed_sampler=distributed_sampler) or 0
 
 
-def whole_epochs_first(candidates: Sequence[Candidate], loader: object) -> list[Candidate]:
+def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distributed_sampler: bool) -> list[Candidate]:
     """``candidates`` with the feasible pipelines that would skip an epoch's last samples moved behind the other feasible
-    plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered."""
+    plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered.
+    ``distributed_sampler``: as :func:`skipped_samples`."""
     feasible = [c for c in candidates if c.prediction.feasible]
-    keep = [c for c in feasible if not skipped_samples(c.plan, loader)]
+    keep = [c for c in feasible if not skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler)]
     if not feasible or not keep or keep[0] is feasible[0]:
         return list(candidates)
     first = feasible[0]
     rank_zero_info(
         f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): it would skip the "
-        f"epoch's last {skipped_samples(first.plan, loader)} samples per replica, which your run trains; running "
+        f"epoch's last {skipped_samples(first.plan, loader, distributed_sampler=distributed_sampler)} samples per replica, which your run trains; running "
         f"{keep[0].plan.describe()} (predicted {keep[0].prediction.step_time_s:.4g} s/step). Pin the pipeline to run it anyway."
     )
     kept = {id(c) for c in keep}

@@ -170,18 +170,70 @@ def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plan
     ranked = rank_plans(profile, world_size=2, global_batch_size=16, hardware=hw)
     assert ranked[0].plan.strategy != "dp_ga"
     loader = DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8)
-    assert skipped_samples(ranked[0].plan, loader) == 12  # 60 % 16
-    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(64, 2)), batch_size=8)) == 0
+    assert skipped_samples(ranked[0].plan, loader, distributed_sampler=True) == 12  # 60 % 16
+    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(64, 2)), batch_size=8), distributed_sampler=True) == 0
     # drop_last: DDP's two processes train 24 each in whole batches of 8; the pipeline's 3 steps of 16 the same 48
-    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8, drop_last=True)) == 0
+    assert skipped_samples(ranked[0].plan, DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8, drop_last=True), distributed_sampler=True) == 0
     # 4 processes as dp=2 x pp=2 (counted on 4 gloo ranks): DDP trains 4 x 15 (short batches of 7), the pipeline 2 x 16
     assert pipeline_shortfall(60, 8, False, world=4, dp=2, step=16) == 14 and pipeline_shortfall(60, 8, True, world=4, dp=2, step=16) == 0
     first_whole = next(c for c in ranked if c.prediction.feasible and c.plan.strategy == "dp_ga")
-    chosen = whole_epochs_first(ranked, loader)
+    chosen = whole_epochs_first(ranked, loader, distributed_sampler=True)
     assert chosen[0].plan == first_whole.plan and [c.rank for c in chosen] == list(range(1, len(ranked) + 1))
     assert sorted(id(c.plan) for c in chosen) == sorted(id(c.plan) for c in ranked)  # the same plans, reordered
     pipelines_only = [c for c in ranked if c.plan.strategy != "dp_ga"]
-    assert whole_epochs_first(pipelines_only, loader) == pipelines_only
+    assert whole_epochs_first(pipelines_only, loader, distributed_sampler=True) == pipelines_only
+
+
+def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_distributed_sampler() -> None:
+    """Trainer(use_distributed_sampler=False), or a loader Lightning never shards (an IterableDataset, a
+    DistributedSampler of the user's): each rank's loader is its own data, which DDP trains whole, so a pipeline skips
+    its samples per epoch beyond whole steps (as the fit's loader warns, 53412cf). Planning read rank 0's loader as one
+    dataset Lightning shards over the ranks: 60 samples in whole batches of 8 (DDP: 56 per rank) were said to skip none
+    in a dp=1 pipeline's steps of 16 (it skips 8), and the pipeline ran first; 20 per rank in steps of 8 on dp=2 x pp=2
+    skip 4 (said 2), 24 none (said 4, which moved that pipeline behind the others)."""
+    import dataclasses
+
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+    from lightning_distplan.strategies.auto_plan import skipped_samples, whole_epochs_first
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=256 << 20, activation_bytes_per_sample=1e3,
+                                           output_bytes_per_sample=1e3)] * 4)
+    hw = dataclasses.replace(Hardware.from_profile(profile, warn_default_links=False), allreduce_bandwidth_bytes_per_s=1e7, p2p_bandwidth_bytes_per_s=1e9)
+    ranked = rank_plans(profile, world_size=2, global_batch_size=16, hardware=hw)
+    first = ranked[0].plan
+    assert first.strategy != "dp_ga" and first.dp == 1 and first.micro_batch_size * first.n_microbatches == 16
+    dropping = DataLoader(TensorDataset(torch.zeros(60, 2)), batch_size=8, drop_last=True)
+    assert skipped_samples(first, dropping, distributed_sampler=True) == 0  # sharded: 24 per rank, 48 in 3 steps
+    assert skipped_samples(first, dropping, distributed_sampler=False) == 8  # each rank's 56, 3 steps of 16
+    assert whole_epochs_first(ranked, dropping, distributed_sampler=True) == ranked
+    chosen = whole_epochs_first(ranked, dropping, distributed_sampler=False)
+    assert chosen[0].plan == next(c for c in ranked if c.prediction.feasible and c.plan.strategy == "dp_ga").plan
+    assert [c.rank for c in chosen] == list(range(1, len(ranked) + 1))
+
+    class _Stream(IterableDataset):  # Lightning shards no IterableDataset, whatever use_distributed_sampler says
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(torch.zeros(60, 2))
+
+        def __len__(self) -> int:
+            return 60
+
+    stream = DataLoader(_Stream(), batch_size=8)
+    assert skipped_samples(first, stream, distributed_sampler=True) == skipped_samples(first, stream, distributed_sampler=False) == 12
+    # a DistributedSampler of the user's own: Lightning leaves it, each rank trains its shard (31 of 62 samples) whole
+    data = TensorDataset(torch.zeros(62, 2))
+    own_shard = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=False))
+    assert skipped_samples(first, own_shard, distributed_sampler=True) == 31 % 16
+
+    world4 = rank_plans(profile, world_size=4, global_batch_size=16, hardware=hw)
+    replicas = next(c.plan for c in world4 if c.plan.strategy != "dp_ga" and c.plan.dp == 2 and c.plan.micro_batch_size * c.plan.n_microbatches == 8)
+    for per_rank, sharded, own in ((20, 2, 4), (24, 4, 0)):
+        loader = DataLoader(TensorDataset(torch.zeros(per_rank, 2)), batch_size=4)
+        assert skipped_samples(replicas, loader, distributed_sampler=True) == sharded
+        assert skipped_samples(replicas, loader, distributed_sampler=False) == own
 
 
 class _UnusedHead(ChainMLP):
