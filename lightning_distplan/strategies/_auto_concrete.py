@@ -210,9 +210,6 @@ class _FullBatchLoader(_MicroBatchLoader):
     integers per step. With a DistributedSampler (every replica as many samples) nothing is agreed.
     """
 
-    # its ranks' first agreement (the epoch's steps) is when it is made, before Rechunking.wrap knows a set-up refusal,
-    # so wrap raises that one itself; where they agree, they also do before each step (a batch's refusal rides that)
-    _AGREES_PER_BATCH = False
     shortfall: int | None = None
     _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step alone)
     _spread: tuple[int, int] | None = None  # the fewest and most samples per epoch of the ranks' loaders, where they differ

@@ -57,9 +57,10 @@ loader must yield the same number of batches: where the ranks' loaders report on
 global ``__len__``) a rank whose loader ends first raises on every rank; where their lengths differ (per-rank
 map-style datasets of different batch counts) Lightning stops each at its own and the ranks fall out of step
 (as DDP's do). A refusal that may hold on one rank only (its batch sampler's samples per epoch cannot be
-counted, its first batch has a part that cannot be cut) says so in that agreement, and every rank
-raises it (the others with a note naming the rank); the first also where nothing is agreed per batch (a
-``DistributedSampler`` under a batch sampler that filters on one rank), agreed on once as the loader is set up.
+counted, its first batch has a part that cannot be cut) says so in an agreement, and every rank
+raises it (the others with a note naming the rank): the first in the one agreement as the loader is set up (also
+where nothing is agreed per batch: a ``DistributedSampler`` under a batch sampler that filters on one rank), which also
+refuses loaders with a length on some ranks beside streams on others (Lightning's sum of their lengths hung).
 Where the ranks agree per batch, the micro-batch loader's length, which Lightning counts, is every one of the loader's
 batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
 agreed sizes fall short of it (the ranks' last batches all short, or a batch sampler's batches of other sizes
@@ -90,7 +91,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from lightning.fabric.utilities.data import sized_len
@@ -102,7 +103,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_distplan.errors import DataLoadingError, InfeasiblePlanError
+from lightning_distplan.errors import BatchFormatError, DataLoadingError, InfeasiblePlanError
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, loader_batch_size, slice_samples, uncut_part_found
 from lightning_distplan.strategies._auto_planning import check_count
@@ -219,6 +220,7 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
         if nothing_asked and self._checkpoint_plan is None and loader_batch_size(dataloader) is None:
             # An iterable without a readable batch size and nothing to re-plan: plain DDP + accumulation.
             rank_zero_info("dp_ga: the train loader's batch size is unknown; running it as is (no plan).")
+            _agree_on_train_loader(trainer, dataloader)
             return dataloader
         plan = resolve_dp_ga_plan(
             world_size=self.world_size,
@@ -544,6 +546,7 @@ class Rechunking:
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
         if loader_batch == m:
+            _agree_on_train_loader(trainer, dataloader)
             return dataloader
         if cls is None and loader_batch is not None:
             _warn_batchnorm(trainer, m, loader_batch)
@@ -562,16 +565,7 @@ class Rechunking:
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and _samples_per_epoch(dataloader) is None:
             refusal = _uncounted(dataloader, loader_batch, m)
-        if agree is not None and loader_cls._AGREES_PER_BATCH:
-            self._loader.refusal = refusal  # raised on every rank at the first agreement
-        elif trainer.world_size < 2:  # the trainer's ranks agree, not a wider default group's (no collective for one)
-            if refusal is not None:
-                raise refusal
-        else:
-            # No agreement at its batches to carry it: raised now, on several processes on every rank (one all-reduce per
-            # loader set up). A rank refusing alone had left the others waiting in Lightning's next collective (its sum of
-            # the loaders' lengths, right after this hook), until this rank's process ended under them.
-            raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device)
+        _agree_on_train_loader(trainer, self._loader, refusal)
         self._trainer, self._steer = trainer, None
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
@@ -999,9 +993,8 @@ def _uncounted(dataloader: object, loader_batch: int, m: int) -> InfeasiblePlanE
     of its own whose length is not the number of batches the whole dataset makes, or one whose ``sampler`` holds more
     samples than its batches can: :func:`_samples_per_epoch`), which would have its micro-batches miscounted: Lightning,
     given a length, ends the epoch (and steps) at that count, so an optimizer step ran across the epoch's end and
-    ``estimated_stepping_batches`` was not DDP's. Raised before the first batch, on several ranks on every rank: at the
-    first agreement where they agree per batch (:func:`_agreed_batch_sizes`), else as the loader is set up
-    (:meth:`Rechunking.wrap`)."""
+    ``estimated_stepping_batches`` was not DDP's. Raised before the first batch, on several ranks on every rank, as the
+    loader is set up (:func:`_agree_on_train_loader`)."""
     name = type(getattr(dataloader, "batch_sampler", None)).__name__
     return InfeasiblePlanError(
         f"The train loader has {len(dataloader)} batches of up to {loader_batch} samples, but how many samples its {name} "  # type: ignore[arg-type]
@@ -1009,6 +1002,32 @@ def _uncounted(dataloader: object, loader_batch: int, m: int) -> InfeasiblePlanE
         "optimizer step would run across the epoch's end).",
         hint=f"Use micro_batch_size={loader_batch} (your batches as they are), a batch sampler whose `sampler` attribute holds "
         "exactly the indices it batches, or strategy='ddp'.",
+    )
+
+
+def _agree_on_train_loader(trainer: pl.Trainer, loader: object, refusal: Exception | None = None) -> None:
+    """Where Lightning sets the train loader up (every rank, once per loader), the ranks agree that ``loader``, the one
+    Lightning gets, can run: ``refusal`` (this rank's, maybe of its own data alone) is raised on every rank, and
+    loaders with a length beside streams are refused on every rank. Lightning's ``has_len_all_ranks``, right after
+    this hook, sums the loaders' lengths in a collective that only the ranks with a length join, so a loader of each
+    rank's own (``use_distributed_sampler=False``) that is a stream (an IterableDataset without ``__len__``) on some
+    ranks hung the fit there until the process group's timeout; so did a rank refusing alone (the others waited there
+    until its process ended under them). One all-reduce of three integers per loader set up
+    (:func:`raise_on_every_rank`), none on one rank."""
+    if trainer.world_size < 2:  # the trainer's ranks agree, not a wider default group's (no collective for one)
+        if refusal is not None:
+            raise refusal
+        return
+    raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
+                        skipped=sized_len(loader) is None, mixed=_lengths_beside_streams)
+
+
+def _lengths_beside_streams(stream_rank: int) -> BatchFormatError:
+    return BatchFormatError(
+        f"The train loader of rank {stream_rank} has no length (a stream) while those of other ranks have one, and "
+        "Lightning sums their lengths in a collective that only the ranks with a length join.",
+        hint="Give every rank a loader of the same kind: a dataset with a length on every rank (map-style, or an "
+        "IterableDataset with __len__), or a stream without one on every rank.",
     )
 
 
@@ -1094,15 +1113,12 @@ class _MicroBatchLoader:
     cuts it as a batch of that size (:func:`_rebatch_pieces`), so every rank runs the same micro-batches. ``__len__`` then
     counts every one of the loader's batches as a full one (the same on every rank without a collective): where the
     agreed sizes fall short of that (short last batches, or other sizes mid-epoch), the epoch ends before that count,
-    its last micro-batch looked ahead for (as an IterableDataset's). A refusal that may hold on some ranks only (of a
-    batch, or ``refusal``, set before the first batch) is raised on every rank at the agreement.
+    its last micro-batch looked ahead for (as an IterableDataset's). A refusal of a batch that may hold on some ranks
+    only is raised on every rank at the agreement (one known before the first batch, as the loader is set up:
+    :func:`_agree_on_train_loader`).
     """
 
     ended: Callable[[], None] | None = None
-    refusal: Exception | None = None  # several ranks: raised on every rank at the first agreement (see _agreed_batch_sizes)
-    _AGREES_PER_BATCH: ClassVar[bool] = True
-    """Whether ``agree``, where set, is called at each loader batch (from the first on), so a refusal known before the first
-    batch (:attr:`refusal`) reaches every rank there; a loader class whose ranks agree otherwise says False."""
 
     def __init__(
         self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *,
@@ -1272,7 +1288,6 @@ class _MicroBatchLoader:
         """The size to cut loader batch ``index`` of ``n`` samples as (``n`` is the end of the epoch's batches): ``n``
         on one rank; on several, the largest of the ranks' sizes (:func:`_agreed_batch_sizes`). ``failure`` (this rank's
         refusal of the batch, else :attr:`refusal`) is raised, on several ranks on every rank."""
-        failure = failure or self.refusal
         if self.agree is None:
             if failure is not None:
                 raise failure
@@ -1309,7 +1324,7 @@ class _MicroBatchLoader:
         batch = loader_batch_size(self._loader)
         # several ranks: each of the loader's batches counted as a full one (another rank's may be, also mid-epoch: each
         # rank's count alike where their loaders yield as many batches, with no collective; also on a rank whose samples
-        # per epoch are unknown, which is refused at the first agreement: the ranks meet there)
+        # per epoch are unknown, which is refused on every rank as the loader is set up: _agree_on_train_loader)
         if self.agree is not None and batch:
             batches = len(self._loader)  # type: ignore[arg-type]  # TypeError where it has no length: not sized
             samples = (batches if self._limit_batches is None else min(batches, self._limit_batches)) * batch
@@ -1318,7 +1333,7 @@ class _MicroBatchLoader:
         return math.ceil(samples / self.micro_batch_size)
 
     _OWN = frozenset({"_loader", "micro_batch_size", "agree", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
-                      "_states", "_held", "_exhausted", "ended", "refusal"})
+                      "_states", "_held", "_exhausted", "ended"})
 
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._OWN:  # during unpickling, before __init__ ran

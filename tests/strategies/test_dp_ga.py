@@ -16,7 +16,7 @@ from _dist_utils import run_on_ranks
 from _tiny_lm import TinyLM, cpu_state, token_dataset, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_distplan import InfeasiblePlanError, Plan, PlanningCallback
+from lightning_distplan import BatchFormatError, InfeasiblePlanError, Plan, PlanningCallback
 from lightning_distplan.strategies import DPGAStrategy
 from lightning_distplan.strategies.dp_ga import _accumulation_steering, _rebatch, resolve_dp_ga_plan
 
@@ -1403,14 +1403,24 @@ def _filtered_on_rank_1(x: torch.Tensor) -> Any:
 OVERSIZED = ((40, 40, 40), (40, 50, 30))  # rank 1's second batch holds more than the batch size (40) its loader says
 
 
+def _stream_on_rank_1(x: torch.Tensor) -> Any:
+    """Loader batches of 8: a stream without a length (:class:`_Stream`) on rank 1, a map-style dataset of ``x`` (a
+    length) on rank 0."""
+    if torch.distributed.get_rank() == 1:
+        return torch.utils.data.DataLoader(_Stream(), batch_size=8)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
 def _refused_on_one_rank(world_size: int) -> list[Any]:
     """(error type, message, notes, optimizer steps, weights unchanged) of dp_ga's fits over :func:`_uncounted_loader`
     (m=20), :func:`_uncut_on_rank_1` (m=4) and :func:`_varying_loader` of :data:`OVERSIZED` (m=20), no
     DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a DistributedSampler, each refused on rank 1 only (the
-    last last: without an agreement rank 1 went on alone)."""
+    last last: without an agreement rank 1 went on alone); then :func:`_stream_on_rank_1` as it is (m=8) and cut (m=4),
+    which hung (last: a hang cannot disturb the other cases)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
-    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_filtered_on_rank_1, 2)):
+    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_filtered_on_rank_1, 2),
+                      (_stream_on_rank_1, 8), (_stream_on_rank_1, 4)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1527,7 +1537,12 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     A rank's batch sampler whose second batch holds 50 samples where its batch size says 40 (:data:`OVERSIZED`, m=20):
     the ranks count each loader batch as a full one of 40 (6 micro-batches), cut that batch as 50 (3 micro-batches), and
     Lightning ended the epoch after the sixth of the 7, rank 1's last samples never trained, without a word. Refused
-    now, on both ranks, at the batch that overflows the count (the third, after two steps)."""
+    now, on both ranks, at the batch that overflows the count (the third, after two steps).
+
+    Rank 1's loader a stream without a length beside rank 0's map-style one (use_distributed_sampler=False), run as it
+    is (m=8) and cut (m=4): both ranks hung (a 15 s group timeout in a run of its own) in Lightning's has_len_all_ranks,
+    which sums the loaders' lengths in a collective the rank reading the stream skips. Both now raise one
+    BatchFormatError with a HINT as the loader is set up, before any step."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1547,7 +1562,14 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 4
+    assert len(results[0][3]) == len(results[1][3]) == 6
+    # a stream on rank 1 beside a loader with a length on rank 0, as it is and cut: both ranks raise it as the loader is
+    # set up (each hung in Lightning's sum of the loaders' lengths, which rank 1 skips)
+    for refused in zip(results[0][3][4:], results[1][3][4:]):
+        assert [r[0] for r in refused] == [BatchFormatError] * 2 and refused[0][1] == refused[1][1], refused
+        assert refused[0][1].startswith("The train loader of rank 1 has no length (a stream) while those of other ranks "
+                                        "have one") and " HINT: " in refused[0][1], refused
+        assert [r[2:] for r in refused] == [(None, 0, True)] * 2, refused
     # (what the message says, the optimizer steps before it: the oversized batch comes after the first batch's step)
     # (the oversized batches: every rank refuses the batches as they cut them, alike, so none names another)
     expected = ((r"4 batches of up to 40 samples, but how many samples its _SizedBatches", 0, note),
