@@ -38,6 +38,15 @@ def _url(tmp_path, name="study.db"):
     return f"sqlite:///{tmp_path / name}"
 
 
+def _reap(children: list) -> None:
+    """End the child processes a test started that are still running (a failed assertion left them), and close their pipes."""
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+
+
 def test_tune_stores_every_trial_with_its_breakdown_and_every_config_factors_the_batch(tmp_path, profile):
     url = _url(tmp_path)
     result = tune(profile, catalog="alicloud-2023", global_batch_size=B, time_weight=4096, n_trials=40, storage=url,
@@ -330,11 +339,7 @@ def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through
         assert children[0].wait(timeout=240) == 0
         assert children[0].stdout.read().strip() == "6"
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            child.stdout.close()
+        _reap(children)
     assert waited and joined >= waited[0]  # it waited for the other run's settings, not refused the study at once
     assert result.resumed and result.n_trials == 5
     study = optuna.load_study(study_name="s", storage=url)
@@ -672,11 +677,7 @@ def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
             child.stdin.close()
         assert [child.wait(timeout=240) for child in children] == [0, 0]
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-            child.stdout.close()
+        _reap(children)
     numbers = [t.number for t in optuna.load_study(study_name="s", storage=url).trials]
     assert sorted(numbers) == list(range(603))
 
