@@ -339,6 +339,11 @@ class _AutoPipelineStrategy(PipelineStrategy):
             setattr(trainer, f"limit_{prefix}_batches", user * self._auto_plan.pp)
 
     @override
+    def _agree_on_train_loader(self, trainer: pl.Trainer, dataloader: object) -> None:
+        """Nothing here: :meth:`Rechunking.wrap` (:meth:`process_dataloader`) ends the set-up in that agreement, once,
+        on the loader Lightning gets (the re-chunked one, or the user's where it runs as it is)."""
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:

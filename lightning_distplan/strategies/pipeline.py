@@ -870,9 +870,21 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         stage = module.trainer.state.stage if module is not None and module._trainer is not None else None
-        if stage is not None and stage != RunningStage.TRAINING and _distributed_is_initialized() and dist.get_world_size() > 1:
+        if stage == RunningStage.TRAINING:
+            self._agree_on_train_loader(module.trainer, dataloader)
+        elif stage is not None and _distributed_is_initialized() and dist.get_world_size() > 1:
             self._agree_on_evaluation_batches(module.trainer, dataloader, stage.dataloader_prefix)
         return dataloader
+
+    def _agree_on_train_loader(self, trainer: pl.Trainer, dataloader: object) -> None:
+        """Refuse, on every rank, train loaders with a length on some ranks beside streams on others (dp_ga's agreement,
+        :func:`~lightning_distplan.strategies.dp_ga._agree_on_train_loader`): Lightning's ``has_len_all_ranks``, right
+        after this hook, sums their lengths in a collective that the ranks reading a stream skip, and the fit hung
+        there (a loader of each rank's own, ``use_distributed_sampler=False``). One all-reduce per train loader set up,
+        none on one rank. A subclass that agrees on the loader it makes of this one says so by overriding this."""
+        from lightning_distplan.strategies.dp_ga import _agree_on_train_loader
+
+        _agree_on_train_loader(trainer, dataloader)
 
     def _agree_on_evaluation_batches(self, trainer: pl.Trainer, dataloader: object, prefix: str) -> None:
         """Refuse, on every rank, evaluation loaders whose numbers of batches cannot run together (they hung, or

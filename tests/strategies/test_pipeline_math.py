@@ -1093,7 +1093,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     Streams of equal stages, 2 batches per replica and 1, still test, to the test_loss of the same data with a length
     (the loss broadcast, not summed with the stages' places). Stage 1 of each replica reading a stream beside
     stage 0's loader with a length (validate) waited in Lightning's has_len_all_ranks, a collective only stage 0 joined;
-    it is refused on every rank at the loader's setup too. Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
+    it is refused on every rank at the loader's setup too, and so is the same of a fit's train loaders (fit; it hung
+    there too, as dp_ga's did: one refusal naming rank 1, before any step). Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
     steps meet no other replica. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
     environment), so that a hang fails here quickly rather than holding the launch."""
     import datetime
@@ -1111,7 +1112,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     for case, fn, counts in (("empty replica", "validate", [2, 2, 0, 0]), ("stages differ", "validate", [2, 1, 2, 2]),
                              ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0]),
                              ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1]),
-                             ("the streams' data", "test", [2, 2, 1, 1]), ("lengths beside streams", "validate", [2, 2, 2, 2])):
+                             ("the streams' data", "test", [2, 2, 1, 1]), ("lengths beside streams", "validate", [2, 2, 2, 2]),
+                             ("train lengths beside streams", "fit", [2, 2, 2, 2])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
@@ -1120,11 +1122,13 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         model = _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
-            stream = case.startswith("streams") or (case == "lengths beside streams" and rank % 2 == 1)
+            stream = case.startswith("streams") or ("lengths beside streams" in case and rank % 2 == 1)
             got = getattr(trainer, fn)(model, batches(counts, stream=stream))
             results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
         except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
             results[case] = f"{type(err).__name__}: {err}"
+        if fn == "fit":
+            results[f"{case}: steps"] = trainer.global_step
     dist.destroy_process_group()
     return results
 
@@ -1263,6 +1267,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
                                     "batches from a loader without a length",
         "lengths beside streams": "BatchFormatError: The validation loaders of ranks 1, 3 have no length (a stream) while those of "
                                   "the other ranks have one",
+        "train lengths beside streams": "BatchFormatError: The train loader of rank 1 has no length (a stream) while those of "
+                                        "other ranks have one",
     }
     for case, start in expected.items():
         for replica in (0, 1):
@@ -1274,6 +1280,7 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert len(set(tested)) == 1 and math.isfinite(tested[0]), tested
     assert tested[0] == pytest.approx(ranks[0]["the streams' data"][0]["test_loss"], rel=1e-6), (tested, ranks[0]["the streams' data"])
     assert [r["empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
+    assert [r["train lengths beside streams: steps"] for r in ranks] == [0, 0, 0, 0]
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
