@@ -1019,13 +1019,19 @@ def _agree_on_train_loader(trainer: pl.Trainer, loader: object, refusal: Excepti
             raise refusal
         return
     raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
-                        skipped=sized_len(loader) is None, mixed=_lengths_beside_streams)
+                        skipped=sized_len(loader) is None, mixed=lambda rank: lengths_beside_streams("train", [rank]))
 
 
-def _lengths_beside_streams(stream_rank: int) -> BatchFormatError:
+def lengths_beside_streams(what: str, ranks: Sequence[int]) -> BatchFormatError:
+    """The refusal of ``what`` ("train", "validation", ...) loaders without a length (streams) on ``ranks`` beside loaders
+    with one on the others: Lightning's ``has_len_all_ranks`` sums their lengths in a collective that the ranks reading a
+    stream skip, and the run hung there (train loaders: :func:`_agree_on_train_loader`; a pipeline's evaluation loaders:
+    ``PipelineStrategy._agree_on_evaluation_batches``)."""
+    many = len(ranks) > 1
     return BatchFormatError(
-        f"The train loader of rank {stream_rank} has no length (a stream) while those of other ranks have one, and "
-        "Lightning sums their lengths in a collective that only the ranks with a length join.",
+        f"The {what} loader{'s' if many else ''} of rank{'s' if many else ''} {', '.join(map(str, ranks))} "
+        f"{'have' if many else 'has'} no length (a stream) while those of other ranks have one, and Lightning sums their "
+        "lengths in a collective that only the ranks with a length join.",
         hint="Give every rank a loader of the same kind: a dataset with a length on every rank (map-style, or an "
         "IterableDataset with __len__), or a stream without one on every rank.",
     )

@@ -914,12 +914,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         said = [[str(c) if c >= 0 else "no length" for c in stages] for stages in replicas]
         streams = [rank for rank, c in enumerate(counts) if c < 0]
         if streams and len(streams) < len(counts):
-            raise BatchFormatError(
-                f"The {what} loaders of ranks {', '.join(map(str, streams))} have no length (a stream) while those of the other "
-                "ranks have one, and Lightning sums their lengths in a collective that only the ranks with a length join.",
-                hint="Give every rank a loader of the same kind: a dataset with a length on every rank (map-style, or an "
-                "IterableDataset with __len__), or a stream without one on every rank.",
-            )
+            from lightning_distplan.strategies.dp_ga import lengths_beside_streams
+
+            raise lengths_beside_streams(what, streams)
         if any(c < 0 for c in replicas[layout.replica]):  # alike on the replica's ranks, which run the steps together
             self._uncounted_eval.add(prefix)
         for replica, stages in enumerate(replicas):

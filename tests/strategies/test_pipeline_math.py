@@ -1266,7 +1266,7 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "streams of stages differ": "BatchFormatError: The stages of pipeline replica {} read different numbers of validation "
                                     "batches from a loader without a length",
         "lengths beside streams": "BatchFormatError: The validation loaders of ranks 1, 3 have no length (a stream) while those of "
-                                  "the other ranks have one",
+                                  "other ranks have one",
         "train lengths beside streams": "BatchFormatError: The train loader of rank 1 has no length (a stream) while those of "
                                         "other ranks have one",
     }
