@@ -1216,8 +1216,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         checked = ids or tensors
         if not checked:
             return
-        mine = torch.stack([torch.stack([t.detach().double().sum() for t in checked]).sum(), torch.tensor(float(len(checked)), dtype=torch.float64)])
-        mine = mine.to(self.root_device)
+        mine = _batch_checksum(checked, self.root_device)
         every = [torch.zeros_like(mine) for _ in range(self.layout.pp)]
         dist.all_gather(every, mine, group=self._pipe_group)
         if all(torch.allclose(other, every[0], rtol=1e-9, atol=0) for other in every[1:]):
@@ -1659,6 +1658,16 @@ def _hooks_defined(module: Any, callbacks: Iterable[Any], hooks: Sequence[str]) 
     """``"Class.hook"`` for each of ``hooks`` that the LightningModule or a callback defines."""
     where = [f"{type(module).__name__}.{hook}" for hook in hooks if is_overridden(hook, module)]
     return where + [f"{type(cb).__name__}.{hook}" for cb in callbacks for hook in hooks if is_overridden(hook, cb, parent=Callback)]
+
+
+def _batch_checksum(tensors: Sequence[Tensor], device: torch.device) -> Tensor:
+    """``[sum of every value of tensors, number of tensors]`` (float64) on ``device``, the tensor the stages of a replica
+    all-gather to tell whether they read the same batch (:meth:`PipelineStrategy._check_same_batch`). Each sum moves to
+    ``device`` before they meet: a step's batch lies on the rank's GPU, and the count's tensor was made on the CPU beside
+    it in one ``torch.stack``, which refuses tensors on two devices (every pipeline fit on GPUs failed at its first step);
+    a batch whose ``transfer_batch_to_device`` left a tensor on the CPU mixes devices too."""
+    sums = torch.stack([t.detach().double().sum().to(device) for t in tensors]).sum()
+    return torch.stack([sums, torch.tensor(float(len(tensors)), dtype=torch.float64, device=device)])
 
 
 def _all_reduce_mean(params: list[nn.Parameter], grads: dict[nn.Parameter, Tensor], group: Any, *, divide_by: int) -> None:

@@ -528,3 +528,20 @@ def test_the_shape_inference_hooks_guarded_exist_in_this_torch() -> None:
 
     for name in GUARDED_HOOKS:
         assert callable(getattr(PipelineStage, name, None)), name
+
+
+def test_the_same_batch_check_sums_a_batch_on_another_device_than_the_cpu() -> None:
+    """The stages' same-batch check (``PipelineStrategy._check_same_batch``) builds its all-gathered tensor on the rank's
+    root device from a step's batch, which lies there: a GPU under NCCL. Its count was made on the CPU beside the batch's
+    sum in one ``torch.stack``, which refuses two devices, so every pipeline fit on GPUs failed at its first step. Without
+    a GPU here, ``meta`` stands in for it (``torch.stack`` refuses meta beside CPU alike); a batch with a tensor left on
+    the CPU meets on the root device too."""
+    from lightning_distplan.strategies.pipeline import _batch_checksum
+
+    ids, labels = torch.arange(6).reshape(2, 3), torch.tensor([1, 0])
+    on_cpu = _batch_checksum([ids, labels], torch.device("cpu"))
+    assert on_cpu.dtype == torch.float64 and on_cpu.tolist() == [16.0, 2.0]
+    meta = torch.device("meta")
+    for batch in ([ids.to(meta), labels.to(meta)], [ids.to(meta), labels]):
+        got = _batch_checksum(batch, meta)
+        assert got.device == meta and got.shape == (2,) and got.dtype == torch.float64
