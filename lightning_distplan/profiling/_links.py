@@ -129,17 +129,19 @@ def measure_links(
     peer0, peer1 = ranks[0], ranks[1]
     me = dist.get_rank()
 
+    # over ``group`` (its peers' global ranks), whose backend chose ``dev``: without it the messages went through the
+    # default group, e.g. a gloo group's CPU tensors into an NCCL world's group, which refuses them
     def ping_pong(t: torch.Tensor) -> float:
         if me == peer0:
             _sync(dev)
             a0 = time.perf_counter()
-            dist.send(t, dst=peer1)
-            dist.recv(t, src=peer1)
+            dist.send(t, dst=peer1, group=group)
+            dist.recv(t, src=peer1, group=group)
             _sync(dev)
             return (time.perf_counter() - a0) / 2
         if me == peer1:
-            dist.recv(t, src=peer0)
-            dist.send(t, dst=peer0)
+            dist.recv(t, src=peer0, group=group)
+            dist.send(t, dst=peer0, group=group)
         return 0.0
 
     def p2p_medians(timed_sizes: Sequence[int]) -> list[float]:

@@ -146,6 +146,11 @@ def _slot_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         got = [measure_pipeline_slot(free, rounds=3), measure_pipeline_slot(costly, rounds=3)]
         dist.barrier()  # the group still works after the pair's sub-group is gone
         Path(out_dir, f"slot{rank}.json").write_text(json.dumps(got))
+        from lightning_distplan.profiling import measure_links
+
+        pair = dist.new_group([1, 2])  # every rank joins new_group; the pair's first rank is global rank 1
+        links = measure_links(group=pair, sizes_bytes=(1 << 12, 1 << 16), repeats=1) if rank > 0 else ()
+        Path(out_dir, f"pair_links{rank}.json").write_text(json.dumps([l.__dict__ for l in links]))
     finally:
         dist.destroy_process_group()
 
@@ -163,6 +168,17 @@ def test_pipeline_slot_is_timed_by_the_first_two_ranks_and_shared_with_all(_scen
     # a two-stage schedule of Linear(8, 8) stages costs a fraction of a millisecond to a few per micro-batch
     assert 1e-5 < measured < 0.05
     assert beyond_a_1_s_hand_over == 0.0  # what the model already charges is taken off, never below zero
+
+
+def test_links_over_a_group_are_timed_between_its_own_ranks(_scenarios: Callable[[str], Path]) -> None:
+    """measure_links(group=...) over ranks 1 and 2 of the 3-rank world: its all-reduce and its p2p messages go over that
+    group (the p2p ones went over the default group, so a gloo group's CPU tensors reached an NCCL world's group,
+    which refuses them: not seen over gloo alone), and both of its ranks return the same numbers."""
+    tmp_path = _scenarios("slot")
+    results = [json.loads((tmp_path / f"pair_links{r}.json").read_text()) for r in range(3)]
+    assert results[0] == [] and results[1] == results[2]
+    assert [l["kind"] for l in results[1]] == ["allreduce", "p2p"]
+    assert all(l["world_size"] == 2 and l["backend"] == "gloo" and l["latency_s"] > 0 for l in results[1])
 
 
 def _one_rank_fails(rank: int, world: int, port: int, out_dir: str) -> None:
