@@ -215,12 +215,12 @@ def test_p90_is_within_the_errors_and_taken_as_the_cpu_sweeps_take_it() -> None:
 
 def test_cuda_diagnostics_say_in_one_line_that_they_need_a_gpu(tmp_path: Path) -> None:
     """Without a GPU these ended in a traceback from deep inside torch ("Found no NVIDIA driver on your system").
-    The five run at once: each is a process whose time is torch's import."""
+    The six run at once: each is a process whose time is torch's import."""
     import os
     import subprocess
 
     runs = {}
-    for script in ("bucket_view", "first_fit_swing", "release", "small_batch_gap", "trace_peaks"):
+    for script in ("bucket_view", "collectives_smoke", "first_fit_swing", "release", "small_batch_gap", "trace_peaks"):
         out = tmp_path / script
         out.mkdir()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT), "OUT": str(out)}
