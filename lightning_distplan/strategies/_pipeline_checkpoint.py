@@ -83,10 +83,18 @@ def _replica_zero_entries(local: dict[str, Any], ownership: StateOwnership, stag
 
 
 def _to_cpu(obj: Any) -> Any:
+    """A CPU copy of ``obj``'s tensors, through dicts, lists and tuples: an optimizer's state may keep tensors in lists
+    (LBFGS's history, ``old_dirs`` and the like), which were passed on as the optimizer's live lists, their CUDA tensors
+    pickled to rank 0 as CUDA tensors."""
     if isinstance(obj, Tensor):
         return obj.detach().cpu().clone()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_to_cpu(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # a namedtuple takes its fields apart
     return obj
 
 

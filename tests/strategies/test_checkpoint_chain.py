@@ -194,3 +194,36 @@ def test_optimizer_state_of_other_param_groups_is_a_checkpoint_mismatch() -> Non
         local_optimizer_state(full, index)
     with pytest.raises(ValueError):  # still the built-in it was before
         local_optimizer_state(full, index)
+
+
+def test_the_optimizer_state_a_checkpoint_gathers_copies_tensors_in_lists() -> None:
+    """LBFGS keeps its history as lists of tensors in its state (``old_dirs``, ``old_stps``, ``ro``, ``al``). The
+    state a pipeline checkpoint gathers (``_to_cpu``) copied tensors and dicts only, so such a list travelled as the
+    optimizer's own live list: its CUDA tensors were pickled to rank 0 as CUDA tensors, and the saved history grew with
+    the next step's."""
+    from lightning_distplan.strategies._pipeline_checkpoint import _to_cpu
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4))
+    opt = torch.optim.LBFGS([w], lr=0.5, max_iter=2, history_size=10)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = ((w - 1.0) ** 4).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):  # its first step keeps no history yet
+        opt.step(closure)
+    live = opt.state_dict()["state"][0]
+    saved = _to_cpu(live)
+    history = [[t.clone() for t in live[k]] for k in ("old_dirs", "old_stps", "ro")]
+    assert all(len(h) > 0 for h in history), "LBFGS kept no history to check"
+    opt.step(closure)  # appends to its lists in place and changes nothing already there
+    for key, before in zip(("old_dirs", "old_stps", "ro"), history):
+        assert type(saved[key]) is list and saved[key] is not live[key] and len(saved[key]) == len(before), key
+        assert all(t.device.type == "cpu" and torch.equal(t, b) and t.data_ptr() != l.data_ptr()
+                   for t, b, l in zip(saved[key], before, live[key])), key
+    one = torch.ones(1)
+    copied = _to_cpu((2, [one]))  # a tuple stays a tuple, a list a list, and their tensors are copies
+    assert type(copied) is tuple and copied[0] == 2 and type(copied[1]) is list and copied[1][0] is not one
