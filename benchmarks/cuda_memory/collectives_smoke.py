@@ -5,13 +5,14 @@ gloo on CPUs only; NCCL refuses a CPU tensor even in a world of one process ("No
 type cpu"), so one process on one GPU, in a 1-rank NCCL group, checks where each agreement function puts its tensors
 (what it cannot check: that the ranks agree, nor the functions that skip their collective at world size 1:
 ``raise_on_every_rank``, ``measure_links``, the profiler's ``_reduce``, the pipeline's p2p). Each check calls the
-package's own function, as the strategies call it after Lightning's ``setup_environment`` (``torch.cuda.set_device``
-first). Under 60 s on one GPU (NCCL's start is most of it). Run from the repository root:
+package's own function (a strategy's method on a stand-in for the strategy), as the strategies call it after Lightning's
+``setup_environment`` (``torch.cuda.set_device`` first); predict's ``broadcast_object_list`` leaves the device to torch,
+so that check is torch's. A hang prints its stack and exits 1 after 120 s. Under 60 s on one GPU (NCCL's start is most of it). Run from the repository root:
 ``PYTHONPATH=$PWD python3 benchmarks/cuda_memory/collectives_smoke.py``; it prints one line per check and exits 1
 if any failed.
 """
+import faulthandler
 import os
-import signal
 import socket
 import sys
 import traceback
@@ -20,18 +21,22 @@ import torch
 
 if not torch.cuda.is_available():
     sys.exit("collectives_smoke.py needs a CUDA GPU, and torch sees none here. HINT: run it on a machine with an NVIDIA GPU.")
-signal.alarm(120)  # a collective that hangs ends the check (SIGALRM: non-zero exit)
+# a collective that hangs ends the check: the stack it hangs in is printed and the process exits 1 (a watchdog thread of
+# its own: it fires while the main thread waits inside NCCL, where a Python signal handler would not run)
+faulthandler.dump_traceback_later(120, exit=True)
 sys.path.insert(0, os.getcwd())
 import torch.distributed as dist  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
 from torch import nn  # noqa: E402
 
 from lightning_distplan.bench._runner import settle_cuda_memory  # noqa: E402
 from lightning_distplan.profiling._links import _device_for  # noqa: E402
 from lightning_distplan.profiling._profiler import _reduce_all  # noqa: E402
-from lightning_distplan.strategies._grad_norm import gradient_norm  # noqa: E402
 from lightning_distplan.strategies._pipeline_checkpoint import _gather_to_zero, _to_cpu  # noqa: E402
 from lightning_distplan.strategies.dp_ga import _agreed_batch_sizes  # noqa: E402
-from lightning_distplan.strategies.pipeline import _all_reduce_mean, _batch_checksum  # noqa: E402
+from lightning_distplan.strategies._pipeline_split import PipelineLayout  # noqa: E402
+from lightning_distplan.strategies.pipeline import PipelineStrategy, _all_reduce_mean, _batch_checksum  # noqa: E402
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -86,23 +91,37 @@ def reduce_mean():  # the hybrid dp x pp gradient all-reduce
 check("pipeline._all_reduce_mean over new_group([0])", reduce_mean)
 
 
-def norm():  # PipelineStrategy._global_grad_norm's combine over the pipeline group
-    def combine(partial, is_max):
-        dist.all_reduce(partial, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM, group=pipe_group)
+# The strategy's own methods, on a stand-in for the strategy holding what they read (a whole PipelineStrategy needs a
+# Trainer and a fit): pp = 2 so that the gradient norm's all-reduce runs, over the 1-rank group.
+strategy = SimpleNamespace(root_device=cuda, layout=PipelineLayout(dp=1, pp=2, rank=0), _pipe_group=pipe_group, _norm_skip=set())
 
-    got = gradient_norm([torch.full((4,), 3.0, device=cuda)], 2.0, device=cuda, combine=combine)
+
+def norm():  # PipelineStrategy._global_grad_norm: gradient_norm's partial norms all-reduced over the pipeline group
+    weight = nn.Parameter(torch.zeros(4, device=cuda))
+    weight.grad = torch.full((4,), 3.0, device=cuda)
+    got = PipelineStrategy._global_grad_norm(strategy, [weight], 2.0)
     return expect(round(got.item(), 4), 6.0)
 
 
-check("_grad_norm.gradient_norm with an all_reduce over new_group([0])", norm)
-check("world all_gather of an int64 count on root_device (pipeline._agree_on_evaluation_batches)",
-      lambda: (lambda every: (dist.all_gather(every, torch.tensor([5], dtype=torch.int64, device=cuda)), expect(every[0].item(), 5))[1])(
-          [torch.zeros(1, dtype=torch.int64, device=cuda)]))
-check("broadcast_object_list over new_group([0]) (pipeline.predict_step)",
+check("pipeline.PipelineStrategy._global_grad_norm over new_group([0])", norm)
+
+
+def evaluation_batches():  # PipelineStrategy._agree_on_evaluation_batches: the world all-gathers each rank's count
+    here = SimpleNamespace(root_device=cuda, layout=PipelineLayout(dp=1, pp=1, rank=0), _uncounted_eval=set(),
+                           lightning_module=SimpleNamespace(allow_zero_length_dataloader_with_multiple_devices=False))
+    trainer = SimpleNamespace(limit_val_batches=1.0, datamodule=None)
+    PipelineStrategy._agree_on_evaluation_batches(here, trainer, [0] * 5, "val")
+    return expect(here._uncounted_eval, set())
+
+
+check("pipeline.PipelineStrategy._agree_on_evaluation_batches (world all_gather, int64)", evaluation_batches)
+check("broadcast_object_list over new_group([0]) as pipeline.predict_step calls it (torch's own device choice)",
       lambda: (lambda box: (dist.broadcast_object_list(box, src=0, group=pipe_group), expect(box[0], {"out": [1.0]}))[1])([{"out": [1.0]}]))
 check("_pipeline_checkpoint._gather_to_zero of a CUDA state over the gloo object group",
-      lambda: expect(_gather_to_zero(_to_cpu({"w": torch.ones(2, device=cuda)}), object_group)[0]["w"].device.type, "cpu"))
-check("bench._runner.settle_cuda_memory (world barrier)", lambda: settle_cuda_memory(cuda) >= 0)
+      lambda: expect([t.device.type for t in (lambda got: [got["w"], *got["history"]])(
+          _gather_to_zero(_to_cpu({"w": torch.ones(2, device=cuda), "history": [torch.ones(2, device=cuda)]}), object_group)[0])],
+          ["cpu", "cpu"]))
+check("bench._runner.settle_cuda_memory (world barrier)", lambda: expect(settle_cuda_memory(cuda) >= 0, True))
 
 dist.destroy_process_group()
 print(f"{len(failed)} of the checks failed: {failed}" if failed else "every check passed", flush=True)
