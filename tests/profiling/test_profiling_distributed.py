@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -149,8 +149,24 @@ def _slot_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         from lightning_distplan.profiling import measure_links
 
         pair = dist.new_group([1, 2])  # every rank joins new_group; the pair's first rank is global rank 1
-        links = measure_links(group=pair, sizes_bytes=(1 << 12, 1 << 16), repeats=1) if rank > 0 else ()
+        # which group each of its sends and receives names (the real ones run): over gloo alone the default group
+        # carried them as well, so only this tells that they go over ``pair``
+        p2p_groups: list[str] = []
+
+        def naming_its_group(real: Callable[..., Any]) -> Callable[..., Any]:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                p2p_groups.append("pair" if kwargs.get("group") is pair else repr(kwargs.get("group")))
+                return real(*args, **kwargs)
+            return call
+
+        real_send, real_recv = dist.send, dist.recv
+        dist.send, dist.recv = naming_its_group(real_send), naming_its_group(real_recv)
+        try:
+            links = measure_links(group=pair, sizes_bytes=(1 << 12, 1 << 16), repeats=1) if rank > 0 else ()
+        finally:
+            dist.send, dist.recv = real_send, real_recv
         Path(out_dir, f"pair_links{rank}.json").write_text(json.dumps([l.__dict__ for l in links]))
+        Path(out_dir, f"pair_p2p{rank}.json").write_text(json.dumps(p2p_groups))
     finally:
         dist.destroy_process_group()
 
@@ -179,6 +195,8 @@ def test_links_over_a_group_are_timed_between_its_own_ranks(_scenarios: Callable
     assert results[0] == [] and results[1] == results[2]
     assert [l["kind"] for l in results[1]] == ["allreduce", "p2p"]
     assert all(l["world_size"] == 2 and l["backend"] == "gloo" and l["latency_s"] > 0 for l in results[1])
+    p2p_groups = [json.loads((tmp_path / f"pair_p2p{r}.json").read_text()) for r in range(3)]
+    assert p2p_groups[0] == [] and all(g and set(g) == {"pair"} for g in p2p_groups[1:]), p2p_groups
 
 
 def _one_rank_fails(rank: int, world: int, port: int, out_dir: str) -> None:
