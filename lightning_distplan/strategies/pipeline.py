@@ -27,7 +27,8 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   averages over the ranks at the epoch's end, weighted by the batch sizes, as under DDP (no collective
   across replicas per step, so replicas with different numbers of batches, a dataset per rank, finish; a
   replica's stages must hold as many, and no replica none beside others with some: checked where the loaders are
-  set up, see :meth:`PipelineStrategy._agree_on_evaluation_batches`); the module's own
+  set up, see :meth:`PipelineStrategy._agree_on_evaluation_batches`, and for streams when a run starts and where
+  a rank's ends, :meth:`PipelineStrategy._agree_on_streams_having_batches`, :meth:`PipelineStrategy._end_of_streams`); the module's own
   ``validation_step``/``test_step`` is not called, but Lightning still requires the module to define it
   before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
   ``predict_step`` returns the last stage's merged output on every rank of the replica. Checked
@@ -326,8 +327,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         self._parked: dict[nn.Parameter, Tensor] = {}
         self._warned_bypass = False
         self._checked_batch = False  # whether this fit checked that the stages read the same batch
-        # evaluation prefixes ("val", "test") with a loader whose batches were not counted at its setup (a stream):
-        # their steps check that the replica's stages end together (see _replica_mean)
+        # evaluation prefixes ("val", "test", "predict") with a loader whose batches were not counted at its setup (a
+        # stream), alike on every rank: their runs check that the ranks have batches alike when they start
+        # (_agree_on_streams_having_batches), their steps that the replica's stages end together (_stages_agree)
         self._uncounted_eval: set[str] = set()
         self._loss_checked = False  # whether PipelineSpec.loss ran once since the build (checked for other stages' tensors)
         self._warned_shapes = False
@@ -856,14 +858,17 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self._sizers = {key: sizer for key, sizer in self._sizers.items() if key[0] == "train"}  # a fit's validation: its loader may change
+        self._agree_on_streams_having_batches()
 
     @override
     def on_test_start(self) -> None:
         self._sizers = {}
+        self._agree_on_streams_having_batches()
 
     @override
     def on_predict_start(self) -> None:
         self._sizers = {}
+        self._agree_on_streams_having_batches()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -909,7 +914,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         dist.all_gather(every, torch.tensor([mine], dtype=torch.int64, device=device))
         counts = [int(c.item()) for c in every]
         layout = self.layout
-        what = {"val": "validation", "test": "test", "predict": "prediction"}[prefix]
+        what = _EVAL_WHAT[prefix]
         replicas = [[counts[r] for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
         said = [[str(c) if c >= 0 else "no length" for c in stages] for stages in replicas]
         streams = [rank for rank, c in enumerate(counts) if c < 0]
@@ -917,7 +922,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             from lightning_distplan.strategies.dp_ga import lengths_beside_streams
 
             raise lengths_beside_streams(what, streams)
-        if any(c < 0 for c in replicas[layout.replica]):  # alike on the replica's ranks, which run the steps together
+        if streams:  # alike on every rank (a mix is refused above), as the collectives that follow from it must be
             self._uncounted_eval.add(prefix)
         for replica, stages in enumerate(replicas):
             if len({c for c in stages if c >= 0}) > 1:
@@ -941,6 +946,57 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 hint="Give every replica at least one batch (with use_distributed_sampler=False each replica reads a loader of "
                 "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
             )
+
+    def _agree_on_streams_having_batches(self) -> None:
+        """Refuse, on every rank, a run of evaluation streams (loaders without a length) that yield no batch on some
+        ranks and some on others (it hung). A stream is not counted at its setup (:meth:`_agree_on_evaluation_batches`),
+        and a stage with no batch never reaches a step to say so (:meth:`_replica_mean`): the other stages of its
+        replica waited for it in gloo's send or recv, and the other replicas, for a replica with none, in the epoch-end
+        average of ``val_loss`` / ``test_loss`` that it never joins. Lightning has fetched each rank's first batch when
+        the run starts (to tell a stream's last batch), so this hook, which every rank reaches before the first step,
+        knows whether there is one: one all-gather per run of a stream, none per step. A replica with no predictions
+        beside others runs (its steps meet no other replica), as an empty one with a length does."""
+        trainer = self.lightning_module.trainer
+        prefix = trainer.state.stage.dataloader_prefix
+        if prefix not in self._uncounted_eval or not _distributed_is_initialized() or dist.get_world_size() < 2:
+            return
+        some = not trainer._active_loop._data_fetcher.done
+        device = self.root_device
+        every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, torch.tensor([int(some)], dtype=torch.int64, device=device))
+        layout = self.layout
+        what = _EVAL_WHAT[prefix]
+        replicas = [[bool(every[r].item()) for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
+        parted = [replica for replica, stages in enumerate(replicas) if len(set(stages)) > 1]
+        if parted:
+            raise _streams_parted(parted, what, "a stage's yielded none where another's yielded some")
+        empty = [replica for replica, stages in enumerate(replicas) if not any(stages)]
+        if empty and len(empty) < layout.dp and prefix != "predict":
+            raise BatchFormatError(
+                f"Pipeline replica {empty[0]} (ranks {', '.join(map(str, layout.pipeline_ranks(empty[0])))}) has no {what} batches "
+                "(its loader without a length yielded none) while other replicas have some, and the others would wait for it in a "
+                "collective it never joins.",
+                hint="Give every replica at least one batch (with use_distributed_sampler=False each replica reads a loader of "
+                "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
+            )
+
+    def _end_of_streams(self, what: str, *, parted: bool) -> None:
+        """Where this rank's run of an evaluation stream ends (its last step, or the step where its replica's stages
+        parted, :meth:`_stages_agree`), the replicas say whether their stages parted, and every rank raises the same
+        error: the replica's own ranks alone raised, and the other replicas failed in the epoch-end average of the loss
+        with gloo's error as the replica's processes left. One all-gather of a flag per run over every rank, each rank at
+        the end of its own run (the replicas' steps meet no other replica, so they end at different times); only with
+        several replicas (one replica's stages all know from the step) and one loader (Lightning averages each loader's
+        logs of several when the next begins, a collective of every rank that a replica ending early would not meet)."""
+        layout = self.layout
+        parted_replicas = [layout.replica] if parted else []
+        if layout.dp > 1 and len(self.lightning_module.trainer._active_loop._combined_loader.flattened) == 1:
+            device = self.root_device
+            every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, torch.tensor([int(parted)], dtype=torch.int64, device=device))
+            parted_replicas = sorted({rank // layout.pp for rank, flag in enumerate(every) if flag.item()})
+        if parted_replicas:
+            raise _streams_parted(parted_replicas, what, "one stage's ended where another's went on")
 
     def _check_last_batch(self) -> None:
         """Refuse, before the first step, an epoch whose short last batch cannot be split into the micro-batches
@@ -1166,10 +1222,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
 
         ``position`` (the batch's dataloader index, whether it is its loop's last, and the loop's name), for a loader
         whose batches were not counted at its setup (a stream, :meth:`_agree_on_evaluation_batches`): the stages say
-        where they are in the same collective (a sum: the other stages add 0 to the loss, and the stages' places x
-        are alike exactly when (Σx)² = pp·Σx²), and a stage whose
-        stream ended before another's is refused on each rank of the replica, at the batch where they part (the
-        stage that went on waited for good in gloo's send or recv)."""
+        where they are in the same collective (:meth:`_stages_agree`: the other stages add 0 to the loss), and a stage
+        whose stream ended before another's is refused at the batch where they part (the stage that went on waited
+        for good in gloo's send or recv), on every rank (:meth:`_end_of_streams`)."""
         layout = self.layout
         local = self._local_mean(losses)
         if layout.pp < 2 or not _distributed_is_initialized():
@@ -1177,20 +1232,24 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         if position is None:
             dist.broadcast(local, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
             return local
+        return self._stages_agree(position, local).to(local.dtype)
+
+    def _stages_agree(self, position: tuple[int, bool, str], carried: Tensor) -> Tensor:
+        """Refuse the step where the stages of this replica, reading a loader without a length, part (one stage's stream
+        ended where another's went on), and return ``carried`` summed over the stages, in the same collective: an
+        all-reduce (a sum) of ``carried`` (0 but on the last stage), x and x² with x = 2 · dataloader index + is-last,
+        alike on every stage exactly when (Σx)² = pp·Σx². The step where they part, and a run's last step, end this
+        rank's run (:meth:`_end_of_streams`), where every replica learns of it."""
         index, last, what = position
         at = 2 * index + int(last)
-        mine = torch.tensor([0.0, at, at * at], dtype=torch.float64, device=local.device)
-        mine[0] = local.double()  # 0 but on the last stage
+        mine = torch.tensor([0.0, at, at * at], dtype=torch.float64, device=carried.device)
+        mine[0] = carried.double()
         dist.all_reduce(mine, group=self._pipe_group)
         total, squares = mine[1].item(), mine[2].item()
-        if total * total != layout.pp * squares:
-            raise BatchFormatError(
-                f"The stages of pipeline replica {layout.replica} read different numbers of {what} batches from a loader "
-                "without a length (one stage's ended where another's went on), but they must run the same batches together.",
-                hint="Give every rank of a pipeline replica the same loader: shard a stream by trainer.strategy.distributed_sampler_kwargs"
-                "['rank'] / ['num_replicas'] (the data-parallel replica), not by the global rank.",
-            )
-        return mine[0].to(local.dtype)
+        parted = total * total != self.layout.pp * squares
+        if parted or last:
+            self._end_of_streams(what, parted=parted)
+        return mine[0]
 
     def _warn_bypass(self) -> None:
         if not self._warned_bypass:
@@ -1312,7 +1371,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         position = None
         if prefix in self._uncounted_eval:
             loop = self.lightning_module.trainer._active_loop
-            position = (dataloader_idx, bool(loop.batch_progress.is_last_batch), "validation" if prefix == "val" else "test")
+            position = (dataloader_idx, bool(loop.batch_progress.is_last_batch), _EVAL_WHAT[prefix])
         loss = self._replica_mean(losses, position=position)
         # Every rank holds its replica's mean; sync_dist averages them over the ranks once per epoch (evaluation
         # logs on epoch), weighted by the batch sizes: every sample counts alike, as under DDP, also where the
@@ -1514,6 +1573,20 @@ def unfit_checkpoint_plan(stored: Plan, *, schedule: str | None, world_size: int
                 f"{stored.accumulate_grad_batches} flush(es)), this run's is {stored.dp * loader_batch * accumulate} "
                 f"({stored.dp} x loader batch {loader_batch} x accumulate_grad_batches {accumulate})")
     return None
+
+
+_EVAL_WHAT = {"val": "validation", "test": "test", "predict": "prediction"}  # a loop's dataloader prefix, in a sentence
+
+
+def _streams_parted(replicas: list[int], what: str, how: str) -> BatchFormatError:
+    """The refusal of pipeline replicas whose stages read different numbers of batches from loaders without a length."""
+    which = f"replica {replicas[0]}" if len(replicas) == 1 else f"replicas {', '.join(map(str, replicas))}"
+    return BatchFormatError(
+        f"The stages of pipeline {which} read different numbers of {what} batches from a loader without a length ({how}), "
+        "but they must run the same batches together.",
+        hint="Give every rank of a pipeline replica the same loader: shard a stream by trainer.strategy.distributed_sampler_kwargs"
+        "['rank'] / ['num_replicas'] (the data-parallel replica), not by the global rank.",
+    )
 
 
 def _check_1f1b(n: int, pp: int) -> None:

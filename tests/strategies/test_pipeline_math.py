@@ -1095,7 +1095,14 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     stage 0's loader with a length (validate) waited in Lightning's has_len_all_ranks, a collective only stage 0 joined;
     it is refused on every rank at the loader's setup too, and so is the same of a fit's train loaders (fit; it hung
     there too, as dp_ga's did: one refusal naming rank 1, before any step). Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
-    steps meet no other replica. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
+    steps meet no other replica. Streams again (the last cases, as a hang without the fix broke the world for those
+    after it): stage 1 of replica 1 yielding none beside 2 batches everywhere else (validate; its stage 0 waited in
+    gloo's send until the timeout) and replica 1 yielding none beside replica 0's 2 (test; replica 0 waited in the
+    epoch-end average of test_loss) are refused on every rank where the run starts; replica 0's stages at 3 and 2
+    batches beside replica 1's 2 and 2 (validate) raised on replica 0 alone, and replica 1 failed in the epoch-end
+    average with gloo's error: every rank now raises replica 0's refusal (so do both replicas' ranks where both part:
+    one sentence naming both). A replica of no predictions from a stream beside one of 2 batches predicts ([] on its
+    ranks). Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
     environment), so that a hang fails here quickly rather than holding the launch."""
     import datetime
 
@@ -1113,7 +1120,10 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("empty stage", "test", [2, 2, 2, 0]), ("empty replica predicts", "predict", [2, 2, 0, 0]),
                              ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1]),
                              ("the streams' data", "test", [2, 2, 1, 1]), ("lengths beside streams", "validate", [2, 2, 2, 2]),
-                             ("train lengths beside streams", "fit", [2, 2, 2, 2])):
+                             ("train lengths beside streams", "fit", [2, 2, 2, 2]),
+                             ("streams: an empty stage", "validate", [2, 2, 2, 0]), ("streams: an empty replica", "test", [2, 2, 0, 0]),
+                             ("streams: one replica's stages differ", "validate", [3, 2, 2, 2]),
+                             ("streams: an empty replica predicts", "predict", [2, 2, 0, 0])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
@@ -1263,23 +1273,28 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "stages differ": "BatchFormatError: The stages of pipeline replica 0 hold different numbers of validation batches "
                          "(stage 0: 2, stage 1: 1)",
         "empty stage": "BatchFormatError: The stages of pipeline replica 1 hold different numbers of test batches (stage 0: 2, stage 1: 0)",
-        "streams of stages differ": "BatchFormatError: The stages of pipeline replica {} read different numbers of validation "
-                                    "batches from a loader without a length",
+        "streams of stages differ": "BatchFormatError: The stages of pipeline replicas 0, 1 read different numbers of validation "
+                                    "batches from a loader without a length (one stage's ended where another's went on)",
         "lengths beside streams": "BatchFormatError: The validation loaders of ranks 1, 3 have no length (a stream) while those of "
                                   "other ranks have one",
         "train lengths beside streams": "BatchFormatError: The train loader of rank 1 has no length (a stream) while those of "
                                         "other ranks have one",
+        "streams: an empty stage": "BatchFormatError: The stages of pipeline replica 1 read different numbers of validation batches "
+                                   "from a loader without a length (a stage's yielded none where another's yielded some)",
+        "streams: an empty replica": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no test batches (its loader without a "
+                                     "length yielded none) while other replicas have some",
+        "streams: one replica's stages differ": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
+                                                "validation batches from a loader without a length (one stage's ended where another's went on)",
     }
     for case, start in expected.items():
-        for replica in (0, 1):
-            got = [r[case] for r in ranks[2 * replica:2 * replica + 2]] + ([r[case] for r in ranks[2 - 2 * replica:4 - 2 * replica]]
-                                                                           if "{}" not in start else [])
-            assert len(set(got)) == 1 and got[0].startswith(start.format(replica)), got
-            assert "HINT: " in got[0] and ". " not in got[0].split(" HINT: ")[0], got
+        got = [r[case] for r in ranks]
+        assert len(set(got)) == 1 and got[0].startswith(start), got
+        assert "HINT: " in got[0] and ". " not in got[0].split(" HINT: ")[0], got
     tested = [r["streams"][0]["test_loss"] for r in ranks]
     assert len(set(tested)) == 1 and math.isfinite(tested[0]), tested
     assert tested[0] == pytest.approx(ranks[0]["the streams' data"][0]["test_loss"], rel=1e-6), (tested, ranks[0]["the streams' data"])
     assert [r["empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
+    assert [r["streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], [], []]
     assert [r["train lengths beside streams: steps"] for r in ranks] == [0, 0, 0, 0]
 
 
