@@ -955,7 +955,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         average of ``val_loss`` / ``test_loss`` that it never joins. Lightning has fetched each rank's first batch when
         the run starts (to tell a stream's last batch), so this hook, which every rank reaches before the first step,
         knows whether there is one: one all-gather per run of a stream, none per step. A replica with no predictions
-        beside others runs (its steps meet no other replica), as an empty one with a length does."""
+        beside others runs (its steps meet no other replica), as an empty one with a length does; its run ends here,
+        where it says so to the others' ends (:meth:`_end_of_streams`)."""
         trainer = self.lightning_module.trainer
         prefix = trainer.state.stage.dataloader_prefix
         if prefix not in self._uncounted_eval or not _distributed_is_initialized() or dist.get_world_size() < 2:
@@ -971,7 +972,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         if parted:
             raise _streams_parted(parted, what, "a stage's yielded none where another's yielded some")
         empty = [replica for replica, stages in enumerate(replicas) if not any(stages)]
-        if empty and len(empty) < layout.dp and prefix != "predict":
+        if not empty or len(empty) == layout.dp:
+            return
+        if prefix != "predict":
             raise BatchFormatError(
                 f"Pipeline replica {empty[0]} (ranks {', '.join(map(str, layout.pipeline_ranks(empty[0])))}) has no {what} batches "
                 "(its loader without a length yielded none) while other replicas have some, and the others would wait for it in a "
@@ -979,6 +982,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 hint="Give every replica at least one batch (with use_distributed_sampler=False each replica reads a loader of "
                 "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
             )
+        if layout.replica in empty:  # it has no step to end its run at: it ends it here, where the others end theirs
+            self._end_of_streams(what, parted=False)
 
     def _end_of_streams(self, what: str, *, parted: bool) -> None:
         """Where this rank's run of an evaluation stream ends (its last step, or the step where its replica's stages
@@ -1402,6 +1407,13 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             out = schedule.eval(**mb_kwargs)
         form = self._stage_module.output_form  # the last layer's mapping: built again from its merged tensors, its own type
         holder = [(_cpu(out) if form is None else form.rebuild(_cpu(out))) if layout.stage == layout.pp - 1 else None]
+        if layout.pp > 1 and "predict" in self._uncounted_eval:
+            # A stream's stages must end together, as in _eval_step; the broadcast below goes one way, from the last
+            # stage, so it cannot carry the other stages' places: one small all-reduce more per step, for streams only
+            # (a stage whose stream ended first left the loop, and the one that went on waited in gloo's send or recv).
+            loop = self.lightning_module.trainer._active_loop
+            position = (_dataloader_idx(args, kwargs), bool(loop.batch_progress.is_last_batch), _EVAL_WHAT["predict"])
+            self._stages_agree(position, torch.zeros((), device=self.root_device))
         if layout.pp > 1:
             dist.broadcast_object_list(holder, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
         return holder[0]

@@ -1102,7 +1102,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     batches beside replica 1's 2 and 2 (validate) raised on replica 0 alone, and replica 1 failed in the epoch-end
     average with gloo's error: every rank now raises replica 0's refusal (so do both replicas' ranks where both part:
     one sentence naming both). A replica of no predictions from a stream beside one of 2 batches predicts ([] on its
-    ranks). Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
+    ranks). Predicting from streams with replica 0's stage 0 at 2 batches and its stage 1 at 3 timed out on every
+    rank (stage 1 waiting in gloo's recv for a third batch, the others in later collectives); it is refused on every rank too. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
     environment), so that a hang fails here quickly rather than holding the launch."""
     import datetime
 
@@ -1123,7 +1124,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("train lengths beside streams", "fit", [2, 2, 2, 2]),
                              ("streams: an empty stage", "validate", [2, 2, 2, 0]), ("streams: an empty replica", "test", [2, 2, 0, 0]),
                              ("streams: one replica's stages differ", "validate", [3, 2, 2, 2]),
-                             ("streams: an empty replica predicts", "predict", [2, 2, 0, 0])):
+                             ("streams: an empty replica predicts", "predict", [2, 2, 0, 0]),
+                             ("streams: predicting stages differ", "predict", [2, 3, 2, 2])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
@@ -1285,6 +1287,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
                                      "length yielded none) while other replicas have some",
         "streams: one replica's stages differ": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
                                                 "validation batches from a loader without a length (one stage's ended where another's went on)",
+        "streams: predicting stages differ": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
+                                             "prediction batches from a loader without a length (one stage's ended where another's went on)",
     }
     for case, start in expected.items():
         got = [r[case] for r in ranks]
