@@ -400,6 +400,10 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 hint="Train on 2 or more devices (Trainer(devices=2)), or use strategy='dp_ga' / 'ddp' on one.",
             )
         self.accelerator.setup(trainer)
+        # This run's loaders say anew which are streams (process_dataloader, after this hook): an earlier run's entry sent
+        # ranks reading a loader with a length into the streams' all-gather at the run's start, which a replica with no
+        # batch of those skips with the whole run (gloo aborted on the mismatched collectives).
+        self._uncounted_eval = set()
         plan = self._plan_arg
         if plan is not None and trainer.state.fn == TrainerFn.FITTING and plan.accumulate_grad_batches != trainer.accumulate_grad_batches:
             raise InfeasiblePlanError(

@@ -1103,7 +1103,9 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     average with gloo's error: every rank now raises replica 0's refusal (so do both replicas' ranks where both part:
     one sentence naming both). A replica of no predictions from a stream beside one of 2 batches predicts ([] on its
     ranks). Predicting from streams with replica 0's stage 0 at 2 batches and its stage 1 at 3 timed out on every
-    rank (stage 1 waiting in gloo's recv for a third batch, the others in later collectives); it is refused on every rank too. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
+    rank (stage 1 waiting in gloo's recv for a third batch, the others in later collectives); it is refused on every rank too.
+    The empty replica's predict again, with a length, on a Trainer that predicted from streams just before: the
+    ranks with batches waited for the empty replica (which skips the run) in the streams' check of the run's start. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
     environment), so that a hang fails here quickly rather than holding the launch."""
     import datetime
 
@@ -1125,7 +1127,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("streams: an empty stage", "validate", [2, 2, 2, 0]), ("streams: an empty replica", "test", [2, 2, 0, 0]),
                              ("streams: one replica's stages differ", "validate", [3, 2, 2, 2]),
                              ("streams: an empty replica predicts", "predict", [2, 2, 0, 0]),
-                             ("streams: predicting stages differ", "predict", [2, 3, 2, 2])):
+                             ("streams: predicting stages differ", "predict", [2, 3, 2, 2]),
+                             ("after streams: an empty replica predicts", "predict", [2, 2, 0, 0])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
@@ -1135,6 +1138,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
             stream = case.startswith("streams") or ("lengths beside streams" in case and rank % 2 == 1)
+            if case.startswith("after streams"):  # the same Trainer and strategy predicted from streams just before
+                trainer.predict(model, batches([2, 2, 2, 2], stream=True))
             got = getattr(trainer, fn)(model, batches(counts, stream=stream))
             results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
         except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
@@ -1299,6 +1304,7 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert tested[0] == pytest.approx(ranks[0]["the streams' data"][0]["test_loss"], rel=1e-6), (tested, ranks[0]["the streams' data"])
     assert [r["empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
     assert [r["streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], [], []]
+    assert [r["after streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
     assert [r["train lengths beside streams: steps"] for r in ranks] == [0, 0, 0, 0]
 
 
