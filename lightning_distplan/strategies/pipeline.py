@@ -957,15 +957,18 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         and a stage with no batch never reaches a step to say so (:meth:`_replica_mean`): the other stages of its
         replica waited for it in gloo's send or recv, and the other replicas, for a replica with none, in the epoch-end
         average of ``val_loss`` / ``test_loss`` that it never joins. Lightning has fetched each rank's first batch when
-        the run starts (to tell a stream's last batch), so this hook, which every rank reaches before the first step,
-        knows whether there is one: one all-gather per run of a stream, none per step. A replica with no predictions
-        beside others runs (its steps meet no other replica), as an empty one with a length does; its run ends here,
-        where it says so to the others' ends (:meth:`_end_of_streams`)."""
+        the run starts (to tell a stream's last batch; under a limit of batches, :func:`_prefetch_stream` does), so
+        this hook, which every rank reaches before the first step, knows whether there is one: one all-gather per run
+        of a stream, none per step. A replica with no predictions beside others runs (its steps meet no other
+        replica), as an empty one with a length does; its run ends here, where it says so to the others' ends
+        (:meth:`_end_of_streams`)."""
         trainer = self.lightning_module.trainer
         prefix = trainer.state.stage.dataloader_prefix
         if prefix not in self._uncounted_eval or not _distributed_is_initialized() or dist.get_world_size() < 2:
             return
-        some = not trainer._active_loop._data_fetcher.done
+        fetcher = trainer._active_loop._data_fetcher
+        _prefetch_stream(fetcher)
+        some = not fetcher.done
         device = self.root_device
         every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(every, torch.tensor([int(some)], dtype=torch.int64, device=device))
@@ -1592,6 +1595,27 @@ def unfit_checkpoint_plan(stored: Plan, *, schedule: str | None, world_size: int
 
 
 _EVAL_WHAT = {"val": "validation", "test": "test", "predict": "prediction"}  # a loop's dataloader prefix, in a sentence
+
+
+def _prefetch_stream(fetcher: object) -> None:
+    """Fetch the first batch of a run of streams now, as Lightning does for a stream without a limit, so that ``done``
+    (and each step's ``is_last_batch``) says where this rank's stream ends. A limit of batches as an int
+    (``limit_val_batches=2``, or ``num_sanity_val_steps`` while sanity checking) gives the loaders a length, and
+    Lightning then prefetches nothing: ``done`` was false on a rank with no batch, and ``is_last_batch`` held only at
+    the limit's batch, never on a rank whose stream ended before it, which then skipped the all-gather where the others'
+    runs ended (:meth:`PipelineStrategy._end_of_streams`; replicas of 2 batches and 1 under a limit of 2 hung there).
+    Without a length the fetcher learns of the end one batch ahead, the loaders' limits still stopping it. A
+    ``dataloader_iter`` step's fetcher is left as it is (it fetches as the step asks)."""
+    from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
+
+    if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is None or fetcher.batches:
+        return
+    fetcher.length = None
+    for _ in range(fetcher.prefetch_batches):
+        try:
+            fetcher.batches.append(_DataFetcher.__next__(fetcher))
+        except StopIteration:
+            break
 
 
 def _streams_parted(replicas: list[int], what: str, how: str) -> BatchFormatError:

@@ -1105,8 +1105,13 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     ranks). Predicting from streams with replica 0's stage 0 at 2 batches and its stage 1 at 3 timed out on every
     rank (stage 1 waiting in gloo's recv for a third batch, the others in later collectives); it is refused on every rank too.
     The empty replica's predict again, with a length, on a Trainer that predicted from streams just before: the
-    ranks with batches waited for the empty replica (which skips the run) in the streams' check of the run's start. Run on a group of its own with a 20 s timeout (set up by Lightning, the port in the
-    environment), so that a hang fails here quickly rather than holding the launch."""
+    ranks with batches waited for the empty replica (which skips the run) in the streams' check of the run's start. Streams
+    of 2 batches and 1 per replica under limit_test_batches=2, and at a fit's sanity check (num_sanity_val_steps=2), test
+    and fit: a limit gave the loaders a length, Lightning fetched no batch ahead, and the replica of 1 never saw its last
+    batch, so skipped the all-gather where the other's run ended (both timed out); under limit_val_batches=2 a replica
+    of no stream batches beside 2 is refused at the run's start, as without a limit (it hung). Run on a group of its
+    own with a 20 s timeout (set up by Lightning, the port in the environment), so that a hang fails here quickly
+    rather than holding the launch."""
     import datetime
 
     import torch.distributed as dist
@@ -1128,11 +1133,17 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("streams: one replica's stages differ", "validate", [3, 2, 2, 2]),
                              ("streams: an empty replica predicts", "predict", [2, 2, 0, 0]),
                              ("streams: predicting stages differ", "predict", [2, 3, 2, 2]),
-                             ("after streams: an empty replica predicts", "predict", [2, 2, 0, 0])):
+                             ("after streams: an empty replica predicts", "predict", [2, 2, 0, 0]),
+                             ("streams under a limit", "test", [2, 2, 1, 1]),
+                             ("streams under a limit: an empty replica", "validate", [2, 2, 0, 0]),
+                             ("streams at the sanity check", "fit", [2, 2, 1, 1])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
+        limits = {"streams under a limit": {"limit_test_batches": 2},
+                  "streams under a limit: an empty replica": {"limit_val_batches": 2},
+                  "streams at the sanity check": {"num_sanity_val_steps": 2, "max_steps": 2}}.get(case, {})
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
-                               "limit_val_batches": 1.0})
+                               "limit_val_batches": 1.0, **limits})
         torch.manual_seed(3)  # the same weights in "streams" and "the streams' data"
         model = _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
@@ -1140,7 +1151,11 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
             stream = case.startswith("streams") or ("lengths beside streams" in case and rank % 2 == 1)
             if case.startswith("after streams"):  # the same Trainer and strategy predicted from streams just before
                 trainer.predict(model, batches([2, 2, 2, 2], stream=True))
-            got = getattr(trainer, fn)(model, batches(counts, stream=stream))
+            if case == "streams at the sanity check":  # the validation streams, each replica's own, beside one train loader
+                trainer.fit(model, batches([2, 2, 2, 2], stream=False), batches(counts, stream=True))
+                got = float(trainer.callback_metrics["val_loss"])
+            else:
+                got = getattr(trainer, fn)(model, batches(counts, stream=stream))
             results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
         except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
             results[case] = f"{type(err).__name__}: {err}"
@@ -1294,6 +1309,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
                                                 "validation batches from a loader without a length (one stage's ended where another's went on)",
         "streams: predicting stages differ": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
                                              "prediction batches from a loader without a length (one stage's ended where another's went on)",
+        "streams under a limit: an empty replica": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation batches "
+                                                   "(its loader without a length yielded none) while other replicas have some",
     }
     for case, start in expected.items():
         got = [r[case] for r in ranks]
@@ -1306,6 +1323,10 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert [r["streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], [], []]
     assert [r["after streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
     assert [r["train lengths beside streams: steps"] for r in ranks] == [0, 0, 0, 0]
+    limited = [r["streams under a limit"][0]["test_loss"] for r in ranks]
+    assert len(set(limited)) == 1 and limited[0] == pytest.approx(tested[0], rel=1e-6), (limited, tested)
+    sanity = [r["streams at the sanity check"] for r in ranks]
+    assert len(set(sanity)) == 1 and math.isfinite(sanity[0]), sanity
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
