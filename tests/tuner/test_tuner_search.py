@@ -38,6 +38,38 @@ def _url(tmp_path, name="study.db"):
     return f"sqlite:///{tmp_path / name}"
 
 
+def _spawn(tmp_path, code: str, *args: str):
+    """A child Python running ``code`` with ``args``, stdin and stdout piped for a handshake, its stderr into a file of
+    ``tmp_path`` that :func:`_line_of` shows where the child fails (a pipe that nobody reads could fill and hold it)."""
+    import subprocess
+    import sys
+
+    err = tmp_path / f"child-{len(list(tmp_path.glob('child-*.err')))}.err"
+    with open(err, "w") as f:
+        child = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True)
+    child.err_path = err
+    return child
+
+
+def _line_of(child, timeout: float = 120.0) -> str:
+    """The next line ``child`` (:func:`_spawn`) writes to its stdout, stripped. A child that exits first, or writes none
+    within ``timeout`` s (it is killed then), fails the test at once with its stderr: the bare readline waited for
+    pytest's own 600 s timeout, and showed nothing of why."""
+    import threading
+
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(child.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if got and got[0]:
+        return got[0].strip()
+    when = f"in {timeout:g} s" if not got else "before it exited"  # read before the kill ends the readline
+    if child.poll() is None:
+        child.kill()
+    child.wait()
+    pytest.fail(f"the child wrote no line {when} (exit code {child.returncode}); its stderr:\n{child.err_path.read_text()}", pytrace=False)
+
+
 def _reap(children: list) -> None:
     """End the child processes a test started that are still running (a failed assertion left them), and close their pipes."""
     for child in children:
@@ -302,8 +334,6 @@ def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through
     study is created first and given its settings after. A run that finds its new study's name taken by another
     worker of the same command caught in between (here: a `tune` in another process, held there) waits for the
     settings (CREATOR_WAIT_S) and then extends that study with its trials, as it would have had it started later."""
-    import subprocess
-    import sys
     import threading
     import time
 
@@ -318,10 +348,9 @@ def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through
     class OtherRunCreatesMeanwhile(optuna.samplers.RandomSampler):
         def before_trial(self, study, trial):
             if trial.number == 0:  # this run has found no study "s"; the other one creates it now
-                child = subprocess.Popen([sys.executable, "-c", _CREATOR_PAUSED, url, str(Path(__file__).parent)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                child = _spawn(tmp_path, _CREATOR_PAUSED, url, str(Path(__file__).parent))
                 children.append(child)
-                assert child.stdout.readline().strip() == "created"
+                assert _line_of(child) == "created"
                 assert optuna.load_study(study_name="s", storage=url).user_attrs == {}
 
                 def go() -> None:  # released once this run has waited a while for the settings
@@ -336,7 +365,7 @@ def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through
     try:
         result = tune(profile, n_trials=5, sampler=OtherRunCreatesMeanwhile(seed=0), **kw)
         joined = time.monotonic()
-        assert children[0].wait(timeout=240) == 0
+        assert children[0].wait(timeout=240) == 0, children[0].err_path.read_text()[-2000:]
         assert children[0].stdout.read().strip() == "6"
     finally:
         _reap(children)
@@ -660,22 +689,18 @@ write_trials(study, memory.get_trials())
 def test_two_runs_extending_one_sqlite_study_at_once_keep_every_trial(tmp_path):
     """Two `tune` runs extending the same study write their trials at the same moment: every trial keeps its
     own number, so Optuna (and the dashboard) sees all of them (numbered from one count, it saw half)."""
-    import subprocess
-    import sys
-
     url = f"sqlite:///{tmp_path / 'race.db'}"
     optuna.create_study(study_name="s", storage=url).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=3)
-    children = [subprocess.Popen([sys.executable, "-c", _APPEND, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                for _ in range(2)]
+    children = [_spawn(tmp_path, _APPEND, url) for _ in range(2)]
     try:
         # both children import and run their 300 trials first (they once waited for a fixed 12 s from now)
-        assert [child.stdout.readline().strip() for child in children] == ["ready", "ready"]
+        assert [_line_of(child) for child in children] == ["ready", "ready"]
         for child in children:  # then both write at once
             child.stdin.write("go\n")
             child.stdin.flush()
         for child in children:
             child.stdin.close()
-        assert [child.wait(timeout=240) for child in children] == [0, 0]
+        assert [child.wait(timeout=240) for child in children] == [0, 0], [child.err_path.read_text()[-2000:] for child in children]
     finally:
         _reap(children)
     numbers = [t.number for t in optuna.load_study(study_name="s", storage=url).trials]
