@@ -410,6 +410,14 @@ studies are not created whole (:func:`~lightning_distplan.tuner._storage.create_
 public API, which creates a study first and sets its attributes after)."""
 
 
+OPENING_WAIT_S = 5.0
+"""How long a run that finds its study with neither user attributes nor trials waits for its settings before refusing
+it (:func:`_tune`): where studies are created through Optuna's public API, that is a study another worker is creating,
+between its ``optuna.create_study`` and its ``set_user_attr`` (milliseconds, longer while another run's write holds
+SQLite's lock). Shorter than :data:`CREATOR_WAIT_S`, which keeps a finished search's trials: this run has searched
+nothing yet, so a re-run loses nothing, and a study someone else made empty (``optuna create-study``) waits no longer."""
+
+
 def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
     """The study another run created under ``study_name`` while this one searched, once its creator has stored its
     settings, or as it is after ``wait_s``.
@@ -418,7 +426,8 @@ def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
     else's (``optuna create-study``, another program): read once (``wait_s`` 0) and refused at once; it was refused
     after 30 s. Only where this Optuna makes runs create a study first and set its settings after (a write of the other
     run may hold SQLite's lock meanwhile) is it waited for, :data:`CREATOR_WAIT_S`. A run of a version before
-    2026-11-29 (which created it so) mid-way through its creation is refused as someone else's."""
+    2026-11-29 (which created it so) mid-way through its creation is refused as someone else's. A run that finds such a
+    study when it starts waits for it too (:data:`OPENING_WAIT_S`), whichever way its creator creates it."""
     import optuna
 
     deadline = time.monotonic() + wait_s
@@ -870,10 +879,28 @@ def _tune(
     worker = slots.enter_context(worker_slot(storage, name))  # 0 for a run alone; held until this run has written its trials
     with _reading_study(storage, name):
         existing = _existing_study(store, name)
-        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
         previous = existing.get_trials(deepcopy=False) if existing is not None else []
+        unset = existing is not None and not existing.user_attrs and not previous
+        if unset:
+            # Created through Optuna's public API, another worker's study is without its settings until that worker sets
+            # them: it was refused at once as not distplan's. One with trials or attributes of its own is someone else's.
+            log.info("Study %r exists without settings or trials; waiting up to %g s for the run creating it to store its settings.",
+                     name, OPENING_WAIT_S)
+            try:
+                existing = _created_meanwhile(store, name, wait_s=OPENING_WAIT_S)
+            except KeyError:  # its creator's write failed and it deleted the study again: this run creates it
+                existing = None
+            previous = existing.get_trials(deepcopy=False) if existing is not None else []
+        old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
     if existing is not None:
         why = _settings_differ(old, settings)
+        if why is not None and unset and not existing.user_attrs and not previous:
+            raise StudyConflictError(
+                f"Study {name!r} already exists in {shown_url(storage)!r} with neither distplan's settings nor trials, and no run creating "
+                f"it stored its settings in the {OPENING_WAIT_S:g} s this run waited; it was left untouched.",
+                hint="If another `distplan tune` is creating it, re-run the same command; else pass a new --study-name, or delete the "
+                f"empty study ({_delete_command(name, storage)}).",
+            )
         if why is not None:
             raise StudyConflictError(
                 f"Study {name!r} already exists in {shown_url(storage)!r} and {why}; it was left untouched.",

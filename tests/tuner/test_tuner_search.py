@@ -169,7 +169,11 @@ def _snapshot(db):
         con.close()
 
 
-def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile):
+def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile, monkeypatch):
+    import time
+
+    from lightning_distplan.tuner import search
+
     url = _url(tmp_path)
     tune(profile, catalog="alicloud-2023", global_batch_size=B, time_weight=0, n_trials=15, storage=url, study_name="s", max_instances=2, progress=False)
     before = _snapshot(tmp_path / "study.db")
@@ -179,9 +183,25 @@ def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile)
     # a study someone else made under that name is refused too
     optuna.create_study(study_name="foreign", storage=url).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     before_foreign = _snapshot(tmp_path / "study.db")
+    monkeypatch.setattr(search, "OPENING_WAIT_S", 30.0)
+    started = time.monotonic()
     with pytest.raises(StudyConflictError, match="not created by `distplan tune`"):
         tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="foreign", max_instances=2, progress=False)
+    assert time.monotonic() - started < 10  # its trials say it is someone else's: not waited for as one being created
     assert _snapshot(tmp_path / "study.db") == before_foreign
+    # one with neither attributes nor trials may be another run's, between its create_study and its set_user_attr: waited
+    # for (test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through_optunas_api), then refused
+    optuna.create_study(study_name="empty", storage=url)
+    before_empty = _snapshot(tmp_path / "study.db")
+    monkeypatch.setattr(search, "OPENING_WAIT_S", 0.5)
+    started = time.monotonic()
+    with pytest.raises(StudyConflictError, match=r"^Study 'empty' already exists in .* with neither distplan's settings nor trials, and no run "
+                                                 r"creating it stored its settings in the 0\.5 s this run waited; it was left untouched\. HINT: "
+                                                 r"If another `distplan tune` is creating it, re-run the same command; else pass a new "
+                                                 r"--study-name, or delete the empty study \(`optuna delete-study --study-name=empty .*\)\.$"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="empty", max_instances=2, progress=False)
+    assert time.monotonic() - started >= 0.5
+    assert _snapshot(tmp_path / "study.db") == before_empty
     s = optuna.load_study(study_name="s", storage=url)
     assert len(s.trials) == 15 and s.user_attrs["time_weight"] == 0.0
 
@@ -329,11 +349,34 @@ print(r.n_trials, flush=True)
 """
 
 
+_OPENER = """
+import sys
+import _distplan_cli
+_distplan_cli.starting = True  # as `distplan tune` imports the package: neither torch nor Lightning (~10 s of CPU)
+sys.path.insert(0, sys.argv[2])
+from tuner_profile_factory import make_profile
+from lightning_distplan.tuner import search
+search.OPENING_WAIT_S = 120.0  # the wait is the subject, not its length: the test's timing does not depend on the load
+created_meanwhile = search._created_meanwhile
+def waiting(*args, **kwargs):  # it found the study without settings or trials, and waits for them
+    print("waiting", flush=True)
+    return created_meanwhile(*args, **kwargs)
+search._created_meanwhile = waiting
+print("ready", flush=True)
+sys.stdin.readline()  # "open": the study is created, without its attributes yet
+r = search.tune(make_profile(), catalog="alicloud-2023", global_batch_size=64, storage=sys.argv[1], study_name="s", max_instances=2,
+                n_trials=4, progress=False)
+print(r.resumed, r.n_trials, flush=True)
+"""
+
+
 def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through_optunas_api(tmp_path, profile, monkeypatch):
     """Where studies are created through Optuna's public API (create_study_with_attrs does not fit this Optuna), a
     study is created first and given its settings after. A run that finds its new study's name taken by another
     worker of the same command caught in between (here: a `tune` in another process, held there) waits for the
-    settings (CREATOR_WAIT_S) and then extends that study with its trials, as it would have had it started later."""
+    settings (CREATOR_WAIT_S) and then extends that study with its trials, as it would have had it started later.
+    A run that starts in between (a third process) and finds the study without attributes or trials waited for
+    nothing and refused it as not distplan's: it waits for the settings too (OPENING_WAIT_S), then extends it."""
     import threading
     import time
 
@@ -349,9 +392,14 @@ def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through
         def before_trial(self, study, trial):
             if trial.number == 0:  # this run has found no study "s"; the other one creates it now
                 child = _spawn(tmp_path, _CREATOR_PAUSED, url, str(Path(__file__).parent))
-                children.append(child)
+                opener = _spawn(tmp_path, _OPENER, url, str(Path(__file__).parent))
+                children.extend([child, opener])
                 assert _line_of(child) == "created"
                 assert optuna.load_study(study_name="s", storage=url).user_attrs == {}
+                assert _line_of(opener) == "ready"
+                opener.stdin.write("open\n")  # it finds the study as it is now: no attributes, no trials
+                opener.stdin.close()
+                assert _line_of(opener) == "waiting"
 
                 def go() -> None:  # released once this run has waited a while for the settings
                     time.sleep(2.0)
@@ -365,16 +413,17 @@ def test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through
     try:
         result = tune(profile, n_trials=5, sampler=OtherRunCreatesMeanwhile(seed=0), **kw)
         joined = time.monotonic()
-        assert children[0].wait(timeout=240) == 0, children[0].err_path.read_text()[-2000:]
+        assert [c.wait(timeout=240) for c in children] == [0, 0], [c.err_path.read_text()[-2000:] for c in children]
         assert children[0].stdout.read().strip() == "6"
+        assert children[1].stdout.read().strip() == "True 4"  # the opener extended the study it had waited for
     finally:
         _reap(children)
     assert waited and joined >= waited[0]  # it waited for the other run's settings, not refused the study at once
     assert result.resumed and result.n_trials == 5
     study = optuna.load_study(study_name="s", storage=url)
-    assert sorted(t.number for t in study.trials) == list(range(11))
+    assert sorted(t.number for t in study.trials) == list(range(15))
     assert study.user_attrs["distplan_settings"]["max_instances"] == 2 and study.user_attrs["currency"] == "RMB"
-    assert tune(profile, n_trials=3, **kw).n_study_trials == 14  # one study, extended as any other
+    assert tune(profile, n_trials=3, **kw).n_study_trials == 18  # one study, extended as any other
 
 
 def test_a_failed_run_never_deletes_trials_another_run_wrote_to_the_study_it_created(tmp_path, profile, monkeypatch):
