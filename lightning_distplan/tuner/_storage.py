@@ -503,6 +503,30 @@ def create_study_with_attrs(storage: Any, study_name: str, directions: Sequence[
         session.close()
 
 
+def creates_studies_whole(storage: Any) -> bool:
+    """Whether :func:`create_study_with_attrs` fits this Optuna (it builds its study and attribute rows), found without
+    writing anything: True where a run of this version creates its study with its settings in one transaction.
+
+    Why: a run that finds its study without attributes or trials waits for its settings only where runs create studies
+    through Optuna's public API (first the study, its attributes after); where they are created whole, such a study is
+    someone else's (``optuna create-study``), and waiting for it delayed its refusal by seconds for nothing. Workers of
+    one command run one Optuna, so a run's answer here is its creator's. A mismatch only the database shows (a flush
+    error) still falls back at the create; that run's other workers then refuse the study as before."""
+    try:
+        import optuna
+        from optuna.storages._rdb import models
+
+        rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+        if not callable(getattr(rdb, "scoped_session", None)):
+            return False
+        # built, never added to a session: the same constructor calls create_study_with_attrs makes
+        models.StudyModel(study_name="", directions=[models.StudyDirectionModel(objective=0, direction=optuna.study.StudyDirection.MINIMIZE)])
+        models.StudyUserAttributeModel(study_id=0, key="", value_json="null")
+    except Exception:  # noqa: BLE001 - an internal mismatch with this Optuna: studies are made through the public API
+        return False
+    return True
+
+
 def delete_study_without_trials(storage: Any, study_name: str) -> bool:
     """Delete study ``study_name`` from ``storage`` (an RDBStorage) if it holds no trial; True when it did.
 

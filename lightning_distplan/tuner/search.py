@@ -53,7 +53,8 @@ from lightning_distplan.planner._enumerate import _check_strategies
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
 from lightning_distplan.tuner._storage import (
-    StudyStorageError, create_study_with_attrs, delete_study_without_trials, open_storage, shown_url, worker_slot, write_trials,
+    StudyStorageError, create_study_with_attrs, creates_studies_whole, delete_study_without_trials, open_storage, shown_url, worker_slot,
+    write_trials,
 )
 from lightning_distplan.tuner.catalog import PRICINGS, Catalog, load_catalog, spot_priced, with_bandwidth
 
@@ -415,7 +416,9 @@ OPENING_WAIT_S = 5.0
 it (:func:`_tune`): where studies are created through Optuna's public API, that is a study another worker is creating,
 between its ``optuna.create_study`` and its ``set_user_attr`` (milliseconds, longer while another run's write holds
 SQLite's lock). Shorter than :data:`CREATOR_WAIT_S`, which keeps a finished search's trials: this run has searched
-nothing yet, so a re-run loses nothing, and a study someone else made empty (``optuna create-study``) waits no longer."""
+nothing yet, so a re-run loses nothing, and a study someone else made empty (``optuna create-study``) waits no longer.
+Not waited where this Optuna creates studies whole (:func:`~lightning_distplan.tuner._storage.creates_studies_whole`,
+the usual case): there such a study is someone else's, refused at once."""
 
 
 def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
@@ -427,7 +430,7 @@ def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
     after 30 s. Only where this Optuna makes runs create a study first and set its settings after (a write of the other
     run may hold SQLite's lock meanwhile) is it waited for, :data:`CREATOR_WAIT_S`. A run of a version before
     2026-11-29 (which created it so) mid-way through its creation is refused as someone else's. A run that finds such a
-    study when it starts waits for it too (:data:`OPENING_WAIT_S`), whichever way its creator creates it."""
+    study when it starts waits for it too (:data:`OPENING_WAIT_S`), where this Optuna creates studies so."""
     import optuna
 
     deadline = time.monotonic() + wait_s
@@ -880,10 +883,11 @@ def _tune(
     with _reading_study(storage, name):
         existing = _existing_study(store, name)
         previous = existing.get_trials(deepcopy=False) if existing is not None else []
-        unset = existing is not None and not existing.user_attrs and not previous
+        unset = existing is not None and not existing.user_attrs and not previous and not creates_studies_whole(store)
         if unset:
             # Created through Optuna's public API, another worker's study is without its settings until that worker sets
-            # them: it was refused at once as not distplan's. One with trials or attributes of its own is someone else's.
+            # them: it was refused at once as not distplan's. One with trials or attributes of its own is someone else's,
+            # and so is an empty one where this Optuna creates studies whole (a worker's is never without its settings).
             log.info("Study %r exists without settings or trials; waiting up to %g s for the run creating it to store its settings.",
                      name, OPENING_WAIT_S)
             try:

@@ -189,10 +189,18 @@ def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile,
         tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="foreign", max_instances=2, progress=False)
     assert time.monotonic() - started < 10  # its trials say it is someone else's: not waited for as one being created
     assert _snapshot(tmp_path / "study.db") == before_foreign
-    # one with neither attributes nor trials may be another run's, between its create_study and its set_user_attr: waited
-    # for (test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through_optunas_api), then refused
+    # one with neither attributes nor trials: where this Optuna creates studies whole (it does here), no worker's study is
+    # ever so, and it is refused at once as someone else's (it was refused after OPENING_WAIT_S, as one being created)
     optuna.create_study(study_name="empty", storage=url)
     before_empty = _snapshot(tmp_path / "study.db")
+    started = time.monotonic()
+    with pytest.raises(StudyConflictError, match=r"^Study 'empty' already exists in .* and it was not created by `distplan tune`; it was left untouched"):
+        tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=5, storage=url, study_name="empty", max_instances=2, progress=False)
+    assert time.monotonic() - started < 10
+    assert _snapshot(tmp_path / "study.db") == before_empty
+    # where studies are made through Optuna's public API, it may be another run's, between its create_study and its
+    # set_user_attr: waited for (test_a_run_waits_for_the_settings_of_a_study_another_run_is_creating_through_optunas_api), then refused
+    monkeypatch.setattr(search, "creates_studies_whole", lambda store: False)
     monkeypatch.setattr(search, "OPENING_WAIT_S", 0.5)
     started = time.monotonic()
     with pytest.raises(StudyConflictError, match=r"^Study 'empty' already exists in .* with neither distplan's settings nor trials, and no run "
@@ -303,7 +311,7 @@ def test_a_study_is_created_through_optunas_api_where_its_models_do_not_fit(tmp_
 
     from optuna.storages._rdb import models
 
-    from lightning_distplan.tuner._storage import create_study_with_attrs, open_storage
+    from lightning_distplan.tuner._storage import create_study_with_attrs, creates_studies_whole, open_storage
 
     url = _url(tmp_path)
     store = open_storage(url)
@@ -316,6 +324,8 @@ def test_a_study_is_created_through_optunas_api_where_its_models_do_not_fit(tmp_
         patch.setattr(models, "StudyUserAttributeModel", Refused)
         with caplog.at_level(logging.INFO, logger="lightning_distplan.tuner._storage"):
             assert create_study_with_attrs(store, "s", [optuna.study.StudyDirection.MINIMIZE], {"a": 1}) is False
+        assert creates_studies_whole(store) is False  # what a run finding a study without settings asks: it waits for them
+    assert creates_studies_whole(store) is True  # this Optuna's models fit
     assert "Creating a study in one transaction is unavailable (TypeError: a model of another Optuna)" in caplog.text
     assert optuna.get_all_study_names(url) == []  # nothing written: the study row went with the transaction
     kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, study_name="s", max_instances=2, progress=False)
@@ -357,6 +367,7 @@ sys.path.insert(0, sys.argv[2])
 from tuner_profile_factory import make_profile
 from lightning_distplan.tuner import search
 search.OPENING_WAIT_S = 120.0  # the wait is the subject, not its length: the test's timing does not depend on the load
+search.creates_studies_whole = lambda store: False  # the creator's Optuna, whose models do not fit: the public API
 created_meanwhile = search._created_meanwhile
 def waiting(*args, **kwargs):  # it found the study without settings or trials, and waits for them
     print("waiting", flush=True)
