@@ -42,7 +42,8 @@ later micro-batch against the user's batches, so the steps no longer follow them
 (on several processes where the size the ranks agree on, below, is another). Where the epoch's micro-batches are counted
 from that size (several processes, a limit of loader batches, a batch sampler that drops the short last batch), larger
 batches that fill the count before the last batch, or overflow it, are refused: Lightning ended the epoch at the count,
-before its last samples (larger ones that fit, 12, 4, 8 counted as 3 of 8, train whole).
+before its last samples (larger ones that fit, 12, 4, 8 counted as 3 of 8, train whole). So are batches that overflow a
+count of the sampler's samples (a ``collate_fn`` that makes two rows of each sample: 16-row batches of 8 indices).
 On several processes the ranks must run the same micro-batches: Lightning broadcasts at every batch
 and DDP all-reduces at every step, so ranks whose short last batches differ (a per-rank sampler or
 dataset, a stream sharded by rank: 17 and 23 samples cut by ``m = 20`` into 1 and 2 micro-batches)
@@ -1207,22 +1208,24 @@ class _MicroBatchLoader:
         if self.ended is not None:
             self.ended()
 
-    def _counted_room(self, limit: int | None, expected: int | None) -> tuple[int, int, int] | None:
-        """(places, loader batches, batch size): where Lightning's count of this pass's micro-batches (:meth:`__len__`) takes
-        every loader batch as a full one (on several ranks that agree, under a limit of loader batches or a resumed
-        epoch's, or where the batches drop the short last one), the places its micro-batches hold and the loader batches
-        and batch size counted. Batches holding more samples in all (a batch sampler's own sizes) ended the epoch at
-        that count before their last samples, without a word (:func:`_rebatch_pieces` refuses them); larger ones that
-        fit (12, 4, 8 where 3 of 8 were counted) train whole. None: counted otherwise (the sampler's own total)."""
+    def _counted_room(self, limit: int | None, expected: int | None) -> Room | None:
+        """The places Lightning's count of this pass's micro-batches (:meth:`__len__`) holds, and what it was counted from
+        (:data:`Room`): every loader batch as a full one (on several ranks that agree, under a limit of loader batches or a
+        resumed epoch's, or where the batches drop the short last one), else the samples the loader's sampler (or
+        dataset) holds. Batches holding more samples in all (a batch sampler's own sizes; a ``collate_fn`` that makes
+        several rows of a sample, which no count before the epoch sees) ended the epoch at that count before their last
+        samples, without a word (:func:`_rebatch_pieces` refuses them); larger ones that fit (12, 4, 8 where 3 of 8 were
+        counted) train whole. None: not counted (no length)."""
         batches = sized_len(self._loader)
-        if expected is None or batches is None or sized_len(self) is None:
+        micro_batches = sized_len(self)
+        if expected is None or batches is None or micro_batches is None:
             return None
         limited = limit is not None and limit < batches
-        if not (self.agree is not None or limited or loader_sampler(self._loader)[1]):
-            return None
         batches = batches if limit is None else min(batches, limit)
         m = self.micro_batch_size
-        return math.ceil(batches * expected / m) * m, batches, expected
+        if not (self.agree is not None or limited or loader_sampler(self._loader)[1]):
+            return micro_batches * m, batches, None, self._samples()  # __len__: the samples, in micro-batches of m
+        return math.ceil(batches * expected / m) * m, batches, expected, batches * expected
 
     @property
     def _stream(self) -> bool:
@@ -1397,6 +1400,11 @@ def _rebatch(batches: Iterable[Any], m: int) -> Iterator[Any]:
         yield batch
 
 
+Room = tuple[int, int, "int | None", int]
+"""The places an epoch's count of micro-batches holds (:meth:`_MicroBatchLoader._counted_room`), the loader batches counted,
+the batch size each was counted as (None: the count is of the samples the sampler holds) and the samples counted."""
+
+
 Piece = tuple[int, int, int, int, int]
 """Where some of a micro-batch's samples come from: (index of the loader batch in this pass, its size, first, end, the size
 it was cut as). On several ranks the last is the size they agreed on, and a micro-batch has a piece for each loader batch
@@ -1406,7 +1414,7 @@ whose places it holds, also one of no samples there (``first == end``), so its p
 
 def _rebatch_pieces(
     batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None,
-    room: tuple[int, int, int] | None = None,
+    room: Room | None = None,
 ) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
     tells the batch dimension from per-batch constants (:class:`BatchSizer`). ``room``: the places the epoch's count of
@@ -1440,7 +1448,7 @@ def _rebatch_pieces(
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
         placed += places
         if room is not None and (placed > room[0] or placed == room[0] and i + 1 < room[1]):
-            raise _cut_short(i, placed, room, m)
+            raise _cut_short(i, placed, room, m, expected)
         offset = 0
         while offset < places:
             take = min(m - have, places - offset)
@@ -1479,19 +1487,21 @@ def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> t
     return (_joined(held) if held else slice_samples(batch, 0, 1, n)), tuple(piece for _, piece in pending)
 
 
-def _cut_short(index: int, placed: int, room: tuple[int, int, int], m: int) -> InfeasiblePlanError:
+def _cut_short(index: int, placed: int, room: Room, m: int, loader_batch: int | None) -> InfeasiblePlanError:
     """The refusal of loader batch ``index`` whose ``placed`` samples (the epoch's so far, as the ranks cut them) fill or
     overflow the ``room`` the epoch's micro-batches of ``m`` were counted with (:meth:`_MicroBatchLoader._counted_room`):
     Lightning would end the epoch at that count, before the epoch's last samples, which a run of the user's loader
-    trains (it counts loader batches, whatever their sizes)."""
-    places, batches, batch = room
+    trains (it counts loader batches, whatever their sizes). ``loader_batch``: the loader's batch size (the hint's)."""
+    places, batches, batch, samples = room
     left = "before its last samples" if placed > places else f"before its {batches - index - 1} batch(es) left"
+    counted = f"{batches} batches as at most {batch} samples each" if batch is not None else \
+        f"{batches} batches as the {samples} samples its sampler holds"
+    within = "a batch sampler whose batches hold at most its `batch_size` samples" if batch is not None else \
+        "a collate_fn (and batch sampler) making one row of each of the sampler's samples"
     return InfeasiblePlanError(
         f"The train loader's first {index + 1} batches of the epoch hold {placed} samples, where dp_ga counts the epoch's "
-        f"{batches} batches as at most {batch} samples each ({places // m} micro-batches of {m}), so the epoch would end {left} "
-        "(DDP trains them).",
-        hint=f"Use micro_batch_size={batch} (your batches as they are), a batch sampler whose batches hold at most its "
-        "`batch_size` samples, or strategy='ddp'.",
+        f"{counted} ({places // m} micro-batches of {m}), so the epoch would end {left} (DDP trains them).",
+        hint=f"Use micro_batch_size={loader_batch} (your batches as they are), {within}, or strategy='ddp'.",
     )
 
 

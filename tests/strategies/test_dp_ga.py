@@ -982,6 +982,45 @@ def test_a_batch_sampler_whose_batches_exceed_its_batch_size_is_refused_not_cut_
         assert trained == [24, 24], sizes
 
 
+def _two_rows_per_sample(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A collate_fn making two rows of each sample (an augmentation's two views): batches of 8 indices hold 16 rows."""
+    x, y = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+    return torch.cat([x, x]), torch.cat([y, y])
+
+
+def test_a_collate_fn_making_more_rows_than_samples_is_refused_not_cut_short(single_process_group: None) -> None:
+    """Micro-batches of 4 from 24 samples in loader batches of 8 whose collate_fn makes two rows of each sample: dp_ga
+    counted the epoch from the sampler's 24 samples (6 micro-batches), the batches held 48 rows, and Lightning ended the
+    epoch after 24 of them (DDP trains all 48), without a word; so over a batch sampler of 12, 8, 4 counted from its
+    sampler (24 rows in its first batch: the count filled before its other 2 batches). Refused where the rows overflow
+    (or fill) the count now, with the batches before trained."""
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+    def sized(_: torch.Tensor) -> Any:
+        batches = _SizedBatches([12, 8, 4], 8)
+        batches.sampler = range(24)
+        return torch.utils.data.DataLoader(data, batch_sampler=batches, collate_fn=_two_rows_per_sample)
+
+    cases = ((lambda _: torch.utils.data.DataLoader(data, batch_size=8, collate_fn=_two_rows_per_sample),
+              r"first 2 batches of the epoch hold 32 samples, where dp_ga counts the epoch's 3 batches as the 24 samples its "
+              r"sampler holds \(6 micro-batches of 4\), so the epoch would end before its last samples", 16),
+             (sized, r"first 1 batches of the epoch hold 24 samples.*would end before its 2 batch\(es\) left", 0))
+    for loader, matching, trained in cases:
+        ddp = _ScheduledOver(loader)
+        L.Trainer(**trainer_kwargs(strategy="ddp", devices=1, max_epochs=1, limit_val_batches=0, use_distributed_sampler=False)).fit(ddp)
+        torch.distributed.destroy_process_group()
+        assert sum(n for _, n in ddp.trained) == 48
+        model = _ScheduledOver(loader)
+        trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=4), devices=1, max_epochs=1, limit_val_batches=0,
+                                             use_distributed_sampler=False))
+        with pytest.raises(InfeasiblePlanError, match=matching + r".*HINT: Use micro_batch_size=8 .*a collate_fn"):
+            trainer.fit(model)
+        assert sum(n for _, n in model.trained) == trained  # the batches before the one that overflows the count
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 class _Targets:
     """A user's target container that Lightning moves with its ``to`` method (no dataclass: nothing to look into)."""
 
