@@ -62,6 +62,9 @@ counted, its first batch has a part that cannot be cut) says so in an agreement,
 raises it (the others with a note naming the rank): the first in the one agreement as the loader is set up (also
 where nothing is agreed per batch: a ``DistributedSampler`` under a batch sampler that filters on one rank), which also
 refuses loaders with a length on some ranks beside streams on others (Lightning's sum of their lengths hung).
+Just before it the ranks agree that they cut their loaders alike: where one re-chunks and the ranks' loader batch
+sizes differ (loaders of their own: 4 and 8 cut by ``m = 4``), every rank refuses (one ran its loader as it is, the other
+cut and accumulated its own, and their collectives did not meet); a plan refused on one rank is raised on every rank there.
 Where the ranks agree per batch, the micro-batch loader's length, which Lightning counts, is every one of the loader's
 batches counted as a full one: the same on every rank without a collective, and an upper bound. Where the
 agreed sizes fall short of it (the ranks' last batches all short, or a batch sampler's batches of other sizes
@@ -221,29 +224,34 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
         if nothing_asked and self._checkpoint_plan is None and loader_batch_size(dataloader) is None:
             # An iterable without a readable batch size and nothing to re-plan: plain DDP + accumulation.
             rank_zero_info("dp_ga: the train loader's batch size is unknown; running it as is (no plan).")
+            _agree_on_layout(trainer, None, None)  # as Rechunking.wrap on the ranks whose batch size is known
             _agree_on_train_loader(trainer, dataloader)
             return dataloader
-        plan = resolve_dp_ga_plan(
-            world_size=self.world_size,
-            loader_batch=loader_batch_size(dataloader),
-            user_accumulate=self._user_accumulate if self._user_accumulate is not None else trainer.accumulate_grad_batches,
-            plan=self._requested_plan,
-            micro_batch_size=self._micro_batch_size,
-            accumulate_grad_batches=self._accumulate_grad_batches,
-            checkpoint_plan=self._checkpoint_plan,
-        )
-        rechunks = plan.accumulate_grad_batches > 1 or plan.micro_batch_size != loader_batch_size(dataloader)
-        if rechunks and accumulation_scheduled(trainer):
-            raise InfeasiblePlanError(
-                f"dp_ga runs {plan.describe()}, setting accumulate_grad_batches itself, which a GradientAccumulationScheduler "
-                "callback also changes during the fit.",
-                hint="Use one of the two: drop the callback, or strategy='ddp' with it.",
+        try:  # the loader batch may be this rank's own (use_distributed_sampler=False), so may a refusal of it
+            plan = resolve_dp_ga_plan(
+                world_size=self.world_size,
+                loader_batch=loader_batch_size(dataloader),
+                user_accumulate=self._user_accumulate if self._user_accumulate is not None else trainer.accumulate_grad_batches,
+                plan=self._requested_plan,
+                micro_batch_size=self._micro_batch_size,
+                accumulate_grad_batches=self._accumulate_grad_batches,
+                checkpoint_plan=self._checkpoint_plan,
             )
-        if plan.accumulate_grad_batches > 1 and not self.lightning_module.automatic_optimization:
-            raise InfeasiblePlanError(
-                f"The plan accumulates {plan.accumulate_grad_batches} micro-batches but the LightningModule uses manual optimization.",
-                hint="Use automatic optimization, or micro_batch_size equal to the loader batch and accumulate_grad_batches=1.",
-            )
+            rechunks = plan.accumulate_grad_batches > 1 or plan.micro_batch_size != loader_batch_size(dataloader)
+            if rechunks and accumulation_scheduled(trainer):
+                raise InfeasiblePlanError(
+                    f"dp_ga runs {plan.describe()}, setting accumulate_grad_batches itself, which a GradientAccumulationScheduler "
+                    "callback also changes during the fit.",
+                    hint="Use one of the two: drop the callback, or strategy='ddp' with it.",
+                )
+            if plan.accumulate_grad_batches > 1 and not self.lightning_module.automatic_optimization:
+                raise InfeasiblePlanError(
+                    f"The plan accumulates {plan.accumulate_grad_batches} micro-batches but the LightningModule uses manual optimization.",
+                    hint="Use automatic optimization, or micro_batch_size equal to the loader batch and accumulate_grad_batches=1.",
+                )
+        except InfeasiblePlanError as refusal:
+            _agree_on_layout(trainer, loader_batch_size(dataloader), None, refusal)  # the others wait there (Rechunking.wrap)
+            raise
         if plan != self._plan:
             rank_zero_info(f"dp_ga: running {plan.describe()} (global batch {plan.global_batch_size}).")
         self._plan = plan
@@ -546,6 +554,7 @@ class Rechunking:
         # known also for a loader used as it is: one loaded before the loops were restored is set up again (reload_resumed)
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
+        _agree_on_layout(trainer, loader_batch, m)  # before the two ways below, which meet in other collectives
         if loader_batch == m:
             _agree_on_train_loader(trainer, dataloader)
             return dataloader
@@ -1021,6 +1030,39 @@ def _agree_on_train_loader(trainer: pl.Trainer, loader: object, refusal: Excepti
         return
     raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
                         skipped=sized_len(loader) is None, mixed=lambda rank: lengths_beside_streams("train", [rank]))
+
+
+def _agree_on_layout(trainer: pl.Trainer, loader_batch: int | None, m: int | None, failure: Exception | None = None) -> None:
+    """Where the train loader is set up (every rank, once per loader, before :func:`_agree_on_train_loader`), the ranks
+    agree that they cut their loaders alike: ``loader_batch`` (None: unknown) into micro-batches of ``m`` (None: run as it
+    is). Loaders of each rank's own (``use_distributed_sampler=False``) may batch other sizes, and a rank whose batch size
+    is ``m`` ran its loader as it is (no agreement per batch, :class:`_MicroBatchLoader`) while another cut its own (one
+    per batch) and accumulated other numbers of micro-batches per step: their collectives did not meet (the fit hung, or
+    gloo failed on all-reduces of other sizes). Refused on every rank where one re-chunks and the ranks' sizes differ (run
+    as they are, they train as under DDP). ``failure`` (this rank's refusal of its plan, which may hold on it alone) is
+    raised on every rank (:func:`raise_on_every_rank`). One all-reduce of six integers, none on one rank."""
+    if trainer.world_size < 2:
+        if failure is not None:
+            raise failure
+        return
+    batch, micro = -1 if loader_batch is None else loader_batch, -1 if m is None else m
+    mine = [batch, -batch, micro, -micro, m is not None and loader_batch != m, failure is not None]
+    agreed = torch.tensor(mine, dtype=torch.int64, device=trainer.strategy.root_device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+    largest, smallest, most, fewest, rechunks, failed = agreed.tolist()
+    if failed:
+        raise_on_every_rank(failure, doing="planning its train loader", device=trainer.strategy.root_device)
+    smallest, fewest = -smallest, -fewest
+    if rechunks and (largest != smallest or most != fewest):
+        sizes = f"{smallest}" if smallest == largest else f"from {smallest} to {largest}" if smallest >= 0 else \
+            f"up to {largest} (unknown on some)"
+        cut = f"{fewest}" if fewest == most else f"{max(fewest, 0)} to {most}"
+        raise InfeasiblePlanError(
+            f"The ranks' train loaders have batch sizes {sizes}, re-chunked into micro-batches of {cut}, so ranks whose batches "
+            "make other numbers of micro-batches (or run as they are) would take other steps and meet in other collectives.",
+            hint="Give every rank's train loader the same batch size, or run each rank's batches as they are "
+            "(DPGAStrategy's micro_batch_size and accumulate_grad_batches 'auto', or strategy='ddp').",
+        )
 
 
 def lengths_beside_streams(what: str, ranks: Sequence[int]) -> BatchFormatError:

@@ -1455,11 +1455,13 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
     (m=20), :func:`_uncut_on_rank_1` (m=4) and :func:`_varying_loader` of :data:`OVERSIZED` (m=20), no
     DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a DistributedSampler, each refused on rank 1 only (the
     last last: without an agreement rank 1 went on alone); then :func:`_stream_on_rank_1` as it is (m=8) and cut (m=4),
-    which hung (last: a hang cannot disturb the other cases)."""
+    and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung (last: a hang cannot disturb
+    the other cases)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
     for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_filtered_on_rank_1, 2),
-                      (_stream_on_rank_1, 8), (_stream_on_rank_1, 4)):
+                      (_stream_on_rank_1, 8), (_stream_on_rank_1, 4), (functools.partial(_batch_size_by_rank, sizes=(4, 8)), 4),
+                      (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1469,6 +1471,12 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
         unchanged = all(torch.equal(a, b) for a, b in zip(cpu_state(model).values(), before.values()))
         errors.append((type(error.value), str(error.value), getattr(error.value, "__notes__", None), trainer.global_step, unchanged))
     return errors
+
+
+def _batch_size_by_rank(x: torch.Tensor, sizes: tuple[int, ...]) -> Any:
+    """The 20 samples in loader batches of ``sizes[rank]`` (a loader of each rank's own: use_distributed_sampler=False)."""
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(data, batch_size=sizes[torch.distributed.get_rank()])
 
 
 VARYING = ((40, 30, 20, 40), (40, 30, 1, 40))  # each rank's loader batches (batch_size 40), of different sizes mid-epoch
@@ -1581,7 +1589,13 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     Rank 1's loader a stream without a length beside rank 0's map-style one (use_distributed_sampler=False), run as it
     is (m=8) and cut (m=4): both ranks hung (a 15 s group timeout in a run of its own) in Lightning's has_len_all_ranks,
     which sums the loaders' lengths in a collective the rank reading the stream skips. Both now raise one
-    BatchFormatError with a HINT as the loader is set up, before any step."""
+    BatchFormatError with a HINT as the loader is set up, before any step.
+
+    Loaders of each rank's own whose batch sizes differ: 4 on rank 0 and 8 on rank 1 with m=4 (rank 0 ran its loader as
+    it is with no agreement per batch, rank 1 cut its batches into 2 micro-batches, agreeing on each, and accumulated 2
+    per step), and 8 and 12 with m=8 (rank 1 alone refused: 8 does not divide 12): the ranks' collectives did not meet
+    (gloo failed on all-reduces of other sizes, or a rank waited for the refusing one's). Both ranks now raise one
+    InfeasiblePlanError with a HINT as the loader is set up, before any step (rank 1's refusal with a note on rank 0)."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1601,10 +1615,20 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 6
+    assert len(results[0][3]) == len(results[1][3]) == 8
+    # loader batch sizes of each rank's own, 4 and 8 cut by m=4, and 8 and 12 by m=8 (refused on rank 1 alone): both
+    # ranks raise as the loader is set up (their collectives did not meet)
+    planned = ["Raised on global rank 1 planning its train loader; global rank 0 stops with it."]
+    for refused, (matching, noted) in zip(zip(results[0][3][6:], results[1][3][6:]), (
+            (r"^The ranks' train loaders have batch sizes from 4 to 8, re-chunked into micro-batches of 4, .*HINT: Give every "
+             r"rank's train loader the same batch size", None),
+            (r"^micro_batch_size=8 does not divide the 12 samples per replica per step", planned))):
+        assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
+        assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
+        assert [r[2:] for r in refused] == [(noted, 0, True), (None, 0, True)], refused
     # a stream on rank 1 beside a loader with a length on rank 0, as it is and cut: both ranks raise it as the loader is
     # set up (each hung in Lightning's sum of the loaders' lengths, which rank 1 skips)
-    for refused in zip(results[0][3][4:], results[1][3][4:]):
+    for refused in zip(results[0][3][4:6], results[1][3][4:6]):
         assert [r[0] for r in refused] == [BatchFormatError] * 2 and refused[0][1] == refused[1][1], refused
         assert refused[0][1].startswith("The train loader of rank 1 has no length (a stream) while those of other ranks "
                                         "have one") and " HINT: " in refused[0][1], refused
