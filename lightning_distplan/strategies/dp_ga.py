@@ -73,7 +73,9 @@ micro-batch is known as an ``IterableDataset``'s below (looked ahead for, a deci
 the ranks agreed on: the sizes each batch is cut as, and where its places fall in the micro-batches, so the
 ranks meet in the same collectives).
 On one process, or where a ``DistributedSampler`` (Lightning's) gives every rank as many samples, nothing
-is to agree on, and a short batch is cut into micro-batches of ``m``.
+is to agree on, and a short batch is cut into micro-batches of ``m``; on several ranks there, only each epoch's first
+batch is agreed on (one all-reduce per epoch), so a refusal of its format on one rank (a part that cannot be cut, no
+tensor to cut) is raised on every rank.
 An ``IterableDataset`` whose ``__len__`` overstates what a rank's iterator yields (a global length over the rank's shard)
 ends the epoch before Lightning's count: the micro-batch that ends it (looked ahead for after the short last batch) steps
 exactly when the user's run steps after the loader batch ending in it; one that yields more loader batches than the
@@ -563,13 +565,16 @@ class Rechunking:
         limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
         n = sized_len(dataloader)
         self._user_epoch = n if n is None or limit is None else min(n, limit)
-        agree = None
+        agree = first = None
         # several replicas whose data may differ (no DistributedSampler): their loaders agree (a pipeline's, see
         # _FullBatchLoader, on the epoch's steps; the stages of one replica read the same batches)
         if trainer.world_size > replica_share and not isinstance(loader_sampler(dataloader)[0], DistributedSampler):
             agree = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
+        elif trainer.world_size > replica_share and cls is None:  # as many batches on every rank: only the first is agreed on
+            first = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
         loader_cls = cls or _MicroBatchLoader
-        self._loader = loader_cls(dataloader, m, weight=weight, limit_batches=limit, agree=agree)
+        self._loader = loader_cls(dataloader, m, weight=weight, limit_batches=limit, agree=agree,
+                                  **({} if first is None else {"agree_first": first}))
         self._loader.ended = self._end_steered_step
         refusal = None  # maybe on this rank only (a batch sampler's own filter or shard, also over a DistributedSampler)
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
@@ -1172,10 +1177,12 @@ class _MicroBatchLoader:
     def __init__(
         self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *,
         agree: Callable[[int, Exception | None], tuple[int, int]] | None = None,
+        agree_first: Callable[[int, Exception | None], tuple[int, int]] | None = None,
     ) -> None:
         self._loader = loader
         self.micro_batch_size = micro_batch_size
         self.agree = agree  # several ranks: (largest, smallest) of the ranks' batch sizes; raises a rank's refusal (see _agreed_batch_sizes)
+        self.agree_first = agree_first  # several ranks under a DistributedSampler: the same, at a pass's first batch only (see _agree)
         self._weight = weight
         self._limit_batches = limit_batches
         # (loss weight, loader batches ending in it, whether the loader is known to end after it) per micro-batch yielded
@@ -1338,8 +1345,15 @@ class _MicroBatchLoader:
     def _agree(self, index: int, n: int, failure: Exception | None = None) -> int:
         """The size to cut loader batch ``index`` of ``n`` samples as (``n`` is the end of the epoch's batches): ``n``
         on one rank; on several, the largest of the ranks' sizes (:func:`_agreed_batch_sizes`). ``failure`` (this rank's
-        refusal of the batch, else :attr:`refusal`) is raised, on several ranks on every rank."""
+        refusal of the batch, else :attr:`refusal`) is raised, on several ranks on every rank.
+
+        Under a DistributedSampler on several ranks (as many batches on each, nothing agreed per batch: :attr:`agree_first`)
+        ``n`` it is, and only the pass's first batch is agreed on, where a refusal of the batch's format (its size
+        unreadable, a part that cannot be cut: maybe in one rank's shard alone) is found: the other ranks went on into a
+        step and died with gloo's error once the refusing rank's process ended. One all-reduce per pass there."""
         if self.agree is None:
+            if self.agree_first is not None and index == 0:
+                self.agree_first(n, failure)
             if failure is not None:
                 raise failure
             return n
@@ -1383,7 +1397,7 @@ class _MicroBatchLoader:
             samples = self._samples()
         return math.ceil(samples / self.micro_batch_size)
 
-    _OWN = frozenset({"_loader", "micro_batch_size", "agree", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
+    _OWN = frozenset({"_loader", "micro_batch_size", "agree", "agree_first", "_weight", "_limit_batches", "_weights", "_warned", "_resume", "_resume_began",
                       "_states", "_held", "_exhausted", "ended"})
 
     def __getattr__(self, name: str) -> Any:

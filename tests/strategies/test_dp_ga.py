@@ -1403,13 +1403,16 @@ def _uncounted_loader(_: torch.Tensor) -> Any:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_sampler=_SizedBatches(list(mine), 40))
 
 
-def _uncut_on_rank_1(x: torch.Tensor) -> Any:
-    """Batches of 8 (x, y), whose targets are a :class:`_Targets` (which micro-batches cannot be cut from) on rank 1 only."""
+def _uncut_on_rank_1(x: torch.Tensor, distributed: bool = False) -> Any:
+    """Batches of 8 (x, y), whose targets are a :class:`_Targets` (which micro-batches cannot be cut from) on rank 1 only;
+    ``distributed``: of a DistributedSampler of the user's (10 of the 20 samples per rank; no agreement per batch)."""
     def collate(items: list[Any]) -> Any:
         x, y = torch.stack([a for a, _ in items]), torch.stack([b for _, b in items])
         return x, (_Targets(y) if torch.distributed.get_rank() == 1 else y)
 
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, collate_fn=collate)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False) if distributed else None
+    return torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler, collate_fn=collate)
 
 
 class _FilteredBatches(torch.utils.data.Sampler):
@@ -1455,13 +1458,13 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
     (m=20), :func:`_uncut_on_rank_1` (m=4) and :func:`_varying_loader` of :data:`OVERSIZED` (m=20), no
     DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a DistributedSampler, each refused on rank 1 only (the
     last last: without an agreement rank 1 went on alone); then :func:`_stream_on_rank_1` as it is (m=8) and cut (m=4),
-    and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung (last: a hang cannot disturb
-    the other cases)."""
+    and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung, and :func:`_uncut_on_rank_1` over
+    a DistributedSampler (m=4), whose rank 0 went on alone (last: a hang cannot disturb the other cases)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
     for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_filtered_on_rank_1, 2),
                       (_stream_on_rank_1, 8), (_stream_on_rank_1, 4), (functools.partial(_batch_size_by_rank, sizes=(4, 8)), 4),
-                      (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8)):
+                      (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8), (functools.partial(_uncut_on_rank_1, distributed=True), 4)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1595,7 +1598,12 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     it is with no agreement per batch, rank 1 cut its batches into 2 micro-batches, agreeing on each, and accumulated 2
     per step), and 8 and 12 with m=8 (rank 1 alone refused: 8 does not divide 12): the ranks' collectives did not meet
     (gloo failed on all-reduces of other sizes, or a rank waited for the refusing one's). Both ranks now raise one
-    InfeasiblePlanError with a HINT as the loader is set up, before any step (rank 1's refusal with a note on rank 0)."""
+    InfeasiblePlanError with a HINT as the loader is set up, before any step (rank 1's refusal with a note on rank 0).
+
+    Rank 1's first batch holding a part that cannot be cut, where the ranks read through a DistributedSampler (nothing
+    agreed per batch): rank 1 raised alone, and rank 0 went on into the step's gradient all-reduce and died with gloo's
+    error once rank 1's process ended. The ranks now agree at each epoch's first batch (one all-reduce per epoch), and
+    both raise rank 1's refusal before any step, rank 0 with a note naming rank 1."""
     cases = [
         (functools.partial(_sharded_loader, n=40), 1, 2),
         (functools.partial(_sharded_loader, n=56), 2, 4),
@@ -1615,11 +1623,11 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 8
+    assert len(results[0][3]) == len(results[1][3]) == 9
     # loader batch sizes of each rank's own, 4 and 8 cut by m=4, and 8 and 12 by m=8 (refused on rank 1 alone): both
     # ranks raise as the loader is set up (their collectives did not meet)
     planned = ["Raised on global rank 1 planning its train loader; global rank 0 stops with it."]
-    for refused, (matching, noted) in zip(zip(results[0][3][6:], results[1][3][6:]), (
+    for refused, (matching, noted) in zip(zip(results[0][3][6:8], results[1][3][6:8]), (
             (r"^The ranks' train loaders have batch sizes from 4 to 8, re-chunked into micro-batches of 4, .*HINT: Give every "
              r"rank's train loader the same batch size", None),
             (r"^micro_batch_size=8 does not divide the 12 samples per replica per step", planned))):
@@ -1635,12 +1643,14 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
         assert [r[2:] for r in refused] == [(None, 0, True)] * 2, refused
     # (what the message says, the optimizer steps before it: the oversized batch comes after the first batch's step)
     # (the oversized batches: every rank refuses the batches as they cut them, alike, so none names another)
+    # (the last: rank 1's uncut part under a DistributedSampler, agreed on at the epoch's first batch)
     expected = ((r"4 batches of up to 40 samples, but how many samples its _SizedBatches", 0, note),
                 (r"The training batch\[1\] is a _Targets holding the batch's 8 rows", 0, note),
                 (r"first 3 batches of the epoch hold 130 samples, where dp_ga counts the epoch's 3 batches as at most 40 samples "
                  r"each \(6 micro-batches of 20\).*HINT: Use micro_batch_size=40", 2, None),
-                (r"2 batches of up to 4 samples, but how many samples its _FilteredBatches", 0, note))
-    for refused, (matching, steps, noted) in zip(zip(results[0][3], results[1][3]), expected):
+                (r"2 batches of up to 4 samples, but how many samples its _FilteredBatches", 0, note),
+                (r"The training batch\[1\] is a _Targets holding the batch's 8 rows", 0, note))
+    for refused, (matching, steps, noted) in zip(zip(results[0][3][:4] + results[0][3][8:], results[1][3][:4] + results[1][3][8:]), expected):
         assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
         assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
         assert [r[2:] for r in refused] == [(noted, steps, steps == 0), (None, steps, steps == 0)], refused
