@@ -35,7 +35,7 @@ import stat
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -187,23 +187,25 @@ def _os_error(err: BaseException | None) -> OSError | None:
 
 def raise_on_every_rank(
     failure: Exception | None, *, doing: str, device: Any = None, skipped: bool | None = None,
-    mixed: Callable[[int], Exception] | None = None,
-) -> None:
+    mixed: Callable[[int], Exception] | None = None, also: Sequence[int] = (),
+) -> list[int]:
     """Collective over the default group (every rank calls it): raise on every rank the error one rank had ``doing``
     something only some ranks do or that fails on some only (global rank 0's checkpoint write, a file one node lacks).
     A rank that failed raises its own error; the others raise the lowest failing rank's, with a note naming that rank.
-    One all-reduce of three numbers when nothing failed; the error travels only when one did. Not distributed, or one
-    rank: ``failure`` is raised as it is. ``device``: where the all-reduce's tensor lies (the strategy's
+    One all-reduce of three numbers (and ``also``) when nothing failed; the error travels only when one did. Not
+    distributed, or one rank: ``failure`` is raised as it is. ``device``: where the all-reduce's tensor lies (the strategy's
     ``root_device``: a GPU under NCCL). ``skipped``: whether this rank had nothing to do (a resume that came to no file on
-    it); where some ranks skipped and others did not and none failed, every rank raises ``mixed(lowest skipping rank)``."""
+    it); where some ranks skipped and others did not and none failed, every rank raises ``mixed(lowest skipping rank)``.
+    ``also``: integers of the caller's, reduced by MIN in the same all-reduce and returned where nothing was raised (so a
+    caller agrees on more without a collective of its own: negate one to have its MAX); ``also`` itself on one rank."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         if failure is not None:
             raise failure
-        return
+        return list(also)
     world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cpu") if device is None else torch.device(device)
     # MIN of: the lowest failing rank, the lowest skipping rank, and -1 where some rank did what the others skipped
-    mine = [world if failure is None else rank, rank if skipped else world, -1 if skipped is False else 0]
+    mine = [world if failure is None else rank, rank if skipped else world, -1 if skipped is False else 0, *also]
     first = torch.tensor(mine, dtype=torch.int64, device=device)
     try:
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -211,11 +213,11 @@ def raise_on_every_rank(
         if failure is not None:
             raise failure from None
         raise
-    src, skipper, did = (int(v) for v in first.tolist())
+    src, skipper, did, *agreed = (int(v) for v in first.tolist())
     if src == world:
         if skipper < world and did < 0 and mixed is not None:
             raise mixed(skipper)
-        return
+        return agreed
     box = [_sendable(failure) if rank == src else None]
     dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
     if failure is not None:

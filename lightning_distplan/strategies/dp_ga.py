@@ -62,7 +62,7 @@ counted, its first batch has a part that cannot be cut) says so in an agreement,
 raises it (the others with a note naming the rank): the first in the one agreement as the loader is set up (also
 where nothing is agreed per batch: a ``DistributedSampler`` under a batch sampler that filters on one rank), which also
 refuses loaders with a length on some ranks beside streams on others (Lightning's sum of their lengths hung).
-Just before it the ranks agree that they cut their loaders alike: where one re-chunks and the ranks' loader batch
+In it the ranks also agree that they cut their loaders alike: where one re-chunks and the ranks' loader batch
 sizes differ (loaders of their own: 4 and 8 cut by ``m = 4``), every rank refuses (one ran its loader as it is, the other
 cut and accumulated its own, and their collectives did not meet); a plan refused on one rank is raised on every rank there.
 Where the ranks agree per batch, the micro-batch loader's length, which Lightning counts, is every one of the loader's
@@ -226,8 +226,7 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
         if nothing_asked and self._checkpoint_plan is None and loader_batch_size(dataloader) is None:
             # An iterable without a readable batch size and nothing to re-plan: plain DDP + accumulation.
             rank_zero_info("dp_ga: the train loader's batch size is unknown; running it as is (no plan).")
-            _agree_on_layout(trainer, None, None)  # as Rechunking.wrap on the ranks whose batch size is known
-            _agree_on_train_loader(trainer, dataloader)
+            _agree_on_train_loader(trainer, dataloader)  # its layout unknown, cut by none (as Rechunking.wrap's on other ranks)
             return dataloader
         try:  # the loader batch may be this rank's own (use_distributed_sampler=False), so may a refusal of it
             plan = resolve_dp_ga_plan(
@@ -252,7 +251,8 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
                     hint="Use automatic optimization, or micro_batch_size equal to the loader batch and accumulate_grad_batches=1.",
                 )
         except InfeasiblePlanError as refusal:
-            _agree_on_layout(trainer, loader_batch_size(dataloader), None, refusal)  # the others wait there (Rechunking.wrap)
+            # the others wait in that agreement (Rechunking.wrap)
+            _agree_on_train_loader(trainer, dataloader, refusal, layout=(loader_batch_size(dataloader), None))
             raise
         if plan != self._plan:
             rank_zero_info(f"dp_ga: running {plan.describe()} (global batch {plan.global_batch_size}).")
@@ -556,9 +556,8 @@ class Rechunking:
         # known also for a loader used as it is: one loaded before the loops were restored is set up again (reload_resumed)
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
-        _agree_on_layout(trainer, loader_batch, m)  # before the two ways below, which meet in other collectives
         if loader_batch == m:
-            _agree_on_train_loader(trainer, dataloader)
+            _agree_on_train_loader(trainer, dataloader, layout=(loader_batch, m))
             return dataloader
         if cls is None and loader_batch is not None:
             _warn_batchnorm(trainer, m, loader_batch)
@@ -580,7 +579,7 @@ class Rechunking:
         if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
                 and _samples_per_epoch(dataloader) is None:
             refusal = _uncounted(dataloader, loader_batch, m)
-        _agree_on_train_loader(trainer, self._loader, refusal)
+        _agree_on_train_loader(trainer, self._loader, refusal, layout=(loader_batch, m))
         self._trainer, self._steer = trainer, None
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
@@ -1020,45 +1019,37 @@ def _uncounted(dataloader: object, loader_batch: int, m: int) -> InfeasiblePlanE
     )
 
 
-def _agree_on_train_loader(trainer: pl.Trainer, loader: object, refusal: Exception | None = None) -> None:
+def _agree_on_train_loader(
+    trainer: pl.Trainer, loader: object, refusal: Exception | None = None, *, layout: tuple[int | None, int | None] = (None, None),
+) -> None:
     """Where Lightning sets the train loader up (every rank, once per loader), the ranks agree that ``loader``, the one
     Lightning gets, can run: ``refusal`` (this rank's, maybe of its own data alone) is raised on every rank, and
     loaders with a length beside streams are refused on every rank. Lightning's ``has_len_all_ranks``, right after
     this hook, sums the loaders' lengths in a collective that only the ranks with a length join, so a loader of each
     rank's own (``use_distributed_sampler=False``) that is a stream (an IterableDataset without ``__len__``) on some
     ranks hung the fit there until the process group's timeout; so did a rank refusing alone (the others waited there
-    until its process ended under them). One all-reduce of three integers per loader set up
-    (:func:`raise_on_every_rank`), none on one rank."""
+    until its process ended under them).
+
+    In the same collective the ranks agree that they cut their loaders alike: ``layout`` is this rank's loader batch
+    size (None: unknown) and the micro-batch size it is cut into (None: run as it is). Loaders of each rank's own may
+    batch other sizes, and a rank whose batch size is ``m`` ran its loader as it is (no agreement per batch,
+    :class:`_MicroBatchLoader`) while another cut its own (one per batch) and accumulated other numbers of micro-batches
+    per step: their collectives did not meet (the fit hung, or gloo failed on all-reduces of other sizes). Refused on
+    every rank where one re-chunks and the ranks' sizes differ (run as they are, they train as under DDP). One
+    all-reduce of eight integers per loader set up (:func:`raise_on_every_rank`), none on one rank."""
     if trainer.world_size < 2:  # the trainer's ranks agree, not a wider default group's (no collective for one)
         if refusal is not None:
             raise refusal
         return
-    raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
-                        skipped=sized_len(loader) is None, mixed=lambda rank: lengths_beside_streams("train", [rank]))
-
-
-def _agree_on_layout(trainer: pl.Trainer, loader_batch: int | None, m: int | None, failure: Exception | None = None) -> None:
-    """Where the train loader is set up (every rank, once per loader, before :func:`_agree_on_train_loader`), the ranks
-    agree that they cut their loaders alike: ``loader_batch`` (None: unknown) into micro-batches of ``m`` (None: run as it
-    is). Loaders of each rank's own (``use_distributed_sampler=False``) may batch other sizes, and a rank whose batch size
-    is ``m`` ran its loader as it is (no agreement per batch, :class:`_MicroBatchLoader`) while another cut its own (one
-    per batch) and accumulated other numbers of micro-batches per step: their collectives did not meet (the fit hung, or
-    gloo failed on all-reduces of other sizes). Refused on every rank where one re-chunks and the ranks' sizes differ (run
-    as they are, they train as under DDP). ``failure`` (this rank's refusal of its plan, which may hold on it alone) is
-    raised on every rank (:func:`raise_on_every_rank`). One all-reduce of six integers, none on one rank."""
-    if trainer.world_size < 2:
-        if failure is not None:
-            raise failure
-        return
+    loader_batch, m = layout
     batch, micro = -1 if loader_batch is None else loader_batch, -1 if m is None else m
-    mine = [batch, -batch, micro, -micro, m is not None and loader_batch != m, failure is not None]
-    agreed = torch.tensor(mine, dtype=torch.int64, device=trainer.strategy.root_device)
-    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
-    largest, smallest, most, fewest, rechunks, failed = agreed.tolist()
-    if failed:
-        raise_on_every_rank(failure, doing="planning its train loader", device=trainer.strategy.root_device)
-    smallest, fewest = -smallest, -fewest
-    if rechunks and (largest != smallest or most != fewest):
+    rechunks = m is not None and loader_batch != m
+    # MIN of each, and of its negation (the MAX)
+    agreed = raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
+                                 skipped=sized_len(loader) is None, mixed=lambda rank: lengths_beside_streams("train", [rank]),
+                                 also=(batch, -batch, micro, -micro, -rechunks))
+    smallest, largest, fewest, most, rechunked = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4] < 0
+    if rechunked and (largest != smallest or most != fewest):
         sizes = f"{smallest}" if smallest == largest else f"from {smallest} to {largest}" if smallest >= 0 else \
             f"up to {largest} (unknown on some)"
         cut = f"{fewest}" if fewest == most else f"{max(fewest, 0)} to {most}"
