@@ -1540,13 +1540,15 @@ def _cut_short(index: int, placed: int, room: Room, m: int, loader_batch: int | 
     Lightning would end the epoch at that count, before the epoch's last samples, which a run of the user's loader
     trains (it counts loader batches, whatever their sizes). ``loader_batch``: the loader's batch size (the hint's)."""
     places, batches, batch, samples = room
-    left = "before its last samples" if placed > places else f"before its {batches - index - 1} batch(es) left"
+    rest = batches - index - 1
+    left = "before its last samples" if placed > places else f"before its {rest} {'batch' if rest == 1 else 'batches'} left"
+    first = "first batch of the epoch holds" if index == 0 else f"first {index + 1} batches of the epoch hold"
     counted = f"{batches} batches as at most {batch} samples each" if batch is not None else \
         f"{batches} batches as the {samples} samples its sampler holds"
     within = "a batch sampler whose batches hold at most its `batch_size` samples" if batch is not None else \
         "a collate_fn (and batch sampler) making one row of each of the sampler's samples"
     return InfeasiblePlanError(
-        f"The train loader's first {index + 1} batches of the epoch hold {placed} samples, where dp_ga counts the epoch's "
+        f"The train loader's {first} {placed} samples, where dp_ga counts the epoch's "
         f"{counted} ({places // m} micro-batches of {m}), so the epoch would end {left} (DDP trains them).",
         hint=f"Use micro_batch_size={loader_batch} (your batches as they are), {within}, or strategy='ddp'.",
     )
