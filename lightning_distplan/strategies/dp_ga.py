@@ -1467,7 +1467,8 @@ def _rebatch_pieces(
     tells the batch dimension from per-batch constants (:class:`BatchSizer`). ``room``: the places the epoch's count of
     micro-batches holds, and the loader batches and batch size it was counted from
     (:meth:`_MicroBatchLoader._counted_room`); batches that fill them before the last counted one, or overflow them,
-    are refused (Lightning ends the epoch there), as the ranks cut them, so alike on every rank.
+    are refused (Lightning ends the epoch there; a count of the sampler's samples filled only where a batch follows:
+    :func:`_follows`), as the ranks cut them, so alike on every rank.
 
     ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
     0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`); called
@@ -1482,6 +1483,7 @@ def _rebatch_pieces(
     have = 0  # places of the micro-batch filled (samples, or a spread batch's places)
     placed = 0  # places of the epoch's batches so far
     i = -1
+    batches = iter(batches)
     for i, batch in enumerate(batches):
         try:
             n = _batch_n(batch, sizer)
@@ -1494,7 +1496,7 @@ def _rebatch_pieces(
             raise
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
         placed += places
-        if room is not None and (placed > room[0] or placed == room[0] and i + 1 < room[1]):
+        if room is not None and (placed > room[0] or placed == room[0] and i + 1 < room[1] and _follows(batches, room)):
             raise _cut_short(i, placed, room, m, expected)
         offset = 0
         while offset < places:
@@ -1525,6 +1527,17 @@ def _agreed_batch_sizes(device: torch.device, n: int, failure: Exception | None 
     if failed:
         raise_on_every_rank(failure, doing="reading its train loader", device=device)
     return largest, -negative_smallest
+
+
+def _follows(batches: Iterator[Any], room: Room) -> bool:
+    """Whether a loader batch follows where the epoch's batches filled the ``room`` counted before the loader's last
+    batch. Counted from the sampler's samples (``room``'s batch size None), all of them came: a batch sampler whose
+    length overstates its batches (larger ones: 12, 8 of 20 samples where it says 3) trains whole, and only a further
+    batch (a ``collate_fn`` making rows of no sample of the sampler's) is cut short; so the next batch is looked for
+    (a refusal follows where there is one; none: the loop ends). Counted in loader batches, the count is the one
+    to go by (and the ranks that agree per batch meet at each: no look-ahead of one rank's own)."""
+    end = object()
+    return room[2] is not None or next(batches, end) is not end
 
 
 def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> tuple[Any, tuple[Piece, ...]]:

@@ -993,7 +993,9 @@ def test_a_collate_fn_making_more_rows_than_samples_is_refused_not_cut_short(sin
     counted the epoch from the sampler's 24 samples (6 micro-batches), the batches held 48 rows, and Lightning ended the
     epoch after 24 of them (DDP trains all 48), without a word; so over a batch sampler of 12, 8, 4 counted from its
     sampler (24 rows in its first batch: the count filled before its other 2 batches). Refused where the rows overflow
-    (or fill) the count now, with the batches before trained."""
+    (or fill) the count now, with the batches before trained. A batch sampler whose length overstates its batches (12, 12
+    of the 24 samples where it says 3), one row per sample, fills the count with no batch left: it trains whole, as under
+    DDP (it was refused for the 1 batch its length promised)."""
     x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
 
@@ -1019,6 +1021,17 @@ def test_a_collate_fn_making_more_rows_than_samples_is_refused_not_cut_short(sin
         assert sum(n for _, n in model.trained) == trained  # the batches before the one that overflows the count
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+    class _Overstated(_SizedBatches):
+        def __len__(self) -> int:
+            return len(self.sizes) + 1
+
+    batches = _Overstated([12, 12], 8)
+    batches.sampler = range(24)
+    model = _ScheduledOver(lambda _: torch.utils.data.DataLoader(data, batch_sampler=batches))
+    L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=4), devices=1, max_epochs=1, limit_val_batches=0,
+                               use_distributed_sampler=False)).fit(model)
+    assert [n for _, n in model.trained] == [4] * 6
 
 
 class _Targets:
