@@ -204,10 +204,11 @@ class _FullBatchLoader(_MicroBatchLoader):
     stops where ``__len__`` says, so each rank's count of its own let one rank step more). Where the loaders hold
     different numbers, that spread is warned about in place of ``shortfall``. They also agree at every step, before it,
     whether every rank has a full one (where a rank's length is unknown or may overstate what it yields, an
-    IterableDataset) and whether a rank refused its batch (its size unreadable, maybe in this rank's data alone): one
-    rank raising alone left the others waiting in the agreement or the gradient all-reduce until the process group's
-    timeout; every rank raises its error (:func:`_agreed_batch_sizes`, as dp_ga's loader does). One all-reduce of three
-    integers per step. With a DistributedSampler (every replica as many samples) nothing is agreed.
+    IterableDataset) and whether a rank could not read its batch (its size unreadable, or any error its loader raised,
+    an IndexError of its Dataset: maybe in this rank's data alone): one rank raising alone left the others waiting in the
+    agreement or the gradient all-reduce until the process group's timeout; every rank raises its error
+    (:func:`_agreed_batch_sizes`, as dp_ga's loader does; the other ranks a RuntimeError naming it and its rank where it
+    is not this package's refusal). One all-reduce of three integers per step. With a DistributedSampler (every replica as many samples) nothing is agreed.
     """
 
     shortfall: int | None = None
@@ -254,10 +255,10 @@ class _FullBatchLoader(_MicroBatchLoader):
             try:
                 batch = next(micro_batches, None)
                 n = 0 if batch is None else _batch_n(batch)
-            except InfeasiblePlanError as refusal:  # maybe on this rank alone (its own data): the others wait at the agreement
-                if each_step is None:
+            except Exception as failure:  # maybe on this rank alone (its own data): the others wait at the agreement
+                if each_step is None:  # (a KeyboardInterrupt is not carried: this rank stops at once)
                     raise
-                each_step(0, refusal)  # raises it on every rank
+                each_step(0, failure)  # raises it on every rank: here as it is, there as _told_elsewhere says
                 raise
             if n != m:
                 dropped += n  # the short last one, or none

@@ -188,6 +188,7 @@ def _os_error(err: BaseException | None) -> OSError | None:
 def raise_on_every_rank(
     failure: Exception | None, *, doing: str, device: Any = None, skipped: bool | None = None,
     mixed: Callable[[int], Exception] | None = None, also: Sequence[int] = (),
+    sent: Callable[[Exception, int], Exception] | None = None,
 ) -> list[int]:
     """Collective over the default group (every rank calls it): raise on every rank the error one rank had ``doing``
     something only some ranks do or that fails on some only (global rank 0's checkpoint write, a file one node lacks).
@@ -197,7 +198,9 @@ def raise_on_every_rank(
     ``root_device``: a GPU under NCCL). ``skipped``: whether this rank had nothing to do (a resume that came to no file on
     it); where some ranks skipped and others did not and none failed, every rank raises ``mixed(lowest skipping rank)``.
     ``also``: integers of the caller's, reduced by MIN in the same all-reduce and returned where nothing was raised (so a
-    caller agrees on more without a collective of its own: negate one to have its MAX); ``also`` itself on one rank."""
+    caller agrees on more without a collective of its own: negate one to have its MAX); ``also`` itself on one rank.
+    ``sent``: what the failing rank sends the others in place of its error, given the error and its rank (the error
+    itself by default)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         if failure is not None:
             raise failure
@@ -218,7 +221,7 @@ def raise_on_every_rank(
         if skipper < world and did < 0 and mixed is not None:
             raise mixed(skipper)
         return agreed
-    box = [_sendable(failure) if rank == src else None]
+    box = [_sendable(failure if sent is None else sent(failure, rank)) if rank == src else None]
     dist.broadcast_object_list(box, src=src, device=device if device.type == "cuda" else None)
     if failure is not None:
         raise failure

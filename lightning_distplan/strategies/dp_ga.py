@@ -109,7 +109,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-from lightning_distplan.errors import BatchFormatError, DataLoadingError, InfeasiblePlanError
+from lightning_distplan.errors import BatchFormatError, DataLoadingError, DistPlanError, InfeasiblePlanError, first_line
 from lightning_distplan.plan import Plan, require_plan
 from lightning_distplan.profiling._batches import BatchSizer, concat_samples, find_batch_size, loader_batch_size, slice_samples, uncut_part_found
 from lightning_distplan.strategies._auto_planning import check_count
@@ -1519,13 +1519,14 @@ def _agreed_batch_sizes(device: torch.device, n: int, failure: Exception | None 
     """The largest and the smallest of the ranks' ``n`` (dp_ga: this rank's loader batch size, 0 where its loader ended;
     a pipeline's ``_FullBatchLoader``: its samples per epoch, -1 where unknown, or whether it has a full step), by one
     all-reduce of three integers on ``device`` (the strategy's root device, so NCCL can). A rank with a ``failure`` (its
-    refusal of the batch, maybe on it alone) says so in the third; where one did, every rank raises the lowest such
-    rank's error (:func:`raise_on_every_rank`, collectives only then) rather than one waiting at the next agreement."""
+    refusal of the batch, maybe on it alone, or any error its loader raised) says so in the third; where one did, every
+    rank raises the lowest such rank's error (:func:`raise_on_every_rank`, collectives only then, the others as
+    :func:`_told_elsewhere` says) rather than one waiting at the next agreement."""
     sizes = torch.tensor([n, -n, failure is not None], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(sizes, op=torch.distributed.ReduceOp.MAX)
     largest, negative_smallest, failed = sizes.tolist()
     if failed:
-        raise_on_every_rank(failure, doing="reading its train loader", device=device)
+        raise_on_every_rank(failure, doing="reading its train loader", device=device, sent=_told_elsewhere)
     return largest, -negative_smallest
 
 
@@ -1538,6 +1539,19 @@ def _follows(batches: Iterator[Any], room: Room) -> bool:
     to go by (and the ranks that agree per batch meet at each: no look-ahead of one rank's own)."""
     end = object()
     return room[2] is not None or next(batches, end) is not end
+
+
+def _told_elsewhere(failure: Exception, rank: int) -> Exception:
+    """What the other ranks raise for the ``failure`` global rank ``rank`` had reading its train loader: a refusal of
+    this package's (a sentence and HINT that hold there too) as it is; any other (an IndexError of that rank's Dataset, a
+    collate error) as a RuntimeError that names it and sends them to that rank's traceback. Raised as it is, the error
+    would look like one of their own data, with a traceback through this package's code, not where it was raised."""
+    if isinstance(failure, DistPlanError):
+        return failure
+    return RuntimeError(
+        f"Global rank {rank} raised {type(failure).__name__} ({first_line(failure)}) reading a batch of its train loader, "
+        f"where the ranks meet at every step. HINT: See global rank {rank}'s traceback for where it was raised (its Dataset, sampler or collate_fn)."
+    )
 
 
 def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> tuple[Any, tuple[Piece, ...]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import traceback
 import warnings
 import weakref
 from typing import Any
@@ -987,6 +988,21 @@ class _SizedStream(_Stream):
         return len(self.data)
 
 
+class _MissingSamples(torch.utils.data.Dataset):
+    """A dataset whose samples from ``first_missing`` on raise IndexError where they are read (a rank's broken data)."""
+
+    def __init__(self, data: TensorDataset, first_missing: int) -> None:
+        self.data, self.first_missing = data, first_missing
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        if i >= self.first_missing:
+            raise IndexError(f"no sample {i} on this rank")
+        return self.data[i]
+
+
 class _EvaluatedMLP(TinyMLP):
     def validation_step(self, batch: Any, batch_idx: int) -> None:  # (the pipeline runs its loss in its place)
         pass
@@ -1018,7 +1034,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     a dataset to shard over the ranks, none where the sampler does not name its dataset (the samples skipped unsaid; 2
     where it does). ``refused``: rank 3's loader yields batches of strings after its first step's (its size unreadable,
     on that rank alone): it raised alone, and the other ranks waited in the gradient all-reduce (or p2p) until gloo
-    gave up; what each rank raised."""
+    gave up; what each rank raised. ``failed``: rank 3's Dataset raises IndexError at its second step's samples (any
+    error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends."""
     import datetime
 
     import torch.distributed as dist
@@ -1050,10 +1067,20 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                                     timeout=datetime.timedelta(seconds=120))
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, kind), callbacks=[steps], use_distributed_sampler=False),
                                "max_steps": -1, "max_epochs": 1})
+        raised_at: list[str] = []
+
+        def fit() -> None:
+            try:
+                trainer.fit(TinyMLP(), loader)
+            except Exception as err:
+                raised_at.append(traceback.extract_tb(err.__traceback__)[-1].name)  # where its traceback ends
+                raise
+
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            raised = error_of(lambda: trainer.fit(TinyMLP(), loader))
-        results[kind] = {"raised": raised, "steps": steps.seen, "warned": [str(w.message) for w in caught if "skipp" in str(w.message)]}
+            raised = error_of(fit)
+        results[kind] = {"raised": raised, "raised at": raised_at, "steps": steps.seen,
+                         "warned": [str(w.message) for w in caught if "skipp" in str(w.message)]}
 
     fit_own_data("equal", DataLoader(mlp_data(20, seed=rank // 2), batch_size=4))
     from lightning_distplan.strategies.pipeline import PipelineStrategy
@@ -1073,6 +1100,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     full = mlp_data(16, seed=rank // 2)
     fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
                                        batch_size=4))
+    fit_own_data("failed", DataLoader(_MissingSamples(full, 8 if rank == 3 else 16), batch_size=4))
     dist.destroy_process_group()
     return results
 
@@ -1272,6 +1300,21 @@ def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_
                 "tensors (or dicts/lists/tuples of tensors) from the train dataloader, or use micro_batch_size='auto'.")
     assert raised == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; global rank {r} stops with it."])
                       for r in range(3)] + [("InfeasiblePlanError", sentence, [])], raised
+
+
+def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_every_rank(_launch) -> None:
+    """Rank 3's Dataset alone raises IndexError at its second step's samples (see
+    _replicas_of_unequal_data_under_auto_plan): only this package's refusals rode the ranks' per-step agreement, so rank
+    3 raised alone and ranks 0-2 waited in the replicas' gradient all-reduce (or p2p) for gloo's timeout or a closed
+    connection, a raw gloo error. Now rank 3 raises its own IndexError, its traceback still ending in the Dataset, and the
+    others one RuntimeError naming it and rank 3, with a HINT to read rank 3's traceback."""
+    failed = [r["unequal"]["failed"] for r in _launch[2]]
+    told = ("Global rank 3 raised IndexError (no sample 8 on this rank) reading a batch of its train loader, where the ranks meet at "
+            "every step. HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    assert [f["raised"] for f in failed] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
+                                                                     "stops with it."]) for r in range(3)] + [
+        ("IndexError", "no sample 8 on this rank", [])], [f["raised"] for f in failed]
+    assert failed[3]["raised at"] == ["__getitem__"], failed[3]["raised at"]
 
 
 def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
