@@ -1003,6 +1003,16 @@ class _MissingSamples(torch.utils.data.Dataset):
         return self.data[i]
 
 
+class _WideMLP(TinyMLP):
+    """TinyMLP's chain 2048 wide (8.4M parameters, little compute per sample): on 4 gloo ranks a pipeline, all-reducing
+    half the gradients or none, is predicted faster than dp_ga, which all-reduces them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(nn.Linear(16, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                                   nn.Linear(2048, 4))
+
+
 class _EvaluatedMLP(TinyMLP):
     def validation_step(self, batch: Any, batch_idx: int) -> None:  # (the pipeline runs its loss in its place)
         pass
@@ -1035,10 +1045,15 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     where it does). ``refused``: rank 3's loader yields batches of strings after its first step's (its size unreadable,
     on that rank alone): it raised alone, and the other ranks waited in the gradient all-reduce (or p2p) until gloo
     gave up; what each rank raised. ``failed``: rank 3's Dataset raises IndexError at its second step's samples (any
-    error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends."""
+    error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends.
+
+    ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on every rank's own 20 samples in whole
+    batches of 4 (drop_last): the plan chosen, and what planning said of skipped samples (rank 0's log)."""
     import datetime
+    import logging
 
     import torch.distributed as dist
+    from lightning_utilities.core import rank_zero
 
     from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
 
@@ -1083,6 +1098,16 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                          "warned": [str(w.message) for w in caught if "skipp" in str(w.message)]}
 
     fit_own_data("equal", DataLoader(mlp_data(20, seed=rank // 2), batch_size=4))
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(rank_zero.log.name).addHandler(handler)
+    trainer = L.Trainer(**{**trainer_kwargs(world, AutoPlanStrategy(timeout=datetime.timedelta(seconds=120)), os.path.join(out, "planned"),
+                                            use_distributed_sampler=False), "max_steps": -1, "max_epochs": 1})
+    raised = error_of(lambda: trainer.fit(_WideMLP(), DataLoader(mlp_data(20, seed=rank // 2), batch_size=4, drop_last=True)))
+    logging.getLogger(rank_zero.log.name).removeHandler(handler)
+    results["planned"] = {"raised": raised, "plan": None if raised else trainer.strategy.plan.describe(),
+                          "said": [m for m in said if "skip" in m]}
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     torch.manual_seed(0)
@@ -1288,6 +1313,21 @@ def test_auto_plan_warns_of_the_samples_each_replica_of_its_own_data_skips(_laun
         "auto_plan: the epoch's last 4 samples per replica do not fill a pipeline step of 8 samples and are skipped (a run of "
         "your loader under DDP trains them)."
     ], [], [], []]
+
+
+def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(_launch) -> None:
+    """Every rank's own 20 samples in whole batches of 4 (use_distributed_sampler=False, see
+    _replicas_of_unequal_data_under_auto_plan), planned on 4 ranks with nothing pinned: each pipeline's steps (8 samples
+    per replica on dp=2, 16 on dp=1) leave 4 of each rank's 20 untrained, which DDP trains, so the faster predicted
+    pipeline goes behind dp_ga, which trains them all. Planning must read the loader as the Trainer will set it up
+    (AutoPlanStrategy._plan passes use_distributed_sampler): read as one dataset of 20 that Lightning shards over the 4
+    ranks (5 each, 4 in a whole batch), no pipeline skips any, and the pipeline ran."""
+    planned = [r["unequal"]["planned"] for r in _launch[2]]
+    assert [p["raised"] for p in planned] == [None] * 4, planned
+    assert len({p["plan"] for p in planned}) == 1 and planned[0]["plan"].startswith("dp_ga dp=4 "), planned
+    said = planned[0]["said"]
+    assert len(said) == 1 and said[0].startswith("auto_plan: not running ") and (
+        "it would skip the epoch's last 4 samples per replica, which your run trains; running dp_ga dp=4 " in said[0]), said
 
 
 def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_rank(_launch) -> None:
