@@ -1459,6 +1459,9 @@ whose places it holds, also one of no samples there (``first == end``), so its p
 (``end == size``: the batch's last place) are alike on every rank."""
 
 
+_ENDED = object()  # what next() gives past a loader's last batch
+
+
 def _rebatch_pieces(
     batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None,
     room: Room | None = None,
@@ -1472,7 +1475,8 @@ def _rebatch_pieces(
 
     ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
     0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`); called
-    with a batch's refusal (its size unknown, a part that cannot be cut), it raises it on every rank. A batch
+    with a batch's refusal (its size unknown, a part that cannot be cut) or any error pulling it raised (this rank's
+    Dataset or collate_fn), it raises it on every rank. A batch
     of that size is cut as it is; a smaller one has its samples spread evenly over that many places, so it gives the
     same micro-batches (ranks whose short batches differ run the same ones: Lightning and DDP meet in a collective at
     each), with the same pieces (:data:`Piece`: places that hold none of the batch's samples give a piece of none). A
@@ -1484,16 +1488,20 @@ def _rebatch_pieces(
     placed = 0  # places of the epoch's batches so far
     i = -1
     batches = iter(batches)
-    for i, batch in enumerate(batches):
-        try:
+    while True:
+        try:  # pulling the batch too: any error of this rank's loader (an IndexError of its Dataset) may be its alone
+            batch = next(batches, _ENDED)
+            if batch is _ENDED:
+                break
             n = _batch_n(batch, sizer)
-            if i == 0 and n != m:
+            if i == -1 and n != m:
                 _refuse_uncut_parts(batch, n, m)
-        except InfeasiblePlanError as refusal:
+        except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
             if agree is None:
                 raise
-            agree(i, 0, refusal)  # raises it on every rank (another rank's batch may be fine: it waits at the agreement)
+            agree(i + 1, 0, failure)  # raises it on every rank (another rank's batch may be fine: it waits at the agreement)
             raise
+        i += 1
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
         placed += places
         if room is not None and (placed > room[0] or placed == room[0] and i + 1 < room[1] and _follows(batches, room)):

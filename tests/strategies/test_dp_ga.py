@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import time
+import traceback
 from typing import Any
 
 import lightning as L
@@ -1455,6 +1456,26 @@ def _filtered_on_rank_1(x: torch.Tensor) -> Any:
     return torch.utils.data.DataLoader(data, batch_sampler=_FilteredBatches(torch.utils.data.DistributedSampler(data, shuffle=False), 4))
 
 
+class _MissingOnRank1(torch.utils.data.Dataset):
+    """(x, target) samples of ``x`` whose samples from 8 on raise IndexError where rank 1 reads them (its broken data)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        if i >= 8 and torch.distributed.get_rank() == 1:
+            raise IndexError(f"no sample {i} on this rank")
+        return self.x[i], self.x[i].sum(0, keepdim=True)
+
+
+def _missing_on_rank_1(x: torch.Tensor) -> Any:
+    """Loader batches of 8 of :class:`_MissingOnRank1`: rank 1's second batch raises IndexError."""
+    return torch.utils.data.DataLoader(_MissingOnRank1(x), batch_size=8)
+
+
 OVERSIZED = ((40, 40, 40), (40, 50, 30))  # rank 1's second batch holds more than the batch size (40) its loader says
 
 
@@ -1467,15 +1488,16 @@ def _stream_on_rank_1(x: torch.Tensor) -> Any:
 
 
 def _refused_on_one_rank(world_size: int) -> list[Any]:
-    """(error type, message, notes, optimizer steps, weights unchanged) of dp_ga's fits over :func:`_uncounted_loader`
-    (m=20), :func:`_uncut_on_rank_1` (m=4) and :func:`_varying_loader` of :data:`OVERSIZED` (m=20), no
+    """(error type, message, notes, optimizer steps, weights unchanged, where its traceback ends) of dp_ga's fits over
+    :func:`_uncounted_loader` (m=20), :func:`_uncut_on_rank_1` (m=4), :func:`_varying_loader` of :data:`OVERSIZED` (m=20)
+    and :func:`_missing_on_rank_1` (m=4), no
     DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a DistributedSampler, each refused on rank 1 only (the
     last last: without an agreement rank 1 went on alone); then :func:`_stream_on_rank_1` as it is (m=8) and cut (m=4),
     and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung, and :func:`_uncut_on_rank_1` over
     a DistributedSampler (m=4), whose rank 0 went on alone (last: a hang cannot disturb the other cases)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
-    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_filtered_on_rank_1, 2),
+    for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_missing_on_rank_1, 4), (_filtered_on_rank_1, 2),
                       (_stream_on_rank_1, 8), (_stream_on_rank_1, 4), (functools.partial(_batch_size_by_rank, sizes=(4, 8)), 4),
                       (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8), (functools.partial(_uncut_on_rank_1, distributed=True), 4)):
         model = _ScheduledOver(loader)
@@ -1485,7 +1507,8 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
         with pytest.raises(Exception) as error:  # noqa: PT011  # the test compares what each rank raised
             trainer.fit(model)
         unchanged = all(torch.equal(a, b) for a, b in zip(cpu_state(model).values(), before.values()))
-        errors.append((type(error.value), str(error.value), getattr(error.value, "__notes__", None), trainer.global_step, unchanged))
+        errors.append((type(error.value), str(error.value), getattr(error.value, "__notes__", None), trainer.global_step, unchanged,
+                       traceback.extract_tb(error.value.__traceback__)[-1].name))
     return errors
 
 
@@ -1636,7 +1659,15 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 9
+    assert len(results[0][3]) == len(results[1][3]) == 10
+    # rank 1's Dataset raising IndexError at its second batch: rank 1 raised it alone and rank 0 waited in the next
+    # agreement (gloo's "Connection closed by peer" once rank 1's process ended); now rank 1 raises its own, its traceback
+    # still ending in the Dataset, and rank 0 a RuntimeError naming it and rank 1
+    missing = (results[0][3].pop(3), results[1][3].pop(3))
+    told = ("Global rank 1 raised IndexError (no sample 8 on this rank) reading a batch of its train loader, where the ranks meet at "
+            "every step. HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    assert [r[:3] for r in missing] == [(RuntimeError, told, note), (IndexError, "no sample 8 on this rank", None)], missing
+    assert missing[0][3] == missing[1][3] and missing[1][5] == "__getitem__", missing
     # loader batch sizes of each rank's own, 4 and 8 cut by m=4, and 8 and 12 by m=8 (refused on rank 1 alone): both
     # ranks raise as the loader is set up (their collectives did not meet)
     for refused, (matching, noted) in zip(zip(results[0][3][6:8], results[1][3][6:8]), (
@@ -1645,14 +1676,14 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
             (r"^micro_batch_size=8 does not divide the 12 samples per replica per step", note))):
         assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
         assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
-        assert [r[2:] for r in refused] == [(noted, 0, True), (None, 0, True)], refused
+        assert [r[2:5] for r in refused] == [(noted, 0, True), (None, 0, True)], refused
     # a stream on rank 1 beside a loader with a length on rank 0, as it is and cut: both ranks raise it as the loader is
     # set up (each hung in Lightning's sum of the loaders' lengths, which rank 1 skips)
     for refused in zip(results[0][3][4:6], results[1][3][4:6]):
         assert [r[0] for r in refused] == [BatchFormatError] * 2 and refused[0][1] == refused[1][1], refused
         assert refused[0][1].startswith("The train loader of rank 1 has no length (a stream) while those of other ranks "
                                         "have one") and " HINT: " in refused[0][1], refused
-        assert [r[2:] for r in refused] == [(None, 0, True)] * 2, refused
+        assert [r[2:5] for r in refused] == [(None, 0, True)] * 2, refused
     # (what the message says, the optimizer steps before it: the oversized batch comes after the first batch's step)
     # (the oversized batches: every rank refuses the batches as they cut them, alike, so none names another)
     # (the last: rank 1's uncut part under a DistributedSampler, agreed on at the epoch's first batch)
@@ -1665,4 +1696,4 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     for refused, (matching, steps, noted) in zip(zip(results[0][3][:4] + results[0][3][8:], results[1][3][:4] + results[1][3][8:]), expected):
         assert [r[0] for r in refused] == [InfeasiblePlanError] * 2 and refused[0][1] == refused[1][1], refused
         assert re.search(matching, refused[0][1]) and " HINT: " in refused[0][1], refused
-        assert [r[2:] for r in refused] == [(noted, steps, steps == 0), (None, steps, steps == 0)], refused
+        assert [r[2:5] for r in refused] == [(noted, steps, steps == 0), (None, steps, steps == 0)], refused
