@@ -81,6 +81,15 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
     fastest = min(feasible, key=lambda c: c.objective)
+    if comparable(fastest.objective) < comparable(win.objective) and fastest.skipped_samples and not win.skipped_samples:
+        # moved behind the winner because it would leave samples of each epoch untrained (auto_plan's whole_epochs_first)
+        faster = [c for c in feasible if comparable(c.objective) < comparable(win.objective) and c.skipped_samples]
+        others = f", like {len(faster) - 1} more plan{'s' if len(faster) > 2 else ''} predicted faster," if len(faster) > 1 else ""
+        return (
+            f"Why the winner wins: {win.plan.describe()} trains every sample of the epoch, while the fastest plan "
+            f"({fastest.plan.describe()}, predicted {1 - fastest.objective / win.objective:.1%} faster){others} would skip the epoch's "
+            f"last {fastest.skipped_samples} samples per replica, which a run of your loader trains."
+        )
     if comparable(fastest.objective) < comparable(win.objective) and twin_key(win.plan) == twin_key(fastest.plan):
         return (  # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order)
             f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
@@ -88,12 +97,18 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"1F1B, which holds fewer activations ({_gib(win.prediction.peak_memory_bytes)} vs "
             f"{_gib(fastest.prediction.peak_memory_bytes)} GiB peak) and whose runtime measured cheaper per micro-batch than GPipe's."
         )
-    if comparable(fastest.objective) < comparable(win.objective):  # a near tie that went to the larger micro-batch (near_tie_order)
+    if comparable(fastest.objective) < comparable(win.objective) and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
+        # a near tie that went to the larger micro-batch (near_tie_order)
         return (
             f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
             f"the fastest plan ({fastest.plan.describe()}) and runs larger micro-batches ({win.plan.micro_batch_size} vs "
             f"{fastest.plan.micro_batch_size}); in a near tie the ranking prefers them, since every micro-batch "
             "carries loop and pipeline-runtime cost the model does not fully price."
+        )
+    if comparable(fastest.objective) < comparable(win.objective):  # ranked first for none of the reasons above: claim none
+        return (
+            f"Why the winner wins: {win.plan.describe()} was ranked first, though predicted {win.objective / fastest.objective - 1:.1%} "
+            f"slower than the fastest plan ({fastest.plan.describe()})."
         )
     # Compare with the best plan of another layout (dp / pp / hybrid) first: "why pipelines over DP"
     # is the question users ask; GPipe vs 1F1B of the same layout differ only in memory.

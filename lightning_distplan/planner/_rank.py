@@ -34,6 +34,11 @@ class Candidate:
     """1 = best; feasible plans always rank above infeasible ones."""
     cost_per_step: float | None = None
     """Money per step (seed 000 §IV-D) when a price was given, else None."""
+    skipped_samples: int = 0
+    """Samples per epoch and replica this plan's steps would leave untrained of the run's loader (a pipeline's steps of
+    ``m·n`` samples that the epoch's last ones do not fill), which a run of the loader as it is trains; 0: none, or not
+    known. auto_plan sets it where it ranks such a plan behind the plans that train them all (``whole_epochs_first``),
+    so that :func:`why_winner` says why a slower plan won."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON record of ``distplan plan --format json`` (DESIGN §5 field names)."""

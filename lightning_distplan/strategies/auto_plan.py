@@ -530,5 +530,7 @@ def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distr
         f"{keep[0].plan.describe()} (predicted {keep[0].prediction.step_time_s:.4g} s/step). Pin the pipeline to run it anyway."
     )
     kept = {id(c) for c in keep}
-    order = keep + [c for c in feasible if id(c) not in kept] + [c for c in candidates if not c.prediction.feasible]
+    moved = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler))
+             for c in feasible if id(c) not in kept]  # (why_winner says why they went behind)
+    order = keep + moved + [c for c in candidates if not c.prediction.feasible]
     return [dataclasses.replace(c, rank=i + 1) for i, c in enumerate(order)]

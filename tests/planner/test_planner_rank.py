@@ -208,3 +208,31 @@ def test_when_nothing_fits_the_closest_named_is_the_plan_with_the_smallest_peak(
     assert closest.prediction.peak_memory_bytes == min(c.prediction.peak_memory_bytes for c in cands)
     assert closest.plan.pp == 4 and closest.prediction.peak_memory_bytes < cands[0].prediction.peak_memory_bytes / 4
     assert why_winner(cands) == f"No plan fits in memory; the closest, {closest.plan.describe()}, fails because {closest.prediction.reason}"
+
+
+def test_a_plan_ranked_behind_for_the_samples_it_would_skip_is_said_to_skip_them():
+    """auto_plan ranks the pipelines that would leave each epoch's last samples untrained behind the plans that train
+    them all (whole_epochs_first): a 4-rank fit ran dp_ga dp=4 m=4 over a pipeline of m=8 predicted 22.8% faster, and the
+    reason given was the near tie's "within 29.7% of the fastest plan ... and runs larger micro-batches (4 vs 8)": no
+    near tie, and 4 is smaller. It says the real reason, and a slower winner with a smaller micro-batch never claims a
+    larger one."""
+    from lightning_distplan.planner import why_winner
+
+    cands = rank_plans(prof(), world_size=4, global_batch_size=16, hardware=hw(), pins={"micro_batch_size": 4})
+    dp = next(c for c in cands if c.plan.strategy == "dp_ga" and c.prediction.feasible)
+    cands = rank_plans(prof(), world_size=4, global_batch_size=16, hardware=hw(), pins={"micro_batch_size": 8})
+    pipe = next(c for c in cands if c.plan.strategy != "dp_ga" and c.prediction.feasible)
+    assert (dp.plan.micro_batch_size, pipe.plan.micro_batch_size) == (4, 8)
+
+    def ranked(skipped: int, *slower: Candidate) -> list[Candidate]:
+        return [replace(dp, objective=0.478, rank=1), replace(pipe, objective=0.369, rank=2, skipped_samples=skipped), *slower]
+
+    assert why_winner(ranked(4)) == (
+        f"Why the winner wins: {dp.plan.describe()} trains every sample of the epoch, while the fastest plan ({pipe.plan.describe()}, "
+        "predicted 22.8% faster) would skip the epoch's last 4 samples per replica, which a run of your loader trains.")
+    more = replace(pipe, objective=0.4, rank=3, skipped_samples=4)
+    assert ", like 1 more plan predicted faster, would skip " in why_winner(ranked(4, more))
+    # not moved for skipping (no reason the ranking gives): nothing claimed, least of all a larger micro-batch
+    why = why_winner(ranked(0))
+    assert why == (f"Why the winner wins: {dp.plan.describe()} was ranked first, though predicted 29.5% slower than the fastest "
+                   f"plan ({pipe.plan.describe()})."), why
