@@ -517,20 +517,21 @@ def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool) ->
 
 def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distributed_sampler: bool) -> list[Candidate]:
     """``candidates`` with the feasible pipelines that would skip an epoch's last samples moved behind the other feasible
-    plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered.
-    ``distributed_sampler``: as :func:`skipped_samples`."""
-    feasible = [c for c in candidates if c.prediction.feasible]
-    keep = [c for c in feasible if not skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler)]
+    plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered. Each feasible
+    plan carries the samples it would skip (``Candidate.skipped_samples``, moved or not: why_winner says why a slower
+    plan won). ``distributed_sampler``: as :func:`skipped_samples`."""
+    marked = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler))
+              if c.prediction.feasible else c for c in candidates]
+    feasible = [c for c in marked if c.prediction.feasible]
+    keep = [c for c in feasible if not c.skipped_samples]
     if not feasible or not keep or keep[0] is feasible[0]:
-        return list(candidates)
+        return marked
     first = feasible[0]
     rank_zero_info(
         f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): it would skip the "
-        f"epoch's last {skipped_samples(first.plan, loader, distributed_sampler=distributed_sampler)} samples per replica, which your run trains; running "
+        f"epoch's last {first.skipped_samples} samples per replica, which your run trains; running "
         f"{keep[0].plan.describe()} (predicted {keep[0].prediction.step_time_s:.4g} s/step). Pin the pipeline to run it anyway."
     )
     kept = {id(c) for c in keep}
-    moved = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler))
-             for c in feasible if id(c) not in kept]  # (why_winner says why they went behind)
-    order = keep + moved + [c for c in candidates if not c.prediction.feasible]
+    order = keep + [c for c in feasible if id(c) not in kept] + [c for c in marked if not c.prediction.feasible]
     return [dataclasses.replace(c, rank=i + 1) for i, c in enumerate(order)]

@@ -181,7 +181,11 @@ def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plan
     assert chosen[0].plan == first_whole.plan and [c.rank for c in chosen] == list(range(1, len(ranked) + 1))
     assert sorted(id(c.plan) for c in chosen) == sorted(id(c.plan) for c in ranked)  # the same plans, reordered
     pipelines_only = [c for c in ranked if c.plan.strategy != "dp_ga"]
-    assert whole_epochs_first(pipelines_only, loader, distributed_sampler=True) == pipelines_only
+    # no plan trains them all: none moved, each marked with what it skips (why_winner's reason where one is moved)
+    marked = whole_epochs_first(pipelines_only, loader, distributed_sampler=True)
+    assert [c.plan for c in marked] == [c.plan for c in pipelines_only]
+    assert [c.skipped_samples for c in marked] == [12 if c.prediction.feasible else 0 for c in pipelines_only]
+    assert [c.skipped_samples for c in chosen if c.plan.strategy == "dp_ga"] == [0] * (len(ranked) - len(pipelines_only))
 
 
 def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_distributed_sampler() -> None:
