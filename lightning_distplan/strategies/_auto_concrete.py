@@ -33,6 +33,7 @@ from lightning_distplan.strategies.dp_ga import (
     _MicroBatchLoader,
     _rebatch,
     _samples_per_epoch,
+    _tell_every_rank,
     loader_batch_size,
     loader_sampler,
     restore_frequencies,
@@ -258,7 +259,8 @@ class _FullBatchLoader(_MicroBatchLoader):
             except Exception as failure:  # maybe on this rank alone (its own data): the others wait at the agreement
                 if each_step is None:  # (a KeyboardInterrupt is not carried: this rank stops at once)
                     raise
-                each_step(0, failure)  # raises it on every rank: here as it is, there as _told_elsewhere says
+                # raises it on every rank: here as it was raised, there as _told_elsewhere says
+                _tell_every_rank(lambda: each_step(0, failure), failure)
                 raise
             if n != m:
                 dropped += n  # the short last one, or none

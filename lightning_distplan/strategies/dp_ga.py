@@ -1499,7 +1499,8 @@ def _rebatch_pieces(
         except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
             if agree is None:
                 raise
-            agree(i + 1, 0, failure)  # raises it on every rank (another rank's batch may be fine: it waits at the agreement)
+            # raises it on every rank (another rank's batch may be fine: it waits at the agreement); here as it was raised
+            _tell_every_rank(lambda: agree(i + 1, 0, failure), failure)
             raise
         i += 1
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
@@ -1560,6 +1561,20 @@ def _told_elsewhere(failure: Exception, rank: int) -> Exception:
         f"Global rank {rank} raised {type(failure).__name__} ({first_line(failure)}) reading a batch of its train loader, "
         f"where the ranks meet at every step. HINT: See global rank {rank}'s traceback for where it was raised (its Dataset, sampler or collate_fn)."
     )
+
+
+def _tell_every_rank(agree: Callable[[], object], failure: Exception) -> None:
+    """Call ``agree``, an agreement that raises this rank's ``failure`` on every rank, from the except block that caught
+    ``failure``, which re-raises it with a bare ``raise``. Raised by :func:`raise_on_every_rank`, ``failure``'s traceback
+    had the agreement's frames put in front of where its loader raised it (the error looked raised there); it is set back
+    to the traceback it was caught with. Another error of the agreement's (another rank's, told here) passes."""
+    caught = failure.__traceback__
+    try:
+        agree()
+    except Exception as err:
+        if err is not failure:
+            raise
+        failure.__traceback__ = caught
 
 
 def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> tuple[Any, tuple[Piece, ...]]:

@@ -1508,7 +1508,7 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
             trainer.fit(model)
         unchanged = all(torch.equal(a, b) for a, b in zip(cpu_state(model).values(), before.values()))
         errors.append((type(error.value), str(error.value), getattr(error.value, "__notes__", None), trainer.global_step, unchanged,
-                       traceback.extract_tb(error.value.__traceback__)[-1].name))
+                       [frame.name for frame in traceback.extract_tb(error.value.__traceback__)]))
     return errors
 
 
@@ -1667,7 +1667,9 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     told = ("Global rank 1 raised IndexError (no sample 8 on this rank) reading a batch of its train loader, where the ranks meet at "
             "every step. HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler or collate_fn).")
     assert [r[:3] for r in missing] == [(RuntimeError, told, note), (IndexError, "no sample 8 on this rank", None)], missing
-    assert missing[0][3] == missing[1][3] and missing[1][5] == "__getitem__", missing
+    assert missing[0][3] == missing[1][3] and missing[1][5][-1] == "__getitem__", missing
+    # (as it was raised: the agreement that carried it to rank 0 raised it again, its frames put in the middle)
+    assert not {"raise_on_every_rank", "_agreed_batch_sizes", "_agree"} & set(missing[1][5]), missing
     # loader batch sizes of each rank's own, 4 and 8 cut by m=4, and 8 and 12 by m=8 (refused on rank 1 alone): both
     # ranks raise as the loader is set up (their collectives did not meet)
     for refused, (matching, noted) in zip(zip(results[0][3][6:8], results[1][3][6:8]), (
