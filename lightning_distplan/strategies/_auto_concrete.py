@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -260,7 +261,7 @@ class _FullBatchLoader(_MicroBatchLoader):
                 if each_step is None:  # (a KeyboardInterrupt is not carried: this rank stops at once)
                     raise
                 # raises it on every rank: here as it was raised, there as _told_elsewhere says
-                _tell_every_rank(lambda: each_step(0, failure), failure)
+                _tell_every_rank(functools.partial(each_step, 0, failure), failure)
                 raise
             if n != m:
                 dropped += n  # the short last one, or none

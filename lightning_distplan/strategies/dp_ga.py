@@ -1500,7 +1500,7 @@ def _rebatch_pieces(
             if agree is None:
                 raise
             # raises it on every rank (another rank's batch may be fine: it waits at the agreement); here as it was raised
-            _tell_every_rank(lambda: agree(i + 1, 0, failure), failure)
+            _tell_every_rank(functools.partial(agree, i + 1, 0, failure), failure)
             raise
         i += 1
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
