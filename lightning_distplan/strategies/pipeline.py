@@ -31,7 +31,8 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   a rank's ends, :meth:`PipelineStrategy._agree_on_streams_having_batches`, :meth:`PipelineStrategy._end_of_streams`); the module's own
   ``validation_step``/``test_step`` is not called, but Lightning still requires the module to define it
   before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
-  ``predict_step`` returns the last stage's merged output on every rank of the replica. Checked
+  ``predict_step`` returns the last stage's merged output on every rank of the replica (from streams, a replica's stages
+  also agree at each step that they end together, and stages parting are refused on every rank). Checked
   against a single process in ``tests/strategies/test_pipeline_math.py`` (fit with a val loader,
   ``validate``, ``test``, ``predict``).
 * ``deferred_batchnorm=True``: BatchNorm layers become fairscale's ``DeferredBatchNorm``: the
