@@ -48,12 +48,15 @@ On several processes the ranks must run the same micro-batches: Lightning broadc
 and DDP all-reduces at every step, so ranks whose short last batches differ (a per-rank sampler or
 dataset, a stream sharded by rank: 17 and 23 samples cut by ``m = 20`` into 1 and 2 micro-batches)
 deadlocked the fit. There (no ``DistributedSampler``) the ranks agree on each loader batch's size: one
-all-reduce (MAX) of two integers per loader batch, on the strategy's root device, and every rank cuts
+all-reduce (MAX) of three integers per loader batch, on the strategy's root device, and every rank cuts
 the batch as one of the largest size. The rank(s) holding it cut it as one process does (equal shards:
 exactly as one process, no micro-batch shorter than that cut's); a rank with fewer samples spreads them
 evenly over as many micro-batches (the weights stay as above), and where it has fewer samples than those
 micro-batches (1 sample where another rank's 23 make 3), fills the others with its first sample at loss
-weight 0: no gradient, but ``training_step`` sees it (warned on that rank). As under DDP, each rank's
+weight 0: no gradient, but ``training_step`` sees it (warned on that rank). Any error a rank's loader raises
+as a batch is pulled (an ``IndexError`` of its Dataset, a collate error) goes through that agreement too: that rank
+raises it with its own traceback, the others a ``RuntimeError`` naming it and the rank (they waited at the next
+agreement). As under DDP, each rank's
 loader must yield the same number of batches: where the ranks' loaders report one length (a stream with a
 global ``__len__``) a rank whose loader ends first raises on every rank; where their lengths differ (per-rank
 map-style datasets of different batch counts) Lightning stops each at its own and the ranks fall out of step
