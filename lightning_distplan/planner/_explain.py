@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
@@ -18,6 +19,19 @@ def _s(x: float) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f}"
+
+
+def _pct(frac: float) -> str:
+    """A predicted difference (a fraction above 0) to the nearest 0.1%, and "under 0.1%" where that would print 0.0%:
+    "predicted 0.0% faster" reads as no difference, yet the ranking saw one."""
+    text = f"{frac:.1%}"
+    return "under 0.1%" if frac > 0 and float(text[:-1]) == 0 else text
+
+
+def _within(frac: float) -> str:
+    """A bound on a difference (a fraction above 0), rounded *up* to 0.1%: "within 0.7%" said of 0.74%, or "within 0.0%"
+    said of a plan that is slower, would state less than the difference it stands for."""
+    return f"{max(1, math.ceil(frac * 1000 - 1e-9)) / 10:.1f}%"
 
 
 def explain(candidates: Sequence[Candidate], top: int = 10) -> str:
@@ -87,12 +101,12 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
         others = f", like {len(faster) - 1} more plan{'s' if len(faster) > 2 else ''} predicted faster," if len(faster) > 1 else ""
         return (
             f"Why the winner wins: {win.plan.describe()} trains every sample of the epoch, while the fastest plan "
-            f"({fastest.plan.describe()}, predicted {1 - fastest.objective / win.objective:.1%} faster){others} would skip the epoch's "
+            f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){others} would skip the epoch's "
             f"last {fastest.skipped_samples} samples per replica, which a run of your loader trains."
         )
     if comparable(fastest.objective) < comparable(win.objective) and twin_key(win.plan) == twin_key(fastest.plan):
         return (  # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order)
-            f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
+            f"Why the winner wins: {win.plan.describe()} is predicted within {_within(win.objective / fastest.objective - 1)} of "
             f"the fastest plan ({fastest.plan.describe()}), with the same dp, pp and micro-batch; in a near tie the ranking prefers "
             f"1F1B, which holds fewer activations ({_gib(win.prediction.peak_memory_bytes)} vs "
             f"{_gib(fastest.prediction.peak_memory_bytes)} GiB peak) and whose runtime measured cheaper per micro-batch than GPipe's."
@@ -100,14 +114,14 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     if comparable(fastest.objective) < comparable(win.objective) and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
         # a near tie that went to the larger micro-batch (near_tie_order)
         return (
-            f"Why the winner wins: {win.plan.describe()} is predicted within {win.objective / fastest.objective - 1:.1%} of "
+            f"Why the winner wins: {win.plan.describe()} is predicted within {_within(win.objective / fastest.objective - 1)} of "
             f"the fastest plan ({fastest.plan.describe()}) and runs larger micro-batches ({win.plan.micro_batch_size} vs "
             f"{fastest.plan.micro_batch_size}); in a near tie the ranking prefers them, since every micro-batch "
             "carries loop and pipeline-runtime cost the model does not fully price."
         )
     if comparable(fastest.objective) < comparable(win.objective):  # ranked first for none of the reasons above: claim none
         return (
-            f"Why the winner wins: {win.plan.describe()} was ranked first, though predicted {win.objective / fastest.objective - 1:.1%} "
+            f"Why the winner wins: {win.plan.describe()} was ranked first, though predicted {_pct(win.objective / fastest.objective - 1)} "
             f"slower than the fastest plan ({fastest.plan.describe()})."
         )
     # Compare with the best plan of another layout (dp / pp / hybrid) first: "why pipelines over DP"

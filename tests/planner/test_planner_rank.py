@@ -142,7 +142,7 @@ def test_rank_plans_puts_a_near_tie_between_gpipe_and_1f1b_on_1f1b_and_says_why(
     assert rank_order(plans, preds, tie=0.0) == [0, 1]
     ranked = [replace(one, rank=1), replace(gpipe, prediction=faster, objective=faster.step_time_s, rank=2)]
     why = explain(ranked).splitlines()[-1]
-    assert why.startswith(f"Why the winner wins: {one.plan.describe()} is predicted within 1.0% of the fastest plan ({gpipe.plan.describe()}), with the same dp")
+    assert why.startswith(f"Why the winner wins: {one.plan.describe()} is predicted within 1.1% of the fastest plan ({gpipe.plan.describe()}), with the same dp")
     assert "prefers 1F1B, which holds fewer activations" in why
 
 
@@ -236,3 +236,26 @@ def test_a_plan_ranked_behind_for_the_samples_it_would_skip_is_said_to_skip_them
     why = why_winner(ranked(0))
     assert why == (f"Why the winner wins: {dp.plan.describe()} was ranked first, though predicted 29.5% slower than the fastest "
                    f"plan ({pipe.plan.describe()})."), why
+
+
+def test_a_percentage_never_states_less_than_the_difference_nor_zero():
+    """A 1F1B plan predicted 0.001% slower than its GPipe twin was said to be "within 0.0% of the fastest plan", and one
+    0.74% slower "within 0.7%": a bound stated less than the difference. It now rounds up to 0.1%. A point estimate
+    under 0.05% read "predicted 0.0% slower" (or faster), as if there were no difference; it reads "under 0.1%"."""
+    from lightning_distplan.planner import why_winner
+
+    free = hw(p2p_latency=0.0, p2p_bw=1e30)
+    one, gpipe = rank_plans(prof(), world_size=2, global_batch_size=16, strategies=("gpipe", "1f1b"), hardware=free, pins={"micro_batch_size": 2})
+
+    def twin_faster_by(factor: float) -> str:
+        t = one.prediction.step_time_s / factor
+        return why_winner([one, replace(gpipe, prediction=replace(gpipe.prediction, step_time_s=t), objective=t, rank=2)])
+
+    assert " is predicted within 0.1% of the fastest plan " in twin_faster_by(1 + 1e-5)
+    assert " is predicted within 0.8% of the fastest plan " in twin_faster_by(1.0074)
+    assert " is predicted within 1.0% of the fastest plan " in twin_faster_by(1.01)
+    # slower for no reason the ranking gives (a pipeline that skips nothing), or faster but skipping samples
+    dp = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), strategies=("dp_ga",), pins={"micro_batch_size": 1})[0]
+    assert "though predicted under 0.1% slower than the fastest plan" in why_winner(
+        [replace(dp, objective=1.0002), replace(one, objective=1.0, rank=2)])
+    assert ", predicted under 0.1% faster) would skip" in why_winner([replace(dp, objective=1.0002), replace(one, objective=1.0, rank=2, skipped_samples=3)])
