@@ -21,6 +21,21 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f}"
 
 
+def _apart(a: float, b: float, fmt=lambda x, d: f"{x:.{d}g}", digits: int = 4) -> tuple[str, str]:
+    """``a`` and ``b`` printed with ``digits`` digits, or as many more as it takes to print them apart: a claim that one
+    is smaller, next to "0.4559 s vs 0.4559 s", contradicts itself."""
+    for d in range(digits, digits + 9):
+        sa, sb = fmt(a, d), fmt(b, d)
+        if sa != sb:
+            break
+    return sa, sb
+
+
+def _gib_apart(a: int, b: int) -> tuple[str, str]:
+    """Two byte counts in GiB (3 decimals, more where it takes them to print apart)."""
+    return _apart(a / 2**30, b / 2**30, lambda x, d: f"{x:.{d}f}", 3)
+
+
 def _pct(frac: float) -> str:
     """A predicted difference (a fraction above 0) to the nearest 0.1%, and "under 0.1%" where that would print 0.0%:
     "predicted 0.0% faster" reads as no difference, yet the ranking saw one."""
@@ -140,10 +155,14 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     if comparable(ot) > comparable(wt):
         diffs = {k: other.prediction.breakdown.get(k, 0.0) - win.prediction.breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS}
         key = max(diffs, key=lambda k: diffs[k])
-        because = f", mostly {_SHORT[key]} ({_s(win.prediction.breakdown[key])} s vs {_s(other.prediction.breakdown[key])} s)"
+        wk, ok = _apart(win.prediction.breakdown.get(key, 0.0), other.prediction.breakdown.get(key, 0.0))
+        because = f", mostly {_SHORT[key]} ({wk} s vs {ok} s)"
+        # "1.00x less" says nothing is saved: under 1.005x the saving is said in percent
+        less = f"{ot / wt:.2f}x" if f"{ot / wt:.2f}" != "1.00" else _pct(1 - wt / ot)
+        ws, os_ = _apart(wt, ot)
         return (
-            f"Why the winner wins: {win.plan.describe()} takes {_s(wt)} s/step, {ot / wt:.2f}x less than {what} "
-            f"({other.plan.describe()}: {_s(ot)} s){because}."
+            f"Why the winner wins: {win.plan.describe()} takes {ws} s/step, {less} less than {what} "
+            f"({other.plan.describe()}: {os_} s){because}."
         )
     if comparable(win.objective) < comparable(other.objective):
         return (

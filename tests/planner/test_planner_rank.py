@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -259,3 +260,26 @@ def test_a_percentage_never_states_less_than_the_difference_nor_zero():
     assert "though predicted under 0.1% slower than the fastest plan" in why_winner(
         [replace(dp, objective=1.0002), replace(one, objective=1.0, rank=2)])
     assert ", predicted under 0.1% faster) would skip" in why_winner([replace(dp, objective=1.0002), replace(one, objective=1.0, rank=2, skipped_samples=3)])
+
+
+def test_a_winner_faster_by_a_hair_is_said_faster_in_numbers_that_show_it():
+    """A dp_ga plan predicted 0.03% faster than the runner-up read "takes 0.9099 s/step, 1.00x less than the runner-up",
+    and a 1F1B plan faster by less than 4 digits "takes 0.4559 s/step, 1.00x less than ... (...: 0.4559 s)": the numbers
+    said no time was saved. The saving is said in percent under 1.005x, and times print with the digits that tell them
+    apart."""
+    from lightning_distplan.planner import why_winner
+
+    win, runner = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), strategies=("dp_ga",))[:2]
+    t = win.prediction.step_time_s
+
+    def slower_by(factor: float) -> str:
+        pred = replace(runner.prediction, step_time_s=t * factor, breakdown={k: v * factor * t / runner.prediction.step_time_s
+                                                                             for k, v in runner.prediction.breakdown.items()})
+        return why_winner([win, replace(runner, prediction=pred, objective=t * factor)])
+
+    assert f"takes {t:.4g} s/step, 1.50x less than the runner-up" in slower_by(1.5)
+    why = slower_by(1.00001)
+    m = re.search(r"takes ([0-9.]+) s/step, under 0.1% less than the runner-up \(.*: ([0-9.]+) s\), mostly \w+ \(([0-9.]+) s vs ([0-9.]+) s\)", why)
+    assert m, why
+    assert float(m[1]) == pytest.approx(t, rel=1e-6) and float(m[1]) < float(m[2]) and float(m[3]) < float(m[4]), why
+    assert ", 0.4% less than the runner-up" in slower_by(1.004)
