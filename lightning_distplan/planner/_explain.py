@@ -170,13 +170,18 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"{_s(other.objective)} for {what}, {other.plan.describe()})."
         )
     wm, om = win.prediction.peak_memory_bytes, other.prediction.peak_memory_bytes
+    wg, og = _gib_apart(wm, om)
+    tie = f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step"
     if wm < om:
+        return f"{tie} and needs less peak memory ({wg} vs {og} GiB)."
+    if wm > om and win.plan.micro_batch_size > other.plan.micro_batch_size:
+        # a tie goes to the larger micro-batch before the lower peak (near_tie_order), e.g. dp_ga plans whose time does
+        # not depend on m: "ties ... at 0.616 GiB peak memory" was said of a winner that needs more
         return (
-            f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step "
-            f"and needs less peak memory ({_gib(wm)} vs {_gib(om)} GiB)."
+            f"{tie} and runs larger micro-batches ({win.plan.micro_batch_size} vs {other.plan.micro_batch_size}), which in a "
+            f"tie the ranking prefers, though it needs more peak memory ({wg} vs {og} GiB)."
         )
+    if wm > om:  # no rule of the ranking puts it first: say what is known
+        return f"{tie}; this one came first in the tie, though it needs more peak memory ({wg} vs {og} GiB)."
     # the same time and memory (the ranking's last key, the plan's description, decided): nothing to claim
-    return (
-        f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step and "
-        f"{_gib(wm)} GiB peak memory; either runs as predicted, this one came first in the tie."
-    )
+    return f"{tie} and {_gib(wm)} GiB peak memory; either runs as predicted, this one came first in the tie."

@@ -283,3 +283,26 @@ def test_a_winner_faster_by_a_hair_is_said_faster_in_numbers_that_show_it():
     assert m, why
     assert float(m[1]) == pytest.approx(t, rel=1e-6) and float(m[1]) < float(m[2]) and float(m[3]) < float(m[4]), why
     assert ", 0.4% less than the runner-up" in slower_by(1.004)
+
+
+def test_a_tie_on_time_claims_no_tie_on_memory_the_winner_does_not_have():
+    """dp_ga plans whose time does not depend on the micro-batch (no per-micro-batch cost) tie exactly, and the tie goes
+    to the larger micro-batch, which needs more memory; the text said the winner "ties the runner-up ... at 1.253 s/step
+    and 0.616 GiB peak memory", the winner's peak, as if both had it. A peak less by a few bytes read "needs less peak
+    memory (1.002 vs 1.002 GiB)"."""
+    from lightning_distplan.planner import why_winner
+
+    flat = synthetic_profile([LayerSpec(fwd_alpha=1e-2, bwd_alpha=2e-2, param_bytes=4_000_000, activation_bytes_per_sample=2e6)] * 4)
+    cands = rank_plans(flat, world_size=1, global_batch_size=16, hardware=hw(), strategies=("dp_ga",))
+    win, runner = cands[:2]
+    assert win.prediction.step_time_s == pytest.approx(runner.prediction.step_time_s, rel=1e-12)
+    assert win.plan.micro_batch_size > runner.plan.micro_batch_size
+    assert win.prediction.peak_memory_bytes > runner.prediction.peak_memory_bytes
+    why = why_winner(cands)
+    assert "either runs as predicted" not in why
+    assert (f"and runs larger micro-batches ({win.plan.micro_batch_size} vs {runner.plan.micro_batch_size}), which in a tie the "
+            f"ranking prefers, though it needs more peak memory ({win.prediction.peak_memory_bytes / 2**30:.3f} vs "
+            f"{runner.prediction.peak_memory_bytes / 2**30:.3f} GiB).") in why
+    less = replace(runner, prediction=replace(runner.prediction, peak_memory_bytes=win.prediction.peak_memory_bytes + 1000))
+    m = re.search(r"needs less peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.$", why_winner([win, less]))
+    assert m and float(m[1]) < float(m[2]) and float(m[1]) == pytest.approx(win.prediction.peak_memory_bytes / 2**30, rel=1e-5), m
