@@ -107,6 +107,8 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
         closest = closest_to_fitting(candidates)
         return f"No plan fits in memory; the closest, {closest.plan.describe()}, fails because {closest.prediction.reason}"
     feasible = [c for c in candidates[1:] if c.prediction.feasible]
+    if len(candidates) == 1:  # pins or one strategy can leave one plan: none was ruled out, least of all by memory
+        return f"Why the winner wins: {win.plan.describe()} is the only candidate plan."
     if not feasible:
         return f"Why the winner wins: {win.plan.describe()} is the only plan that fits in memory."
     fastest = min(feasible, key=lambda c: c.objective)

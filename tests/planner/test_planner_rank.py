@@ -306,3 +306,15 @@ def test_a_tie_on_time_claims_no_tie_on_memory_the_winner_does_not_have():
     less = replace(runner, prediction=replace(runner.prediction, peak_memory_bytes=win.prediction.peak_memory_bytes + 1000))
     m = re.search(r"needs less peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.$", why_winner([win, less]))
     assert m and float(m[1]) < float(m[2]) and float(m[1]) == pytest.approx(win.prediction.peak_memory_bytes / 2**30, rel=1e-5), m
+
+
+def test_the_only_candidate_is_not_said_to_be_the_only_one_that_fits():
+    """Pins that leave one plan: it was "the only plan that fits in memory", as if others had been ruled out by memory."""
+    from lightning_distplan.planner import why_winner
+
+    only = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), strategies=("dp_ga",), pins={"micro_batch_size": 8})
+    assert len(only) == 1
+    assert why_winner(only) == f"Why the winner wins: {only[0].plan.describe()} is the only candidate plan."
+    tight = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(memory=100_000_000), strategies=("dp_ga",))
+    assert sum(c.prediction.feasible for c in tight) == 1 < len(tight)
+    assert why_winner(tight).endswith(" is the only plan that fits in memory.")
