@@ -114,12 +114,17 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
     fastest = min(feasible, key=lambda c: c.objective)
     if comparable(fastest.objective) < comparable(win.objective) and fastest.skipped_samples and not win.skipped_samples:
         # moved behind the winner because it would leave samples of each epoch untrained (auto_plan's whole_epochs_first)
-        faster = [c for c in feasible if comparable(c.objective) < comparable(win.objective) and c.skipped_samples]
-        others = f", like {len(faster) - 1} more plan{'s' if len(faster) > 2 else ''} predicted faster," if len(faster) > 1 else ""
+        faster = [c for c in feasible if comparable(c.objective) < comparable(win.objective) and c.skipped_samples and c is not fastest]
+        plans = f"{len(faster)} more plan{'s' if len(faster) > 1 else ''} predicted faster"
+        skips = sorted({c.skipped_samples for c in faster})
+        like = f", like {plans}," if skips == [fastest.skipped_samples] else ""
+        # plans of other dp split the loader otherwise, and skip other counts: say theirs, not the fastest plan's
+        rest = "" if like or not faster else f", and {plans} would skip {skips[0]}" + (f" to {skips[-1]}" if len(skips) > 1 else "")
+        n = fastest.skipped_samples
         return (
             f"Why the winner wins: {win.plan.describe()} trains every sample of the epoch, while the fastest plan "
-            f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){others} would skip the epoch's "
-            f"last {fastest.skipped_samples} samples per replica, which a run of your loader trains."
+            f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){like} would skip the epoch's "
+            f"last {n} sample{'s' if n > 1 else ''} per replica{rest}, which a run of your loader trains."
         )
     if comparable(fastest.objective) < comparable(win.objective) and twin_key(win.plan) == twin_key(fastest.plan):
         return (  # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order)

@@ -318,3 +318,24 @@ def test_the_only_candidate_is_not_said_to_be_the_only_one_that_fits():
     tight = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(memory=100_000_000), strategies=("dp_ga",))
     assert sum(c.prediction.feasible for c in tight) == 1 < len(tight)
     assert why_winner(tight).endswith(" is the only plan that fits in memory.")
+
+
+def test_the_samples_plans_would_skip_are_said_of_each_plan_that_skips_them():
+    """"like 2 more plans predicted faster, would skip the epoch's last 4 samples" was said of plans that skip 4 and 10
+    (a plan of another dp splits the loader otherwise), and one sample read "the epoch's last 1 samples"."""
+    from lightning_distplan.planner import why_winner
+
+    cands = rank_plans(prof(), world_size=4, global_batch_size=16, hardware=hw())
+    dp = next(c for c in cands if c.plan.strategy == "dp_ga" and c.prediction.feasible)
+    pipes = [c for c in cands if c.plan.strategy != "dp_ga" and c.prediction.feasible][:3]
+
+    def ranked(*skips: int) -> str:
+        return why_winner([replace(dp, objective=1.0, rank=1)] + [
+            replace(p, objective=0.5 + 0.1 * i, rank=i + 2, skipped_samples=s) for i, (p, s) in enumerate(zip(pipes, skips))])
+
+    assert " would skip the epoch's last 1 sample per replica, which a run of your loader trains." in ranked(1)
+    assert f"predicted 50.0% faster), like 2 more plans predicted faster, would skip the epoch's last 4 samples per replica, which" in ranked(4, 4, 4)
+    why = ranked(4, 10, 2)
+    assert "like" not in why and ("predicted 50.0% faster) would skip the epoch's last 4 samples per replica, and 2 more plans "
+                                  "predicted faster would skip 2 to 10, which a run of your loader trains.") in why, why
+    assert "last 4 samples per replica, and 1 more plan predicted faster would skip 10, which" in ranked(4, 10)
