@@ -127,11 +127,19 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"last {n} sample{'s' if n > 1 else ''} per replica{rest}, which a run of your loader trains."
         )
     if comparable(fastest.objective) < comparable(win.objective) and twin_key(win.plan) == twin_key(fastest.plan):
-        return (  # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order)
+        # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order). 1F1B holds fewer
+        # micro-batches in flight only where there are more than the stages (min(n, p - k) against n): at n == pp the
+        # peaks are equal, and "fewer activations (0.045 vs 0.045 GiB peak)" was said of them
+        wm, fm = win.prediction.peak_memory_bytes, fastest.prediction.peak_memory_bytes
+        wg, fg = _gib_apart(wm, fm)
+        cheaper = "whose runtime measured cheaper per micro-batch than GPipe's"
+        memory = (f"which holds fewer activations ({wg} vs {fg} GiB peak) and {cheaper}." if wm < fm
+                  else f"{cheaper}; both peak at {_gib(wm)} GiB." if wm == fm
+                  else f"{cheaper}, though this one needs more peak memory ({wg} vs {fg} GiB).")
+        return (
             f"Why the winner wins: {win.plan.describe()} is predicted within {_within(win.objective / fastest.objective - 1)} of "
             f"the fastest plan ({fastest.plan.describe()}), with the same dp, pp and micro-batch; in a near tie the ranking prefers "
-            f"1F1B, which holds fewer activations ({_gib(win.prediction.peak_memory_bytes)} vs "
-            f"{_gib(fastest.prediction.peak_memory_bytes)} GiB peak) and whose runtime measured cheaper per micro-batch than GPipe's."
+            f"1F1B, {memory}"
         )
     if comparable(fastest.objective) < comparable(win.objective) and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
         # a near tie that went to the larger micro-batch (near_tie_order)

@@ -339,3 +339,19 @@ def test_the_samples_plans_would_skip_are_said_of_each_plan_that_skips_them():
     assert "like" not in why and ("predicted 50.0% faster) would skip the epoch's last 4 samples per replica, and 2 more plans "
                                   "predicted faster would skip 2 to 10, which a run of your loader trains.") in why, why
     assert "last 4 samples per replica, and 1 more plan predicted faster would skip 10, which" in ranked(4, 10)
+
+
+def test_a_near_tie_gone_to_1f1b_claims_fewer_activations_only_where_it_holds_fewer():
+    """With as many micro-batches as stages, 1F1B holds as many in flight as GPipe; a GPipe predicted 1% faster read
+    "prefers 1F1B, which holds fewer activations (0.045 vs 0.045 GiB peak)"."""
+    from lightning_distplan.planner import why_winner
+
+    cands = rank_plans(prof(), world_size=2, global_batch_size=4, hardware=hw(), strategies=("gpipe", "1f1b"), pins={"micro_batch_size": 2})
+    one, gpipe = sorted(cands, key=lambda c: c.plan.strategy)
+    assert (one.plan.strategy, gpipe.plan.strategy, one.plan.n_microbatches, one.plan.pp) == ("1f1b", "gpipe", 2, 2)
+    assert one.prediction.peak_memory_bytes == gpipe.prediction.peak_memory_bytes
+    t = one.objective / 1.01
+    why = why_winner([one, replace(gpipe, prediction=replace(gpipe.prediction, step_time_s=t), objective=t, rank=2)])
+    assert "fewer activations" not in why
+    assert why.endswith(f"prefers 1F1B, whose runtime measured cheaper per micro-batch than GPipe's; both peak at "
+                        f"{one.prediction.peak_memory_bytes / 2**30:.3f} GiB."), why
