@@ -6,7 +6,7 @@ import math
 from typing import Sequence
 
 from lightning_distplan.costmodel import BREAKDOWN_KEYS
-from lightning_distplan.planner._rank import Candidate, comparable, twin_key
+from lightning_distplan.planner._rank import NEAR_TIE, Candidate, comparable, twin_key
 
 __all__ = ["explain", "why_winner", "closest_to_fitting"]
 
@@ -126,7 +126,11 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){like} would skip the epoch's "
             f"last {n} sample{'s' if n > 1 else ''} per replica{rest}, which a run of your loader trains."
         )
-    if comparable(fastest.objective) < comparable(win.objective) and twin_key(win.plan) == twin_key(fastest.plan):
+    # the near-tie sentences hold only of a near tie (near_tie_order's margin) that the ranking's rule decided: said of
+    # any list why_winner is given (a caller's own order), "within 5.0% ... in a near tie" and "prefers 1F1B" of a
+    # GPipe winner were printed
+    near = comparable(fastest.objective) < comparable(win.objective) and win.objective <= fastest.objective + NEAR_TIE * abs(fastest.objective)
+    if near and twin_key(win.plan) == twin_key(fastest.plan) and (win.plan.strategy, fastest.plan.strategy) == ("1f1b", "gpipe"):
         # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order). 1F1B holds fewer
         # micro-batches in flight only where there are more than the stages (min(n, p - k) against n): at n == pp the
         # peaks are equal, and "fewer activations (0.045 vs 0.045 GiB peak)" was said of them
@@ -141,7 +145,7 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"the fastest plan ({fastest.plan.describe()}), with the same dp, pp and micro-batch; in a near tie the ranking prefers "
             f"1F1B, {memory}"
         )
-    if comparable(fastest.objective) < comparable(win.objective) and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
+    if near and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
         # a near tie that went to the larger micro-batch (near_tie_order)
         return (
             f"Why the winner wins: {win.plan.describe()} is predicted within {_within(win.objective / fastest.objective - 1)} of "

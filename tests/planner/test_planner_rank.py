@@ -355,3 +355,20 @@ def test_a_near_tie_gone_to_1f1b_claims_fewer_activations_only_where_it_holds_fe
     assert "fewer activations" not in why
     assert why.endswith(f"prefers 1F1B, whose runtime measured cheaper per micro-batch than GPipe's; both peak at "
                         f"{one.prediction.peak_memory_bytes / 2**30:.3f} GiB."), why
+
+
+def test_the_near_tie_sentences_are_said_only_of_a_near_tie_the_ranking_decided():
+    """why_winner explains any list it is given (explain() of a caller's own order): a winner 5% slower with a larger
+    micro-batch read "within 5.0% of the fastest plan ... in a near tie the ranking prefers them" (the margin is 2%), and
+    a GPipe winner behind its faster 1F1B twin "in a near tie the ranking prefers 1F1B"."""
+    from lightning_distplan.planner import why_winner
+
+    dp = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), strategies=("dp_ga",))
+    big, small = next(c for c in dp if c.plan.micro_batch_size == 8), next(c for c in dp if c.plan.micro_batch_size == 1)
+    assert "larger micro-batches (8 vs 1)" in why_winner([replace(big, objective=1.015), replace(small, objective=1.0, rank=2)])
+    why = why_winner([replace(big, objective=1.05), replace(small, objective=1.0, rank=2)])
+    assert why.endswith(f"{big.plan.describe()} was ranked first, though predicted 5.0% slower than the fastest plan ({small.plan.describe()})."), why
+    free = hw(p2p_latency=0.0, p2p_bw=1e30)
+    one, gpipe = rank_plans(prof(), world_size=2, global_batch_size=16, strategies=("gpipe", "1f1b"), hardware=free, pins={"micro_batch_size": 2})
+    why = why_winner([replace(gpipe, objective=1.01), replace(one, objective=1.0, rank=2)])
+    assert "prefers 1F1B" not in why and "was ranked first, though predicted 1.0% slower" in why, why
