@@ -527,9 +527,10 @@ def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distr
     if not feasible or not keep or keep[0] is feasible[0]:
         return marked
     first = feasible[0]
+    n = first.skipped_samples
     rank_zero_info(
         f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): it would skip the "
-        f"epoch's last {first.skipped_samples} samples per replica, which your run trains; running "
+        f"epoch's last {n} sample{'s' if n > 1 else ''} per replica, which your run trains; running "
         f"{keep[0].plan.describe()} (predicted {keep[0].prediction.step_time_s:.4g} s/step). Pin the pipeline to run it anyway."
     )
     kept = {id(c) for c in keep}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -188,7 +189,7 @@ def test_a_pipeline_that_would_skip_the_epochs_last_samples_goes_behind_the_plan
     assert [c.skipped_samples for c in chosen if c.plan.strategy == "dp_ga"] == [0] * (len(ranked) - len(pipelines_only))
 
 
-def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_distributed_sampler() -> None:
+def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_distributed_sampler(caplog: pytest.LogCaptureFixture) -> None:
     """Trainer(use_distributed_sampler=False), or a loader Lightning never shards (an IterableDataset, a
     DistributedSampler of the user's): each rank's loader is its own data, which DDP trains whole, so a pipeline skips
     its samples per epoch beyond whole steps (as the fit's loader warns, 53412cf). Planning read rank 0's loader as one
@@ -217,6 +218,12 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
     chosen = whole_epochs_first(ranked, dropping, distributed_sampler=False)
     assert chosen[0].plan == next(c for c in ranked if c.prediction.feasible and c.plan.strategy == "dp_ga").plan
     assert [c.rank for c in chosen] == list(range(1, len(ranked) + 1))
+    # one sample short (49 per rank, 3 steps of 16): the log said "the epoch's last 1 samples"
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        whole_epochs_first(ranked, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
+    assert len(said) == 1 and "it would skip the epoch's last 1 sample per replica, which your run trains" in said[0], said
 
     class _Stream(IterableDataset):  # Lightning shards no IterableDataset, whatever use_distributed_sampler says
         def __iter__(self):  # type: ignore[no-untyped-def]
