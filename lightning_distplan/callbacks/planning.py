@@ -431,12 +431,14 @@ def apply_dp_ga_plan(trainer: pl.Trainer, plan: Plan) -> AppliedPlan:
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         b = loader_batch_size(dataloader)
+        refusal = None
         if b is not None and first and b != first[0]:
-            # the plan's micro-batches and accumulation would silently keep the first loader's global batch
-            raise reloaded_loader_error(b, first[0], plan, planner="PlanningCallback", hint="drop PlanningCallback.")
+            # the plan's micro-batches and accumulation would silently keep the first loader's global batch; maybe on
+            # this rank alone (a loader of each rank's own), so raised on every rank where the wrap's set-up agrees
+            refusal = reloaded_loader_error(b, first[0], plan, planner="PlanningCallback", hint="drop PlanningCallback.")
         if b is not None and not first:
             first.append(b)
-        return rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)
+        return rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight, refusal=refusal)
 
     def on_train_batch_start(batch: Any, batch_idx: int) -> None:
         original_batch_start(batch, batch_idx)

@@ -149,7 +149,6 @@ class _AutoDPGAStrategy(DPGAStrategy):
         trainer = self.lightning_module.trainer
         plan = self._requested_plan
         if trainer.state.stage == RunningStage.TRAINING:
-            self.later_fits.check_loader(dataloader, self.world_size)
             b = loader_batch_size(dataloader)
             if plan is not None and b is not None:
                 per_replica = plan.global_batch_size // plan.dp
@@ -159,6 +158,11 @@ class _AutoDPGAStrategy(DPGAStrategy):
                 # micro-batches are cut from the stream of samples, whatever the loader's batches).
                 self._user_accumulate = per_replica // b if per_replica % b == 0 else Fraction(per_replica, b)
         return super().process_dataloader(dataloader)
+
+    @override
+    def _check_train_loader(self, dataloader: object) -> None:
+        # (maybe one rank's loader alone: raised here, DPGAStrategy agrees on it with the other ranks, which waited)
+        self.later_fits.check_loader(dataloader, self.world_size)
 
     @override
     def teardown(self) -> None:
@@ -356,11 +360,15 @@ class _AutoPipelineStrategy(PipelineStrategy):
                 self._count_eval_limit_per_replica(trainer, trainer.state.stage.dataloader_prefix)
             return super().process_dataloader(dataloader)
         dataloader = super().process_dataloader(dataloader)
-        self.later_fits.check_loader(dataloader, self.world_size)
+        refusal = None
+        try:
+            self.later_fits.check_loader(dataloader, self.world_size)
+        except InfeasiblePlanError as refused:  # maybe of one rank's loader alone: raised on every rank where the set-up agrees
+            refusal = refused
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches
-        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp)
+        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp, refusal=refusal)
         # one step holds this many of one process's loader batches: the user's accumulation, or what a given
         # global_batch_size makes of it (a dp_ga plan counts the scheduler's frequency in those loader batches too)
         per_step = self._rechunk._per_user_batch

@@ -232,6 +232,7 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
             _agree_on_train_loader(trainer, dataloader)  # its layout unknown, cut by none (as Rechunking.wrap's on other ranks)
             return dataloader
         try:  # the loader batch may be this rank's own (use_distributed_sampler=False), so may a refusal of it
+            self._check_train_loader(dataloader)
             plan = resolve_dp_ga_plan(
                 world_size=self.world_size,
                 loader_batch=loader_batch_size(dataloader),
@@ -264,6 +265,11 @@ class DPGAStrategy(AtomicSaves, DDPStrategy):
         user_accumulate = self._user_accumulate if self._user_accumulate is not None else 1
         weight = plan.accumulate_grad_batches / user_accumulate
         return self._rechunk.wrap(trainer, dataloader, plan.micro_batch_size, weight=weight)
+
+    def _check_train_loader(self, dataloader: object) -> None:
+        """Raise an :class:`InfeasiblePlanError` for a train loader this strategy cannot run (``auto_plan``'s: one loaded
+        again with another batch size than the plan's). Called in :meth:`process_dataloader` where its refusals are
+        agreed on, so a refusal of one rank's loader is raised on every rank. Nothing here."""
 
     @override
     def on_train_start(self) -> None:
@@ -528,7 +534,7 @@ class Rechunking:
 
     def wrap(
         self, trainer: pl.Trainer, dataloader: object, m: int, *, weight: float = 1.0, cls: type[_MicroBatchLoader] | None = None,
-        replica_share: int = 1,
+        replica_share: int = 1, refusal: Exception | None = None,
     ) -> object:
         """``dataloader`` re-chunked into batches of ``m`` samples by ``cls`` (itself when its batches already are).
 
@@ -538,6 +544,11 @@ class Rechunking:
         sharded over replicas, not processes, so one of the user's loader batches per process (what
         an integer ``limit_train_batches`` / ``val_check_interval`` counts under DDP) is this many
         loader batches of a replica.
+        ``refusal``: the caller's of this rank's loader (one loaded again with another batch size than the fit's first,
+        maybe on this rank alone), raised on every rank at the set-up agreement this ends in
+        (:func:`_agree_on_train_loader`): raised before it, the other ranks waited there until this rank's process ended.
+        The loader is wrapped as on the other ranks first, so this rank makes the same collectives on the way (a
+        pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made).
         """
         self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
         self._loader = None
@@ -560,7 +571,7 @@ class Rechunking:
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
         if loader_batch == m:
-            _agree_on_train_loader(trainer, dataloader, layout=(loader_batch, m))
+            _agree_on_train_loader(trainer, dataloader, refusal, layout=(loader_batch, m))
             return dataloader
         if cls is None and loader_batch is not None:
             _warn_batchnorm(trainer, m, loader_batch)
@@ -578,9 +589,9 @@ class Rechunking:
         self._loader = loader_cls(dataloader, m, weight=weight, limit_batches=limit, agree=agree,
                                   **({} if first is None else {"agree_first": first}))
         self._loader.ended = self._end_steered_step
-        refusal = None  # maybe on this rank only (a batch sampler's own filter or shard, also over a DistributedSampler)
-        if loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None and sized_len(dataloader) is not None \
-                and _samples_per_epoch(dataloader) is None:
+        # maybe on this rank only (a batch sampler's own filter or shard, also over a DistributedSampler)
+        if refusal is None and loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None \
+                and sized_len(dataloader) is not None and _samples_per_epoch(dataloader) is None:
             refusal = _uncounted(dataloader, loader_batch, m)
         _agree_on_train_loader(trainer, self._loader, refusal, layout=(loader_batch, m))
         self._trainer, self._steer = trainer, None

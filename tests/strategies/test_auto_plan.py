@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 from _auto_plan_models import ChainMLP, LossRecorder, full_state, trainer_kwargs
-from _dist_utils import run_on_ranks
+from _dist_utils import error_of, run_on_ranks
 
 from lightning_distplan import Plan
 from lightning_distplan.costmodel import Hardware, predict
@@ -102,6 +102,17 @@ class BusyAtStepEnd(L.Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:
         time.sleep(BUSY_S)
+
+
+class ReloadedOnRank1(ChainMLP):
+    """ChainMLP whose train loader, loaded again each epoch (reload_dataloaders_every_n_epochs=1), batches twice as many
+    samples from epoch 1 on global rank 1 alone (a loader of each rank's own)."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        from _auto_plan_models import regression_data
+
+        grows = self.trainer.current_epoch >= 1 and torch.distributed.get_rank() == 1
+        return torch.utils.data.DataLoader(regression_data(self.hparams.n_samples), batch_size=self.hparams.loader_batch * (2 if grows else 1))
 
 
 def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, callbacks: tuple[L.Callback, ...] = (),
@@ -218,6 +229,25 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
         out["blocked"] = f"{type(err).__name__}: {err}"
     out["blocked_s"] = time.perf_counter() - t0
     out["blocked_file"] = Path(blocked, "distplan").read_text()
+
+    # -- 6. rank 1's train loader loaded again with another batch size (PlanningCallback, auto_plan's dp_ga and pipeline) --
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_distplan import PlanningCallback
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+
+    out["reloaded"] = {}
+    waited = timedelta(seconds=30)  # a rank left waiting fails in 30 s, not the default 30 min
+    for name, kw in (("callback", dict(strategy=DDPStrategy(timeout=waited), callbacks=[PlanningCallback(micro_batch_size=2)])),
+                     ("dp_ga", dict(strategy=AutoPlanStrategy(strategy="dp_ga", micro_batch_size=2, profile_repeats=1, timeout=waited))),
+                     ("pipeline", dict(strategy=AutoPlanStrategy(strategy="gpipe", stages=2, profile_repeats=1, timeout=waited)))):
+        trainer = L.Trainer(**trainer_kwargs(os.path.join(root, f"reloaded_{name}"), devices=world, max_epochs=2,
+                                             reload_dataloaders_every_n_epochs=1, **kw))
+        t0 = time.perf_counter()
+        out["reloaded"][name] = (*error_of(lambda: trainer.fit(ReloadedOnRank1(width=16, depth=4, n_samples=32, loader_batch=4, dropout=0.0))),
+                                 time.perf_counter() - t0)
     return out
 
 
@@ -353,3 +383,20 @@ def test_a_step_schedulers_frequency_under_a_given_global_batch_is_the_same_for_
         assert r["dp_ga"][1] == [0.05, 0.05, 0.025, 0.025], r
         assert r["pp"][1] == r["dp_ga"][1], r
         assert r["pp"][2] == r["dp_ga"][2] == [4], r  # the user's frequency back after the fit
+
+
+def test_a_train_loader_reloaded_with_another_batch_size_on_one_rank_is_refused_on_every_rank(results: dict[str, Any]) -> None:
+    """Rank 1's loader loaded again in epoch 1 with batches of 8 where the fit's first were 4 (reload_dataloaders_every_n_epochs=1):
+    PlanningCallback and auto_plan (its dp_ga and pipeline plans) refused it on rank 1 alone, before the set-up
+    agreement, and rank 0 waited there until rank 1's process ended (gloo's "Connection closed by peer", or the
+    group's timeout). The refusal is now carried through that agreement: both ranks raise the one InfeasiblePlanError
+    with its HINT, rank 0 with a note naming rank 1, at once."""
+    r0, r1 = (out["reloaded"] for out in results["ranks"])
+    planners = {"callback": "PlanningCallback's plan (dp_ga", "dp_ga": "auto_plan's plan (dp_ga", "pipeline": "auto_plan's plan (gpipe"}
+    for name, planner in planners.items():
+        (kind, message, notes, took), (kind1, message1, notes1, _) = r0[name], r1[name]
+        assert (kind, kind1) == ("InfeasiblePlanError",) * 2 and message == message1, (r0[name], r1[name])
+        assert message.startswith("The train loader was loaded again during the fit with batches of 8, where its first batches were 4, "
+                                  f"and {planner}") and " HINT: Keep the train loader's batch size fixed" in message, message
+        assert (notes, notes1) == (["Raised on global rank 1 reading its train loader; global rank 0 stops with it."], []), (notes, notes1)
+        assert took < 25, took  # not the 30 s group timeout
