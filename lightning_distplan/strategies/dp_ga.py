@@ -1214,7 +1214,13 @@ class _MicroBatchLoader:
         self._weights.clear()  # a new epoch (a previous one may have stopped early, e.g. at max_steps)
         # The loader's own iterator now, as iter(loader) makes it: a DataLoader draws its workers' base seed from the
         # global random stream then, and Lightning calls iter() on it once more than it uses (the first is dropped).
-        return self._iterate(iter(self._batches(limit)), limit)
+        try:
+            batches = iter(self._batches(limit))
+        except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
+            # maybe this rank's alone (its batch sampler's __iter__, a worker that did not start): raised here, it left
+            # the other ranks waiting at the epoch's first agreement; raised at the first pull, that agreement carries it
+            batches = _raising(failure)
+        return self._iterate(batches, limit)
 
     def _iterate(self, batches: Iterator[Any], limit: int | None) -> Iterator[Any]:
         expected = loader_batch_size(self._loader)
@@ -1474,6 +1480,13 @@ whose places it holds, also one of no samples there (``first == end``), so its p
 
 
 _ENDED = object()  # what next() gives past a loader's last batch
+
+
+def _raising(failure: Exception) -> Iterator[Any]:
+    """An iterator whose first ``next`` raises ``failure`` (what making the loader's iterator raised), where the pull of
+    a batch is carried to the other ranks (:func:`_rebatch_pieces`, :class:`_FullBatchLoader`'s steps)."""
+    raise failure
+    yield  # a generator: raised at the first next(), not when made
 
 
 def _rebatch_pieces(

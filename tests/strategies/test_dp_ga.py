@@ -1476,6 +1476,22 @@ def _missing_on_rank_1(x: torch.Tensor) -> Any:
     return torch.utils.data.DataLoader(_MissingOnRank1(x), batch_size=8)
 
 
+class _UnopenedOnRank1(torch.utils.data.BatchSampler):
+    """A BatchSampler whose ``__iter__`` (a plain method, not a generator) raises at once where rank 1 calls it: the
+    loader's iterator cannot be made there (its shard file missing)."""
+
+    def __iter__(self) -> Any:
+        if torch.distributed.get_rank() == 1:
+            raise ValueError("no shard file for rank 1")
+        return super().__iter__()
+
+
+def _unopened_on_rank_1(x: torch.Tensor) -> Any:
+    """Loader batches of 8 of ``x`` from :class:`_UnopenedOnRank1`: rank 1's iter(loader) raises."""
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(data, batch_sampler=_UnopenedOnRank1(torch.utils.data.SequentialSampler(data), 8, False))
+
+
 OVERSIZED = ((40, 40, 40), (40, 50, 30))  # rank 1's second batch holds more than the batch size (40) its loader says
 
 
@@ -1494,12 +1510,14 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
     DistributedSampler, and :func:`_filtered_on_rank_1` (m=2), a DistributedSampler, each refused on rank 1 only (the
     last last: without an agreement rank 1 went on alone); then :func:`_stream_on_rank_1` as it is (m=8) and cut (m=4),
     and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung, and :func:`_uncut_on_rank_1` over
-    a DistributedSampler (m=4), whose rank 0 went on alone (last: a hang cannot disturb the other cases)."""
+    a DistributedSampler (m=4), whose rank 0 went on alone (last: a hang cannot disturb the other cases); then
+    :func:`_unopened_on_rank_1` (m=4), whose iter(loader) raises on rank 1 (appended: the others keep their places)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
     for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_missing_on_rank_1, 4), (_filtered_on_rank_1, 2),
                       (_stream_on_rank_1, 8), (_stream_on_rank_1, 4), (functools.partial(_batch_size_by_rank, sizes=(4, 8)), 4),
-                      (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8), (functools.partial(_uncut_on_rank_1, distributed=True), 4)):
+                      (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8), (functools.partial(_uncut_on_rank_1, distributed=True), 4),
+                      (_unopened_on_rank_1, 4)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1659,7 +1677,16 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 10
+    assert len(results[0][3]) == len(results[1][3]) == 11
+    # rank 1's batch sampler raising as the loader's iterator is made (iter(loader), outside the carried pull of a batch):
+    # rank 1 raised it alone and rank 0 waited at the epoch's first agreement (gloo's "Connection closed by peer" once
+    # rank 1's process ended); now the first pull raises it, which that agreement carries: rank 1 raises its own, its
+    # traceback still ending in the sampler's __iter__, and rank 0 a RuntimeError naming it and rank 1, before any step
+    unopened = (results[0][3].pop(), results[1][3].pop())
+    told = ("Global rank 1 raised ValueError (no shard file for rank 1) reading a batch of its train loader, where the ranks "
+            "meet at every step. HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    assert [r[:5] for r in unopened] == [(RuntimeError, told, note, 0, True), (ValueError, "no shard file for rank 1", None, 0, True)], unopened
+    assert unopened[1][5][-1] == "__iter__" and not {"raise_on_every_rank", "_agreed_batch_sizes", "_agree"} & set(unopened[1][5]), unopened
     # rank 1's Dataset raising IndexError at its second batch: rank 1 raised it alone and rank 0 waited in the next
     # agreement (gloo's "Connection closed by peer" once rank 1's process ended); now rank 1 raises its own, its traceback
     # still ending in the Dataset, and rank 0 a RuntimeError naming it and rank 1
