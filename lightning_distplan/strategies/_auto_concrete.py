@@ -18,6 +18,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DistributedSampler, IterableDataset
@@ -29,10 +30,11 @@ from lightning_distplan.strategies._auto_planning import reloaded_loader_error
 from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
+    Room,
     _batch_n,
     _is_count,
     _MicroBatchLoader,
-    _rebatch,
+    _rebatch_pieces,
     _samples_per_epoch,
     _tell_every_rank,
     loader_batch_size,
@@ -215,6 +217,13 @@ class _FullBatchLoader(_MicroBatchLoader):
     agreement or the gradient all-reduce until the process group's timeout; every rank raises its error
     (:func:`_agreed_batch_sizes`, as dp_ga's loader does; the other ranks a RuntimeError naming it and its rank where it
     is not this package's refusal). One all-reduce of three integers per step. With a DistributedSampler (every replica as many samples) nothing is agreed.
+
+    Lightning stops at ``__len__``, the steps the samples counted before the epoch fill: batches holding more rows than
+    the sampler's samples (a ``collate_fn`` making two rows of each) ended the epoch there, their last rows skipped
+    unsaid (the shortfall said counted samples). The epoch's rows are held to that count as dp_ga's are
+    (:meth:`_counted_room`, refused where they overflow it: :func:`~lightning_distplan.strategies.dp_ga._cut_short`),
+    and before the last counted step is handed over, the loader's batches after it are read (the skipped remainder,
+    or on a replica with more samples than the fewest, the rest of its epoch), where Lightning would not pull them.
     """
 
     shortfall: int | None = None
@@ -256,11 +265,17 @@ class _FullBatchLoader(_MicroBatchLoader):
         # or a stream's, whose length may overstate what it yields), and whether one could not read its batch
         each_step = self.agree
         dropped = steps = 0
-        micro_batches = _rebatch(batches, m)
+        room = self._counted_room(limit, None)
+        counted = agreed if agreed is not None or room is None else room[0] // m  # the steps Lightning pulls (__len__)
+        micro_batches = (batch for batch, _ in _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps")))
         while steps != agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
             try:
                 batch = next(micro_batches, None)
                 n = 0 if batch is None else _batch_n(batch)
+                if n == m and steps + 1 == counted:
+                    # Lightning pulls no batch after this step's: the rest of the epoch's (their rows held to the count)
+                    for _ in micro_batches:
+                        pass
             except Exception as failure:  # maybe on this rank alone (its own data): the others wait at the agreement
                 if each_step is None:  # (a KeyboardInterrupt is not carried: this rank stops at once)
                     raise
@@ -287,6 +302,23 @@ class _FullBatchLoader(_MicroBatchLoader):
                 "dropped", f"auto_plan: the epoch's last {dropped} samples of this replica did not fill a pipeline step of "
                 f"{m} samples and were skipped ({why}, so this could not be said before)."
             )
+
+    def _counted_room(self, limit: int | None, expected: int | None) -> Room | None:
+        """The samples :meth:`__len__` counted this pass's steps from, as dp_ga's room
+        (:data:`~lightning_distplan.strategies.dp_ga.Room`): the loader's batches as full ones under a limit of them or
+        where they drop the short last one (:func:`_samples_per_epoch`), else the samples its sampler (or dataset)
+        holds. A short last step is skipped (said as the shortfall), so the room is the samples, not the steps'
+        places. None: not counted."""
+        batches = sized_len(self._loader)
+        try:
+            samples = self._samples()
+        except TypeError:
+            return None
+        if batches is None:
+            return None
+        limited = limit is not None and limit < batches
+        batch = loader_batch_size(self._loader) if limited or loader_sampler(self._loader)[1] else None
+        return samples, batches if limit is None else min(batches, limit), batch, samples
 
     def __len__(self) -> int:
         return self._steps if self._steps is not None else self._samples() // self.micro_batch_size

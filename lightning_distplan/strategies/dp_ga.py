@@ -1491,14 +1491,15 @@ def _raising(failure: Exception) -> Iterator[Any]:
 
 def _rebatch_pieces(
     batches: Iterable[Any], m: int, expected: int | None = None, *, agree: Callable[..., int] | None = None,
-    room: Room | None = None,
+    room: Room | None = None, counted_by: tuple[str, str] = ("dp_ga", "micro-batches"),
 ) -> Iterator[tuple[Any, tuple[Piece, ...]]]:
     """:func:`_rebatch`, with each micro-batch's pieces of loader batches. ``expected``: the loader's batch size, which
     tells the batch dimension from per-batch constants (:class:`BatchSizer`). ``room``: the places the epoch's count of
     micro-batches holds, and the loader batches and batch size it was counted from
     (:meth:`_MicroBatchLoader._counted_room`); batches that fill them before the last counted one, or overflow them,
     are refused (Lightning ends the epoch there; a count of the sampler's samples filled only where a batch follows:
-    :func:`_follows`), as the ranks cut them, so alike on every rank.
+    :func:`_follows`), as the ranks cut them, so alike on every rank. ``counted_by``: who counted them, in what
+    (:func:`_cut_short`).
 
     ``agree`` (several ranks): called with each loader batch's index and size (and once with the index past the last and
     0), it answers the size to cut the batch as, the largest of the ranks' (:meth:`_MicroBatchLoader._agree`); called
@@ -1533,7 +1534,7 @@ def _rebatch_pieces(
         places = n if agree is None else agree(i, n)  # n places hold n samples: one each
         placed += places
         if room is not None and (placed > room[0] or placed == room[0] and i + 1 < room[1] and _follows(batches, room)):
-            raise _cut_short(i, placed, room, m, expected)
+            raise _cut_short(i, placed, room, m, expected, counted_by=counted_by)
         offset = 0
         while offset < places:
             take = min(m - have, places - offset)
@@ -1611,11 +1612,14 @@ def _joined_or_filler(pending: list[tuple[Any, Piece]], batch: Any, n: int) -> t
     return (_joined(held) if held else slice_samples(batch, 0, 1, n)), tuple(piece for _, piece in pending)
 
 
-def _cut_short(index: int, placed: int, room: Room, m: int, loader_batch: int | None) -> InfeasiblePlanError:
+def _cut_short(index: int, placed: int, room: Room, m: int, loader_batch: int | None, *,
+               counted_by: tuple[str, str] = ("dp_ga", "micro-batches")) -> InfeasiblePlanError:
     """The refusal of loader batch ``index`` whose ``placed`` samples (the epoch's so far, as the ranks cut them) fill or
     overflow the ``room`` the epoch's micro-batches of ``m`` were counted with (:meth:`_MicroBatchLoader._counted_room`):
     Lightning would end the epoch at that count, before the epoch's last samples, which a run of the user's loader
-    trains (it counts loader batches, whatever their sizes). ``loader_batch``: the loader's batch size (the hint's)."""
+    trains (it counts loader batches, whatever their sizes). ``loader_batch``: the loader's batch size (the hint's; None:
+    not a remedy, as for auto_plan's pipeline, whose steps of ``m`` are its plan's). ``counted_by``: who counted, and
+    its units of ``m`` (auto_plan's pipeline counts its steps from the sampler's samples too)."""
     places, batches, batch, samples = room
     rest = batches - index - 1
     left = "before its last samples" if placed > places else f"before its {rest} {'batch' if rest == 1 else 'batches'} left"
@@ -1624,10 +1628,12 @@ def _cut_short(index: int, placed: int, room: Room, m: int, loader_batch: int | 
         f"{batches} batches as the {samples} samples its sampler holds"
     within = "a batch sampler whose batches hold at most its `batch_size` samples" if batch is not None else \
         "a collate_fn (and batch sampler) making one row of each of the sampler's samples"
+    who, units = counted_by
+    own = "" if loader_batch is None else f"micro_batch_size={loader_batch} (your batches as they are), "
     return InfeasiblePlanError(
-        f"The train loader's {first} {placed} samples, where dp_ga counts the epoch's "
-        f"{counted} ({places // m} micro-batches of {m}), so the epoch would end {left} (DDP trains them).",
-        hint=f"Use micro_batch_size={loader_batch} (your batches as they are), {within}, or strategy='ddp'.",
+        f"The train loader's {first} {placed} samples, where {who} counts the epoch's "
+        f"{counted} ({places // m} {units} of {m}), so the epoch would end {left} (DDP trains them).",
+        hint=f"Use {own}{within}, or strategy='ddp'.",
     )
 
 

@@ -1056,3 +1056,65 @@ def test_a_fit_resumed_where_its_limits_are_reached_is_neither_profiled_nor_plan
     assert trainer.global_step == 2 * first.global_step and trainer.strategy.plan is not None
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _two_rows_per_sample(samples: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor]:
+    """A collate_fn making two rows of each sample (an augmentation's two views): batches of 4 indices hold 8 rows."""
+    x = torch.stack([s[0] for s in samples])
+    return (torch.cat([x, x]),)
+
+
+def test_a_pipeline_loader_refuses_batches_holding_more_rows_than_the_samples_it_counted() -> None:
+    """A pipeline's loader counts its steps (``__len__``, where Lightning stops) from the sampler's samples: 20 in
+    batches of 4 whose collate_fn makes two rows of each (40 rows), steps of 8, were counted as 2 steps, and Lightning
+    ended the epoch after 16 of the 40 rows (DDP trains them all; the shortfall said 4), without a word. Refused now,
+    by dp_ga's rule, where the rows overflow the count, also where they would first overflow past the counted steps
+    (the loader's rest is read before the last one); a batch sampler exceeding its batch size under a limit of loader
+    batches likewise. Legitimate loaders (a short last batch, drop_last, batches of varying sizes that fill the count,
+    a batch sampler whose length overstates its batches, a sampler of fewer samples than the dataset) run as before."""
+    import itertools
+
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader
+
+    data = TensorDataset(torch.arange(20.0).view(20, 1))
+
+    class Batches:
+        """A batch sampler of its own sizes over the 20 samples, saying ``length`` batches."""
+
+        def __init__(self, sizes: list[int], length: int | None = None) -> None:
+            self.sizes, self.length, self.batch_size, self.drop_last, self.sampler = sizes, length, 8, False, range(20)
+
+        def __iter__(self) -> Iterator[list[int]]:
+            ends = list(itertools.accumulate(self.sizes))
+            return iter([list(range(end - k, end)) for k, end in zip(self.sizes, ends)])
+
+        def __len__(self) -> int:
+            return self.length or len(self.sizes)
+
+    def pulled(loader: DataLoader, step: int, limit: int | None = None) -> list[int]:
+        wrapped = _FullBatchLoader(loader, step, limit_batches=limit)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the shortfall)
+            return [len(b[0]) for b in itertools.islice(wrapped, len(wrapped))]  # as Lightning pulls them: __len__ of them
+
+    for step, refused in ((8, r"first 3 batches of the epoch hold 24 samples.* counts the epoch's 5 batches as the 20 samples its "
+                              r"sampler holds \(2 pipeline steps of 8\), so the epoch would end before its last samples"),
+                          (16, r"first 3 batches .* hold 24 samples.*\(1 pipeline steps of 16\)")):
+        with pytest.raises(InfeasiblePlanError, match=r"auto_plan's pipeline counts .*" if step == 16 else refused):
+            pulled(DataLoader(data, batch_size=4, collate_fn=_two_rows_per_sample), step)
+    with pytest.raises(InfeasiblePlanError, match=r"counts the epoch's 2 batches as at most 8 samples each .*HINT: Use a batch sampler "
+                       r"whose batches hold at most its `batch_size` samples, or strategy='ddp'"):
+        pulled(DataLoader(data, batch_sampler=Batches([12, 8], length=3)), 8, limit=2)
+    with pytest.raises(InfeasiblePlanError, match=r"HINT: Use a collate_fn \(and batch sampler\) making one row of each of the "
+                       r"sampler's samples, or strategy='ddp'\."):
+        pulled(DataLoader(data, batch_size=8, collate_fn=_two_rows_per_sample), 8)
+    legitimate = {"short last batch": DataLoader(data, batch_size=8), "drop_last": DataLoader(data, batch_size=8, drop_last=True),
+                  "12, 4, 4": DataLoader(data, batch_sampler=Batches([12, 4, 4])),
+                  "4, 4, 12": DataLoader(data, batch_sampler=Batches([4, 4, 12])),
+                  "12, 8 said as 3": DataLoader(data, batch_sampler=Batches([12, 8], length=3)),
+                  "12 of 20 drawn": DataLoader(data, batch_size=4, sampler=RandomSampler(data, num_samples=12))}
+    for name, loader in legitimate.items():
+        assert pulled(loader, 4) == [4] * (len(loader.sampler) // 4 if name == "12 of 20 drawn" else 4 if name == "drop_last" else 5), name
+        assert pulled(loader, 8) == [8] * (1 if name == "12 of 20 drawn" else 2), name

@@ -1026,6 +1026,12 @@ def _unequal_val_data(rank: int) -> TensorDataset:
     return mlp_data(8, seed=10) if rank < 2 else mlp_data(4, seed=11)
 
 
+def _two_rows_per_sample(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A collate_fn making two rows of each sample (an augmentation's two views): batches of 4 indices hold 8 rows."""
+    x, y = torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+    return torch.cat([x, x]), torch.cat([y, y])
+
+
 def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -> dict[str, Any]:
     """auto_plan's pipeline, dp=2 x pp=2, where each rank reads data of its own (use_distributed_sampler=False):
     replica 0's ranks 14 samples, replica 1's 16, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
@@ -1046,6 +1052,10 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     on that rank alone): it raised alone, and the other ranks waited in the gradient all-reduce (or p2p) until gloo
     gave up; what each rank raised. ``failed``: rank 3's Dataset raises IndexError at its second step's samples (any
     error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends.
+
+    ``doubled``: every rank 16 samples of its own, rank 3's collate_fn making two rows of each (32 rows): its
+    replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
+    what each rank raised.
 
     ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on every rank's own 20 samples in whole
     batches of 4 (drop_last): the plan chosen, and what planning said of skipped samples (rank 0's log)."""
@@ -1127,6 +1137,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     # last in this world: where rank 3 raised alone, the others' fit failed (gloo's timeout, or rank 3's connections
     # closing as it left), not the checks after it
     full = mlp_data(16, seed=rank // 2)
+    fit_own_data("doubled", DataLoader(full, batch_size=4, **({"collate_fn": _two_rows_per_sample} if rank == 3 else {})))
     fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
                                        batch_size=4))
     fit_own_data("failed", DataLoader(_MissingSamples(full, 8 if rank == 3 else 16), batch_size=4))
@@ -1344,6 +1355,22 @@ def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(
     else:  # dp_ga ranked first on its own: no pipeline beyond the near tie (2%) it may win
         assert ranked[0][2] <= 1.02 * min(r[2] for r in ranked if r[3]) * (1 + 1e-9), ranked
         assert "would skip" not in why[0], why
+
+
+def test_rows_beyond_the_samples_counted_under_auto_plans_pipeline_are_refused_on_every_rank(_launch) -> None:
+    """Rank 3's collate_fn alone makes two rows of each of its 16 samples (see _replicas_of_unequal_data_under_auto_plan):
+    the replicas' 2 steps of 8 were counted from the samples, and Lightning ended rank 3's epoch after 16 of its 32
+    rows, without a word. Its second step fills the count before its last 2 batches: refused there, on every rank
+    (the per-step agreement carries it), after the first step."""
+    doubled = [r["unequal"]["doubled"] for r in _launch[2]]
+    sentence = ("The train loader's first 2 batches of the epoch hold 16 samples, where auto_plan's pipeline counts the epoch's 4 "
+                "batches as the 16 samples its sampler holds (2 pipeline steps of 8), so the epoch would end before its 2 batches "
+                "left (DDP trains them). HINT: Use a collate_fn (and batch sampler) making one row of each of the sampler's samples, "
+                "or strategy='ddp'.")
+    assert [d["raised"] for d in doubled] == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; "
+                                                                                 f"global rank {r} stops with it."]) for r in range(3)] + [
+        ("InfeasiblePlanError", sentence, [])], doubled
+    assert [d["steps"] for d in doubled] == [[]] * 4
 
 
 def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_rank(_launch) -> None:
