@@ -31,6 +31,7 @@ from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
     Room,
+    _agreed_batch_sizes,
     _batch_n,
     _is_count,
     _MicroBatchLoader,
@@ -435,7 +436,8 @@ class _AutoPipelineStrategy(PipelineStrategy):
                 setattr(module.trainer, f"limit_{prefix}_batches", value)
 
 
-def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distributed_sampler: bool = True) -> int | None:
+def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distributed_sampler: bool = True,
+                     spread: tuple[int, int] | None = None) -> int | None:
     """:func:`pipeline_shortfall` of a pipeline ``plan`` for the user's train loader, or None where its length is unknown;
     ``sharded``: as Lightning set it up for the fit (its sampler a shard of the dataset), else the user's own, which
     Lightning shards (a ``DistributedSampler`` of its own) where ``distributed_sampler`` (the Trainer's
@@ -447,7 +449,11 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distribut
     a replica whose stages read it trains its whole steps, so the shortfall is its samples per epoch beyond those. (Read
     as a dataset to shard, it was a wrong figure, 2 for 20 samples per rank in steps of 8 on 2 replicas of 2 stages,
     or none where the sampler does not name its dataset, the samples skipped unsaid. Replicas whose loaders hold
-    different numbers: :class:`_FullBatchLoader` says their spread.)"""
+    different numbers: :class:`_FullBatchLoader` says their spread.)
+
+    ``spread`` (planning: :func:`samples_spread`, the fewest and most samples per epoch of the ranks' loaders): read as
+    each rank's own data, every replica stops after the steps the fewest fill (:class:`_FullBatchLoader`), so the
+    figure is the most beyond those, not rank 0's own remainder (16 and 14 samples per rank in steps of 8: 8, not 0)."""
     b = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
     if sharded:
@@ -455,16 +461,30 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distribut
     else:  # planning, before the fit's loader is set up (rank 0's: the replicas' may differ, see _FullBatchLoader)
         own = (not distributed_sampler or isinstance(sampler, DistributedSampler)
                or isinstance(getattr(dataloader, "dataset", None), IterableDataset))
+    step = plan.micro_batch_size * plan.n_microbatches
+    if own and spread is not None:
+        smallest, largest = spread
+        return largest - smallest // step * step
     if own:
         samples = _samples_per_epoch(dataloader)
-        return None if samples is None else samples % (plan.micro_batch_size * plan.n_microbatches)
+        return None if samples is None else samples % step
     try:
         n = len(getattr(sampler, "dataset", None) if sharded else sampler)  # type: ignore[arg-type]
     except TypeError:
         return None
     if b is None or drop_last is None:
         return None
-    return pipeline_shortfall(n, b, bool(drop_last), world=plan.world_size, dp=plan.dp, step=plan.micro_batch_size * plan.n_microbatches)
+    return pipeline_shortfall(n, b, bool(drop_last), world=plan.world_size, dp=plan.dp, step=step)
+
+
+def samples_spread(device: Any, dataloader: object) -> tuple[int, int] | None:
+    """The fewest and most samples per epoch of the ranks' train loaders (each rank's ``dataloader``), None where a
+    rank's are unknown: one all-reduce of three integers on ``device`` (:func:`_agreed_batch_sizes`, as
+    :class:`_FullBatchLoader` agrees on its steps), which every rank calls. Planning reads rank 0's loader only, and
+    where each rank reads its own data a pipeline's replicas stop after the steps the fewest fill (:func:`loader_shortfall`)."""
+    samples = _samples_per_epoch(dataloader)
+    largest, smallest = _agreed_batch_sizes(device, -1 if samples is None else samples)
+    return None if smallest < 0 else (smallest, largest)
 
 
 def build_concrete(

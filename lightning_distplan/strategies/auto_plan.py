@@ -49,7 +49,7 @@ from typing_extensions import override
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import unsplittable
-from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall
+from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall, samples_spread
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_boundaries,
@@ -399,6 +399,11 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
         # Decide once, on global rank 0, and broadcast: timings differ slightly between ranks, the plan must not.
         t1 = time.perf_counter()
         decision: Any = None
+        whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
+        whole_epochs = not self._pipeline_pinned() and whole_epoch
+        # the ranks' fewest and most samples per epoch, for a pipeline's skipped samples where each rank reads its own
+        # data (rank 0 decides from its loader alone): one all-reduce, on every rank (the same settings on each)
+        spread = samples_spread(self.root_device, loader) if whole_epochs and world > 1 and strategies != ("dp_ga",) else None
         if self.is_global_zero:
             try:
                 candidates, hardware = choose_plan(
@@ -406,11 +411,10 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
                     device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
                     ranks_per_host=ranks_per_node(trainer),
                 )
-                whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
-                if not self._pipeline_pinned() and whole_epoch:
+                if whole_epochs:
                     # Trainer(use_distributed_sampler=False): each rank's loader is its own data (no public accessor)
                     sharding = getattr(trainer._accelerator_connector, "use_distributed_sampler", True)
-                    candidates = whole_epochs_first(candidates, loader, distributed_sampler=sharding)
+                    candidates = whole_epochs_first(candidates, loader, distributed_sampler=sharding, spread=spread)
                 decision = ("ok", candidates, hardware, profile.unused_parameters)
             except Exception as err:  # every rank must raise, not only rank 0
                 decision = ("error", err)
@@ -500,7 +504,7 @@ _DDP_BASE_ARGS = (
 )
 
 
-def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool) -> int:
+def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool, spread: tuple[int, int] | None = None) -> int:
     """Samples per replica and epoch a pipeline plan would not train that a DDP run of the user's ``loader`` (not yet
     sharded) trains (:func:`~lightning_distplan.strategies._auto_concrete.loader_shortfall`); 0 for dp_ga, which
     trains the short last batch, or where the loader's length is unknown.
@@ -509,18 +513,24 @@ def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool) ->
     data, which DDP trains whole, and the figure is its samples per epoch beyond whole pipeline steps: read as one
     dataset that Lightning shards over the ranks, 20 samples per rank in steps of 8 on 2 replicas of 2 stages were said
     to skip 2 (they skip 4), and 24 per rank 4 (they skip none), which moved a pipeline that trains them all behind
-    the other plans; under ``drop_last`` ones that skip samples were said to skip none."""
+    the other plans; under ``drop_last`` ones that skip samples were said to skip none.
+
+    ``spread``: the fewest and most samples per epoch of the ranks' loaders (:func:`samples_spread`; None: rank 0's
+    alone, one process or unknown). ``loader`` is rank 0's: where the replicas read data of their own, every replica
+    stops after the steps the fewest fill, so the figure is the most beyond those (16 and 14 samples per rank in steps
+    of 8: 8, where rank 0's own 16 said none and the pipeline ran first, skipping 8 and 6 that dp_ga trains)."""
     if plan.strategy == "dp_ga":
         return 0
-    return loader_shortfall(loader, plan, sharded=False, distributed_sampler=distributed_sampler) or 0
+    return loader_shortfall(loader, plan, sharded=False, distributed_sampler=distributed_sampler, spread=spread) or 0
 
 
-def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distributed_sampler: bool) -> list[Candidate]:
+def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distributed_sampler: bool,
+                       spread: tuple[int, int] | None = None) -> list[Candidate]:
     """``candidates`` with the feasible pipelines that would skip an epoch's last samples moved behind the other feasible
     plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered. Each feasible
     plan carries the samples it would skip (``Candidate.skipped_samples``, moved or not: why_winner says why a slower
-    plan won). ``distributed_sampler``: as :func:`skipped_samples`."""
-    marked = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler))
+    plan won). ``distributed_sampler``, ``spread``: as :func:`skipped_samples`."""
+    marked = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler, spread=spread))
               if c.prediction.feasible else c for c in candidates]
     feasible = [c for c in marked if c.prediction.feasible]
     keep = [c for c in feasible if not c.skipped_samples]

@@ -245,6 +245,13 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
         loader = DataLoader(TensorDataset(torch.zeros(per_rank, 2)), batch_size=4)
         assert skipped_samples(replicas, loader, distributed_sampler=True) == sharded
         assert skipped_samples(replicas, loader, distributed_sampler=False) == own
+    # the ranks' fewest and most samples (samples_spread, on several ranks): every replica stops after the steps the
+    # fewest fill, so rank 0's 16 (16 % 8 = 0) are no replica's figure where another rank has 14 (1 step: 8 skipped)
+    sixteen = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=4)
+    assert skipped_samples(replicas, sixteen, distributed_sampler=False) == 0
+    assert skipped_samples(replicas, sixteen, distributed_sampler=False, spread=(14, 16)) == 8
+    assert skipped_samples(replicas, sixteen, distributed_sampler=False, spread=(16, 16)) == 0
+    assert skipped_samples(replicas, sixteen, distributed_sampler=True, spread=(14, 16)) == 0  # sharded: the spread is not its figure
 
 
 class _UnusedHead(ChainMLP):

@@ -1057,8 +1057,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
     what each rank raised.
 
-    ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on every rank's own 20 samples in whole
-    batches of 4 (drop_last): the plan chosen, and what planning said of skipped samples (rank 0's log)."""
+    ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on each rank's own samples, 16 on replica 0's
+    ranks and 14 on replica 1's, in batches of 4: the plan chosen, and what planning said of skipped samples (rank 0's
+    log)."""
     import datetime
     import logging
 
@@ -1115,7 +1116,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     auto = AutoPlanStrategy(timeout=datetime.timedelta(seconds=120))
     trainer = L.Trainer(**{**trainer_kwargs(world, auto, os.path.join(out, "planned"), use_distributed_sampler=False),
                            "max_steps": -1, "max_epochs": 1})
-    raised = error_of(lambda: trainer.fit(_WideMLP(), DataLoader(mlp_data(20, seed=rank // 2), batch_size=4, drop_last=True)))
+    raised = error_of(lambda: trainer.fit(_WideMLP(), DataLoader(mlp_data(16 if rank < 2 else 14, seed=rank // 2), batch_size=4)))
     logging.getLogger(rank_zero.log.name).removeHandler(handler)
     ranked = [] if auto.outcome is None else [(c.plan.strategy, c.plan.describe(), c.objective, c.prediction.feasible, c.skipped_samples)
                                               for c in auto.outcome.candidates]
@@ -1331,27 +1332,31 @@ def test_auto_plan_warns_of_the_samples_each_replica_of_its_own_data_skips(_laun
 
 
 def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(_launch) -> None:
-    """Every rank's own 20 samples in whole batches of 4 (use_distributed_sampler=False, see
-    _replicas_of_unequal_data_under_auto_plan), planned on 4 ranks with nothing pinned: each pipeline's steps (8 samples
-    per replica on dp=2, 16 on dp=1) leave 4 of each rank's 20 untrained, which DDP trains, so dp_ga, the one plan that
-    trains them all, runs. Planning must read the loader as the Trainer will set it up (AutoPlanStrategy._plan passes
-    use_distributed_sampler): read as one dataset of 20 that Lightning shards over the 4 ranks (5 each, 4 in a whole
-    batch), no pipeline skips any, and a pipeline predicted faster ran. Which plan is predicted fastest depends on the
-    host's measured compute and links (_WideMLP makes it a pipeline on the hosts seen, 0.369 vs 0.478 s/step), so
-    only what follows from the recorded ranking is asserted: every feasible pipeline marked as skipping 4 (on any
-    host), and where one was moved behind dp_ga, that it was said, and why dp_ga won."""
+    """Each rank's own samples, 16 on replica 0's ranks (rank 0's, the loader planning reads) and 14 on replica 1's, in
+    batches of 4 (use_distributed_sampler=False, see _replicas_of_unequal_data_under_auto_plan), planned on 4 ranks
+    with nothing pinned: every replica stops after the steps the fewest fill (_FullBatchLoader), 1 of 8 samples on dp=2
+    (replica 0 skips 8, replica 1 6) and none of 16 on dp=1 (all 16 skipped), which DDP trains, so dp_ga, the one plan
+    that trains them all, runs. Planning read rank 0's loader alone: 16 % 8 = 0 and 16 % 16 = 0, no pipeline skipped
+    any, and a pipeline predicted faster ran; the ranks' fewest and most samples now come with one all-reduce
+    (samples_spread). Read as one dataset that Lightning shards over the 4 ranks (AutoPlanStrategy._plan must pass
+    use_distributed_sampler), no pipeline skipped any either. Which plan is predicted fastest depends on the host's
+    measured compute and links (_WideMLP makes it a pipeline on the hosts seen, 0.369 vs 0.478 s/step), so only what
+    follows from the recorded ranking is asserted: every feasible pipeline marked as skipping 8 (dp=2) or 16 (dp=1) on
+    any host, and where one was moved behind dp_ga, that it was said, and why dp_ga won."""
     planned = [r["unequal"]["planned"] for r in _launch[2]]
     assert [p["raised"] for p in planned] == [None] * 4, planned
     ranked, said, why = planned[0]["ranked"], planned[0]["said"], planned[0]["why"]
     pipelines = [r for r in ranked if r[0] != "dp_ga" and r[3]]
-    assert pipelines and [r[4] for r in pipelines] == [4] * len(pipelines), ranked  # (read as sharded: 0, whichever ranks first)
+    skips = {r[1]: 8 if " dp=2 " in r[1] else 16 for r in pipelines}
+    assert pipelines and [r[4] for r in pipelines] == list(skips.values()), ranked  # (rank 0's own, or read as sharded: 0)
     assert len({p["plan"] for p in planned}) == 1 and planned[0]["plan"].startswith("dp_ga dp=4 "), planned
     assert ranked[0][0] == "dp_ga" and ranked[0][4] == 0 and len(why) == 1, (ranked, why)
     if said:  # a pipeline ranked first, moved behind dp_ga
-        assert len(said) == 1 and any(said[0].startswith(f"auto_plan: not running {p[1]} (predicted ") for p in pipelines) and (
-            "it would skip the epoch's last 4 samples per replica, which your run trains; running dp_ga dp=4 " in said[0]), said
+        moved = [p for p in skips if said[0].startswith(f"auto_plan: not running {p} (predicted ")]
+        assert len(said) == 1 and len(moved) == 1 and (f"it would skip the epoch's last {skips[moved[0]]} samples per replica, which "
+                                                       "your run trains; running dp_ga dp=4 " in said[0]), said
         assert why[0].startswith(f"Why the winner wins: {ranked[0][1]} trains every sample of the epoch, while the fastest plan ("), why
-        assert why[0].endswith("would skip the epoch's last 4 samples per replica, which a run of your loader trains."), why
+        assert why[0].endswith(f"would skip the epoch's last {skips[moved[0]]} samples per replica, which a run of your loader trains."), why
     else:  # dp_ga ranked first on its own: no pipeline beyond the near tie (2%) it may win
         assert ranked[0][2] <= 1.02 * min(r[2] for r in ranked if r[3]) * (1 + 1e-9), ranked
         assert "would skip" not in why[0], why
