@@ -118,8 +118,10 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
         plans = f"{len(faster)} more plan{'s' if len(faster) > 1 else ''} predicted faster"
         skips = sorted({c.skipped_samples for c in faster})
         like = f", like {plans}," if skips == [fastest.skipped_samples] else ""
-        # plans of other dp split the loader otherwise, and skip other counts: say theirs, not the fastest plan's
-        rest = "" if like or not faster else f", and {plans} would skip {skips[0]}" + (f" to {skips[-1]}" if len(skips) > 1 else "")
+        # plans of other dp split the loader otherwise, and skip other counts: say theirs, not the fastest plan's, with
+        # the unit ("would skip 1, which a run of your loader trains" left the reader to guess 1 what)
+        rest = "" if like or not faster else (f", and {plans} would skip {skips[0]}" + (f" to {skips[-1]}" if len(skips) > 1 else "")
+                                                + f" sample{'s' if skips[-1] > 1 else ''}")
         n = fastest.skipped_samples
         return (
             f"Why the winner wins: {win.plan.describe()} trains every sample of the epoch, while the fastest plan "

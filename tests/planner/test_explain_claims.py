@@ -188,7 +188,7 @@ def check_claims(cands: list[Candidate]) -> str:
     m = re.fullmatch(
         rf"trains every sample of the epoch, while the fastest plan \((.+), predicted ({PCT}) faster\)(?:, like (\d+) more "
         r"(plans?) predicted faster,)? would skip the epoch's last (\d+) (samples?) per replica(?:, and (\d+) more (plans?) predicted "
-        r"faster would skip (\d+)(?: to (\d+))?)?, which a run of your loader trains\.",
+        r"faster would skip (\d+)(?: to (\d+))? (samples?))?, which a run of your loader trains\.",
         rest,
     )
     if m:
@@ -206,6 +206,7 @@ def check_claims(cands: list[Candidate]) -> str:
             assert int(m[7]) == len(others) > 0 and m[8] == ("plan" if len(others) == 1 else "plans"), text
             assert skips != [fastest.skipped_samples], text
             assert [int(m[9])] + ([int(m[10])] if m[10] else []) == ([skips[0], skips[-1]] if len(skips) > 1 else skips), text
+            assert m[11] == ("sample" if skips[-1] == 1 else "samples"), text
         else:
             assert not others, text
         return "skips"

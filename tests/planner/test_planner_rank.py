@@ -322,7 +322,8 @@ def test_the_only_candidate_is_not_said_to_be_the_only_one_that_fits():
 
 def test_the_samples_plans_would_skip_are_said_of_each_plan_that_skips_them():
     """"like 2 more plans predicted faster, would skip the epoch's last 4 samples" was said of plans that skip 4 and 10
-    (a plan of another dp splits the loader otherwise), and one sample read "the epoch's last 1 samples"."""
+    (a plan of another dp splits the loader otherwise), and one sample read "the epoch's last 1 samples". The other
+    plans' counts carry their unit: "and 1 more plan predicted faster would skip 1, which ..." left it to be guessed."""
     from lightning_distplan.planner import why_winner
 
     cands = rank_plans(prof(), world_size=4, global_batch_size=16, hardware=hw())
@@ -337,8 +338,9 @@ def test_the_samples_plans_would_skip_are_said_of_each_plan_that_skips_them():
     assert f"predicted 50.0% faster), like 2 more plans predicted faster, would skip the epoch's last 4 samples per replica, which" in ranked(4, 4, 4)
     why = ranked(4, 10, 2)
     assert "like" not in why and ("predicted 50.0% faster) would skip the epoch's last 4 samples per replica, and 2 more plans "
-                                  "predicted faster would skip 2 to 10, which a run of your loader trains.") in why, why
-    assert "last 4 samples per replica, and 1 more plan predicted faster would skip 10, which" in ranked(4, 10)
+                                  "predicted faster would skip 2 to 10 samples, which a run of your loader trains.") in why, why
+    assert "last 4 samples per replica, and 1 more plan predicted faster would skip 10 samples, which" in ranked(4, 10)
+    assert "last 4 samples per replica, and 1 more plan predicted faster would skip 1 sample, which" in ranked(4, 1)
 
 
 def test_a_near_tie_gone_to_1f1b_claims_fewer_activations_only_where_it_holds_fewer():
