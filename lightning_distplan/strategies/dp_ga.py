@@ -555,23 +555,17 @@ class Rechunking:
         self._whole_epoch = self._val_check_next = None
         loader_batch = loader_batch_size(dataloader)
         self._per_user_batch = None if loader_batch is None else Fraction(m, loader_batch * replica_share)
-        # not a loader loaded before Lightning restores the loops (trainer.estimated_stepping_batches in configure_optimizers)
+        # not a loader loaded before Lightning restores the loops (trainer.estimated_stepping_batches in configure_optimizers);
+        # converted once the ranks agreed the loader runs (_convert_resumed_progress)
         resuming = self._resumed and self._loops_restored(trainer)
-        if resuming:
-            self._resumed = False
-            # the checkpoint's units: loader batches, or (written before the marker) micro-batches of a dp_ga plan
-            saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
-            progress = trainer.fit_loop.epoch_loop.batch_progress
-            # the user's loader batches the checkpoint's epoch and fit trained (exact, where scaling to micro-batches rounds)
-            self._resumed_counts = (progress.current.ready * saved, progress.total.ready * saved)
-            if self._per_user_batch is not None and saved != self._per_user_batch:
-                _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
         self._loader_batch = loader_batch
         # known also for a loader used as it is: one loaded before the loops were restored is set up again (reload_resumed)
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
         if loader_batch == m:
             _agree_on_train_loader(trainer, dataloader, refusal, layout=(loader_batch, m))
+            if resuming:
+                self._convert_resumed_progress(trainer, loader_batch)
             return dataloader
         if cls is None and loader_batch is not None:
             _warn_batchnorm(trainer, m, loader_batch)
@@ -594,6 +588,8 @@ class Rechunking:
                 and sized_len(dataloader) is not None and _samples_per_epoch(dataloader) is None:
             refusal = _uncounted(dataloader, loader_batch, m)
         _agree_on_train_loader(trainer, self._loader, refusal, layout=(loader_batch, m))
+        if resuming:
+            self._convert_resumed_progress(trainer, loader_batch)
         self._trainer, self._steer = trainer, None
         self._val_every = interval if loader_batch is not None else None
         if loader_batch is not None:
@@ -601,6 +597,21 @@ class Rechunking:
             if resuming and cls is None:  # start_batch follows the micro-batches of this loader (not a pipeline's)
                 self._resume_in_place(trainer, dataloader, loader_batch, m, limit)
         return self._loader
+
+    def _convert_resumed_progress(self, trainer: pl.Trainer, loader_batch: int | None) -> None:
+        """The restored checkpoint's epoch progress, counted in this loader's batches from now on (its loader batches
+        remembered in :attr:`_resumed_counts`). Only for a loader the ranks agreed runs (:func:`_agree_on_train_loader`):
+        a refused one (loaded again with another batch size on some rank) raised with the trainer's progress already
+        counted in its micro-batches, and a checkpoint saved after the failure (OnExceptionCheckpoint) held those,
+        unmarked, where a resumed fit read them as loader batches (8 times as many for micro-batches of 4 of 32)."""
+        self._resumed = False
+        # the checkpoint's units: loader batches, or (written before the marker) micro-batches of a dp_ga plan
+        saved = 1 if self._resumed_from_micro is None or loader_batch is None else Fraction(self._resumed_from_micro, loader_batch)
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        # the user's loader batches the checkpoint's epoch and fit trained (exact, where scaling to micro-batches rounds)
+        self._resumed_counts = (progress.current.ready * saved, progress.total.ready * saved)
+        if self._per_user_batch is not None and saved != self._per_user_batch:
+            _scale_progress(progress.state_dict(), saved / self._per_user_batch, into=progress)
 
     def _resume_in_place(self, trainer: pl.Trainer, dataloader: object, loader_batch: int, m: int, limit: int | None) -> None:
         """Resumed from a checkpoint whose epoch had trained ``done`` of the user's loader batches (:attr:`_resumed_counts`):

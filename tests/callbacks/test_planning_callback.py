@@ -12,7 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import BatchSizeFinder, GradientAccumulationScheduler, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -210,6 +210,30 @@ def test_a_loader_reloaded_with_another_batch_size_is_refused_not_run_at_the_old
                                                   r"global batch of 16.*HINT: Keep the train loader's batch size fixed"):
         trainer.fit(model)
     assert trainer.global_step == 8  # epoch 0 as planned (8 steps of 16 samples), nothing of epoch 1
+
+
+class GrowingOneCycleNet(GrowingNet):
+    """GrowingNet sizing its schedule with trainer.estimated_stepping_batches: Lightning loads the train loader before it
+    restores a resumed fit's loops (the first epoch's batches), and again at the resumed epoch."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        total = int(self.trainer.estimated_stepping_batches)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=total), "interval": "step"}}
+
+
+def test_a_refused_reloaded_loader_leaves_a_resumed_fits_progress_in_loader_batches(tmp_path: Path) -> None:
+    """Resumed at epoch 1, whose loader (batches of 32) is refused after the first one (16): the refusal is raised once the
+    loader is wrapped (so every rank makes the same collectives), and that wrap had already counted the trainer's restored
+    progress in the refused loader's micro-batches (8 loader batches of 16 as 64 micro-batches of 4 of 32); an
+    OnExceptionCheckpoint then saved 64, unmarked, which a fit resumed from it reads as loader batches. It keeps the 8."""
+    kw = {**_kwargs(tmp_path), "enable_checkpointing": True, "reload_dataloaders_every_n_epochs": 1}
+    L.Trainer(**{**kw, "max_epochs": 1, "callbacks": [PlanningCallback(micro_batch_size=4), ModelCheckpoint(str(tmp_path / "c"), save_last=True)]}).fit(GrowingOneCycleNet())
+    trainer = L.Trainer(**{**kw, "max_epochs": 2, "callbacks": [PlanningCallback(micro_batch_size=4), OnExceptionCheckpoint(str(tmp_path))]})
+    with pytest.raises(InfeasiblePlanError, match=r"loaded again during the fit with batches of 32, where its first batches were 16"):
+        trainer.fit(GrowingOneCycleNet(), ckpt_path=str(tmp_path / "c" / "last.ckpt"))
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert saved == {"ready": 8, "completed": 8, "started": 8, "processed": 8}, saved
 
 
 class OneCycleNet(Net):
