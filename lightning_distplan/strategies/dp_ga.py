@@ -551,6 +551,7 @@ class Rechunking:
         pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made).
         """
         self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
+        kept = dict(vars(self))  # put back where the loader is refused (_agree_or_keep)
         self._loader = None
         self._whole_epoch = self._val_check_next = None
         loader_batch = loader_batch_size(dataloader)
@@ -563,7 +564,7 @@ class Rechunking:
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
         if loader_batch == m:
-            _agree_on_train_loader(trainer, dataloader, refusal, layout=(loader_batch, m))
+            self._agree_or_keep(kept, trainer, dataloader, refusal, layout=(loader_batch, m))
             if resuming:
                 self._convert_resumed_progress(trainer, loader_batch)
             return dataloader
@@ -587,7 +588,7 @@ class Rechunking:
         if refusal is None and loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None \
                 and sized_len(dataloader) is not None and _samples_per_epoch(dataloader) is None:
             refusal = _uncounted(dataloader, loader_batch, m)
-        _agree_on_train_loader(trainer, self._loader, refusal, layout=(loader_batch, m))
+        self._agree_or_keep(kept, trainer, self._loader, refusal, layout=(loader_batch, m))
         if resuming:
             self._convert_resumed_progress(trainer, loader_batch)
         self._trainer, self._steer = trainer, None
@@ -597,6 +598,20 @@ class Rechunking:
             if resuming and cls is None:  # start_batch follows the micro-batches of this loader (not a pipeline's)
                 self._resume_in_place(trainer, dataloader, loader_batch, m, limit)
         return self._loader
+
+    def _agree_or_keep(self, kept: dict[str, Any], trainer: pl.Trainer, loader: object, refusal: Exception | None, *,
+                       layout: tuple[int | None, int | None]) -> None:
+        """:func:`_agree_on_train_loader`; where it raises (this rank's refusal of the loader, or another rank's), this
+        wrapper's attributes are put back as ``kept`` (the loader before, whose units the trainer's progress still
+        counts): a checkpoint saved after the failure (OnExceptionCheckpoint) converted that progress with the refused
+        loader's batch size (a pipeline whose rank 0 refused a reloaded loader of 8 where the first had 4 saved 2
+        loader batches for the 4 trained)."""
+        try:
+            _agree_on_train_loader(trainer, loader, refusal, layout=layout)
+        except BaseException:
+            vars(self).clear()
+            vars(self).update(kept)
+            raise
 
     def _convert_resumed_progress(self, trainer: pl.Trainer, loader_batch: int | None) -> None:
         """The restored checkpoint's epoch progress, counted in this loader's batches from now on (its loader batches

@@ -106,13 +106,19 @@ class BusyAtStepEnd(L.Callback):
 
 class ReloadedOnRank1(ChainMLP):
     """ChainMLP whose train loader, loaded again each epoch (reload_dataloaders_every_n_epochs=1), batches twice as many
-    samples from epoch 1 on global rank 1 alone (a loader of each rank's own)."""
+    samples from epoch 1 on global rank 1 alone (a loader of each rank's own; :class:`ReloadedOnRank0`: rank 0's)."""
+
+    grows_on = 1
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         from _auto_plan_models import regression_data
 
-        grows = self.trainer.current_epoch >= 1 and torch.distributed.get_rank() == 1
+        grows = self.trainer.current_epoch >= 1 and torch.distributed.get_rank() == self.grows_on
         return torch.utils.data.DataLoader(regression_data(self.hparams.n_samples), batch_size=self.hparams.loader_batch * (2 if grows else 1))
+
+
+class ReloadedOnRank0(ReloadedOnRank1):
+    grows_on = 0
 
 
 def _fit(model: L.LightningModule, tmp: str, strategy: Any, world: int, callbacks: tuple[L.Callback, ...] = (),
@@ -248,6 +254,18 @@ def _scenarios(rank: int, world: int, root: str, pp_cap: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         out["reloaded"][name] = (*error_of(lambda: trainer.fit(ReloadedOnRank1(width=16, depth=4, n_samples=32, loader_batch=4, dropout=0.0))),
                                  time.perf_counter() - t0)
+    # rank 0's (it writes the checkpoints) refused under a pipeline plan, an OnExceptionCheckpoint saving at the refusal
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    saved = os.path.join(root, "reloaded_saved")
+    trainer = L.Trainer(**trainer_kwargs(saved, devices=world, max_epochs=2, reload_dataloaders_every_n_epochs=1, enable_checkpointing=True,
+                                         strategy=AutoPlanStrategy(strategy="gpipe", stages=2, profile_repeats=1, timeout=waited),
+                                         callbacks=[OnExceptionCheckpoint(saved)]))
+    out["reloaded_saved"] = (error_of(lambda: trainer.fit(ReloadedOnRank0(width=16, depth=4, n_samples=32, loader_batch=4, dropout=0.0)))
+                             or ("no error",))[0]
+    if rank == 0:  # (written by rank 0)
+        checkpoint = torch.load(os.path.join(saved, "on_exception.ckpt"), weights_only=False)
+        out["reloaded_progress"] = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"]
     return out
 
 
@@ -400,3 +418,7 @@ def test_a_train_loader_reloaded_with_another_batch_size_on_one_rank_is_refused_
                                   f"and {planner}") and " HINT: Keep the train loader's batch size fixed" in message, message
         assert (notes, notes1) == (["Raised on global rank 1 reading its train loader; global rank 0 stops with it."], []), (notes, notes1)
         assert took < 25, took  # not the 30 s group timeout
+    # rank 0's own refused under the pipeline plan: the checkpoint an OnExceptionCheckpoint saved there counted epoch 0's
+    # progress with the refused loader's batches of 8 (2 loader batches where each process trained 4 of 4, 16 samples)
+    assert [out["reloaded_saved"] for out in results["ranks"]] == ["InfeasiblePlanError"] * 2, results["ranks"]
+    assert results["ranks"][0]["reloaded_progress"] == 4, results["ranks"][0]["reloaded_progress"]
