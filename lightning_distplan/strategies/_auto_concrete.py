@@ -223,8 +223,12 @@ class _FullBatchLoader(_MicroBatchLoader):
     the sampler's samples (a ``collate_fn`` making two rows of each) ended the epoch there, their last rows skipped
     unsaid (the shortfall said counted samples). The epoch's rows are held to that count as dp_ga's are
     (:meth:`_counted_room`, refused where they overflow it: :func:`~lightning_distplan.strategies.dp_ga._cut_short`),
-    and before the last counted step is handed over, the loader's batches after it are read (the skipped remainder,
-    or on a replica with more samples than the fewest, the rest of its epoch), where Lightning would not pull them.
+    and before the last counted step is handed over, the loader's batches after it are read, where Lightning would not
+    pull them: the remainder short of a step, or the first batch past the count where the rows overflow it. Only where
+    this rank's own samples end its epoch there: on a replica with more samples than the fewest (whose steps the ranks
+    agreed on), the rest of its epoch is skipped whatever its rows (said as the spread, in samples), and reading it
+    before the last step read and discarded the rest of its epoch (16 samples per rank beside 100,000: 99,984 of them,
+    each epoch, also moving a stateful loader's ``state_dict`` in a checkpoint of that step to the epoch's end).
     """
 
     shortfall: int | None = None
@@ -268,12 +272,15 @@ class _FullBatchLoader(_MicroBatchLoader):
         dropped = steps = 0
         room = self._counted_room(limit, None)
         counted = agreed if agreed is not None or room is None else room[0] // m  # the steps Lightning pulls (__len__)
+        # read ahead only where this rank's own samples end the epoch at the counted steps: on a rank with more (the
+        # fewest set the agreed steps) the rest is skipped anyway, said as the spread, and reading it cost its epoch
+        ahead = counted if room is not None and counted is not None and room[0] // m == counted else None
         micro_batches = (batch for batch, _ in _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps")))
         while steps != agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
             try:
                 batch = next(micro_batches, None)
                 n = 0 if batch is None else _batch_n(batch)
-                if n == m and steps + 1 == counted:
+                if n == m and steps + 1 == ahead:
                     # Lightning pulls no batch after this step's: the rest of the epoch's (their rows held to the count)
                     for _ in micro_batches:
                         pass

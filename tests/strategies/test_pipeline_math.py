@@ -988,6 +988,20 @@ class _SizedStream(_Stream):
         return len(self.data)
 
 
+class _ReadSamples(torch.utils.data.Dataset):
+    """A dataset that records the indices of the samples read from it (``read``)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data, self.read = data, []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        self.read.append(i)
+        return self.data[i]
+
+
 class _MissingSamples(torch.utils.data.Dataset):
     """A dataset whose samples from ``first_missing`` on raise IndexError where they are read (a rank's broken data)."""
 
@@ -1040,6 +1054,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     replica stepping twice waited in the replicas' gradient all-reduce for good. Replica 0 has the fewer, so that rank 0,
     which warns for every replica, has samples of its own beyond its whole steps (6): its own figure is no replica's skip. Run on a group of its own with a 120 s
     timeout (set up by Lightning, the port in the environment), so that a hang fails here rather than holding the launch.
+    The sized dataset records the samples read from it (``read``).
 
     The dataset's fit also validates (sanity check and each epoch) on evaluation data of each replica's own, 8 and 4
     samples in batches of 4, and then a plain PipelineStrategy validates and tests a fresh model on it: every
@@ -1070,7 +1085,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
 
     results: dict[str, Any] = {}
     data = mlp_data(14 if rank < 2 else 16, seed=rank // 2)
-    for kind, dataset in (("sized", data), ("stream", _Stream(data)), ("sized-stream", _SizedStream(data))):
+    for kind, dataset in (("sized", _ReadSamples(data)), ("stream", _Stream(data)), ("sized-stream", _SizedStream(data))):
         steps = _StepsAtEpochEnd()
         strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=120))
@@ -1085,7 +1100,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
         results[kind] = {"plan": trainer.strategy.plan, "steps": steps.seen, "start": steps.start,
                          "stage": {k: v.detach().clone() for k, v in trainer.strategy._stage_module.state_dict().items()},
                          "warned": [str(w.message) for w in caught if "skipp" in str(w.message)],
-                         "val_loss": trainer.callback_metrics["val_loss"].item() if validated else None}
+                         "val_loss": trainer.callback_metrics["val_loss"].item() if validated else None,
+                         "read": getattr(dataset, "read", None)}
 
     def fit_own_data(kind: str, loader: DataLoader) -> None:
         steps = _StepsAtEpochEnd()
@@ -1295,7 +1311,9 @@ def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weigh
     loader is made where it has a length, so that Lightning counts as many steps on every rank), the fewest either
     replica fills (1 of 8 samples), so every rank steps once per epoch and the replicas of a stage end with the same
     weights; the samples skipped are warned about: the spread (known before the epoch), not rank 0's own samples beyond
-    its steps as every replica's shortfall."""
+    its steps as every replica's shortfall. Replica 1 reads its step's 8 samples per epoch, not its whole 16: reading
+    ahead for rows beyond its count (_FullBatchLoader) read and discarded the rest of its epoch, which its replica
+    skips whatever its rows (on a rank of 100,000 samples beside 16, nearly all of them)."""
     unequal = [r["unequal"][kind] for r in _launch[2]]
     assert all(u["plan"].describe() == "gpipe dp=2 pp=2 m=4 n_microbatches=2 split=[4]" for u in unequal), [u["plan"] for u in unequal]
     assert [u["steps"] for u in unequal] == [[1, 2]] * 4
@@ -1304,6 +1322,10 @@ def test_auto_plans_replicas_of_unequal_data_step_alike_and_end_with_equal_weigh
         assert list(ours) == list(theirs) and ours
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
         assert max((v - unequal[stage]["start"][k]).abs().max().item() for k, v in ours.items()) > 1e-4  # trained
+    if kind == "sized":  # replica 0's remainder is read (its rows held to its count); replica 1's rest, skipped, is not
+        # (the last sample read, read once per epoch; the first batch is also read as the loader is set up)
+        reads = [u["read"] for u in unequal]
+        assert [(max(r), r.count(max(r))) for r in reads] == [(13, 2), (13, 2), (7, 2), (7, 2)], reads
     if kind in ("sized", "sized-stream"):  # known before the epoch: rank 0 says it for every replica
         assert [u["warned"] for u in unequal] == [[
             "auto_plan: the ranks' train loaders hold from 14 to 16 samples per epoch, and the replicas' gradient all-reduce meets "
