@@ -9,7 +9,6 @@ every number and comparison it states is checked against the candidates.
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from dataclasses import replace
@@ -19,7 +18,7 @@ import pytest
 from lightning_distplan.costmodel import BREAKDOWN_KEYS, Hardware, cost_per_step, objective
 from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
 from lightning_distplan.errors import BatchNotFactorableError, InfeasiblePlanError
-from lightning_distplan.planner import NEAR_TIE, Candidate, closest_to_fitting, rank_order, rank_plans, why_winner
+from lightning_distplan.planner import NEAR_TIE, Candidate, rank_order, rank_plans, why_winner
 from lightning_distplan.planner._rank import comparable, twin_key
 
 SHORT = {"compute": "compute", "p2p": "p2p", "bubble": "bubble", "exposed_comm": "comm", "optimizer": "optim", "framework": "loop", "sync_wait": "sync"}
@@ -151,6 +150,19 @@ def _within(printed: str, frac: float) -> bool:
     return value > 0 and frac <= value + 1e-12 and not bound
 
 
+def _near_tie_with(fastest: Candidate, win: Candidate, fastest_obj: float, printed: str, text: str) -> Candidate:
+    """``fastest``, after asserting it is the fastest plan and ``win`` within the near-tie margin of it, as printed."""
+    frac = win.objective / fastest.objective - 1
+    assert fastest.objective == fastest_obj and 0 < frac <= NEAR_TIE and _within(printed, frac), text
+    return fastest
+
+
+def _assert_ties(m: re.Match, what: str, desc: dict, other: Candidate, win: Candidate, text: str) -> None:
+    """A "ties WHAT (plan)" sentence names ``other`` as what ``win`` is compared with, and the two tie on the objective."""
+    assert m[1] == what and desc[m[2]] is other, text
+    assert comparable(win.objective) == comparable(other.objective), text
+
+
 def _gib(n: int) -> float:
     return n / 2**30
 
@@ -219,9 +231,7 @@ def check_claims(cands: list[Candidate]) -> str:
         rest,
     )
     if m:
-        fastest = desc[m[2]]
-        frac = win.objective / fastest.objective - 1
-        assert fastest.objective == fastest_obj and 0 < frac <= NEAR_TIE and _within(m[1], frac), text
+        fastest = _near_tie_with(desc[m[2]], win, fastest_obj, m[1], text)
         assert twin_key(win.plan) == twin_key(fastest.plan) and (win.plan.strategy, fastest.plan.strategy) == ("1f1b", "gpipe"), text
         wm, fm = win.prediction.peak_memory_bytes, fastest.prediction.peak_memory_bytes
         if m[3] is not None:
@@ -241,9 +251,7 @@ def check_claims(cands: list[Candidate]) -> str:
         rest,
     )
     if m:
-        fastest = desc[m[2]]
-        frac = win.objective / fastest.objective - 1
-        assert fastest.objective == fastest_obj and 0 < frac <= NEAR_TIE and _within(m[1], frac), text
+        fastest = _near_tie_with(desc[m[2]], win, fastest_obj, m[1], text)
         assert int(m[3]) == win.plan.micro_batch_size > fastest.plan.micro_batch_size == int(m[4]), text
         return "larger m"
 
@@ -288,8 +296,7 @@ def check_claims(cands: list[Candidate]) -> str:
 
     m = re.fullmatch(rf"ties (.+) \((.+)\) at ({NUM}) s/step and needs less peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.", rest)
     if m:
-        assert m[1] == what and desc[m[2]] is other, text
-        assert comparable(win.objective) == comparable(other.objective), text
+        _assert_ties(m, what, desc, other, win, text)
         assert win.prediction.peak_memory_bytes < other.prediction.peak_memory_bytes, text
         assert float(m[4]) < float(m[5]), f"printed peaks do not show less memory: {text}"
         return "less memory"
@@ -298,8 +305,7 @@ def check_claims(cands: list[Candidate]) -> str:
         rf"ties (.+) \((.+)\) at ({NUM}) s/step and ([0-9.]+) GiB peak memory; either runs as predicted, this one came first in the tie\.",
         rest)
     if m:
-        assert m[1] == what and desc[m[2]] is other, text
-        assert comparable(win.objective) == comparable(other.objective), text
+        _assert_ties(m, what, desc, other, win, text)
         assert win.prediction.peak_memory_bytes == other.prediction.peak_memory_bytes, f"the peaks differ: {text}"
         return "full tie"
 
@@ -307,8 +313,7 @@ def check_claims(cands: list[Candidate]) -> str:
         rf"ties (.+) \((.+)\) at ({NUM}) s/step and runs larger micro-batches \((\d+) vs (\d+)\), which in a tie the ranking prefers, "
         r"though it needs more peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.", rest)
     if m:
-        assert m[1] == what and desc[m[2]] is other, text
-        assert comparable(win.objective) == comparable(other.objective), text
+        _assert_ties(m, what, desc, other, win, text)
         assert int(m[4]) == win.plan.micro_batch_size > other.plan.micro_batch_size == int(m[5]), text
         assert win.prediction.peak_memory_bytes > other.prediction.peak_memory_bytes and float(m[6]) > float(m[7]), text
         return "tie larger m"
@@ -316,8 +321,7 @@ def check_claims(cands: list[Candidate]) -> str:
         rf"ties (.+) \((.+)\) at ({NUM}) s/step; this one came first in the tie, though it needs more peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.",
         rest)
     if m:
-        assert m[1] == what and desc[m[2]] is other, text
-        assert comparable(win.objective) == comparable(other.objective), text
+        _assert_ties(m, what, desc, other, win, text)
         assert win.prediction.peak_memory_bytes > other.prediction.peak_memory_bytes and float(m[4]) > float(m[5]), text
         return "tie more memory"
     raise AssertionError(f"no known template: {text}")

@@ -335,7 +335,7 @@ def test_the_samples_plans_would_skip_are_said_of_each_plan_that_skips_them():
             replace(p, objective=0.5 + 0.1 * i, rank=i + 2, skipped_samples=s) for i, (p, s) in enumerate(zip(pipes, skips))])
 
     assert " would skip the epoch's last 1 sample per replica, which a run of your loader trains." in ranked(1)
-    assert f"predicted 50.0% faster), like 2 more plans predicted faster, would skip the epoch's last 4 samples per replica, which" in ranked(4, 4, 4)
+    assert "predicted 50.0% faster), like 2 more plans predicted faster, would skip the epoch's last 4 samples per replica, which" in ranked(4, 4, 4)
     why = ranked(4, 10, 2)
     assert "like" not in why and ("predicted 50.0% faster) would skip the epoch's last 4 samples per replica, and 2 more plans "
                                   "predicted faster would skip 2 to 10 samples, which a run of your loader trains.") in why, why
