@@ -271,7 +271,7 @@ def check_claims(cands: list[Candidate]) -> str:
     wt, ot = win.prediction.step_time_s, other.prediction.step_time_s
 
     m = re.fullmatch(
-        rf"takes ({NUM}) s/step, (?:({NUM})x|({PCT})) less than (.+) \((.+): ({NUM}) s\), mostly (\w+) \(({NUM}) s vs ({NUM}) s\)\.", rest)
+        rf"takes ({NUM}) s/step, (?:({NUM})x faster|({PCT}) less) than (.+) \((.+): ({NUM}) s\), mostly (\w+) \(({NUM}) s vs ({NUM}) s\)\.", rest)
     if m:
         assert m[4] == what and desc[m[5]] is other, text
         assert wt < ot and m[1] != m[6], text
