@@ -630,12 +630,19 @@ def write_artifacts(
     return write_text_atomic(directory / "plan.json", json.dumps(plan_record(outcome, extra=extra), indent=2, default=str))
 
 
+def _ms(seconds: float) -> str:
+    """A step time in ms: 2 decimals from 1 ms up (3 significant figures or more), 3 significant figures below. Two
+    decimals alone printed "predicted 0.00 ms/step" for a step under 5 µs (a tiny model), which reads as no time at all."""
+    ms = seconds * 1e3
+    return f"{ms:.2f}" if abs(ms) >= 1 else f"{ms:#.3g}"
+
+
 def log_outcome(outcome: PlanningOutcome, *, prefix: str = "distplan", top: int = 5) -> None:
     """Log the plan and the best alternatives once (rank zero)."""
     lines = [f"{prefix}: chose {outcome.plan.describe()} (global batch {outcome.plan.global_batch_size}, {outcome.source})"]
     pred = outcome.prediction
     if pred is not None:
-        lines[0] += f", predicted {pred.step_time_s * 1e3:.2f} ms/step, peak {format_bytes(pred.peak_memory_bytes)}/device"
+        lines[0] += f", predicted {_ms(pred.step_time_s)} ms/step, peak {format_bytes(pred.peak_memory_bytes)}/device"
     if outcome.candidates:
         lines.append(explain(outcome.candidates, top=top))
     if outcome.source == "profiled":

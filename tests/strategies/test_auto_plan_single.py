@@ -1125,3 +1125,27 @@ def test_a_pipeline_loader_refuses_batches_holding_more_rows_than_the_samples_it
     for name, loader in legitimate.items():
         assert pulled(loader, 4) == [4] * (len(loader.sampler) // 4 if name == "12 of 20 drawn" else 4 if name == "drop_last" else 5), name
         assert pulled(loader, 8) == [8] * (1 if name == "12 of 20 drawn" else 2), name
+
+
+def test_the_logged_plan_never_prints_a_nonzero_step_time_as_zero(caplog: pytest.LogCaptureFixture) -> None:
+    """log_outcome printed the predicted step time as ms with 2 decimals: a step under 5 µs (a tiny model) read
+    "predicted 0.00 ms/step". Below 1 ms it prints 3 significant figures; from 1 ms up, 2 decimals as before."""
+    import dataclasses
+
+    from lightning_utilities.core import rank_zero
+
+    from lightning_distplan.costmodel import Hardware
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+    from lightning_distplan.planner import rank_plans
+    from lightning_distplan.strategies._auto_planning import PlanningOutcome, log_outcome
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=1 << 20)] * 2)
+    ranked = rank_plans(profile, world_size=1, global_batch_size=4, hardware=Hardware.from_profile(profile, warn_default_links=False),
+                        strategies=("dp_ga",))
+    caplog.set_level(logging.INFO, logger=rank_zero.log.name)  # where rank_zero_info writes
+    for step_s, printed in ((4.2e-6, "0.00420"), (1.23456e-4, "0.123"), (9.99e-4, "0.999"), (0.0123456, "12.35"), (1.5, "1500.00")):
+        win = dataclasses.replace(ranked[0], prediction=dataclasses.replace(ranked[0].prediction, step_time_s=step_s))
+        caplog.clear()
+        log_outcome(PlanningOutcome(plan=win.plan, candidates=(win, *ranked[1:])), prefix="auto_plan")
+        first = caplog.messages[0].splitlines()[0]
+        assert f", predicted {printed} ms/step, peak " in first, first
