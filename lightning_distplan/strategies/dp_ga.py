@@ -1242,6 +1242,8 @@ class _MicroBatchLoader:
         # global random stream then, and Lightning calls iter() on it once more than it uses (the first is dropped).
         try:
             batches = iter(self._batches(limit))
+        except StopIteration as stop:  # raised by _raising's generator, Python's "generator raised StopIteration" (PEP 479)
+            batches = _raising(_stopped_as_made(stop))
         except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
             # maybe this rank's alone (its batch sampler's __iter__, a worker that did not start): raised here, it left
             # the other ranks waiting at the epoch's first agreement; raised at the first pull, that agreement carries it
@@ -1513,6 +1515,19 @@ def _raising(failure: Exception) -> Iterator[Any]:
     a batch is carried to the other ranks (:func:`_rebatch_pieces`, :class:`_FullBatchLoader`'s steps)."""
     raise failure
     yield  # a generator: raised at the first next(), not when made
+
+
+def _stopped_as_made(stop: StopIteration) -> DataLoadingError:
+    """The error for a train loader whose ``iter()`` raised ``stop`` (its cause): carried in :func:`_raising`'s
+    generator, Python turned it into "RuntimeError: generator raised StopIteration", naming this package's generator
+    rather than the loader whose iterator could not be made."""
+    err = DataLoadingError(
+        "The train loader's iterator raised StopIteration as it was made (iter() of the loader), before its first batch.",
+        hint="Make the __iter__ of its batch sampler, sampler or IterableDataset a generator (with yield) or have it "
+        "return an iterator; one that calls next() itself raises StopIteration where there is nothing left.",
+    )
+    err.__cause__ = stop
+    return err
 
 
 def _rebatch_pieces(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import time
@@ -292,6 +293,41 @@ def test_uneven_loader_batches_that_change_the_math_are_warned_about() -> None:
     # exact: micro-batches dividing every batch, a short last batch cut alone, equal batches joined
     assert _dp_ga_warnings([8, 8, 4], 8, 2) == _dp_ga_warnings([8, 8, 4], 8, 4) == _dp_ga_warnings([6, 6, 6], 6, 4) == []
     assert _dp_ga_warnings([8, 8, 8], 8, 16) == []
+
+
+class _FirstBatchFirst:
+    """A batch sampler whose ``__iter__`` is not a generator: it takes the first batch itself (next()), then the rest."""
+
+    def __init__(self, batches: list[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        rest = iter(self.batches)
+        return itertools.chain([next(rest)], rest)  # StopIteration where there is no batch (an empty shard)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def test_a_train_loader_whose_iterator_raises_stop_iteration_as_it_is_made_says_so() -> None:
+    """iter() of the train loader raising StopIteration (its batch sampler's __iter__ calling next() on no batches) is
+    kept for the first pull, which the ranks' agreement carries (_raising); a generator, which Python turned it into
+    "RuntimeError: generator raised StopIteration", naming this package's generator. Now one sentence and HINT that
+    say the loader's iterator raised it as it was made, with the StopIteration as its cause."""
+    from lightning_distplan.errors import DataLoadingError
+    from lightning_distplan.strategies.dp_ga import _MicroBatchLoader
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(8)), batch_sampler=_FirstBatchFirst([]))
+    with pytest.raises(DataLoadingError) as caught:
+        list(_MicroBatchLoader(loader, 4))
+    assert str(caught.value) == (
+        "The train loader's iterator raised StopIteration as it was made (iter() of the loader), before its first batch. HINT: Make "
+        "the __iter__ of its batch sampler, sampler or IterableDataset a generator (with yield) or have it return an iterator; one "
+        "that calls next() itself raises StopIteration where there is nothing left.")
+    assert isinstance(caught.value.__cause__, StopIteration)
+    # (a batch sampler that has batches runs as it is)
+    loader = torch.utils.data.DataLoader(loader.dataset, batch_sampler=_FirstBatchFirst([[0, 1, 2, 3], [4, 5, 6, 7]]))
+    assert [b[0].tolist() for b in _MicroBatchLoader(loader, 2)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 def test_a_tensor_that_is_not_per_sample_first_in_a_dict_batch_is_passed_whole(single_process_group: None) -> None:
