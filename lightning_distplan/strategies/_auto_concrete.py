@@ -244,6 +244,10 @@ class _FullBatchLoader(_MicroBatchLoader):
             samples = self._samples()
         except TypeError:
             samples = -1  # unknown on this rank: the ranks agree step by step
+        except Exception as failure:  # (a __len__ raising on this rank alone: the others waited in the agreement)
+            # raises it on every rank: here as it was raised, there as _told_elsewhere says
+            _tell_every_rank(functools.partial(self.agree, -1, failure), failure)
+            raise
         largest, smallest = self.agree(samples)
         if smallest >= 0:
             self._steps = smallest // self.micro_batch_size
@@ -488,8 +492,15 @@ def samples_spread(device: Any, dataloader: object) -> tuple[int, int] | None:
     """The fewest and most samples per epoch of the ranks' train loaders (each rank's ``dataloader``), None where a
     rank's are unknown: one all-reduce of three integers on ``device`` (:func:`_agreed_batch_sizes`, as
     :class:`_FullBatchLoader` agrees on its steps), which every rank calls. Planning reads rank 0's loader only, and
-    where each rank reads its own data a pipeline's replicas stop after the steps the fewest fill (:func:`loader_shortfall`)."""
-    samples = _samples_per_epoch(dataloader)
+    where each rank reads its own data a pipeline's replicas stop after the steps the fewest fill (:func:`loader_shortfall`).
+    An error reading a rank's lengths (a ``__len__`` raising other than TypeError, maybe on that rank alone) rides the
+    same all-reduce: every rank raises it (that rank its own, the others a RuntimeError naming it), none waits."""
+    try:
+        samples = _samples_per_epoch(dataloader)
+    except Exception as failure:  # (a __len__ raising on this rank alone: the others waited in the all-reduce)
+        # raises it on every rank: here as it was raised, there as _told_elsewhere says
+        _tell_every_rank(functools.partial(_agreed_batch_sizes, device, -1, failure), failure)
+        raise
     largest, smallest = _agreed_batch_sizes(device, -1 if samples is None else samples)
     return None if smallest < 0 else (smallest, largest)
 

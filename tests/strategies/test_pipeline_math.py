@@ -1017,6 +1017,37 @@ class _MissingSamples(torch.utils.data.Dataset):
         return self.data[i]
 
 
+class _UnsizedOnThisRank(DataLoader):
+    """A DataLoader whose length cannot be read (a rank whose shard index is missing): its ``__len__`` raises ValueError."""
+
+    def __len__(self) -> int:
+        raise ValueError("no shard index on this rank")
+
+
+class _UnsizedSampler(torch.utils.data.Sampler):
+    """The first ``n`` indices, in order, whose length cannot be read (its ``__len__`` raises ValueError)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter(range(self.n))
+
+    def __len__(self) -> int:
+        raise ValueError("no shard index on this rank")
+
+
+class _CountedBatches(torch.utils.data.BatchSampler):
+    """A batch sampler of ``n`` samples that counts its batches itself (not from its sampler's length)."""
+
+    def __init__(self, sampler: Any, n: int, batch_size: int) -> None:
+        super().__init__(sampler, batch_size, drop_last=False)
+        self.n = n
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+
 class _WideMLP(TinyMLP):
     """TinyMLP's chain 2048 wide (8.4M parameters, little compute per sample): on 4 gloo ranks a pipeline, all-reducing
     half the gradients or none, is predicted faster than dp_ga, which all-reduces them all."""
@@ -1067,6 +1098,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     on that rank alone): it raised alone, and the other ranks waited in the gradient all-reduce (or p2p) until gloo
     gave up; what each rank raised. ``failed``: rank 3's Dataset raises IndexError at its second step's samples (any
     error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends.
+    ``unsized sampler`` and ``unsized``: rank 3's sampler's ``__len__`` (read as the pipeline's loader counts the epoch's
+    samples), and its DataLoader's (read as an unpinned auto_plan plans: samples_spread), raise ValueError: the same.
 
     ``doubled``: every rank 16 samples of its own, rank 3's collate_fn making two rows of each (32 rows): its
     replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
@@ -1158,6 +1191,15 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
                                        batch_size=4))
     fit_own_data("failed", DataLoader(_MissingSamples(full, 8 if rank == 3 else 16), batch_size=4))
+    # rank 3's sampler's __len__ raises where the pipeline's loader counts the epoch's samples (_FullBatchLoader.__init__)
+    sampler = _UnsizedSampler(16) if rank == 3 else torch.utils.data.SequentialSampler(full)
+    fit_own_data("unsized sampler", DataLoader(full, batch_sampler=_CountedBatches(sampler, 16, 4)))
+    # rank 3's loader's __len__ raises where planning reads the ranks' samples per epoch (samples_spread)
+    unpinned = AutoPlanStrategy(timeout=datetime.timedelta(seconds=120))
+    trainer = L.Trainer(**{**trainer_kwargs(world, unpinned, os.path.join(out, "unsized"), use_distributed_sampler=False),
+                           "max_steps": -1, "max_epochs": 1})
+    loader = (_UnsizedOnThisRank if rank == 3 else DataLoader)(full, batch_size=4)
+    results["unsized"] = {"raised": error_of(lambda: trainer.fit(TinyMLP(), loader))}
     dist.destroy_process_group()
     return results
 
@@ -1427,6 +1469,26 @@ def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_ever
     # (as it was raised: the agreement that carried it to the other ranks raised it again, its frames put in the middle)
     frames = failed[3]["raised at"]
     assert frames[-1] == "__getitem__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
+
+
+@pytest.mark.parametrize("kind", ["unsized sampler", "unsized"])
+def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch, kind: str) -> None:
+    """Rank 3's train loader alone raises ValueError where its length is read (see
+    _replicas_of_unequal_data_under_auto_plan): its sampler's, as the pipeline's loader counts the epoch's samples the
+    ranks agree on (_FullBatchLoader), and its own, as planning reads the ranks' samples per epoch (samples_spread, one
+    all-reduce). Only a TypeError (not sized) was caught there, so rank 3 raised alone before the all-reduce the others
+    waited in. Now it rides that all-reduce: rank 3 raises its own ValueError, its traceback ending in the __len__, and
+    the others one RuntimeError naming it and rank 3."""
+    unsized = [r["unequal"][kind] for r in _launch[2]]
+    told = ("Global rank 3 raised ValueError (no shard index on this rank) reading a batch of its train loader, where the ranks meet at "
+            "every step. HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    assert [u["raised"] for u in unsized] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
+                                                                      "stops with it."]) for r in range(3)] + [
+        ("ValueError", "no shard index on this rank", [])], [u["raised"] for u in unsized]
+    if kind == "unsized sampler":
+        frames = unsized[3]["raised at"]
+        assert frames[-1] == "__len__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
+        assert [u["steps"] for u in unsized] == [[]] * 4
 
 
 def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
