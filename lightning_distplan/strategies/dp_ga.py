@@ -1627,8 +1627,8 @@ def _told_elsewhere(failure: Exception, rank: int) -> Exception:
     if isinstance(failure, DistPlanError):
         return failure
     return RuntimeError(
-        f"Global rank {rank} raised {type(failure).__name__} ({first_line(failure)}) reading a batch of its train loader, "
-        f"where the ranks meet at every step. HINT: See global rank {rank}'s traceback for where it was raised (its Dataset, sampler or collate_fn)."
+        f"Global rank {rank} raised {type(failure).__name__} ({first_line(failure)}) reading its train loader, "
+        f"so every rank stops. HINT: See global rank {rank}'s traceback for where it was raised (its Dataset, sampler, collate_fn or __len__)."
     )
 
 

@@ -1719,16 +1719,16 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     # rank 1's process ended); now the first pull raises it, which that agreement carries: rank 1 raises its own, its
     # traceback still ending in the sampler's __iter__, and rank 0 a RuntimeError naming it and rank 1, before any step
     unopened = (results[0][3].pop(), results[1][3].pop())
-    told = ("Global rank 1 raised ValueError (no shard file for rank 1) reading a batch of its train loader, where the ranks "
-            "meet at every step. HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    told = ("Global rank 1 raised ValueError (no shard file for rank 1) reading its train loader, so every rank stops. "
+            "HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
     assert [r[:5] for r in unopened] == [(RuntimeError, told, note, 0, True), (ValueError, "no shard file for rank 1", None, 0, True)], unopened
     assert unopened[1][5][-1] == "__iter__" and not {"raise_on_every_rank", "_agreed_batch_sizes", "_agree"} & set(unopened[1][5]), unopened
     # rank 1's Dataset raising IndexError at its second batch: rank 1 raised it alone and rank 0 waited in the next
     # agreement (gloo's "Connection closed by peer" once rank 1's process ended); now rank 1 raises its own, its traceback
     # still ending in the Dataset, and rank 0 a RuntimeError naming it and rank 1
     missing = (results[0][3].pop(3), results[1][3].pop(3))
-    told = ("Global rank 1 raised IndexError (no sample 8 on this rank) reading a batch of its train loader, where the ranks meet at "
-            "every step. HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    told = ("Global rank 1 raised IndexError (no sample 8 on this rank) reading its train loader, so every rank stops. "
+            "HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
     assert [r[:3] for r in missing] == [(RuntimeError, told, note), (IndexError, "no sample 8 on this rank", None)], missing
     assert missing[0][3] == missing[1][3] and missing[1][5][-1] == "__getitem__", missing
     # (as it was raised: the agreement that carried it to rank 0 raised it again, its frames put in the middle)

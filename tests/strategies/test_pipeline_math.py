@@ -1461,8 +1461,8 @@ def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_ever
     connection, a raw gloo error. Now rank 3 raises its own IndexError, its traceback still ending in the Dataset, and the
     others one RuntimeError naming it and rank 3, with a HINT to read rank 3's traceback."""
     failed = [r["unequal"]["failed"] for r in _launch[2]]
-    told = ("Global rank 3 raised IndexError (no sample 8 on this rank) reading a batch of its train loader, where the ranks meet at "
-            "every step. HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    told = ("Global rank 3 raised IndexError (no sample 8 on this rank) reading its train loader, so every rank stops. "
+            "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
     assert [f["raised"] for f in failed] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
                                                                      "stops with it."]) for r in range(3)] + [
         ("IndexError", "no sample 8 on this rank", [])], [f["raised"] for f in failed]
@@ -1480,8 +1480,8 @@ def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch,
     waited in. Now it rides that all-reduce: rank 3 raises its own ValueError, its traceback ending in the __len__, and
     the others one RuntimeError naming it and rank 3."""
     unsized = [r["unequal"][kind] for r in _launch[2]]
-    told = ("Global rank 3 raised ValueError (no shard index on this rank) reading a batch of its train loader, where the ranks meet at "
-            "every step. HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler or collate_fn).")
+    told = ("Global rank 3 raised ValueError (no shard index on this rank) reading its train loader, so every rank stops. "
+            "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
     assert [u["raised"] for u in unsized] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
                                                                       "stops with it."]) for r in range(3)] + [
         ("ValueError", "no shard index on this rank", [])], [u["raised"] for u in unsized]
