@@ -481,7 +481,7 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distribut
         return None if samples is None else samples % step
     try:
         n = len(getattr(sampler, "dataset", None) if sharded else sampler)  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, NotImplementedError):  # no length, as Lightning reads it (sized_len)
         return None
     if b is None or drop_last is None:
         return None

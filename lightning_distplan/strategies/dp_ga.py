@@ -1004,10 +1004,7 @@ def _in_loader_batches(trainer: pl.Trainer, dataloader: object, replica_share: i
     (no limit, a fraction of an unsized loader, or one Lightning would turn into zero batches and
     refuse itself).
     """
-    try:
-        n: int | None = len(dataloader)  # type: ignore[arg-type]
-    except TypeError:
-        n = None
+    n = sized_len(dataloader)  # (a __len__ raising NotImplementedError is none either, as Lightning reads it)
     per_process = None if n is None else -(-n // replica_share)  # one process's loader batches under DDP
     value = trainer.limit_train_batches
     limit = None
@@ -1161,7 +1158,8 @@ def _samples_per_epoch(dataloader: object) -> int | None:
     A batch sampler without a ``sampler`` of its own (a user's shuffling or bucketing one, which draws its indices
     itself) is counted from the DataLoader's ``sampler`` (the whole dataset) only where its length is the number of
     batches of ``batch`` that dataset makes: one that shards or filters the data itself makes fewer, and is left
-    uncounted."""
+    uncounted. A ``__len__`` raising NotImplementedError is no length, as Lightning reads it (``sized_len``): raised
+    here, it stopped a pipeline's fit on several ranks (and auto_plan's planning there) that Lightning runs as unsized."""
     batch = loader_batch_size(dataloader)
     sampler, drop_last = loader_sampler(dataloader)
     if batch is None or drop_last is None:
@@ -1180,7 +1178,7 @@ def _samples_per_epoch(dataloader: object) -> int | None:
             return samples if -(-samples // batch) == batches else None
         else:
             samples = len(sampler)  # type: ignore[arg-type]
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None
     return samples if samples <= batches * batch else None
 

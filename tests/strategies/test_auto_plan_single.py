@@ -254,6 +254,40 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
     assert skipped_samples(replicas, sixteen, distributed_sampler=True, spread=(14, 16)) == 0  # sharded: the spread is not its figure
 
 
+class _LengthNotImplemented(torch.utils.data.SequentialSampler):
+    """A sampler whose ``__len__`` raises NotImplementedError: no length, as Lightning reads it (``sized_len``)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+def test_a_loader_whose_length_raises_not_implemented_error_counts_as_unsized_where_the_ranks_agree(tmp_path: Path) -> None:
+    """Lightning reads a ``__len__`` raising NotImplementedError as no length (its ``sized_len``) and runs the loader
+    under DDP; the ranks' agreement on their samples per epoch (planning's samples_spread, the pipeline loader's steps)
+    read it as an error: NotImplementedError on every rank, the fit stopped. It is an unknown count now, as a loader
+    without ``__len__`` (TypeError): samples_spread says None, and the pipeline's loader agrees step by step; so does
+    planning's figure of the samples a pipeline skips (it raised there, on rank 0 alone). (One process, a one-rank gloo
+    group: the same all-reduce as on several.)"""
+    import functools
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_distplan import Plan
+    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader, loader_shortfall, samples_spread
+    from lightning_distplan.strategies.dp_ga import _agreed_batch_sizes
+
+    data = TensorDataset(torch.arange(10.0).view(10, 1))
+    loader = DataLoader(data, batch_size=4, sampler=_LengthNotImplemented(data))
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    assert samples_spread(torch.device("cpu"), loader) is None
+    full = _FullBatchLoader(loader, 2, agree=functools.partial(_agreed_batch_sizes, torch.device("cpu")))
+    assert full._steps is None  # not agreed as it was made: step by step
+    assert [batch[0].flatten().tolist() for batch in full] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
+    # planning's figure of a pipeline's skipped samples (its sampler's length, the loader read as one Lightning shards)
+    plan = Plan(strategy="gpipe", dp=1, pp=2, micro_batch_size=2, accumulate_grad_batches=1, global_batch_size=4, n_microbatches=2)
+    assert loader_shortfall(loader, plan, sharded=False, distributed_sampler=True) is None
+
+
 class _UnusedHead(ChainMLP):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**{**dict(width=16, depth=3, n_samples=64, loader_batch=8, dropout=0.0), **kw})

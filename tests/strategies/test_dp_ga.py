@@ -921,6 +921,33 @@ def test_an_iterable_dataset_with_a_length_keeps_ddps_count_of_steps(single_proc
     _assert_scheduled_as_ddp(lambda x: torch.utils.data.DataLoader(_SizedStream(x), batch_size=8), steps=6)
 
 
+class _LengthNotImplemented(torch.utils.data.SequentialSampler):
+    """A sampler whose ``__len__`` raises NotImplementedError: no length, as Lightning reads it (``sized_len``)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+def test_a_loader_whose_length_raises_not_implemented_error_runs_as_ddp_runs_it(single_process_group: None) -> None:
+    """A sampler whose ``__len__`` raises NotImplementedError: Lightning reads the loader as one without a length and
+    runs it under DDP; dp_ga's count of the loader's batches under limit_train_batches (and the samples per epoch the
+    ranks agree on) took only TypeError for no length, so the fit stopped with a bare NotImplementedError as the loader
+    was set up. Now it runs as DDP does: 3 batches of 20 samples per epoch, 6 steps in 2 epochs (no count ahead: Lightning's
+    estimated_stepping_batches is -1 under either), the same weights."""
+    loader = lambda x: torch.utils.data.DataLoader(  # noqa: E731
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, sampler=_LengthNotImplemented(x))
+    runs = {}
+    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
+        model = _ScheduledOver(loader)
+        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0, use_distributed_sampler=False))
+        trainer.fit(model)
+        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert runs["ddp"][:2] == (-1, 6) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
+    torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
+
+
 class _EveryOther(torch.utils.data.Sampler):
     """A user's batch sampler over part of the data (every other sample, as one that shards by rank itself), in batches of
     ``batch_size`` (10 samples: 4, 4, 2); it has no ``sampler`` attribute."""
