@@ -899,9 +899,9 @@ class _ScheduledOver(_Regression):
         return self.loader(torch.randn(20, 4, generator=torch.Generator().manual_seed(0)))
 
 
-def _assert_scheduled_as_ddp(loader: Any, *, steps: int, **trainer_extra: Any) -> None:
+def _assert_scheduled_as_ddp(loader: Any, *, steps: int, total: int | None = None, **trainer_extra: Any) -> None:
     """DDP and dp_ga (micro-batches of 2) over ``loader`` for 2 epochs: ``steps`` optimizer steps and
-    estimated_stepping_batches, the same learning rates and the same weights."""
+    estimated_stepping_batches ``total`` (``steps`` unless given), the same learning rates and the same weights."""
     runs = {}
     for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
         model = _ScheduledOver(loader)
@@ -910,7 +910,8 @@ def _assert_scheduled_as_ddp(loader: Any, *, steps: int, **trainer_extra: Any) -
         runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    assert runs["ddp"][:2] == (steps, steps) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
+    assert runs["ddp"][:2] == (steps if total is None else total, steps) and runs["dp_ga"][:3] == runs["ddp"][:3], (
+        runs["ddp"][:3], runs["dp_ga"][:3])
     torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
 
 
@@ -934,18 +935,9 @@ def test_a_loader_whose_length_raises_not_implemented_error_runs_as_ddp_runs_it(
     ranks agree on) took only TypeError for no length, so the fit stopped with a bare NotImplementedError as the loader
     was set up. Now it runs as DDP does: 3 batches of 20 samples per epoch, 6 steps in 2 epochs (no count ahead: Lightning's
     estimated_stepping_batches is -1 under either), the same weights."""
-    loader = lambda x: torch.utils.data.DataLoader(  # noqa: E731
-        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, sampler=_LengthNotImplemented(x))
-    runs = {}
-    for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=2))):
-        model = _ScheduledOver(loader)
-        trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=1, max_epochs=2, limit_val_batches=0, use_distributed_sampler=False))
-        trainer.fit(model)
-        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model))
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert runs["ddp"][:2] == (-1, 6) and runs["dp_ga"][:3] == runs["ddp"][:3], (runs["ddp"][:3], runs["dp_ga"][:3])
-    torch.testing.assert_close(runs["dp_ga"][3], runs["ddp"][3], rtol=1e-5, atol=1e-6)
+    _assert_scheduled_as_ddp(lambda x: torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8, sampler=_LengthNotImplemented(x)),
+        steps=6, total=-1, use_distributed_sampler=False)
 
 
 class _EveryOther(torch.utils.data.Sampler):
