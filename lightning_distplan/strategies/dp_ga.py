@@ -1613,8 +1613,7 @@ def _follows(batches: Iterator[Any], room: Room) -> bool:
     batch (a ``collate_fn`` making rows of no sample of the sampler's) is cut short; so the next batch is looked for
     (a refusal follows where there is one; none: the loop ends). Counted in loader batches, the count is the one
     to go by (and the ranks that agree per batch meet at each: no look-ahead of one rank's own)."""
-    end = object()
-    return room[2] is not None or next(batches, end) is not end
+    return room[2] is not None or next(batches, _ENDED) is not _ENDED
 
 
 def _told_elsewhere(failure: Exception, rank: int) -> Exception:
