@@ -98,8 +98,40 @@ def closest_to_fitting(candidates: Sequence[Candidate]) -> Candidate:
     return min(candidates, key=lambda c: c.prediction.peak_memory_bytes)
 
 
+def _behind(win: Candidate, fastest: Candidate, of: str) -> str:
+    """Why ``win`` ranks above ``fastest``, a plan predicted faster, said after the winner's description (``of`` names
+    ``fastest``: "the fastest plan"): the near-tie rule that put it first, or, decided by none, only that it is slower."""
+    # the near-tie sentences hold only of a near tie (near_tie_order's margin) that the ranking's rule decided: said of
+    # any list why_winner is given (a caller's own order), "within 5.0% ... in a near tie" and "prefers 1F1B" of a
+    # GPipe winner were printed
+    near = win.objective <= fastest.objective + NEAR_TIE * abs(fastest.objective)
+    within = f"is predicted within {_within(win.objective / fastest.objective - 1)} of {of} ({fastest.plan.describe()})"
+    if near and twin_key(win.plan) == twin_key(fastest.plan) and (win.plan.strategy, fastest.plan.strategy) == ("1f1b", "gpipe"):
+        # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order). 1F1B holds fewer
+        # micro-batches in flight only where there are more than the stages (min(n, p - k) against n): at n == pp the
+        # peaks are equal, and "fewer activations (0.045 vs 0.045 GiB peak)" was said of them
+        wm, fm = win.prediction.peak_memory_bytes, fastest.prediction.peak_memory_bytes
+        wg, fg = _gib_apart(wm, fm)
+        cheaper = "whose runtime measured cheaper per micro-batch than GPipe's"
+        memory = (f"which holds fewer activations ({wg} vs {fg} GiB peak) and {cheaper}." if wm < fm
+                  else f"{cheaper}; both peak at {_gib(wm)} GiB." if wm == fm
+                  else f"{cheaper}, though this one needs more peak memory ({wg} vs {fg} GiB).")
+        return f"{within}, with the same dp, pp and micro-batch; in a near tie the ranking prefers 1F1B, {memory}"
+    if near and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
+        # a near tie that went to the larger micro-batch (near_tie_order)
+        return (
+            f"{within} and runs larger micro-batches ({win.plan.micro_batch_size} vs {fastest.plan.micro_batch_size}); in a "
+            "near tie the ranking prefers them, since every micro-batch carries loop and pipeline-runtime cost the model does "
+            "not fully price."
+        )
+    # ranked first for none of the reasons above: claim none
+    return f"was ranked first, though predicted {_pct(win.objective / fastest.objective - 1)} slower than {of} ({fastest.plan.describe()})."
+
+
 def why_winner(candidates: Sequence[Candidate]) -> str:
-    """One sentence: what the best plan saves over the best plan of another strategy (or the runner-up)."""
+    """One sentence: what the best plan saves over the best plan of another strategy (or the runner-up); or, where a plan
+    predicted faster ranks behind it, why (a second sentence where both a plan that skips samples and one that trains
+    them all do)."""
     if not candidates:
         return "No candidate plans."
     win = candidates[0]
@@ -123,43 +155,18 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
         rest = "" if like or not faster else (f", and {plans} would skip {skips[0]}" + (f" to {skips[-1]}" if len(skips) > 1 else "")
                                                 + f" sample{'s' if skips[-1] > 1 else ''}")
         n = fastest.skipped_samples
+        # plans that train every sample can be faster too, where the winner took a near tie from them: unsaid, "like 1 more
+        # plan predicted faster" read as if the skipping plans were the only faster ones, and why those lost went unsaid
+        whole = min((c for c in feasible if not c.skipped_samples), key=lambda c: c.objective, default=None)
+        also = ("" if whole is None or comparable(whole.objective) >= comparable(win.objective)
+                else f" Of the plans that train every sample, it {_behind(win, whole, 'the fastest of them')}")
         return (
             f"Why the winner wins: {win.plan.describe()} trains every sample of the epoch, while the fastest plan "
             f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){like} would skip the epoch's "
-            f"last {n} sample{'s' if n > 1 else ''} per replica{rest}, which a run of your loader trains."
+            f"last {n} sample{'s' if n > 1 else ''} per replica{rest}, which a run of your loader trains.{also}"
         )
-    # the near-tie sentences hold only of a near tie (near_tie_order's margin) that the ranking's rule decided: said of
-    # any list why_winner is given (a caller's own order), "within 5.0% ... in a near tie" and "prefers 1F1B" of a
-    # GPipe winner were printed
-    near = comparable(fastest.objective) < comparable(win.objective) and win.objective <= fastest.objective + NEAR_TIE * abs(fastest.objective)
-    if near and twin_key(win.plan) == twin_key(fastest.plan) and (win.plan.strategy, fastest.plan.strategy) == ("1f1b", "gpipe"):
-        # a near tie between GPipe and 1F1B of one layout, gone to 1F1B (near_tie_order). 1F1B holds fewer
-        # micro-batches in flight only where there are more than the stages (min(n, p - k) against n): at n == pp the
-        # peaks are equal, and "fewer activations (0.045 vs 0.045 GiB peak)" was said of them
-        wm, fm = win.prediction.peak_memory_bytes, fastest.prediction.peak_memory_bytes
-        wg, fg = _gib_apart(wm, fm)
-        cheaper = "whose runtime measured cheaper per micro-batch than GPipe's"
-        memory = (f"which holds fewer activations ({wg} vs {fg} GiB peak) and {cheaper}." if wm < fm
-                  else f"{cheaper}; both peak at {_gib(wm)} GiB." if wm == fm
-                  else f"{cheaper}, though this one needs more peak memory ({wg} vs {fg} GiB).")
-        return (
-            f"Why the winner wins: {win.plan.describe()} is predicted within {_within(win.objective / fastest.objective - 1)} of "
-            f"the fastest plan ({fastest.plan.describe()}), with the same dp, pp and micro-batch; in a near tie the ranking prefers "
-            f"1F1B, {memory}"
-        )
-    if near and win.plan.micro_batch_size > fastest.plan.micro_batch_size:
-        # a near tie that went to the larger micro-batch (near_tie_order)
-        return (
-            f"Why the winner wins: {win.plan.describe()} is predicted within {_within(win.objective / fastest.objective - 1)} of "
-            f"the fastest plan ({fastest.plan.describe()}) and runs larger micro-batches ({win.plan.micro_batch_size} vs "
-            f"{fastest.plan.micro_batch_size}); in a near tie the ranking prefers them, since every micro-batch "
-            "carries loop and pipeline-runtime cost the model does not fully price."
-        )
-    if comparable(fastest.objective) < comparable(win.objective):  # ranked first for none of the reasons above: claim none
-        return (
-            f"Why the winner wins: {win.plan.describe()} was ranked first, though predicted {_pct(win.objective / fastest.objective - 1)} "
-            f"slower than the fastest plan ({fastest.plan.describe()})."
-        )
+    if comparable(fastest.objective) < comparable(win.objective):
+        return f"Why the winner wins: {win.plan.describe()} {_behind(win, fastest, 'the fastest plan')}"
     # Compare with the best plan of another layout (dp / pp / hybrid) first: "why pipelines over DP"
     # is the question users ask; GPipe vs 1F1B of the same layout differ only in memory.
     other = next(

@@ -167,6 +167,50 @@ def _gib(n: int) -> float:
     return n / 2**30
 
 
+def _check_behind(rest: str, win: Candidate, fastest_obj: float, desc: dict, text: str, of: str) -> tuple[str, Candidate] | None:
+    """The claims of a sentence on why ``win`` ranks above a plan predicted faster (``of`` names it, ``fastest_obj`` its
+    objective): a near tie the ranking's rule decided, or only that it is slower. Its name and the plan named; None if
+    ``rest`` is no such sentence."""
+    m = re.fullmatch(
+        rf"is predicted within ({PCT}) of {of} \((.+)\), with the same dp, pp and micro-batch; in a near tie the "
+        r"ranking prefers 1F1B, (?:which holds fewer activations \(([0-9.]+) vs ([0-9.]+) GiB peak\) and whose runtime measured cheaper "
+        r"per micro-batch than GPipe's\.|whose runtime measured cheaper per micro-batch than GPipe's; both peak at ([0-9.]+) GiB\.|"
+        r"whose runtime measured cheaper per micro-batch than GPipe's, though this one needs more peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.)",
+        rest,
+    )
+    if m:
+        fastest = _near_tie_with(desc[m[2]], win, fastest_obj, m[1], text)
+        assert twin_key(win.plan) == twin_key(fastest.plan) and (win.plan.strategy, fastest.plan.strategy) == ("1f1b", "gpipe"), text
+        wm, fm = win.prediction.peak_memory_bytes, fastest.prediction.peak_memory_bytes
+        if m[3] is not None:
+            assert wm < fm and m[3] != m[4], text
+            assert abs(float(m[3]) - _gib(wm)) <= 0.6 * 10 ** -len(m[3].split(".")[1]), text
+            assert abs(float(m[4]) - _gib(fm)) <= 0.6 * 10 ** -len(m[4].split(".")[1]), text
+            return "twin fewer", fastest
+        if m[5] is not None:
+            assert wm == fm, text
+            return "twin equal", fastest
+        assert wm > fm and float(m[6]) > float(m[7]), text
+        return "twin more", fastest
+
+    m = re.fullmatch(
+        rf"is predicted within ({PCT}) of {of} \((.+)\) and runs larger micro-batches \((\d+) vs (\d+)\); in a near tie "
+        r"the ranking prefers them, since every micro-batch carries loop and pipeline-runtime cost the model does not fully price\.",
+        rest,
+    )
+    if m:
+        fastest = _near_tie_with(desc[m[2]], win, fastest_obj, m[1], text)
+        assert int(m[3]) == win.plan.micro_batch_size > fastest.plan.micro_batch_size == int(m[4]), text
+        return "larger m", fastest
+
+    m = re.fullmatch(rf"was ranked first, though predicted ({PCT}) slower than {of} \((.+)\)\.", rest)
+    if m:
+        fastest = desc[m[2]]
+        assert fastest.objective == fastest_obj and _states_fraction(m[1], win.objective / fastest.objective - 1), text
+        return "slower", fastest
+    return None
+
+
 def check_claims(cands: list[Candidate]) -> str:
     """Assert every claim of why_winner(cands); return the template's name."""
     text = why_winner(cands)
@@ -200,7 +244,7 @@ def check_claims(cands: list[Candidate]) -> str:
     m = re.fullmatch(
         rf"trains every sample of the epoch, while the fastest plan \((.+), predicted ({PCT}) faster\)(?:, like (\d+) more "
         r"(plans?) predicted faster,)? would skip the epoch's last (\d+) (samples?) per replica(?:, and (\d+) more (plans?) predicted "
-        r"faster would skip (\d+)(?: to (\d+))? (samples?))?, which a run of your loader trains\.",
+        r"faster would skip (\d+)(?: to (\d+))? (samples?))?, which a run of your loader trains\.(?: Of the plans that train every sample, it (.+))?",
         rest,
     )
     if m:
@@ -221,45 +265,20 @@ def check_claims(cands: list[Candidate]) -> str:
             assert m[11] == ("sample" if skips[-1] == 1 else "samples"), text
         else:
             assert not others, text
-        return "skips"
+        # a plan that trains every sample and is predicted faster (the winner took a near tie from it) is said, and why
+        whole = [c for c in feasible if not c.skipped_samples and comparable(c.objective) < comparable(win.objective)]
+        if not whole:
+            assert m[12] is None, text
+            return "skips"
+        assert m[12] is not None, f"a plan that trains every sample is predicted faster, yet the sentence leaves it out: {text}"
+        behind = _check_behind(m[12], win, min(c.objective for c in whole), desc, text, "the fastest of them")
+        assert behind is not None, f"no known template after the skip sentence: {text}"
+        assert not behind[1].skipped_samples, text
+        return f"skips, {behind[0]}"
 
-    m = re.fullmatch(
-        rf"is predicted within ({PCT}) of the fastest plan \((.+)\), with the same dp, pp and micro-batch; in a near tie the "
-        r"ranking prefers 1F1B, (?:which holds fewer activations \(([0-9.]+) vs ([0-9.]+) GiB peak\) and whose runtime measured cheaper "
-        r"per micro-batch than GPipe's\.|whose runtime measured cheaper per micro-batch than GPipe's; both peak at ([0-9.]+) GiB\.|"
-        r"whose runtime measured cheaper per micro-batch than GPipe's, though this one needs more peak memory \(([0-9.]+) vs ([0-9.]+) GiB\)\.)",
-        rest,
-    )
-    if m:
-        fastest = _near_tie_with(desc[m[2]], win, fastest_obj, m[1], text)
-        assert twin_key(win.plan) == twin_key(fastest.plan) and (win.plan.strategy, fastest.plan.strategy) == ("1f1b", "gpipe"), text
-        wm, fm = win.prediction.peak_memory_bytes, fastest.prediction.peak_memory_bytes
-        if m[3] is not None:
-            assert wm < fm and m[3] != m[4], text
-            assert abs(float(m[3]) - _gib(wm)) <= 0.6 * 10 ** -len(m[3].split(".")[1]), text
-            assert abs(float(m[4]) - _gib(fm)) <= 0.6 * 10 ** -len(m[4].split(".")[1]), text
-            return "twin fewer"
-        if m[5] is not None:
-            assert wm == fm, text
-            return "twin equal"
-        assert wm > fm and float(m[6]) > float(m[7]), text
-        return "twin more"
-
-    m = re.fullmatch(
-        rf"is predicted within ({PCT}) of the fastest plan \((.+)\) and runs larger micro-batches \((\d+) vs (\d+)\); in a near tie "
-        r"the ranking prefers them, since every micro-batch carries loop and pipeline-runtime cost the model does not fully price\.",
-        rest,
-    )
-    if m:
-        fastest = _near_tie_with(desc[m[2]], win, fastest_obj, m[1], text)
-        assert int(m[3]) == win.plan.micro_batch_size > fastest.plan.micro_batch_size == int(m[4]), text
-        return "larger m"
-
-    m = re.fullmatch(rf"was ranked first, though predicted ({PCT}) slower than the fastest plan \((.+)\)\.", rest)
-    if m:
-        fastest = desc[m[2]]
-        assert fastest.objective == fastest_obj and _states_fraction(m[1], win.objective / fastest.objective - 1), text
-        return "slower"
+    behind = _check_behind(rest, win, fastest_obj, desc, text, "the fastest plan")
+    if behind:
+        return behind[0]
 
     # the comparisons with "other": the best-ranked plan of another layout, else of another strategy, else the runner-up
     assert comparable(fastest_obj) >= comparable(win.objective), f"a faster plan exists, yet no branch says so: {text}"
@@ -332,10 +351,11 @@ def test_every_claim_why_winner_prints_holds_for_random_rankings():
     for cands in random_rankings(seed=1, count=400):
         name = check_claims(cands)
         name = "twin" if name.startswith("twin ") else name  # its three memory clauses: test_..._for_forced_ties
+        name = "skips, behind" if name.startswith("skips, ") else name  # a faster plan that trains every sample, said too
         seen[name] = seen.get(name, 0) + 1
     # the generator reaches the templates rank_plans, whole_epochs_first and a caller's own order print
     assert set(seen) >= {"none fits", "only fits", "only candidate", "skips", "twin", "larger m", "slower", "time", "less memory",
-                         "tie larger m"}, seen
+                         "tie larger m", "skips, behind"}, seen
 
 
 def forced_ties(seed: int = 0, count: int = 120):
