@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     if args.time_weight and args.price_per_hour is None:
         # w only weighs time against money (C + w*T); without a price the ranking is by time and w would be silently ignored.
         raise InfeasiblePlanError(f"--time-weight {args.time_weight} was given without --price-per-hour.", hint="Add --price-per-hour, or leave --time-weight out to rank by step time.")
+    if args.price_per_hour == 0 and not args.time_weight:  # C + w*T is 0 for every plan: nothing to rank by (rank_plans)
+        raise InfeasiblePlanError("--price-per-hour 0 without --time-weight makes every plan's objective C + w*T zero.", hint="Leave --price-per-hour out to rank by step time, or add --time-weight.")
     ranks_per_host = args.world_size // args.num_nodes
     hardware = Hardware.from_profile(
         profile,

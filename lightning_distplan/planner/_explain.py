@@ -193,11 +193,9 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"Why the winner wins: {win.plan.describe()} takes {ws} s/step, {faster} than {what} "
             f"({other.plan.describe()}: {os_} s){because}."
         )
-    if comparable(win.objective) < comparable(other.objective):
-        return (
-            f"Why the winner wins: {win.plan.describe()} has the lower objective C + w·T ({_s(win.objective)} vs "
-            f"{_s(other.objective)} for {what}, {other.plan.describe()})."
-        )
+    # not faster, and no plan has a lower objective: a tie on time. Every plan of a ranking runs on its world_size devices
+    # at one price and weight, so its objective is its time times one factor (rank_plans refuses the factor 0): no plan
+    # has "the lower objective C + w·T" at a time no lower, nor the same objective at another time
     wm, om = win.prediction.peak_memory_bytes, other.prediction.peak_memory_bytes
     wg, og = _gib_apart(wm, om)
     tie = f"Why the winner wins: {win.plan.describe()} ties {what} ({other.plan.describe()}) at {_s(wt)} s/step"

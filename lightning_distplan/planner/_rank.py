@@ -93,7 +93,8 @@ def rank_plans(
         max_pp: the most pipeline stages to consider.
 
     Raises:
-        InfeasiblePlanError: ``world_size`` or ``global_batch_size`` below 1, or an impossible pin.
+        InfeasiblePlanError: ``world_size`` or ``global_batch_size`` below 1, an impossible pin, or a price of 0 with no
+            ``time_weight`` (every objective 0) or a ``time_weight`` without a price.
         BatchNotFactorableError: the global batch cannot be factored (with the nearest valid sizes).
 
     Example:
@@ -104,6 +105,14 @@ def rank_plans(
         raise InfeasiblePlanError(
             f"`time_weight` ({time_weight}) weighs time against cost, and without `price_per_hour` there is no cost.",
             hint="Pass price_per_hour= (one device's price per hour), or leave time_weight at 0 to rank by step time.",
+        )
+    if price_per_hour == 0 and not time_weight:
+        # every plan runs on world_size devices, so C + w·T is T times one factor, world_size·price/3600 + w: 0 for every
+        # plan here. Ranked by nothing, the pick fell to the lowest peak and the largest micro-batch, however slow, and
+        # why_winner said it "ties" plans 2x faster "at" its own step time
+        raise InfeasiblePlanError(
+            "`price_per_hour` 0 with `time_weight` 0 makes every plan's objective C + w·T zero: there is nothing to rank by.",
+            hint="Leave price_per_hour out to rank by step time, or pass a time_weight above 0.",
         )
     plans = enumerate_plans(
         profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp, pins=pins

@@ -145,6 +145,7 @@ def test_table_output_and_options(profile_path, capsys):
         # numbers are checked before the link-default warning, so the error stays the only line
         (None, ["--world-size", "4", "--global-batch-size", "32", "--memory-margin", "0"], "--memory-margin must be in (0, 1]"),
         (None, ["--world-size", "4", "--global-batch-size", "32", "--time-weight", "4096"], "without --price-per-hour"),
+        (None, ["--world-size", "4", "--global-batch-size", "32", "--price-per-hour", "0"], "--price-per-hour 0 without --time-weight"),
         # semantically corrupt profiles are refused on load, not planned with
         ({"micro_batch_sizes": [0, 2]}, ["--world-size", "2", "--global-batch-size", "8"], "each must be a positive integer"),
         ({"layers": [_layer(0, param_bytes=-4)]}, ["--world-size", "2", "--global-batch-size", "8"], "has a negative layers[0].param_bytes (-4)"),

@@ -196,6 +196,18 @@ def test_a_time_weight_without_a_price_is_refused():
     assert rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), time_weight=4096, price_per_hour=1.0)
 
 
+def test_a_price_of_zero_without_a_time_weight_is_refused():
+    """At price 0 and weight 0 every plan's objective C + w·T is 0: the ranking went by peak memory and micro-batch alone,
+    picked a GPipe m=8 plan over a dp_ga plan taking 0.33 s/step to its 0.76, and why_winner said it "ties" that plan "at
+    0.7576 s/step". A weight above 0 ranks by w·T, as by time."""
+    with pytest.raises(ValueError, match=r"`price_per_hour` 0 with `time_weight` 0 makes every plan's objective C \+ w·T zero.*HINT"):
+        rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), price_per_hour=0.0)
+    weighed = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), price_per_hour=0.0, time_weight=256.0)
+    by_time = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw())
+    assert [c.plan for c in weighed] == [c.plan for c in by_time]
+    assert all(c.cost_per_step == 0 and c.objective == pytest.approx(256 * c.prediction.step_time_s) for c in weighed)
+
+
 def test_when_nothing_fits_the_closest_named_is_the_plan_with_the_smallest_peak():
     """Infeasible plans rank by time: with 1 GiB devices the first is a dp_ga plan of 5.01 GiB, yet a 1F1B plan needs
     1.004 GiB; "the closest" named the 5 GiB one."""
