@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_distplan.bench._compare import WITHIN, confirm_candidates, first_profile_view, predict_ranked, relative_error, summarize
 from lightning_distplan.bench._runner import combine_passes, combine_ranks, measure_plan, memory_metric
 from lightning_distplan._provenance import code_provenance
+from lightning_distplan._format import format_ms
 from lightning_distplan.errors import DistPlanError, InfeasiblePlanError
 
 if TYPE_CHECKING:
@@ -489,7 +490,7 @@ def run_bench(
         for link in taken.links:
             say(f"  {link.kind}: latency {link.latency_s * 1e6:.0f} us, bandwidth {link.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s (R² {link.r2:.3f})")
         if taken.framework.pipeline_slot_s is not None:
-            say(f"  pipelining runtime: {taken.framework.pipeline_slot_s * 1e3:.2f} ms per micro-batch slot beyond the hand-over")
+            say(f"  pipelining runtime: {format_ms(taken.framework.pipeline_slot_s)} ms per micro-batch slot beyond the hand-over")
         return taken
 
     profile = take_profile("before the runs", first=True)
@@ -539,8 +540,8 @@ def run_bench(
         seconds = max(_gather(_retime_step(seeded_module, train_loader, check_m, dev, plugin)))
         host_checks.append({"after_pass": after_pass, "micro_batch_size": check_m, "profiled_s": profiled_check,
                             "retimed_s": seconds, "ratio": seconds / profiled_check if profiled_check > 0 else None})
-        say(f"host check after pass {after_pass}: the m={check_m} step took {seconds * 1e3:.1f} ms, "
-            f"{seconds / profiled_check:.2f}x its profiled {profiled_check * 1e3:.1f} ms")
+        say(f"host check after pass {after_pass}: the m={check_m} step took {format_ms(seconds, 1)} ms, "
+            f"{seconds / profiled_check:.2f}x its profiled {format_ms(profiled_check, 1)} ms")
 
     control = _control_group(rank_timeout_s)  # the runs' results cross here: a rank left waiting gives up
     stopped: list[str] = []  # why the runs stopped early: a plan not every rank finished (see _gather_run)
@@ -570,7 +571,7 @@ def run_bench(
             _leave_group()
         walls[i] += time.perf_counter() - t0
         shown = "failed: " + str(got["error"]) if got["error"] else (
-            f"measured {got['measured_step_time_s'] * 1e3:.1f} ms, predicted {step_time_s * 1e3:.1f} ms "
+            f"measured {format_ms(got['measured_step_time_s'], 1)} ms, predicted {format_ms(step_time_s, 1)} ms "
             f"({relative_error(step_time_s, got['measured_step_time_s']):+.1%})"
         )
         say(f"[{where}] rank {chosen[i].rank} {plan.describe()}: {shown}")

@@ -6,19 +6,20 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from lightning_distplan._files import save_figure_atomic
+from lightning_distplan._format import format_ms
 
 __all__ = ["format_table", "plot_result"]
 
 
 def _pick_line(s: dict[str, Any]) -> str:
     pick, best = s["pick"], s["measured_best"]
-    ran = "FAILED (predicted to run)" if s.get("pick_failed") else f"ran {pick['measured_step_time_s'] * 1e3:.1f} ms"
+    ran = "FAILED (predicted to run)" if s.get("pick_failed") else f"ran {format_ms(pick['measured_step_time_s'], 1)} ms"
     return (f"pick: rank {pick['rank']} {pick['plan']} {ran}; "
-            f"measured best: rank {best['rank']} {best['plan']} {best['measured_step_time_s'] * 1e3:.1f} ms")
+            f"measured best: rank {best['rank']} {best['plan']} {format_ms(best['measured_step_time_s'], 1)} ms")
 
 
 def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:9.1f}"
+    return "-" if x is None else f"{format_ms(x, 1):>9}"
 
 
 def _pct(x: float | None) -> str:
@@ -118,8 +119,8 @@ def format_table(result: Mapping[str, Any]) -> str:
         elif c:
             lines.append(
                 f"confirmation ({result.get('confirm_passes')} more pass(es) of {c['n_plans']} contenders, judged on those runs alone): "
-                f"pick {c['pick']['confirm_step_time_s'] * 1e3:.1f} ms, fastest rank {c['measured_best']['rank']} "
-                f"{c['measured_best']['confirm_step_time_s'] * 1e3:.1f} ms; within {s['within']:.0%}: {c['pick_within']}; regret {c['regret']:.1%}"
+                f"pick {format_ms(c['pick']['confirm_step_time_s'], 1)} ms, fastest rank {c['measured_best']['rank']} "
+                f"{format_ms(c['measured_best']['confirm_step_time_s'], 1)} ms; within {s['within']:.0%}: {c['pick_within']}; regret {c['regret']:.1%}"
             )
         if s.get("median_abs_memory_error") is not None:
             lines.append(f"memory |error|: median {s['median_abs_memory_error']:.1%}, p90 {s['p90_abs_memory_error']:.1%}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_distplan._format import format_ms
 from lightning_distplan._layers import chain_output, discover_layers
 from lightning_distplan.errors import BatchFormatError, DistPlanError, InfeasiblePlanError, ModelSplitError, first_line
 from lightning_distplan.profile import (
@@ -936,7 +937,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
     prof.clear_grads()
     snapshot.restore(grads=False)  # undo the optimizer's weight updates; its state stays allocated
     opt_name = "+".join(type(o).__name__ for o in optimizers) or "none"
-    prof.say(f"optimizer {opt_name}: step {opt_time * 1e3:.2f} ms, state {opt_state / 2**20:.1f} MiB")
+    prof.say(f"optimizer {opt_name}: step {format_ms(opt_time)} ms, state {opt_state / 2**20:.1f} MiB")
 
     split_reason = discovered.split_reason
     if prof.spec is not None:
@@ -1023,7 +1024,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
             if prof.cuda:
                 peaks[m] = int(_reduce(max(peak, opt_peak), "max"))
                 working[m] = int(_reduce(peak - resident, "max"))
-            prof.say(f"micro-batch {m}: forward {f * 1e3:.1f} ms, backward {bw * 1e3:.1f} ms" + (f", peak {peaks[m] / 2**20:.0f} MiB" if prof.cuda else ""))
+            prof.say(f"micro-batch {m}: forward {format_ms(f, 1)} ms, backward {format_ms(bw, 1)} ms" + (f", peak {peaks[m] / 2**20:.0f} MiB" if prof.cuda else ""))
             if not explicit:
                 queue = _next_sizes(queue, done, infeasible, skipped + unprofiled, step_s=_reduce(f + bw, "max"), m=m, say=prof.say)
         feasible = sorted(done)
@@ -1043,7 +1044,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
         from lightning_distplan.profiling._overhead import measure_framework_overhead
 
         framework = measure_framework_overhead()
-        prof.say(f"training loop: {framework.per_batch_s * 1e3:.2f} ms per batch, {framework.per_step_s * 1e3:.2f} ms per optimizer step")
+        prof.say(f"training loop: {format_ms(framework.per_batch_s)} ms per batch, {format_ms(framework.per_step_s)} ms per optimizer step")
 
     # -- links -------------------------------------------------------------------------------------
     links = ()
@@ -1056,7 +1057,7 @@ def _run(prof: _Profiler, snapshot: ModuleSnapshot, *, measure_links: bool) -> P
 
         framework = dataclasses.replace(framework, pipeline_slot_s=pipeline_slot_for(links, "cuda" if prof.cuda else "cpu"))
         if framework.pipeline_slot_s is not None:
-            prof.say(f"pipelining runtime: {framework.pipeline_slot_s * 1e3:.2f} ms per micro-batch slot beyond the hand-over")
+            prof.say(f"pipelining runtime: {format_ms(framework.pipeline_slot_s)} ms per micro-batch slot beyond the hand-over")
 
     # -- assemble ----------------------------------------------------------------------------------
     order = _execution_order(counted, len(layer_modules))
@@ -1276,8 +1277,8 @@ def _retime_outliers(prof: _Profiler, samples: list[TimingSample]) -> list[Timin
         by_size[where] = keep = min(first, again, key=total)
         how_far = f"{worst:.0%} off" if math.isfinite(worst) else "above"
         prof.say(
-            f"micro-batch {where}: {total(first) * 1e3:.1f} ms was {how_far} the line through the "
-            f"other sizes ({line * 1e3:.1f} ms); timed again: {total(again) * 1e3:.1f} ms; kept {total(keep) * 1e3:.1f} ms"
+            f"micro-batch {where}: {format_ms(total(first), 1)} ms was {how_far} the line through the "
+            f"other sizes ({format_ms(line, 1)} ms); timed again: {format_ms(total(again), 1)} ms; kept {format_ms(total(keep), 1)} ms"
         )
     return [by_size[s.micro_batch_size] for s in samples]
 

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_distplan._files import write_text_atomic
 from lightning_distplan.costmodel import Hardware
+from lightning_distplan._format import format_ms
 from lightning_distplan.costmodel._hardware import format_bytes
 from lightning_distplan.errors import InfeasiblePlanError, OutputPathError
 from lightning_distplan.plan import STRATEGIES, Plan, as_indices, as_int
@@ -630,19 +631,12 @@ def write_artifacts(
     return write_text_atomic(directory / "plan.json", json.dumps(plan_record(outcome, extra=extra), indent=2, default=str))
 
 
-def _ms(seconds: float) -> str:
-    """A step time in ms: 2 decimals from 1 ms up (3 significant figures or more), 3 significant figures below. Two
-    decimals alone printed "predicted 0.00 ms/step" for a step under 5 µs (a tiny model), which reads as no time at all."""
-    ms = seconds * 1e3
-    return f"{ms:.2f}" if abs(ms) >= 1 else f"{ms:#.3g}"
-
-
 def log_outcome(outcome: PlanningOutcome, *, prefix: str = "distplan", top: int = 5) -> None:
     """Log the plan and the best alternatives once (rank zero)."""
     lines = [f"{prefix}: chose {outcome.plan.describe()} (global batch {outcome.plan.global_batch_size}, {outcome.source})"]
     pred = outcome.prediction
     if pred is not None:
-        lines[0] += f", predicted {_ms(pred.step_time_s)} ms/step, peak {format_bytes(pred.peak_memory_bytes)}/device"
+        lines[0] += f", predicted {format_ms(pred.step_time_s)} ms/step, peak {format_bytes(pred.peak_memory_bytes)}/device"
     if outcome.candidates:
         lines.append(explain(outcome.candidates, top=top))
     if outcome.source == "profiled":

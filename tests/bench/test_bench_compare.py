@@ -345,3 +345,20 @@ def test_table_shows_a_long_plan_whole_and_aligned():
     # every column still lines up under its heading
     assert len({len(line) for line in (lines[header], lines[header + 1], *rows)}) == 1, [lines[header], *rows]
     assert lines[header].index("pred ms") + len("pred ms") == rows[0].index(" 100.0") + len(" 100.0")
+
+
+def test_table_never_prints_a_nonzero_step_time_as_zero():
+    """The report printed ms with 1 decimal: a plan of a tiny model measured at 9.6 µs read "0.0 ms", as if it took no
+    time. Under 1 ms it prints 3 significant figures (format_ms); from 1 ms up, 1 decimal as before."""
+    plans = [{**_rec(1, 4.2e-6, 9.6e-6), "strategy": "dp_ga", "step_time_error": -0.56, "predicted_peak_memory_bytes": 2**20,
+              "measured_peak_memory_bytes": 2**20, "memory_error": 0.0, "error": None},
+             {**_rec(2, 0.0123456, 0.25), "strategy": "dp_ga", "step_time_error": -0.95, "predicted_peak_memory_bytes": 2**20,
+              "measured_peak_memory_bytes": 2**20, "memory_error": 0.0, "error": None}]
+    result = {"model": "m", "world_size": 1, "device": {"type": "cpu", "name": "x"}, "global_batch_size": 4, "warmup": 1,
+              "steps": 2, "links": [], "plans": plans, "summary": summarize(plans), "memory_metric": "rss"}
+    lines = format_table(result).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("rank"))
+    tiny, ordinary = (lines[header + i].split(f"plan{i - 1} ")[1].split()[:2] for i in (2, 3))  # pred ms, meas ms
+    assert tiny == ["0.00420", "0.00960"] and ordinary == ["12.3", "250.0"], lines
+    assert len({len(line) for line in lines[header: header + 4]}) == 1, lines  # still aligned under the headings
+    assert "pick: rank 1 plan1 ran 0.00960 ms; measured best: rank 1 plan1 0.00960 ms" in lines, lines

@@ -470,3 +470,19 @@ def test_recorder_does_not_credit_a_freed_output_with_saves_of_a_later_tensor_at
     assert r.output_saved_bytes == [0, 0, 256, 0, 0, 0]  # ReLU saves its result
     # the first Into's output only fed the ReLU (which saves its result) and died; the Linear saves the second's
     assert r.output_saved_later_bytes == [0, 0, 0, 0, 256, 0]
+
+
+def test_progress_never_prints_a_nonzero_time_as_zero() -> None:
+    """The progress lines printed ms with fixed decimals: a tiny model's forward of some 30 µs read "forward 0.0 ms", its
+    optimizer step "step 0.02 ms". Under 1 ms they print 3 significant figures (format_ms), from 1 ms up as before. (No
+    loop overhead: its fit is clamped at 0, which prints as the 0 it is.)"""
+    import re
+
+    lines: list[str] = []
+    profile_module(MLP(), xy_batches(), micro_batch_sizes=[1, 2, 4], repeats=1, loop_overhead=False, progress=lines.append)
+    said = [m for line in lines for m in re.findall(r"(-?[0-9.]+) ms\b", line)]
+    assert any("forward" in line for line in lines) and any("] optimizer " in line for line in lines), lines
+    assert said, lines
+    for number in said:
+        digits = number.lstrip("-0.").replace(".", "")
+        assert float(number) != 0 and len(digits) >= 2, (number, lines)
