@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--latency-us", type=float, default=None, help="interconnect latency in microseconds (default: measured, else 50)")
     parser.add_argument("--compute-scale", type=float, default=1.0, help="multiply profiled compute times (e.g. 0.5 for a 2x faster device)")
     parser.add_argument("--memory-margin", type=float, default=0.9, help="usable fraction of device memory (default 0.9)")
-    parser.add_argument("--price-per-hour", type=float, default=None, help="price of one device per hour: rank by C + w*T")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="price of one device per hour: rank by C + w*T (0: free devices, ranked by step time at cost 0)")
     parser.add_argument("--time-weight", type=float, default=0.0, help="w in C + w*T (with --price-per-hour; default 0)")
     parser.set_defaults(run=run)
 
@@ -187,8 +187,6 @@ def run(args: argparse.Namespace) -> int:
     if args.time_weight and args.price_per_hour is None:
         # w only weighs time against money (C + w*T); without a price the ranking is by time and w would be silently ignored.
         raise InfeasiblePlanError(f"--time-weight {args.time_weight} was given without --price-per-hour.", hint="Add --price-per-hour, or leave --time-weight out to rank by step time.")
-    if args.price_per_hour == 0 and not args.time_weight:  # C + w*T is 0 for every plan: nothing to rank by (rank_plans)
-        raise InfeasiblePlanError("--price-per-hour 0 without --time-weight makes every plan's objective C + w*T zero.", hint="Leave --price-per-hour out to rank by step time, or add --time-weight.")
     ranks_per_host = args.world_size // args.num_nodes
     hardware = Hardware.from_profile(
         profile,

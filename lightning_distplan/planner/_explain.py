@@ -194,7 +194,7 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
             f"({other.plan.describe()}: {os_} s){because}."
         )
     # not faster, and no plan has a lower objective: a tie on time. Every plan of a ranking runs on its world_size devices
-    # at one price and weight, so its objective is its time times one factor (rank_plans refuses the factor 0): no plan
+    # at one price and weight, so its objective is its time times one factor (at the factor 0, its time): no plan
     # has "the lower objective C + w·T" at a time no lower, nor the same objective at another time
     wm, om = win.prediction.peak_memory_bytes, other.prediction.peak_memory_bytes
     wg, og = _gib_apart(wm, om)

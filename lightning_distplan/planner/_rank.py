@@ -29,7 +29,8 @@ class Candidate:
     plan: Plan
     prediction: Prediction
     objective: float
-    """What the ranking minimised: predicted seconds per step, or C + w·T when a price is given."""
+    """What the ranking minimised: predicted seconds per step, or C + w·T when a price is given (at a price of 0 with no
+    ``time_weight``, where C + w·T is 0 for every plan, the step time)."""
     rank: int
     """1 = best; feasible plans always rank above infeasible ones."""
     cost_per_step: float | None = None
@@ -76,9 +77,9 @@ def rank_plans(
 
     Feasible plans come first, ordered by objective — predicted step time, or
     C + w·T (seed 000 §IV-D) with C = world_size · price_per_hour/3600 · T when ``price_per_hour``
-    is given (one device per instance) — then by lower peak memory (so 1F1B beats an equally fast
-    GPipe); within 2% of the best remaining objective the larger micro-batch goes first
-    (:func:`near_tie_order`). Infeasible plans follow, marked, with their reason.
+    is given (one device per instance; a price of 0 with no ``time_weight`` ranks by step time, at cost 0) —
+    then by lower peak memory (so 1F1B beats an equally fast GPipe); within 2% of the best remaining objective the
+    larger micro-batch goes first (:func:`near_tie_order`). Infeasible plans follow, marked, with their reason.
 
     Args:
         profile: the measured profile.
@@ -93,8 +94,8 @@ def rank_plans(
         max_pp: the most pipeline stages to consider.
 
     Raises:
-        InfeasiblePlanError: ``world_size`` or ``global_batch_size`` below 1, an impossible pin, or a price of 0 with no
-            ``time_weight`` (every objective 0) or a ``time_weight`` without a price.
+        InfeasiblePlanError: ``world_size`` or ``global_batch_size`` below 1, an impossible pin, or a ``time_weight``
+            without a price.
         BatchNotFactorableError: the global batch cannot be factored (with the nearest valid sizes).
 
     Example:
@@ -105,14 +106,6 @@ def rank_plans(
         raise InfeasiblePlanError(
             f"`time_weight` ({time_weight}) weighs time against cost, and without `price_per_hour` there is no cost.",
             hint="Pass price_per_hour= (one device's price per hour), or leave time_weight at 0 to rank by step time.",
-        )
-    if price_per_hour == 0 and not time_weight:
-        # every plan runs on world_size devices, so C + w·T is T times one factor, world_size·price/3600 + w: 0 for every
-        # plan here. Ranked by nothing, the pick fell to the lowest peak and the largest micro-batch, however slow, and
-        # why_winner said it "ties" plans 2x faster "at" its own step time
-        raise InfeasiblePlanError(
-            "`price_per_hour` 0 with `time_weight` 0 makes every plan's objective C + w·T zero: there is nothing to rank by.",
-            hint="Leave price_per_hour out to rank by step time, or pass a time_weight above 0.",
         )
     plans = enumerate_plans(
         profile, world_size=world_size, global_batch_size=global_batch_size, strategies=strategies, max_pp=max_pp, pins=pins
@@ -127,7 +120,9 @@ def rank_plans(
         cost = None
         if price_per_hour is not None:
             cost = cost_per_step(pred.step_time_s, instances=plan.world_size, price_per_hour=price_per_hour)
-            score = objective(cost, pred.step_time_s, time_weight)
+            # free devices (on-prem) and no weight: C + w·T is 0 for every plan, and ranked by that the pick fell to the
+            # lowest peak and the largest micro-batch, a plan 2x slower first; "cost nothing" ranks by time, at cost 0
+            score = objective(cost, pred.step_time_s, time_weight) if price_per_hour or time_weight else pred.step_time_s
         else:
             score = pred.step_time_s
         priced.append((plan, pred, score, cost))

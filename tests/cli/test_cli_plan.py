@@ -119,6 +119,21 @@ def test_table_output_and_options(profile_path, capsys):
     assert len(out) == 3 and {c["strategy"] for c in out} == {"dp_ga"}
 
 
+def test_a_price_of_zero_ranks_by_step_time(profile_path, capsys):
+    """--price-per-hour 0 (free, on-prem devices) ranks as with no price, by step time, at cost 0: every objective C + w·T
+    was 0, and the ranking went by peak memory and micro-batch alone."""
+    base = ["plan", "--profile", str(profile_path), "--world-size", "4", "--global-batch-size", "32", "--format", "json"]
+    assert main(base) == 0
+    by_time = json.loads(capsys.readouterr().out)
+    assert main([*base, "--price-per-hour", "0"]) == 0
+    free = json.loads(capsys.readouterr().out)
+    assert [c["plan"] for c in free] == [c["plan"] for c in by_time]
+    assert all(c["predicted_cost_per_step"] == 0 and c["objective"] == c["predicted_step_time_s"] for c in free)
+    assert main(base[:-2] + ["--price-per-hour", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "cost/step" in lines[0] and "Why the winner wins" in lines[-1] and " ties " not in lines[-1]
+
+
 @pytest.mark.parametrize(
     "mutate,args,message",
     [
@@ -145,7 +160,6 @@ def test_table_output_and_options(profile_path, capsys):
         # numbers are checked before the link-default warning, so the error stays the only line
         (None, ["--world-size", "4", "--global-batch-size", "32", "--memory-margin", "0"], "--memory-margin must be in (0, 1]"),
         (None, ["--world-size", "4", "--global-batch-size", "32", "--time-weight", "4096"], "without --price-per-hour"),
-        (None, ["--world-size", "4", "--global-batch-size", "32", "--price-per-hour", "0"], "--price-per-hour 0 without --time-weight"),
         # semantically corrupt profiles are refused on load, not planned with
         ({"micro_batch_sizes": [0, 2]}, ["--world-size", "2", "--global-batch-size", "8"], "each must be a positive integer"),
         ({"layers": [_layer(0, param_bytes=-4)]}, ["--world-size", "2", "--global-batch-size", "8"], "has a negative layers[0].param_bytes (-4)"),

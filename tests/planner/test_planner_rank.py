@@ -196,14 +196,22 @@ def test_a_time_weight_without_a_price_is_refused():
     assert rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), time_weight=4096, price_per_hour=1.0)
 
 
-def test_a_price_of_zero_without_a_time_weight_is_refused():
-    """At price 0 and weight 0 every plan's objective C + w·T is 0: the ranking went by peak memory and micro-batch alone,
-    picked a GPipe m=8 plan over a dp_ga plan taking 0.33 s/step to its 0.76, and why_winner said it "ties" that plan "at
-    0.7576 s/step". A weight above 0 ranks by w·T, as by time."""
-    with pytest.raises(ValueError, match=r"`price_per_hour` 0 with `time_weight` 0 makes every plan's objective C \+ w·T zero.*HINT"):
-        rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), price_per_hour=0.0)
-    weighed = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), price_per_hour=0.0, time_weight=256.0)
+def test_a_price_of_zero_ranks_free_devices_by_step_time_at_cost_zero():
+    """Free (on-prem) devices: at price 0 and weight 0 every plan's C + w·T is 0, and ranked by that the pick fell to the
+    lowest peak and the largest micro-batch: a GPipe m=8 plan at 0.76 s/step over a dp_ga plan at 0.33 s, which
+    why_winner said it "ties" "at 0.7576 s/step". "Costs nothing" ranks by step time, as without a price, at cost 0.
+    A weight above 0 ranks by w·T, as by time."""
+    from lightning_distplan.planner import why_winner
+
+    free = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), price_per_hour=0.0)
     by_time = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw())
+    assert [c.plan for c in free] == [c.plan for c in by_time]
+    assert free[0].prediction.step_time_s == min(c.prediction.step_time_s for c in free if c.prediction.feasible)
+    assert all(c.cost_per_step == 0 and c.objective == c.prediction.step_time_s for c in free)
+    assert why_winner(free) == why_winner(by_time) and " ties " not in why_winner(free)
+    header, _, first = explain(free).splitlines()[:3]
+    assert "cost/step" in header and first.startswith("1 ") and " 0 " in first  # its cost, 0, is shown
+    weighed = rank_plans(prof(), world_size=2, global_batch_size=16, hardware=hw(), price_per_hour=0.0, time_weight=256.0)
     assert [c.plan for c in weighed] == [c.plan for c in by_time]
     assert all(c.cost_per_step == 0 and c.objective == pytest.approx(256 * c.prediction.step_time_s) for c in weighed)
 
