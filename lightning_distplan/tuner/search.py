@@ -616,6 +616,12 @@ def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbo
     def complete() -> list[Any]:
         return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
 
+    def key(t: Any) -> tuple[float, float]:
+        # ties on C + w·T go to the faster trial, as the result's best does: on free (price 0) instances with w = 0
+        # every objective is 0, and the climb stopped at its first step, never reaching a faster configuration
+        step = t.user_attrs.get("step_time_s")
+        return t.value, math.inf if step is None else step
+
     def climb(best: Any) -> None:
         nonlocal used
         while used < budget:
@@ -628,8 +634,8 @@ def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbo
             study.optimize(objective_fn, n_trials=len(todo), gc_after_trial=False, callbacks=list(callbacks))
             used += len(todo)
             ran = [t for t in study.trials[-len(todo):] if t.state == optuna.trial.TrialState.COMPLETE]
-            better = min(ran, key=lambda t: t.value, default=None)
-            if better is None or better.value >= best.value:
+            better = min(ran, key=key, default=None)
+            if better is None or key(better) >= key(best):
                 return
             best = better
 
@@ -638,7 +644,7 @@ def _polish(study: Any, objective_fn: Callable[[Any], Any], budget: int, neighbo
     climbed: set[Any] = set()
     while used < budget:
         by_strategy: dict[Any, Any] = {}
-        for t in sorted(complete(), key=lambda t: t.value):
+        for t in sorted(complete(), key=key):
             by_strategy.setdefault(t.user_attrs.get("strategy"), t)
         start = next((t for s, t in by_strategy.items() if s not in climbed), None)
         if start is None:

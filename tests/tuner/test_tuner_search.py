@@ -1224,6 +1224,31 @@ def test_the_local_search_also_climbs_from_the_best_trial_of_each_other_strategy
     assert used == len(study.trials) - 2 <= 200
 
 
+def test_the_local_search_climbs_on_step_time_where_every_objective_ties_at_a_price_of_0():
+    """Free (price 0) instances with w = 0: every configuration's C + w·T is 0. The climb moved only on a lower
+    objective, so it stopped after its first step; ties now go to the faster trial, as the result's best does."""
+    import math
+
+    from lightning_distplan.tuner.search import _neighbours, _polish
+
+    def objective(trial):
+        t = trial.suggest_categorical("instance_type", ["own"])
+        n = trial.suggest_int("n_instances", 1, 24, log=True)
+        s = trial.suggest_categorical("strategy", ["dp_ga"])
+        m = trial.suggest_int("micro_batch_size", 1, 256, log=True)
+        for key, value in (("count", n), ("strategy", s), ("pp", 1), ("micro_batch_size", m)):
+            trial.set_user_attr(key, value)
+        trial.set_user_attr("step_time_s", 1 + abs(math.log2(n / 24)) + abs(math.log2(m / 2)) + (t != "own"))
+        return 0.0  # cost 0 per step, weight 0
+
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    study.enqueue_trial({"instance_type": "own", "n_instances": 3, "strategy": "dp_ga", "micro_batch_size": 16})
+    study.optimize(objective, n_trials=1)
+    _polish(study, objective, 200, lambda p: _neighbours(p, ["own"], 24, 256, ["dp_ga"], 1))
+    fastest = min(study.trials, key=lambda t: t.user_attrs["step_time_s"])
+    assert fastest.user_attrs["step_time_s"] == 1 and fastest.params["n_instances"] == 24 and fastest.params["micro_batch_size"] == 2
+
+
 def test_progress_bar_counts_every_trial_of_the_search_tpe_local_search_and_rest(tmp_path, profile, capsys):
     # The search runs in parts (TPE, a local search from its best, TPE for what is left): one bar over all of them.
     result = tune(profile, catalog="alicloud-2023", global_batch_size=B, n_trials=40, storage=_url(tmp_path),
