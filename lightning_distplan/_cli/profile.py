@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from lightning_distplan._files import check_output_path, check_replaceable
+from lightning_distplan._format import format_ms
 from lightning_distplan.errors import DataLoadingError, DistPlanError, ProfilingError, first_line
 from lightning_distplan.profile import PRECISIONS
 
@@ -313,8 +314,9 @@ def _summary(profile: Any, path: Any, total: float) -> None:
     mem = profile.memory
     print(f"profile of {profile.model} on {profile.device.type} ({profile.device.name}) written to {path}")
     print(f"  micro-batch sizes {list(profile.micro_batch_sizes)}" + (f", out of memory at {list(profile.infeasible_micro_batch_sizes)}" if profile.infeasible_micro_batch_sizes else ""))
-    print(f"  step forward  t(m) = {step.forward.alpha * 1e3:.3f} ms·m + {step.forward.beta * 1e3:.3f} ms  (R² {step.forward.r2:.3f})")
-    print(f"  step backward t(m) = {step.backward.alpha * 1e3:.3f} ms·m + {step.backward.beta * 1e3:.3f} ms  (R² {step.backward.r2:.3f})")
+    # format_ms: a tiny model's per-sample time under 0.5 µs printed "0.000 ms·m" with 3 fixed decimals
+    for name, fit in (("forward ", step.forward), ("backward", step.backward)):
+        print(f"  step {name} t(m) = {format_ms(fit.alpha, 3)} ms·m + {format_ms(fit.beta, 3)} ms  (R² {fit.r2:.3f})")
     print(f"  {len(profile.layers)} layers, {'splittable' if profile.splittable else 'not splittable'} into pipeline stages")
     print(
         f"  memory: params {mem.param_bytes / 2**20:.1f} MiB, grads {mem.grad_bytes / 2**20:.1f} MiB, "

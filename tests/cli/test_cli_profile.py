@@ -396,3 +396,22 @@ def test_a_datamodules_batch_transfer_hooks_run_on_the_profiled_micro_batches(
                          "--repeats", "1", "--device", "cpu", "--out", "p.json"], capsys)
     assert rc == 0, err
     assert Profile.load(tmp_path / "p.json").micro_batch_sizes == (1, 2)
+
+
+def test_the_summary_never_prints_a_nonzero_step_fit_as_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    """A tiny model's per-sample time under 0.5 µs printed "t(m) = 0.000 ms·m" (3 fixed decimals); format_ms gives it
+    3 significant figures, and times from 1 ms up print as before."""
+    from lightning_distplan._cli.profile import _summary
+    from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
+
+    profile = synthetic_profile([LayerSpec(fwd_alpha=1e-7, fwd_beta=2e-6, bwd_alpha=2e-7, bwd_beta=4e-6, param_bytes=4096,
+                                           activation_bytes_per_sample=1e3, output_bytes_per_sample=1e2)])
+    _summary(profile, "p.json", 1.0)
+    out = capsys.readouterr().out
+    assert "step forward  t(m) = 0.000100 ms·m + 0.00200 ms  (R² " in out, out
+    assert "step backward t(m) = 0.000200 ms·m + 0.00400 ms  (R² " in out, out
+    big = synthetic_profile([LayerSpec(fwd_alpha=1.5e-3, fwd_beta=2e-3, bwd_alpha=3e-3, bwd_beta=4.25e-3, param_bytes=4096,
+                                       activation_bytes_per_sample=1e3, output_bytes_per_sample=1e2)])
+    _summary(big, "p.json", 1.0)
+    out = capsys.readouterr().out
+    assert "step forward  t(m) = 1.500 ms·m + 2.000 ms  (R² " in out and "step backward t(m) = 3.000 ms·m + 4.250 ms  (R² " in out, out
