@@ -21,7 +21,7 @@ from typing import Any, Sequence
 from lightning_distplan.errors import DistPlanError, first_line
 
 __all__ = [
-    "StudyStorageError", "create_study_with_attrs", "damage_problem", "delete_study_without_trials", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
+    "StudyStorageError", "claim_study_without_attrs", "claims_studies", "create_study_with_attrs", "damage_problem", "delete_study_without_trials", "missing_driver_problem", "folder_problem", "missing_folder_problem", "is_sqlite", "open_storage", "read_only_problem", "sqlite_options", "sqlite_path", "sqlite_tables",
     "is_optuna_database", "schema_hint", "shown_url", "worker_slot", "write_trials",
 ]
 
@@ -523,6 +523,86 @@ def creates_studies_whole(storage: Any) -> bool:
         models.StudyModel(study_name="", directions=[models.StudyDirectionModel(objective=0, direction=optuna.study.StudyDirection.MINIMIZE)])
         models.StudyUserAttributeModel(study_id=0, key="", value_json="null")
     except Exception:  # noqa: BLE001 - an internal mismatch with this Optuna: studies are made through the public API
+        return False
+    return True
+
+
+def claim_study_without_attrs(storage: Any, study_name: str, directions: Sequence[Any], user_attrs: dict[str, Any], *,
+                              just_created: bool = False) -> bool | None:
+    """Give study ``study_name`` of ``storage`` (an RDBStorage) ``user_attrs``, in one transaction, if it is still as
+    a run creating it through Optuna's public API leaves it before its first ``set_user_attr``: no trial, no user or
+    system attribute, and ``directions`` (``StudyDirection``). True when it did; False (nothing written) when the study
+    is gone or not so (another run claimed it meanwhile, or it is someone else's); None (nothing written) where this
+    Optuna's models do not fit.
+
+    Why: such a study is what a creator killed between the two leaves behind (with an Optuna whose models do not fit
+    :func:`create_study_with_attrs`), and every re-run refused it. It holds nothing of anyone's, so a run adopts it; the
+    check and the write are one transaction, so two runs adopting it at once, or an adopter and a slow creator, never
+    both write their settings into it: the second finds it claimed.
+
+    ``just_created``: the caller created the study a moment ago through the public API; only its user attributes are
+    checked (a claim by another run writes them), so an Optuna whose ``create_study`` writes system attributes or a
+    first trial of its own does not make the run take its own study for another's.
+
+    Raises:
+        sqlalchemy.exc.SQLAlchemyError: the database refused the write (rolled back)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+    try:
+        from optuna.storages._rdb import models
+
+        session = rdb.scoped_session()
+    except Exception as err:  # noqa: BLE001 - an internal mismatch with this Optuna
+        log.info("Claiming a study in one transaction is unavailable (%s: %s).", type(err).__name__, err)
+        return None
+    try:
+        # as delete_study_without_trials: the study's row lock (PostgreSQL / MySQL), and on SQLite the no-op UPDATE
+        # makes this the database's one writer before the checks
+        study = session.query(models.StudyModel).filter(models.StudyModel.study_name == study_name).with_for_update().one_or_none()
+        if study is None:
+            session.rollback()
+            return False
+        session.query(models.StudyModel).filter(models.StudyModel.study_id == study.study_id).update(
+            {models.StudyModel.study_name: study.study_name}, synchronize_session=False
+        )
+        held = any(
+            session.query(model).filter(model.study_id == study.study_id).first() is not None
+            for model in ((models.StudyUserAttributeModel,) if just_created
+                          else (models.TrialModel, models.StudyUserAttributeModel, models.StudySystemAttributeModel))
+        )
+        stored = [d.direction for d in sorted(study.directions, key=lambda d: d.objective)]
+        if held or stored != list(directions):
+            session.rollback()
+            return False
+        for key, value in user_attrs.items():
+            session.add(models.StudyUserAttributeModel(study_id=study.study_id, key=key, value_json=json.dumps(value)))
+        session.commit()
+        return True
+    except SQLAlchemyError:
+        session.rollback()
+        raise
+    except Exception as err:  # noqa: BLE001 - an internal mismatch with this Optuna (rolled back)
+        session.rollback()
+        log.info("Claiming a study in one transaction is unavailable (%s: %s).", type(err).__name__, err)
+        return None
+    finally:
+        session.close()
+
+
+def claims_studies(storage: Any) -> bool:
+    """Whether :func:`claim_study_without_attrs` fits this Optuna (found without writing anything): a run that would
+    adopt a study asks before its search, so one that cannot is refused in a second, not after the search."""
+    try:
+        from optuna.storages._rdb import models
+
+        rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
+        if not callable(getattr(rdb, "scoped_session", None)):
+            return False
+        for model in (models.StudyModel, models.TrialModel, models.StudyUserAttributeModel, models.StudySystemAttributeModel):
+            model.study_id  # noqa: B018 - the columns the claim reads
+        models.StudyUserAttributeModel(study_id=0, key="", value_json="null")  # built, never added to a session
+    except Exception:  # noqa: BLE001 - an internal mismatch with this Optuna
         return False
     return True
 

@@ -53,7 +53,7 @@ from lightning_distplan.planner._enumerate import _check_strategies
 from lightning_distplan.profile import Profile
 from lightning_distplan.tuner._space import ConfigSpace, TunedConfig
 from lightning_distplan.tuner._storage import (
-    StudyStorageError, create_study_with_attrs, creates_studies_whole, delete_study_without_trials, open_storage, shown_url, worker_slot,
+    StudyStorageError, claim_study_without_attrs, claims_studies, create_study_with_attrs, creates_studies_whole, delete_study_without_trials, open_storage, shown_url, worker_slot,
     write_trials,
 )
 from lightning_distplan.tuner.catalog import PRICINGS, Catalog, load_catalog, spot_priced, with_bandwidth
@@ -412,8 +412,9 @@ public API, which creates a study first and sets its attributes after)."""
 
 
 OPENING_WAIT_S = 5.0
-"""How long a run that finds its study with neither user attributes nor trials waits for its settings before refusing
-it (:func:`_tune`): where studies are created through Optuna's public API, that is a study another worker is creating,
+"""How long a run that finds its study with neither user attributes nor trials waits for its settings before adopting
+it, where it is as a creator stopped before its ``set_user_attr`` leaves it (:func:`_orphaned`), or else refusing it
+(:func:`_tune`): where studies are created through Optuna's public API, that is a study another worker is creating,
 between its ``optuna.create_study`` and its ``set_user_attr`` (milliseconds, longer while another run's write holds
 SQLite's lock). Shorter than :data:`CREATOR_WAIT_S`, which keeps a finished search's trials: this run has searched
 nothing yet, so a re-run loses nothing, and a study someone else made empty (``optuna create-study``) waits no longer.
@@ -439,6 +440,24 @@ def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
         if SETTINGS_ATTR in study.user_attrs or time.monotonic() > deadline:
             return study
         time.sleep(0.05)
+
+
+def _orphaned(store: Any, study: Any, directions: list[Any]) -> bool:
+    """Whether ``study`` (found without user attributes or trials, and waited for) is as a run of this search creating
+    it through Optuna's public API leaves it when stopped before its first ``set_user_attr``: no system attribute either
+    (Optuna's own, e.g. metric names, or another program's), this search's directions, and a storage where the claim
+    (:func:`~lightning_distplan.tuner._storage.claim_study_without_attrs`) is one transaction."""
+    return (study.directions == directions and not store.get_study_system_attrs(study._study_id) and claims_studies(store))
+
+
+def _unset_study_error(name: str, storage: str) -> StudyConflictError:
+    """The refusal of a study that stayed without settings or trials while this run waited, and is not one to adopt."""
+    return StudyConflictError(
+        f"Study {name!r} already exists in {shown_url(storage)!r} with neither distplan's settings nor trials, and no run creating "
+        f"it stored its settings in the {OPENING_WAIT_S:g} s this run waited; it was left untouched.",
+        hint="If another `distplan tune` is creating it, re-run the same command; else pass a new --study-name, or delete the "
+        f"empty study ({_delete_command(name, storage)}).",
+    )
 
 
 def _trials_as_stored(storage: Any, study_name: str, searched: list[Any]) -> list[Any]:
@@ -902,15 +921,16 @@ def _tune(
                 existing = None
             previous = existing.get_trials(deepcopy=False) if existing is not None else []
         old = _as_now(existing.user_attrs.get(SETTINGS_ATTR), catalog, profile) if existing is not None else None
+    minimize = [optuna.study.StudyDirection.MINIMIZE] * (2 if multi_objective else 1)
+    orphan = False  # the empty study a creator killed before its set_user_attr left: adopted at the write, as if created
     if existing is not None:
         why = _settings_differ(old, settings)
-        if why is not None and unset and not existing.user_attrs and not previous:
-            raise StudyConflictError(
-                f"Study {name!r} already exists in {shown_url(storage)!r} with neither distplan's settings nor trials, and no run creating "
-                f"it stored its settings in the {OPENING_WAIT_S:g} s this run waited; it was left untouched.",
-                hint="If another `distplan tune` is creating it, re-run the same command; else pass a new --study-name, or delete the "
-                f"empty study ({_delete_command(name, storage)}).",
-            )
+        if why is not None and unset and not existing.user_attrs and not previous and _orphaned(store, existing, minimize):
+            log.info("Study %r stayed without settings, trials or system attributes for %g s: a run creating it was stopped before "
+                     "storing its settings; this run adopts it.", name, OPENING_WAIT_S)
+            existing, orphan, why = None, True, None
+        elif why is not None and unset and not existing.user_attrs and not previous:
+            raise _unset_study_error(name, storage)
         if why is not None:
             raise StudyConflictError(
                 f"Study {name!r} already exists in {shown_url(storage)!r} and {why}; it was left untouched.",
@@ -1022,7 +1042,7 @@ def _tune(
 
     # Write the finished run in one pass; a failure while writing a study this call created removes it
     # again (never one another run created meanwhile under the same name, nor one another run has written trials to).
-    created = joined = deleted = False
+    created = joined = deleted = adopted = False
     with _signals_held() as held:  # a Ctrl-C or SIGTERM now waits until the trials are written (or refused)
         try:
             target = existing
@@ -1039,10 +1059,26 @@ def _tune(
                 }
                 whole = True  # created with its settings in one transaction, as every run of this version creates it
                 try:
-                    if not create_study_with_attrs(store, name, [optuna.study.StudyDirection.MINIMIZE] * len(directions), attrs):
+                    if orphan:
+                        claimed = claim_study_without_attrs(store, name, minimize, attrs)
+                        if claimed is None:  # claims_studies said it fits, but the database disagrees: refused as before
+                            raise _unset_study_error(name, storage)
+                        if not claimed:  # another run adopted it (or wrote to it) while this one searched: as one created meanwhile
+                            raise optuna.exceptions.DuplicatedStudyError(name)
+                        adopted = True
+                    elif create_study_with_attrs(store, name, minimize, attrs):
+                        created = True
+                    else:
                         whole = False
                         optuna.create_study(storage=store, study_name=name, directions=directions)
-                    created = True
+                        created = True
+                        # its settings in one transaction where that fits, so a run that adopts this study as a killed
+                        # creator's (its OPENING_WAIT_S past) and this one never both write theirs into it
+                        claimed = claim_study_without_attrs(store, name, minimize, attrs, just_created=True)
+                        if claimed is False:
+                            created = False  # another run's now: never deleted by this one
+                            raise optuna.exceptions.DuplicatedStudyError(name)
+                        whole = claimed is True  # None: its attributes through Optuna's public API, below
                     target = optuna.load_study(study_name=name, storage=store)
                 except optuna.exceptions.DuplicatedStudyError:
                     # Another run (a second worker of the same command) created it while this one searched: extend it, as
@@ -1061,7 +1097,7 @@ def _tune(
                             else "Pass another --study-name.",
                         ) from None
                     joined = True
-            if created:
+            if created or adopted:
                 if not whole:  # Optuna's public API: the study first, its attributes after
                     for key, value in attrs.items():
                         target.set_user_attr(key, value)
@@ -1083,7 +1119,7 @@ def _tune(
                 cause = getattr(err, "orig", None) or err.__cause__ or err.__context__ or err
                 raise StudyStorageError(
                     f"Writing this run's {len(new_trials)} trials to {shown_url(storage)!r} failed ({type(cause).__name__}: {first_line(cause)[:200]}); "
-                    f"{'the study was not created' if deleted else 'the study was left as it was'}.",
+                    f"{'the study was not created' if deleted else 'the empty study it adopted keeps the settings of this run, without trials' if adopted else 'the study was left as it was'}.",
                     hint="Check that the database is writable and reachable, then re-run the same command.",
                 ) from None
             if isinstance(err, KeyError) and not created and _existing_study_gone(store, name):

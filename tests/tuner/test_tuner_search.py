@@ -191,7 +191,10 @@ def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile,
     assert _snapshot(tmp_path / "study.db") == before_foreign
     # one with neither attributes nor trials: where this Optuna creates studies whole (it does here), no worker's study is
     # ever so, and it is refused at once as someone else's (it was refused after OPENING_WAIT_S, as one being created)
-    optuna.create_study(study_name="empty", storage=url)
+    # (a system attribute of another program's: without one, a study waited for in vain is adopted instead, see
+    # test_an_empty_study_a_creator_killed_before_its_settings_left_is_adopted_by_a_re_run)
+    empty = optuna.create_study(study_name="empty", storage=url)
+    empty._storage.set_study_system_attr(empty._study_id, "owner", "another program")
     before_empty = _snapshot(tmp_path / "study.db")
     started = time.monotonic()
     with pytest.raises(StudyConflictError, match=r"^Study 'empty' already exists in .* and it was not created by `distplan tune`; it was left untouched"):
@@ -212,6 +215,73 @@ def test_existing_study_with_other_settings_is_left_untouched(tmp_path, profile,
     assert _snapshot(tmp_path / "study.db") == before_empty
     s = optuna.load_study(study_name="s", storage=url)
     assert len(s.trials) == 15 and s.user_attrs["time_weight"] == 0.0
+
+
+_KILLED_CREATOR_REFUSALS = {
+    # study -> how the run refuses it, after the fix as before it
+    "with_trial": "not created by `distplan tune`; it was left untouched. HINT: Pass a new --study-name, or delete the old study",
+    "with_attrs": "not created by `distplan tune`; it was left untouched. HINT: Pass a new --study-name, or delete the old study",
+    "with_system_attr": "with neither distplan's settings nor trials, and no run creating it stored its settings in the 0.3 s this run waited",
+    "maximize": "with neither distplan's settings nor trials, and no run creating it stored its settings in the 0.3 s this run waited",
+}
+
+
+def test_an_empty_study_a_creator_killed_before_its_settings_left_is_adopted_by_a_re_run(tmp_path, profile, monkeypatch):
+    """Where studies are created through Optuna's public API (an Optuna whose models do not fit create_study_with_attrs),
+    a creator killed between its ``optuna.create_study`` and its ``set_user_attr`` leaves a study with neither settings
+    nor trials, and every re-run waited OPENING_WAIT_S for it and refused it. Nothing is in it: a re-run adopts it
+    (writes its settings into it) and searches on. A study with a trial, attributes of its own, a system attribute or
+    other directions is someone else's: still refused with the same message, the file not changed by one byte."""
+    from lightning_distplan.tuner import search
+
+    url = _url(tmp_path)
+    db = tmp_path / "study.db"
+    monkeypatch.setattr(search, "create_study_with_attrs", lambda *a, **k: False)  # the public API, as that Optuna makes studies
+    monkeypatch.setattr(search, "creates_studies_whole", lambda store: False)
+    monkeypatch.setattr(search, "OPENING_WAIT_S", 0.3)
+    kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, max_instances=2, progress=False)
+    optuna.create_study(storage=url, study_name="s", directions=["minimize"])  # the killed creator's study, as it left it
+    optuna.create_study(storage=url, study_name="with_trial").enqueue_trial({"x": 1.0})  # a waiting trial, no attributes
+    optuna.create_study(storage=url, study_name="with_attrs").set_user_attr("owner", "someone")
+    foreign = optuna.create_study(storage=url, study_name="with_system_attr")
+    foreign._storage.set_study_system_attr(foreign._study_id, "owner", "another program")
+    optuna.create_study(storage=url, study_name="maximize", direction="maximize")
+    for name, why in _KILLED_CREATOR_REFUSALS.items():
+        before = db.read_bytes()
+        with pytest.raises(StudyConflictError) as refused:
+            tune(profile, n_trials=4, study_name=name, **kw)
+        assert str(refused.value).startswith(f"Study {name!r} already exists in {url!r} ") and why in str(refused.value), str(refused.value)
+        assert db.read_bytes() == before, name
+
+    result = tune(profile, n_trials=5, study_name="s", **kw)
+    study = optuna.load_study(study_name="s", storage=url)
+    assert result.n_trials == result.n_study_trials == len(study.trials) == 5 and not result.resumed
+    assert study.user_attrs["distplan_settings"]["global_batch_size"] == B and study.user_attrs["currency"] == "RMB"
+    assert study.metric_names == ["cost_per_step + w*step_time_s"]  # set as on a study it creates
+    assert optuna.get_all_study_names(url).count("s") == 1
+    assert tune(profile, n_trials=3, study_name="s", **kw).n_study_trials == 8  # and extended as any other
+
+
+def test_an_empty_study_is_claimed_once_and_a_study_with_anything_in_it_never(tmp_path):
+    """The adoption's write (claim_study_without_attrs) checks the study is still empty in its own transaction: of two
+    runs adopting one study, the second finds it claimed and writes nothing; a study with a trial or other directions is
+    never written to."""
+    from lightning_distplan.tuner._storage import claim_study_without_attrs, open_storage
+
+    url = _url(tmp_path)
+    store = open_storage(url)
+    minimize = [optuna.study.StudyDirection.MINIMIZE]
+    optuna.create_study(storage=url, study_name="s")
+    assert claim_study_without_attrs(store, "s", minimize, {"who": "first"}) is True
+    assert claim_study_without_attrs(store, "s", minimize, {"who": "second"}) is False
+    assert optuna.load_study(study_name="s", storage=url).user_attrs == {"who": "first"}
+    optuna.create_study(storage=url, study_name="t").enqueue_trial({"x": 1.0})
+    optuna.create_study(storage=url, study_name="u", direction="maximize")
+    before = (tmp_path / "study.db").read_bytes()
+    assert claim_study_without_attrs(store, "t", minimize, {"who": "first"}) is False
+    assert claim_study_without_attrs(store, "u", minimize, {"who": "first"}) is False
+    assert claim_study_without_attrs(store, "gone", minimize, {"who": "first"}) is False
+    assert (tmp_path / "study.db").read_bytes() == before
 
 
 @pytest.mark.parametrize("multi_objective", [False, True])
@@ -346,6 +416,7 @@ import optuna
 from tuner_profile_factory import make_profile
 from lightning_distplan.tuner import search
 search.create_study_with_attrs = lambda *a, **k: False  # an Optuna whose models do not fit: the public API
+search.claim_study_without_attrs = lambda *a, **k: None  # ...nor its one-transaction claim: set_user_attr after the create
 set_user_attr = optuna.study.Study.set_user_attr
 def paused(self, key, value):  # the study is created, none of its attributes set yet
     if not self.user_attrs:
@@ -368,6 +439,7 @@ from tuner_profile_factory import make_profile
 from lightning_distplan.tuner import search
 search.OPENING_WAIT_S = 120.0  # the wait is the subject, not its length: the test's timing does not depend on the load
 search.creates_studies_whole = lambda store: False  # the creator's Optuna, whose models do not fit: the public API
+search.claims_studies = lambda store: False  # ...nor the claim: a study that stays without settings is refused, not adopted
 created_meanwhile = search._created_meanwhile
 def waiting(*args, **kwargs):  # it found the study without settings or trials, and waits for them
     print("waiting", flush=True)
