@@ -76,7 +76,18 @@ def _reap(children: list) -> None:
         if child.poll() is None:
             child.kill()
             child.wait()
+        with contextlib.suppress(BrokenPipeError):  # a line written but not flushed to a child that is gone (as Popen.communicate)
+            child.stdin.close()
         child.stdout.close()
+
+
+def test_reap_closes_both_pipes_of_a_child_a_failed_test_left_running(tmp_path):
+    """_reap closed a child's stdout but not its stdin: a test that failed before writing its "go" left the pipe's
+    descriptor open until the garbage collector found it (a ResourceWarning, one descriptor per child)."""
+    child = _spawn(tmp_path, "import sys; sys.stdin.readline()")
+    child.stdin.write("never flushed")  # buffered: closing it flushes into a pipe whose reader is gone
+    _reap([child])
+    assert child.returncode is not None and child.stdin.closed and child.stdout.closed
 
 
 def test_tune_stores_every_trial_with_its_breakdown_and_every_config_factors_the_batch(tmp_path, profile):
