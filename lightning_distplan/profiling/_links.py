@@ -37,6 +37,9 @@ SMALL_MESSAGE_RUNS = 4
 
 
 def _device_for(group: Any) -> torch.device:
+    """The device a collective's tensor goes on over ``group`` (None: the default group): the current CUDA device for
+    an NCCL-only backend (NCCL takes CUDA tensors only), else CPU (gloo; a "cpu:gloo,cuda:nccl" group runs CPU tensors
+    on gloo). The one rule for every collective of the profiler (``_profiler._reduce_all`` too)."""
     import torch.distributed as dist
 
     backend = str(dist.get_backend(group))

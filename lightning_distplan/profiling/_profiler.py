@@ -36,6 +36,7 @@ from lightning_distplan.profile import (
 from lightning_distplan.profiling._batches import SampleBank, device_bytes, move_to
 from lightning_distplan.profiling._device import device_info, resolve_device, tf32_switches
 from lightning_distplan.profiling._errors import ProfilingError
+from lightning_distplan.profiling._links import _device_for
 from lightning_distplan.profiling._recorder import LayerRecorder, RunRecord, _storage_key
 from lightning_distplan.profiling._snapshot import ModuleSnapshot, OptimizerSnapshot, RNGSnapshot
 
@@ -105,9 +106,7 @@ def _reduce_all(values: Sequence[float], op: str) -> list[float]:
     """Element-wise max or min of ``values`` over all ranks, in one all-reduce (every rank calls it with as many)."""
     import torch.distributed as dist
 
-    backend = str(dist.get_backend())
-    dev = torch.device("cuda", torch.cuda.current_device()) if ("nccl" in backend and "gloo" not in backend) else torch.device("cpu")
-    t = torch.tensor(list(values), dtype=torch.float64, device=dev)
+    t = torch.tensor(list(values), dtype=torch.float64, device=_device_for(None))  # the default group's, as measure_links
     try:
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
     except RuntimeError as err:  # gloo's 'Connection closed by peer', a timeout, NCCL's abort: not this rank's training_step
