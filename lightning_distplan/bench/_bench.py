@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from lightning_distplan.planner import Candidate
     from lightning_distplan.profile import Profile
 
-__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "check_dataset_size", "timed_steps", "BenchError", "RESULT_SCHEMA",
+__all__ = ["run_bench", "select_candidates", "parse_plans_spec", "check_counts", "check_dataset_size", "check_own_devices", "cuda_devices_used",
+           "ranks_sharing_a_device", "timed_steps", "BenchError", "RESULT_SCHEMA",
            "BENCH_LINK_SIZES", "MAX_TIMED_STEPS", "RANK_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,80 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
+def _device_key(dev: torch.device) -> str:
+    """What names CUDA device ``dev`` alike in every process of one machine: its UUID (one GPU whatever a process's
+    ``CUDA_VISIBLE_DEVICES`` numbers it), else that numbering and its index."""
+    uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
+    return str(uuid) if uuid is not None else f"{os.environ.get('CUDA_VISIBLE_DEVICES', '*')}:{dev.index}"
+
+
+def cuda_devices_used(dev: torch.device) -> list[tuple[str, str, str]]:
+    """The CUDA devices this rank's bench would use, each as (host, :func:`_device_key`, shown): ``dev`` (the profiling's
+    and retiming's) and, under an NCCL group, the current device its collectives run on (``profiling._links._device_for``:
+    the link measurement, the broadcasts). Empty on CPU."""
+    import torch.distributed as dist
+
+    from lightning_distplan.profiling._links import _device_for
+
+    devices = [dev] if dev.type == "cuda" else []
+    if dist.is_available() and dist.is_initialized():
+        collectives = _device_for(None)
+        if collectives.type == "cuda" and collectives not in devices:
+            devices.append(collectives)
+    host = socket.gethostname()
+    return [(host, _device_key(d), str(d)) for d in devices]
+
+
+def ranks_sharing_a_device(used: Sequence[Sequence[tuple[str, str, str]]]) -> tuple[list[int], str, str] | None:
+    """(ranks, shown device, host) for the first device two or more ranks of one host use, given each rank's
+    :func:`cuda_devices_used` in rank order; None when every rank has devices of its own."""
+    ranks: dict[tuple[str, str], list[int]] = {}
+    shown: dict[tuple[str, str], str] = {}
+    for rank, devices in enumerate(used):
+        for host, key, name in devices:
+            at = ranks.setdefault((host, key), [])
+            if rank not in at:
+                at.append(rank)
+            shown.setdefault((host, key), name)
+    for place, at in ranks.items():
+        if len(at) > 1:
+            return at, shown[place], place[0]
+    return None
+
+
+def check_own_devices(used: Sequence[tuple[str, str, str]], world: int) -> None:
+    """Refuse, on every rank alike, a job whose ranks share a CUDA device (``used``: this rank's :func:`cuda_devices_used`).
+
+    Why: ``run_bench`` called from the user's own job does not own its process group, so the devices are the user's
+    ``torch.cuda.set_device`` calls; a job that forgot them has every rank on ``cuda:0``, where the profiles time one GPU
+    shared by all ranks and NCCL refuses the collectives ("Duplicate GPU detected") or hangs in them. The ranks' devices
+    cross over a gloo group of their own: over the job's NCCL group the exchange would itself run on the shared device.
+
+    Raises:
+        BenchError: two ranks of one host use one CUDA device."""
+    import torch.distributed as dist
+
+    if world <= 1:
+        return
+    group = dist.new_group(backend="gloo")
+    try:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, list(used), group=group)
+    finally:
+        dist.destroy_process_group(group)
+    shared = ranks_sharing_a_device(every)
+    if shared is None:
+        return
+    ranks, device, host = shared
+    named = ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+    raise BenchError(
+        f"Ranks {named} of this job all run on {device} of host {host!r}, so their profiles would time one shared GPU and NCCL "
+        "would refuse or hang in their collectives; nothing was run.",
+        hint="Call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) in every process before init_process_group and run_bench "
+        "(`distplan bench` does this itself), or give each process its own GPU with CUDA_VISIBLE_DEVICES.",
+    )
+
+
 def _broadcast(obj: Any) -> Any:
     import torch.distributed as dist
 
@@ -426,7 +501,8 @@ def run_bench(
         plans after it are not run, and the process group is gone). Identical on every rank unless stopped.
 
     Raises:
-        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data.
+        BenchError: bad ``plans``, ``steps``/``warmup``, world size or data; ranks that share a CUDA device
+            (:func:`check_own_devices`: a job of the user's own whose processes did not call ``torch.cuda.set_device``).
     """
     from lightning_distplan._layers import discover_layers
     from lightning_distplan.plan import STRATEGIES
@@ -459,6 +535,7 @@ def run_bench(
     if precision not in PRECISIONS:
         raise BenchError(f"Unknown precision {precision!r}.", hint=f"Use one of {', '.join(PRECISIONS)}.")
     dev = resolve_device(device)
+    check_own_devices(cuda_devices_used(dev), world)  # before the first collective, which would land on a shared GPU
     accelerator = "cuda" if dev.type == "cuda" else "cpu"
     if trainer_precision(precision, dev) != precision:
         say(f"precision {precision} runs as {trainer_precision(precision, dev)} on {dev.type}, as Lightning runs it")
