@@ -311,20 +311,24 @@ def check_own_devices(used: Sequence[tuple[str, str, str]], world: int) -> None:
     Why: ``run_bench`` called from the user's own job does not own its process group, so the devices are the user's
     ``torch.cuda.set_device`` calls; a job that forgot them has every rank on ``cuda:0``, where the profiles time one GPU
     shared by all ranks and NCCL refuses the collectives ("Duplicate GPU detected") or hangs in them. The ranks' devices
-    cross over a gloo group of their own: over the job's NCCL group the exchange would itself run on the shared device.
+    cross over the job's own group where it carries CPU tensors (gloo, "cpu:gloo,cuda:nccl": one small all-gather, no
+    group made for it, so a CPU run pays nothing more); only under an NCCL-only group, where the exchange would itself run
+    on the shared device, over a gloo group made for it and ended after (every rank makes it: every rank runs run_bench).
 
     Raises:
         BenchError: two ranks of one host use one CUDA device."""
     import torch.distributed as dist
 
+    from lightning_distplan.profiling._links import _device_for
+
     if world <= 1:
         return
-    group = dist.new_group(backend="gloo")
+    group = None if _device_for(None).type == "cpu" else dist.new_group(backend="gloo")
     try:
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, list(used), group=group)
+        every = _gather(list(used), group)
     finally:
-        dist.destroy_process_group(group)
+        if group is not None:
+            dist.destroy_process_group(group)
     shared = ranks_sharing_a_device(every)
     if shared is None:
         return

@@ -128,9 +128,12 @@ def _run_bench_in_job(tmp_path, used: list, nccl_only: bool = False) -> list[dic
 @pytest.mark.parametrize("nccl_only", [False, True], ids=["gloo", "nccl-only"])
 def test_run_bench_refuses_ranks_sharing_a_device_and_runs_ranks_on_their_own(tmp_path, nccl_only):
     """run_bench itself makes the decision, before profiling: ranks on one device are refused alike on every rank, ranks
-    on their own devices (one each as cuda:0 under per-process CUDA_VISIBLE_DEVICES: distinct UUIDs) go on."""
+    on their own devices (one each as cuda:0 under per-process CUDA_VISIBLE_DEVICES: distinct UUIDs) go on. The devices
+    cross over the job's own gloo group (no group made for it: a CPU run pays nothing more); only where the job's group is
+    NCCL-only over a gloo group made for it."""
     shared = _run_bench_in_job(tmp_path / "shared", [SHARED, SHARED], nccl_only)
     own = _run_bench_in_job(tmp_path / "own", [[("node1", "GPU-0", "cuda:0")], [("node1", "GPU-1", "cuda:0")]], nccl_only)
     assert shared[0]["outcome"] == shared[1]["outcome"]
     assert shared[0]["outcome"].startswith("Ranks 0 and 1 of this job all run on cuda:0 of host 'node1'")
     assert [s["outcome"] for s in own] == ["accepted", "accepted"]
+    assert [s["groups_made"] for s in shared + own] == [["gloo"] if nccl_only else []] * 4
