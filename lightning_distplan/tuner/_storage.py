@@ -601,6 +601,10 @@ def claims_studies(storage: Any) -> bool:
             return False
         for model in (models.StudyModel, models.TrialModel, models.StudyUserAttributeModel, models.StudySystemAttributeModel):
             model.study_id  # noqa: B018 - the columns the claim reads
+        # and the name and directions it checks (an Optuna whose StudyModel / StudyDirectionModel changed is the one that
+        # makes create_study_with_attrs fall back: the claim would fail only at the write, after the whole search)
+        models.StudyModel.study_name, models.StudyModel.directions  # noqa: B018
+        models.StudyDirectionModel.direction, models.StudyDirectionModel.objective  # noqa: B018
         models.StudyUserAttributeModel(study_id=0, key="", value_json="null")  # built, never added to a session
     except Exception:  # noqa: BLE001 - an internal mismatch with this Optuna
         return False

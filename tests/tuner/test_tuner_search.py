@@ -295,6 +295,26 @@ def test_an_empty_study_is_claimed_once_and_a_study_with_anything_in_it_never(tm
     assert (tmp_path / "study.db").read_bytes() == before
 
 
+def test_the_claim_is_not_offered_where_this_optunas_direction_model_does_not_fit_it(tmp_path, monkeypatch):
+    """An Optuna whose StudyModel / StudyDirectionModel changed is the one whose studies are created through the public API
+    (creates_studies_whole False), and the claim reads those very models: claims_studies said yes without looking at
+    them, so a run adopted an empty study, searched, and was refused only at the write, its search lost."""
+    from optuna.storages._rdb import models
+
+    from lightning_distplan.tuner._storage import claims_studies, creates_studies_whole, open_storage
+
+    store = open_storage(_url(tmp_path))
+    assert claims_studies(store) and creates_studies_whole(store)
+
+    class Changed:  # direction rows of another shape
+        def __init__(self, **kwargs):
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+
+    monkeypatch.setattr(models, "StudyDirectionModel", Changed)
+    assert not creates_studies_whole(store)
+    assert not claims_studies(store)
+
+
 @pytest.mark.parametrize("multi_objective", [False, True])
 def test_a_study_priced_by_another_cost_model_is_not_extended(tmp_path, profile, multi_objective):
     """Same settings, but the stored values are not what this version's model gives (as a study made before a fix of the
