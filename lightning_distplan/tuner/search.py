@@ -442,12 +442,19 @@ def _created_meanwhile(storage: Any, study_name: str, wait_s: float) -> Any:
         time.sleep(0.05)
 
 
-def _orphaned(store: Any, study: Any, directions: list[Any]) -> bool:
+def _orphaned(store: Any, study: Any, directions: list[Any], named: bool) -> bool:
     """Whether ``study`` (found without user attributes or trials, and waited for) is as a run of this search creating
-    it through Optuna's public API leaves it when stopped before its first ``set_user_attr``: no system attribute either
-    (Optuna's own, e.g. metric names, or another program's), this search's directions, and a storage where the claim
-    (:func:`~lightning_distplan.tuner._storage.claim_study_without_attrs`) is one transaction."""
-    return (study.directions == directions and not store.get_study_system_attrs(study._study_id) and claims_studies(store))
+    it through Optuna's public API leaves it when stopped before its first ``set_user_attr``: under this search's own
+    default name (``named``: the user passed ``--study-name``), no system attribute either (Optuna's own, e.g. metric
+    names, or another program's), this search's directions, and a storage where the claim
+    (:func:`~lightning_distplan.tuner._storage.claim_study_without_attrs`) is one transaction.
+
+    Why the default name only: a study made empty by hand (``optuna.create_study(storage=...)``, minimizing as Optuna's
+    default) looks byte for byte like a killed creator's; under a name the user chose it may be meant for another search
+    of theirs, so it is refused as before (the HINT names the command that deletes it), never filled with this one's
+    trials. The default name (``distplan-<catalog>-B<batch>-w<weight>``) is distplan's own."""
+    return (not named and study.directions == directions and not store.get_study_system_attrs(study._study_id)
+            and claims_studies(store))
 
 
 def _unset_study_error(name: str, storage: str) -> StudyConflictError:
@@ -925,7 +932,7 @@ def _tune(
     orphan = False  # the empty study a creator killed before its set_user_attr left: adopted at the write, as if created
     if existing is not None:
         why = _settings_differ(old, settings)
-        if why is not None and unset and not existing.user_attrs and not previous and _orphaned(store, existing, minimize):
+        if why is not None and unset and not existing.user_attrs and not previous and _orphaned(store, existing, minimize, named=study_name is not None):
             log.info("Study %r stayed without settings, trials or system attributes for %g s: a run creating it was stopped before "
                      "storing its settings; this run adopts it.", name, OPENING_WAIT_S)
             existing, orphan, why = None, True, None

@@ -234,6 +234,9 @@ _KILLED_CREATOR_REFUSALS = {
     "with_attrs": "not created by `distplan tune`; it was left untouched. HINT: Pass a new --study-name, or delete the old study",
     "with_system_attr": "with neither distplan's settings nor trials, and no run creating it stored its settings in the 0.3 s this run waited",
     "maximize": "with neither distplan's settings nor trials, and no run creating it stored its settings in the 0.3 s this run waited",
+    # made empty by hand under a name the user chose (perhaps for a search of their own): the same bytes as a killed
+    # creator's study, but never filled with this search's trials; only the default name is distplan's own
+    "mine": "with neither distplan's settings nor trials, and no run creating it stored its settings in the 0.3 s this run waited",
 }
 
 
@@ -241,8 +244,9 @@ def test_an_empty_study_a_creator_killed_before_its_settings_left_is_adopted_by_
     """Where studies are created through Optuna's public API (an Optuna whose models do not fit create_study_with_attrs),
     a creator killed between its ``optuna.create_study`` and its ``set_user_attr`` leaves a study with neither settings
     nor trials, and every re-run waited OPENING_WAIT_S for it and refused it. Nothing is in it: a re-run adopts it
-    (writes its settings into it) and searches on. A study with a trial, attributes of its own, a system attribute or
-    other directions is someone else's: still refused with the same message, the file not changed by one byte."""
+    (writes its settings into it) and searches on, under distplan's default name. A study with a trial, attributes of its
+    own, a system attribute or other directions is someone else's, and so may be an empty one under a name the user
+    passed (made by hand for another search): still refused with the same message, the file not changed by one byte."""
     from lightning_distplan.tuner import search
 
     url = _url(tmp_path)
@@ -251,7 +255,9 @@ def test_an_empty_study_a_creator_killed_before_its_settings_left_is_adopted_by_
     monkeypatch.setattr(search, "creates_studies_whole", lambda store: False)
     monkeypatch.setattr(search, "OPENING_WAIT_S", 0.3)
     kw = dict(catalog="alicloud-2023", global_batch_size=B, storage=url, max_instances=2, progress=False)
-    optuna.create_study(storage=url, study_name="s", directions=["minimize"])  # the killed creator's study, as it left it
+    default = f"distplan-alicloud-2023-B{B}-w0"  # the study name a run without --study-name uses
+    optuna.create_study(storage=url, study_name=default, directions=["minimize"])  # the killed creator's study, as it left it
+    optuna.create_study(storage=url, study_name="mine")  # the user's own, made by hand and not used yet
     optuna.create_study(storage=url, study_name="with_trial").enqueue_trial({"x": 1.0})  # a waiting trial, no attributes
     optuna.create_study(storage=url, study_name="with_attrs").set_user_attr("owner", "someone")
     foreign = optuna.create_study(storage=url, study_name="with_system_attr")
@@ -264,13 +270,13 @@ def test_an_empty_study_a_creator_killed_before_its_settings_left_is_adopted_by_
         assert str(refused.value).startswith(f"Study {name!r} already exists in {url!r} ") and why in str(refused.value), str(refused.value)
         assert db.read_bytes() == before, name
 
-    result = tune(profile, n_trials=5, study_name="s", **kw)
-    study = optuna.load_study(study_name="s", storage=url)
+    result = tune(profile, n_trials=5, **kw)
+    study = optuna.load_study(study_name=default, storage=url)
     assert result.n_trials == result.n_study_trials == len(study.trials) == 5 and not result.resumed
     assert study.user_attrs["distplan_settings"]["global_batch_size"] == B and study.user_attrs["currency"] == "RMB"
     assert study.metric_names == ["cost_per_step + w*step_time_s"]  # set as on a study it creates
-    assert optuna.get_all_study_names(url).count("s") == 1
-    assert tune(profile, n_trials=3, study_name="s", **kw).n_study_trials == 8  # and extended as any other
+    assert optuna.get_all_study_names(url).count(default) == 1
+    assert tune(profile, n_trials=3, **kw).n_study_trials == 8  # and extended as any other
 
 
 def test_an_empty_study_is_claimed_once_and_a_study_with_anything_in_it_never(tmp_path):
