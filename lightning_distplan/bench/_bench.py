@@ -335,7 +335,7 @@ def check_own_devices(used: Sequence[tuple[str, str, str]], world: int) -> None:
     ranks, device, host = shared
     named = ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
     raise BenchError(
-        f"Ranks {named} of this job all run on {device} of host {host!r}, so their profiles would time one shared GPU and NCCL "
+        f"Ranks {named} of this job {'both' if len(ranks) == 2 else 'all'} run on {device} of host {host!r}, so their profiles would time one shared GPU and NCCL "
         "would refuse or hang in their collectives; nothing was run.",
         hint="Call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) in every process before init_process_group and run_bench "
         "(`distplan bench` does this itself), or give each process its own GPU with CUDA_VISIBLE_DEVICES.",
