@@ -563,9 +563,12 @@ def claim_study_without_attrs(storage: Any, study_name: str, directions: Sequenc
         if study is None:
             session.rollback()
             return False
-        session.query(models.StudyModel).filter(models.StudyModel.study_id == study.study_id).update(
-            {models.StudyModel.study_name: study.study_name}, synchronize_session=False
-        )
+        locked = session.query(models.StudyModel).filter(
+            models.StudyModel.study_id == study.study_id, models.StudyModel.study_name == study_name
+        ).update({models.StudyModel.study_name: study_name}, synchronize_session=False)
+        if not locked:  # deleted between the read and the lock (on SQLite the read takes none): its id may be reused
+            session.rollback()
+            return False
         held = any(
             session.query(model).filter(model.study_id == study.study_id).first() is not None
             for model in ((models.StudyUserAttributeModel,) if just_created
@@ -628,9 +631,12 @@ def delete_study_without_trials(storage: Any, study_name: str) -> bool:
         study = session.query(models.StudyModel).filter(models.StudyModel.study_name == study_name).with_for_update().one_or_none()
         if study is None:
             return False
-        session.query(models.StudyModel).filter(models.StudyModel.study_id == study.study_id).update(
-            {models.StudyModel.study_name: study.study_name}, synchronize_session=False
-        )
+        locked = session.query(models.StudyModel).filter(
+            models.StudyModel.study_id == study.study_id, models.StudyModel.study_name == study_name
+        ).update({models.StudyModel.study_name: study_name}, synchronize_session=False)
+        if not locked:  # deleted between the read and the lock (on SQLite the read takes none): its id may be reused
+            session.rollback()
+            return False
         if session.query(models.TrialModel.trial_id).filter(models.TrialModel.study_id == study.study_id).first() is not None:
             session.rollback()
             return False

@@ -301,6 +301,43 @@ def test_an_empty_study_is_claimed_once_and_a_study_with_anything_in_it_never(tm
     assert (tmp_path / "study.db").read_bytes() == before
 
 
+@pytest.mark.parametrize("write", ["claim", "delete"])
+def test_a_study_replaced_under_its_id_between_the_read_and_the_lock_is_left_alone(tmp_path, write):
+    """On SQLite the study's read takes no lock: another run may delete the study and create one that reuses its id before
+    the claim's (or the delete's) locking UPDATE. Locked by id alone, the claim wrote this search's settings into that
+    other study and the delete removed it; the UPDATE now names the study too, and nothing is written."""
+    import sqlalchemy
+
+    from lightning_distplan.tuner._storage import claim_study_without_attrs, delete_study_without_trials, open_storage
+
+    url = _url(tmp_path)
+    store = open_storage(url)
+    optuna.create_study(storage=url, study_name="s")
+    engine = getattr(store, "_backend", store).engine
+    replaced = []
+
+    def replace_it(conn, cursor, statement, *args):  # another run, between the read and the lock
+        if statement.lstrip().upper().startswith("UPDATE STUDIES") and not replaced:
+            with sqlite3.connect(tmp_path / "study.db") as other:
+                (study_id,) = other.execute("SELECT study_id FROM studies WHERE study_name = 's'").fetchone()
+                other.execute("DELETE FROM study_directions WHERE study_id = ?", (study_id,))
+                other.execute("DELETE FROM studies WHERE study_id = ?", (study_id,))
+                other.execute("INSERT INTO studies (study_id, study_name) VALUES (?, 'theirs')", (study_id,))
+                other.execute("INSERT INTO study_directions (direction, study_id, objective) VALUES ('MINIMIZE', ?, 0)",
+                              (study_id,))
+            replaced.append(study_id)
+
+    sqlalchemy.event.listen(engine, "before_cursor_execute", replace_it)
+    if write == "claim":
+        assert claim_study_without_attrs(store, "s", [optuna.study.StudyDirection.MINIMIZE], {"who": "us"}) is False
+    else:
+        assert delete_study_without_trials(store, "s") is False
+    sqlalchemy.event.remove(engine, "before_cursor_execute", replace_it)
+    assert replaced
+    assert optuna.get_all_study_names(url) == ["theirs"]
+    assert optuna.load_study(study_name="theirs", storage=url).user_attrs == {}
+
+
 def test_the_claim_is_not_offered_where_this_optunas_direction_model_does_not_fit_it(tmp_path, monkeypatch):
     """An Optuna whose StudyModel / StudyDirectionModel changed is the one whose studies are created through the public API
     (creates_studies_whole False), and the claim reads those very models: claims_studies said yes without looking at
