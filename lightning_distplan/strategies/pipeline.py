@@ -959,55 +959,60 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         replica waited for it in gloo's send or recv, and the other replicas, for a replica with none, in the epoch-end
         average of ``val_loss`` / ``test_loss`` that it never joins. Lightning has fetched each rank's first batch when
         the run starts (to tell a stream's last batch; under a limit of batches, :func:`_prefetch_stream` does), so
-        this hook, which every rank reaches before the first step, knows whether there is one: one all-gather per run
-        of a stream, none per step. A replica with no predictions beside others runs (its steps meet no other
-        replica), as an empty one with a length does; its run ends here, where it says so to the others' ends
-        (:meth:`_end_of_streams`)."""
+        this hook, which every rank reaches before the first step, knows the loader it comes from (several loaders run
+        one after another: a first batch from loader 1 means loader 0 yielded none): one all-gather per run of a
+        stream, none per step. A replica with no predictions beside others runs (its steps meet no other replica), as
+        an empty one with a length does. The loaders before a rank's first batch end here, where it says so to the
+        others' ends of them (:meth:`_end_of_streams`)."""
         trainer = self.lightning_module.trainer
         prefix = trainer.state.stage.dataloader_prefix
         if prefix not in self._uncounted_eval or not _distributed_is_initialized() or dist.get_world_size() < 2:
             return
-        fetcher = trainer._active_loop._data_fetcher
-        _prefetch_stream(fetcher)
-        some = not fetcher.done
+        loop = trainer._active_loop
+        _prefetch_stream(loop._data_fetcher)
+        first = _next_loader(loop, 0)  # the number of loaders where there is no batch at all
         device = self.root_device
         every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, torch.tensor([int(some)], dtype=torch.int64, device=device))
+        dist.all_gather(every, torch.tensor([first], dtype=torch.int64, device=device))
         layout = self.layout
         what = _EVAL_WHAT[prefix]
-        replicas = [[bool(every[r].item()) for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
+        replicas = [[int(every[r].item()) for r in layout.pipeline_ranks(replica)] for replica in range(layout.dp)]
         parted = [replica for replica, stages in enumerate(replicas) if len(set(stages)) > 1]
         if parted:
             raise _streams_parted(parted, what, "a stage's yielded none where another's yielded some")
-        empty = [replica for replica, stages in enumerate(replicas) if not any(stages)]
-        if not empty or len(empty) == layout.dp:
-            return
         if prefix != "predict":
-            raise BatchFormatError(
-                f"Pipeline replica {empty[0]} (ranks {', '.join(map(str, layout.pipeline_ranks(empty[0])))}) has no {what} batches "
-                "(its loader without a length yielded none) while other replicas have some, and the others would wait for it in a "
-                "collective it never joins.",
-                hint="Give every replica at least one batch (with use_distributed_sampler=False each replica reads a loader of "
-                "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
-            )
-        if layout.replica in empty:  # it has no step to end its run at: it ends it here, where the others end theirs
-            self._end_of_streams(what, parted=False)
+            _refuse_replica_without_batches([stages[0] for stages in replicas], layout, what, len(loop._combined_loader.flattened))
+        # the loaders before the first batch have no step to end their runs at: they end here, where the others end theirs
+        self._end_of_streams(what, parted=False, ended=0, going=first)
 
-    def _end_of_streams(self, what: str, *, parted: bool) -> None:
-        """Where this rank's run of an evaluation stream ends (its last step, or the step where its replica's stages
-        parted, :meth:`_stages_agree`), the replicas say whether their stages parted, and every rank raises the same
-        error: the replica's own ranks alone raised, and the other replicas failed in the epoch-end average of the loss
-        with gloo's error as the replica's processes left. One all-gather of a flag per run over every rank, each rank at
-        the end of its own run (the replicas' steps meet no other replica, so they end at different times); only with
-        several replicas (one replica's stages all know from the step) and one loader (Lightning averages each loader's
-        logs of several when the next begins, a collective of every rank that a replica ending early would not meet)."""
+    def _end_of_streams(self, what: str, *, parted: bool, ended: int, going: int) -> None:
+        """Where this rank's run of an evaluation stream's loaders ``ended`` to ``going - 1`` ends (its last step in
+        ``ended``, where its next batch is of loader ``going``, the number of loaders at the run's end; or the step
+        where its replica's stages parted in ``ended``, :meth:`_stages_agree`), the replicas say whether their stages
+        parted, and every rank raises the same error: the replica's own ranks alone raised, and the other replicas
+        failed in the epoch-end average of the loss with gloo's error as the replica's processes left. One all-gather of
+        the flag and ``going`` per loader over every rank, each rank at the end of its own run of that loader (the
+        replicas' steps meet no other replica, so they end at different times), and so before Lightning averages a
+        loader's logs over every rank when the next loader begins (a collective that a replica whose stages parted never
+        joined: several validation loaders hung there). A loader the rank has no batch of ends where the one before it
+        does (or where the run starts), so every rank gathers once per loader, in the loaders' order. Evaluation
+        replicas going on to different loaders are refused too (one of them has none of a loader the others have, and
+        they would part in Lightning's averages); predictions take no average, and a replica may have none. Only with
+        several replicas: one replica's stages all know from the step."""
         layout = self.layout
         parted_replicas = [layout.replica] if parted else []
-        if layout.dp > 1 and len(self.lightning_module.trainer._active_loop._combined_loader.flattened) == 1:
+        if layout.dp > 1:
             device = self.root_device
-            every = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
-            dist.all_gather(every, torch.tensor([int(parted)], dtype=torch.int64, device=device))
-            parted_replicas = sorted({rank // layout.pp for rank, flag in enumerate(every) if flag.item()})
+            for _ in range(ended, ended + 1 if parted else going):
+                every = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+                dist.all_gather(every, torch.tensor([int(parted), going], dtype=torch.int64, device=device))
+                parted_replicas = sorted({rank // layout.pp for rank, flags in enumerate(every) if flags[0].item()})
+                if parted_replicas:
+                    break
+                if what != _EVAL_WHAT["predict"]:
+                    loop = self.lightning_module.trainer._active_loop
+                    goes = [int(every[layout.pipeline_ranks(replica)[0]][1].item()) for replica in range(layout.dp)]
+                    _refuse_replica_without_batches(goes, layout, what, len(loop._combined_loader.flattened))
         if parted_replicas:
             raise _streams_parted(parted_replicas, what, "one stage's ended where another's went on")
 
@@ -1233,7 +1238,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         step (:meth:`_global_mean`) hung the one with more. Lightning's ``sync_dist`` averages over the ranks once,
         at the epoch's end, weighted by the batch sizes, as under DDP.
 
-        ``position`` (the batch's dataloader index, whether it is its loop's last, and the loop's name), for a loader
+        ``position`` (the batch's dataloader index, that of the next batch's loader, and the loop's name), for a loader
         whose batches were not counted at its setup (a stream, :meth:`_agree_on_evaluation_batches`): the stages say
         where they are in the same collective (:meth:`_stages_agree`: the other stages add 0 to the loss), and a stage
         whose stream ended before another's is refused at the batch where they part (the stage that went on waited
@@ -1247,21 +1252,24 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             return local
         return self._stages_agree(position, local).to(local.dtype)
 
-    def _stages_agree(self, position: tuple[int, bool, str], carried: Tensor) -> Tensor:
+    def _stages_agree(self, position: tuple[int, int, str], carried: Tensor) -> Tensor:
         """Refuse the step where the stages of this replica, reading a loader without a length, part (one stage's stream
         ended where another's went on), and return ``carried`` summed over the stages, in the same collective: an
-        all-reduce (a sum) of ``carried`` (0 but on the last stage), x and x² with x = 2 · dataloader index + is-last,
-        alike on every stage exactly when (Σx)² = pp·Σx². The step where they part, and a run's last step, end this
-        rank's run (:meth:`_end_of_streams`), where every replica learns of it."""
-        index, last, what = position
-        at = 2 * index + int(last)
+        all-reduce (a sum) of ``carried`` (0 but on the last stage), x and x² with x = (loaders + 1) · dataloader index +
+        the loader of the next batch (:func:`_next_loader`), alike on every stage exactly when (Σx)² = pp·Σx². So the
+        stages agree at a loader's last batch too, before Lightning averages its logs, not only at the run's last (one
+        stage going on to the next loader where another's went on in this one hung in that average). The step where
+        they part, and a loader's last step, end this rank's run of it (:meth:`_end_of_streams`), where every replica
+        learns of it."""
+        index, going, what = position
+        at = (len(self.lightning_module.trainer._active_loop._combined_loader.flattened) + 1) * index + going
         mine = torch.tensor([0.0, at, at * at], dtype=torch.float64, device=carried.device)
         mine[0] = carried.double()
         dist.all_reduce(mine, group=self._pipe_group)
         total, squares = mine[1].item(), mine[2].item()
         parted = total * total != self.layout.pp * squares
-        if parted or last:
-            self._end_of_streams(what, parted=parted)
+        if parted or going != index:
+            self._end_of_streams(what, parted=parted, ended=index, going=going)
         return mine[0]
 
     def _warn_bypass(self) -> None:
@@ -1383,8 +1391,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         prefix = "val" if name == "val_loss" else "test"
         position = None
         if prefix in self._uncounted_eval:
-            loop = self.lightning_module.trainer._active_loop
-            position = (dataloader_idx, bool(loop.batch_progress.is_last_batch), _EVAL_WHAT[prefix])
+            position = (dataloader_idx, _next_loader(self.lightning_module.trainer._active_loop, dataloader_idx), _EVAL_WHAT[prefix])
         loss = self._replica_mean(losses, position=position)
         # Every rank holds its replica's mean; sync_dist averages them over the ranks once per epoch (evaluation
         # logs on epoch), weighted by the batch sizes: every sample counts alike, as under DDP, also where the
@@ -1419,8 +1426,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             # A stream's stages must end together, as in _eval_step; the broadcast below goes one way, from the last
             # stage, so it cannot carry the other stages' places: one small all-reduce more per step, for streams only
             # (a stage whose stream ended first left the loop, and the one that went on waited in gloo's send or recv).
-            loop = self.lightning_module.trainer._active_loop
-            position = (_dataloader_idx(args, kwargs), bool(loop.batch_progress.is_last_batch), _EVAL_WHAT["predict"])
+            index = _dataloader_idx(args, kwargs)
+            position = (index, _next_loader(self.lightning_module.trainer._active_loop, index), _EVAL_WHAT["predict"])
             self._stages_agree(position, torch.zeros((), device=self.root_device))
         if layout.pp > 1:
             dist.broadcast_object_list(holder, src=layout.pipeline_ranks(layout.replica)[-1], group=self._pipe_group)
@@ -1617,6 +1624,34 @@ def _prefetch_stream(fetcher: object) -> None:
             fetcher.batches.append(_DataFetcher.__next__(fetcher))
         except StopIteration:
             break
+
+
+def _next_loader(loop: Any, index: int) -> int:
+    """The index of the loader that the next batch of the evaluation ``loop``'s streams comes from (the fetcher has
+    fetched it ahead, :func:`_prefetch_stream`; several loaders run one after another), ``index`` where none was fetched
+    ahead, and the number of loaders where the run ends (so at the run's start: that of the first batch)."""
+    fetcher = loop._data_fetcher
+    if fetcher.done:
+        return len(loop._combined_loader.flattened)
+    return fetcher.batches[0][2] if getattr(fetcher, "batches", None) else index
+
+
+def _refuse_replica_without_batches(goes: list[int], layout: PipelineLayout, what: str, loaders: int) -> None:
+    """Refuse, on every rank, evaluation replicas whose streams go on to different loaders (``goes``, each replica's
+    next loader, ``loaders`` where it has no batch left): the ones going further have none of the nearest, and the
+    others would wait for them in Lightning's average of that loader's logs, a collective they never join."""
+    nearest = min(goes)
+    empty = [replica for replica, going in enumerate(goes) if going > nearest]
+    if not empty:
+        return
+    of = "" if loaders == 1 else f" of loader {nearest}"
+    raise BatchFormatError(
+        f"Pipeline replica {empty[0]} (ranks {', '.join(map(str, layout.pipeline_ranks(empty[0])))}) has no {what} batches{of} "
+        "(its loader without a length yielded none) while other replicas have some, and the others would wait for it in a "
+        "collective it never joins.",
+        hint="Give every replica at least one batch (with use_distributed_sampler=False each replica reads a loader of "
+        "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
+    )
 
 
 def _streams_parted(replicas: list[int], what: str, how: str) -> BatchFormatError:

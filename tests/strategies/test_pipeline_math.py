@@ -1059,7 +1059,7 @@ class _WideMLP(TinyMLP):
 
 
 class _EvaluatedMLP(TinyMLP):
-    def validation_step(self, batch: Any, batch_idx: int) -> None:  # (the pipeline runs its loss in its place)
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:  # (the pipeline runs its loss in its place)
         pass
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
@@ -1236,7 +1236,12 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     of 2 batches and 1 per replica under limit_test_batches=2, and at a fit's sanity check (num_sanity_val_steps=2), test
     and fit: a limit gave the loaders a length, Lightning fetched no batch ahead, and the replica of 1 never saw its last
     batch, so skipped the all-gather where the other's run ended (both timed out); under limit_val_batches=2 a replica
-    of no stream batches beside 2 is refused at the run's start, as without a limit (it hung). Run on a group of its
+    of no stream batches beside 2 is refused at the run's start, as without a limit (it hung). Two validation streams run
+    one after the other ("several streams": a val_loss of each, alike on every rank; predict from two with replica 1
+    having none of the first), but replica 0's stage 1 reading 3 batches of the first beside its stage 0's 2 hung: stage
+    0 went on to Lightning's average of the first loader's logs (a collective of every rank) while stage 1 waited for
+    its third batch, and replica 1 having none of the second loader beside replica 0's 2 failed in that average with
+    gloo's error; each is now one BatchFormatError on every rank, where the first loader ends. Run on a group of its
     own with a 20 s timeout (set up by Lightning, the port in the environment), so that a hang fails here quickly
     rather than holding the launch."""
     import datetime
@@ -1249,6 +1254,9 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         n = counts[rank]
         data = mlp_data(4 * n, seed=12) if n else TensorDataset(torch.zeros(0, 16), torch.zeros(0, 4))
         return DataLoader(_Stream(data) if stream else data, batch_size=4)
+
+    def shapes(predicted: list[Any]) -> list[Any]:  # each loader's list of them where there are several
+        return [shapes(p) if isinstance(p, list) else None if p is None else tuple(p.shape) for p in predicted]
 
     results: dict[str, Any] = {}
     for case, fn, counts in (("empty replica", "validate", [2, 2, 0, 0]), ("stages differ", "validate", [2, 1, 2, 2]),
@@ -1263,7 +1271,10 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("after streams: an empty replica predicts", "predict", [2, 2, 0, 0]),
                              ("streams under a limit", "test", [2, 2, 1, 1]),
                              ("streams under a limit: an empty replica", "validate", [2, 2, 0, 0]),
-                             ("streams at the sanity check", "fit", [2, 2, 1, 1])):
+                             ("streams at the sanity check", "fit", [2, 2, 1, 1]),
+                             ("several streams", "validate", [2, 2, 1, 1]), ("several streams predict", "predict", [2, 2, 0, 0]),
+                             ("several streams: a replica without the second", "validate", [2, 2, 2, 2]),
+                             ("several streams part at a loader boundary", "validate", [2, 3, 2, 2])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         limits = {"streams under a limit": {"limit_test_batches": 2},
@@ -1275,15 +1286,18 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         model = _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
-            stream = case.startswith("streams") or ("lengths beside streams" in case and rank % 2 == 1)
+            stream = case.startswith(("streams", "several")) or ("lengths beside streams" in case and rank % 2 == 1)
             if case.startswith("after streams"):  # the same Trainer and strategy predicted from streams just before
                 trainer.predict(model, batches([2, 2, 2, 2], stream=True))
             if case == "streams at the sanity check":  # the validation streams, each replica's own, beside one train loader
                 trainer.fit(model, batches([2, 2, 2, 2], stream=False), batches(counts, stream=True))
                 got = float(trainer.callback_metrics["val_loss"])
+            elif case.startswith("several streams"):  # a second loader after the first, of these batches per rank
+                second = {"several streams predict": [1, 1, 2, 2], "several streams: a replica without the second": [2, 2, 0, 0]}
+                got = getattr(trainer, fn)(model, [batches(counts, stream=True), batches(second.get(case, [2, 2, 2, 2]), stream=True)])
             else:
                 got = getattr(trainer, fn)(model, batches(counts, stream=stream))
-            results[case] = [None if p is None else tuple(p.shape) for p in got] if fn == "predict" and got is not None else got
+            results[case] = shapes(got) if fn == "predict" and got is not None else got
         except Exception as err:  # (BatchFormatError; a gloo timeout without the fix)
             results[case] = f"{type(err).__name__}: {err}"
         if fn == "fit":
@@ -1528,6 +1542,10 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
                                              "prediction batches from a loader without a length (one stage's ended where another's went on)",
         "streams under a limit: an empty replica": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation batches "
                                                    "(its loader without a length yielded none) while other replicas have some",
+        "several streams: a replica without the second": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation "
+                                                         "batches of loader 1 (its loader without a length yielded none)",
+        "several streams part at a loader boundary": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
+                                                     "validation batches from a loader without a length (one stage's ended where another's went on)",
     }
     for case, start in expected.items():
         got = [r[case] for r in ranks]
@@ -1544,6 +1562,10 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert len(set(limited)) == 1 and limited[0] == pytest.approx(tested[0], rel=1e-6), (limited, tested)
     sanity = [r["streams at the sanity check"] for r in ranks]
     assert len(set(sanity)) == 1 and math.isfinite(sanity[0]), sanity
+    several = [r["several streams"] for r in ranks]
+    assert all(s == several[0] for s in several) and [list(s) for s in several[0]] == [["val_loss/dataloader_idx_0"], ["val_loss/dataloader_idx_1"]], several
+    assert all(math.isfinite(v) for s in several[0] for v in s.values()), several
+    assert [r["several streams predict"] for r in ranks] == [[[(4, 4)] * 2, [(4, 4)]]] * 2 + [[[], [(4, 4)] * 2]] * 2
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
