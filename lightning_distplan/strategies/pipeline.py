@@ -858,22 +858,47 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
     def on_train_start(self) -> None:
         self._checked_batch = False
         self._sizers = {}
+        self._refuse_dataloader_iter()
         self._check_last_batch()
 
     @override
     def on_validation_start(self) -> None:
         self._sizers = {key: sizer for key, sizer in self._sizers.items() if key[0] == "train"}  # a fit's validation: its loader may change
+        self._refuse_dataloader_iter()
         self._agree_on_streams_having_batches()
 
     @override
     def on_test_start(self) -> None:
         self._sizers = {}
+        self._refuse_dataloader_iter()
         self._agree_on_streams_having_batches()
 
     @override
     def on_predict_start(self) -> None:
         self._sizers = {}
+        self._refuse_dataloader_iter()
         self._agree_on_streams_having_batches()
+
+    def _refuse_dataloader_iter(self) -> None:
+        """Refuse, on every rank before the first step, a LightningModule step that takes ``dataloader_iter``: the
+        pipeline runs in its place, but Lightning then fetches no batch and hands the pipeline's step the iterator, which
+        it refused as a batch of type ``_DataFetcherWrapper`` (a sentence about the batch's tensors, not the signature).
+        Nor could a step fetching from the iterator itself tell where a rank's stream ends before its batches run out (a
+        rank whose stream yielded none entered the step beside ranks with batches, and the run-start check of streams,
+        :meth:`_agree_on_streams_having_batches`, knew nothing of it). The module is the same on every rank, so every
+        rank raises here alike, without a collective."""
+        from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+
+        trainer = self.lightning_module.trainer
+        if not isinstance(trainer._active_loop._data_fetcher, _DataLoaderIterDataFetcher):
+            return
+        step = _STEP_OF[trainer.state.stage.dataloader_prefix]
+        raise BatchFormatError(
+            f"The LightningModule's `{step}` takes `dataloader_iter`, but PipelineStrategy runs the pipeline in place of "
+            f"`{step}` and needs Lightning to fetch each batch for it.",
+            hint=f"Define `{step}(self, batch, batch_idx)` (its body is not run under PipelineStrategy: the pipeline computes "
+            "PipelineSpec.loss, or the last layer's output for predict).",
+        )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -1602,6 +1627,7 @@ def unfit_checkpoint_plan(stored: Plan, *, schedule: str | None, world_size: int
     return None
 
 
+_STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_step", "predict": "predict_step"}  # a loop's prefix
 _EVAL_WHAT = {"val": "validation", "test": "test", "predict": "prediction"}  # a loop's dataloader prefix, in a sentence
 
 

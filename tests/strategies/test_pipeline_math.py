@@ -1209,6 +1209,16 @@ class _PredictedMLP(_EvaluatedMLP):
         return self.model(x)
 
 
+class _IterStepMLP(_PredictedMLP):
+    """Steps that fetch their own batches (Lightning then hands the step ``dataloader_iter``, not a batch)."""
+
+    def training_step(self, dataloader_iter: Any) -> None:
+        pass
+
+    def validation_step(self, dataloader_iter: Any) -> None:
+        pass
+
+
 def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> dict[str, Any]:
     """Evaluation loaders of each rank's own (use_distributed_sampler=False) whose numbers of batches cannot run
     together, on 4 ranks (dp=2 x pp=2, replica 0 is ranks 0 and 1): replica 1 with none beside replica 0's 2 (validate:
@@ -1241,7 +1251,10 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     having none of the first), but replica 0's stage 1 reading 3 batches of the first beside its stage 0's 2 hung: stage
     0 went on to Lightning's average of the first loader's logs (a collective of every rank) while stage 1 waited for
     its third batch, and replica 1 having none of the second loader beside replica 0's 2 failed in that average with
-    gloo's error; each is now one BatchFormatError on every rank, where the first loader ends. Run on a group of its
+    gloo's error; each is now one BatchFormatError on every rank, where the first loader ends. A validation_step (or
+    training_step) taking ``dataloader_iter`` made Lightning hand the pipeline's step the iterator, refused as a batch of
+    type _DataFetcherWrapper (validate, from streams with an empty stage; fit); it is refused by its signature, on every
+    rank before the first step. Run on a group of its
     own with a 20 s timeout (set up by Lightning, the port in the environment), so that a hang fails here quickly
     rather than holding the launch."""
     import datetime
@@ -1272,6 +1285,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("streams under a limit", "test", [2, 2, 1, 1]),
                              ("streams under a limit: an empty replica", "validate", [2, 2, 0, 0]),
                              ("streams at the sanity check", "fit", [2, 2, 1, 1]),
+                             ("dataloader_iter: streams with an empty stage", "validate", [2, 2, 2, 0]),
+                             ("dataloader_iter: train", "fit", [2, 2, 2, 2]),
                              ("several streams", "validate", [2, 2, 1, 1]), ("several streams predict", "predict", [2, 2, 0, 0]),
                              ("several streams: a replica without the second", "validate", [2, 2, 2, 2]),
                              ("several streams part at a loader boundary", "validate", [2, 3, 2, 2])):
@@ -1283,10 +1298,10 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
                                "limit_val_batches": 1.0, **limits})
         torch.manual_seed(3)  # the same weights in "streams" and "the streams' data"
-        model = _PredictedMLP()
+        model = _IterStepMLP() if case.startswith("dataloader_iter") else _PredictedMLP()
         model.allow_zero_length_dataloader_with_multiple_devices = fn == "predict"
         try:
-            stream = case.startswith(("streams", "several")) or ("lengths beside streams" in case and rank % 2 == 1)
+            stream = case.startswith(("streams", "several", "dataloader_iter: streams")) or ("lengths beside streams" in case and rank % 2 == 1)
             if case.startswith("after streams"):  # the same Trainer and strategy predicted from streams just before
                 trainer.predict(model, batches([2, 2, 2, 2], stream=True))
             if case == "streams at the sanity check":  # the validation streams, each replica's own, beside one train loader
@@ -1542,6 +1557,9 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
                                              "prediction batches from a loader without a length (one stage's ended where another's went on)",
         "streams under a limit: an empty replica": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation batches "
                                                    "(its loader without a length yielded none) while other replicas have some",
+        "dataloader_iter: streams with an empty stage": "BatchFormatError: The LightningModule's `validation_step` takes "
+                                                        "`dataloader_iter`, but PipelineStrategy runs the pipeline in place of `validation_step`",
+        "dataloader_iter: train": "BatchFormatError: The LightningModule's `training_step` takes `dataloader_iter`",
         "several streams: a replica without the second": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation "
                                                          "batches of loader 1 (its loader without a length yielded none)",
         "several streams part at a loader boundary": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
@@ -1558,6 +1576,7 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert [r["streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], [], []]
     assert [r["after streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
     assert [r["train lengths beside streams: steps"] for r in ranks] == [0, 0, 0, 0]
+    assert [r["dataloader_iter: train: steps"] for r in ranks] == [0, 0, 0, 0]
     limited = [r["streams under a limit"][0]["test_loss"] for r in ranks]
     assert len(set(limited)) == 1 and limited[0] == pytest.approx(tested[0], rel=1e-6), (limited, tested)
     sanity = [r["streams at the sanity check"] for r in ranks]
