@@ -32,7 +32,8 @@ How the hooks are used (Lightning automatic optimization, one ``training_step`` 
   ``validation_step``/``test_step`` is not called, but Lightning still requires the module to define it
   before ``trainer.validate``/``test`` or a validation loader in ``fit`` run.
   ``predict_step`` returns the last stage's merged output on every rank of the replica (from streams, a replica's stages
-  also agree at each step that they end together, and stages parting are refused on every rank). Checked
+  also agree at each step that they end together, and stages parting are refused on every rank). Each evaluation run's
+  start compares the first batch of a replica's stages, as a fit's first step does (:meth:`PipelineStrategy._check_stages_read_alike`). Checked
   against a single process in ``tests/strategies/test_pipeline_math.py`` (fit with a val loader,
   ``validate``, ``test``, ``predict``).
 * ``deferred_batchnorm=True``: BatchNorm layers become fairscale's ``DeferredBatchNorm``: the
@@ -332,6 +333,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         # stream), alike on every rank: their runs check that the ranks have batches alike when they start
         # (_agree_on_streams_having_batches), their steps that the replica's stages end together (_stages_agree)
         self._uncounted_eval: set[str] = set()
+        # evaluation prefixes with a loader of no batches on some ranks beside some on others at its setup (predict
+        # allows it): a replica may skip the run, so its start meets no other replica (_check_stages_read_alike)
+        self._skippable_eval: set[str] = set()
         self._loss_checked = False  # whether PipelineSpec.loss ran once since the build (checked for other stages' tensors)
         self._warned_shapes = False
 
@@ -405,6 +409,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         # ranks reading a loader with a length into the streams' all-gather at the run's start, which a replica with no
         # batch of those skips with the whole run (gloo aborted on the mismatched collectives).
         self._uncounted_eval = set()
+        self._skippable_eval = set()
         plan = self._plan_arg
         if plan is not None and trainer.state.fn == TrainerFn.FITTING and plan.accumulate_grad_batches != trainer.accumulate_grad_batches:
             raise InfeasiblePlanError(
@@ -864,20 +869,28 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self._sizers = {key: sizer for key, sizer in self._sizers.items() if key[0] == "train"}  # a fit's validation: its loader may change
-        self._refuse_dataloader_iter()
-        self._agree_on_streams_having_batches()
+        self._start_evaluation_run()
 
     @override
     def on_test_start(self) -> None:
         self._sizers = {}
-        self._refuse_dataloader_iter()
-        self._agree_on_streams_having_batches()
+        self._start_evaluation_run()
 
     @override
     def on_predict_start(self) -> None:
         self._sizers = {}
+        self._start_evaluation_run()
+
+    def _start_evaluation_run(self) -> None:
+        """The checks of an evaluation run's start, every rank's first batch fetched: the stages' same batch after the
+        streams' having batches (a stage with none is refused there in its own sentence), and both before the loaders
+        without a batch on this rank end (:meth:`_end_of_streams`, whose all-gathers the other ranks meet at the ends
+        of those loaders, after their own start's)."""
         self._refuse_dataloader_iter()
-        self._agree_on_streams_having_batches()
+        first = self._agree_on_streams_having_batches()
+        self._check_stages_read_alike()
+        if first:
+            self._end_of_streams(_EVAL_WHAT[self.lightning_module.trainer.state.stage.dataloader_prefix], parted=False, ended=0, going=first)
 
     def _refuse_dataloader_iter(self) -> None:
         """Refuse, on every rank before the first step, a LightningModule step that takes ``dataloader_iter``: the
@@ -954,6 +967,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             raise lengths_beside_streams(what, streams)
         if streams:  # alike on every rank (a mix is refused above), as the collectives that follow from it must be
             self._uncounted_eval.add(prefix)
+        if 0 in counts and any(c > 0 for c in counts):
+            self._skippable_eval.add(prefix)
         for replica, stages in enumerate(replicas):
             if len({c for c in stages if c >= 0}) > 1:
                 raise BatchFormatError(
@@ -977,7 +992,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
                 "its own: none may be empty), or let Lightning shard one dataset (use_distributed_sampler=True).",
             )
 
-    def _agree_on_streams_having_batches(self) -> None:
+    def _agree_on_streams_having_batches(self) -> int | None:
         """Refuse, on every rank, a run of evaluation streams (loaders without a length) that yield no batch on some
         ranks and some on others (it hung). A stream is not counted at its setup (:meth:`_agree_on_evaluation_batches`),
         and a stage with no batch never reaches a step to say so (:meth:`_replica_mean`): the other stages of its
@@ -987,12 +1002,13 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         this hook, which every rank reaches before the first step, knows the loader it comes from (several loaders run
         one after another: a first batch from loader 1 means loader 0 yielded none): one all-gather per run of a
         stream, none per step. A replica with no predictions beside others runs (its steps meet no other replica), as
-        an empty one with a length does. The loaders before a rank's first batch end here, where it says so to the
-        others' ends of them (:meth:`_end_of_streams`)."""
+        an empty one with a length does. Returns the loader of this rank's first batch (None where no stream runs): the
+        loaders before it end at the run's start, where it says so to the others' ends of them
+        (:meth:`_start_evaluation_run`)."""
         trainer = self.lightning_module.trainer
         prefix = trainer.state.stage.dataloader_prefix
         if prefix not in self._uncounted_eval or not _distributed_is_initialized() or dist.get_world_size() < 2:
-            return
+            return None
         loop = trainer._active_loop
         _prefetch_stream(loop._data_fetcher)
         first = _next_loader(loop, 0)  # the number of loaders where there is no batch at all
@@ -1007,8 +1023,50 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             raise _streams_parted(parted, what, "a stage's yielded none where another's yielded some")
         if prefix != "predict":
             _refuse_replica_without_batches([stages[0] for stages in replicas], layout, what, len(loop._combined_loader.flattened))
-        # the loaders before the first batch have no step to end their runs at: they end here, where the others end theirs
-        self._end_of_streams(what, parted=False, ended=0, going=first)
+        return first
+
+    def _check_stages_read_alike(self) -> None:
+        """The evaluation runs' :meth:`_check_same_batch`: the stages of a replica must read the same batches, but a
+        user's own sampler, or a stream sharded by the global rank, gave them others of as many (their numbers are
+        checked, :meth:`_agree_on_evaluation_batches`, not their contents), and the pipeline went on silently: predict
+        returned stage 0's predictions on every rank of the replica, beside batches of other samples on the other
+        stages, and validate / test paired stage 0's inputs with the last stage's targets. Each rank's first batch as its
+        loader yields it (fetched ahead now, :func:`_prefetch_stream`, as a stream's is) is compared, as a fit's first is:
+        one all-gather of 4 numbers per run, none per step. Over every rank, so that every rank raises the same error;
+        over the replica's stages where a replica may skip the run (predict beside a replica without batches, which
+        never reaches this hook), whose ranks alone then raise: predict's replicas meet no other replica."""
+        layout = self.layout
+        if layout.pp < 2 or not _distributed_is_initialized() or dist.get_world_size() < 2:
+            return
+        trainer = self.lightning_module.trainer
+        prefix = trainer.state.stage.dataloader_prefix
+        fetcher = trainer._active_loop._data_fetcher
+        _prefetch_stream(fetcher)
+        checked, ids = _checked_tensors(fetcher.batches[0][0]) if getattr(fetcher, "batches", None) else ([], False)
+        device = self.root_device
+        mine = torch.zeros(4, dtype=torch.float64, device=device)
+        if checked:
+            mine = torch.cat([torch.tensor([1.0, float(ids)], dtype=torch.float64, device=device), _batch_checksum(checked, device)])
+        local = prefix in self._skippable_eval
+        every = [torch.zeros_like(mine) for _ in range(layout.pp if local else dist.get_world_size())]
+        dist.all_gather(every, mine, group=self._pipe_group if local else None)
+        replicas = [layout.replica] if local else range(layout.dp)
+        apart: dict[int, bool] = {}  # replica: whether its stages' batches hold integer tensors
+        for replica in replicas:
+            stages = [every[r if not local else k] for k, r in enumerate(layout.pipeline_ranks(replica))]
+            if any(not torch.allclose(other, stages[0], rtol=1e-9, atol=0) for other in stages[1:]):
+                apart[replica] = all(stage[1].item() == 1.0 for stage in stages)
+        if not apart:
+            return
+        which = ", ".join(map(str, apart))
+        why = (
+            f"The stages of pipeline replica{'s' if len(apart) > 1 else ''} {which} read different {_EVAL_WHAT[prefix]} batches (each "
+            "rank of a pipeline replica must get the same batch: the first stage feeds its inputs, the last computes the loss "
+            "on its targets or the predictions that every rank of the replica returns)"
+        )
+        if any(apart.values()):
+            raise BatchFormatError(f"{why}.", hint=_SAME_BATCH_HINT)
+        rank_zero_warn(f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {_SAME_BATCH_HINT}")
 
     def _end_of_streams(self, what: str, *, parted: bool, ended: int, going: int) -> None:
         """Where this rank's run of an evaluation stream's loaders ``ended`` to ``going - 1`` ends (its last step in
@@ -1314,11 +1372,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         if self._checked_batch or self.layout.pp < 2 or not _distributed_is_initialized():
             return
         self._checked_batch = True
-        # Integer tensors (labels, token ids, indices) tell which samples a rank read; float data, uint8 images and
-        # bool masks may differ between ranks by a random augmentation that keeps inputs and targets paired: warned.
-        tensors = [t for t in tensors_in(batch) if not t.is_complex()]
-        ids = [t for t in tensors if not t.is_floating_point() and t.dtype not in (torch.uint8, torch.bool)]  # not images, masks
-        checked = ids or tensors
+        checked, ids = _checked_tensors(batch)
         if not checked:
             return
         mine = _batch_checksum(checked, self.root_device)
@@ -1330,13 +1384,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
             "The pipeline's stages read different training batches (each rank of a pipeline replica must get the same "
             "batch: the first stage feeds its inputs, the last computes the loss on its targets)"
         )
-        hint = (
-            "Let Lightning shard the data (no DistributedSampler of your own; an IterableDataset must shard by "
-            "trainer.strategy.distributed_sampler_kwargs['rank'] / ['num_replicas'], the data-parallel replica, not the global rank)."
-        )
         if ids:
-            raise BatchFormatError(f"{why}.", hint=hint)
-        rank_zero_warn(f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {hint}")
+            raise BatchFormatError(f"{why}.", hint=_SAME_BATCH_HINT)
+        rank_zero_warn(f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {_SAME_BATCH_HINT}")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -1632,14 +1682,16 @@ _EVAL_WHAT = {"val": "validation", "test": "test", "predict": "prediction"}  # a
 
 
 def _prefetch_stream(fetcher: object) -> None:
-    """Fetch the first batch of a run of streams now, as Lightning does for a stream without a limit, so that ``done``
+    """Fetch the first batch of a run now (for :meth:`PipelineStrategy._check_stages_read_alike`, whatever its loaders;
+    and of streams), as Lightning does for a stream without a limit, so that ``done``
     (and each step's ``is_last_batch``) says where this rank's stream ends. A limit of batches as an int
     (``limit_val_batches=2``, or ``num_sanity_val_steps`` while sanity checking) gives the loaders a length, and
     Lightning then prefetches nothing: ``done`` was false on a rank with no batch, and ``is_last_batch`` held only at
     the limit's batch, never on a rank whose stream ended before it, which then skipped the all-gather where the others'
     runs ended (:meth:`PipelineStrategy._end_of_streams`; replicas of 2 batches and 1 under a limit of 2 hung there).
     Without a length the fetcher learns of the end one batch ahead, the loaders' limits still stopping it. A
-    ``dataloader_iter`` step's fetcher is left as it is (it fetches as the step asks)."""
+    ``dataloader_iter`` step's fetcher is left as it is (such a step is refused first,
+    :meth:`PipelineStrategy._refuse_dataloader_iter`)."""
     from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 
     if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is None or fetcher.batches:
@@ -1833,6 +1885,22 @@ def _hooks_defined(module: Any, callbacks: Iterable[Any], hooks: Sequence[str]) 
     """``"Class.hook"`` for each of ``hooks`` that the LightningModule or a callback defines."""
     where = [f"{type(module).__name__}.{hook}" for hook in hooks if is_overridden(hook, module)]
     return where + [f"{type(cb).__name__}.{hook}" for cb in callbacks for hook in hooks if is_overridden(hook, cb, parent=Callback)]
+
+
+_SAME_BATCH_HINT = (
+    "Let Lightning shard the data (no DistributedSampler of your own; an IterableDataset must shard by "
+    "trainer.strategy.distributed_sampler_kwargs['rank'] / ['num_replicas'], the data-parallel replica, not the global rank)."
+)
+
+
+def _checked_tensors(batch: Any) -> tuple[list[Tensor], bool]:
+    """The tensors of ``batch`` whose checksum tells whether the stages read the same batch, and whether they are its
+    integer tensors. Integer tensors (labels, token ids, indices) tell which samples a rank read; float data, uint8 images
+    and bool masks may differ between ranks by a random augmentation that keeps inputs and targets paired: compared only
+    where there are no integer tensors, and a difference in them only warned about."""
+    tensors = [t for t in tensors_in(batch) if not t.is_complex()]
+    ids = [t for t in tensors if not t.is_floating_point() and t.dtype not in (torch.uint8, torch.bool)]  # not images, masks
+    return ids or tensors, bool(ids)
 
 
 def _batch_checksum(tensors: Sequence[Tensor], device: torch.device) -> Tensor:

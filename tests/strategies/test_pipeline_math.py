@@ -1254,7 +1254,9 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     gloo's error; each is now one BatchFormatError on every rank, where the first loader ends. A validation_step (or
     training_step) taking ``dataloader_iter`` made Lightning hand the pipeline's step the iterator, refused as a batch of
     type _DataFetcherWrapper (validate, from streams with an empty stage; fit); it is refused by its signature, on every
-    rank before the first step. Run on a group of its
+    rank before the first step. Rank 3 reading other samples than rank 2 (validate, predict; as many batches, the
+    samples' integer indices differ) ran silently: predict returned rank 2's predictions on rank 3 too; it is refused on
+    every rank at the run's start (each rank's first batch compared, as a fit's first is). Run on a group of its
     own with a 20 s timeout (set up by Lightning, the port in the environment), so that a hang fails here quickly
     rather than holding the launch."""
     import datetime
@@ -1286,6 +1288,8 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("streams under a limit: an empty replica", "validate", [2, 2, 0, 0]),
                              ("streams at the sanity check", "fit", [2, 2, 1, 1]),
                              ("dataloader_iter: streams with an empty stage", "validate", [2, 2, 2, 0]),
+                             ("a stage reads other samples", "validate", [2, 2, 2, 2]),
+                             ("a stage predicts from other samples", "predict", [2, 2, 2, 2]),
                              ("dataloader_iter: train", "fit", [2, 2, 2, 2]),
                              ("several streams", "validate", [2, 2, 1, 1]), ("several streams predict", "predict", [2, 2, 0, 0]),
                              ("several streams: a replica without the second", "validate", [2, 2, 2, 2]),
@@ -1307,6 +1311,10 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
             if case == "streams at the sanity check":  # the validation streams, each replica's own, beside one train loader
                 trainer.fit(model, batches([2, 2, 2, 2], stream=False), batches(counts, stream=True))
                 got = float(trainer.callback_metrics["val_loss"])
+            elif case.startswith("a stage"):  # as many batches everywhere, rank 3's of other samples (their indices tell)
+                data = mlp_data(8, seed=12)
+                index = torch.arange(8) + (100 if rank == 3 else 0)
+                got = getattr(trainer, fn)(model, DataLoader(TensorDataset(*data.tensors, index), batch_size=4))
             elif case.startswith("several streams"):  # a second loader after the first, of these batches per rank
                 second = {"several streams predict": [1, 1, 2, 2], "several streams: a replica without the second": [2, 2, 0, 0]}
                 got = getattr(trainer, fn)(model, [batches(counts, stream=True), batches(second.get(case, [2, 2, 2, 2]), stream=True)])
@@ -1560,6 +1568,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "dataloader_iter: streams with an empty stage": "BatchFormatError: The LightningModule's `validation_step` takes "
                                                         "`dataloader_iter`, but PipelineStrategy runs the pipeline in place of `validation_step`",
         "dataloader_iter: train": "BatchFormatError: The LightningModule's `training_step` takes `dataloader_iter`",
+        "a stage reads other samples": "BatchFormatError: The stages of pipeline replica 1 read different validation batches",
+        "a stage predicts from other samples": "BatchFormatError: The stages of pipeline replica 1 read different prediction batches",
         "several streams: a replica without the second": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation "
                                                          "batches of loader 1 (its loader without a length yielded none)",
         "several streams part at a loader boundary": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
