@@ -64,6 +64,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -1034,7 +1035,8 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         loader yields it (fetched ahead now, :func:`_prefetch_stream`, as a stream's is) is compared, as a fit's first is:
         one all-gather of 4 numbers per run, none per step. Over every rank, so that every rank raises the same error;
         over the replica's stages where a replica may skip the run (predict beside a replica without batches, which
-        never reaches this hook), whose ranks alone then raise: predict's replicas meet no other replica."""
+        never reaches this hook), whose ranks alone then raise (or warn, from the replica's stage 0: rank 0 does not know):
+        predict's replicas meet no other replica."""
         layout = self.layout
         if layout.pp < 2 or not _distributed_is_initialized() or dist.get_world_size() < 2:
             return
@@ -1066,7 +1068,11 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         )
         if any(apart.values()):
             raise BatchFormatError(f"{why}.", hint=_SAME_BATCH_HINT)
-        rank_zero_warn(f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {_SAME_BATCH_HINT}")
+        warning = f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {_SAME_BATCH_HINT}"
+        if not local:
+            rank_zero_warn(warning)
+        elif layout.stage == 0:  # only this replica's ranks compared: rank 0's rank_zero_warn would hide another replica's
+            warnings.warn(warning, UserWarning, stacklevel=2)
 
     def _end_of_streams(self, what: str, *, parted: bool, ended: int, going: int) -> None:
         """Where this rank's run of an evaluation stream's loaders ``ended`` to ``going - 1`` ends (its last step in

@@ -1256,7 +1256,9 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     type _DataFetcherWrapper (validate, from streams with an empty stage; fit); it is refused by its signature, on every
     rank before the first step. Rank 3 reading other samples than rank 2 (validate, predict; as many batches, the
     samples' integer indices differ) ran silently: predict returned rank 2's predictions on rank 3 too; it is refused on
-    every rank at the run's start (each rank's first batch compared, as a fit's first is). Run on a group of its
+    every rank at the run's start (each rank's first batch compared, as a fit's first is); where only floats differ (rank 3's
+    shifted), beside a first predict loader replica 1 lacks (its stages compare among themselves), replica 1's stage 0 warns
+    (rank 0's rank_zero_warn, alone, never knew of it: no warning at all). Run on a group of its
     own with a 20 s timeout (set up by Lightning, the port in the environment), so that a hang fails here quickly
     rather than holding the launch."""
     import datetime
@@ -1290,6 +1292,7 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("dataloader_iter: streams with an empty stage", "validate", [2, 2, 2, 0]),
                              ("a stage reads other samples", "validate", [2, 2, 2, 2]),
                              ("a stage predicts from other samples", "predict", [2, 2, 2, 2]),
+                             ("floats differ on a replica without the first loader", "predict", [1, 1, 0, 0]),
                              ("dataloader_iter: train", "fit", [2, 2, 2, 2]),
                              ("several streams", "validate", [2, 2, 1, 1]), ("several streams predict", "predict", [2, 2, 0, 0]),
                              ("several streams: a replica without the second", "validate", [2, 2, 2, 2]),
@@ -1315,6 +1318,13 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                 data = mlp_data(8, seed=12)
                 index = torch.arange(8) + (100 if rank == 3 else 0)
                 got = getattr(trainer, fn)(model, DataLoader(TensorDataset(*data.tensors, index), batch_size=4))
+            elif case.startswith("floats differ"):  # rank 3's floats shifted (warned), after a loader replica 1 lacks
+                data = mlp_data(8, seed=12)
+                inputs = data.tensors[0] + (1.0 if rank == 3 else 0.0)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = trainer.predict(model, [batches(counts, stream=False), DataLoader(TensorDataset(inputs, data.tensors[1]), batch_size=4)])
+                results[f"{case}: warned"] = any("read different prediction batches" in str(w.message) for w in caught)
             elif case.startswith("several streams"):  # a second loader after the first, of these batches per rank
                 second = {"several streams predict": [1, 1, 2, 2], "several streams: a replica without the second": [2, 2, 0, 0]}
                 got = getattr(trainer, fn)(model, [batches(counts, stream=True), batches(second.get(case, [2, 2, 2, 2]), stream=True)])
@@ -1591,6 +1601,11 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert len(set(limited)) == 1 and limited[0] == pytest.approx(tested[0], rel=1e-6), (limited, tested)
     sanity = [r["streams at the sanity check"] for r in ranks]
     assert len(set(sanity)) == 1 and math.isfinite(sanity[0]), sanity
+    # Replica 1 lacks the first loader, so only its own stages compare their first batches (replica 0 meets it in no
+    # collective): its stage 0 warns of the floats that differ, which rank 0's rank_zero_warn alone never knew of.
+    floats = "floats differ on a replica without the first loader"
+    assert [r[floats] for r in ranks] == [[[(4, 4)], [(4, 4)] * 2]] * 2 + [[[], [(4, 4)] * 2]] * 2
+    assert [r[f"{floats}: warned"] for r in ranks] == [False, False, True, False]
     several = [r["several streams"] for r in ranks]
     assert all(s == several[0] for s in several) and [list(s) for s in several[0]] == [["val_loss/dataloader_idx_0"], ["val_loss/dataloader_idx_1"]], several
     assert all(math.isfinite(v) for s in several[0] for v in s.values()), several
