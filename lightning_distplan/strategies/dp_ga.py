@@ -547,6 +547,7 @@ class Rechunking:
         ``refusal``: the caller's of this rank's loader (one loaded again with another batch size than the fit's first,
         maybe on this rank alone), raised on every rank at the set-up agreement this ends in
         (:func:`_agree_on_train_loader`): raised before it, the other ranks waited there until this rank's process ended.
+        So is an error reading the loader's length here (its ``__len__`` raising on this rank alone).
         The loader is wrapped as on the other ranks first, so this rank makes the same collectives on the way (a
         pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made).
         """
@@ -568,11 +569,6 @@ class Rechunking:
             if resuming:
                 self._convert_resumed_progress(trainer, loader_batch)
             return dataloader
-        if cls is None and loader_batch is not None:
-            _warn_batchnorm(trainer, m, loader_batch)
-        limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
-        n = sized_len(dataloader)
-        self._user_epoch = n if n is None or limit is None else min(n, limit)
         agree = first = None
         # several replicas whose data may differ (no DistributedSampler): their loaders agree (a pipeline's, see
         # _FullBatchLoader, on the epoch's steps; the stages of one replica read the same batches)
@@ -580,9 +576,21 @@ class Rechunking:
             agree = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
         elif trainer.world_size > replica_share and cls is None:  # as many batches on every rank: only the first is agreed on
             first = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
-        loader_cls = cls or _MicroBatchLoader
-        self._loader = loader_cls(dataloader, m, weight=weight, limit_batches=limit, agree=agree,
-                                  **({} if first is None else {"agree_first": first}))
+        micro_batches = functools.partial(cls or _MicroBatchLoader, dataloader, m, weight=weight, agree=agree,
+                                          **({} if first is None else {"agree_first": first}))
+        if cls is None and loader_batch is not None:
+            _warn_batchnorm(trainer, m, loader_batch)
+        try:  # maybe on this rank alone, before any agreement: raised here, the other ranks waited in it until this one ended
+            limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
+            n = sized_len(dataloader)  # a __len__ raising other than TypeError / NotImplementedError (this rank's data)
+        except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
+            # wrapped as on the other ranks (the same collectives on the way), then raised on every rank at the set-up
+            # agreement: here as it was raised, there as _told_elsewhere says
+            self._loader = micro_batches()
+            _tell_every_rank(functools.partial(self._agree_or_keep, kept, trainer, self._loader, failure, layout=(loader_batch, m)), failure)
+            raise
+        self._user_epoch = n if n is None or limit is None else min(n, limit)
+        self._loader = micro_batches(limit_batches=limit)
         self._loader.ended = self._end_steered_step
         # maybe on this rank only (a batch sampler's own filter or shard, also over a DistributedSampler)
         if refusal is None and loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None \
@@ -1073,18 +1081,27 @@ def _agree_on_train_loader(
     :class:`_MicroBatchLoader`) while another cut its own (one per batch) and accumulated other numbers of micro-batches
     per step: their collectives did not meet (the fit hung, or gloo failed on all-reduces of other sizes). Refused on
     every rank where one re-chunks and the ranks' sizes differ (run as they are, they train as under DDP). One
-    all-reduce of eight integers per loader set up (:func:`raise_on_every_rank`), none on one rank."""
+    all-reduce of eight integers per loader set up (:func:`raise_on_every_rank`), none on one rank.
+
+    ``loader``'s ``__len__`` raising (other than the TypeError / NotImplementedError of no length: an unreadable index
+    file of this rank's) is carried as a refusal: raised here as it was raised, on the other ranks as
+    :func:`_told_elsewhere` says (read before the collective, it stopped this rank alone and the others waited in it)."""
     if trainer.world_size < 2:  # the trainer's ranks agree, not a wider default group's (no collective for one)
         if refusal is not None:
             raise refusal
         return
+    try:  # (none read where this rank refuses: the refusal is raised whatever the others' lengths)
+        skipped = None if refusal is not None else sized_len(loader) is None
+    except Exception as failure:  # a __len__ raising on this rank alone (its own data): the others waited in the agreement
+        _tell_every_rank(functools.partial(_agree_on_train_loader, trainer, loader, failure, layout=layout), failure)
+        raise
     loader_batch, m = layout
     batch, micro = -1 if loader_batch is None else loader_batch, -1 if m is None else m
     rechunks = m is not None and loader_batch != m
     # MIN of each, and of its negation (the MAX)
     agreed = raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
-                                 skipped=sized_len(loader) is None, mixed=lambda rank: lengths_beside_streams("train", [rank]),
-                                 also=(batch, -batch, micro, -micro, -rechunks))
+                                 skipped=skipped, mixed=lambda rank: lengths_beside_streams("train", [rank]),
+                                 also=(batch, -batch, micro, -micro, -rechunks), sent=_told_elsewhere)
     smallest, largest, fewest, most, rechunked = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4] < 0
     if rechunked and (largest != smallest or most != fewest):
         sizes = f"{smallest}" if smallest == largest else f"from {smallest} to {largest}" if smallest >= 0 else \

@@ -1558,6 +1558,21 @@ def _stream_on_rank_1(x: torch.Tensor) -> Any:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
 
+class _LengthFailsOnRank1(torch.utils.data.SequentialSampler):
+    """A sampler whose ``__len__`` raises OSError where rank 1 calls it (its index file unreadable there alone)."""
+
+    def __len__(self) -> int:
+        if torch.distributed.get_rank() == 1:
+            raise OSError("no index file for rank 1")
+        return super().__len__()
+
+
+def _unsized_on_rank_1(x: torch.Tensor) -> Any:
+    """Loader batches of 8 of ``x`` from :class:`_LengthFailsOnRank1`: rank 1's len(loader) raises OSError."""
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(data, batch_size=8, sampler=_LengthFailsOnRank1(data))
+
+
 def _refused_on_one_rank(world_size: int) -> list[Any]:
     """(error type, message, notes, optimizer steps, weights unchanged, where its traceback ends) of dp_ga's fits over
     :func:`_uncounted_loader` (m=20), :func:`_uncut_on_rank_1` (m=4), :func:`_varying_loader` of :data:`OVERSIZED` (m=20)
@@ -1566,13 +1581,14 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
     last last: without an agreement rank 1 went on alone); then :func:`_stream_on_rank_1` as it is (m=8) and cut (m=4),
     and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung, and :func:`_uncut_on_rank_1` over
     a DistributedSampler (m=4), whose rank 0 went on alone (last: a hang cannot disturb the other cases); then
-    :func:`_unopened_on_rank_1` (m=4), whose iter(loader) raises on rank 1 (appended: the others keep their places)."""
+    :func:`_unopened_on_rank_1` (m=4), whose iter(loader) raises on rank 1, and :func:`_unsized_on_rank_1`, whose
+    len(loader) raises on rank 1, cut (m=4) and as it is (m=8) (appended: the others keep their places)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
     for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_missing_on_rank_1, 4), (_filtered_on_rank_1, 2),
                       (_stream_on_rank_1, 8), (_stream_on_rank_1, 4), (functools.partial(_batch_size_by_rank, sizes=(4, 8)), 4),
                       (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8), (functools.partial(_uncut_on_rank_1, distributed=True), 4),
-                      (_unopened_on_rank_1, 4)):
+                      (_unopened_on_rank_1, 4), (_unsized_on_rank_1, 4), (_unsized_on_rank_1, 8)):
         model = _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
@@ -1732,7 +1748,18 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 11
+    assert len(results[0][3]) == len(results[1][3]) == 13
+    # rank 1's len(loader) raising OSError (not the TypeError / NotImplementedError of no length) as the loader is set up,
+    # cut (m=4) and as it is (m=8, read only for the set-up agreement): rank 1 raised it alone there and rank 0 waited in
+    # that agreement (gloo's "Connection closed by peer" once rank 1's process ended); now the agreement carries it: rank
+    # 1 raises its own, its traceback still ending in the sampler's __len__, and rank 0 a RuntimeError naming it and
+    # rank 1, before any step
+    told = ("Global rank 1 raised OSError (no index file for rank 1) reading its train loader, so every rank stops. "
+            "HINT: See global rank 1's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
+    for _ in range(2):
+        unsized = (results[0][3].pop(), results[1][3].pop())
+        assert [r[:5] for r in unsized] == [(RuntimeError, told, note, 0, True), (OSError, "no index file for rank 1", None, 0, True)], unsized
+        assert unsized[1][5][-1] == "__len__" and not {"raise_on_every_rank", "_tell_every_rank"} & set(unsized[1][5]), unsized
     # rank 1's batch sampler raising as the loader's iterator is made (iter(loader), outside the carried pull of a batch):
     # rank 1 raised it alone and rank 0 waited at the epoch's first agreement (gloo's "Connection closed by peer" once
     # rank 1's process ended); now the first pull raises it, which that agreement carries: rank 1 raises its own, its
