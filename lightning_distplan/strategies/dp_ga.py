@@ -547,7 +547,8 @@ class Rechunking:
         ``refusal``: the caller's of this rank's loader (one loaded again with another batch size than the fit's first,
         maybe on this rank alone), raised on every rank at the set-up agreement this ends in
         (:func:`_agree_on_train_loader`): raised before it, the other ranks waited there until this rank's process ended.
-        So is an error reading the loader's length here (its ``__len__`` raising on this rank alone).
+        So is an error reading the loader's length here (its ``__len__`` raising on this rank alone), and the BatchNorm
+        warning made an error by a warnings filter (``-W error``; warned on rank 0 alone, as Lightning's warnings are).
         The loader is wrapped as on the other ranks first, so this rank makes the same collectives on the way (a
         pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made).
         """
@@ -578,9 +579,9 @@ class Rechunking:
             first = functools.partial(_agreed_batch_sizes, trainer.strategy.root_device)
         micro_batches = functools.partial(cls or _MicroBatchLoader, dataloader, m, weight=weight, agree=agree,
                                           **({} if first is None else {"agree_first": first}))
-        if cls is None and loader_batch is not None:
-            _warn_batchnorm(trainer, m, loader_batch)
         try:  # maybe on this rank alone, before any agreement: raised here, the other ranks waited in it until this one ended
+            if cls is None and loader_batch is not None:
+                _warn_batchnorm(trainer, m, loader_batch)  # rank 0's alone: an error there under a warnings filter (-W error)
             limit, interval = _in_loader_batches(trainer, dataloader, replica_share)
             n = sized_len(dataloader)  # a __len__ raising other than TypeError / NotImplementedError (this rank's data)
         except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
@@ -1640,6 +1641,12 @@ def _told_elsewhere(failure: Exception, rank: int) -> Exception:
     would look like one of their own data, with a traceback through this package's code, not where it was raised."""
     if isinstance(failure, DistPlanError):
         return failure
+    if isinstance(failure, Warning):  # rank 0's warning (rank_zero_warn) that a warnings filter made an error there alone
+        return RuntimeError(
+            f"Global rank {rank} raised the warning {type(failure).__name__} ({first_line(failure)}) as an error (a warnings "
+            "filter such as -W error), so every rank stops. HINT: Act on that warning, or exempt its message from the filter "
+            "(warnings.filterwarnings('default', message=...)) to run on."
+        )
     return RuntimeError(
         f"Global rank {rank} raised {type(failure).__name__} ({first_line(failure)}) reading its train loader, "
         f"so every rank stops. HINT: See global rank {rank}'s traceback for where it was raised (its Dataset, sampler, collate_fn or __len__)."

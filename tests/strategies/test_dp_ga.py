@@ -9,6 +9,7 @@ import os
 import re
 import time
 import traceback
+import warnings
 from typing import Any
 
 import lightning as L
@@ -1582,18 +1583,22 @@ def _refused_on_one_rank(world_size: int) -> list[Any]:
     and :func:`_batch_size_by_rank` of 4 and 8 (m=4) and of 8 and 12 (m=8), which hung, and :func:`_uncut_on_rank_1` over
     a DistributedSampler (m=4), whose rank 0 went on alone (last: a hang cannot disturb the other cases); then
     :func:`_unopened_on_rank_1` (m=4), whose iter(loader) raises on rank 1, and :func:`_unsized_on_rank_1`, whose
-    len(loader) raises on rank 1, cut (m=4) and as it is (m=8) (appended: the others keep their places)."""
+    len(loader) raises on rank 1, cut (m=4) and as it is (m=8); last, :class:`_ScheduledOverBatchNorm` over batches of 8
+    (m=4) where a warnings filter makes dp_ga's warning on its BatchNorm (rank 0's alone) an error (appended: the others
+    keep their places)."""
     errors = []
     oversized = functools.partial(_varying_loader, sizes=OVERSIZED)
+    batch_norm = functools.partial(_ScheduledOverBatchNorm, functools.partial(_batch_size_by_rank, sizes=(8, 8)))
     for loader, m in ((_uncounted_loader, 20), (_uncut_on_rank_1, 4), (oversized, 20), (_missing_on_rank_1, 4), (_filtered_on_rank_1, 2),
                       (_stream_on_rank_1, 8), (_stream_on_rank_1, 4), (functools.partial(_batch_size_by_rank, sizes=(4, 8)), 4),
                       (functools.partial(_batch_size_by_rank, sizes=(8, 12)), 8), (functools.partial(_uncut_on_rank_1, distributed=True), 4),
-                      (_unopened_on_rank_1, 4), (_unsized_on_rank_1, 4), (_unsized_on_rank_1, 8)):
-        model = _ScheduledOver(loader)
+                      (_unopened_on_rank_1, 4), (_unsized_on_rank_1, 4), (_unsized_on_rank_1, 8), (batch_norm, 4)):
+        model = loader() if loader is batch_norm else _ScheduledOver(loader)
         before = cpu_state(model)
         trainer = L.Trainer(**trainer_kwargs(strategy=DPGAStrategy(micro_batch_size=m), devices=world_size, max_epochs=1, limit_val_batches=0,
                                              use_distributed_sampler=False))
-        with pytest.raises(Exception) as error:  # noqa: PT011  # the test compares what each rank raised
+        with pytest.raises(Exception) as error, warnings.catch_warnings():  # noqa: PT011  # the test compares what each rank raised
+            warnings.filterwarnings("error", message="dp_ga: the model's BatchNorm layers")
             trainer.fit(model)
         unchanged = all(torch.equal(a, b) for a, b in zip(cpu_state(model).values(), before.values()))
         errors.append((type(error.value), str(error.value), getattr(error.value, "__notes__", None), trainer.global_step, unchanged,
@@ -1748,7 +1753,18 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     assert (trained, other[3]) == ([20, 20, 20, 20, 20, 20, 10] * 2, [20, 20, 20, 10, 11, 20, 10] * 2)
     torch.testing.assert_close(other[4], state, rtol=0, atol=0)
     note = ["Raised on global rank 1 reading its train loader; global rank 0 stops with it."]
-    assert len(results[0][3]) == len(results[1][3]) == 13
+    assert len(results[0][3]) == len(results[1][3]) == 14
+    # dp_ga's BatchNorm warning (rank 0's alone, as the loader is set up) made an error by a warnings filter: rank 0
+    # raised it alone there, and rank 1 waited in the set-up agreement (gloo's "Connection closed by peer" once rank 0's
+    # process ended); now the agreement carries it: rank 0 raises its UserWarning, rank 1 a RuntimeError naming it and rank 0
+    warned = (results[0][3].pop(), results[1][3].pop())
+    told = ("Global rank 0 raised the warning UserWarning (dp_ga: the model's BatchNorm layers ('norm') normalise over each "
+            "micro-batch of 4 samples, not your loader batch of 8, so the weights and running statistics differ from DDP's. "
+            "Pass micro_batch_size=8 to keep DDP's statistics (if it fits in memory), or accept per-micro-batch statistics.) "
+            "as an error (a warnings filter such as -W error), so every rank stops. HINT: ")
+    assert [r[0] for r in warned] == [UserWarning, RuntimeError] and warned[1][1].startswith(told), warned
+    assert [r[2:5] for r in warned] == [(None, 0, True), (["Raised on global rank 0 reading its train loader; global rank 1 stops with it."], 0, True)], warned
+    assert "_warn_batchnorm" in warned[0][5] and not {"raise_on_every_rank", "_tell_every_rank"} & set(warned[0][5]), warned
     # rank 1's len(loader) raising OSError (not the TypeError / NotImplementedError of no length) as the loader is set up,
     # cut (m=4) and as it is (m=8, read only for the set-up agreement): rank 1 raised it alone there and rank 0 waited in
     # that agreement (gloo's "Connection closed by peer" once rank 1's process ended); now the agreement carries it: rank
