@@ -836,6 +836,50 @@ def test_a_step_scheduler_with_a_frequency_steps_where_ddp_steps_it(frequency: i
         assert lrs == runs["ddp"][3:], key
 
 
+class _WarmedUp(_Regression):
+    """A batch-size warm-up: 48 samples in loader batches of 4 in epoch 0 and of 8 from epoch 1 on (a loader of each
+    epoch's own, reload_dataloaders_every_n_epochs=1); trainer.estimated_stepping_batches read in configure_optimizers,
+    so a resumed fit loads its first loader before Lightning restores the loops (current_epoch 0 then: batches of 4)."""
+
+    def configure_optimizers(self) -> Any:
+        self.total = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
+
+    def train_dataloader(self) -> Any:
+        x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+        batch_size = 4 if self.current_epoch == 0 else 8
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=batch_size)
+
+
+def test_a_resumed_fit_with_a_batch_size_warm_up_runs_as_ddp(tmp_path: Any, single_process_group: None) -> None:
+    """A fit whose loader's batch size grows after epoch 0 (:class:`_WarmedUp`), resumed from a checkpoint in the middle
+    of epoch 0 (step 6 of 12 + 6 + 6) and of epoch 1 (step 15): its first loader is loaded before the loops are restored,
+    with epoch 0's batches of 4, and set up again at the resumed epoch (in epoch 0 by Rechunking.reload_resumed, in epoch
+    1 by Lightning's reload, with batches of 8), where the checkpoint's progress is converted. dp_ga, cutting it into
+    micro-batches of 2 or running it as it is, is not refused and trains what DDP trains after the resume (the rest of
+    the resumed epoch, as Lightning replays a mid-epoch resume, then whole epochs): 24 steps, the same weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    settings = dict(devices=1, reload_dataloaders_every_n_epochs=1, limit_val_batches=0)
+    for at, trained in ((6, {0: 24, 1: 48, 2: 48}), (15, {1: 24, 2: 48})):
+        runs = {}
+        for name, make in (("ddp", lambda: "ddp"), ("cut", lambda: DPGAStrategy(micro_batch_size=2)), ("as_is", DPGAStrategy)):
+            saves = ModelCheckpoint(dirpath=tmp_path / f"{name}{at}", filename="s", every_n_train_steps=at)
+            L.Trainer(**trainer_kwargs(strategy=make(), max_steps=at, enable_checkpointing=True, callbacks=[saves], **settings)).fit(_WarmedUp())
+            model = _WarmedUp()
+            trainer = L.Trainer(**trainer_kwargs(strategy=make(), max_epochs=3, **settings))
+            trainer.fit(model, ckpt_path=str(tmp_path / f"{name}{at}" / "s.ckpt"))
+            per_epoch = {epoch: sum(n for e, n in model.trained if e == epoch) for epoch, _ in model.trained}
+            runs[name] = (model.total, trainer.global_step, per_epoch, {n for _, n in model.trained[-1:]}, cpu_state(model))
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        # (estimated_stepping_batches 36: 3 epochs of epoch 0's 12 batches of 4, the loader loaded before the loops were restored)
+        assert runs["ddp"][:4] == (36, 24, trained, {8}), (at, runs["ddp"][:4])
+        assert runs["cut"][:4] == (36, 24, trained, {2}) and runs["as_is"][:4] == runs["ddp"][:4], (at, runs["cut"][:4], runs["as_is"][:4])
+        for name in ("cut", "as_is"):
+            torch.testing.assert_close(runs[name][4], runs["ddp"][4], rtol=1e-5, atol=1e-6)
+
+
 def test_a_loader_of_one_step_per_batch_loaded_before_the_loops_were_restored_is_set_up_again(tmp_path: Any) -> None:
     """A pipeline plan whose replica takes one of the user's loader batches per step (global_batch_size = dp x loader batch)
     is handed that loader as it is, yet a step is 1/pp of the user's batch (the data is sharded over replicas, not ranks),
