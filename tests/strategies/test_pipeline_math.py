@@ -1100,6 +1100,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends.
     ``unsized sampler`` and ``unsized``: rank 3's sampler's ``__len__`` (read as the pipeline's loader counts the epoch's
     samples), and its DataLoader's (read as an unpinned auto_plan plans: samples_spread), raise ValueError: the same.
+    ``unsized loader``: rank 3's DataLoader's ``__len__`` under the pinned plan, first read as the loader is set up
+    (Rechunking.wrap, before the pipeline's loader agrees on the epoch's steps): the same.
 
     ``doubled``: every rank 16 samples of its own, rank 3's collate_fn making two rows of each (32 rows): its
     replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
@@ -1200,6 +1202,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                            "max_steps": -1, "max_epochs": 1})
     loader = (_UnsizedOnThisRank if rank == 3 else DataLoader)(full, batch_size=4)
     results["unsized"] = {"raised": error_of(lambda: trainer.fit(TinyMLP(), loader))}
+    # ... and where the pinned plan's set-up reads it (Rechunking.wrap), before the pipeline's loader is made there
+    fit_own_data("unsized loader", (_UnsizedOnThisRank if rank == 3 else DataLoader)(full, batch_size=4))
     dist.destroy_process_group()
     return results
 
@@ -1518,21 +1522,22 @@ def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_ever
     assert frames[-1] == "__getitem__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
 
 
-@pytest.mark.parametrize("kind", ["unsized sampler", "unsized"])
+@pytest.mark.parametrize("kind", ["unsized sampler", "unsized", "unsized loader"])
 def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch, kind: str) -> None:
     """Rank 3's train loader alone raises ValueError where its length is read (see
     _replicas_of_unequal_data_under_auto_plan): its sampler's, as the pipeline's loader counts the epoch's samples the
     ranks agree on (_FullBatchLoader), and its own, as planning reads the ranks' samples per epoch (samples_spread, one
     all-reduce). Only a TypeError (not sized) was caught there, so rank 3 raised alone before the all-reduce the others
     waited in. Now it rides that all-reduce: rank 3 raises its own ValueError, its traceback ending in the __len__, and
-    the others one RuntimeError naming it and rank 3."""
+    the others one RuntimeError naming it and rank 3. So does its own under a pinned plan, first read as the loader is
+    set up (Rechunking.wrap): rank 3 makes the pipeline's loader there as the others do, whose agreement carries it."""
     unsized = [r["unequal"][kind] for r in _launch[2]]
     told = ("Global rank 3 raised ValueError (no shard index on this rank) reading its train loader, so every rank stops. "
             "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
     assert [u["raised"] for u in unsized] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
                                                                       "stops with it."]) for r in range(3)] + [
         ("ValueError", "no shard index on this rank", [])], [u["raised"] for u in unsized]
-    if kind == "unsized sampler":
+    if kind != "unsized":
         frames = unsized[3]["raised at"]
         assert frames[-1] == "__len__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
         assert [u["steps"] for u in unsized] == [[]] * 4
