@@ -1322,14 +1322,18 @@ class _ShardOfStream(torch.utils.data.IterableDataset):
 
 def _fit_ddp_and_dp_ga(loader: Any, devices: int, accumulate: int, m: int, model_class: Any = None) -> dict[str, tuple[Any, ...]]:
     """DDP and dp_ga (micro-batches of ``m``) over ``loader`` for 2 epochs: (estimated_stepping_batches, optimizer steps,
-    learning rate at each step, weights) of each. ``model_class``: :class:`_ScheduledOver` (default) or a subclass."""
+    learning rate at each step, weights, accumulate_grad_batches after the fit, dp_ga's BatchNorm warnings on this rank)
+    of each. ``model_class``: :class:`_ScheduledOver` (default) or a subclass."""
     runs = {}
     for name, strategy in (("ddp", "ddp"), ("dp_ga", DPGAStrategy(micro_batch_size=m))):
         model = (model_class or _ScheduledOver)(loader)
         trainer = L.Trainer(**trainer_kwargs(strategy=strategy, devices=devices, max_epochs=2, limit_val_batches=0,
                                              accumulate_grad_batches=accumulate))
-        trainer.fit(model)
-        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model), trainer.accumulate_grad_batches)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model)
+        said = sum("dp_ga: the model's BatchNorm layers" in str(w.message) for w in caught)
+        runs[name] = (model.total, trainer.global_step, model.lrs, cpu_state(model), trainer.accumulate_grad_batches, said)
         if devices == 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return runs
@@ -1790,6 +1794,10 @@ def test_a_rank_sharded_iterable_dataset_with_a_global_length_steps_as_ddp_on_2_
     for steps, ranks in zip((6, 4, 4, 2, 4), zip(*(runs for runs, *_ in results))):
         for runs in ranks:
             _assert_as_ddp(runs, steps)
+    # dp_ga's BatchNorm warning (micro-batches of 10 of loader batches of 40), with no warnings filter making it an error:
+    # said once, on rank 0 alone, as the loader is set up (its move into the set-up agreement's try changed nothing here)
+    assert [results[rank][0][4]["dp_ga"][5] for rank in (0, 1)] == [1, 0], [results[rank][0][4]["dp_ga"][5] for rank in (0, 1)]
+    assert not any(runs["ddp"][5] or runs["dp_ga"][5] for result in results for runs in result[0][:4])
     assert ["this rank's ended after 1)" in results[0][1], "this rank's yielded more than 1)" in results[1][1]] == [True, True], results
     assert all(" HINT: " in error for _, error, *_ in results)
     (total, steps, lrs, trained, state), other = results[0][2], results[1][2]
