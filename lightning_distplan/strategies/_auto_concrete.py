@@ -229,12 +229,20 @@ class _FullBatchLoader(_MicroBatchLoader):
     agreed on), the rest of its epoch is skipped whatever its rows (said as the spread, in samples), and reading it
     before the last step read and discarded the rest of its epoch (16 samples per rank beside 100,000: 99,984 of them,
     each epoch, also moving a stateful loader's ``state_dict`` in a checkpoint of that step to the epoch's end).
+
+    ``steps_done`` (set by the strategy): the epoch's steps Lightning counts as trained when a pass starts, nonzero in a
+    fit resumed mid-epoch, where Lightning pulls only the rest of ``__len__``. A pass counts its steps from there, so
+    the last counted step is the epoch's: counted from 0, the pass never reached it, so no read-ahead ran, and a
+    stateful loader resumed in place (its rows two of each sample) trained one step of the rest and ended the fit
+    without a word, where the fit run through refused them. (A loader that replays from its start reads the rest of
+    the epoch once at that step.)
     """
 
     shortfall: int | None = None
+    steps_done: Callable[[], int] | None = None
     _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step alone)
     _spread: tuple[int, int] | None = None  # the fewest and most samples per epoch of the ranks' loaders, where they differ
-    _OWN = _MicroBatchLoader._OWN | {"shortfall", "_steps", "_spread"}  # its own attributes, not the wrapped loader's
+    _OWN = _MicroBatchLoader._OWN | {"shortfall", "steps_done", "_steps", "_spread"}  # its own attributes, not the wrapped loader's
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -273,14 +281,16 @@ class _FullBatchLoader(_MicroBatchLoader):
         # several replicas of their own data agree before every step: whether every rank has a full one (no count agreed,
         # or a stream's, whose length may overstate what it yields), and whether one could not read its batch
         each_step = self.agree
-        dropped = steps = 0
+        dropped = 0
+        # the epoch's steps so far: a resumed epoch's pass starts where its checkpoint was saved (Lightning pulls the rest)
+        steps = 0 if self.steps_done is None else self.steps_done()
         room = self._counted_room(limit, None)
         counted = agreed if agreed is not None or room is None else room[0] // m  # the steps Lightning pulls (__len__)
         # read ahead only where this rank's own samples end the epoch at the counted steps: on a rank with more (the
         # fewest set the agreed steps) the rest is skipped anyway, said as the spread, and reading it cost its epoch
         ahead = counted if room is not None and counted is not None and room[0] // m == counted else None
         micro_batches = (batch for batch, _ in _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps")))
-        while steps != agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
+        while agreed is None or steps < agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
             try:
                 batch = next(micro_batches, None)
                 n = 0 if batch is None else _batch_n(batch)
@@ -420,6 +430,8 @@ class _AutoPipelineStrategy(PipelineStrategy):
             self._count_scheduler_frequencies_in_steps(int(per_step))
         if isinstance(wrapped, _FullBatchLoader):
             wrapped.shortfall = loader_shortfall(dataloader, plan, sharded=True)
+            # read as each pass starts (a fit resumed mid-epoch has trained some of its steps)
+            wrapped.steps_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return wrapped
 
     @override

@@ -1077,6 +1077,38 @@ def _two_rows_per_sample(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tu
     return torch.cat([x, x]), torch.cat([y, y])
 
 
+class _InPlaceLoader(DataLoader):
+    """A stateful loader (Lightning saves its state_dict in checkpoints) that resumes after the batches it had yielded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.yielded, self.skip = 0, 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip, self.yielded = self.skip, 0, self.skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["yielded"]
+
+
+class _RowsSeen(TinyMLP):
+    """TinyMLP recording each step's batch as this rank reads it: the first feature of each row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[float]] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.rows.append(batch[0][:, 0].tolist())
+
+
 def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -> dict[str, Any]:
     """auto_plan's pipeline, dp=2 x pp=2, where each rank reads data of its own (use_distributed_sampler=False):
     replica 0's ranks 14 samples, replica 1's 16, in loader batches of 4 (4 batches each, as DDP needs), from a dataset
@@ -1106,6 +1138,11 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     ``doubled``: every rank 16 samples of its own, rank 3's collate_fn making two rows of each (32 rows): its
     replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
     what each rank raised.
+
+    ``resumed``: every rank 20 samples of its own in an in-place stateful loader (_InPlaceLoader), fit for 1 step with a
+    checkpoint there, then resumed from it for the rest of the epoch (``rows``: the batch each rank then trained), and
+    ``resumed doubled``: the same checkpoint resumed with rank 3's collate_fn making two rows of each sample: what each
+    rank raised, and the steps trained.
 
     ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on each rank's own samples, 16 on replica 0's
     ranks and 14 on replica 1's, in batches of 4: the plan chosen, and what planning said of skipped samples (rank 0's
@@ -1190,6 +1227,24 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     # closing as it left), not the checks after it
     full = mlp_data(16, seed=rank // 2)
     fit_own_data("doubled", DataLoader(full, batch_size=4, **({"collate_fn": _two_rows_per_sample} if rank == 3 else {})))
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def pipeline() -> AutoPlanStrategy:
+        return AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
+                                timeout=datetime.timedelta(seconds=120))
+
+    twenty, saved = mlp_data(20, seed=rank // 2), os.path.join(out, "resume")
+    at_step = ModelCheckpoint(dirpath=saved, filename="step", every_n_train_steps=1)
+    trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(), saved, callbacks=[at_step], use_distributed_sampler=False),
+                           "max_steps": 1, "enable_checkpointing": True})
+    trainer.fit(TinyMLP(), _InPlaceLoader(twenty, batch_size=4))
+    for kind, collate in (("resumed", {}), ("resumed doubled", {"collate_fn": _two_rows_per_sample} if rank == 3 else {})):
+        model = _RowsSeen()
+        trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(), os.path.join(out, kind), use_distributed_sampler=False),
+                               "max_steps": -1, "max_epochs": 1})
+        raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=4, **collate), ckpt_path=os.path.join(saved, "step.ckpt")))
+        results[kind] = {"raised": raised, "rows": model.rows, "steps": trainer.global_step,
+                         "expected": twenty.tensors[0][8:16, 0].tolist()}
     fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
                                        batch_size=4))
     fit_own_data("failed", DataLoader(_MissingSamples(full, 8 if rank == 3 else 16), batch_size=4))
@@ -1491,6 +1546,28 @@ def test_rows_beyond_the_samples_counted_under_auto_plans_pipeline_are_refused_o
                                                                                  f"global rank {r} stops with it."]) for r in range(3)] + [
         ("InfeasiblePlanError", sentence, [])], doubled
     assert [d["steps"] for d in doubled] == [[]] * 4
+
+
+def test_a_fit_resumed_mid_epoch_from_a_stateful_loader_trains_the_epochs_rest_and_refuses_rows_beyond_its_samples(_launch) -> None:
+    """A fit resumed mid-epoch (its checkpoint after the first of 2 steps) with an in-place stateful loader of 20
+    samples per rank (see _replicas_of_unequal_data_under_auto_plan): every rank trains its samples 8-15, the epoch's
+    second step, as the fit run through does. With rank 3's collate_fn making two rows of each sample, the resumed pass
+    counted its steps from 0, never reached the epoch's last counted one, so read nothing ahead: every rank trained one
+    step of 8 rows and the fit ended without a word (rank 3 skipped 24 rows of its 12 samples left, which the fit run
+    through refuses). It is refused now, on every rank, at that step."""
+    resumed = [r["unequal"]["resumed"] for r in _launch[2]]
+    assert [(r["raised"], r["steps"]) for r in resumed] == [(None, 2)] * 4, resumed
+    assert all(r["rows"] == [r["expected"]] for r in resumed), resumed
+    doubled = [r["unequal"]["resumed doubled"] for r in _launch[2]]
+    # (its batches from where the checkpoint's state resumes it: the 3 after the 2 trained)
+    sentence = ("The train loader's first 3 batches of the epoch hold 24 samples, where auto_plan's pipeline counts the epoch's 5 "
+                "batches as the 20 samples its sampler holds (2 pipeline steps of 8), so the epoch would end before its last samples "
+                "(DDP trains them). HINT: Use a collate_fn (and batch sampler) making one row of each of the sampler's samples, "
+                "or strategy='ddp'.")
+    assert [d["raised"] for d in doubled] == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; "
+                                                                                 f"global rank {r} stops with it."]) for r in range(3)] + [
+        ("InfeasiblePlanError", sentence, [])], doubled
+    assert [(d["steps"], d["rows"]) for d in doubled] == [(1, [])] * 4, doubled
 
 
 def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_rank(_launch) -> None:
