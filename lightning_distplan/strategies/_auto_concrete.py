@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DistributedSampler, IterableDataset
+from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
 from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
+from lightning_distplan.profiling._batches import find_batch_size
 from lightning_distplan.strategies._auto_planning import reloaded_loader_error
 from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
@@ -289,6 +290,8 @@ class _FullBatchLoader(_MicroBatchLoader):
         # read ahead only where this rank's own samples end the epoch at the counted steps: on a rank with more (the
         # fewest set the agreed steps) the rest is skipped anyway, said as the spread, and reading it cost its epoch
         ahead = counted if room is not None and counted is not None and room[0] // m == counted else None
+        if ahead is None and agreed is not None and room is not None:  # a replica with more samples than the fewest
+            batches = self._drawn_rows(batches, agreed)
         micro_batches = (batch for batch, _ in _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps")))
         while agreed is None or steps < agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
             try:
@@ -324,6 +327,33 @@ class _FullBatchLoader(_MicroBatchLoader):
                 "dropped", f"auto_plan: the epoch's last {dropped} samples of this replica did not fill a pipeline step of "
                 f"{m} samples and were skipped ({why}, so this could not be said before)."
             )
+
+    def _drawn_rows(self, batches: Iterator[Any], agreed: int) -> Iterator[Any]:
+        """``batches`` of a replica with more samples than the fewest, which stops after the ``agreed`` steps and reads
+        no further (no read-ahead): their rows are held to the samples its batch sampler draws, where it is torch's
+        ``BatchSampler`` (at most ``batch_size`` each). What it skips is counted in the sampler's samples (the spread),
+        so where a ``collate_fn`` made two rows of each, the rows it skipped went unsaid (16 samples, 32 rows, beside
+        14 in steps of 8: said 8 skipped, 24 rows skipped), where a replica of the fewest samples, reading ahead, is
+        refused (:func:`~lightning_distplan.strategies.dp_ga._cut_short`). A batch sampler of its own sizes is not
+        checked (its batch size need not bound its batches)."""
+        sampler = getattr(self._loader, "batch_sampler", None)
+        if type(sampler) is not BatchSampler:
+            yield from batches
+            return
+        draws, m = sampler.batch_size, self.micro_batch_size
+        for batch in batches:
+            try:
+                n = find_batch_size(batch)
+            except Exception:  # (an unreadable batch: refused as it is cut, with its own error)
+                n = None
+            if n is not None and n > draws:
+                raise InfeasiblePlanError(
+                    f"A batch of this replica's train loader holds {n} samples where its batch sampler draws at most {draws}, "
+                    f"and auto_plan's pipeline counts in the sampler's samples what this replica skips beyond the {agreed} "
+                    f"pipeline steps of {m} the replicas' fewest samples fill, so it would skip more than it says (DDP trains them).",
+                    hint="Use a collate_fn (and batch sampler) making one row of each of the sampler's samples, or strategy='ddp'.",
+                )
+            yield batch
 
     def _counted_room(self, limit: int | None, expected: int | None) -> Room | None:
         """The samples :meth:`__len__` counted this pass's steps from, as dp_ga's room

@@ -1137,7 +1137,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
 
     ``doubled``: every rank 16 samples of its own, rank 3's collate_fn making two rows of each (32 rows): its
     replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
-    what each rank raised.
+    what each rank raised. ``doubled larger``: replica 0's ranks 14 samples, replica 1's 16, rank 3's collate_fn making
+    two rows of each (its replica stops after the 1 step the fewest fill, reading no further): what each rank raised.
 
     ``resumed``: every rank 20 samples of its own in an in-place stateful loader (_InPlaceLoader), fit for 1 step with a
     checkpoint there, then resumed from it for the rest of the epoch (``rows``: the batch each rank then trained), and
@@ -1227,6 +1228,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     # closing as it left), not the checks after it
     full = mlp_data(16, seed=rank // 2)
     fit_own_data("doubled", DataLoader(full, batch_size=4, **({"collate_fn": _two_rows_per_sample} if rank == 3 else {})))
+    fit_own_data("doubled larger", DataLoader(mlp_data(14 if rank < 2 else 16, seed=rank // 2), batch_size=4,
+                                              **({"collate_fn": _two_rows_per_sample} if rank == 3 else {})))
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def pipeline() -> AutoPlanStrategy:
@@ -1568,6 +1571,24 @@ def test_a_fit_resumed_mid_epoch_from_a_stateful_loader_trains_the_epochs_rest_a
                                                                                  f"global rank {r} stops with it."]) for r in range(3)] + [
         ("InfeasiblePlanError", sentence, [])], doubled
     assert [(d["steps"], d["rows"]) for d in doubled] == [(1, [])] * 4, doubled
+
+
+def test_rows_beyond_the_samples_of_a_replica_with_more_than_the_fewest_are_refused_on_every_rank(_launch) -> None:
+    """Replica 0's ranks 14 samples, replica 1's 16, rank 3's collate_fn making two rows of each (see
+    _replicas_of_unequal_data_under_auto_plan): its replica stops after the 1 step of 8 the fewest fill, and reads no
+    further (dad6d98), so the rows of its first batch, 8 of 4 samples, went unchecked: it trained 8 of its 32 rows and
+    the spread said 8 samples skipped (it skipped 24 rows, 12 of its samples), where a replica of the fewest samples or
+    replicas of equal samples with that collate_fn are refused. Refused now on every rank, at its first batch, before
+    any step."""
+    raised = [r["unequal"]["doubled larger"] for r in _launch[2]]
+    sentence = ("A batch of this replica's train loader holds 8 samples where its batch sampler draws at most 4, and auto_plan's pipeline "
+                "counts in the sampler's samples what this replica skips beyond the 1 pipeline steps of 8 the replicas' fewest samples "
+                "fill, so it would skip more than it says (DDP trains them). HINT: Use a collate_fn (and batch sampler) making one row "
+                "of each of the sampler's samples, or strategy='ddp'.")
+    assert [d["raised"] for d in raised] == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; "
+                                                                                f"global rank {r} stops with it."]) for r in range(3)] + [
+        ("InfeasiblePlanError", sentence, [])], raised
+    assert [d["steps"] for d in raised] == [[]] * 4
 
 
 def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_rank(_launch) -> None:
