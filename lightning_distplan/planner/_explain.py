@@ -162,7 +162,8 @@ def why_winner(candidates: Sequence[Candidate]) -> str:
                 else f" Of the plans that train every sample, it {_behind(win, whole, 'the fastest of them')}")
         return (
             f"Why the winner wins: {win.plan.describe()} trains every sample of the epoch, while the fastest plan "
-            f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){like} would skip the epoch's "
+            f"({fastest.plan.describe()}, predicted {_pct(1 - fastest.objective / win.objective)} faster){like} would skip "
+            f"{'up to ' if fastest.skipped_samples_differ else ''}the epoch's "
             f"last {n} sample{'s' if n > 1 else ''} per replica{rest}, which a run of your loader trains.{also}"
         )
     if comparable(fastest.objective) < comparable(win.objective):

@@ -40,6 +40,9 @@ class Candidate:
     ``m·n`` samples that the epoch's last ones do not fill), which a run of the loader as it is trains; 0: none, or not
     known. auto_plan sets it where it ranks such a plan behind the plans that train them all (``whole_epochs_first``),
     so that :func:`why_winner` says why a slower plan won."""
+    skipped_samples_differ: bool = False
+    """Whether the replicas skip different numbers of samples (each reading data of its own, of different sizes), so that
+    ``skipped_samples`` is the most any replica skips, said as "up to" it."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON record of ``distplan plan --format json`` (DESIGN §5 field names)."""

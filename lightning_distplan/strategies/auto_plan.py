@@ -529,8 +529,13 @@ def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distr
     """``candidates`` with the feasible pipelines that would skip an epoch's last samples moved behind the other feasible
     plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered. Each feasible
     plan carries the samples it would skip (``Candidate.skipped_samples``, moved or not: why_winner says why a slower
-    plan won). ``distributed_sampler``, ``spread``: as :func:`skipped_samples`."""
-    marked = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler, spread=spread))
+    plan won). ``distributed_sampler``, ``spread``: as :func:`skipped_samples`. Where the replicas' loaders hold different
+    numbers (``spread``), they skip different numbers, the figure their most: said as "up to" it (``skipped_samples_differ``;
+    it said each replica skipped the most, 8 of 16 and 14 samples per rank in steps of 8, where one skips 6)."""
+    # replicas of their own data that hold different numbers of samples skip different numbers: the figure is the most
+    differ = spread is not None and spread[0] != spread[1]
+    marked = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler, spread=spread),
+                                  skipped_samples_differ=differ)
               if c.prediction.feasible else c for c in candidates]
     feasible = [c for c in marked if c.prediction.feasible]
     keep = [c for c in feasible if not c.skipped_samples]
@@ -539,8 +544,8 @@ def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distr
     first = feasible[0]
     n = first.skipped_samples
     rank_zero_info(
-        f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): it would skip the "
-        f"epoch's last {n} sample{'s' if n > 1 else ''} per replica, which your run trains; running "
+        f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): it would skip "
+        f"{'up to ' if first.skipped_samples_differ else ''}the epoch's last {n} sample{'s' if n > 1 else ''} per replica, which your run trains; running "
         f"{keep[0].plan.describe()} (predicted {keep[0].prediction.step_time_s:.4g} s/step). Pin the pipeline to run it anyway."
     )
     kept = {id(c) for c in keep}

@@ -361,6 +361,9 @@ def test_the_samples_plans_would_skip_are_said_of_each_plan_that_skips_them():
                                   "predicted faster would skip 2 to 10 samples, which a run of your loader trains.") in why, why
     assert "last 4 samples per replica, and 1 more plan predicted faster would skip 10 samples, which" in ranked(4, 10)
     assert "last 4 samples per replica, and 1 more plan predicted faster would skip 1 sample, which" in ranked(4, 1)
+    # replicas of their own data, of different sizes, skip different numbers: the figure is the most one skips
+    differ = why_winner([replace(dp, objective=1.0, rank=1), replace(pipes[0], objective=0.5, rank=2, skipped_samples=8, skipped_samples_differ=True)])
+    assert differ.endswith("faster) would skip up to the epoch's last 8 samples per replica, which a run of your loader trains."), differ
 
 
 def test_a_near_tie_gone_to_1f1b_claims_fewer_activations_only_where_it_holds_fewer():

@@ -203,6 +203,7 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
     from lightning_distplan.costmodel import Hardware
     from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
     from lightning_distplan.planner import rank_plans
+    from lightning_distplan.planner import why_winner
     from lightning_distplan.strategies.auto_plan import skipped_samples, whole_epochs_first
 
     profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=256 << 20, activation_bytes_per_sample=1e3,
@@ -224,6 +225,15 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
         whole_epochs_first(ranked, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
     assert len(said) == 1 and "it would skip the epoch's last 1 sample per replica, which your run trains" in said[0], said
+    # the ranks' loaders of their own data (samples_spread): equal ones skip alike; where they differ the figure is the
+    # most any replica skips (55 - 48), which the others do not: "up to" it (it said "the epoch's last 7" of every replica)
+    for spread, skip in (((49, 49), "the epoch's last 1 sample per replica"), ((49, 55), "up to the epoch's last 7 samples per replica")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            moved = whole_epochs_first(ranked, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False, spread=spread)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
+        assert len(said) == 1 and f"it would skip {skip}, which your run trains" in said[0], said
+        assert f"would skip {skip}, " in why_winner(moved), why_winner(moved)
 
     class _Stream(IterableDataset):  # Lightning shards no IterableDataset, whatever use_distributed_sampler says
         def __iter__(self):  # type: ignore[no-untyped-def]
