@@ -19,6 +19,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from lightning.fabric.utilities.data import sized_len
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import BatchSampler, DistributedSampler, IterableDataset
@@ -430,6 +431,37 @@ class _AutoPipelineStrategy(PipelineStrategy):
         if _is_count(user) and user > 0:
             setattr(trainer, f"limit_{prefix}_batches", user * self._auto_plan.pp)
 
+    def _resumed_inside_a_batch(self, trainer: pl.Trainer, dataloader: object, per_replica: int) -> InfeasiblePlanError | None:
+        """The refusal of a fit resumed mid-epoch with a stateful loader (Lightning restores its ``state_dict``) where a
+        step of ``per_replica`` samples is no whole number of its batches, else None. Such a checkpoint stores the
+        loader's state after the batch holding the step's last sample (its rest went to the next step), and the epoch's
+        progress in the user's loader batches, rounded: loader batches of 3 in steps of 8 (dp=1 pp=2), resumed after
+        step 1, trained samples 9-16 and ended the epoch at the short rest, sample 8 and 17-23 never trained (the fit
+        run through trains 8-15 and 16-23), without a word. Raised on every rank at the loader's set-up agreement
+        (:meth:`Rechunking.wrap`'s ``refusal``), before any step. (Conservative: a checkpoint whose step happens to end
+        on a batch boundary is refused too, as the rounded count cannot tell.)"""
+        rechunk = self._rechunk
+        b = loader_batch_size(dataloader)
+        if not b or per_replica % b == 0 or not isinstance(dataloader, _Stateful):
+            return None
+        if not rechunk._resumed or rechunk._saved_at_epoch_end or not rechunk._loops_restored(trainer):
+            return None
+        # the checkpoint's count (rounded down: a step of 6 samples in loader batches of 8 counts 0 of them, its
+        # ``completed`` one below its ``processed`` where it was saved at a batch's end) as Lightning restored it
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        done, n = progress.current.ready, sized_len(dataloader)
+        if not (done or progress.current.processed > progress.current.completed):  # at the epoch's start
+            return None
+        if progress.is_last_batch or n is not None and done >= n:  # at its end: the next epoch starts whole
+            return None
+        return InfeasiblePlanError(
+            f"This fit resumes mid-epoch with a stateful train loader, and auto_plan's pipeline steps of {per_replica} samples "
+            f"per replica are no whole number of its batches of {b}, so the loader's state saved with the checkpoint may resume "
+            "after samples no step trained, and the resumed epoch would skip them (a run of your loader trains them).",
+            hint=f"Resume from a checkpoint saved at an epoch's end, or use a global_batch_size whose steps hold whole "
+                 f"loader batches (a multiple of {b} samples per replica).",
+        )
+
     @override
     def _agree_on_train_loader(self, trainer: pl.Trainer, dataloader: object) -> None:
         """Nothing here: :meth:`Rechunking.wrap` (:meth:`process_dataloader`) ends the set-up in that agreement, once,
@@ -452,6 +484,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches
+        refusal = refusal or self._resumed_inside_a_batch(trainer, dataloader, per_replica)
         wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp, refusal=refusal)
         # one step holds this many of one process's loader batches: the user's accumulation, or what a given
         # global_batch_size makes of it (a dp_ga plan counts the scheduler's frequency in those loader batches too)

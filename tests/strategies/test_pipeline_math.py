@@ -1232,9 +1232,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                                               **({"collate_fn": _two_rows_per_sample} if rank == 3 else {})))
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    def pipeline() -> AutoPlanStrategy:
+    def pipeline(**given: Any) -> AutoPlanStrategy:
         return AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
-                                timeout=datetime.timedelta(seconds=120))
+                                timeout=datetime.timedelta(seconds=120), **given)
 
     twenty, saved = mlp_data(20, seed=rank // 2), os.path.join(out, "resume")
     at_step = ModelCheckpoint(dirpath=saved, filename="step", every_n_train_steps=1)
@@ -1248,6 +1248,18 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
         raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=4, **collate), ckpt_path=os.path.join(saved, "step.ckpt")))
         results[kind] = {"raised": raised, "rows": model.rows, "steps": trainer.global_step,
                          "expected": twenty.tensors[0][8:16, 0].tolist()}
+    # loader batches of 3 in steps of 8 per replica (a global batch of 16): the checkpoint of step 1 holds the loader's
+    # state after the batch of samples 6-8, where sample 8 is step 2's
+    inside = os.path.join(out, "resume inside")
+    trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), inside, use_distributed_sampler=False,
+                                            callbacks=[ModelCheckpoint(dirpath=inside, filename="step", every_n_train_steps=1)]),
+                           "max_steps": 1, "enable_checkpointing": True})
+    trainer.fit(TinyMLP(), _InPlaceLoader(twenty, batch_size=3))
+    model = _RowsSeen()
+    trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(inside, "again"), use_distributed_sampler=False),
+                           "max_steps": -1, "max_epochs": 1})
+    raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=3), ckpt_path=os.path.join(inside, "step.ckpt")))
+    results["resumed inside a batch"] = {"raised": raised, "rows": model.rows}
     fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
                                        batch_size=4))
     fit_own_data("failed", DataLoader(_MissingSamples(full, 8 if rank == 3 else 16), batch_size=4))
@@ -1573,6 +1585,22 @@ def test_a_fit_resumed_mid_epoch_from_a_stateful_loader_trains_the_epochs_rest_a
                                                                                  f"global rank {r} stops with it."]) for r in range(3)] + [
         ("InfeasiblePlanError", sentence, [])], doubled
     assert [(d["steps"], d["rows"]) for d in doubled] == [(1, [])] * 4, doubled
+
+
+def test_a_fit_resumed_inside_a_stateful_loaders_batch_is_refused_on_every_rank(_launch) -> None:
+    """Loader batches of 3 in pipeline steps of 8 per replica (global_batch_size=16, dp=2 x pp=2), resumed from the
+    checkpoint of step 1 (see _replicas_of_unequal_data_under_auto_plan): the in-place loader's state saved there is the
+    one after the batch of samples 6-8, and the checkpoint counts the epoch's progress in loader batches, rounded. On 2
+    ranks (dp=1, 24 samples) the resumed fit trained samples 9-16 and ended its epoch at the short rest: sample 8 and
+    17-23 never trained (the fit run through trains 8-15, 16-23), without a word. Refused now, on every rank, before
+    any step."""
+    inside = [r["unequal"]["resumed inside a batch"] for r in _launch[2]]
+    sentence = ("This fit resumes mid-epoch with a stateful train loader, and auto_plan's pipeline steps of 8 samples per replica "
+                "are no whole number of its batches of 3, so the loader's state saved with the checkpoint may resume after samples "
+                "no step trained, and the resumed epoch would skip them (a run of your loader trains them). HINT: Resume from a "
+                "checkpoint saved at an epoch's end, or use a global_batch_size whose steps hold whole loader batches (a multiple "
+                "of 3 samples per replica).")
+    assert [((d["raised"] or ())[:2], d["rows"]) for d in inside] == [(("InfeasiblePlanError", sentence), [])] * 4, inside
 
 
 def test_rows_beyond_the_samples_of_a_replica_with_more_than_the_fewest_are_refused_on_every_rank(_launch) -> None:
