@@ -1032,11 +1032,11 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         checked, :meth:`_agree_on_evaluation_batches`, not their contents), and the pipeline went on silently: predict
         returned stage 0's predictions on every rank of the replica, beside batches of other samples on the other
         stages, and validate / test paired stage 0's inputs with the last stage's targets. Each rank's first batch as its
-        loader yields it (fetched ahead now, :func:`_prefetch_stream`, as a stream's is) is compared, as a fit's first is:
-        one all-gather of 4 numbers per run, none per step. Over every rank, so that every rank raises the same error;
-        over the replica's stages where a replica may skip the run (predict beside a replica without batches, which
-        never reaches this hook), whose ranks alone then raise (or warn, from the replica's stage 0: rank 0 does not know):
-        predict's replicas meet no other replica."""
+        loader yields it (fetched ahead now, :func:`_prefetch_stream`, as a stream's is) is compared, as a fit's first is
+        (:meth:`_compare_stages_batches`): one all-gather of 4 numbers per run, none per step. Over every rank, so that
+        every rank raises the same error; over the replica's stages where a replica may skip the run (predict beside a
+        replica without batches, which never reaches this hook), whose ranks alone then raise (or warn, from the
+        replica's stage 0: rank 0 does not know): predict's replicas meet no other replica."""
         layout = self.layout
         if layout.pp < 2 or not _distributed_is_initialized() or dist.get_world_size() < 2:
             return
@@ -1044,12 +1044,23 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         prefix = trainer.state.stage.dataloader_prefix
         fetcher = trainer._active_loop._data_fetcher
         _prefetch_stream(fetcher)
-        checked, ids = _checked_tensors(fetcher.batches[0][0]) if getattr(fetcher, "batches", None) else ([], False)
+        checked = _checked_tensors(fetcher.batches[0][0]) if getattr(fetcher, "batches", None) else ([], False)
+        self._compare_stages_batches(checked, _EVAL_WHAT[prefix], local=prefix in self._skippable_eval)
+
+    def _compare_stages_batches(self, checked: tuple[list[Tensor], bool], what: str, *, local: bool = False) -> None:
+        """Refuse the replicas whose stages read other first batches (``checked``, this rank's :func:`_checked_tensors`
+        of its batch, none where it has no batch) by their integer tensors, or warn of them where only floats differ:
+        one all-gather of 4 numbers (whether the rank has a batch, whether its tensors are integer ones, and their
+        :func:`_batch_checksum`) over every rank, so that every rank raises the same error and rank 0 warns naming every
+        replica whose stages differ; over this replica's stages alone where ``local`` (its ranks alone then raise, and
+        its stage 0 warns: rank 0's ``rank_zero_warn`` would hide another replica's). Used by a fit's first batch
+        (:meth:`_check_same_batch`) and an evaluation run's (:meth:`_check_stages_read_alike`)."""
+        layout = self.layout
+        tensors, ids = checked
         device = self.root_device
         mine = torch.zeros(4, dtype=torch.float64, device=device)
-        if checked:
-            mine = torch.cat([torch.tensor([1.0, float(ids)], dtype=torch.float64, device=device), _batch_checksum(checked, device)])
-        local = prefix in self._skippable_eval
+        if tensors:
+            mine = torch.cat([torch.tensor([1.0, float(ids)], dtype=torch.float64, device=device), _batch_checksum(tensors, device)])
         every = [torch.zeros_like(mine) for _ in range(layout.pp if local else dist.get_world_size())]
         dist.all_gather(every, mine, group=self._pipe_group if local else None)
         replicas = [layout.replica] if local else range(layout.dp)
@@ -1061,10 +1072,11 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         if not apart:
             return
         which = ", ".join(map(str, apart))
+        returns = "" if what == "training" else " or the predictions that every rank of the replica returns"
         why = (
-            f"The stages of pipeline replica{'s' if len(apart) > 1 else ''} {which} read different {_EVAL_WHAT[prefix]} batches (each "
+            f"The stages of pipeline replica{'s' if len(apart) > 1 else ''} {which} read different {what} batches (each "
             "rank of a pipeline replica must get the same batch: the first stage feeds its inputs, the last computes the loss "
-            "on its targets or the predictions that every rank of the replica returns)"
+            f"on its targets{returns})"
         )
         if any(apart.values()):
             raise BatchFormatError(f"{why}.", hint=_SAME_BATCH_HINT)
@@ -1072,7 +1084,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         if not local:
             rank_zero_warn(warning)
         elif layout.stage == 0:  # only this replica's ranks compared: rank 0's rank_zero_warn would hide another replica's
-            warnings.warn(warning, UserWarning, stacklevel=2)
+            warnings.warn(warning, UserWarning, stacklevel=3)
 
     def _end_of_streams(self, what: str, *, parted: bool, ended: int, going: int) -> None:
         """Where this rank's run of an evaluation stream's loaders ``ended`` to ``going - 1`` ends (its last step in
@@ -1373,26 +1385,15 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
     def _check_same_batch(self, batch: Any) -> None:
         """The stages of one replica must read the same batch (stage 0 its inputs, the last its targets): a user's
         own DistributedSampler or an IterableDataset sharded by ``dist.get_rank()`` gives each stage another one,
-        and the pipeline would pair one batch's inputs with another's targets. Checked once per fit, on every rank, by
-        the batch's integer tensors (refused); a batch of floats only is compared too, but only warned about."""
+        and the pipeline would pair one batch's inputs with another's targets. Checked once per fit, at its first batch,
+        by the batch's integer tensors (refused); a batch of floats only is compared too, but only warned about
+        (:meth:`_compare_stages_batches`). Over every rank: gathered over the replica's stages alone, only the ranks of
+        the replica whose stages differed raised, and the other replicas waited for them in the gradients' all-reduce
+        (a hang, or gloo's error as they left); rank 0 warned only of its own replica's floats."""
         if self._checked_batch or self.layout.pp < 2 or not _distributed_is_initialized():
             return
         self._checked_batch = True
-        checked, ids = _checked_tensors(batch)
-        if not checked:
-            return
-        mine = _batch_checksum(checked, self.root_device)
-        every = [torch.zeros_like(mine) for _ in range(self.layout.pp)]
-        dist.all_gather(every, mine, group=self._pipe_group)
-        if all(torch.allclose(other, every[0], rtol=1e-9, atol=0) for other in every[1:]):
-            return
-        why = (
-            "The pipeline's stages read different training batches (each rank of a pipeline replica must get the same "
-            "batch: the first stage feeds its inputs, the last computes the loss on its targets)"
-        )
-        if ids:
-            raise BatchFormatError(f"{why}.", hint=_SAME_BATCH_HINT)
-        rank_zero_warn(f"{why}, or a random augmentation differs between the ranks (seed them alike to rule it out). {_SAME_BATCH_HINT}")
+        self._compare_stages_batches(_checked_tensors(batch), "training")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:

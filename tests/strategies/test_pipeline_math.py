@@ -1332,7 +1332,11 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     samples' integer indices differ) ran silently: predict returned rank 2's predictions on rank 3 too; it is refused on
     every rank at the run's start (each rank's first batch compared, as a fit's first is); where only floats differ (rank 3's
     shifted), beside a first predict loader replica 1 lacks (its stages compare among themselves), replica 1's stage 0 warns
-    (rank 0's rank_zero_warn, alone, never knew of it: no warning at all). Run on a group of its
+    (rank 0's rank_zero_warn, alone, never knew of it: no warning at all). A fit whose replica 1's stages read other
+    samples (rank 3's indices differ) was refused on ranks 2 and 3 alone (their stages compared among themselves), and
+    replica 0 waited for them in the gradients' all-reduce until gloo's timeout; every rank now raises the same error at
+    the first batch. Where only rank 3's floats differ, the fit trains, and rank 0 warns naming replica 1 (it warned of
+    its own replica only: no warning at all). Last, as a hang without the fix breaks the world. Run on a group of its
     own with a 20 s timeout (set up by Lightning, the port in the environment), so that a hang fails here quickly
     rather than holding the launch."""
     import datetime
@@ -1370,12 +1374,15 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("dataloader_iter: train", "fit", [2, 2, 2, 2]),
                              ("several streams", "validate", [2, 2, 1, 1]), ("several streams predict", "predict", [2, 2, 0, 0]),
                              ("several streams: a replica without the second", "validate", [2, 2, 2, 2]),
-                             ("several streams part at a loader boundary", "validate", [2, 3, 2, 2])):
+                             ("several streams part at a loader boundary", "validate", [2, 3, 2, 2]),
+                             ("replica 1's stages train on other floats", "fit", [2, 2, 2, 2]),
+                             ("replica 1's stages train on other samples", "fit", [2, 2, 2, 2])):
         strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
                                     timeout=datetime.timedelta(seconds=20))
         limits = {"streams under a limit": {"limit_test_batches": 2},
                   "streams under a limit: an empty replica": {"limit_val_batches": 2},
-                  "streams at the sanity check": {"num_sanity_val_steps": 2, "max_steps": 2}}.get(case, {})
+                  "streams at the sanity check": {"num_sanity_val_steps": 2, "max_steps": 2},
+                  "replica 1's stages train on other floats": {"max_steps": 1}}.get(case, {})
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, case), use_distributed_sampler=False),
                                "limit_val_batches": 1.0, **limits})
         torch.manual_seed(3)  # the same weights in "streams" and "the streams' data"
@@ -1399,6 +1406,16 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                     warnings.simplefilter("always")
                     got = trainer.predict(model, [batches(counts, stream=False), DataLoader(TensorDataset(inputs, data.tensors[1]), batch_size=4)])
                 results[f"{case}: warned"] = any("read different prediction batches" in str(w.message) for w in caught)
+            elif case.startswith("replica 1's stages train"):  # rank 3's floats shifted (warned), or its samples' indices (refused)
+                data = mlp_data(8, seed=12)
+                if case.endswith("floats"):
+                    data = TensorDataset(data.tensors[0] + (1.0 if rank == 3 else 0.0), data.tensors[1])
+                else:
+                    data = TensorDataset(*data.tensors, torch.arange(8) + (100 if rank == 3 else 0))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = trainer.fit(model, DataLoader(data, batch_size=4))
+                results[f"{case}: warned"] = [str(w.message) for w in caught if "read different training batches" in str(w.message)]
             elif case.startswith("several streams"):  # a second loader after the first, of these batches per rank
                 second = {"several streams predict": [1, 1, 2, 2], "several streams: a replica without the second": [2, 2, 0, 0]}
                 got = getattr(trainer, fn)(model, [batches(counts, stream=True), batches(second.get(case, [2, 2, 2, 2]), stream=True)])
@@ -1715,6 +1732,7 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "a stage predicts from other samples": "BatchFormatError: The stages of pipeline replica 1 read different prediction batches",
         "several streams: a replica without the second": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation "
                                                          "batches of loader 1 (its loader without a length yielded none)",
+        "replica 1's stages train on other samples": "BatchFormatError: The stages of pipeline replica 1 read different training batches",
         "several streams part at a loader boundary": "BatchFormatError: The stages of pipeline replica 0 read different numbers of "
                                                      "validation batches from a loader without a length (one stage's ended where another's went on)",
     }
@@ -1743,6 +1761,15 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert all(s == several[0] for s in several) and [list(s) for s in several[0]] == [["val_loss/dataloader_idx_0"], ["val_loss/dataloader_idx_1"]], several
     assert all(math.isfinite(v) for s in several[0] for v in s.values()), several
     assert [r["several streams predict"] for r in ranks] == [[[(4, 4)] * 2, [(4, 4)]]] * 2 + [[[], [(4, 4)] * 2]] * 2
+    # A fit's first batch is compared over every rank too: replica 1's stages reading other samples is refused on
+    # replica 0's ranks as well (they waited in the gradients' all-reduce), and other floats warned of from rank 0.
+    samples = "replica 1's stages train on other samples"
+    assert [r[f"{samples}: steps"] for r in ranks] == [0, 0, 0, 0]
+    floats = "replica 1's stages train on other floats"
+    assert [r[f"{floats}: steps"] for r in ranks] == [1, 1, 1, 1], [r[floats] for r in ranks]
+    warned = [r[f"{floats}: warned"] for r in ranks]
+    assert [len(w) for w in warned] == [1, 0, 0, 0], warned
+    assert warned[0][0].startswith("The stages of pipeline replica 1 read different training batches"), warned
 
 
 def test_pipeline_gpipe_and_1f1b_match_single_process(two_rank_run) -> None:
@@ -1858,8 +1885,9 @@ def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank
     _, results = two_rank_run
     assert results[0]["sharded"].endswith("| floats: 2 steps, 1 warning(s)"), results[0]["sharded"]
     for r in (0, 1):
-        assert results[r]["sharded"].startswith("0: The pipeline's stages read different training batches"), results[r]["sharded"]
-        assert "HINT" in results[r]["sharded"]
+        got = results[r]["sharded"]
+        assert got.startswith("0: The stages of pipeline replica 0 read different training batches"), got
+        assert "HINT" in got
 
 
 def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
