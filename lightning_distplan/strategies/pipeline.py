@@ -76,6 +76,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
@@ -883,11 +884,26 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         self._start_evaluation_run()
 
     def _start_evaluation_run(self) -> None:
+        """Refuse a ``dataloader_iter`` step, and have the run's first fetch check its start
+        (:meth:`_check_evaluation_start`): these hooks (``on_validation_start`` / ``on_test_start`` /
+        ``on_predict_start``, the strategy's after the callbacks' and the module's) run before ``on_*_epoch_start``,
+        and a batch fetched here was read before those hooks ran (a hook there that changes the dataset or reseeds, under
+        ``num_workers=0``, did not reach batch 0, as it does under DDP). Lightning fetches right after them, each rank
+        (one with no batch too) once at least, so the checks' collectives meet there. A fetcher of another kind
+        (``dataloader_iter``'s is refused here) checks now."""
+        self._refuse_dataloader_iter()
+        fetcher = self.lightning_module.trainer._active_loop._data_fetcher
+        if type(fetcher) is _PrefetchDataFetcher:
+            fetcher.__class__ = _FetcherStartingARun
+            fetcher.start_run = self._check_evaluation_start
+        else:
+            self._check_evaluation_start()
+
+    def _check_evaluation_start(self) -> None:
         """The checks of an evaluation run's start, every rank's first batch fetched: the stages' same batch after the
         streams' having batches (a stage with none is refused there in its own sentence), and both before the loaders
         without a batch on this rank end (:meth:`_end_of_streams`, whose all-gathers the other ranks meet at the ends
         of those loaders, after their own start's)."""
-        self._refuse_dataloader_iter()
         first = self._agree_on_streams_having_batches()
         self._check_stages_read_alike()
         if first:
@@ -1000,9 +1016,9 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         replica waited for it in gloo's send or recv, and the other replicas, for a replica with none, in the epoch-end
         average of ``val_loss`` / ``test_loss`` that it never joins. Lightning has fetched each rank's first batch when
         the run starts (to tell a stream's last batch; under a limit of batches, :func:`_prefetch_stream` does), so
-        this hook, which every rank reaches before the first step, knows the loader it comes from (several loaders run
-        one after another: a first batch from loader 1 means loader 0 yielded none): one all-gather per run of a
-        stream, none per step. A replica with no predictions beside others runs (its steps meet no other replica), as
+        this check, at the run's first fetch, which every rank reaches before the first step, knows the loader it
+        comes from (several loaders run one after another: a first batch from loader 1 means loader 0 yielded none):
+        one all-gather per run of a stream, none per step. A replica with no predictions beside others runs (its steps meet no other replica), as
         an empty one with a length does. Returns the loader of this rank's first batch (None where no stream runs): the
         loaders before it end at the run's start, where it says so to the others' ends of them
         (:meth:`_start_evaluation_run`)."""
@@ -1688,6 +1704,20 @@ _STEP_OF = {"train": "training_step", "val": "validation_step", "test": "test_st
 _EVAL_WHAT = {"val": "validation", "test": "test", "predict": "prediction"}  # a loop's dataloader prefix, in a sentence
 
 
+class _FetcherStartingARun(_PrefetchDataFetcher):
+    """Lightning's fetcher of an evaluation run until its first fetch, which first runs ``start_run``
+    (:meth:`PipelineStrategy._check_evaluation_start`, set with this class at the run's start, whose checks fetch the
+    first batch ahead): after the ``on_*_epoch_start`` hooks, where Lightning fetches it. Then Lightning's own again."""
+
+    start_run: Callable[[], None]
+
+    @override
+    def __next__(self) -> Any:
+        self.__class__ = _PrefetchDataFetcher  # its later fetches, and this one after the checks: Lightning's own
+        self.__dict__.pop("start_run")()
+        return next(self)
+
+
 def _prefetch_stream(fetcher: object) -> None:
     """Fetch the first batch of a run now (for :meth:`PipelineStrategy._check_stages_read_alike`, whatever its loaders;
     and of streams), as Lightning does for a stream without a limit, so that ``done``
@@ -1699,7 +1729,7 @@ def _prefetch_stream(fetcher: object) -> None:
     Without a length the fetcher learns of the end one batch ahead, the loaders' limits still stopping it. A
     ``dataloader_iter`` step's fetcher is left as it is (such a step is refused first,
     :meth:`PipelineStrategy._refuse_dataloader_iter`)."""
-    from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
+    from lightning.pytorch.loops.fetchers import _DataFetcher
 
     if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is None or fetcher.batches:
         return

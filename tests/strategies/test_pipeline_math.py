@@ -918,6 +918,92 @@ def _flushes_that_change_and_a_resume_under_auto_plan(world: int, out: str) -> d
             "resumed_source": auto.outcome.source, "resumed_steps": resumed.global_step}
 
 
+class _ShiftedData(torch.utils.data.Dataset):
+    """mlp_data's samples, their inputs shifted by ``offset`` (an epoch-start hook sets it, as one changing the data)."""
+
+    def __init__(self, n: int) -> None:
+        self.data, self.offset = mlp_data(n, seed=5), 0.0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[index]
+        return x + self.offset, y
+
+
+class _EvaluationSeen(L.Callback):
+    """Each evaluation batch run (where: its global step for validation), its index, ``is_last_batch`` and whether its
+    inputs were shifted by the ``on_*_epoch_start`` hook; ``save_at``: a checkpoint at the first validation's batch of
+    that index, as an exception in its step left the loop (OnExceptionCheckpoint's: the step started, not processed)."""
+
+    def __init__(self, save_at: str | None = None) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+        self.save_at = save_at
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.val_dataloaders.dataset.offset = 100.0
+
+    def on_test_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.test_dataloaders.dataset.offset = 100.0
+
+    def on_predict_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.predict_dataloaders.dataset.offset = 100.0
+
+    def _seen(self, trainer: L.Trainer, where: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((where, batch_idx, trainer._active_loop.batch_progress.is_last_batch, float(batch[0][0, 0]) > 50))
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._seen(trainer, trainer.global_step, batch, batch_idx)
+
+    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._seen(trainer, "test", batch, batch_idx)
+
+    def on_predict_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._seen(trainer, "predict", batch, batch_idx)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.save_at is not None and trainer.global_step == 2 and batch_idx == 1:
+            progress = trainer.fit_loop.epoch_loop.val_loop.batch_progress
+            progress.total.processed -= 1
+            progress.current.processed -= 1
+            trainer.save_checkpoint(self.save_at)
+            progress.total.processed += 1
+            progress.current.processed += 1
+
+
+def _evaluation_restarted_and_epoch_start_hooks(world: int, out: str) -> dict[str, Any]:
+    """The evaluation batches a pipeline runs (each rank's first fetched ahead, for the run-start checks), as DDP runs
+    them, in fits resumed from a checkpoint of their first validation's batch 1 (validation every 2 of 4 steps, 5
+    batches, and 3 under limit_val_batches=3) too. An ``on_validation_epoch_start`` / ``on_test_epoch_start`` /
+    ``on_predict_epoch_start`` hook shifting the data (num_workers=0) did not reach batch 0, fetched in
+    ``on_*_start`` before it: it does now."""
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    def trainer(callback: _EvaluationSeen, limit: float | int) -> L.Trainer:
+        strategy = PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY])
+        return L.Trainer(**{**trainer_kwargs(world, strategy, out, callbacks=[callback], use_distributed_sampler=False),
+                            "limit_val_batches": limit, "max_steps": 4, "val_check_interval": 2})
+
+    results: dict[str, Any] = {}
+    for limit in (1.0, 3):
+        path = os.path.join(out, f"mid-validation-{limit}.ckpt")
+        first = _EvaluationSeen(save_at=path)
+        torch.manual_seed(0)
+        trainer(first, limit).fit(_PredictedMLP(), DataLoader(mlp_data(16, seed=1), batch_size=4), DataLoader(_ShiftedData(20), batch_size=4))
+        resumed = _EvaluationSeen()
+        trainer(resumed, limit).fit(_PredictedMLP(), DataLoader(mlp_data(16, seed=1), batch_size=4),
+                                    DataLoader(_ShiftedData(20), batch_size=4), ckpt_path=path)
+        results[limit] = first.seen, resumed.seen
+    evaluated = _EvaluationSeen()
+    again = L.Trainer(**trainer_kwargs(world, PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY]),
+                                       out, callbacks=[evaluated], use_distributed_sampler=False))
+    again.test(_PredictedMLP(), DataLoader(_ShiftedData(8), batch_size=4))
+    again.predict(_PredictedMLP(), DataLoader(_ShiftedData(8), batch_size=4))
+    results["test, predict"] = evaluated.seen
+    return results
+
+
 def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results: dict[str, Any] = {}
     results["shape_inference"] = _shape_inference(world, out)
@@ -947,6 +1033,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["old_grads"] = _old_gradients(world, out)
     results["receive_buffers"] = _gradients_in_receive_buffers(world, out)
     results["flushes"] = _flushes_that_change_and_a_resume_under_auto_plan(world, out)
+    results["eval_restart"] = _evaluation_restarted_and_epoch_start_hooks(world, out)
     results["reduce_unused"] = _reduce_unused_worker(rank, world)  # the gradient reduce alone, over the same group
     results["dropout"] = _dropout_streams(world, out)  # last: it seeds the process's generator
     return results
@@ -2261,3 +2348,13 @@ def test_a_parameter_no_replica_has_a_gradient_for_gets_none_as_under_ddp(two_ra
     _, results = two_rank_run
     for res in (r["reduce_unused"] for r in results):
         assert res == {"used": [1.5] * 3, "one_rank": [2.0] * 3, "nowhere": False}
+
+
+def test_evaluation_epoch_start_hooks_reach_the_first_batch(two_rank_run) -> None:
+    """See _evaluation_restarted_and_epoch_start_hooks: the on_*_epoch_start hooks' shifted data reaches every batch,
+    the first (fetched ahead for the run-start checks) too, as under DDP."""
+    _, results = two_rank_run
+    for res in results:
+        seen = res["eval_restart"]
+        runs = [*seen[1.0], *seen[3], seen["test, predict"]]
+        assert [[batch[:2] for batch in run if not batch[3]] for run in runs] == [[] for _ in runs]
