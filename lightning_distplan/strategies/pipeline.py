@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import warnings
 import weakref
@@ -1726,13 +1727,18 @@ def _prefetch_stream(fetcher: object) -> None:
     Lightning then prefetches nothing: ``done`` was false on a rank with no batch, and ``is_last_batch`` held only at
     the limit's batch, never on a rank whose stream ended before it, which then skipped the all-gather where the others'
     runs ended (:meth:`PipelineStrategy._end_of_streams`; replicas of 2 batches and 1 under a limit of 2 hung there).
-    Without a length the fetcher learns of the end one batch ahead, the loaders' limits still stopping it. A
+    Without a length the fetcher learns of the end one batch ahead, the loaders' limits still stopping it. The
+    length's count still ends the run, the iterator cut to what ``fetched`` leaves of ``length`` (one batch at least,
+    as Lightning runs): a fit restarted mid-validation counts the batches run before its checkpoint as fetched
+    (Lightning's ``fetched += batch_progress.current.ready``) and runs the rest; with the length cleared alone, it ran
+    the whole loader again. A
     ``dataloader_iter`` step's fetcher is left as it is (such a step is refused first,
     :meth:`PipelineStrategy._refuse_dataloader_iter`)."""
     from lightning.pytorch.loops.fetchers import _DataFetcher
 
     if not isinstance(fetcher, _PrefetchDataFetcher) or fetcher.length is None or fetcher.batches:
         return
+    fetcher.iterator = itertools.islice(fetcher.iterator, max(fetcher.length - fetcher.fetched, 1) if fetcher.length else 0)
     fetcher.length = None
     for _ in range(fetcher.prefetch_batches):
         try:

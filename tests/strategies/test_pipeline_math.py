@@ -974,8 +974,10 @@ class _EvaluationSeen(L.Callback):
 
 def _evaluation_restarted_and_epoch_start_hooks(world: int, out: str) -> dict[str, Any]:
     """The evaluation batches a pipeline runs (each rank's first fetched ahead, for the run-start checks), as DDP runs
-    them, in fits resumed from a checkpoint of their first validation's batch 1 (validation every 2 of 4 steps, 5
-    batches, and 3 under limit_val_batches=3) too. An ``on_validation_epoch_start`` / ``on_test_epoch_start`` /
+    them. A fit resumed from a checkpoint of its first validation's batch 1 (validation every 2 of 4 steps, 5 batches)
+    ran the whole validation again: its first batch fetched ahead, the fetcher's length was cleared, and Lightning's
+    count of the batches run before (``fetched += ready``) ended nothing; it now runs the 4 left (batch 4 of those the
+    last), and under limit_val_batches=3 the 2 left. An ``on_validation_epoch_start`` / ``on_test_epoch_start`` /
     ``on_predict_epoch_start`` hook shifting the data (num_workers=0) did not reach batch 0, fetched in
     ``on_*_start`` before it: it does now."""
     from lightning_distplan.strategies.pipeline import PipelineStrategy
@@ -2358,3 +2360,19 @@ def test_evaluation_epoch_start_hooks_reach_the_first_batch(two_rank_run) -> Non
         seen = res["eval_restart"]
         runs = [*seen[1.0], *seen[3], seen["test, predict"]]
         assert [[batch[:2] for batch in run if not batch[3]] for run in runs] == [[] for _ in runs]
+
+
+def test_a_fit_restarted_mid_validation_runs_the_batches_left(two_rank_run) -> None:
+    """See _evaluation_restarted_and_epoch_start_hooks: the batches DDP runs (index, is_last_batch), each rank's first
+    fetched ahead for the run-start checks, in a fit resumed from a checkpoint saved mid-validation and in fresh runs."""
+    _, results = two_rank_run
+
+    def run(step: Any, n: int) -> list[tuple[Any, ...]]:
+        return [(step, i, i == n - 1) for i in range(n)]
+
+    for res in results:
+        seen = {key: [[batch[:3] for batch in run] for run in runs] if key != "test, predict" else [b[:3] for b in runs]
+                for key, runs in res["eval_restart"].items()}
+        assert seen[1.0] == [run(2, 5) + run(4, 5), run(2, 4) + run(4, 5)]  # resumed: the 4 batches left of 5
+        assert seen[3] == [run(2, 3) + run(4, 3), run(2, 2) + run(4, 3)]  # under limit_val_batches=3: the 2 left
+        assert seen["test, predict"] == run("test", 2) + run("predict", 2)
