@@ -18,6 +18,7 @@ import math
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import torch
 from lightning.fabric.utilities.data import sized_len
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.strategies import DDPStrategy
@@ -29,6 +30,7 @@ from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
 from lightning_distplan.profiling._batches import find_batch_size
 from lightning_distplan.strategies._auto_planning import reloaded_loader_error
+from lightning_distplan.strategies._checkpoint_io import raise_on_every_rank
 from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
@@ -40,6 +42,7 @@ from lightning_distplan.strategies.dp_ga import (
     _rebatch_pieces,
     _samples_per_epoch,
     _tell_every_rank,
+    _told_elsewhere,
     loader_batch_size,
     loader_sampler,
     restore_frequencies,
@@ -485,7 +488,8 @@ class _AutoPipelineStrategy(PipelineStrategy):
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches
         refusal = refusal or self._resumed_inside_a_batch(trainer, dataloader, per_replica)
-        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp, refusal=refusal)
+        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp, refusal=refusal,
+                                    stages=(self.layout.replica, self.layout.dp) if plan.pp > 1 else None)
         # one step holds this many of one process's loader batches: the user's accumulation, or what a given
         # global_batch_size makes of it (a dp_ga plan counts the scheduler's frequency in those loader batches too)
         per_step = self._rechunk._per_user_batch
@@ -537,7 +541,7 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distribut
     or none where the sampler does not name its dataset, the samples skipped unsaid. Replicas whose loaders hold
     different numbers: :class:`_FullBatchLoader` says their spread.)
 
-    ``spread`` (planning: :func:`samples_spread`, the fewest and most samples per epoch of the ranks' loaders): read as
+    ``spread`` (planning: the fewest and most samples per epoch of the plan's replicas' loaders, :func:`samples_per_rank`): read as
     each rank's own data, every replica stops after the steps the fewest fill (:class:`_FullBatchLoader`), so the
     figure is the most beyond those, not rank 0's own remainder (16 and 14 samples per rank in steps of 8: 8, not 0)."""
     b = loader_batch_size(dataloader)
@@ -563,21 +567,38 @@ def loader_shortfall(dataloader: object, plan: Plan, *, sharded: bool, distribut
     return pipeline_shortfall(n, b, bool(drop_last), world=plan.world_size, dp=plan.dp, step=step)
 
 
-def samples_spread(device: Any, dataloader: object) -> tuple[int, int] | None:
-    """The fewest and most samples per epoch of the ranks' train loaders (each rank's ``dataloader``), None where a
-    rank's are unknown: one all-reduce of three integers on ``device`` (:func:`_agreed_batch_sizes`, as
-    :class:`_FullBatchLoader` agrees on its steps), which every rank calls. Planning reads rank 0's loader only, and
-    where each rank reads its own data a pipeline's replicas stop after the steps the fewest fill (:func:`loader_shortfall`).
-    An error reading a rank's lengths (a ``__len__`` raising other than TypeError, maybe on that rank alone) rides the
-    same all-reduce: every rank raises it (that rank its own, the others a RuntimeError naming it), none waits."""
+def samples_per_rank(device: Any, dataloader: object) -> tuple[int, ...] | None:
+    """Each rank's samples per epoch of its train loader (``dataloader``), in global rank order, None where a rank's are
+    unknown: one all-reduce of a slot per rank (and a failure flag) on ``device``, which every rank calls. Planning
+    reads rank 0's loader only, and where each rank reads its own data a pipeline's replicas stop after the steps the
+    fewest fill (:func:`loader_shortfall`), while the stages of one replica must read the same data: the ranks a plan
+    puts in one replica holding different numbers rule that plan out (:func:`~lightning_distplan.strategies.auto_plan.replicas_of_other_data_last`). The
+    fewest and most alone (an all-reduce of three integers, as it was) could not tell which ranks differ: 16 and 12
+    samples on the one replica of 2 ranks were said to make its pipeline "skip up to the epoch's last 8 samples per
+    replica", where its stages cannot run together at all. An error reading a rank's lengths (a ``__len__`` raising other than TypeError,
+    maybe on that rank alone) rides the same all-reduce: every rank raises it (that rank its own, the others a
+    RuntimeError naming it), none waits."""
     try:
         samples = _samples_per_epoch(dataloader)
     except Exception as failure:  # (a __len__ raising on this rank alone: the others waited in the all-reduce)
         # raises it on every rank: here as it was raised, there as _told_elsewhere says
-        _tell_every_rank(functools.partial(_agreed_batch_sizes, device, -1, failure), failure)
+        _tell_every_rank(functools.partial(_ranks_counts, device, -1, failure), failure)
         raise
-    largest, smallest = _agreed_batch_sizes(device, -1 if samples is None else samples)
-    return None if smallest < 0 else (smallest, largest)
+    counts = _ranks_counts(device, -1 if samples is None else samples)
+    return None if min(counts) < 0 else counts
+
+
+def _ranks_counts(device: Any, n: int, failure: Exception | None = None) -> tuple[int, ...]:
+    """Every rank's ``n`` (at least -1), by one MAX all-reduce of a slot per rank (the others' -2) and whether a rank
+    failed; where one did, every rank raises the lowest such rank's error, as :func:`_agreed_batch_sizes` does."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    slots = torch.full((world + 1,), -2, dtype=torch.int64, device=device)
+    slots[rank], slots[world] = n, int(failure is not None)
+    torch.distributed.all_reduce(slots, op=torch.distributed.ReduceOp.MAX)
+    *counts, failed = slots.tolist()
+    if failed:
+        raise_on_every_rank(failure, doing="reading its train loader", device=device, sent=_told_elsewhere)
+    return tuple(counts)
 
 
 def build_concrete(

@@ -49,7 +49,7 @@ from typing_extensions import override
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import unsplittable
-from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall, samples_spread
+from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall, samples_per_rank
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_boundaries,
@@ -401,9 +401,11 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
         decision: Any = None
         whole_epoch = isinstance(trainer.limit_train_batches, float) and trainer.limit_train_batches == 1.0  # not int 1
         whole_epochs = not self._pipeline_pinned() and whole_epoch
-        # the ranks' fewest and most samples per epoch, for a pipeline's skipped samples where each rank reads its own
-        # data (rank 0 decides from its loader alone): one all-reduce, on every rank (the same settings on each)
-        spread = samples_spread(self.root_device, loader) if whole_epochs and world > 1 and strategies != ("dp_ga",) else None
+        # each rank's samples per epoch, for the pipelines whose replicas' stages hold other data (ruled out) and a
+        # pipeline's skipped samples where each rank reads its own data (rank 0 decides from its loader alone): one
+        # all-reduce, on every rank (the same settings on each); a pinned pipeline's loader set-up refuses such stages
+        pipelines = world > 1 and strategies != ("dp_ga",) and not self._pipeline_pinned()
+        samples = samples_per_rank(self.root_device, loader) if pipelines else None
         if self.is_global_zero:
             try:
                 candidates, hardware = choose_plan(
@@ -411,10 +413,12 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
                     device_memory_bytes=self._device_memory_bytes, strategies=strategies, ddp_bucket_bytes=ddp_bucket_bytes(self),
                     ranks_per_host=ranks_per_node(trainer),
                 )
+                if samples is not None:
+                    candidates = replicas_of_other_data_last(candidates, samples)
                 if whole_epochs:
                     # Trainer(use_distributed_sampler=False): each rank's loader is its own data (no public accessor)
                     sharding = getattr(trainer._accelerator_connector, "use_distributed_sampler", True)
-                    candidates = whole_epochs_first(candidates, loader, distributed_sampler=sharding, spread=spread)
+                    candidates = whole_epochs_first(candidates, loader, distributed_sampler=sharding, samples=samples)
                 decision = ("ok", candidates, hardware, profile.unused_parameters)
             except Exception as err:  # every rank must raise, not only rank 0
                 decision = ("error", err)
@@ -515,8 +519,8 @@ def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool, sp
     to skip 2 (they skip 4), and 24 per rank 4 (they skip none), which moved a pipeline that trains them all behind
     the other plans; under ``drop_last`` ones that skip samples were said to skip none.
 
-    ``spread``: the fewest and most samples per epoch of the ranks' loaders (:func:`samples_spread`; None: rank 0's
-    alone, one process or unknown). ``loader`` is rank 0's: where the replicas read data of their own, every replica
+    ``spread``: the fewest and most samples per epoch of the plan's replicas' loaders (of :func:`samples_per_rank`, their
+    stages alike; None: rank 0's alone, one process or unknown). ``loader`` is rank 0's: where the replicas read data of their own, every replica
     stops after the steps the fewest fill, so the figure is the most beyond those (16 and 14 samples per rank in steps
     of 8: 8, where rank 0's own 16 said none and the pipeline ran first, skipping 8 and 6 that dp_ga trains)."""
     if plan.strategy == "dp_ga":
@@ -524,19 +528,80 @@ def skipped_samples(plan: Plan, loader: object, *, distributed_sampler: bool, sp
     return loader_shortfall(loader, plan, sharded=False, distributed_sampler=distributed_sampler, spread=spread) or 0
 
 
+def replica_samples(plan: Plan, samples: Sequence[int]) -> list[list[int]]:
+    """Each replica's stages' samples per epoch under ``plan``, of the ranks' ``samples`` (:func:`samples_per_rank`, in
+    global rank order): a replica's stages are consecutive ranks (``PipelineLayout.pipeline_ranks``); dp_ga's replicas
+    are one rank each."""
+    pp = 1 if plan.strategy == "dp_ga" else plan.pp
+    return [list(samples[r * pp:(r + 1) * pp]) for r in range(len(samples) // pp)]
+
+
+def replicas_of_other_data_last(candidates: Sequence[Candidate], samples: Sequence[int]) -> list[Candidate]:
+    """``candidates`` with the pipelines whose replicas' stages hold different numbers of samples per epoch (``samples``:
+    each rank's, :func:`samples_per_rank`) made infeasible and moved behind the feasible plans, said once where the
+    first feasible one was; ranks renumbered. A replica's stages read the same batches together, so ranks of data of
+    their own (``use_distributed_sampler=False``) that differ cannot be one replica: that pipeline's fit would be
+    refused at its loader's set-up (``_agree_on_train_loader``), where a user who pinned nothing expects the plan that
+    runs their data, dp_ga's (each rank its own data, as under DDP), or a pipeline whose replicas' stages hold alike.
+    Planning had said such a pipeline "would skip up to the epoch's last 8 samples per replica" (one replica of 16 and
+    12 samples in steps of 8), which no replica does; where no plan trained every sample it would have run it, and a
+    pipeline so run hung where one stage's loader ended. No feasible plan left (every other one ruled out by the pins
+    or memory): refused."""
+    apart = {id(c): stages for c in candidates if c.prediction.feasible and c.plan.strategy != "dp_ga"
+             for stages in [next((s for s in replica_samples(c.plan, samples) if len(set(s)) > 1), None)] if stages is not None}
+    if not apart:
+        return list(candidates)
+
+    def ruled_out(c: Candidate) -> Candidate:
+        stages = apart[id(c)]
+        reason = (f"the ranks of one of its replicas hold different numbers of samples per epoch ({', '.join(map(str, stages))}), "
+                  "and a replica's stages must read the same batches")
+        return dataclasses.replace(c, prediction=dataclasses.replace(c.prediction, feasible=False, reason=reason))
+
+    marked = [ruled_out(c) if id(c) in apart else c for c in candidates]
+    feasible = [c for c in marked if c.prediction.feasible]
+    first = next(c for c in candidates if c.prediction.feasible)
+    if not feasible:
+        raise InfeasiblePlanError(
+            f"Every feasible plan is a pipeline, and the ranks' train loaders hold different numbers of samples per epoch "
+            f"({', '.join(map(str, samples))}), so the stages of its replicas would read different data.",
+            hint="Give every rank of a pipeline replica the same loader (use_distributed_sampler=True, or shard by "
+            "trainer.strategy.distributed_sampler_kwargs), or allow a data-parallel plan (drop the pins that rule it out).",
+        )
+    if id(first) in apart:
+        rank_zero_info(
+            f"auto_plan: not running {first.plan.describe()} (predicted {first.prediction.step_time_s:.4g} s/step): "
+            f"{ruled_out(first).prediction.reason}; running {feasible[0].plan.describe()} "
+            f"(predicted {feasible[0].prediction.step_time_s:.4g} s/step)."
+        )
+    order = feasible + [c for c in marked if not c.prediction.feasible]
+    return [dataclasses.replace(c, rank=i + 1) for i, c in enumerate(order)]
+
+
 def whole_epochs_first(candidates: Sequence[Candidate], loader: object, *, distributed_sampler: bool,
-                       spread: tuple[int, int] | None = None) -> list[Candidate]:
+                       samples: Sequence[int] | None = None) -> list[Candidate]:
     """``candidates`` with the feasible pipelines that would skip an epoch's last samples moved behind the other feasible
     plans (the plan's math would differ from the user's run: DESIGN §3.1), said once; ranks renumbered. Each feasible
     plan carries the samples it would skip (``Candidate.skipped_samples``, moved or not: why_winner says why a slower
-    plan won). ``distributed_sampler``, ``spread``: as :func:`skipped_samples`. Where the replicas' loaders hold different
-    numbers (``spread``), they skip different numbers, the figure their most: said as "up to" it (``skipped_samples_differ``;
-    it said each replica skipped the most, 8 of 16 and 14 samples per rank in steps of 8, where one skips 6)."""
-    # replicas of their own data that hold different numbers of samples skip different numbers: the figure is the most
-    differ = spread is not None and spread[0] != spread[1]
-    marked = [dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler, spread=spread),
-                                  skipped_samples_differ=differ)
-              if c.prediction.feasible else c for c in candidates]
+    plan won). ``distributed_sampler``: as :func:`skipped_samples`. ``samples``: each rank's samples per epoch
+    (:func:`samples_per_rank`; None: rank 0's loader alone), read per plan as its replicas' (:func:`replica_samples`,
+    their stages alike: :func:`replicas_of_other_data_last` ruled the others out), whose fewest and most are its
+    ``spread``. Where its replicas hold different numbers, they skip different numbers, the figure their most: said as
+    "up to" it (``skipped_samples_differ``; it said each replica skipped the most, 8 of 16 and 14 samples per rank in
+    steps of 8, where one skips 6). Only there: the ranks' fewest and most, read for every plan, said "up to" of one
+    replica whose stages differ (it has one figure, or none: its stages cannot run together)."""
+    def spread(plan: Plan) -> tuple[int, int] | None:
+        if samples is None or plan.strategy == "dp_ga":  # (dp_ga trains every sample: nothing skipped, the same or not)
+            return None
+        held = [stages[0] for stages in replica_samples(plan, samples)]
+        return min(held), max(held)
+
+    def marked_one(c: Candidate) -> Candidate:
+        s = spread(c.plan)
+        return dataclasses.replace(c, skipped_samples=skipped_samples(c.plan, loader, distributed_sampler=distributed_sampler, spread=s),
+                                   skipped_samples_differ=s is not None and s[0] != s[1])
+
+    marked = [marked_one(c) if c.prediction.feasible else c for c in candidates]
     feasible = [c for c in marked if c.prediction.feasible]
     keep = [c for c in feasible if not c.skipped_samples]
     if not feasible or not keep or keep[0] is feasible[0]:

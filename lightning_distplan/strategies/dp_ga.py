@@ -534,7 +534,7 @@ class Rechunking:
 
     def wrap(
         self, trainer: pl.Trainer, dataloader: object, m: int, *, weight: float = 1.0, cls: type[_MicroBatchLoader] | None = None,
-        replica_share: int = 1, refusal: Exception | None = None,
+        replica_share: int = 1, refusal: Exception | None = None, stages: tuple[int, int] | None = None,
     ) -> object:
         """``dataloader`` re-chunked into batches of ``m`` samples by ``cls`` (itself when its batches already are).
 
@@ -551,8 +551,11 @@ class Rechunking:
         warning made an error by a warnings filter (``-W error``; warned on rank 0 alone, as Lightning's warnings are).
         The loader is wrapped as on the other ranks first, so this rank makes the same collectives on the way (a
         pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made).
+        ``stages``: a pipeline's (this rank's replica, the number of replicas), whose stages' loaders must hold as many
+        batches and samples (:func:`_agree_on_train_loader`, in the same agreement).
         """
         self.restore(trainer)  # a reloaded loader is converted from the user's settings, not from ours
+        stages_of = None if stages is None else (*stages, dataloader)
         kept = dict(vars(self))  # put back where the loader is refused (_agree_or_keep)
         self._loader = None
         self._whole_epoch = self._val_check_next = None
@@ -566,7 +569,7 @@ class Rechunking:
         # where the checkpoint's progress is to be converted (a pipeline step is 1/pp of the user's loader batch)
         self._trainer = trainer
         if loader_batch == m:
-            self._agree_or_keep(kept, trainer, dataloader, refusal, layout=(loader_batch, m))
+            self._agree_or_keep(kept, trainer, dataloader, refusal, layout=(loader_batch, m), stages=stages_of)
             if resuming:
                 self._convert_resumed_progress(trainer, loader_batch)
             return dataloader
@@ -588,7 +591,7 @@ class Rechunking:
             # wrapped as on the other ranks (the same collectives on the way), then raised on every rank at the set-up
             # agreement: here as it was raised, there as _told_elsewhere says
             self._loader = micro_batches()
-            _tell_every_rank(functools.partial(self._agree_or_keep, kept, trainer, self._loader, failure, layout=(loader_batch, m)), failure)
+            _tell_every_rank(functools.partial(self._agree_or_keep, kept, trainer, self._loader, failure, layout=(loader_batch, m), stages=stages_of), failure)
             raise
         self._user_epoch = n if n is None or limit is None else min(n, limit)
         self._loader = micro_batches(limit_batches=limit)
@@ -597,7 +600,7 @@ class Rechunking:
         if refusal is None and loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None \
                 and sized_len(dataloader) is not None and _samples_per_epoch(dataloader) is None:
             refusal = _uncounted(dataloader, loader_batch, m)
-        self._agree_or_keep(kept, trainer, self._loader, refusal, layout=(loader_batch, m))
+        self._agree_or_keep(kept, trainer, self._loader, refusal, layout=(loader_batch, m), stages=stages_of)
         if resuming:
             self._convert_resumed_progress(trainer, loader_batch)
         self._trainer, self._steer = trainer, None
@@ -609,14 +612,14 @@ class Rechunking:
         return self._loader
 
     def _agree_or_keep(self, kept: dict[str, Any], trainer: pl.Trainer, loader: object, refusal: Exception | None, *,
-                       layout: tuple[int | None, int | None]) -> None:
+                       layout: tuple[int | None, int | None], stages: tuple[int, int, object] | None = None) -> None:
         """:func:`_agree_on_train_loader`; where it raises (this rank's refusal of the loader, or another rank's), this
         wrapper's attributes are put back as ``kept`` (the loader before, whose units the trainer's progress still
         counts): a checkpoint saved after the failure (OnExceptionCheckpoint) converted that progress with the refused
         loader's batch size (a pipeline whose rank 0 refused a reloaded loader of 8 where the first had 4 saved 2
         loader batches for the 4 trained)."""
         try:
-            _agree_on_train_loader(trainer, loader, refusal, layout=layout)
+            _agree_on_train_loader(trainer, loader, refusal, layout=layout, stages=stages)
         except BaseException:
             vars(self).clear()
             vars(self).update(kept)
@@ -1067,6 +1070,7 @@ def _uncounted(dataloader: object, loader_batch: int, m: int) -> InfeasiblePlanE
 
 def _agree_on_train_loader(
     trainer: pl.Trainer, loader: object, refusal: Exception | None = None, *, layout: tuple[int | None, int | None] = (None, None),
+    stages: tuple[int, int, object] | None = None,
 ) -> None:
     """Where Lightning sets the train loader up (every rank, once per loader), the ranks agree that ``loader``, the one
     Lightning gets, can run: ``refusal`` (this rank's, maybe of its own data alone) is raised on every rank, and
@@ -1084,6 +1088,14 @@ def _agree_on_train_loader(
     every rank where one re-chunks and the ranks' sizes differ (run as they are, they train as under DDP). One
     all-reduce of eight integers per loader set up (:func:`raise_on_every_rank`), none on one rank.
 
+    ``stages`` (a pipeline's: this rank's replica, the number of replicas, and the user's loader as this rank reads
+    it): the stages of a replica read the same batches together, so their loaders must hold as many batches and samples.
+    Loaders of each rank's own (``use_distributed_sampler=False``, a sampler sharding by the global rank) may not: a
+    stage whose loader ended first left the others waiting for it in the pipeline's send / recv (a hang until the
+    process group's timeout: 16 and 12 samples in batches of 4 trained 3 steps, then hung); only the first batch was
+    compared (``PipelineStrategy._check_same_batch``), and a batch of floats only was just warned about. Refused on
+    every rank, in the same all-reduce (4 more integers per replica: the MIN and MAX of its stages' counts).
+
     ``loader``'s ``__len__`` raising (other than the TypeError / NotImplementedError of no length: an unreadable index
     file of this rank's) is carried as a refusal: raised here as it was raised, on the other ranks as
     :func:`_told_elsewhere` says (read before the collective, it stopped this rank alone and the others waited in it)."""
@@ -1091,19 +1103,33 @@ def _agree_on_train_loader(
         if refusal is not None:
             raise refusal
         return
+    counts = (-1, -1)  # this rank's (batches, samples) of the user's loader where it is a pipeline's stage (-1: unknown)
     try:  # (none read where this rank refuses: the refusal is raised whatever the others' lengths)
         skipped = None if refusal is not None else sized_len(loader) is None
+        if refusal is None and stages is not None:
+            batches, samples = sized_len(stages[2]), _samples_per_epoch(stages[2])
+            counts = (-1 if batches is None else batches, -1 if samples is None else samples)
     except Exception as failure:  # a __len__ raising on this rank alone (its own data): the others waited in the agreement
-        _tell_every_rank(functools.partial(_agree_on_train_loader, trainer, loader, failure, layout=layout), failure)
+        _tell_every_rank(functools.partial(_agree_on_train_loader, trainer, loader, failure, layout=layout, stages=stages), failure)
         raise
     loader_batch, m = layout
     batch, micro = -1 if loader_batch is None else loader_batch, -1 if m is None else m
     rechunks = m is not None and loader_batch != m
+    # each replica's MIN and MAX of its stages' batches and samples: the other replicas' ranks put a value above any count
+    replica, replicas = (0, 0) if stages is None else stages[:2]
+    apart = 2**62
+    per_replica = [v for r in range(replicas) for c in counts for v in ((c, -c) if r == replica else (apart, apart))]
     # MIN of each, and of its negation (the MAX)
     agreed = raise_on_every_rank(refusal, doing="reading its train loader", device=trainer.strategy.root_device,
                                  skipped=skipped, mixed=lambda rank: lengths_beside_streams("train", [rank]),
-                                 also=(batch, -batch, micro, -micro, -rechunks), sent=_told_elsewhere)
+                                 also=(batch, -batch, micro, -micro, -rechunks, *per_replica), sent=_told_elsewhere)
     smallest, largest, fewest, most, rechunked = agreed[0], -agreed[1], agreed[2], -agreed[3], agreed[4] < 0
+    for r in range(replicas):
+        least_batches, most_batches, least_samples, most_samples = (
+            agreed[5 + 4 * r], -agreed[6 + 4 * r], agreed[7 + 4 * r], -agreed[8 + 4 * r])
+        # (a count unknown on a stage, -1, is no difference: streams beside lengths are refused above)
+        if least_batches >= 0 and least_batches != most_batches or least_samples >= 0 and least_samples != most_samples:
+            raise stages_hold_other_data(r, replicas, (least_batches, most_batches), (least_samples, most_samples))
     if rechunked and (largest != smallest or most != fewest):
         sizes = f"{smallest}" if smallest == largest else f"from {smallest} to {largest}" if smallest >= 0 else \
             f"up to {largest} (unknown on some)"
@@ -1114,6 +1140,22 @@ def _agree_on_train_loader(
             hint="Give every rank's train loader the same batch size, or run each rank's batches as they are "
             "(DPGAStrategy's micro_batch_size and accumulate_grad_batches 'auto', or strategy='ddp').",
         )
+
+
+def stages_hold_other_data(replica: int, replicas: int, batches: tuple[int, int], samples: tuple[int, int]) -> BatchFormatError:
+    """The refusal of pipeline replica ``replica`` (of ``replicas``) whose stages' train loaders hold from ``batches[0]``
+    to ``batches[1]`` batches and ``samples[0]`` to ``samples[1]`` samples per epoch (-1: unknown on some stage)
+    (:func:`_agree_on_train_loader`): they are not the same data, which every stage of a replica must read."""
+    held = [f"from {lo} to {hi} {what}" for (lo, hi), what in ((batches, "batches"), (samples, "samples")) if lo >= 0 and lo != hi]
+    which = "the pipeline's stages" if replicas == 1 else f"the stages of pipeline replica {replica}"
+    return BatchFormatError(
+        f"The train loaders of {which} hold different numbers of batches or samples ({' and '.join(held)} per epoch), "
+        "but a replica's stages must read the same batches together (the first stage feeds the inputs, the last computes "
+        "the loss), so a stage whose loader ends first would leave the others waiting.",
+        hint="Give every rank of a pipeline replica the same loader: let Lightning shard the data (use_distributed_sampler=True, "
+        "no sampler of your own), or shard by trainer.strategy.distributed_sampler_kwargs['rank'] / ['num_replicas'] (the "
+        "data-parallel replica), not by the global rank.",
+    )
 
 
 def lengths_beside_streams(what: str, ranks: Sequence[int]) -> BatchFormatError:

@@ -946,11 +946,13 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         """Refuse, on every rank, train loaders with a length on some ranks beside streams on others (dp_ga's agreement,
         :func:`~lightning_distplan.strategies.dp_ga._agree_on_train_loader`): Lightning's ``has_len_all_ranks``, right
         after this hook, sums their lengths in a collective that the ranks reading a stream skip, and the fit hung
-        there (a loader of each rank's own, ``use_distributed_sampler=False``). One all-reduce per train loader set up,
-        none on one rank. A subclass that agrees on the loader it makes of this one says so by overriding this."""
+        there (a loader of each rank's own, ``use_distributed_sampler=False``); and, in the same all-reduce, the stages of
+        a replica whose loaders hold different numbers of batches or samples (they cannot read the same batches; a
+        stage whose loader ended first left the others waiting). One all-reduce per train loader set up, none on one rank. A subclass that agrees on the loader it makes of this one says so by overriding this."""
         from lightning_distplan.strategies.dp_ga import _agree_on_train_loader
 
-        _agree_on_train_loader(trainer, dataloader)
+        layout = self.layout
+        _agree_on_train_loader(trainer, dataloader, stages=(layout.replica, layout.dp, dataloader) if layout.pp > 1 else None)
 
     def _agree_on_evaluation_batches(self, trainer: pl.Trainer, dataloader: object, prefix: str) -> None:
         """Refuse, on every rank, evaluation loaders whose numbers of batches cannot run together (they hung, or

@@ -87,9 +87,12 @@ def _whole_epochs_first(cands: list[Candidate], rng: random.Random) -> list[Cand
     """auto_plan's whole_epochs_first: each feasible pipeline skips the samples of its replica's share of the loader
     (``samples // dp``) that its steps of m·n do not fill; those that skip any go behind the feasible plans that skip none."""
     samples = rng.choice([20, 33, 50, 100, 101])  # the loader's samples, shared by the dp replicas
-    differ = rng.random() < 0.3  # the ranks read data of their own, of different sizes: the figure is the most one skips
+    # the replicas read data of their own, of different sizes: the figure is the most one skips (only where there are
+    # several replicas: one replica's stages holding different sizes rule the plan out, replicas_of_other_data_last)
+    differ = rng.random() < 0.3
     marked = [
-        replace(c, skipped_samples=(samples // c.plan.dp) % (c.plan.micro_batch_size * c.plan.n_microbatches), skipped_samples_differ=differ)
+        replace(c, skipped_samples=(samples // c.plan.dp) % (c.plan.micro_batch_size * c.plan.n_microbatches),
+                skipped_samples_differ=differ and c.plan.dp > 1)
         if c.prediction.feasible and c.plan.strategy != "dp_ga" else c
         for c in cands
     ]

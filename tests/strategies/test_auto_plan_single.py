@@ -204,7 +204,7 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
     from lightning_distplan.costmodel._synthetic import LayerSpec, synthetic_profile
     from lightning_distplan.planner import rank_plans
     from lightning_distplan.planner import why_winner
-    from lightning_distplan.strategies.auto_plan import skipped_samples, whole_epochs_first
+    from lightning_distplan.strategies.auto_plan import replicas_of_other_data_last, skipped_samples, whole_epochs_first
 
     profile = synthetic_profile([LayerSpec(fwd_alpha=1e-3, bwd_alpha=2e-3, param_bytes=256 << 20, activation_bytes_per_sample=1e3,
                                            output_bytes_per_sample=1e3)] * 4)
@@ -225,15 +225,25 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
         whole_epochs_first(ranked, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
     assert len(said) == 1 and "it would skip the epoch's last 1 sample per replica, which your run trains" in said[0], said
-    # the ranks' loaders of their own data (samples_spread): equal ones skip alike; where they differ the figure is the
-    # most any replica skips (55 - 48), which the others do not: "up to" it (it said "the epoch's last 7" of every replica)
-    for spread, skip in (((49, 49), "the epoch's last 1 sample per replica"), ((49, 55), "up to the epoch's last 7 samples per replica")):
-        caplog.clear()
-        with caplog.at_level(logging.INFO):
-            moved = whole_epochs_first(ranked, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False, spread=spread)
-        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
-        assert len(said) == 1 and f"it would skip {skip}, which your run trains" in said[0], said
-        assert f"would skip {skip}, " in why_winner(moved), why_winner(moved)
+    # the ranks' loaders of their own data (samples_per_rank): equal ones skip alike
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        moved = whole_epochs_first(ranked, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False, samples=(49, 49))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
+    skip = "the epoch's last 1 sample per replica"
+    assert len(said) == 1 and f"it would skip {skip}, which your run trains" in said[0], said
+    assert f"would skip {skip}, " in why_winner(moved), why_winner(moved)
+    # ... where they differ on the stages of one replica (the 2 ranks' one pipeline), it is no skip: the stages cannot run
+    # together, so the pipelines are ruled out (it said "would skip up to the epoch's last 7 samples per replica")
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        ruled = replicas_of_other_data_last(ranked, (49, 55))
+        moved = whole_epochs_first(ruled, DataLoader(TensorDataset(torch.zeros(49, 2)), batch_size=8), distributed_sampler=False, samples=(49, 55))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto_plan: not running ")]
+    assert len(said) == 1 and "the ranks of one of its replicas hold different numbers of samples per epoch (49, 55)" in said[0], said
+    assert not any("up to" in m for m in said) and "up to" not in why_winner(moved), (said, why_winner(moved))
+    assert moved[0].plan.strategy == "dp_ga" and [c.rank for c in moved] == list(range(1, len(ranked) + 1))
+    assert all(not c.prediction.feasible for c in moved if c.plan.strategy != "dp_ga")
 
     class _Stream(IterableDataset):  # Lightning shards no IterableDataset, whatever use_distributed_sampler says
         def __iter__(self):  # type: ignore[no-untyped-def]
@@ -255,13 +265,22 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
         loader = DataLoader(TensorDataset(torch.zeros(per_rank, 2)), batch_size=4)
         assert skipped_samples(replicas, loader, distributed_sampler=True) == sharded
         assert skipped_samples(replicas, loader, distributed_sampler=False) == own
-    # the ranks' fewest and most samples (samples_spread, on several ranks): every replica stops after the steps the
-    # fewest fill, so rank 0's 16 (16 % 8 = 0) are no replica's figure where another rank has 14 (1 step: 8 skipped)
+    # the replicas' fewest and most samples (of samples_per_rank, on several ranks): every replica stops after the steps
+    # the fewest fill, so rank 0's 16 (16 % 8 = 0) are no replica's figure where another replica has 14 (1 step: 8 skipped)
     sixteen = DataLoader(TensorDataset(torch.zeros(16, 2)), batch_size=4)
     assert skipped_samples(replicas, sixteen, distributed_sampler=False) == 0
     assert skipped_samples(replicas, sixteen, distributed_sampler=False, spread=(14, 16)) == 8
     assert skipped_samples(replicas, sixteen, distributed_sampler=False, spread=(16, 16)) == 0
     assert skipped_samples(replicas, sixteen, distributed_sampler=True, spread=(14, 16)) == 0  # sharded: the spread is not its figure
+    # read per plan from each rank's samples: 16 on replica 0's ranks, 14 on replica 1's, where 2 replicas of 2 stages
+    # skip up to 8 (the replicas differ: "up to"), and one replica of 4 stages cannot run (its stages differ): ruled out
+    apart = replicas_of_other_data_last(world4, (16, 16, 14, 14))
+    four = [c for c in apart if c.plan.strategy != "dp_ga" and c.plan.pp == 4]
+    assert four and all(not c.prediction.feasible and "(16, 16, 14, 14)" in c.prediction.reason for c in four)
+    marked = {c.plan: c for c in whole_epochs_first(apart, sixteen, distributed_sampler=False, samples=(16, 16, 14, 14))}
+    assert (marked[replicas].skipped_samples, marked[replicas].skipped_samples_differ) == (8, True)
+    even = {c.plan: c for c in whole_epochs_first(world4, sixteen, distributed_sampler=False, samples=(16, 16, 16, 16))}
+    assert (even[replicas].skipped_samples, even[replicas].skipped_samples_differ) == (0, False)
 
 
 class _LengthNotImplemented(torch.utils.data.SequentialSampler):
@@ -273,9 +292,9 @@ class _LengthNotImplemented(torch.utils.data.SequentialSampler):
 
 def test_a_loader_whose_length_raises_not_implemented_error_counts_as_unsized_where_the_ranks_agree(tmp_path: Path) -> None:
     """Lightning reads a ``__len__`` raising NotImplementedError as no length (its ``sized_len``) and runs the loader
-    under DDP; the ranks' agreement on their samples per epoch (planning's samples_spread, the pipeline loader's steps)
+    under DDP; the ranks' agreement on their samples per epoch (planning's samples_per_rank, the pipeline loader's steps)
     read it as an error: NotImplementedError on every rank, the fit stopped. It is an unknown count now, as a loader
-    without ``__len__`` (TypeError): samples_spread says None, and the pipeline's loader agrees step by step; so does
+    without ``__len__`` (TypeError): samples_per_rank says None, and the pipeline's loader agrees step by step; so does
     planning's figure of the samples a pipeline skips (it raised there, on rank 0 alone). (One process, a one-rank gloo
     group: the same all-reduce as on several.)"""
     import functools
@@ -283,13 +302,13 @@ def test_a_loader_whose_length_raises_not_implemented_error_counts_as_unsized_wh
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_distplan import Plan
-    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader, loader_shortfall, samples_spread
+    from lightning_distplan.strategies._auto_concrete import _FullBatchLoader, loader_shortfall, samples_per_rank
     from lightning_distplan.strategies.dp_ga import _agreed_batch_sizes
 
     data = TensorDataset(torch.arange(10.0).view(10, 1))
     loader = DataLoader(data, batch_size=4, sampler=_LengthNotImplemented(data))
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
-    assert samples_spread(torch.device("cpu"), loader) is None
+    assert samples_per_rank(torch.device("cpu"), loader) is None
     full = _FullBatchLoader(loader, 2, agree=functools.partial(_agreed_batch_sizes, torch.device("cpu")))
     assert full._steps is None  # not agreed as it was made: step by step
     assert [batch[0].flatten().tolist() for batch in full] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]

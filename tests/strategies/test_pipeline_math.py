@@ -490,6 +490,48 @@ def _sharded_by_rank(rank: int, world: int, out: str) -> str:
     return refused + f" | floats: {trainer.global_step} steps, {len(warned)} warning(s)"
 
 
+def _stages_of_other_lengths(rank: int, world: int, out: str) -> dict[str, Any]:
+    """Each rank's own data (use_distributed_sampler=False), 16 samples on rank 0 and 12 on rank 1, in batches of 4:
+    the one replica's stages hold different numbers of batches. PipelineStrategy compared the first batch alone (floats
+    only: warned) and trained 3 steps, then stage 0 waited for good at the 4th, which stage 1 has no batch for (gloo's
+    timeout); auto_plan's pinned pipeline the same after 1 step; unpinned, planning said the pipeline "would skip up to
+    the epoch's last 8 samples per replica" (no skip: its stages cannot run together) before running dp_ga. What each
+    raised and its steps, and for the unpinned plan (``_WideMLP``, 2 steps), the plan and what planning said of the
+    pipelines (rank 0's log). Run with a 20 s timeout, so that a hang fails here quickly."""
+    import datetime
+    import logging
+
+    from lightning_utilities.core import rank_zero
+
+    from lightning_distplan.strategies.auto_plan import AutoPlanStrategy
+    from lightning_distplan.strategies.pipeline import PipelineStrategy
+
+    timeout = datetime.timedelta(seconds=20)
+    results: dict[str, Any] = {}
+    for kind, strategy in (
+        ("pipeline", PipelineStrategy(schedule="gpipe", stages=2, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY], timeout=timeout)),
+        ("pinned", AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
+                                    timeout=timeout)),
+    ):
+        trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, f"lengths-{kind}"), use_distributed_sampler=False),
+                               "max_steps": -1, "max_epochs": 1})
+        raised = error_of(lambda: trainer.fit(TinyMLP(), DataLoader(mlp_data(16 if rank == 0 else 12, seed=rank), batch_size=4)))
+        results[kind] = (raised and f"{raised[0]}: {raised[1]}", trainer.global_step)
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(rank_zero.log.name).addHandler(handler)
+    auto = AutoPlanStrategy(timeout=timeout)
+    trainer = L.Trainer(**{**trainer_kwargs(world, auto, os.path.join(out, "lengths-unpinned"), use_distributed_sampler=False), "max_steps": 2})
+    raised = error_of(lambda: trainer.fit(_WideMLP(), DataLoader(mlp_data(16 if rank == 0 else 12, seed=rank), batch_size=4)))
+    logging.getLogger(rank_zero.log.name).removeHandler(handler)
+    ranked = [] if auto.outcome is None else [(c.plan.strategy, c.prediction.feasible, c.prediction.reason, c.skipped_samples_differ)
+                                              for c in auto.outcome.candidates]
+    results["unpinned"] = {"raised": raised, "plan": None if raised else trainer.strategy.plan.describe(), "ranked": ranked,
+                           "said": [m for m in said if m.startswith("auto_plan: not running ")]}
+    return results
+
+
 def _guessed_loss_differs(world: int, out: str) -> dict[str, Any]:
     """GPT-2 whose training_step adds a weight penalty the built-in adapter's loss (the model's own LM loss) does not
     have: the pipeline trained the plain loss, silently. Refused before the model is cut, the module whole; with a
@@ -1014,6 +1056,7 @@ def _two_rank_worker(rank: int, world: int, out: str) -> dict[str, Any]:
     results["guessed_loss"] = _guessed_loss_differs(world, out)
     results["callbacks"] = _callbacks_a_pipeline_cannot_serve(world, out)
     results["sharded"] = _sharded_by_rank(rank, world, out)
+    results["other lengths"] = _stages_of_other_lengths(rank, world, out)
     results["tied_frozen"] = _tied_and_frozen(world, out)
     results["short_last"] = _short_last_batch(world, out)
     results["clipped"] = _clipped(world, out, "1f1b")
@@ -1236,7 +1279,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
 
     ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on each rank's own samples, 16 on replica 0's
     ranks and 14 on replica 1's, in batches of 4: the plan chosen, and what planning said of skipped samples (rank 0's
-    log)."""
+    log). ``planned apart``: the same with 16 on ranks 0-2 and 14 on rank 3 (2 steps), where every pipeline has a
+    replica whose stages differ. ``stages differ``: the pinned pipeline on 16 samples per rank but 12 on rank 3."""
     import datetime
     import logging
 
@@ -1287,6 +1331,8 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                          "warned": [str(w.message) for w in caught if "skipp" in str(w.message)]}
 
     fit_own_data("equal", DataLoader(mlp_data(20, seed=rank // 2), batch_size=4))
+    # replica 1's stages of their own data: 16 samples on rank 2, 12 on rank 3 (it trained 1 step on other data per stage)
+    fit_own_data("stages differ", DataLoader(mlp_data(12 if rank == 3 else 16, seed=rank // 2), batch_size=4))
     said: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
@@ -1301,6 +1347,17 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     results["planned"] = {"raised": raised, "plan": None if raised else trainer.strategy.plan.describe(), "ranked": ranked,
                           "said": [m for m in said if m.startswith("auto_plan: not running ")],
                           "why": [line for m in said for line in m.splitlines() if line.startswith("Why the winner wins: ")]}
+    # ... and replica 1's stages (of dp=2 x pp=2) holding 16 and 14: each pipeline has a replica whose stages differ
+    said.clear()
+    logging.getLogger(rank_zero.log.name).addHandler(handler)
+    auto = AutoPlanStrategy(timeout=datetime.timedelta(seconds=120))
+    trainer = L.Trainer(**{**trainer_kwargs(world, auto, os.path.join(out, "planned apart"), use_distributed_sampler=False), "max_steps": 2})
+    raised = error_of(lambda: trainer.fit(_WideMLP(), DataLoader(mlp_data(14 if rank == 3 else 16, seed=rank // 2), batch_size=4)))
+    logging.getLogger(rank_zero.log.name).removeHandler(handler)
+    results["planned apart"] = {"raised": raised, "plan": None if raised else trainer.strategy.plan.describe(),
+                                "ranked": [] if auto.outcome is None else [(c.plan.strategy, c.prediction.feasible, c.prediction.reason,
+                                                                            c.skipped_samples_differ) for c in auto.outcome.candidates],
+                                "said": [m for m in said if m.startswith("auto_plan: not running ")]}
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     torch.manual_seed(0)
@@ -1394,7 +1451,9 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
     (the loss broadcast, not summed with the stages' places). Stage 1 of each replica reading a stream beside
     stage 0's loader with a length (validate) waited in Lightning's has_len_all_ranks, a collective only stage 0 joined;
     it is refused on every rank at the loader's setup too, and so is the same of a fit's train loaders (fit; it hung
-    there too, as dp_ga's did: one refusal naming rank 1, before any step). Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
+    there too, as dp_ga's did: one refusal naming rank 1, before any step). A fit whose replica 1 has 2 train batches on
+    stage 0 and 1 on stage 1 trained its first step and hung at the second (replica 0 and stage 0 waiting for stage 1);
+    refused on every rank at the loader's setup (in the agreement that refuses lengths beside streams). Predict on an empty replica under allow_zero_length_dataloader_with_multiple_devices still runs: its
     steps meet no other replica. Streams again (the last cases, as a hang without the fix broke the world for those
     after it): stage 1 of replica 1 yielding none beside 2 batches everywhere else (validate; its stage 0 waited in
     gloo's send until the timeout) and replica 1 yielding none beside replica 0's 2 (test; replica 0 waited in the
@@ -1448,6 +1507,7 @@ def _evaluation_data_a_pipeline_cannot_run(rank: int, world: int, out: str) -> d
                              ("streams of stages differ", "validate", [3, 2, 3, 2]), ("streams", "test", [2, 2, 1, 1]),
                              ("the streams' data", "test", [2, 2, 1, 1]), ("lengths beside streams", "validate", [2, 2, 2, 2]),
                              ("train lengths beside streams", "fit", [2, 2, 2, 2]),
+                             ("train: one replica's stages differ", "fit", [2, 2, 2, 1]),
                              ("streams: an empty stage", "validate", [2, 2, 2, 0]), ("streams: an empty replica", "test", [2, 2, 0, 0]),
                              ("streams: one replica's stages differ", "validate", [3, 2, 2, 2]),
                              ("streams: an empty replica predicts", "predict", [2, 2, 0, 0]),
@@ -1626,8 +1686,9 @@ def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(
     """Each rank's own samples, 16 on replica 0's ranks (rank 0's, the loader planning reads) and 14 on replica 1's, in
     batches of 4 (use_distributed_sampler=False, see _replicas_of_unequal_data_under_auto_plan), planned on 4 ranks
     with nothing pinned: every replica stops after the steps the fewest fill (_FullBatchLoader), 1 of 8 samples on dp=2
-    (replica 0 skips 8, replica 1 6) and none of 16 on dp=1 (all 16 skipped), which DDP trains, so dp_ga, the one plan
-    that trains them all, runs. Planning read rank 0's loader alone: 16 % 8 = 0 and 16 % 16 = 0, no pipeline skipped
+    (replica 0 skips 8, replica 1 6), which DDP trains, so dp_ga, the one plan that trains them all, runs; a pipeline of
+    one replica (dp=1) puts ranks of 16 and 14 samples in one replica, whose stages cannot read the same batches: ruled
+    out (it was said to skip them all, 16). Planning read rank 0's loader alone: 16 % 8 = 0 and 16 % 16 = 0, no pipeline skipped
     any, and a pipeline predicted faster ran; the ranks' fewest and most samples now come with one all-reduce
     (samples_spread). Read as one dataset that Lightning shards over the 4 ranks (AutoPlanStrategy._plan must pass
     use_distributed_sampler), no pipeline skipped any either. Which plan is predicted fastest depends on the host's
@@ -1638,8 +1699,10 @@ def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(
     assert [p["raised"] for p in planned] == [None] * 4, planned
     ranked, said, why = planned[0]["ranked"], planned[0]["said"], planned[0]["why"]
     pipelines = [r for r in ranked if r[0] != "dp_ga" and r[3]]
-    skips = {r[1]: 8 if " dp=2 " in r[1] else 16 for r in pipelines}
-    assert pipelines and [r[4] for r in pipelines] == list(skips.values()), ranked  # (rank 0's own, or read as sharded: 0)
+    skips = {r[1]: 8 for r in pipelines}
+    assert pipelines and all(" dp=2 " in r[1] for r in pipelines), ranked  # one replica of all 4 ranks: ruled out
+    assert [r[4] for r in pipelines] == list(skips.values()), ranked  # (rank 0's own, or read as sharded: 0)
+    said = [m for m in said if "would skip" in m]  # (not the dp=1 pipelines' ruling out, if one of them ranked first)
     assert len({p["plan"] for p in planned}) == 1 and planned[0]["plan"].startswith("dp_ga dp=4 "), planned
     assert ranked[0][0] == "dp_ga" and ranked[0][4] == 0 and len(why) == 1, (ranked, why)
     if said:  # a pipeline ranked first, moved behind dp_ga
@@ -1653,6 +1716,29 @@ def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(
     else:  # dp_ga ranked first on its own: no pipeline beyond the near tie (2%) it may win
         assert ranked[0][2] <= 1.02 * min(r[2] for r in ranked if r[3]) * (1 + 1e-9), ranked
         assert "would skip" not in why[0], why
+
+
+def test_auto_plan_refuses_or_rules_out_pipelines_whose_replicas_stages_hold_other_lengths(_launch) -> None:
+    """Replica 1's stages of data of their own hold 16 samples (rank 2) and 12 or 14 (rank 3), replica 0's 16 each (see
+    _replicas_of_unequal_data_under_auto_plan). The pinned pipeline (dp=2 x pp=2) trained 1 step, each stage of replica
+    1 on other data, and warned of the replicas' spread "skipping up to 8 samples per epoch" (stage 1 computed the loss
+    on other targets than stage 0's inputs): now one refusal on every rank at the loader's set-up, before any step.
+    Unpinned, planning said a pipeline "would skip up to the epoch's last 8 samples per replica" (each pipeline has a
+    replica whose stages differ): every pipeline is ruled out now, said as such, and dp_ga runs."""
+    differ = [r["unequal"]["stages differ"] for r in _launch[2]]
+    sentence = ("BatchFormatError: The train loaders of the stages of pipeline replica 1 hold different numbers of batches or "
+                "samples (from 3 to 4 batches and from 12 to 16 samples per epoch)")
+    assert all(d["raised"] is not None for d in differ), differ
+    got = {f"{d['raised'][0]}: {d['raised'][1]}" for d in differ}
+    assert len(got) == 1 and next(iter(got)).startswith(sentence) and "HINT: " in next(iter(got)), got
+    assert [d["steps"] for d in differ] == [[]] * 4 and not any(d["warned"] for d in differ), differ  # no epoch trained
+    apart = [r["unequal"]["planned apart"] for r in _launch[2]]
+    assert [a["raised"] for a in apart] == [None] * 4 and all(a["plan"].startswith("dp_ga dp=4 ") for a in apart), apart
+    ranked, said = apart[0]["ranked"], apart[0]["said"]
+    pipelines = [r for r in ranked if r[0] != "dp_ga"]
+    assert pipelines and all(not r[1] for r in pipelines), ranked
+    assert any("hold different numbers of samples per epoch (16, 16, 16, 14)" in r[2] for r in pipelines), ranked
+    assert not any(r[3] for r in ranked) and not any("would skip" in m for m in said), (ranked, said)
 
 
 def test_rows_beyond_the_samples_counted_under_auto_plans_pipeline_are_refused_on_every_rank(_launch) -> None:
@@ -1817,6 +1903,8 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
         "dataloader_iter: streams with an empty stage": "BatchFormatError: The LightningModule's `validation_step` takes "
                                                         "`dataloader_iter`, but PipelineStrategy runs the pipeline in place of `validation_step`",
         "dataloader_iter: train": "BatchFormatError: The LightningModule's `training_step` takes `dataloader_iter`",
+        "train: one replica's stages differ": "BatchFormatError: The train loaders of the stages of pipeline replica 1 hold "
+                                              "different numbers of batches or samples (from 1 to 2 batches and from 4 to 8 samples per epoch)",
         "a stage reads other samples": "BatchFormatError: The stages of pipeline replica 1 read different validation batches",
         "a stage predicts from other samples": "BatchFormatError: The stages of pipeline replica 1 read different prediction batches",
         "several streams: a replica without the second": "BatchFormatError: Pipeline replica 1 (ranks 2, 3) has no validation "
@@ -1836,6 +1924,7 @@ def test_evaluation_data_a_pipeline_cannot_run_is_refused_on_every_rank(_launch)
     assert [r["streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], [], []]
     assert [r["after streams: an empty replica predicts"] for r in ranks] == [[(4, 4), (4, 4)], [(4, 4), (4, 4)], None, None]
     assert [r["train lengths beside streams: steps"] for r in ranks] == [0, 0, 0, 0]
+    assert [r["train: one replica's stages differ: steps"] for r in ranks] == [0, 0, 0, 0]
     assert [r["dataloader_iter: train: steps"] for r in ranks] == [0, 0, 0, 0]
     limited = [r["streams under a limit"][0]["test_loss"] for r in ranks]
     assert len(set(limited)) == 1 and limited[0] == pytest.approx(tested[0], rel=1e-6), (limited, tested)
@@ -1977,6 +2066,28 @@ def test_stages_reading_different_batches_are_refused_at_the_first_step(two_rank
         got = results[r]["sharded"]
         assert got.startswith("0: The stages of pipeline replica 0 read different training batches"), got
         assert "HINT" in got
+
+
+def test_stages_of_one_replica_holding_loaders_of_other_lengths_are_refused_before_any_step(two_rank_run) -> None:
+    """16 samples on rank 0, 12 on rank 1, each its own (see _stages_of_other_lengths): PipelineStrategy and auto_plan's
+    pinned pipeline trained 3 steps and 1, then hung (gloo's timeout); now one refusal on every rank where the train
+    loader is set up, before any step. Unpinned, the pipelines are ruled out (their stages would read other data), said
+    as such, and dp_ga runs: never "would skip up to ... per replica" of the one replica."""
+    _, results = two_rank_run
+    sentence = ("BatchFormatError: The train loaders of the pipeline's stages hold different numbers of batches or samples "
+                "(from 3 to 4 batches and from 12 to 16 samples per epoch), but a replica's stages must read the same batches together")
+    for kind in ("pipeline", "pinned"):
+        got = [r["other lengths"][kind] for r in results]
+        assert got[0] == got[1] and got[0][0].startswith(sentence) and got[0][1] == 0, got
+        assert "HINT: " in got[0][0] and ". " not in got[0][0].split(" HINT: ")[0], got
+    unpinned = [r["other lengths"]["unpinned"] for r in results]
+    assert [u["raised"] for u in unpinned] == [None, None] and all(u["plan"].startswith("dp_ga dp=2 ") for u in unpinned), unpinned
+    ranked, said = unpinned[0]["ranked"], unpinned[0]["said"]
+    pipelines = [r for r in ranked if r[0] != "dp_ga"]
+    assert pipelines and all(not r[1] for r in pipelines), ranked  # every pipeline ruled out (one replica of both ranks)
+    assert any("hold different numbers of samples per epoch (16, 12)" in r[2] for r in pipelines), ranked
+    assert not any(r[3] for r in ranked) and not any("up to" in m for m in said), (ranked, said)
+    assert all("the ranks of one of its replicas hold different numbers of samples per epoch (16, 12)" in m for m in said), said
 
 
 def test_a_last_batch_that_does_not_split_is_refused_before_the_first_step(two_rank_run) -> None:
