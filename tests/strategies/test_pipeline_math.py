@@ -1263,7 +1263,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     gave up; what each rank raised. ``failed``: rank 3's Dataset raises IndexError at its second step's samples (any
     error of that rank's loader, not a refusal of this package's): the same, and where rank 3's traceback ends.
     ``unsized sampler`` and ``unsized``: rank 3's sampler's ``__len__`` (read as the pipeline's loader counts the epoch's
-    samples), and its DataLoader's (read as an unpinned auto_plan plans: samples_spread), raise ValueError: the same.
+    samples), and its DataLoader's (read as an unpinned auto_plan plans: samples_per_rank), raise ValueError: the same.
     ``unsized loader``: rank 3's DataLoader's ``__len__`` under the pinned plan, first read as the loader is set up
     (Rechunking.wrap, before the pipeline's loader agrees on the epoch's steps): the same.
 
@@ -1412,7 +1412,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     # rank 3's sampler's __len__ raises where the pipeline's loader counts the epoch's samples (_FullBatchLoader.__init__)
     sampler = _UnsizedSampler(16) if rank == 3 else torch.utils.data.SequentialSampler(full)
     fit_own_data("unsized sampler", DataLoader(full, batch_sampler=_CountedBatches(sampler, 16, 4)))
-    # rank 3's loader's __len__ raises where planning reads the ranks' samples per epoch (samples_spread)
+    # rank 3's loader's __len__ raises where planning reads the ranks' samples per epoch (samples_per_rank)
     unpinned = AutoPlanStrategy(timeout=datetime.timedelta(seconds=120))
     trainer = L.Trainer(**{**trainer_kwargs(world, unpinned, os.path.join(out, "unsized"), use_distributed_sampler=False),
                            "max_steps": -1, "max_epochs": 1})
@@ -1689,12 +1689,12 @@ def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(
     (replica 0 skips 8, replica 1 6), which DDP trains, so dp_ga, the one plan that trains them all, runs; a pipeline of
     one replica (dp=1) puts ranks of 16 and 14 samples in one replica, whose stages cannot read the same batches: ruled
     out (it was said to skip them all, 16). Planning read rank 0's loader alone: 16 % 8 = 0 and 16 % 16 = 0, no pipeline skipped
-    any, and a pipeline predicted faster ran; the ranks' fewest and most samples now come with one all-reduce
-    (samples_spread). Read as one dataset that Lightning shards over the 4 ranks (AutoPlanStrategy._plan must pass
+    any, and a pipeline predicted faster ran; each rank's samples now come with one all-reduce
+    (samples_per_rank). Read as one dataset that Lightning shards over the 4 ranks (AutoPlanStrategy._plan must pass
     use_distributed_sampler), no pipeline skipped any either. Which plan is predicted fastest depends on the host's
     measured compute and links (_WideMLP makes it a pipeline on the hosts seen, 0.369 vs 0.478 s/step), so only what
-    follows from the recorded ranking is asserted: every feasible pipeline marked as skipping 8 (dp=2) or 16 (dp=1) on
-    any host, and where one was moved behind dp_ga, that it was said, and why dp_ga won."""
+    follows from the recorded ranking is asserted: every feasible pipeline (dp=2: the dp=1 ones are ruled out) marked as
+    skipping 8 on any host, and where one was moved behind dp_ga, that it was said, and why dp_ga won."""
     planned = [r["unequal"]["planned"] for r in _launch[2]]
     assert [p["raised"] for p in planned] == [None] * 4, planned
     ranked, said, why = planned[0]["ranked"], planned[0]["said"], planned[0]["why"]
@@ -1846,7 +1846,7 @@ def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_ever
 def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch, kind: str) -> None:
     """Rank 3's train loader alone raises ValueError where its length is read (see
     _replicas_of_unequal_data_under_auto_plan): its sampler's, as the pipeline's loader counts the epoch's samples the
-    ranks agree on (_FullBatchLoader), and its own, as planning reads the ranks' samples per epoch (samples_spread, one
+    ranks agree on (_FullBatchLoader), and its own, as planning reads the ranks' samples per epoch (samples_per_rank, one
     all-reduce). Only a TypeError (not sized) was caught there, so rank 3 raised alone before the all-reduce the others
     waited in. Now it rides that all-reduce: rank 3 raises its own ValueError, its traceback ending in the __len__, and
     the others one RuntimeError naming it and rank 3. So does its own under a pinned plan, first read as the loader is
