@@ -564,9 +564,10 @@ def replicas_of_other_data_last(candidates: Sequence[Candidate], samples: Sequen
     if not feasible:
         raise InfeasiblePlanError(
             f"Every feasible plan is a pipeline, and the ranks' train loaders hold different numbers of samples per epoch "
-            f"({', '.join(map(str, samples))}), so the stages of its replicas would read different data.",
+            f"({', '.join(map(str, samples))}), so the stages of their replicas would read different data.",
             hint="Give every rank of a pipeline replica the same loader (use_distributed_sampler=True, or shard by "
-            "trainer.strategy.distributed_sampler_kwargs), or allow a data-parallel plan (drop the pins that rule it out).",
+            "trainer.strategy.distributed_sampler_kwargs), or make a data-parallel plan feasible (the planning table "
+            "gives each one's reason: a pin, or memory).",
         )
     if id(first) in apart:
         rank_zero_info(

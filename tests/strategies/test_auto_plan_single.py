@@ -244,6 +244,11 @@ def test_planning_counts_the_skipped_samples_of_each_ranks_own_loader_without_a_
     assert not any("up to" in m for m in said) and "up to" not in why_winner(moved), (said, why_winner(moved))
     assert moved[0].plan.strategy == "dp_ga" and [c.rank for c in moved] == list(range(1, len(ranked) + 1))
     assert all(not c.prediction.feasible for c in moved if c.plan.strategy != "dp_ga")
+    # ... and where no data-parallel plan is feasible (memory, a pin), no pipeline is left to run: refused, not run to hang
+    no_dp = [dataclasses.replace(c, prediction=dataclasses.replace(c.prediction, feasible=False, reason="out of memory"))
+             if c.plan.strategy == "dp_ga" else c for c in ranked]
+    with pytest.raises(InfeasiblePlanError, match=r"^Every feasible plan is a pipeline, .* samples per epoch \(49, 55\), .*HINT: .*or make a data-parallel plan feasible"):
+        replicas_of_other_data_last(no_dp, (49, 55))
 
     class _Stream(IterableDataset):  # Lightning shards no IterableDataset, whatever use_distributed_sampler says
         def __iter__(self):  # type: ignore[no-untyped-def]
