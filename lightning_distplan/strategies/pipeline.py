@@ -1024,7 +1024,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         one all-gather per run of a stream, none per step. A replica with no predictions beside others runs (its steps meet no other replica), as
         an empty one with a length does. Returns the loader of this rank's first batch (None where no stream runs): the
         loaders before it end at the run's start, where it says so to the others' ends of them
-        (:meth:`_start_evaluation_run`)."""
+        (:meth:`_check_evaluation_start`)."""
         trainer = self.lightning_module.trainer
         prefix = trainer.state.stage.dataloader_prefix
         if prefix not in self._uncounted_eval or not _distributed_is_initialized() or dist.get_world_size() < 2:
@@ -1054,7 +1054,7 @@ class PipelineStrategy(AtomicSaves, DDPStrategy):
         loader yields it (fetched ahead now, :func:`_prefetch_stream`, as a stream's is) is compared, as a fit's first is
         (:meth:`_compare_stages_batches`): one all-gather of 4 numbers per run, none per step. Over every rank, so that
         every rank raises the same error; over the replica's stages where a replica may skip the run (predict beside a
-        replica without batches, which never reaches this hook), whose ranks alone then raise (or warn, from the
+        replica without batches, which never reaches this check), whose ranks alone then raise (or warn, from the
         replica's stage 0: rank 0 does not know): predict's replicas meet no other replica."""
         layout = self.layout
         if layout.pp < 2 or not _distributed_is_initialized() or dist.get_world_size() < 2:
