@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ports import free_port
 
 from lightning_distplan.bench._bench import BenchError, check_own_devices, cuda_devices_used, ranks_sharing_a_device
 
 SHARED = [("node1", "GPU-aaaa", "cuda:0")]  # every rank on cuda:0 of one host: the user forgot set_device
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +104,7 @@ def test_ranks_on_one_cuda_device_are_refused_alike_on_every_rank(tmp_path):
     """The refusal is the same sentence on every rank (none is left waiting in a collective), and run_bench itself makes
     the decision, before profiling: ranks on one device refused, ranks on their own devices go on. The devices cross over
     the job's own gloo group (no group made for it: a CPU run pays nothing more); only an NCCL-only group gets a gloo one."""
-    mp.spawn(_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [s["cpu"] for s in seen] == [[], []]
     assert [s["own"] for s in seen] == [None, None]

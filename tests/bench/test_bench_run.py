@@ -794,13 +794,11 @@ def test_a_global_batch_no_plan_factors_is_refused_before_the_profiling(monkeypa
 
     Rank 0 is the command run in this process as a torchrun worker; rank 1 a bare process that joins the gloo group and
     leaves (it imports torch only): a rank that profiled would next measure the links with it and fail there."""
-    import socket
+    from _ports import free_port
 
     from lightning_distplan.cli import main
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
     peer = subprocess.Popen([sys.executable, "-c", _GROUP_PEER], env={**os.environ, **env, "RANK": "1"})
     # The command quiets Lightning's loggers while it runs; here in pytest's process, whose levels and warning filters

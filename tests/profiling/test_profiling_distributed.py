@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _ports import free_ports
 
 HERE = Path(__file__).parent
 
@@ -34,16 +34,6 @@ def _exit_now() -> None:
 SCENARIOS = ("slot", "links", "collective", "refused", "memory", "optimizer", "fails")  # in the order they run
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (the sockets stay bound until all are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _all_scenarios(rank: int, world: int, ports: list[int], out_dir: str) -> None:
@@ -68,7 +58,7 @@ def _scenarios(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     for name in SCENARIOS:
         (out / name).mkdir()
     try:
-        mp.spawn(_all_scenarios, args=(3, _free_ports(len(SCENARIOS)), str(out)), nprocs=3, join=True)
+        mp.spawn(_all_scenarios, args=(3, free_ports(len(SCENARIOS)), str(out)), nprocs=3, join=True)
         failure = ""
     except Exception as err:  # noqa: BLE001 - reported by each test whose scenario it cut short
         failure = f"{type(err).__name__}: {err}"

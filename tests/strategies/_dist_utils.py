@@ -16,7 +16,6 @@ files, so large state dicts are fine.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -24,14 +23,11 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+from _ports import free_port  # noqa: F401 - the strategies' tests import it from here
 
 __all__ = ["run_on_ranks", "free_port", "error_of"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def error_of(fn: Callable[[], Any]) -> tuple[str, str, list[str]] | None:

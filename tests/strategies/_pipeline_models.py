@@ -6,7 +6,6 @@ import contextlib
 import functools
 import itertools
 import os
-import socket
 import traceback
 import weakref
 from typing import Any, Callable
@@ -19,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning as L
 from _dist_utils import exit_now
+from _ports import free_port
 from lightning.pytorch.demos.transformer import LightningTransformer, Transformer
 
 VOCAB, SEQ, GLOBAL_BATCH = 64, 8, 32
@@ -114,10 +114,6 @@ def reference_weights(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:

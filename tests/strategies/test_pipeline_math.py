@@ -1602,11 +1602,11 @@ def _hybrid_then_two_ranks(rank: int, world: int, hybrid_out: str, out: str, por
 @pytest.fixture(scope="module")
 def _launch(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[dict[str, Any]]]:
     """The module's one launch: 4 ranks for the hybrid runs, then ranks 0 and 1 for the 2-rank checks."""
-    from _dist_utils import free_port
+    from _ports import free_ports
 
     hybrid_out = str(tmp_path_factory.mktemp("pipeline_hybrid"))
     out = str(tmp_path_factory.mktemp("pipeline_2ranks"))
-    ports = (free_port(), free_port(), free_port())
+    ports = tuple(free_ports(3))
     results = run_on_ranks(_hybrid_then_two_ranks, 4, hybrid_out, out, ports, timeout=560)  # under pytest's 600 s, so a stall gets run_on_ranks's message
     return hybrid_out, out, results
 
