@@ -539,7 +539,9 @@ def run_bench(
     if precision not in PRECISIONS:
         raise BenchError(f"Unknown precision {precision!r}.", hint=f"Use one of {', '.join(PRECISIONS)}.")
     dev = resolve_device(device)
-    check_own_devices(cuda_devices_used(dev), world)  # before the first collective, which would land on a shared GPU
+    if dev.type == "cuda":  # before the first collective, which would land on a shared GPU; a CPU bench (the same
+        # --device on every rank) has none to share, and pays no exchange before its own refusals
+        check_own_devices(cuda_devices_used(dev), world)
     accelerator = "cuda" if dev.type == "cuda" else "cpu"
     if trainer_precision(precision, dev) != precision:
         say(f"precision {precision} runs as {trainer_precision(precision, dev)} on {dev.type}, as Lightning runs it")

@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
     CUDA devices given as data (shared by every rank, or its own), under the job's gloo group and under an NCCL-only one."""
     from lightning_distplan.bench import _bench
     from lightning_distplan.bench.models import RandomVectorData, WideMLP
-    from lightning_distplan.profiling import _links, _precision
+    from lightning_distplan.profiling import _device, _links, _precision
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
@@ -77,6 +77,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
             raise _PastTheCheck
 
         _precision.trainer_precision = past
+        _device.resolve_device = lambda device: torch.device("cuda", 0)  # a GPU job: run_bench checks only there
         dm = RandomVectorData(in_features=16, batch_size=4)
         dm.setup("fit")
         for nccl_only in (False, True):
