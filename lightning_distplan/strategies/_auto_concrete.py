@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from fractions import Fraction
@@ -28,7 +29,7 @@ from typing_extensions import override
 
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import Plan
-from lightning_distplan.profiling._batches import find_batch_size
+from lightning_distplan.profiling._batches import find_batch_size, slice_samples
 from lightning_distplan.strategies._auto_planning import reloaded_loader_error
 from lightning_distplan.strategies._checkpoint_io import raise_on_every_rank
 from lightning_distplan.strategies.dp_ga import (
@@ -38,6 +39,7 @@ from lightning_distplan.strategies.dp_ga import (
     _agreed_batch_sizes,
     _batch_n,
     _is_count,
+    Piece,
     _MicroBatchLoader,
     _rebatch_pieces,
     _samples_per_epoch,
@@ -241,13 +243,22 @@ class _FullBatchLoader(_MicroBatchLoader):
     stateful loader resumed in place (its rows two of each sample) trained one step of the rest and ended the fit
     without a word, where the fit run through refused them. (A loader that replays from its start reads the rest of
     the epoch once at that step.)
+
+    ``record_states`` (set by the strategy for a stateful loader): a step that is no whole number of the loader's
+    batches ends inside one, so the state a mid-epoch checkpoint stores is the one before that batch, and the strategy
+    stores how many of its samples the steps trained (:meth:`resume_record`); ``skip`` (set where a fit resumes from
+    such a checkpoint): those samples, left out of the resumed pass's first batch (:meth:`_states_kept`).
     """
 
     shortfall: int | None = None
     steps_done: Callable[[], int] | None = None
     _steps: int | None = None  # the epoch's steps the ranks agreed on (None: none agreed, or agreed step by step alone)
     _spread: tuple[int, int] | None = None  # the fewest and most samples per epoch of the ranks' loaders, where they differ
-    _OWN = _MicroBatchLoader._OWN | {"shortfall", "steps_done", "_steps", "_spread"}  # its own attributes, not the wrapped loader's
+    record_states = False  # set by the strategy: a stateful loader's state is held per step (see _states_kept)
+    skip = 0  # set by the strategy: samples of the next pass's first loader batch that a resumed checkpoint's step trained
+    _inside: int | None = None  # samples of the loader batch after the held state that the last step yielded trained
+    _loaded: Any = None  # the state Lightning restored into the loader (the one before a resumed pass's first batch)
+    _OWN = _MicroBatchLoader._OWN | {"shortfall", "steps_done", "_steps", "_spread", "record_states", "skip", "_inside", "_loaded"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -296,14 +307,18 @@ class _FullBatchLoader(_MicroBatchLoader):
         ahead = counted if room is not None and counted is not None and room[0] // m == counted else None
         if ahead is None and agreed is not None and room is not None:  # a replica with more samples than the fewest
             batches = self._drawn_rows(batches, agreed)
-        micro_batches = (batch for batch, _ in _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps")))
+        skip, self.skip = self.skip, 0
+        if skip or self.record_states:
+            batches = self._states_kept(batches, skip)
+        cut = _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps"))
+        pieces: tuple[Any, ...] = ()
         while agreed is None or steps < agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
             try:
-                batch = next(micro_batches, None)
+                batch, pieces = next(cut, (None, ()))
                 n = 0 if batch is None else _batch_n(batch)
                 if n == m and steps + 1 == ahead:
                     # Lightning pulls no batch after this step's: the rest of the epoch's (their rows held to the count)
-                    for _ in micro_batches:
+                    for _ in cut:
                         pass
             except Exception as failure:  # maybe on this rank alone (its own data): the others wait at the agreement
                 if each_step is None:  # (a KeyboardInterrupt is not carried: this rank stops at once)
@@ -320,6 +335,7 @@ class _FullBatchLoader(_MicroBatchLoader):
                                 any_rank=True)
                 return
             steps += 1
+            self._hold_state_before(pieces[-1], skip)
             yield batch
         if each_step is not None:
             each_step(0)  # this rank has no further step: the others stop at their next
@@ -331,6 +347,53 @@ class _FullBatchLoader(_MicroBatchLoader):
                 "dropped", f"auto_plan: the epoch's last {dropped} samples of this replica did not fill a pipeline step of "
                 f"{m} samples and were skipped ({why}, so this could not be said before)."
             )
+
+    def _states_kept(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
+        """``batches`` without the first ``skip`` samples of the first (a resumed checkpoint's step trained them), keeping
+        a stateful loader's state after each one (and the state Lightning restored, the one before the first).
+
+        A pipeline step of ``m`` samples that is no whole number of the loader's batches ends inside one, whose rest goes
+        to the next step, so the loader's own state after the step (what Lightning saves in a mid-epoch checkpoint) is
+        past samples no step trained yet: resumed from it, the fit skipped them. A checkpoint stores the state before
+        that batch instead (:meth:`_hold_state_before`), and how many of its samples the step trained
+        (:meth:`resume_record`), which the resumed pass skips here."""
+        self._states = {} if self._loaded is None else {-1: self._loaded}
+        self._loaded, self._inside = None, None
+        for i, batch in enumerate(batches):
+            if i == 0 and skip:
+                n = _batch_n(batch)
+                if skip >= n:
+                    raise InfeasiblePlanError(
+                        f"The resumed checkpoint's step trained {skip} samples of the loader batch after its saved state, and "
+                        f"the loader's first batch now holds {n}, so the resumed epoch cannot start where the checkpoint's did.",
+                        hint="Resume with the loader (and its batch size) the checkpoint was saved with.",
+                    )
+                batch = slice_samples(batch, skip, n, n)
+            self._states[i] = self._loader.state_dict()
+            yield batch
+        self._held, self._exhausted = None, True  # all pulled: a checkpoint stores the loader's own state (the epoch's end)
+
+    def _hold_state_before(self, last: Piece, skip: int) -> None:
+        """The step just yielded ends with ``last``'s samples: a checkpoint stores the loader's state after the last loader
+        batch the steps so far trained whole, and (:meth:`resume_record`) how many samples of the next one they trained.
+        Where that is the pass's first batch of a fresh epoch, no state before it is held (a loader's state before its
+        first batch may still be the previous epoch's end): the record says so, and that resume is refused."""
+        if self._states is None or self._exhausted:
+            return
+        i, n, _, end, _ = last
+        whole = i if end == n else i - 1
+        self._inside = 0 if end == n else end + (skip if i == 0 else 0)
+        self._held = self._states.get(whole)
+        for index in [k for k in self._states if k < whole]:
+            del self._states[index]
+
+    def resume_record(self) -> tuple[int, bool] | None:
+        """For a checkpoint saved now: the samples of the loader batch after the state it stores that the last step
+        trained, and whether that state is the one before that batch (False: the epoch's first batch of a fresh pass,
+        whose state before it is not known); None where no state is held (not recorded, or the epoch's batches all pulled)."""
+        if self._states is None or self._exhausted or self._inside is None:
+            return None
+        return self._inside, self._held is not None
 
     def _drawn_rows(self, batches: Iterator[Any], agreed: int) -> Iterator[Any]:
         """``batches`` of a replica with more samples than the fewest, which stops after the ``agreed`` steps and reads
@@ -379,8 +442,27 @@ class _FullBatchLoader(_MicroBatchLoader):
     def __len__(self) -> int:
         return self._steps if self._steps is not None else self._samples() // self.micro_batch_size
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "load_state_dict" and self.record_states:  # (only where the loader has one: Lightning tells by the attribute)
+            own = getattr(self._loader, name)
+
+            def load_state_dict(state: Any) -> Any:
+                self._loaded = state  # the state before the resumed pass's first batch (_states_kept)
+                return own(state)
+
+            return load_state_dict
+        return super().__getattr__(name)
+
 
 _EVAL_PREFIXES = ("val", "test", "predict")
+
+RESUME_KEY = "distplan_pipeline_resume"
+"""Checkpoint key of auto_plan's pipeline with a stateful train loader, mid-epoch: where the epoch's last step ended, for
+a fit resumed from it to train what the fit run through trains (:meth:`_AutoPipelineStrategy._resumed_inside_a_batch`):
+``per_replica`` and ``loader_batch`` (the step's samples and the loader's batch size it was saved with),
+``samples_inside`` (samples the steps trained of the loader batch after the loader's state stored), ``state_before``
+(whether that state is the one before that batch) and ``progress`` (the epoch's batch progress in steps, exact, where
+the one stored in the user's loader batches rounds)."""
 
 
 class _AutoPipelineStrategy(PipelineStrategy):
@@ -393,6 +475,7 @@ class _AutoPipelineStrategy(PipelineStrategy):
         self._user_eval_limits: dict[str, Any] = {}
         self.later_fits = _LaterFits(plan, user_accumulate)
         self._frequencies: list[tuple[Any, int]] = []  # (scheduler config, the user's frequency) changed for this fit
+        self.resumed_record: Any = None  # set by auto_plan: the resumed checkpoint's RESUME_KEY (_resumed_inside_a_batch)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -434,36 +517,69 @@ class _AutoPipelineStrategy(PipelineStrategy):
         if _is_count(user) and user > 0:
             setattr(trainer, f"limit_{prefix}_batches", user * self._auto_plan.pp)
 
-    def _resumed_inside_a_batch(self, trainer: pl.Trainer, dataloader: object, per_replica: int) -> InfeasiblePlanError | None:
-        """The refusal of a fit resumed mid-epoch with a stateful loader (Lightning restores its ``state_dict``) where a
-        step of ``per_replica`` samples is no whole number of its batches, else None. Such a checkpoint stores the
-        loader's state after the batch holding the step's last sample (its rest went to the next step), and the epoch's
-        progress in the user's loader batches, rounded: loader batches of 3 in steps of 8 (dp=1 pp=2), resumed after
-        step 1, trained samples 9-16 and ended the epoch at the short rest, sample 8 and 17-23 never trained (the fit
-        run through trains 8-15 and 16-23), without a word. Raised on every rank at the loader's set-up agreement
-        (:meth:`Rechunking.wrap`'s ``refusal``), before any step. (Conservative: a checkpoint whose step happens to end
-        on a batch boundary is refused too, as the rounded count cannot tell.)"""
+    def _resumed_inside_a_batch(
+        self, trainer: pl.Trainer, dataloader: object, per_replica: int
+    ) -> tuple[InfeasiblePlanError | None, dict[str, Any] | None]:
+        """Where a fit resumes mid-epoch with a stateful loader (Lightning restores its ``state_dict``): the checkpoint's
+        :data:`RESUME_KEY` record to resume it exactly by, or the refusal where a step of ``per_replica`` samples is no
+        whole number of the loader's batches and no record fits; (None, None) elsewhere.
+
+        Such a step ends inside a loader batch whose rest the next step trains, and the checkpoint counts the epoch's
+        progress in the user's loader batches, rounded: resumed from the loader's own state after that batch (loader
+        batches of 3 in steps of 8, dp=1 pp=2, after step 1), the fit trained samples 9-16 and ended the epoch at the
+        short rest, sample 8 and 17-23 never trained (the fit run through trains 8-15 and 16-23), without a word. So a
+        checkpoint saved here stores the loader's state before that batch, how many of its samples the steps trained and
+        the epoch's progress in steps (:meth:`_resume_record`); resumed with the same steps and loader batch, that
+        progress is restored and those samples skipped (:meth:`_FullBatchLoader._states_kept`). Refused (on every rank at
+        the loader's set-up agreement, :meth:`Rechunking.wrap`'s ``refusal``, before any step): a checkpoint without
+        that record (saved by another strategy or plan), of other steps or loader batches, or whose step ended inside
+        the epoch's first loader batch, whose state before it the loader does not give."""
         rechunk = self._rechunk
         b = loader_batch_size(dataloader)
-        if not b or per_replica % b == 0 or not isinstance(dataloader, _Stateful):
-            return None
+        if not b or not isinstance(dataloader, _Stateful):
+            return None, None
         if not rechunk._resumed or rechunk._saved_at_epoch_end or not rechunk._loops_restored(trainer):
-            return None
-        # the checkpoint's count (rounded down: a step of 6 samples in loader batches of 8 counts 0 of them, its
-        # ``completed`` one below its ``processed`` where it was saved at a batch's end) as Lightning restored it
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        done, n = progress.current.ready, sized_len(dataloader)
-        if not (done or progress.current.processed > progress.current.completed):  # at the epoch's start
-            return None
-        if progress.is_last_batch or n is not None and done >= n:  # at its end: the next epoch starts whole
-            return None
+            return None, None
+        record = self.resumed_record
+        if isinstance(record, dict) and record.get("per_replica") == per_replica and record.get("loader_batch") == b:
+            if record.get("state_before"):
+                return None, record
+            why = (f"its checkpoint's step ended inside the epoch's first loader batch ({record.get('samples_inside')} samples "
+                   "into it), whose state before it the loader does not give")
+        elif per_replica % b == 0:
+            return None, None
+        else:
+            # the checkpoint's count (rounded down: a step of 6 samples in loader batches of 8 counts 0 of them, its
+            # ``completed`` one below its ``processed`` where it was saved at a batch's end) as Lightning restored it
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            done, n = progress.current.ready, sized_len(dataloader)
+            if not (done or progress.current.processed > progress.current.completed):  # at the epoch's start
+                return None, None
+            if progress.is_last_batch or n is not None and done >= n:  # at its end: the next epoch starts whole
+                return None, None
+            why = ("its checkpoint was saved by another strategy or plan, which does not record where inside a loader batch its "
+                   "last step ended" if not isinstance(record, dict) else
+                   f"its checkpoint was saved with steps of {record.get('per_replica')} samples in loader batches of "
+                   f"{record.get('loader_batch')}")
         return InfeasiblePlanError(
-            f"This fit resumes mid-epoch with a stateful train loader, and auto_plan's pipeline steps of {per_replica} samples "
-            f"per replica are no whole number of its batches of {b}, so the loader's state saved with the checkpoint may resume "
-            "after samples no step trained, and the resumed epoch would skip them (a run of your loader trains them).",
-            hint=f"Resume from a checkpoint saved at an epoch's end, or use a global_batch_size whose steps hold whole "
-                 f"loader batches (a multiple of {b} samples per replica).",
-        )
+            f"This fit resumes mid-epoch with a stateful train loader whose batches of {b} do not hold auto_plan's pipeline "
+            f"steps of {per_replica} samples per replica whole, and {why}, so the resumed epoch would skip samples a run of "
+            "your loader trains.",
+            hint=f"Resume from a checkpoint saved at an epoch's end, or mid-epoch by this plan after the epoch's first loader "
+                 f"batch, or use a global_batch_size whose steps hold whole loader batches (a multiple of {b} samples per replica).",
+        ), None
+
+    def _resume_record(self, checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+        """What a checkpoint saved now stores under :data:`RESUME_KEY` (read in :meth:`_resumed_inside_a_batch`), None
+        where the train loader holds no state per step (not stateful, not re-chunked, or its epoch's batches all pulled)."""
+        loader = self._rechunk._loader
+        held = loader.resume_record() if isinstance(loader, _FullBatchLoader) else None
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        if held is None or not isinstance(progress, dict):
+            return None
+        plan = self._auto_plan
+        return {"per_replica": plan.micro_batch_size * plan.n_microbatches, "loader_batch": self._rechunk._loader_batch,
+                "samples_inside": held[0], "state_before": held[1], "progress": copy.deepcopy(progress)}
 
     @override
     def _agree_on_train_loader(self, trainer: pl.Trainer, dataloader: object) -> None:
@@ -487,9 +603,9 @@ class _AutoPipelineStrategy(PipelineStrategy):
         trainer.accumulate_grad_batches = 1
         plan = self._auto_plan
         per_replica = plan.micro_batch_size * plan.n_microbatches
-        refusal = refusal or self._resumed_inside_a_batch(trainer, dataloader, per_replica)
-        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp, refusal=refusal,
-                                    stages=(self.layout.replica, self.layout.dp) if plan.pp > 1 else None)
+        inside, record = self._resumed_inside_a_batch(trainer, dataloader, per_replica)
+        wrapped = self._rechunk.wrap(trainer, dataloader, per_replica, cls=_FullBatchLoader, replica_share=plan.pp, refusal=refusal or inside,
+                                     stages=(self.layout.replica, self.layout.dp) if plan.pp > 1 else None)
         # one step holds this many of one process's loader batches: the user's accumulation, or what a given
         # global_batch_size makes of it (a dp_ga plan counts the scheduler's frequency in those loader batches too)
         per_step = self._rechunk._per_user_batch
@@ -499,6 +615,14 @@ class _AutoPipelineStrategy(PipelineStrategy):
             wrapped.shortfall = loader_shortfall(dataloader, plan, sharded=True)
             # read as each pass starts (a fit resumed mid-epoch has trained some of its steps)
             wrapped.steps_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            wrapped.record_states = isinstance(dataloader, _Stateful)
+            if record is not None:  # resumed exactly where the checkpoint's step ended (_resumed_inside_a_batch)
+                self.resumed_record = None
+                progress = copy.deepcopy(record["progress"])
+                trainer.fit_loop.epoch_loop.batch_progress.load_state_dict(progress)
+                steps = sized_len(wrapped)
+                if steps is None or progress["current"]["processed"] < steps:  # (at the epoch's last step the next starts whole)
+                    wrapped.skip = int(record["samples_inside"])
         return wrapped
 
     @override
@@ -510,7 +634,10 @@ class _AutoPipelineStrategy(PipelineStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        record = self._resume_record(checkpoint)  # (before the progress is counted in the user's loader batches)
         self._rechunk.progress_to_user_units(checkpoint)  # a mid-epoch checkpoint resumes any plan or strategy at its place
+        if record is not None:
+            checkpoint[RESUME_KEY] = record
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

@@ -49,7 +49,13 @@ from typing_extensions import override
 from lightning_distplan.errors import InfeasiblePlanError
 from lightning_distplan.plan import STRATEGIES, Plan
 from lightning_distplan.profile import unsplittable
-from lightning_distplan.strategies._auto_concrete import build_concrete, loader_shortfall, samples_per_rank
+from lightning_distplan.strategies._auto_concrete import (
+    RESUME_KEY,
+    _AutoPipelineStrategy,
+    build_concrete,
+    loader_shortfall,
+    samples_per_rank,
+)
 from lightning_distplan.strategies._auto_planning import (
     PlanningOutcome,
     check_boundaries,
@@ -238,7 +244,7 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
         self._checkpoint_plan = readable_plan(checkpoint, "auto_plan")
         self._checkpoint_context = stored_plan_context(checkpoint)
         # not the weights; the loops too: Rechunking.resumed tells by their progress whether Lightning restored them yet
-        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY, "loops", "global_step") if k in checkpoint}
+        self._resuming = {k: checkpoint[k] for k in (PROGRESS_KEY, PLAN_KEY, RESUME_KEY, "loops", "global_step") if k in checkpoint}
         return checkpoint
 
     @override
@@ -304,6 +310,8 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
         )
         if self._resuming is not None:
             concrete._rechunk.resumed(self._resuming)  # type: ignore[union-attr]  # both concrete kinds re-chunk the loader
+            if isinstance(concrete, _AutoPipelineStrategy):  # where inside a loader batch a mid-epoch checkpoint's step ended
+                concrete.resumed_record = self._resuming.get(RESUME_KEY)
         self._attach_monitor(trainer, outcome, fit_start=self._fit_start)
         trainer._accelerator_connector.strategy = concrete
         concrete.setup(trainer)

@@ -1394,18 +1394,25 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
         raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=4, **collate), ckpt_path=os.path.join(saved, "step.ckpt")))
         results[kind] = {"raised": raised, "rows": model.rows, "steps": trainer.global_step,
                          "expected": twenty.tensors[0][8:16, 0].tolist()}
-    # loader batches of 3 in steps of 8 per replica (a global batch of 16): the checkpoint of step 1 holds the loader's
-    # state after the batch of samples 6-8, where sample 8 is step 2's
-    inside = os.path.join(out, "resume inside")
-    trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), inside, use_distributed_sampler=False,
-                                            callbacks=[ModelCheckpoint(dirpath=inside, filename="step", every_n_train_steps=1)]),
-                           "max_steps": 1, "enable_checkpointing": True})
-    trainer.fit(TinyMLP(), _InPlaceLoader(twenty, batch_size=3))
-    model = _RowsSeen()
-    trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(inside, "again"), use_distributed_sampler=False),
-                           "max_steps": -1, "max_epochs": 1})
-    raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=3), ckpt_path=os.path.join(inside, "step.ckpt")))
-    results["resumed inside a batch"] = {"raised": raised, "rows": model.rows}
+    # loader batches of 3 in steps of 8 per replica (a global batch of 16): step 1 ends 2 samples into the batch of
+    # samples 6-8, whose sample 8 is step 2's; run through, resumed from step 1's checkpoint, and (batches of 10) from a
+    # checkpoint whose step ended inside the epoch's first batch
+    for kind, b in (("inside a batch", 3), ("inside the first batch", 10)):
+        inside = os.path.join(out, f"resume {kind}")
+        weights = []
+        for fit in ("through", "to step 1", "resumed") if b == 3 else ("to step 1", "resumed"):
+            torch.manual_seed(0)
+            model = _RowsSeen()
+            saving = [ModelCheckpoint(dirpath=inside, filename="step", every_n_train_steps=1)] if fit == "to step 1" else []
+            trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(inside, fit), use_distributed_sampler=False,
+                                                    callbacks=saving),
+                                   "max_steps": 1 if saving else -1, "max_epochs": 1, "enable_checkpointing": bool(saving)})
+            raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=b),
+                                                  ckpt_path=os.path.join(inside, "step.ckpt") if fit == "resumed" else None))
+            results[f"{kind} {fit}"] = {"raised": raised, "rows": model.rows}
+            weights.append([p.detach().clone() for p in model.parameters()])
+        if b == 3:
+            results[f"{kind} same weights"] = all(torch.equal(a, c) for a, c in zip(weights[0], weights[2]))
     fit_own_data("refused", DataLoader([full[i] for i in range(8)] + (["text"] * 8 if rank == 3 else [full[i] for i in range(8, 16)]),
                                        batch_size=4))
     fit_own_data("failed", DataLoader(_MissingSamples(full, 8 if rank == 3 else 16), batch_size=4))
@@ -1779,19 +1786,33 @@ def test_a_fit_resumed_mid_epoch_from_a_stateful_loader_trains_the_epochs_rest_a
     assert [(d["steps"], d["rows"]) for d in doubled] == [(1, [])] * 4, doubled
 
 
-def test_a_fit_resumed_inside_a_stateful_loaders_batch_is_refused_on_every_rank(_launch) -> None:
+def test_a_fit_resumed_inside_a_stateful_loaders_batch_trains_what_the_fit_run_through_trains(_launch) -> None:
     """Loader batches of 3 in pipeline steps of 8 per replica (global_batch_size=16, dp=2 x pp=2), resumed from the
-    checkpoint of step 1 (see _replicas_of_unequal_data_under_auto_plan): the in-place loader's state saved there is the
-    one after the batch of samples 6-8, and the checkpoint counts the epoch's progress in loader batches, rounded. On 2
-    ranks (dp=1, 24 samples) the resumed fit trained samples 9-16 and ended its epoch at the short rest: sample 8 and
-    17-23 never trained (the fit run through trains 8-15, 16-23), without a word. Refused now, on every rank, before
-    any step."""
-    inside = [r["unequal"]["resumed inside a batch"] for r in _launch[2]]
-    sentence = ("This fit resumes mid-epoch with a stateful train loader, and auto_plan's pipeline steps of 8 samples per replica "
-                "are no whole number of its batches of 3, so the loader's state saved with the checkpoint may resume after samples "
-                "no step trained, and the resumed epoch would skip them (a run of your loader trains them). HINT: Resume from a "
-                "checkpoint saved at an epoch's end, or use a global_batch_size whose steps hold whole loader batches (a multiple "
-                "of 3 samples per replica).")
+    checkpoint of step 1 (see _replicas_of_unequal_data_under_auto_plan), which ended 2 samples into the batch of samples
+    6-8. The in-place loader's own state there is the one after that batch, and the checkpoint counts the epoch's progress
+    in loader batches, rounded: on 2 ranks (dp=1, 24 samples) the resumed fit trained samples 9-16 and ended its epoch at
+    the short rest, sample 8 and 17-23 never trained (the fit run through trains 8-15, 16-23), without a word. The
+    checkpoint now holds the state before that batch, the 2 samples of it trained and the progress in steps: the resumed
+    fit trains step 2 of the fit run through (samples 8-15 of each replica), and ends with its weights, on every rank."""
+    for r in _launch[2]:
+        d = r["unequal"]
+        through, first, resumed = (d[f"inside a batch {fit}"] for fit in ("through", "to step 1", "resumed"))
+        assert (through["raised"], first["raised"], resumed["raised"]) == (None, None, None), d
+        assert len(through["rows"]) == 2 and first["rows"] == through["rows"][:1] and resumed["rows"] == through["rows"][1:], d
+        assert d["inside a batch same weights"] is True, d
+
+
+def test_a_fit_resumed_inside_a_stateful_loaders_first_batch_is_refused_on_every_rank(_launch) -> None:
+    """Loader batches of 10 in steps of 8: step 1's checkpoint ended 8 samples into the epoch's first batch, and a loader's
+    state before its first batch is not known (the in-place loader's says the previous epoch's end), so the resumed
+    epoch cannot start there: refused, on every rank, before any step."""
+    inside = [r["unequal"]["inside the first batch resumed"] for r in _launch[2]]
+    sentence = ("This fit resumes mid-epoch with a stateful train loader whose batches of 10 do not hold auto_plan's pipeline "
+                "steps of 8 samples per replica whole, and its checkpoint's step ended inside the epoch's first loader batch (8 "
+                "samples into it), whose state before it the loader does not give, so the resumed epoch would skip samples a run "
+                "of your loader trains. HINT: Resume from a checkpoint saved at an epoch's end, or mid-epoch by this plan after "
+                "the epoch's first loader batch, or use a global_batch_size whose steps hold whole loader batches (a multiple of "
+                "10 samples per replica).")
     assert [((d["raised"] or ())[:2], d["rows"]) for d in inside] == [(("InfeasiblePlanError", sentence), [])] * 4, inside
 
 
