@@ -258,7 +258,10 @@ class _FullBatchLoader(_MicroBatchLoader):
     skip = 0  # set by the strategy: samples of the next pass's first loader batch that a resumed checkpoint's step trained
     _inside: int | None = None  # samples of the loader batch after the held state that the last step yielded trained
     _loaded: Any = None  # the state Lightning restored into the loader (the one before a resumed pass's first batch)
-    _OWN = _MicroBatchLoader._OWN | {"shortfall", "steps_done", "_steps", "_spread", "record_states", "skip", "_inside", "_loaded"}
+    _lag = False  # Lightning pulls a step ahead of the one it trains (the loader has no length): held a step later
+    _ahead: tuple[int, int] | None = None  # where the step pulled ahead ends (whole loader batches, samples inside the next)
+    _OWN = _MicroBatchLoader._OWN | {"shortfall", "steps_done", "_steps", "_spread", "record_states", "skip", "_inside", "_loaded",
+                                     "_lag", "_ahead"}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -310,6 +313,9 @@ class _FullBatchLoader(_MicroBatchLoader):
         skip, self.skip = self.skip, 0
         if skip or self.record_states:
             batches = self._states_kept(batches, skip)
+        # Lightning pulls one step ahead of the one it trains where the loader has no length (its fetcher prefetches to
+        # tell the epoch's last batch): a checkpoint after a step then holds the state the step before the last yielded set
+        self._lag = sized_len(self) is None
         cut = _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps"))
         pieces: tuple[Any, ...] = ()
         while agreed is None or steps < agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them
@@ -358,7 +364,7 @@ class _FullBatchLoader(_MicroBatchLoader):
         that batch instead (:meth:`_hold_state_before`), and how many of its samples the step trained
         (:meth:`resume_record`), which the resumed pass skips here."""
         self._states = {} if self._loaded is None else {-1: self._loaded}
-        self._loaded, self._inside = None, None
+        self._loaded, self._inside, self._ahead = None, None, None
         for i, batch in enumerate(batches):
             if i == 0 and skip:
                 n = _batch_n(batch)
@@ -381,8 +387,12 @@ class _FullBatchLoader(_MicroBatchLoader):
         if self._states is None or self._exhausted:
             return
         i, n, _, end, _ = last
-        whole = i if end == n else i - 1
-        self._inside = 0 if end == n else end + (skip if i == 0 else 0)
+        whole, inside = (i, 0) if end == n else (i - 1, end + (skip if i == 0 else 0))
+        if self._lag:  # (see _iterate) the previous step's, held once Lightning pulled this one
+            (whole, inside), self._ahead = self._ahead or (None, None), (whole, inside)
+            if whole is None:
+                return
+        self._inside = inside
         self._held = self._states.get(whole)
         for index in [k for k in self._states if k < whole]:
             del self._states[index]

@@ -1396,8 +1396,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                          "expected": twenty.tensors[0][8:16, 0].tolist()}
     # loader batches of 3 in steps of 8 per replica (a global batch of 16): step 1 ends 2 samples into the batch of
     # samples 6-8, whose sample 8 is step 2's; run through, resumed from step 1's checkpoint, and (batches of 10) from a
-    # checkpoint whose step ended inside the epoch's first batch
-    for kind, b in (("inside a batch", 3), ("inside the first batch", 10)):
+    # checkpoint whose step ended inside the epoch's first batch; and from a stream (no length: Lightning pulls a step
+    # ahead of the one it trains, so the checkpoint after step 1 is saved once step 2 was pulled)
+    for kind, b, source in (("inside a batch", 3, twenty), ("inside the first batch", 10, twenty), ("inside a stream's batch", 3, _Stream(twenty))):
         inside = os.path.join(out, f"resume {kind}")
         weights = []
         for fit in ("through", "to step 1", "resumed") if b == 3 else ("to step 1", "resumed"):
@@ -1407,7 +1408,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
             trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(inside, fit), use_distributed_sampler=False,
                                                     callbacks=saving),
                                    "max_steps": 1 if saving else -1, "max_epochs": 1, "enable_checkpointing": bool(saving)})
-            raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=b),
+            raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(source, batch_size=b),
                                                   ckpt_path=os.path.join(inside, "step.ckpt") if fit == "resumed" else None))
             results[f"{kind} {fit}"] = {"raised": raised, "rows": model.rows}
             weights.append([p.detach().clone() for p in model.parameters()])
@@ -1793,13 +1794,16 @@ def test_a_fit_resumed_inside_a_stateful_loaders_batch_trains_what_the_fit_run_t
     in loader batches, rounded: on 2 ranks (dp=1, 24 samples) the resumed fit trained samples 9-16 and ended its epoch at
     the short rest, sample 8 and 17-23 never trained (the fit run through trains 8-15, 16-23), without a word. The
     checkpoint now holds the state before that batch, the 2 samples of it trained and the progress in steps: the resumed
-    fit trains step 2 of the fit run through (samples 8-15 of each replica), and ends with its weights, on every rank."""
+    fit trains step 2 of the fit run through (samples 8-15 of each replica), and ends with its weights, on every rank.
+    The same from a stream (no length): Lightning pulls step 2 before it trains step 1, and the checkpoint held where
+    step 2 ended, so the resumed fit went on with step 3's samples (step 2's never trained), without a word."""
     for r in _launch[2]:
         d = r["unequal"]
-        through, first, resumed = (d[f"inside a batch {fit}"] for fit in ("through", "to step 1", "resumed"))
-        assert (through["raised"], first["raised"], resumed["raised"]) == (None, None, None), d
-        assert len(through["rows"]) == 2 and first["rows"] == through["rows"][:1] and resumed["rows"] == through["rows"][1:], d
-        assert d["inside a batch same weights"] is True, d
+        for kind in ("inside a batch", "inside a stream's batch"):
+            through, first, resumed = (d[f"{kind} {fit}"] for fit in ("through", "to step 1", "resumed"))
+            assert (through["raised"], first["raised"], resumed["raised"]) == (None, None, None), (kind, d)
+            assert len(through["rows"]) == 2 and first["rows"] == through["rows"][:1] and resumed["rows"] == through["rows"][1:], (kind, d)
+            assert d[f"{kind} same weights"] is True, (kind, d)
 
 
 def test_a_fit_resumed_inside_a_stateful_loaders_first_batch_is_refused_on_every_rank(_launch) -> None:
