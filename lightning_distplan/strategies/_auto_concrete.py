@@ -244,10 +244,11 @@ class _FullBatchLoader(_MicroBatchLoader):
     without a word, where the fit run through refused them. (A loader that replays from its start reads the rest of
     the epoch once at that step.)
 
-    ``record_states`` (set by the strategy for a stateful loader): a step that is no whole number of the loader's
-    batches ends inside one, so the state a mid-epoch checkpoint stores is the one before that batch, and the strategy
-    stores how many of its samples the steps trained (:meth:`resume_record`); ``skip`` (set where a fit resumes from
-    such a checkpoint): those samples, left out of the resumed pass's first batch (:meth:`_states_kept`).
+    ``record_states`` (set by the strategy for a stateful loader of a known batch size where a step is no whole number
+    of its batches, or the loader has no length: it costs a ``state_dict()`` per loader batch): a step that is no whole
+    number of the loader's batches ends inside one, so the state a mid-epoch checkpoint stores is the one before that
+    batch, and the strategy stores how many of its samples the steps trained (:meth:`resume_record`); ``skip`` (set where
+    a fit resumes from such a checkpoint): those samples, left out of the resumed pass's first batch (:meth:`_states_kept`).
     """
 
     shortfall: int | None = None
@@ -625,7 +626,10 @@ class _AutoPipelineStrategy(PipelineStrategy):
             wrapped.shortfall = loader_shortfall(dataloader, plan, sharded=True)
             # read as each pass starts (a fit resumed mid-epoch has trained some of its steps)
             wrapped.steps_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            wrapped.record_states = isinstance(dataloader, _Stateful)
+            # a stateful loader's state after each loader batch, kept where a step can end inside one, or Lightning pulls a
+            # step ahead (no length): elsewhere the loader's own state after the step is where it ended (as before)
+            b = loader_batch_size(dataloader)
+            wrapped.record_states = bool(isinstance(dataloader, _Stateful) and b and (per_replica % b or sized_len(wrapped) is None))
             if record is not None:  # resumed exactly where the checkpoint's step ended (_resumed_inside_a_batch)
                 self.resumed_record = None
                 progress = copy.deepcopy(record["progress"])

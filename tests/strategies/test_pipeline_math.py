@@ -1214,7 +1214,7 @@ class _InPlaceLoader(DataLoader):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.yielded, self.skip = 0, 0
+        self.yielded, self.skip, self.states_given = 0, 0, 0
 
     def __iter__(self) -> Any:
         skip, self.skip, self.yielded = self.skip, 0, self.skip
@@ -1224,6 +1224,7 @@ class _InPlaceLoader(DataLoader):
                 yield batch
 
     def state_dict(self) -> dict[str, int]:
+        self.states_given += 1
         return {"yielded": self.yielded}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -1386,7 +1387,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     at_step = ModelCheckpoint(dirpath=saved, filename="step", every_n_train_steps=1)
     trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(), saved, callbacks=[at_step], use_distributed_sampler=False),
                            "max_steps": 1, "enable_checkpointing": True})
-    trainer.fit(TinyMLP(), _InPlaceLoader(twenty, batch_size=4))
+    first = _InPlaceLoader(twenty, batch_size=4)
+    trainer.fit(TinyMLP(), first)
+    results["resume states given"] = first.states_given
     for kind, collate in (("resumed", {}), ("resumed doubled", {"collate_fn": _two_rows_per_sample} if rank == 3 else {})):
         model = _RowsSeen()
         trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(), os.path.join(out, kind), use_distributed_sampler=False),
@@ -1774,6 +1777,8 @@ def test_a_fit_resumed_mid_epoch_from_a_stateful_loader_trains_the_epochs_rest_a
     through refuses). It is refused now, on every rank, at that step."""
     resumed = [r["unequal"]["resumed"] for r in _launch[2]]
     assert [(r["raised"], r["steps"]) for r in resumed] == [(None, 2)] * 4, resumed
+    # steps of 8 hold 2 whole loader batches: the loader's state is read for the checkpoint alone, not after every batch
+    assert [r["unequal"]["resume states given"] for r in _launch[2]] == [1] * 4
     assert all(r["rows"] == [r["expected"]] for r in resumed), resumed
     doubled = [r["unequal"]["resumed doubled"] for r in _launch[2]]
     # (its batches from where the checkpoint's state resumes it: the 3 after the 2 trained)
