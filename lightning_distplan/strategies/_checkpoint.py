@@ -19,6 +19,11 @@ can load:
   trainable parameters its profile found without a gradient (``unused_parameters``, when any: a resumed
   fit that reuses the plan runs DDP with ``find_unused_parameters=True`` again without profiling).
   ``auto_plan`` reuses the stored plan only in the same precision and no less memory.
+* ``checkpoint["distplan_pipeline_resume"]`` (auto_plan's pipeline with a stateful train loader, mid-epoch:
+  ``_auto_concrete.RESUME_KEY``): where inside a loader batch the last step ended (ints, a bool and the batch
+  progress: it loads with ``weights_only``), read by that plan alone; another strategy or plain Lightning ignores it
+  and resumes from the loader's state stored, the one before that batch (the samples of it the step trained are
+  trained again, none skipped).
 
 The helpers are pure functions over optimizers and plain dicts so they test in milliseconds.
 """
