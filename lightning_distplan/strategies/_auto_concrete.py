@@ -568,8 +568,8 @@ class _AutoPipelineStrategy(PipelineStrategy):
                 return None, None
             if progress.is_last_batch or n is not None and done >= n:  # at its end: the next epoch starts whole
                 return None, None
-            why = ("its checkpoint was saved by another strategy or plan, which does not record where inside a loader batch its "
-                   "last step ended" if not isinstance(record, dict) else
+            why = ("its checkpoint does not record where inside a loader batch its last step ended (saved by another strategy "
+                   "or plan, or by an earlier version of this package)" if not isinstance(record, dict) else
                    f"its checkpoint was saved with steps of {record.get('per_replica')} samples in loader batches of "
                    f"{record.get('loader_batch')}")
         return InfeasiblePlanError(

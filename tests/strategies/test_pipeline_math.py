@@ -1397,6 +1397,13 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
         raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=4, **collate), ckpt_path=os.path.join(saved, "step.ckpt")))
         results[kind] = {"raised": raised, "rows": model.rows, "steps": trainer.global_step,
                          "expected": twenty.tensors[0][8:16, 0].tolist()}
+    # the same checkpoint (steps of 8 holding 2 whole loader batches of 4: no record where inside a batch a step ended)
+    # resumed in loader batches of 3
+    model = _RowsSeen()
+    trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(out, "resumed in threes"),
+                                            use_distributed_sampler=False), "max_steps": -1, "max_epochs": 1})
+    raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=3), ckpt_path=os.path.join(saved, "step.ckpt")))
+    results["resumed in threes"] = {"raised": raised, "rows": model.rows}
     # loader batches of 3 in steps of 8 per replica (a global batch of 16): step 1 ends 2 samples into the batch of
     # samples 6-8, whose sample 8 is step 2's; run through, resumed from step 1's checkpoint, and (batches of 10) from a
     # checkpoint whose step ended inside the epoch's first batch; and from a stream (no length: Lightning pulls a step
@@ -1814,7 +1821,8 @@ def test_a_fit_resumed_inside_a_stateful_loaders_batch_trains_what_the_fit_run_t
 def test_a_fit_resumed_inside_a_stateful_loaders_first_batch_is_refused_on_every_rank(_launch) -> None:
     """Loader batches of 10 in steps of 8: step 1's checkpoint ended 8 samples into the epoch's first batch, and a loader's
     state before its first batch is not known (the in-place loader's says the previous epoch's end), so the resumed
-    epoch cannot start there: refused, on every rank, before any step."""
+    epoch cannot start there: refused, on every rank, before any step. So is a checkpoint that does not record where
+    inside a loader batch its step ended (the 'resume' one, steps of whole batches of 4) resumed in batches of 3."""
     inside = [r["unequal"]["inside the first batch resumed"] for r in _launch[2]]
     sentence = ("This fit resumes mid-epoch with a stateful train loader whose batches of 10 do not hold auto_plan's pipeline "
                 "steps of 8 samples per replica whole, and its checkpoint's step ended inside the epoch's first loader batch (8 "
@@ -1823,6 +1831,15 @@ def test_a_fit_resumed_inside_a_stateful_loaders_first_batch_is_refused_on_every
                 "the epoch's first loader batch, or use a global_batch_size whose steps hold whole loader batches (a multiple of "
                 "10 samples per replica).")
     assert [((d["raised"] or ())[:2], d["rows"]) for d in inside] == [(("InfeasiblePlanError", sentence), [])] * 4, inside
+    # a checkpoint with no record of where inside a loader batch its step ended (saved with steps of whole batches of 4)
+    threes = [r["unequal"]["resumed in threes"] for r in _launch[2]]
+    sentence = ("This fit resumes mid-epoch with a stateful train loader whose batches of 3 do not hold auto_plan's pipeline "
+                "steps of 8 samples per replica whole, and its checkpoint does not record where inside a loader batch its last "
+                "step ended (saved by another strategy or plan, or by an earlier version of this package), so the resumed epoch "
+                "would skip samples a run of your loader trains. HINT: Resume from a checkpoint saved at an epoch's end, or "
+                "mid-epoch by this plan after the epoch's first loader batch, or use a global_batch_size whose steps hold whole "
+                "loader batches (a multiple of 3 samples per replica).")
+    assert [((d["raised"] or ())[:2], d["rows"]) for d in threes] == [(("InfeasiblePlanError", sentence), [])] * 4, threes
 
 
 def test_rows_beyond_the_samples_of_a_replica_with_more_than_the_fewest_are_refused_on_every_rank(_launch) -> None:
