@@ -314,9 +314,10 @@ class _FullBatchLoader(_MicroBatchLoader):
         skip, self.skip = self.skip, 0
         if skip or self.record_states:
             batches = self._states_kept(batches, skip)
-        # Lightning pulls one step ahead of the one it trains where the loader has no length (its fetcher prefetches to
-        # tell the epoch's last batch): a checkpoint after a step then holds the state the step before the last yielded set
-        self._lag = sized_len(self) is None
+        # Lightning pulls one step ahead of the one it trains where the loader has no length and no integer
+        # limit_train_batches counts its steps (its fetcher prefetches to tell the epoch's last batch): a checkpoint after
+        # a step then holds the state the step before the last yielded set
+        self._lag = sized_len(self) is None and self._limit_batches is None
         cut = _rebatch_pieces(batches, m, room=room, counted_by=("auto_plan's pipeline", "pipeline steps"))
         pieces: tuple[Any, ...] = ()
         while agreed is None or steps < agreed:  # the steps the ranks agreed on (warned above, where a rank has more): none pulled past them

@@ -1408,7 +1408,10 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     # samples 6-8, whose sample 8 is step 2's; run through, resumed from step 1's checkpoint, and (batches of 10) from a
     # checkpoint whose step ended inside the epoch's first batch; and from a stream (no length: Lightning pulls a step
     # ahead of the one it trains, so the checkpoint after step 1 is saved once step 2 was pulled)
-    for kind, b, source in (("inside a batch", 3, twenty), ("inside the first batch", 10, twenty), ("inside a stream's batch", 3, _Stream(twenty))):
+    # (with an integer limit_train_batches counting its steps, Lightning pulls none ahead)
+    for kind, b, source, limit in (("inside a batch", 3, twenty, {}), ("inside the first batch", 10, twenty, {}),
+                                   ("inside a stream's batch", 3, _Stream(twenty), {}),
+                                   ("inside a limited stream's batch", 3, _Stream(twenty), {"limit_train_batches": 6})):
         inside = os.path.join(out, f"resume {kind}")
         weights = []
         for fit in ("through", "to step 1", "resumed") if b == 3 else ("to step 1", "resumed"):
@@ -1417,7 +1420,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
             saving = [ModelCheckpoint(dirpath=inside, filename="step", every_n_train_steps=1)] if fit == "to step 1" else []
             trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(inside, fit), use_distributed_sampler=False,
                                                     callbacks=saving),
-                                   "max_steps": 1 if saving else -1, "max_epochs": 1, "enable_checkpointing": bool(saving)})
+                                   "max_steps": 1 if saving else -1, "max_epochs": 1, "enable_checkpointing": bool(saving), **limit})
             raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(source, batch_size=b),
                                                   ckpt_path=os.path.join(inside, "step.ckpt") if fit == "resumed" else None))
             results[f"{kind} {fit}"] = {"raised": raised, "rows": model.rows}
@@ -1808,10 +1811,12 @@ def test_a_fit_resumed_inside_a_stateful_loaders_batch_trains_what_the_fit_run_t
     checkpoint now holds the state before that batch, the 2 samples of it trained and the progress in steps: the resumed
     fit trains step 2 of the fit run through (samples 8-15 of each replica), and ends with its weights, on every rank.
     The same from a stream (no length): Lightning pulls step 2 before it trains step 1, and the checkpoint held where
-    step 2 ended, so the resumed fit went on with step 3's samples (step 2's never trained), without a word."""
+    step 2 ended, so the resumed fit went on with step 3's samples (step 2's never trained), without a word. And from a
+    stream with limit_train_batches=6, where Lightning pulls no step ahead (held a step late, the checkpoint had no
+    record, and the resume was refused)."""
     for r in _launch[2]:
         d = r["unequal"]
-        for kind in ("inside a batch", "inside a stream's batch"):
+        for kind in ("inside a batch", "inside a stream's batch", "inside a limited stream's batch"):
             through, first, resumed = (d[f"{kind} {fit}"] for fit in ("through", "to step 1", "resumed"))
             assert (through["raised"], first["raised"], resumed["raised"]) == (None, None, None), (kind, d)
             assert len(through["rows"]) == 2 and first["rows"] == through["rows"][:1] and resumed["rows"] == through["rows"][1:], (kind, d)
