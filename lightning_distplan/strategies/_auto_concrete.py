@@ -259,7 +259,7 @@ class _FullBatchLoader(_MicroBatchLoader):
     skip = 0  # set by the strategy: samples of the next pass's first loader batch that a resumed checkpoint's step trained
     _inside: int | None = None  # samples of the loader batch after the held state that the last step yielded trained
     _loaded: Any = None  # the state Lightning restored into the loader (the one before a resumed pass's first batch)
-    _lag = False  # Lightning pulls a step ahead of the one it trains (the loader has no length): held a step later
+    _lag = False  # Lightning pulls a step ahead of the one it trains (no length, no integer limit): held a step later
     _ahead: tuple[int, int] | None = None  # where the step pulled ahead ends (whole loader batches, samples inside the next)
     _OWN = _MicroBatchLoader._OWN | {"shortfall", "steps_done", "_steps", "_spread", "record_states", "skip", "_inside", "_loaded",
                                      "_lag", "_ahead"}
@@ -628,9 +628,11 @@ class _AutoPipelineStrategy(PipelineStrategy):
             # read as each pass starts (a fit resumed mid-epoch has trained some of its steps)
             wrapped.steps_done = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.ready
             # a stateful loader's state after each loader batch, kept where a step can end inside one, or Lightning pulls a
-            # step ahead (no length): elsewhere the loader's own state after the step is where it ended (as before)
+            # step ahead (no length, no integer limit_train_batches: _FullBatchLoader._lag): elsewhere the loader's own
+            # state after the step is where it ended (as before)
             b = loader_batch_size(dataloader)
-            wrapped.record_states = bool(isinstance(dataloader, _Stateful) and b and (per_replica % b or sized_len(wrapped) is None))
+            ahead = sized_len(wrapped) is None and wrapped._limit_batches is None
+            wrapped.record_states = bool(isinstance(dataloader, _Stateful) and b and (per_replica % b or ahead))
             if record is not None:  # resumed exactly where the checkpoint's step ended (_resumed_inside_a_batch)
                 self.resumed_record = None
                 progress = copy.deepcopy(record["progress"])
