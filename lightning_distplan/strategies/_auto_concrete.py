@@ -36,7 +36,6 @@ from lightning_distplan.strategies.dp_ga import (
     DPGAStrategy,
     Rechunking,
     Room,
-    _agreed_batch_sizes,
     _batch_n,
     _is_count,
     Piece,
@@ -215,7 +214,7 @@ class _FullBatchLoader(_MicroBatchLoader):
     replicas' loaders may hold different numbers of samples (a dataset per rank), and their gradient all-reduce meets at
     every step, so a replica stepping more often than another hung the fit (16 and 14 samples per rank in steps of 8:
     2 steps and 1). The ranks agree, when the loader is made (on every rank as Lightning processes its train loader), on
-    the epoch's steps: the fewest any rank's samples fill (one :func:`_agreed_batch_sizes` of the samples per epoch); each
+    the epoch's steps: the fewest any rank's samples fill (one :func:`~lightning_distplan.strategies.dp_ga._agreed_batch_sizes` of the samples per epoch); each
     stops there, and ``__len__`` is that count (also an IterableDataset's with a length of each rank's own: Lightning
     stops where ``__len__`` says, so each rank's count of its own let one rank step more). Where the loaders hold
     different numbers, that spread is warned about in place of ``shortfall``. They also agree at every step, before it,
@@ -223,7 +222,7 @@ class _FullBatchLoader(_MicroBatchLoader):
     IterableDataset) and whether a rank could not read its batch (its size unreadable, or any error its loader raised,
     an IndexError of its Dataset: maybe in this rank's data alone): one rank raising alone left the others waiting in the
     agreement or the gradient all-reduce until the process group's timeout; every rank raises its error
-    (:func:`_agreed_batch_sizes`, as dp_ga's loader does; the other ranks a RuntimeError naming it and its rank where it
+    (:func:`~lightning_distplan.strategies.dp_ga._agreed_batch_sizes`, as dp_ga's loader does; the other ranks a RuntimeError naming it and its rank where it
     is not this package's refusal). One all-reduce of three integers per step. With a DistributedSampler (every replica as many samples) nothing is agreed.
 
     Lightning stops at ``__len__``, the steps the samples counted before the epoch fill: batches holding more rows than
@@ -734,7 +733,7 @@ def samples_per_rank(device: Any, dataloader: object) -> tuple[int, ...] | None:
 
 def _ranks_counts(device: Any, n: int, failure: Exception | None = None) -> tuple[int, ...]:
     """Every rank's ``n`` (at least -1), by one MAX all-reduce of a slot per rank (the others' -2) and whether a rank
-    failed; where one did, every rank raises the lowest such rank's error, as :func:`_agreed_batch_sizes` does."""
+    failed; where one did, every rank raises the lowest such rank's error, as :func:`~lightning_distplan.strategies.dp_ga._agreed_batch_sizes` does."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     slots = torch.full((world + 1,), -2, dtype=torch.int64, device=device)
     slots[rank], slots[world] = n, int(failure is not None)
