@@ -23,9 +23,10 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
 from _ports import free_port  # noqa: F401 - the strategies' tests import it from here
 
-__all__ = ["run_on_ranks", "free_port", "error_of"]
+__all__ = ["run_on_ranks", "free_port", "error_of", "ResumableLoader"]
 
 
 
@@ -111,3 +112,26 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: f
                 raise RuntimeError(f"rank {r} failed:\n{value}")
             results.append(value)
         return results
+
+
+class ResumableLoader(DataLoader):
+    """A stateful loader (Lightning saves its state_dict in checkpoints, and restores it on resume): it resumes after
+    the batches it had yielded. ``states_given`` counts the state_dict() calls (what reading the state costs a run)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.yielded, self.skip, self.states_given = 0, 0, 0
+
+    def __iter__(self) -> Any:
+        skip, self.skip, self.yielded = self.skip, 0, self.skip
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        self.states_given += 1
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["yielded"]

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from _dist_utils import run_on_ranks
+from _dist_utils import ResumableLoader, run_on_ranks
 from _tiny_lm import TinyLM, cpu_state, token_dataset, trainer_kwargs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -1217,34 +1217,13 @@ class _Stream(torch.utils.data.IterableDataset):
             yield x[i], x[i].sum(0, keepdim=True), i
 
 
-class _ResumableLoader(torch.utils.data.DataLoader):
-    """A stateful loader (Lightning saves its state_dict in checkpoints): it resumes after the batches it had yielded."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.yielded, self.skip = 0, 0
-
-    def __iter__(self) -> Any:
-        skip, self.skip, self.yielded = self.skip, 0, self.skip
-        for i, batch in enumerate(super().__iter__()):
-            if i >= skip:
-                self.yielded += 1
-                yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.skip = state["yielded"]
-
-
 class _ResumableStream(_Regression):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         self.trained.extend(batch[2].tolist())
         return torch.nn.functional.mse_loss(self.lin(batch[0]), batch[1])
 
     def train_dataloader(self) -> Any:
-        return _ResumableLoader(_Stream(), batch_size=4)
+        return ResumableLoader(_Stream(), batch_size=4)
 
 
 def test_a_stateful_loader_without_a_length_resumes_a_mid_epoch_checkpoint_where_ddp_does(tmp_path: Any, single_process_group: None) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _dist_utils import error_of, run_on_ranks  # noqa: E402
+from _dist_utils import ResumableLoader, error_of, run_on_ranks  # noqa: E402
 from _pipeline_models import (  # noqa: E402
     GLOBAL_BATCH,
     MLP_BOUNDARY,
@@ -1209,28 +1209,6 @@ def _two_rows_per_sample(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> tu
     return torch.cat([x, x]), torch.cat([y, y])
 
 
-class _InPlaceLoader(DataLoader):
-    """A stateful loader (Lightning saves its state_dict in checkpoints) that resumes after the batches it had yielded."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.yielded, self.skip, self.states_given = 0, 0, 0
-
-    def __iter__(self) -> Any:
-        skip, self.skip, self.yielded = self.skip, 0, self.skip
-        for i, batch in enumerate(super().__iter__()):
-            if i >= skip:
-                self.yielded += 1
-                yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        self.states_given += 1
-        return {"yielded": self.yielded}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.skip = state["yielded"]
-
-
 class _RowsSeen(TinyMLP):
     """TinyMLP recording each step's batch as this rank reads it: the first feature of each row."""
 
@@ -1273,7 +1251,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     what each rank raised. ``doubled larger``: replica 0's ranks 14 samples, replica 1's 16, rank 3's collate_fn making
     two rows of each (its replica stops after the 1 step the fewest fill, reading no further): what each rank raised.
 
-    ``resumed``: every rank 20 samples of its own in an in-place stateful loader (_InPlaceLoader), fit for 1 step with a
+    ``resumed``: every rank 20 samples of its own in an in-place stateful loader (ResumableLoader), fit for 1 step with a
     checkpoint there, then resumed from it for the rest of the epoch (``rows``: the batch each rank then trained), and
     ``resumed doubled``: the same checkpoint resumed with rank 3's collate_fn making two rows of each sample: what each
     rank raised, and the steps trained.
@@ -1387,14 +1365,14 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     at_step = ModelCheckpoint(dirpath=saved, filename="step", every_n_train_steps=1)
     trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(), saved, callbacks=[at_step], use_distributed_sampler=False),
                            "max_steps": 1, "enable_checkpointing": True})
-    first = _InPlaceLoader(twenty, batch_size=4)
+    first = ResumableLoader(twenty, batch_size=4)
     trainer.fit(TinyMLP(), first)
     results["resume states given"] = first.states_given
     for kind, collate in (("resumed", {}), ("resumed doubled", {"collate_fn": _two_rows_per_sample} if rank == 3 else {})):
         model = _RowsSeen()
         trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(), os.path.join(out, kind), use_distributed_sampler=False),
                                "max_steps": -1, "max_epochs": 1})
-        raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=4, **collate), ckpt_path=os.path.join(saved, "step.ckpt")))
+        raised = error_of(lambda: trainer.fit(model, ResumableLoader(twenty, batch_size=4, **collate), ckpt_path=os.path.join(saved, "step.ckpt")))
         results[kind] = {"raised": raised, "rows": model.rows, "steps": trainer.global_step,
                          "expected": twenty.tensors[0][8:16, 0].tolist()}
     # the same checkpoint (steps of 8 holding 2 whole loader batches of 4: no record where inside a batch a step ended)
@@ -1402,7 +1380,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     model = _RowsSeen()
     trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(out, "resumed in threes"),
                                             use_distributed_sampler=False), "max_steps": -1, "max_epochs": 1})
-    raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(twenty, batch_size=3), ckpt_path=os.path.join(saved, "step.ckpt")))
+    raised = error_of(lambda: trainer.fit(model, ResumableLoader(twenty, batch_size=3), ckpt_path=os.path.join(saved, "step.ckpt")))
     results["resumed in threes"] = {"raised": raised, "rows": model.rows}
     # loader batches of 3 in steps of 8 per replica (a global batch of 16): step 1 ends 2 samples into the batch of
     # samples 6-8, whose sample 8 is step 2's; run through, resumed from step 1's checkpoint, and (batches of 10) from a
@@ -1421,7 +1399,7 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
             trainer = L.Trainer(**{**trainer_kwargs(world, pipeline(global_batch_size=16), os.path.join(inside, fit), use_distributed_sampler=False,
                                                     callbacks=saving),
                                    "max_steps": 1 if saving else -1, "max_epochs": 1, "enable_checkpointing": bool(saving), **limit})
-            raised = error_of(lambda: trainer.fit(model, _InPlaceLoader(source, batch_size=b),
+            raised = error_of(lambda: trainer.fit(model, ResumableLoader(source, batch_size=b),
                                                   ckpt_path=os.path.join(inside, "step.ckpt") if fit == "resumed" else None))
             results[f"{kind} {fit}"] = {"raised": raised, "rows": model.rows}
             weights.append([p.detach().clone() for p in model.parameters()])
@@ -1739,6 +1717,13 @@ def test_auto_plans_planning_counts_the_samples_each_rank_of_its_own_data_skips(
         assert "would skip" not in why[0], why
 
 
+def _stopped_by_rank_3(others: tuple[str, str], rank_3: tuple[str, str]) -> list[tuple[str, str, list[str]]]:
+    """What the 4 ranks raised where rank 3's train loader failed (error_of's (type, message, notes)): ranks 0-2
+    ``others`` with the note naming rank 3, rank 3 its own ``rank_3`` without one."""
+    return [(*others, [f"Raised on global rank 3 reading its train loader; global rank {r} stops with it."]) for r in range(3)] + [
+        (*rank_3, [])]
+
+
 def test_auto_plan_refuses_or_rules_out_pipelines_whose_replicas_stages_hold_other_lengths(_launch) -> None:
     """Replica 1's stages of data of their own hold 16 samples (rank 2) and 12 or 14 (rank 3), replica 0's 16 each (see
     _replicas_of_unequal_data_under_auto_plan). The pinned pipeline (dp=2 x pp=2) trained 1 step, each stage of replica
@@ -1772,9 +1757,7 @@ def test_rows_beyond_the_samples_counted_under_auto_plans_pipeline_are_refused_o
                 "batches as the 16 samples its sampler holds (2 pipeline steps of 8), so the epoch would end before its 2 batches "
                 "left (DDP trains them). HINT: Use a collate_fn (and batch sampler) making one row of each of the sampler's samples, "
                 "or strategy='ddp'.")
-    assert [d["raised"] for d in doubled] == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; "
-                                                                                 f"global rank {r} stops with it."]) for r in range(3)] + [
-        ("InfeasiblePlanError", sentence, [])], doubled
+    assert [d["raised"] for d in doubled] == _stopped_by_rank_3(("InfeasiblePlanError", sentence), ("InfeasiblePlanError", sentence)), doubled
     assert [d["steps"] for d in doubled] == [[]] * 4
 
 
@@ -1796,9 +1779,7 @@ def test_a_fit_resumed_mid_epoch_from_a_stateful_loader_trains_the_epochs_rest_a
                 "batches as the 20 samples its sampler holds (2 pipeline steps of 8), so the epoch would end before its last samples "
                 "(DDP trains them). HINT: Use a collate_fn (and batch sampler) making one row of each of the sampler's samples, "
                 "or strategy='ddp'.")
-    assert [d["raised"] for d in doubled] == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; "
-                                                                                 f"global rank {r} stops with it."]) for r in range(3)] + [
-        ("InfeasiblePlanError", sentence, [])], doubled
+    assert [d["raised"] for d in doubled] == _stopped_by_rank_3(("InfeasiblePlanError", sentence), ("InfeasiblePlanError", sentence)), doubled
     assert [(d["steps"], d["rows"]) for d in doubled] == [(1, [])] * 4, doubled
 
 
@@ -1859,9 +1840,7 @@ def test_rows_beyond_the_samples_of_a_replica_with_more_than_the_fewest_are_refu
                 "counts in the sampler's samples what this replica skips beyond the 1 pipeline steps of 8 the replicas' fewest samples "
                 "fill, so it would skip more than it says (DDP trains them). HINT: Use a collate_fn (and batch sampler) making one row "
                 "of each of the sampler's samples, or strategy='ddp'.")
-    assert [d["raised"] for d in raised] == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; "
-                                                                                f"global rank {r} stops with it."]) for r in range(3)] + [
-        ("InfeasiblePlanError", sentence, [])], raised
+    assert [d["raised"] for d in raised] == _stopped_by_rank_3(("InfeasiblePlanError", sentence), ("InfeasiblePlanError", sentence)), raised
     assert [d["steps"] for d in raised] == [[]] * 4
 
 
@@ -1873,8 +1852,7 @@ def test_a_batch_one_rank_cannot_read_under_auto_plans_pipeline_raises_on_every_
     raised = [r["unequal"]["refused"]["raised"] for r in _launch[2]]
     sentence = ("A training batch of type list holds no tensor with a batch dimension to split into micro-batches. HINT: Return "
                 "tensors (or dicts/lists/tuples of tensors) from the train dataloader, or use micro_batch_size='auto'.")
-    assert raised == [("InfeasiblePlanError", sentence, [f"Raised on global rank 3 reading its train loader; global rank {r} stops with it."])
-                      for r in range(3)] + [("InfeasiblePlanError", sentence, [])], raised
+    assert raised == _stopped_by_rank_3(("InfeasiblePlanError", sentence), ("InfeasiblePlanError", sentence)), raised
 
 
 def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_every_rank(_launch) -> None:
@@ -1886,9 +1864,8 @@ def test_an_error_of_one_ranks_train_loader_under_auto_plans_pipeline_stops_ever
     failed = [r["unequal"]["failed"] for r in _launch[2]]
     told = ("Global rank 3 raised IndexError (no sample 8 on this rank) reading its train loader, so every rank stops. "
             "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
-    assert [f["raised"] for f in failed] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
-                                                                     "stops with it."]) for r in range(3)] + [
-        ("IndexError", "no sample 8 on this rank", [])], [f["raised"] for f in failed]
+    assert [f["raised"] for f in failed] == _stopped_by_rank_3(("RuntimeError", told), ("IndexError", "no sample 8 on this rank")), [
+        f["raised"] for f in failed]
     # (as it was raised: the agreement that carried it to the other ranks raised it again, its frames put in the middle)
     frames = failed[3]["raised at"]
     assert frames[-1] == "__getitem__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
@@ -1906,9 +1883,8 @@ def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch,
     unsized = [r["unequal"][kind] for r in _launch[2]]
     told = ("Global rank 3 raised ValueError (no shard index on this rank) reading its train loader, so every rank stops. "
             "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
-    assert [u["raised"] for u in unsized] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
-                                                                      "stops with it."]) for r in range(3)] + [
-        ("ValueError", "no shard index on this rank", [])], [u["raised"] for u in unsized]
+    assert [u["raised"] for u in unsized] == _stopped_by_rank_3(("RuntimeError", told), ("ValueError", "no shard index on this rank")), [
+        u["raised"] for u in unsized]
     if kind != "unsized":
         frames = unsized[3]["raised at"]
         assert frames[-1] == "__len__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
