@@ -411,8 +411,9 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
         whole_epochs = not self._pipeline_pinned() and whole_epoch
         # each rank's samples per epoch, for the pipelines whose replicas' stages hold other data (ruled out) and a
         # pipeline's skipped samples where each rank reads its own data (rank 0 decides from its loader alone): one
-        # all-reduce, on every rank (the same settings on each); a pinned pipeline's loader set-up refuses such stages
-        pipelines = world > 1 and strategies != ("dp_ga",) and not self._pipeline_pinned()
+        # all-reduce, on every rank (the same settings and pins on each), wherever planning chooses which ranks form a
+        # replica (a pipeline pinned by its strategy or schedule alone too); a pinned layout's loader set-up refuses such stages
+        pipelines = world > 1 and strategies != ("dp_ga",) and not self._layout_pinned()
         samples = samples_per_rank(self.root_device, loader) if pipelines else None
         if self.is_global_zero:
             try:
@@ -449,6 +450,16 @@ class AutoPlanStrategy(AtomicSaves, DDPStrategy):
     def _pipeline_pinned(self) -> bool:
         pins = self._pins
         return pins.get("strategy", "dp_ga") != "dp_ga" or pins.get("schedule", "none") != "none" or pins.get("stages", pins.get("pp", 1)) > 1
+
+    def _layout_pinned(self) -> bool:
+        """Whether the pins fix the plan's ``pp`` (so ``dp``, and which ranks form a replica): ``stages`` or
+        ``stage_boundaries``, or data parallel (``pp`` = 1). ``strategy="gpipe"`` or a pinned schedule alone counts as a
+        pinned pipeline (:meth:`_pipeline_pinned`) but leaves ``pp`` to planning, which must then rule out the ``pp``
+        whose replicas hold ranks of different data (:func:`replicas_of_other_data_last`): it had chosen such a ``pp``,
+        whose fit was refused at set-up, beside one whose replicas were consistent."""
+        pins = self._pins
+        return (any(key in pins for key in ("stages", "pp", "dp", "stage_boundaries"))
+                or pins.get("strategy") == "dp_ga" or pins.get("schedule") == "none")
 
     def _strategies_allowed(self, trainer: pl.Trainer) -> tuple[str, ...]:
         """The strategies to plan over: data parallel only where this fit rules pipelines out.
@@ -549,8 +560,9 @@ def replicas_of_other_data_last(candidates: Sequence[Candidate], samples: Sequen
     each rank's, :func:`samples_per_rank`) made infeasible and moved behind the feasible plans, said once where the
     first feasible one was; ranks renumbered. A replica's stages read the same batches together, so ranks of data of
     their own (``use_distributed_sampler=False``) that differ cannot be one replica: that pipeline's fit would be
-    refused at its loader's set-up (``_agree_on_train_loader``), where a user who pinned nothing expects the plan that
-    runs their data, dp_ga's (each rank its own data, as under DDP), or a pipeline whose replicas' stages hold alike.
+    refused at its loader's set-up (``_agree_on_train_loader``), where a user who left the layout to planning (pinning
+    nothing, or a pipeline's strategy or schedule alone) expects the plan that runs their data, dp_ga's (each rank its
+    own data, as under DDP), or a pipeline whose replicas' stages hold alike.
     Planning had said such a pipeline "would skip up to the epoch's last 8 samples per replica" (one replica of 16 and
     12 samples in steps of 8), which no replica does; where no plan trained every sample it would have run it, and a
     pipeline so run hung where one stage's loader ended. No feasible plan left (every other one ruled out by the pins

@@ -1259,7 +1259,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     ``planned``: an unpinned auto_plan (profiled and planned) of _WideMLP on each rank's own samples, 16 on replica 0's
     ranks and 14 on replica 1's, in batches of 4: the plan chosen, and what planning said of skipped samples (rank 0's
     log). ``planned apart``: the same with 16 on ranks 0-2 and 14 on rank 3 (2 steps), where every pipeline has a
-    replica whose stages differ. ``stages differ``: the pinned pipeline on 16 samples per rank but 12 on rank 3."""
+    replica whose stages differ. ``gpipe planned``: ``planned``'s data under ``AutoPlanStrategy(strategy="gpipe")``, its
+    pp left to planning (1 step): the plan, and the ranking's strategy, pp, feasibility and reason. ``stages differ``: the
+    pinned pipeline on 16 samples per rank but 12 on rank 3."""
     import datetime
     import logging
 
@@ -1337,6 +1339,13 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
                                 "ranked": [] if auto.outcome is None else [(c.plan.strategy, c.prediction.feasible, c.prediction.reason,
                                                                             c.skipped_samples_differ) for c in auto.outcome.candidates],
                                 "said": [m for m in said if m.startswith("auto_plan: not running ")]}
+    # a pipeline pinned by its strategy alone (pp planned) on replica 0's ranks' 16 samples and replica 1's 14
+    auto = AutoPlanStrategy(strategy="gpipe", timeout=datetime.timedelta(seconds=120))
+    trainer = L.Trainer(**{**trainer_kwargs(world, auto, os.path.join(out, "gpipe planned"), use_distributed_sampler=False), "max_steps": 1})
+    raised = error_of(lambda: trainer.fit(_WideMLP(), DataLoader(mlp_data(16 if rank < 2 else 14, seed=rank // 2), batch_size=4)))
+    results["gpipe planned"] = {"raised": raised, "plan": None if raised else trainer.strategy.plan.describe(),
+                                "ranked": [] if auto.outcome is None else [(c.plan.strategy, c.plan.pp, c.prediction.feasible, c.prediction.reason)
+                                                                           for c in auto.outcome.candidates]}
     from lightning_distplan.strategies.pipeline import PipelineStrategy
 
     torch.manual_seed(0)
@@ -1730,7 +1739,10 @@ def test_auto_plan_refuses_or_rules_out_pipelines_whose_replicas_stages_hold_oth
     1 on other data, and warned of the replicas' spread "skipping up to 8 samples per epoch" (stage 1 computed the loss
     on other targets than stage 0's inputs): now one refusal on every rank at the loader's set-up, before any step.
     Unpinned, planning said a pipeline "would skip up to the epoch's last 8 samples per replica" (each pipeline has a
-    replica whose stages differ): every pipeline is ruled out now, said as such, and dp_ga runs."""
+    replica whose stages differ): every pipeline is ruled out now, said as such, and dp_ga runs. A pipeline pinned by
+    its strategy alone (16 samples on replica 0's ranks, 14 on replica 1's) counted as a pinned layout: planning read no
+    rank's samples, ranked a pp=4 first (one replica of 16, 16, 14 and 14; so on the hosts seen) and the fit was refused
+    at the loader's set-up; pp=4 is ruled out now and a pp=2, whose replicas hold alike, runs."""
     differ = [r["unequal"]["stages differ"] for r in _launch[2]]
     sentence = ("BatchFormatError: The train loaders of the stages of pipeline replica 1 hold different numbers of batches or "
                 "samples (from 3 to 4 batches and from 12 to 16 samples per epoch)")
@@ -1745,6 +1757,14 @@ def test_auto_plan_refuses_or_rules_out_pipelines_whose_replicas_stages_hold_oth
     assert pipelines and all(not r[1] for r in pipelines), ranked
     assert any("hold different numbers of samples per epoch (16, 16, 16, 14)" in r[2] for r in pipelines), ranked
     assert not any(r[3] for r in ranked) and not any("would skip" in m for m in said), (ranked, said)
+    # strategy="gpipe" alone leaves pp to planning: pp=4 (one replica of 16, 16, 14, 14) is ruled out, pp=2 (replicas of
+    # 16, 16 and 14, 14) runs; it had been taken as a pinned layout, planning counted no rank's samples, and a pp=4 it
+    # ranked first was refused at the loader's set-up
+    gpipe = [r["unequal"]["gpipe planned"] for r in _launch[2]]
+    assert [g["raised"] for g in gpipe] == [None] * 4 and all(g["plan"].startswith("gpipe dp=2 pp=2 ") for g in gpipe), gpipe
+    ranked = gpipe[0]["ranked"]
+    assert ranked[0][:3] == ("gpipe", 2, True) and any(r[1] == 4 for r in ranked), ranked
+    assert all(not r[2] and "hold different numbers of samples per epoch (16, 16, 14, 14)" in r[3] for r in ranked if r[1] == 4), ranked
 
 
 def test_rows_beyond_the_samples_counted_under_auto_plans_pipeline_are_refused_on_every_rank(_launch) -> None:
