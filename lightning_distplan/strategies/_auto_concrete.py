@@ -267,6 +267,9 @@ class _FullBatchLoader(_MicroBatchLoader):
         super().__init__(*args, **kwargs)
         if self.agree is None:
             return
+        failed = kwargs.get("failed")
+        if failed is not None:  # this rank's set-up raised reading the loader (Rechunking.wrap): raised on every rank here,
+            self.agree(-1, failed)  # its samples not read (their length raised again, chained to the first, seen twice)
         try:
             samples = self._samples()
         except TypeError:

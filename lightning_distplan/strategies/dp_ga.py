@@ -550,7 +550,8 @@ class Rechunking:
         So is an error reading the loader's length here (its ``__len__`` raising on this rank alone), and the BatchNorm
         warning made an error by a warnings filter (``-W error``; warned on rank 0 alone, as Lightning's warnings are).
         The loader is wrapped as on the other ranks first, so this rank makes the same collectives on the way (a
-        pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made).
+        pipeline's :class:`_FullBatchLoader` agrees on the epoch's steps as it is made, told of the error, which it
+        carries there in place of this rank's count: it does not read the length again).
         ``stages``: a pipeline's (this rank's replica, the number of replicas), whose stages' loaders must hold as many
         batches and samples (:func:`_agree_on_train_loader`, in the same agreement).
         """
@@ -590,8 +591,13 @@ class Rechunking:
         except Exception as failure:  # (a KeyboardInterrupt is not carried: this rank stops at once)
             # wrapped as on the other ranks (the same collectives on the way), then raised on every rank at the set-up
             # agreement: here as it was raised, there as _told_elsewhere says
-            self._loader = micro_batches()
-            _tell_every_rank(functools.partial(self._agree_or_keep, kept, trainer, self._loader, failure, layout=(loader_batch, m), stages=stages_of), failure)
+            # (made told of it: a pipeline's loader, which agrees as it is made, carries it there; left to count its samples,
+            # it read the length again, and the user saw the ValueError twice, the second raised handling the first)
+            def made_and_agreed() -> None:
+                self._loader = micro_batches(failed=failure)
+                self._agree_or_keep(kept, trainer, self._loader, failure, layout=(loader_batch, m), stages=stages_of)
+
+            _tell_every_rank(made_and_agreed, failure)
             raise
         self._user_epoch = n if n is None or limit is None else min(n, limit)
         self._loader = micro_batches(limit_batches=limit)
@@ -1266,8 +1272,10 @@ class _MicroBatchLoader:
     def __init__(
         self, loader: Iterable, micro_batch_size: int, weight: float = 1.0, limit_batches: int | None = None, *,
         agree: Callable[[int, Exception | None], tuple[int, int]] | None = None,
-        agree_first: Callable[[int, Exception | None], tuple[int, int]] | None = None,
+        agree_first: Callable[[int, Exception | None], tuple[int, int]] | None = None, failed: Exception | None = None,
     ) -> None:
+        # ``failed``: an error this rank's set-up raised reading ``loader`` (Rechunking.wrap), which still makes the loader
+        # as the other ranks do; a loader that agrees as it is made (_FullBatchLoader) carries it there (this one makes none)
         self._loader = loader
         self.micro_batch_size = micro_batch_size
         self.agree = agree  # several ranks: (largest, smallest) of the ranks' batch sizes; raises a rank's refusal (see _agreed_batch_sizes)

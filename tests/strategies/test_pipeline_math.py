@@ -1297,18 +1297,20 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
         trainer = L.Trainer(**{**trainer_kwargs(world, strategy, os.path.join(out, kind), callbacks=[steps], use_distributed_sampler=False),
                                "max_steps": -1, "max_epochs": 1})
         raised_at: list[str] = []
+        shown: list[str] = []
 
         def fit() -> None:
             try:
                 trainer.fit(TinyMLP(), loader)
             except Exception as err:
                 raised_at.extend(frame.name for frame in traceback.extract_tb(err.__traceback__))  # where its traceback runs
+                shown.append("".join(traceback.format_exception(err)))  # as the user sees it (with the errors it was raised handling)
                 raise
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             raised = error_of(fit)
-        results[kind] = {"raised": raised, "raised at": raised_at, "steps": steps.seen,
+        results[kind] = {"raised": raised, "raised at": raised_at, "shown": "".join(shown), "steps": steps.seen,
                          "warned": [str(w.message) for w in caught if "skipp" in str(w.message)]}
 
     fit_own_data("equal", DataLoader(mlp_data(20, seed=rank // 2), batch_size=4))
@@ -1899,7 +1901,8 @@ def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch,
     all-reduce). Only a TypeError (not sized) was caught there, so rank 3 raised alone before the all-reduce the others
     waited in. Now it rides that all-reduce: rank 3 raises its own ValueError, its traceback ending in the __len__, and
     the others one RuntimeError naming it and rank 3. So does its own under a pinned plan, first read as the loader is
-    set up (Rechunking.wrap): rank 3 makes the pipeline's loader there as the others do, whose agreement carries it."""
+    set up (Rechunking.wrap): rank 3 makes the pipeline's loader there as the others do, whose agreement carries it,
+    told of the error (left to count its samples, it read the length again: the ValueError shown twice, chained)."""
     unsized = [r["unequal"][kind] for r in _launch[2]]
     told = ("Global rank 3 raised ValueError (no shard index on this rank) reading its train loader, so every rank stops. "
             "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
@@ -1909,6 +1912,10 @@ def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch,
         frames = unsized[3]["raised at"]
         assert frames[-1] == "__len__" and not {"raise_on_every_rank", "_agreed_batch_sizes"} & set(frames), frames
         assert [u["steps"] for u in unsized] == [[]] * 4
+        # raised once: the pipeline's loader, made on rank 3 as on the others, read the length again and raised it a
+        # second time, shown chained to the first ("During handling of the above exception, another exception occurred")
+        shown = unsized[3]["shown"]
+        assert shown.count(", in __len__\n") == 1 and "During handling" not in shown, shown
 
 
 def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
