@@ -594,13 +594,13 @@ class Rechunking:
             # (made told of it: a pipeline's loader, which agrees as it is made, carries it there; left to count its samples,
             # it read the length again, and the user saw the ValueError twice, the second raised handling the first)
             def made_and_agreed() -> None:
-                self._loader = micro_batches(failed=failure)
+                self._loader = self._made_or_keep(kept, functools.partial(micro_batches, failed=failure))
                 self._agree_or_keep(kept, trainer, self._loader, failure, layout=(loader_batch, m), stages=stages_of)
 
             _tell_every_rank(made_and_agreed, failure)
             raise
         self._user_epoch = n if n is None or limit is None else min(n, limit)
-        self._loader = micro_batches(limit_batches=limit)
+        self._loader = self._made_or_keep(kept, functools.partial(micro_batches, limit_batches=limit))
         self._loader.ended = self._end_steered_step
         # maybe on this rank only (a batch sampler's own filter or shard, also over a DistributedSampler)
         if refusal is None and loader_batch is not None and getattr(dataloader, "batch_sampler", None) is not None \
@@ -626,6 +626,19 @@ class Rechunking:
         loader batches for the 4 trained)."""
         try:
             _agree_on_train_loader(trainer, loader, refusal, layout=layout, stages=stages)
+        except BaseException:
+            vars(self).clear()
+            vars(self).update(kept)
+            raise
+
+    def _made_or_keep(self, kept: dict[str, Any], make: Callable[[], _MicroBatchLoader]) -> _MicroBatchLoader:
+        """``make()``, the re-chunking loader; where it raises, this wrapper's attributes are put back as ``kept``, as
+        :meth:`_agree_or_keep` does. A pipeline's loader agrees as it is made (:class:`_FullBatchLoader`), where one
+        rank's error reading its loader raises on every rank before the set-up agreement: a reloaded loader of 2 where
+        the first had 4, whose length one rank could not read, left the checkpoint an OnExceptionCheckpoint saved
+        counting the progress trained in loader batches of 2 (twice the batches of 4 trained)."""
+        try:
+            return make()
         except BaseException:
             vars(self).clear()
             vars(self).update(kept)

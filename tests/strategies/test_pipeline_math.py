@@ -1156,6 +1156,19 @@ class _UnsizedOnThisRank(DataLoader):
         raise ValueError("no shard index on this rank")
 
 
+class _ReloadedUnsizedOnRank3(TinyMLP):
+    """Its train loader is loaded again each epoch (reload_dataloaders_every_n_epochs=1): ``data`` in batches of 4, then
+    of 2, whose length rank 3 cannot read (_UnsizedOnThisRank)."""
+
+    def __init__(self, rank: int, data: TensorDataset) -> None:
+        super().__init__()
+        self.rank, self.data = rank, data
+
+    def train_dataloader(self) -> DataLoader:
+        first = self.trainer.current_epoch == 0
+        return (DataLoader if first or self.rank != 3 else _UnsizedOnThisRank)(self.data, batch_size=4 if first else 2)
+
+
 class _UnsizedSampler(torch.utils.data.Sampler):
     """The first ``n`` indices, in order, whose length cannot be read (its ``__len__`` raises ValueError)."""
 
@@ -1244,7 +1257,9 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     ``unsized sampler`` and ``unsized``: rank 3's sampler's ``__len__`` (read as the pipeline's loader counts the epoch's
     samples), and its DataLoader's (read as an unpinned auto_plan plans: samples_per_rank), raise ValueError: the same.
     ``unsized loader``: rank 3's DataLoader's ``__len__`` under the pinned plan, first read as the loader is set up
-    (Rechunking.wrap, before the pipeline's loader agrees on the epoch's steps): the same.
+    (Rechunking.wrap, before the pipeline's loader agrees on the epoch's steps): the same. ``reloaded unsized``: the same
+    where the loader is loaded again for epoch 1 in batches of 2 (epoch 0's were 4), an OnExceptionCheckpoint saving at
+    the error: what each rank raised, and rank 0's the epoch's progress the checkpoint holds.
 
     ``doubled``: every rank 16 samples of its own, rank 3's collate_fn making two rows of each (32 rows): its
     replica's steps were counted from its 16 samples, and Lightning ended its epoch after 16 of the 32 rows, unsaid;
@@ -1430,6 +1445,18 @@ def _replicas_of_unequal_data_under_auto_plan(rank: int, world: int, out: str) -
     results["unsized"] = {"raised": error_of(lambda: trainer.fit(TinyMLP(), loader))}
     # ... and where the pinned plan's set-up reads it (Rechunking.wrap), before the pipeline's loader is made there
     fit_own_data("unsized loader", (_UnsizedOnThisRank if rank == 3 else DataLoader)(full, batch_size=4))
+    # ... where the loader is loaded again for epoch 1 (batches of 2 where epoch 0's were 4), an OnExceptionCheckpoint saving
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    saved = os.path.join(out, "reloaded unsized")
+    strategy = AutoPlanStrategy(strategy="gpipe", stages=2, micro_batch_size=4, n_microbatches=2, stage_boundaries=[MLP_BOUNDARY],
+                                timeout=datetime.timedelta(seconds=120))
+    trainer = L.Trainer(**{**trainer_kwargs(world, strategy, saved, use_distributed_sampler=False, callbacks=[OnExceptionCheckpoint(saved)]),
+                           "max_steps": -1, "max_epochs": 2, "reload_dataloaders_every_n_epochs": 1, "enable_checkpointing": True})
+    results["reloaded unsized"] = {"raised": error_of(lambda: trainer.fit(_ReloadedUnsizedOnRank3(rank, full)))}
+    if rank == 0:  # (written by rank 0)
+        checkpoint = torch.load(os.path.join(saved, "on_exception.ckpt"), weights_only=False)
+        results["reloaded unsized"]["progress"] = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"]
     dist.destroy_process_group()
     return results
 
@@ -1916,6 +1943,21 @@ def test_a_length_one_rank_cannot_read_under_auto_plan_stops_every_rank(_launch,
         # second time, shown chained to the first ("During handling of the above exception, another exception occurred")
         shown = unsized[3]["shown"]
         assert shown.count(", in __len__\n") == 1 and "During handling" not in shown, shown
+
+
+def test_a_reloaded_loader_one_rank_cannot_read_leaves_the_checkpoint_saved_at_the_error_in_the_first_loaders_batches(_launch) -> None:
+    """Rank 3's train loader, loaded again for epoch 1 in batches of 2 where epoch 0's were 4, raises ValueError reading
+    its length (see _replicas_of_unequal_data_under_auto_plan): the pipeline's loader, made on every rank, raised there
+    (its agreement on the epoch's steps), before the set-up agreement that puts the wrapper's state back where it
+    raises, so the checkpoint an OnExceptionCheckpoint saved counted epoch 0's 2 steps in the reloaded loader's batches
+    of 2 (4 of them, twice what each process trained in batches of 4). It counts them in epoch 0's batches: 2."""
+    reloaded = [r["unequal"]["reloaded unsized"] for r in _launch[2]]
+    told = ("Global rank 3 raised ValueError (no shard index on this rank) reading its train loader, so every rank stops. "
+            "HINT: See global rank 3's traceback for where it was raised (its Dataset, sampler, collate_fn or __len__).")
+    assert [r["raised"] for r in reloaded] == [("RuntimeError", told, [f"Raised on global rank 3 reading its train loader; global rank {r} "
+                                                                       "stops with it."]) for r in range(3)] + [
+        ("ValueError", "no shard index on this rank", [])], [r["raised"] for r in reloaded]
+    assert reloaded[0]["progress"] == 2, reloaded[0]
 
 
 def test_replicas_of_unequal_evaluation_data_validate_and_test_as_ddp_does(_launch) -> None:
