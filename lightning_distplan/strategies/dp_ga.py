@@ -593,11 +593,11 @@ class Rechunking:
             # agreement: here as it was raised, there as _told_elsewhere says
             # (made told of it: a pipeline's loader, which agrees as it is made, carries it there; left to count its samples,
             # it read the length again, and the user saw the ValueError twice, the second raised handling the first)
-            def made_and_agreed() -> None:
+            def made_and_agreed(failure: Exception) -> None:  # (the except's name is unbound after it: passed, not closed over)
                 self._loader = self._made_or_keep(kept, functools.partial(micro_batches, failed=failure))
                 self._agree_or_keep(kept, trainer, self._loader, failure, layout=(loader_batch, m), stages=stages_of)
 
-            _tell_every_rank(made_and_agreed, failure)
+            _tell_every_rank(functools.partial(made_and_agreed, failure), failure)
             raise
         self._user_epoch = n if n is None or limit is None else min(n, limit)
         self._loader = self._made_or_keep(kept, functools.partial(micro_batches, limit_batches=limit))
