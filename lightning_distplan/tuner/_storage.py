@@ -527,6 +527,21 @@ def creates_studies_whole(storage: Any) -> bool:
     return True
 
 
+def _locked_study(session: Any, models: Any, study_name: str) -> Any:
+    """Study ``study_name``'s row, locked for this transaction, or None where there is none. PostgreSQL / MySQL: the
+    row lock (which _bulk_insert takes too). SQLite has no row locks and pysqlite begins a transaction only at a write:
+    the no-op UPDATE makes this the database's one writer. It names the study as well as its id: the read before it
+    takes no lock on SQLite, and a study deleted and made again in between may reuse the id (locked by id alone, a
+    claim wrote into that other study and a delete removed it)."""
+    study = session.query(models.StudyModel).filter(models.StudyModel.study_name == study_name).with_for_update().one_or_none()
+    if study is None:
+        return None
+    locked = session.query(models.StudyModel).filter(
+        models.StudyModel.study_id == study.study_id, models.StudyModel.study_name == study_name
+    ).update({models.StudyModel.study_name: study_name}, synchronize_session=False)
+    return study if locked else None
+
+
 def claim_study_without_attrs(storage: Any, study_name: str, directions: Sequence[Any], user_attrs: dict[str, Any], *,
                               just_created: bool = False) -> bool | None:
     """Give study ``study_name`` of ``storage`` (an RDBStorage) ``user_attrs``, in one transaction, if it is still as
@@ -557,16 +572,9 @@ def claim_study_without_attrs(storage: Any, study_name: str, directions: Sequenc
         log.info("Claiming a study in one transaction is unavailable (%s: %s).", type(err).__name__, err)
         return None
     try:
-        # as delete_study_without_trials: the study's row lock (PostgreSQL / MySQL), and on SQLite the no-op UPDATE
-        # makes this the database's one writer before the checks
-        study = session.query(models.StudyModel).filter(models.StudyModel.study_name == study_name).with_for_update().one_or_none()
+        # this the database's one writer for the study before the checks (_locked_study)
+        study = _locked_study(session, models, study_name)
         if study is None:
-            session.rollback()
-            return False
-        locked = session.query(models.StudyModel).filter(
-            models.StudyModel.study_id == study.study_id, models.StudyModel.study_name == study_name
-        ).update({models.StudyModel.study_name: study_name}, synchronize_session=False)
-        if not locked:  # deleted between the read and the lock (on SQLite the read takes none): its id may be reused
             session.rollback()
             return False
         held = any(
@@ -626,15 +634,9 @@ def delete_study_without_trials(storage: Any, study_name: str) -> bool:
     rdb = getattr(storage, "_backend", storage)  # optuna wraps RDBStorage in _CachedStorage
     session = rdb.scoped_session()
     try:
-        # PostgreSQL / MySQL: the study's row lock, which _bulk_insert takes too. SQLite has no row locks and pysqlite
-        # begins a transaction only at a write: the no-op UPDATE makes this the database's one writer before the count.
-        study = session.query(models.StudyModel).filter(models.StudyModel.study_name == study_name).with_for_update().one_or_none()
+        # this the database's one writer for the study before the count (_locked_study)
+        study = _locked_study(session, models, study_name)
         if study is None:
-            return False
-        locked = session.query(models.StudyModel).filter(
-            models.StudyModel.study_id == study.study_id, models.StudyModel.study_name == study_name
-        ).update({models.StudyModel.study_name: study_name}, synchronize_session=False)
-        if not locked:  # deleted between the read and the lock (on SQLite the read takes none): its id may be reused
             session.rollback()
             return False
         if session.query(models.TrialModel.trial_id).filter(models.TrialModel.study_id == study.study_id).first() is not None:
